@@ -1,0 +1,221 @@
+"""Frozen configuration: the model's hyperparameters (read from a checkpoint's config.json) and
+the engine's settings. Validation happens here, once; nothing else reads config files.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LINEAR = "linear_attention"
+FULL = "full_attention"
+
+# model_type -> family. The VLM wrappers keep their text keys under `text_config`.
+_FAMILIES = {
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_next": "qwen3_next",
+}
+
+
+class ConfigError(ValueError):
+    """A checkpoint's config.json cannot describe a model nextn runs."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "qwen3_5" | "qwen3_5_moe" | "qwen3_next"
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float
+    # gated full attention
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    attention_bias: bool
+    max_position_embeddings: int
+    # Gated DeltaNet
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    # FFN: dense size, and MoE sizes (num_experts == 0 for dense models)
+    intermediate_size: int
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    # number of MTP layers the config declares (Qwen3-Next declares none: the loader detects them)
+    mtp_num_hidden_layers: int = 0
+    # where the trunk's weights live in the checkpoint
+    weight_prefix: str = "model."
+
+    def __post_init__(self):
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        bad = sorted({t for t in self.layer_types if t not in (LINEAR, FULL)})
+        if bad:
+            raise ConfigError(f"unknown layer_types {bad}; expected {LINEAR!r} or {FULL!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ConfigError(f"rotary dim {self.rotary_dim} must be even and <= head_dim")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer `layer_idx` has a sparse MoE FFN (the MTP layer uses the trunk's kind)."""
+        if self.num_experts == 0 or layer_idx in self.mlp_only_layers:
+            return False
+        return (layer_idx + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_hf(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir}: no config.json")
+        raw = json.loads(path.read_text())
+        return cls.from_dict(raw, generation_config=_read_generation_config(Path(model_dir)))
+
+    @classmethod
+    def from_dict(cls, raw: dict, generation_config: dict | None = None) -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in _FAMILIES:
+            raise ConfigError(f"unsupported model_type {model_type!r}; nextn runs {sorted(_FAMILIES)}")
+        family = _FAMILIES[model_type]
+        text = raw.get("text_config") or raw
+        wrapped = "text_config" in raw
+        prefix = "model.language_model." if wrapped else "model."
+
+        def need(key):
+            if key not in text:
+                raise ConfigError(f"config.json lacks {key!r}")
+            return text[key]
+
+        n_layers = need("num_hidden_layers")
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = text.get("full_attention_interval", 4)
+            layer_types = [LINEAR if (i + 1) % interval else FULL for i in range(n_layers)]
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        rope_theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
+        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        num_heads = need("num_attention_heads")
+        head_dim = text.get("head_dim") or need("hidden_size") // num_heads
+        eos = _eos_ids(text.get("eos_token_id", raw.get("eos_token_id")))
+        if generation_config:
+            eos = tuple(dict.fromkeys(eos + _eos_ids(generation_config.get("eos_token_id"))))
+        tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        return cls(
+            family=family,
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            num_hidden_layers=n_layers,
+            layer_types=tuple(layer_types),
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            num_attention_heads=num_heads,
+            num_key_value_heads=need("num_key_value_heads"),
+            head_dim=head_dim,
+            rope_theta=float(rope_theta),
+            partial_rotary_factor=float(partial),
+            attention_bias=bool(text.get("attention_bias", False)),
+            max_position_embeddings=text.get("max_position_embeddings", 32768),
+            linear_num_key_heads=need("linear_num_key_heads"),
+            linear_num_value_heads=need("linear_num_value_heads"),
+            linear_key_head_dim=need("linear_key_head_dim"),
+            linear_value_head_dim=need("linear_value_head_dim"),
+            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
+            intermediate_size=text.get("intermediate_size", 0),
+            num_experts=text.get("num_experts", 0) if family != "qwen3_5" else 0,
+            num_experts_per_tok=text.get("num_experts_per_tok", 0),
+            moe_intermediate_size=text.get("moe_intermediate_size", 0),
+            shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0),
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            decoder_sparse_step=text.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
+            tie_word_embeddings=bool(tie),
+            eos_token_ids=eos,
+            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
+            weight_prefix=prefix,
+        )
+
+
+def _eos_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _read_generation_config(model_dir: Path) -> dict | None:
+    path = model_dir / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings. num_speculative_tokens 0 means plain decoding."""
+
+    num_speculative_tokens: int = 0
+    # stop a draft chain when the head's probability of its own pick falls below this
+    p_min: float = 0.0
+    # adaptive K: shrink K after rounds that reject early, grow it back after full accepts
+    adaptive: bool = False
+    # feed the MTP head the trunk's hidden after the final norm (vLLM/SGLang/llama.cpp
+    # convention for released Qwen heads) or before it (the reference design's)
+    hidden_after_norm: bool = True
+
+    def __post_init__(self):
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}")
+        if not 0.0 <= self.p_min < 1.0:
+            raise ValueError(f"p_min must be in [0, 1), got {self.p_min}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    max_model_len: int = 8192
+    session_memory_gb: float = 1.0
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")

@@ -1,0 +1,118 @@
+"""Pure data shared by the engine, the CLI and the server: sampling settings, outputs, spec stats.
+
+Nothing here touches tensors or devices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_TRACKED_POSITIONS = 8  # per-position spec counters kept for draft positions 0..7
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. temperature 0 means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0.0 = off
+    repetition_penalty: float = 1.0  # 1.0 = off
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # number of top logprobs to return per token (None = off)
+
+    def __post_init__(self):
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not (0.0 <= self.temperature <= 100.0):
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class SpecStats:
+    """Draft/accept counters of one request (or an aggregate of many)."""
+
+    num_rounds: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_TRACKED_POSITIONS)
+    accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_TRACKED_POSITIONS)
+
+    def record_round(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_rounds += 1
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        for j in range(min(num_drafted, MAX_TRACKED_POSITIONS)):
+            self.drafted_per_position[j] += 1
+            if j < num_accepted:
+                self.accepted_per_position[j] += 1
+
+    def merge(self, other: SpecStats) -> None:
+        self.num_rounds += other.num_rounds
+        self.num_drafted += other.num_drafted
+        self.num_accepted += other.num_accepted
+        for j in range(MAX_TRACKED_POSITIONS):
+            self.drafted_per_position[j] += other.drafted_per_position[j]
+            self.accepted_per_position[j] += other.accepted_per_position[j]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify round: 1 (bonus) + accepted drafts."""
+        return 1.0 + self.num_accepted / self.num_rounds if self.num_rounds else 0.0
+
+
+@dataclass
+class RequestOutput:
+    """The result of one generate call."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS / stop token) or "length"
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from a kept session state
+    spec: SpecStats
+    prefill_seconds: float
+    decode_seconds: float
+    logprobs: list[dict] | None = None
+
+    @property
+    def num_drafted(self) -> int:
+        return self.spec.num_drafted
+
+    @property
+    def num_accepted(self) -> int:
+        return self.spec.num_accepted
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.decode_seconds if self.decode_seconds > 0 else 0.0
