@@ -1,0 +1,103 @@
+"""Gated DeltaNet mixer (the glue around the ops): projections, causal conv, gates, the delta
+rule, gated RMSNorm, output projection.
+
+Two projection layouts, one mixer: Qwen3.5 stores `in_proj_qkv` ([q all | k all | v all]),
+`in_proj_z`, `in_proj_b`, `in_proj_a`; Qwen3-Next fuses them into `in_proj_qkvz` / `in_proj_ba`
+grouped per key head. Both produce the same (mixed_qkv, z, b, a) for the shared body.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nextn.cache import HybridCache, StepStash
+from nextn.config import ModelConfig
+from nextn.layers.norm import RMSNormGated
+from nextn.ops import conv as conv_ops
+from nextn.ops import gdn as gdn_ops
+
+
+class _ConvWeight(nn.Module):
+    """Holds `conv1d.weight` [D, 1, W] under the checkpoint's name."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+        self.conv1d = _ConvWeight(cfg.conv_dim, cfg.linear_conv_kernel_dim)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = RMSNormGated(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self._init_projections(cfg)
+        self.chunk_rule = gdn_ops.chunk_gated_delta_rule
+        self.recurrent_rule = gdn_ops.recurrent_gated_delta_rule
+
+    def _init_projections(self, cfg: ModelConfig) -> None:
+        H = cfg.hidden_size
+        self.in_proj_qkv = nn.Linear(H, cfg.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(H, self.num_v_heads, bias=False)
+
+    def project(self, x: torch.Tensor):
+        """x [B, T, H] -> mixed_qkv [B, T, conv_dim], z [B, T, value_dim], b, a [B, T, HV]."""
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def forward(self, x: torch.Tensor, cache: HybridCache | None, keep_states: bool) -> torch.Tensor:
+        B, T, _ = x.shape
+        i = self.layer_idx
+        mixed_qkv, z, b, a = self.project(x)
+        conv_state = cache.conv[i] if cache is not None else None
+        mixed_qkv, window = conv_ops.causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1), conv_state)
+        q, k, v = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.reshape(B, T, self.num_k_heads, self.head_k_dim).float())
+        k = l2norm(k.reshape(B, T, self.num_k_heads, self.head_k_dim).float())
+        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        initial = cache.recurrent[i] if cache is not None else None
+        if keep_states:
+            o, states = self.recurrent_rule(q, k, v, g, beta, initial)
+            cache.stash[i] = StepStash(window, states)
+        else:
+            o, final = self.chunk_rule(q, k, v, g, beta, initial)
+            if cache is not None:
+                W = self.conv1d.weight.shape[-1]
+                cache.conv[i].copy_(window[:, :, window.shape[-1] - (W - 1) :])
+                cache.recurrent[i].copy_(final)
+        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(o.reshape(B, T, self.value_dim).to(x.dtype))
+
+
+class GatedDeltaNetNext(GatedDeltaNet):
+    """Qwen3-Next: fused projections grouped per key head: [q | k | v_group | z_group] and [b_group | a_group]."""
+
+    def _init_projections(self, cfg: ModelConfig) -> None:
+        H = cfg.hidden_size
+        self.in_proj_qkvz = nn.Linear(H, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(H, 2 * self.num_v_heads, bias=False)
+
+    def project(self, x: torch.Tensor):
+        B, T, _ = x.shape
+        nk, r = self.num_k_heads, self.num_v_heads // self.num_k_heads
+        dk, dv = self.head_k_dim, self.head_v_dim
+        qkvz = self.in_proj_qkvz(x).view(B, T, nk, 2 * dk + 2 * r * dv)
+        q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
+        ba = self.in_proj_ba(x).view(B, T, nk, 2 * r)
+        b, a = torch.split(ba, [r, r], dim=-1)
+        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        return mixed, z.reshape(B, T, -1), b.reshape(B, T, -1), a.reshape(B, T, -1)

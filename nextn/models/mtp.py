@@ -1,0 +1,43 @@
+"""The MTP ("NextN") head: one full-attention decoder layer with its own K/V cache, fed
+fc(cat(norm(embed(token)), norm(hidden))), sharing the trunk's embedding and lm_head.
+
+Row convention: row p embeds token x_p, pairs it with the trunk hidden of its predecessor
+h_{p-1}, sits at rope position p and predicts x_{p+1}. Its K/V live in slot p - 1.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nextn.cache import LayerKV
+from nextn.config import FULL, ModelConfig
+from nextn.layers.norm import RMSNorm
+
+
+class MTPHead(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        from nextn.models.qwen3_5 import DecoderLayer
+
+        H = cfg.hidden_size
+        self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        # the MTP layer's FFN is dense or MoE like the trunk
+        self.layers = nn.ModuleList([DecoderLayer(cfg, 0, FULL, moe=cfg.num_experts > 0)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,  # [B, T, H] embeddings of tokens x_p
+        hidden: torch.Tensor,  # [B, T, H] trunk (or previous draft step) hiddens h_{p-1}
+        cos: torch.Tensor,  # [T, rotary_dim] at positions p
+        sin: torch.Tensor,
+        kv: LayerKV | None,
+        slot: int,  # K/V slot of the first row (= its position - 1)
+    ) -> torch.Tensor:
+        """Returns the layer output before mtp.norm [B, T, H]."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        return self.layers[0](x, cos, sin, None, slot, keep_states=False, kv=kv) if kv is not None else (
+            self.layers[0](x, cos, sin, None, 0, keep_states=False)
+        )
