@@ -219,3 +219,7 @@ class EngineConfig:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+
+
+# the checkpoint bundled with the package: the default model of every command
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"

@@ -1,0 +1,65 @@
+"""The model runner: the one place that runs the trunk on a sequence state (prefill, and the
+multi-token step shared by decode and verify) and turns hiddens into logits and head inputs.
+
+Does not choose tokens (the selector does) or decide how many stay (the round loop does).
+"""
+from __future__ import annotations
+
+import torch
+
+from nextn.cache import HybridCache, LayerKV
+from nextn.config import SpecConfig
+from nextn.engine.state import SeqState
+from nextn.models.qwen3_5 import CausalLM
+
+PREFILL_CHUNK = 2048  # tokens per prefill forward: bounds attention score memory
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, spec: SpecConfig):
+        self.model = model
+        self.spec = spec
+        self.cfg = model.cfg
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+
+    @property
+    def has_head(self) -> bool:
+        return self.model.mtp is not None
+
+    def new_state(self, max_len: int) -> SeqState:
+        cache = HybridCache(self.cfg, max_len, self.device, self.dtype)
+        draft_kv = None
+        if self.has_head:
+            draft_kv = LayerKV(1, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim, self.device, self.dtype)
+        return SeqState(cache, draft_kv, self.cfg.hidden_size)
+
+    def head_input(self, pre_norm: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """The hidden the MTP head consumes: after the final norm (default) or before it."""
+        return normed if self.spec.hidden_after_norm else pre_norm
+
+    @torch.inference_mode()
+    def extend(self, state: SeqState, token_ids: list[int]) -> None:
+        """Prefill `token_ids` after the state's committed tokens (chunked delta rule)."""
+        if len(state.tokens) + len(token_ids) > state.cache.max_len:
+            raise ValueError(
+                f"{len(state.tokens) + len(token_ids)} tokens exceed the context of {state.cache.max_len}"
+            )
+        for s in range(0, len(token_ids), PREFILL_CHUNK):
+            chunk = token_ids[s : s + PREFILL_CHUNK]
+            ids = torch.tensor([chunk], device=self.device)
+            h = self.model(ids, state.cache, keep_states=False)[0]
+            normed = self.model.final_norm(h)
+            logits = self.model.logits(normed[-1:])[0]
+            state.commit(chunk, self.head_input(h, normed), logits)
+
+    @torch.inference_mode()
+    def step(self, state: SeqState, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run `token_ids` [T] (decode T=1, verify T=K+1) keeping per-token states.
+
+        Returns (logits [T, V] float32, head-input hiddens [T, H]); the caller then calls
+        `state.cache.commit(n)` and `state.commit(...)` with the tokens it keeps.
+        """
+        h = self.model(token_ids[None], state.cache, keep_states=True)[0]
+        normed = self.model.final_norm(h)
+        return self.model.logits(normed), self.head_input(h, normed)

@@ -1,0 +1,67 @@
+"""The MTP proposer: drafts K tokens with the model's NextN head, autoregressively.
+
+Each round it first writes the head's pending rows (committed tokens with their true trunk
+hiddens, plus the pending bonus with the hidden of its predecessor) into the draft K/V in one
+batched pass; the last row's output gives draft 1. Drafts 2..K chain the head's own output
+hidden. Chain rows sit past the committed rows and are overwritten by the next round.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from nextn.config import SpecConfig
+from nextn.engine.selector import TokenSelector
+from nextn.engine.state import SeqState
+from nextn.models.qwen3_5 import CausalLM
+
+
+class Draft(NamedTuple):
+    token_ids: torch.Tensor  # [k] long
+    probs: torch.Tensor | None  # [k, V] the law each draft was drawn from (None: greedy, one-hot)
+
+
+class MTPProposer:
+    def __init__(self, model: CausalLM, spec: SpecConfig):
+        if model.mtp is None:
+            raise ValueError("the checkpoint has no MTP head (mtp.* tensors)")
+        self.model, self.head, self.spec = model, model.mtp, spec
+
+    def _head(self, state: SeqState, ids: torch.Tensor, hidden: torch.Tensor, first_pos: int):
+        """Run rows at positions first_pos.. (K/V slots first_pos-1..); returns (logits of last row [1, V], next hidden [1, H])."""
+        embeds = self.model.model.embed_tokens(ids)[None]
+        positions = torch.arange(first_pos, first_pos + ids.numel(), device=ids.device)
+        cos, sin = self.model.rotary.cos_sin(positions, embeds.dtype)
+        out = self.head(embeds, hidden[None], cos, sin, state.draft_kv, first_pos - 1)[0, -1:]
+        normed = self.head.norm(out)
+        chained = normed if self.spec.hidden_after_norm else out
+        return self.model.logits(normed), chained
+
+    @torch.inference_mode()
+    def propose(self, state: SeqState, bonus: int, k: int, selector: TokenSelector) -> Draft:
+        """Draft up to k tokens following `bonus` (the pending token, not yet in the trunk cache)."""
+        row_ids, row_hidden = state.take_rows()
+        n = len(state.tokens)  # the bonus is token n; its row pairs it with hidden n-1
+        ids = torch.tensor(row_ids + [bonus], device=row_hidden.device)
+        hidden = torch.cat([row_hidden, state.last_hidden[None]])
+        logits, chained = self._head(state, ids, hidden, state.draft_len + 1)
+        state.draft_len = n
+        tokens, probs, confidence = [], [], []
+        for j in range(k):
+            token, q, conf = selector.draft(logits, torch.cat(tokens) if tokens else ids[:0])
+            tokens.append(token)
+            probs.append(q)
+            confidence.append(conf)
+            if j + 1 < k:
+                logits, chained = self._head(state, token, chained, n + 1 + j)
+        token_ids = torch.cat(tokens)
+        keep = self._confident_prefix(torch.cat(confidence))
+        q = None if probs[0] is None else torch.cat(probs)[:keep]
+        return Draft(token_ids[:keep], q)
+
+    def _confident_prefix(self, confidence: torch.Tensor) -> int:
+        """Drafts before the first whose own-pick probability is below p_min (one host read)."""
+        if self.spec.p_min <= 0.0:
+            return confidence.numel()
+        return int((confidence >= self.spec.p_min).long().cumprod(0).sum())
