@@ -223,3 +223,21 @@ class EngineConfig:
 
 # the checkpoint bundled with the package: the default model of every command
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Settings of `nextn serve` (the engine's own settings are in EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the model directory's name
+    max_queue: int = 64  # waiting requests beyond this are answered 503 at once
+    burst_rounds: int = 4  # rounds one request runs before the next waiting request gets a turn
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_queue < 1 or self.burst_rounds < 1:
+            raise ValueError("max_queue and burst_rounds must be >= 1")

@@ -1,0 +1,161 @@
+"""Every command-line flag of nextn is parsed here: generate, serve, bench, replay, train."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the bundled model)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def _spec(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec-k", type=int, default=None,
+                   help="draft tokens per round (default: 3 with an MTP head, 0 without; 0 = plain decoding)")
+    p.add_argument("--p-min", type=float, default=0.0, help="stop a draft chain below this head confidence")
+    p.add_argument("--adaptive-k", action="store_true", help="adapt the draft length to recent acceptance")
+    p.add_argument("--hidden-before-norm", action="store_true",
+                   help="feed the MTP head the trunk hidden before the final norm (default: after)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nextn", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a continuation of one prompt")
+    _common(g)
+    _spec(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    g.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn with the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _common(s)
+    _spec(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-model-len", type=int, default=8192)
+    s.add_argument("--session-memory-gb", type=float, default=1.0)
+    s.add_argument("--max-queue", type=int, default=64)
+
+    r = sub.add_parser("replay", help="teacher-forced draft acceptance over a text file")
+    _common(r)
+    r.add_argument("--file", required=True, help="text file to replay")
+    r.add_argument("--k", type=int, default=3, help="draft tokens per evaluated position")
+    r.add_argument("--stride", type=int, default=1, help="evaluate every S-th position")
+    r.add_argument("--max-tokens", type=int, default=None, help="evaluate at most N tokens of the file")
+    r.add_argument("--hidden-before-norm", action="store_true")
+    r.add_argument("--dump-hidden", default=None, help="write trunk hidden states to this .safetensors file")
+    r.add_argument("--json", action="store_true")
+
+    b = sub.add_parser("bench", help="speed and exactness measurements")
+    _common(b)
+    b.add_argument("--random-weights", default=None, help="preset of a released config with random weights")
+    b.add_argument("--spec-k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
+    b.add_argument("--prompt-len", type=int, default=512)
+    b.add_argument("--gen-len", type=int, default=256)
+    b.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
+
+    t = sub.add_parser("train", help="train a Qwen3.5-layout model with its MTP head, or distill a head")
+    _common(t)
+    from nextn.train import add_train_args
+
+    add_train_args(t)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "serve":
+            from nextn.server.app import serve_from_args
+
+            return serve_from_args(args)
+        if args.command == "replay":
+            from nextn.spec.replay import replay_from_args
+
+            return replay_from_args(args)
+        if args.command == "bench":
+            from nextn.bench import bench_from_args
+
+            return bench_from_args(args)
+        if args.command == "train":
+            from nextn.train import run_from_args
+
+            return run_from_args(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"nextn: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _generate(args) -> int:
+    from nextn import LLM, SamplingParams
+
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, num_speculative_tokens=args.spec_k,
+              p_min=args.p_min, adaptive_k=args.adaptive_k, hidden_after_norm=not args.hidden_before_norm)
+    if args.prompt_ids is not None:
+        try:
+            prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}")
+    else:
+        text = args.prompt
+        if args.chat:
+            text = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        prompt_ids = llm.tokenizer.encode(text)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty, seed=args.seed, ignore_eos=args.ignore_eos,
+    )
+    streamed = not args.json
+    out = None
+    for ev in llm.stream(prompt_ids, params):
+        if streamed:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        out = ev.output or out
+    if streamed:
+        sys.stdout.write("\n")
+    s = out.spec
+    print(
+        f"nextn: {len(out.token_ids)} tokens, prefill {out.prefill_tokens_per_s:.1f} tok/s, "
+        f"decode {out.decode_tokens_per_s:.1f} tok/s, spec K={llm.num_speculative_tokens}: "
+        f"drafted {s.num_drafted}, accepted {s.num_accepted} ({s.acceptance_rate:.1%}), "
+        f"mean acceptance length {s.mean_acceptance_length:.2f}",
+        file=sys.stderr,
+    )
+    if args.json:
+        print(json.dumps({
+            "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
+            "prompt_tokens": out.prompt_tokens, "num_speculative_tokens": llm.num_speculative_tokens,
+            "num_drafted": s.num_drafted, "num_accepted": s.num_accepted, "num_rounds": s.num_rounds,
+            "drafted_per_position": s.drafted_per_position, "accepted_per_position": s.accepted_per_position,
+            "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
+            "decode_tokens_per_s": out.decode_tokens_per_s, "prefill_tokens_per_s": out.prefill_tokens_per_s,
+        }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
