@@ -84,8 +84,8 @@ class TokenHistory:
             # extra token m' first counts in row max(0, m' - (M - N)); cumsum carries it down.
             first_row = (torch.arange(m, device=extra_ids.device) - (m - num_rows)).clamp_(min=0)
             delta = torch.zeros(num_rows, counts.shape[1], dtype=torch.int32, device=counts.device)
-            delta.index_put_((first_row, extra_ids.long()), torch.ones_like(first_row, dtype=torch.int32),
-                             accumulate=True)
+            ones = torch.ones_like(first_row, dtype=torch.int32)
+            delta.index_put_((first_row, extra_ids.long()), ones, accumulate=True)
             counts = counts + delta.cumsum(0, dtype=torch.int32)
         seen = self.prompt_mask | (counts > 0)  # [N, V]
         return seen, counts
@@ -98,10 +98,11 @@ def has_penalties(params: SamplingParams) -> bool:
 
 def penalized_logits(logits: Tensor, params: SamplingParams, history: TokenHistory | None = None,
                      extra_ids: Tensor | None = None) -> Tensor:
-    """Steps 1-2 of the pipeline. logits [N, V] -> float32 [N, V] (a new tensor)."""
+    """Steps 1-2 of the pipeline. logits [N, V] -> float32 [N, V]; never writes into `logits`
+    (returns it as is when it is float32 and no penalty is set)."""
     logits = logits.float()  # [N, V]
     if not has_penalties(params):
-        return logits.clone()
+        return logits
     if history is None:
         raise ValueError("penalties are set but no TokenHistory was given")
     seen, counts = history.rows(logits.shape[0], extra_ids)  # [N, V] each
