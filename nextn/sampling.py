@@ -78,14 +78,15 @@ class TokenHistory:
         """
         counts = self.output_counts.expand(num_rows, -1)  # [N, V]
         if extra_ids is not None and extra_ids.numel() > 0:
+            extra_ids = extra_ids.to(counts.device, torch.long)
             m = extra_ids.numel()
             if m < num_rows - 1:
                 raise ValueError(f"{num_rows} rows need at least {num_rows - 1} extra ids, got {m}")
             # extra token m' first counts in row max(0, m' - (M - N)); cumsum carries it down.
-            first_row = (torch.arange(m, device=extra_ids.device) - (m - num_rows)).clamp_(min=0)
+            first_row = (torch.arange(m, device=counts.device) - (m - num_rows)).clamp_(min=0)
             delta = torch.zeros(num_rows, counts.shape[1], dtype=torch.int32, device=counts.device)
             ones = torch.ones_like(first_row, dtype=torch.int32)
-            delta.index_put_((first_row, extra_ids.long()), ones, accumulate=True)
+            delta.index_put_((first_row, extra_ids), ones, accumulate=True)
             counts = counts + delta.cumsum(0, dtype=torch.int32)
         seen = self.prompt_mask | (counts > 0)  # [N, V]
         return seen, counts

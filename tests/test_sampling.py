@@ -227,10 +227,11 @@ def test_verify_sampled_edges():
     assert int(n) == 1 and out.tolist() == [1, 0, -1]
     n, out = verify_sampled(p, None, torch.tensor([1, 2]), _u(0.49, 0.79), _u(0, 0, 0.99))
     assert int(n) == 2 and out.tolist() == [1, 2, 0]  # bonus from p_K
-    # p == q: rejection cannot happen; a forced one (u*q == p) falls back to p
+    # p == q: rejection cannot happen for u < 1; forced with u = 1, the all-zero residual
+    # falls back to p_0
     q = p[:2].clone()
-    n, out = verify_sampled(p, q, torch.tensor([1, 2]), _u(0.999, 0.0), _u(0.9, 0, 0))
-    assert int(n) == 1 or out[0] in (1, 2)
+    n, out = verify_sampled(p, q, torch.tensor([1, 2]), _u(1.0, 0.0), _u(0.9, 0, 0))
+    assert int(n) == 0 and out.tolist() == [2, -1, -1]
     # K = 0: a plain draw from p_0 with the SAMPLE uniform (same as plain decoding)
     n, out = verify_sampled(p[:1], None, torch.tensor([], dtype=torch.long), _u(), _u(0.7))
     assert int(n) == 0 and out.tolist() == [int(sample(p[0], 0.7))]
@@ -240,6 +241,26 @@ def test_draft_probs_on_target_vocab():
     q_small = torch.tensor([[0.5, 0.25, 0.25]])  # [K=1, Vd=3]
     q = draft_probs_on_target_vocab(q_small, torch.tensor([4, 0, 2]), 6)
     assert q.tolist() == [[0.25, 0.0, 0.25, 0.0, 0.5, 0.0]]
+
+
+def test_no_host_reads():
+    """Everything a round calls runs on the meta device, where any read to the host raises."""
+    meta, num_drafts, vocab = "meta", 3, 50
+    params = FILTERS["all"]
+    hist = TokenHistory(torch.zeros(vocab, dtype=torch.bool, device=meta),
+                        torch.zeros(vocab, dtype=torch.int32, device=meta))
+    drafts = torch.zeros(num_drafts, dtype=torch.long, device=meta)  # [K]
+    table = RequestRng(3).table(0, 16, meta)  # [streams, 16]
+    q = probs_from_logits(torch.randn(num_drafts, vocab, device=meta), params, hist, drafts)
+    p = probs_from_logits(torch.randn(num_drafts + 1, vocab, device=meta), params, hist, drafts)
+    sample(q[-1], table[Stream.DRAFT, 2])
+    u_acc, u_res = table[Stream.ACCEPT, :num_drafts], table[Stream.SAMPLE, :num_drafts + 1]
+    for draft_probs in (q, None):
+        n, out = verify_sampled(p, draft_probs, drafts, u_acc, u_res)
+        assert n.device.type == "meta" and out.shape == (num_drafts + 1,)
+    argmax = greedy_ids(torch.randn(num_drafts + 1, vocab, device=meta), params, hist, drafts)
+    verify_greedy(argmax, drafts)
+    hist.append(drafts)
 
 
 # ---------------------------------------------------------------------------------------------

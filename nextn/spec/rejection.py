@@ -22,7 +22,9 @@ Exactness contract for q (the draft distribution):
     tokens; map its ids through `draft_to_target` [Vd] and scatter its probabilities onto the
     target vocabulary with zeros elsewhere (`draft_probs_on_target_vocab`) before calling
     `verify_sampled`. Target ids outside the draft vocabulary then have q = 0, so the residual
-    max(0, p - q) keeps all their target mass: the output law stays exactly p.
+    max(0, p - q) keeps all their target mass: the output law stays exactly p. Equivalently,
+    scatter the draft head's logits onto a [V] row filled with -inf and run the usual
+    `probs_from_logits` on it (penalties and filters then use target ids and the target history).
 """
 from __future__ import annotations
 
