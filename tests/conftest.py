@@ -46,3 +46,20 @@ def moe_vlm_ckpt(tmp_path_factory) -> Path:
 def next_ckpt(tmp_path_factory) -> Path:
     """Qwen3NextForCausalLM, untied, per-expert tensors (as released), with MTP."""
     return _build(tmp_path_factory, "next", "next")
+
+
+@pytest.fixture(scope="session")
+def dense_fitted_ckpt(tmp_path_factory) -> Path:
+    """dense_ckpt's trunk with an MTP head fitted to agree with it on hf_fixtures.FIT_PROMPTS and
+    their 32-token greedy continuations, so speculative decoding there accepts drafts."""
+    model_dir = _build(tmp_path_factory, "dense_fitted", "dense")
+    hf_fixtures.fit_mtp_head(model_dir, [list(p) for p in hf_fixtures.FIT_PROMPTS])
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def moe_fitted_ckpt(tmp_path_factory) -> Path:
+    """moe_ckpt's trunk (fused experts) with an MTP head fitted like dense_fitted_ckpt's."""
+    model_dir = _build(tmp_path_factory, "moe_fitted", "moe", fused_experts=True)
+    hf_fixtures.fit_mtp_head(model_dir, [list(p) for p in hf_fixtures.FIT_PROMPTS])
+    return model_dir

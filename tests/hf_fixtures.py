@@ -243,6 +243,8 @@ def _random_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.
         return normal(0.5)
     if name.endswith("linear_attn.norm.weight"):
         return normal(0.1, mean=1.0)
+    if name == "model.norm.weight":  # far from 1, so pre- and post-norm hidden states differ clearly
+        return normal(0.5)
     if "norm" in name:
         return normal(0.1)
     if "conv1d" in name:
@@ -493,7 +495,7 @@ def _load_hf_model(model_dir: str, _stamp) -> torch.nn.Module:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model.config.num_mtp_layers = 1
     model.config.mtp_layer_types = ["full_attention"]
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 @_one_thread
@@ -536,7 +538,13 @@ def load_hf_mtp(model_dir: str | Path):
 
     main = load_hf_model(model_dir)
     if getattr(main, "_fixture_mtp", None) is None:
-        main._fixture_mtp = MtpModel.from_pretrained(main).eval()
+        # MtpModel's key regex also picks up a VLM's model.visual.* and reports them as unexpected
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()
+        try:
+            main._fixture_mtp = MtpModel.from_pretrained(main).eval()
+        finally:
+            transformers.logging.set_verbosity(verbosity)
     return main._fixture_mtp
 
 
@@ -559,32 +567,113 @@ def hf_mtp_logits(model_dir: str | Path, input_ids: list[int], hidden: torch.Ten
     return mtp._project_to_logits(out)[0].float()
 
 
+class MtpReference(torch.nn.Module):
+    """The MTP head in plain torch, built from raw `mtp.*` tensors (names without the `mtp.`
+    prefix, experts fused): transformers' decoder-layer and RMSNorm classes, an explicit causal
+    mask, no MtpModel and no weight-renaming machinery. Shares the trunk's embedding, rotary
+    embedding and lm_head (not registered as submodules, so state_dict() is the `mtp.*` set)."""
+
+    def __init__(self, model, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        cfg = copy.deepcopy(model.config)
+        cfg.layer_types, cfg.num_hidden_layers = ["full_attention"], 1
+        norm_cls, hidden = type(model.model.norm), cfg.hidden_size
+        self.pre_fc_norm_embedding = norm_cls(hidden, eps=cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = norm_cls(hidden, eps=cfg.rms_norm_eps)
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = torch.nn.ModuleList([type(model.model.layers[-1])(cfg, 0)])
+        self.norm = norm_cls(hidden, eps=cfg.rms_norm_eps)
+        self.load_state_dict(tensors, strict=True)
+        self._trunk = (model,)  # a tuple keeps the trunk out of parameters() and state_dict()
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T], hidden [B, T, H] -> logits [B, T-1, V]; row t reads token t+1 and
+        hidden row t at position t+1, attends to rows 0..t, and predicts token t+2."""
+        (model,) = self._trunk
+        num_rows = input_ids.shape[1] - 1
+        embeds = model.get_input_embeddings()(input_ids[:, 1:])
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden[:, :num_rows])], -1)
+        x = self.fc(x)
+        position_ids = torch.arange(1, num_rows + 1).expand(input_ids.shape[0], -1)
+        cos_sin = model.model.rotary_emb(x, position_ids)
+        mask = torch.full((num_rows, num_rows), float("-inf")).triu(1)[None, None]
+        x = self.layers[0](x, position_embeddings=cos_sin, attention_mask=mask, position_ids=position_ids)
+        x = x[0] if isinstance(x, tuple) else x
+        return model.lm_head(self.norm(x))
+
+
+def _mtp_reference(model_dir: str | Path) -> MtpReference:
+    raw = {k[len("mtp."):]: v for k, v in read_tensors(model_dir).items() if k.startswith("mtp.")}
+    return MtpReference(load_hf_model(model_dir), fuse_experts(raw)).eval()
+
+
 @_one_thread
 @torch.no_grad()
 def torch_mtp_logits(model_dir: str | Path, input_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
-    """The same function as hf_mtp_logits, rebuilt in plain torch from the raw `mtp.*` tensors
-    with transformers' decoder-layer and RMSNorm classes and an explicit causal mask (no MtpModel,
-    no weight renaming machinery): a cross-check of how MtpModel is driven here."""
+    """The same function as hf_mtp_logits, computed by MtpReference: a cross-check of how
+    MtpModel is driven and of the `mtp.*` name mapping."""
+    return _mtp_reference(model_dir)(torch.tensor([input_ids]), hidden[None].float())[0].float()
+
+
+# --------------------------------------------------------------------------------------------
+# An MTP head that agrees with the trunk on chosen prompts
+# --------------------------------------------------------------------------------------------
+
+# prompts the conftest's *_fitted_ckpt heads are fitted on (a chat turn, code, random ids)
+FIT_PROMPTS = (
+    [346, 84, 82, 262, 198, 39, 264, 75, 78, 11, 278, 308, 75, 67, 0, 347, 198, 346],
+    [321, 276, 341, 282, 334, 325, 281, 261, 316, 324, 259],
+    [100, 40, 7, 250, 8, 61],
+)
+
+@_one_thread
+def fit_mtp_head(model_dir: str | Path, prompts: list[list[int]], *, num_new_tokens: int = 32,
+                 seed: int = 0, max_steps: int = 400) -> float:
+    """Train the checkpoint's `mtp.*` tensors in place so the head predicts the trunk's greedy
+    choices on `prompts` and their greedy continuations (post-norm hidden, the default
+    convention); returns the fraction of those rows it gets right (1.0 once memorised).
+
+    A random head agrees with the trunk about 1/V of the time, so speculative decoding never
+    accepts a draft. A fitted head accepts the first draft of most rounds on these sequences (and
+    only on them: a tiny random trunk is not learnable from a few sequences, and chained drafts,
+    which feed the head its own output, stay mostly wrong): exactly the mix of accepted and
+    rejected drafts that exercises acceptance and rollback. Layout, shards and expert format kept.
+    """
     model = load_hf_model(model_dir)
-    raw = fuse_experts({k[len("mtp."):]: v for k, v in read_tensors(model_dir).items() if k.startswith("mtp.")})
-    cfg = copy.deepcopy(model.config)
-    cfg.layer_types, cfg.num_hidden_layers = ["full_attention"], 1
-    layer = type(model.model.layers[-1])(cfg, 0).eval()
-    prefix = "layers.0."
-    layer.load_state_dict({k[len(prefix):]: v for k, v in raw.items() if k.startswith(prefix)}, strict=True)
+    seqs = [list(p) + hf_greedy(model_dir, p, num_new_tokens) for p in prompts]
+    data = []
+    for ids in seqs:
+        _, post = hf_hidden_states(model_dir, ids)
+        targets = hf_logits(model_dir, ids).argmax(-1)[1:]  # row t predicts the trunk's pick at t+1
+        data.append((torch.tensor([ids]), post[None], targets))
+    head = _mtp_reference(model_dir).train()
+    torch.manual_seed(seed)
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    for step in range(max_steps + 1):
+        logits = [head(ids, post)[0] for ids, post, _ in data]
+        loss = sum(torch.nn.functional.cross_entropy(lg, t) for lg, (_, _, t) in zip(logits, data))
+        correct = sum(int((lg.argmax(-1) == t).sum()) for lg, (_, _, t) in zip(logits, data))
+        accuracy = correct / sum(len(t) for _, _, t in data)
+        if accuracy == 1.0 or step == max_steps:
+            break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    _replace_mtp_tensors(Path(model_dir), {f"mtp.{k}": v.detach() for k, v in head.state_dict().items()})
+    return accuracy
 
-    def norm(name, x):
-        mod = type(model.model.norm)(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        mod.weight.data.copy_(raw[f"{name}.weight"])
-        return mod(x)
 
-    num_rows = len(input_ids) - 1
-    embeds = model.get_input_embeddings()(torch.tensor(input_ids[1:]))  # [T-1, H]
-    x = torch.cat([norm("pre_fc_norm_embedding", embeds), norm("pre_fc_norm_hidden", hidden[:num_rows].float())], -1)
-    x = (x @ raw["fc.weight"].T)[None]  # [1, T-1, H]
-    position_ids = torch.arange(1, num_rows + 1)[None]
-    cos_sin = model.model.rotary_emb(x, position_ids)
-    mask = torch.full((num_rows, num_rows), float("-inf")).triu(1)[None, None]
-    x = layer(x, position_embeddings=cos_sin, attention_mask=mask, position_ids=position_ids)
-    x = x[0] if isinstance(x, tuple) else x
-    return model.lm_head(norm("norm", x))[0].float()
+def _replace_mtp_tensors(model_dir: Path, fused: dict[str, torch.Tensor]) -> None:
+    """Overwrite the `mtp.*` tensors in whichever files hold them, in the checkpoint's expert format."""
+    new = split_experts(fused) if has_per_expert_tensors(read_tensors(model_dir)) else fused
+    written = set()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        mine = {k for k in tensors if k.startswith("mtp.")}
+        if mine:
+            tensors.update({k: new[k] for k in mine})
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+            written |= mine
+    if written != new.keys():
+        raise RuntimeError(f"{model_dir}: mtp tensors on disk differ from the head's: {sorted(written ^ new.keys())}")

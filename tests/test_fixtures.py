@@ -209,3 +209,29 @@ def test_mtp_oracle_is_causal_over_rows(dense_ckpt):
     changed = hf.hf_mtp_logits(dense_ckpt, ids, bumped)
     torch.testing.assert_close(changed[:5], full[:5], rtol=0, atol=1e-5)
     assert not torch.allclose(changed[5], full[5], atol=1e-3)
+
+
+@pytest.mark.parametrize("ckpt", ("dense_fitted_ckpt", "moe_fitted_ckpt"))
+def test_fitted_head_agrees_with_the_trunk_on_its_prompts(ckpt, request):
+    """On a fitted prompt's greedy continuation the head predicts the trunk's next pick (the
+    first draft of a round is accepted); on an unseen prompt it is about as good as random."""
+    model_dir = request.getfixturevalue(ckpt)
+
+    def agreement(prompt):
+        ids = prompt + hf.hf_greedy(model_dir, prompt, 32)
+        _, post = hf.hf_hidden_states(model_dir, ids)
+        picks = hf.hf_logits(model_dir, ids).argmax(-1)[1:]
+        return (hf.hf_mtp_logits(model_dir, ids, post).argmax(-1) == picks).float().mean().item()
+
+    assert agreement(list(hf.FIT_PROMPTS[0])) > 0.95
+    assert agreement([5, 17, 99, 4, 230]) < 0.3
+
+
+def test_fitting_keeps_layout_and_trunk(tmp_path):
+    fitted = hf.make_checkpoint(tmp_path / "vlm", "moe", layout="vlm_sharded")  # per-expert, sharded
+    before = hf.read_tensors(fitted)
+    hf.fit_mtp_head(fitted, [list(hf.FIT_PROMPTS[2])], num_new_tokens=8)
+    after = hf.read_tensors(fitted)
+    assert before.keys() == after.keys() and hf.has_per_expert_tensors(after)
+    assert all(torch.equal(before[k], after[k]) for k in before if not k.startswith("mtp."))
+    assert not all(torch.equal(before[k], after[k]) for k in before if k.startswith("mtp."))
