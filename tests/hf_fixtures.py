@@ -416,11 +416,12 @@ def make_checkpoint(
     layout "vlm_sharded" (dense and moe only): the released Qwen3.5 VLM layout, config model_type
     qwen3_5 / qwen3_5_moe with the text keys under `text_config`, text weights under
     `model.language_model.*`, a tiny random vision tower under `model.visual.*`, `mtp.*` at the
-    top level, in sharded files with an index (4 shards unless `max_shard_size` is given).
+    top level, in sharded files with an index (about 4 shards unless `max_shard_size` is given).
     The same (kind, seed, tie) gives the same text and MTP weights in both layouts.
     tie: None = the kind's default (tied for dense, untied otherwise).
     fused_experts: True = fused 3-D expert tensors, False = per expert, None = what
-    save_pretrained writes (per expert in transformers 5.24); the MTP layer follows the trunk.
+    save_pretrained writes (per expert in transformers 5.24; released Qwen3.5-MoE checkpoints are
+    fused, Qwen3-Next ones per expert); the MTP layer uses the trunk's format.
     with_mtp: add the random `mtp.*` tensors (15 for dense, 19 for MoE with fused experts).
     Also writes the fixture tokenizer, tokenizer_config.json and generation_config.json.
     """
@@ -553,11 +554,11 @@ def load_hf_mtp(model_dir: str | Path):
 def hf_mtp_logits(model_dir: str | Path, input_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
     """Logits [T-1, V] of the checkpoint's MTP head via transformers' `MtpModel`.
 
-    Row t (0 <= t < T-1) consumes the embedding of input_ids[t+1] and hidden[t] (whatever hidden
-    the caller passes: [T, H], e.g. hf_hidden_states' post_norm or pre_norm), at position t+1, with
-    causal self-attention over rows 0..t (a fresh MTP KV cache holding positions 1..T-1), and
+    Row t (0 <= t < T-1) consumes the embedding of input_ids[t+1] and hidden[t] at position t+1
+    (RoPE), attends causally over rows 0..t (a fresh MTP KV cache holding positions 1..T-1), and
     predicts input_ids[t+2]: fc(cat(norm_e(embed), norm_h(hidden))) -> decoder layer -> mtp.norm
-    -> the trunk's lm_head.
+    -> the trunk's lm_head. `hidden` is whatever the caller passes, [T, H] (last row unused) or
+    [T-1, H]: e.g. hf_hidden_states' post_norm (the default convention) or pre_norm.
     """
     mtp = load_hf_mtp(model_dir)
     num_rows = len(input_ids) - 1

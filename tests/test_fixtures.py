@@ -21,7 +21,7 @@ def _mtp_names(model_dir) -> list[str]:
 
 
 def _state(model) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in model.state_dict().items()}
+    return dict(model.state_dict())
 
 
 def _assert_same_state(a: dict, b: dict):
@@ -35,11 +35,8 @@ def test_transformers_loads_every_tensor(ckpt, request):
     """The trunk loads with nothing missing, and only mtp.* / model.visual.* left unused."""
     model_dir = request.getfixturevalue(ckpt)
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
-    cls = transformers.AutoModelForCausalLM
-    kwargs = {}
-    if hf.is_vlm_layout(model_dir):
-        cls = transformers.AutoModelForImageTextToText
-    _, info = cls.from_pretrained(model_dir, dtype=torch.float32, output_loading_info=True, **kwargs)
+    cls = transformers.AutoModelForImageTextToText if hf.is_vlm_layout(model_dir) else transformers.AutoModelForCausalLM
+    _, info = cls.from_pretrained(model_dir, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"], info["missing_keys"]
     assert all(k.startswith(("mtp.", "model.visual.")) for k in info["unexpected_keys"])
     assert cfg.get_text_config().vocab_size == hf.VOCAB_SIZE
@@ -182,6 +179,7 @@ def test_hidden_states_feed_the_logits(ckpt, request):
     ids = PROMPTS[2]
     pre, post = hf.hf_hidden_states(model_dir, ids)
     assert pre.shape == post.shape == (len(ids), H)
+    assert not torch.allclose(pre / pre.norm(dim=-1, keepdim=True), post / post.norm(dim=-1, keepdim=True), atol=0.05)
     with torch.no_grad():
         torch.testing.assert_close(model.model.norm(pre), post, rtol=0, atol=0)
         torch.testing.assert_close(model.lm_head(post), hf.hf_logits(model_dir, ids), rtol=0, atol=1e-6)
