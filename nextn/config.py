@@ -235,9 +235,10 @@ class ServeConfig:
     served_model_name: str | None = None  # default: the model directory's name
     max_queue: int = 64  # waiting requests beyond this are answered 503 at once
     burst_rounds: int = 4  # rounds one request runs before the next waiting request gets a turn
+    max_running: int = 8  # requests interleaved at once (each holds its own cache); the rest wait
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        if self.max_queue < 1 or self.burst_rounds < 1:
-            raise ValueError("max_queue and burst_rounds must be >= 1")
+        if self.max_queue < 1 or self.burst_rounds < 1 or self.max_running < 1:
+            raise ValueError("max_queue, burst_rounds and max_running must be >= 1")

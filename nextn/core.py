@@ -25,6 +25,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # number of top logprobs to return per token (None = off)
+    prompt_logprobs: int | None = None  # the same for every prompt token (prefills cold: no session reuse)
+    stop: tuple[str, ...] = ()  # stop strings: the output text ends before the first one
 
     def __post_init__(self):
         if self.max_tokens < 0:
@@ -43,6 +45,10 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not (-2.0 <= self.presence_penalty <= 2.0):
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if any(n is not None and n < 0 for n in (self.logprobs, self.prompt_logprobs)):
+            raise ValueError("logprobs and prompt_logprobs must be >= 0")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +105,7 @@ class RequestOutput:
     prefill_seconds: float
     decode_seconds: float
     logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None  # one per prompt token; the first is None
 
     @property
     def num_drafted(self) -> int:

@@ -18,6 +18,7 @@ from nextn.core import RequestOutput, SamplingParams, SpecStats
 from nextn.engine.generate import run_rounds
 from nextn.engine.runner import ModelRunner
 from nextn.engine.sessions import SessionStore
+from nextn.engine.stops import StopStrings
 from nextn.models.loader import load_model
 from nextn.sampling import token_logprobs, top_logprobs
 from nextn.spec.proposer import MTPProposer
@@ -35,6 +36,7 @@ class StreamEvent:
     token_ids: list[int]  # new tokens of this round
     text: str  # their text delta (incomplete UTF-8 held back)
     output: RequestOutput | None  # set on the last event
+    logprobs: list[dict] | None = None  # entries of this round's tokens when params.logprobs is set
 
 
 class LLM:
@@ -107,13 +109,14 @@ class LLM:
 
     def _stream(self, prompt_ids: list[int], params: SamplingParams, use_sessions: bool) -> Iterator[StreamEvent]:
         t0 = time.perf_counter()
-        state, cached = self.sessions.acquire(prompt_ids) if use_sessions else (None, 0)
+        # prompt logprobs need the logits of every prompt row: prefill cold
+        reuse = use_sessions and params.prompt_logprobs is None
+        state, cached = self.sessions.acquire(prompt_ids) if reuse else (None, 0)
         if state is None:
             state = self.runner.new_state(self.config.max_model_len)
         consistent = False  # keep the state only if it ends between rounds
         try:
-            if len(prompt_ids) > cached:
-                self.runner.extend(state, prompt_ids[cached:])
+            prompt_logprobs = self._prefill(state, prompt_ids[cached:], params.prompt_logprobs)
             if use_sessions:
                 state.make_checkpoint()
             _sync(self.runner.device)
@@ -125,24 +128,38 @@ class LLM:
             rounds = run_rounds(self.runner, self.proposer, state, params, self.config.spec,
                                 set() if params.ignore_eos else self.stop_ids | set(params.stop_token_ids),
                                 stats, want_logits=logprobs is not None)
+            stops = StopStrings(params.stop)
+            released = 0  # characters of text handed out so far
             for ev in rounds:
-                token_ids.extend(ev.token_ids)
-                if logprobs is not None and ev.token_ids:
-                    logprobs.extend(_logprob_entries(ev.logprob_rows, ev.token_ids, params.logprobs))
-                text = decoder.push(ev.token_ids)
-                if ev.finish_reason is None:
-                    yield StreamEvent(ev.token_ids, text, None)
+                round_ids, finish_reason = ev.token_ids, ev.finish_reason
+                text = stops.push(decoder.push(round_ids))
+                if stops.hit is not None:  # keep tokens up to the one completing the stop string
+                    round_ids = round_ids[: _num_covering(self.tokenizer, token_ids, round_ids, stops.hit)]
+                    finish_reason = "stop"
+                    rounds.close()  # between rounds: the state stays consistent
+                token_ids.extend(round_ids)
+                entries = None
+                if logprobs is not None:
+                    entries = _logprob_entries(ev.logprob_rows, round_ids, params.logprobs) if round_ids else []
+                    logprobs.extend(entries)
+                if finish_reason is None:
+                    released += len(text)
+                    yield StreamEvent(round_ids, text, None, entries)
                     continue
                 _sync(self.runner.device)
                 t2 = time.perf_counter()
                 self.stats.merge(stats)
+                final_text = stops.text if stops.hit is not None else self.tokenizer.decode(token_ids)
                 output = RequestOutput(
-                    token_ids=token_ids, text=self.tokenizer.decode(token_ids), finish_reason=ev.finish_reason,
+                    token_ids=token_ids, text=final_text, finish_reason=finish_reason,
                     prompt_tokens=len(prompt_ids), cached_tokens=cached, spec=stats,
                     prefill_seconds=t1 - t0, decode_seconds=t2 - t1, logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
                 )
                 consistent = True
-                yield StreamEvent(ev.token_ids, text, output)
+                # the last delta also carries text held back (a stop-string prefix, split UTF-8)
+                yield StreamEvent(round_ids, final_text[released:], output, entries)
+                return
         except GeneratorExit:  # the consumer stopped early (client disconnect): rounds are atomic
             consistent = True
             raise
@@ -150,8 +167,33 @@ class LLM:
             if use_sessions and consistent:
                 self.sessions.release(state)
 
+    def _prefill(self, state, token_ids: list[int], num_top: int | None) -> list[dict | None] | None:
+        """Run the uncached prompt tokens; with num_top, return prompt logprobs (state is cold)."""
+        if num_top is None:
+            if token_ids:
+                self.runner.extend(state, token_ids)
+            return None
+        entries: list[dict | None] = [None]  # the first prompt token has no prediction
+
+        def take(start: int, rows: torch.Tensor) -> None:  # rows[i] predicts token_ids[start + i + 1]
+            targets = token_ids[start + 1 : start + 1 + rows.shape[0]]
+            if targets:
+                entries.extend(_logprob_entries(rows, targets, num_top))
+
+        self.runner.extend(state, token_ids, on_logits=take)
+        return entries
+
+
+def _num_covering(tokenizer, prior_ids: list[int], round_ids: list[int], text_len: int) -> int:
+    """How many of `round_ids` it takes for the decoded text to reach `text_len` characters."""
+    for n in range(1, len(round_ids)):
+        if len(tokenizer.decode(prior_ids + round_ids[:n])) >= text_len:
+            return n
+    return len(round_ids)
+
 
 def _logprob_entries(rows: torch.Tensor, ids: list[int], n: int) -> list[dict]:
+    rows = rows[: len(ids)]
     chosen = token_logprobs(rows, torch.tensor(ids, device=rows.device)).tolist()
     top = top_logprobs(rows, n) if n > 0 else None
     entries = []

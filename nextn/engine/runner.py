@@ -5,6 +5,8 @@ Does not choose tokens (the selector does) or decide how many stay (the round lo
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from nextn.cache import HybridCache, LayerKV
@@ -39,8 +41,13 @@ class ModelRunner:
         return normed if self.spec.hidden_after_norm else pre_norm
 
     @torch.inference_mode()
-    def extend(self, state: SeqState, token_ids: list[int]) -> None:
-        """Prefill `token_ids` after the state's committed tokens (chunked delta rule)."""
+    def extend(self, state: SeqState, token_ids: list[int],
+               on_logits: Callable[[int, torch.Tensor], None] | None = None) -> None:
+        """Prefill `token_ids` after the state's committed tokens (chunked delta rule).
+
+        on_logits(start, logits [T, V]): if given, called per chunk with the logits of every row
+        (row i follows token_ids[start + i]); for prompt logprobs.
+        """
         if len(state.tokens) + len(token_ids) > state.cache.max_len:
             raise ValueError(
                 f"{len(state.tokens) + len(token_ids)} tokens exceed the context of {state.cache.max_len}"
@@ -50,6 +57,9 @@ class ModelRunner:
             ids = torch.tensor([chunk], device=self.device)
             h = self.model(ids, state.cache, keep_states=False)[0]
             normed = self.model.final_norm(h)
+            if on_logits:
+                on_logits(s, self.model.logits(normed))
+            # the last row alone, as always: a batched matmul may round it differently
             logits = self.model.logits(normed[-1:])[0]
             state.commit(chunk, self.head_input(h, normed), logits)
 

@@ -1,0 +1,43 @@
+"""Stop strings: cut generated text at the first stop string, and while streaming hold back only
+the tail that could still grow into one (so no client ever sees part of a stop string).
+
+Pure string work; does not know tokens (LLM._stream maps the cut back to the tokens it covers).
+"""
+from __future__ import annotations
+
+
+class StopStrings:
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(stops)
+        self.max_len = max((len(s) for s in self.stops), default=0)
+        self.text = ""  # all text so far; after a hit, the text up to the stop string
+        self.released = 0  # characters of `text` already handed out
+        self.hit: int | None = None  # end of the stop string in the uncut text, once found
+
+    def push(self, delta: str) -> str:
+        """Add a text delta; return what may be released now. Sets `hit` when a stop string appears."""
+        if self.hit is not None:
+            return ""
+        # a stop string may straddle the old end of the text, so look back max_len - 1 characters
+        start = max(0, len(self.text) - self.max_len + 1)
+        self.text += delta
+        found = [(i, i + len(s)) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        if found:
+            cut, self.hit = min(found)
+            self.text = self.text[:cut]
+            return self.flush()
+        end = max(self.released, len(self.text) - self._held_back())
+        out, self.released = self.text[self.released : end], end
+        return out
+
+    def flush(self) -> str:
+        out, self.released = self.text[self.released :], len(self.text)
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        for n in range(min(self.max_len - 1, len(self.text)), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stops):
+                return n
+        return 0

@@ -1,0 +1,180 @@
+"""Server metrics in the Prometheus text format (vLLM's names under the `nextn:` prefix).
+
+Owns the counters and histograms; the engine thread records into them (under one lock) and
+/metrics renders them. Session-store numbers are copied in by the engine thread, because the store
+belongs to that thread. Does not know HTTP.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from nextn.core import MAX_TRACKED_POSITIONS, RequestOutput
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 1.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative; last is +Inf
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self):
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float, times: int = 1) -> None:
+        i = next((i for i, b in enumerate(self.buckets) if value <= b), len(self.buckets))
+        self.counts[i] += times
+        self.total += value * times
+        self.count += times
+
+    def lines(self, name: str) -> list[str]:
+        out, cum = [], 0
+        for b, c in zip((*self.buckets, float("inf")), self.counts):
+            cum += c
+            le = "+Inf" if b == float("inf") else repr(b)
+            out.append(f'{name}_bucket{{le="{le}"}} {cum}')
+        return out + [f"{name}_sum {self.total}", f"{name}_count {self.count}"]
+
+
+@dataclass
+class SessionSnapshot:
+    lookups: int = 0
+    hits: int = 0
+    rewinds: int = 0
+    reused_tokens: int = 0
+    evictions: int = 0
+    num_states: int = 0
+    memory_bytes: int = 0
+
+
+class Metrics:
+    def __init__(self, num_speculative_tokens: int):
+        self.num_positions = min(num_speculative_tokens, MAX_TRACKED_POSITIONS)
+        self._lock = threading.Lock()
+        self.success: dict[str, int] = {"stop": 0, "length": 0}
+        self.aborted = 0
+        self.failed = 0
+        self.rejected: dict[str, int] = {}
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.generation_tokens = 0
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.drafted_per_pos = [0] * MAX_TRACKED_POSITIONS
+        self.accepted_per_pos = [0] * MAX_TRACKED_POSITIONS
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self.sessions = SessionSnapshot()
+        self.running = 0
+        self.waiting = 0
+
+    def observe_first_token(self, seconds: float) -> None:
+        with self._lock:
+            self.ttft.observe(seconds)
+
+    def observe_tokens(self, seconds: float, num_tokens: int) -> None:
+        """`num_tokens` arrived together `seconds` after the previous ones: each waited seconds/n."""
+        with self._lock:
+            self.itl.observe(seconds / num_tokens, num_tokens)
+
+    def finished(self, out: RequestOutput, e2e_seconds: float) -> None:
+        s = out.spec
+        with self._lock:
+            self.success[out.finish_reason] = self.success.get(out.finish_reason, 0) + 1
+            self.prompt_tokens += out.prompt_tokens
+            self.cached_tokens += out.cached_tokens
+            self.generation_tokens += len(out.token_ids)
+            self.num_drafts += s.drafted_per_position[0]
+            self.num_draft_tokens += s.num_drafted
+            self.num_accepted_tokens += s.num_accepted
+            for j in range(MAX_TRACKED_POSITIONS):
+                self.drafted_per_pos[j] += s.drafted_per_position[j]
+                self.accepted_per_pos[j] += s.accepted_per_position[j]
+            self.e2e.observe(e2e_seconds)
+
+    def ended_early(self, aborted: bool, prompt_tokens: int, generated_tokens: int) -> None:
+        """A request the client dropped (aborted) or the engine failed on."""
+        with self._lock:
+            if aborted:
+                self.aborted += 1
+            else:
+                self.failed += 1
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += generated_tokens
+
+    def rejected_request(self, reason: str) -> None:
+        with self._lock:
+            self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    def set_sessions(self, snap: SessionSnapshot) -> None:
+        with self._lock:
+            self.sessions = snap
+
+    def set_queue(self, running: int, waiting: int) -> None:
+        with self._lock:
+            self.running, self.waiting = running, waiting
+
+    def render(self) -> str:
+        with self._lock:
+            lines: list[str] = []
+
+            def metric(name: str, kind: str, help_: str, samples: list[str]) -> None:
+                base = name.removesuffix("_total") if kind == "counter" else name
+                lines.extend([f"# HELP {base} {help_}", f"# TYPE {base} {kind}", *samples])
+
+            def counter(name: str, help_: str, value, labels: str = "") -> None:
+                metric(name, "counter", help_, [f"{name}{labels} {value}"])
+
+            def gauge(name: str, help_: str, value) -> None:
+                metric(name, "gauge", help_, [f"{name} {value}"])
+
+            gauge("nextn:num_requests_running", "Requests being generated (interleaved).", self.running)
+            gauge("nextn:num_requests_waiting", "Requests waiting for a turn.", self.waiting)
+            metric("nextn:request_success_total", "counter", "Finished requests by finish reason.",
+                   [f'nextn:request_success_total{{finished_reason="{k}"}} {v}' for k, v in sorted(self.success.items())])
+            counter("nextn:request_aborted_total", "Requests cancelled by a client disconnect.", self.aborted)
+            counter("nextn:request_failed_total", "Requests the engine failed on.", self.failed)
+            metric("nextn:request_rejected_total", "counter", "Requests refused before queueing, by reason.",
+                   [f'nextn:request_rejected_total{{reason="{k}"}} {v}' for k, v in sorted(self.rejected.items())])
+            counter("nextn:prompt_tokens_total", "Prompt tokens of admitted requests.", self.prompt_tokens)
+            counter("nextn:generation_tokens_total", "Generated tokens.", self.generation_tokens)
+            metric("nextn:time_to_first_token_seconds", "histogram", "Time from arrival to the first token.",
+                   self.ttft.lines("nextn:time_to_first_token_seconds"))
+            metric("nextn:inter_token_latency_seconds", "histogram",
+                   "Time per output token after the first (a round's wait split over its tokens).",
+                   self.itl.lines("nextn:inter_token_latency_seconds"))
+            metric("nextn:e2e_request_latency_seconds", "histogram", "Time from arrival to the last token.",
+                   self.e2e.lines("nextn:e2e_request_latency_seconds"))
+            counter("nextn:spec_decode_num_drafts_total", "Verify rounds with at least one draft token.",
+                    self.num_drafts)
+            counter("nextn:spec_decode_num_draft_tokens_total", "Draft tokens proposed.", self.num_draft_tokens)
+            counter("nextn:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.",
+                    self.num_accepted_tokens)
+            positions = range(self.num_positions)
+            metric("nextn:spec_decode_num_accepted_tokens_per_pos_total", "counter",
+                   "Draft tokens accepted at each draft position.",
+                   [f'nextn:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}} {self.accepted_per_pos[j]}'
+                    for j in positions])
+            metric("nextn:spec_decode_num_draft_tokens_per_pos_total", "counter",
+                   "Draft tokens proposed at each draft position.",
+                   [f'nextn:spec_decode_num_draft_tokens_per_pos_total{{position="{j}"}} {self.drafted_per_pos[j]}'
+                    for j in positions])
+            s = self.sessions
+            counter("nextn:session_lookups_total", "Session lookups by prompt prefix.", s.lookups)
+            counter("nextn:session_hits_total", "Lookups that found a kept session state.", s.hits)
+            counter("nextn:session_rewinds_total", "Hits that rewound a state to its prompt-end checkpoint.",
+                    s.rewinds)
+            counter("nextn:session_evictions_total", "Session states evicted under the memory budget.",
+                    s.evictions)
+            counter("nextn:prompt_tokens_cached_total", "Prompt tokens served from kept session state.",
+                    self.cached_tokens)
+            gauge("nextn:session_states", "Kept session states.", s.num_states)
+            gauge("nextn:session_memory_bytes", "Bytes held by kept session states.", s.memory_bytes)
+            return "\n".join(lines) + "\n"

@@ -1,0 +1,127 @@
+"""Engine outputs -> OpenAI response objects: usage with spec stats, logprobs in the chat and the
+completions shapes, full responses and SSE chunks. Does not know HTTP routing or the queue.
+"""
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel
+
+from nextn.core import RequestOutput, SpecStats
+from nextn.server import protocol as P
+from nextn.tokenizer import Tokenizer
+
+# nextn/vLLM extras left out of a response when unset, so plain OpenAI payloads stay plain
+_OPTIONAL_EXTRAS = {"token_ids", "prompt_token_ids", "spec_decode", "prompt_tokens_details", "bytes"}
+
+
+def to_json(model: BaseModel) -> str:
+    return json.dumps(_drop_unset_extras(model.model_dump()), ensure_ascii=False)
+
+
+def sse(model: BaseModel) -> str:
+    return f"data: {to_json(model)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def _drop_unset_extras(obj):
+    if isinstance(obj, dict):
+        return {k: _drop_unset_extras(v) for k, v in obj.items() if not (v is None and k in _OPTIONAL_EXTRAS)}
+    if isinstance(obj, list):
+        return [_drop_unset_extras(v) for v in obj]
+    return obj
+
+
+def spec_usage(stats: SpecStats, num_speculative_tokens: int) -> P.SpecDecodeUsage | None:
+    if num_speculative_tokens == 0:
+        return None
+    k = min(num_speculative_tokens, len(stats.drafted_per_position))
+    return P.SpecDecodeUsage(
+        num_drafts=stats.drafted_per_position[0], num_draft_tokens=stats.num_drafted,
+        num_accepted_tokens=stats.num_accepted, num_rounds=stats.num_rounds,
+        drafted_per_position=stats.drafted_per_position[:k], accepted_per_position=stats.accepted_per_position[:k],
+        acceptance_rate=stats.acceptance_rate, mean_acceptance_length=stats.mean_acceptance_length,
+    )
+
+
+def usage(outputs: list[RequestOutput], num_speculative_tokens: int) -> P.Usage:
+    stats = SpecStats()
+    for out in outputs:
+        stats.merge(out.spec)
+    prompt = sum(o.prompt_tokens for o in outputs)
+    completion = sum(len(o.token_ids) for o in outputs)
+    return P.Usage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in outputs)),
+        spec_decode=spec_usage(stats, num_speculative_tokens),
+    )
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (Qwen's too): vocabulary character -> the byte it stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+class LogprobFormatter:
+    """Token logprob entries ({"token_id", "logprob", "top_logprobs": [(id, lp)]}) as OpenAI JSON."""
+
+    _alphabet = _byte_level_alphabet()
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (a lone token may be part of a UTF-8 character its text cannot show)."""
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        if all(c in self._alphabet for c in piece):
+            return [self._alphabet[c] for c in piece]
+        return list(self.token(token_id).encode("utf-8"))
+
+    def chat(self, entries: list[dict]) -> P.ChoiceLogprobs:
+        def top(tid: int, lp: float) -> P.TopLogprob:
+            return P.TopLogprob(token=self.token(tid), logprob=lp, bytes=self.token_bytes(tid))
+
+        content = [
+            P.TokenLogprob(**top(e["token_id"], e["logprob"]).model_dump(),
+                           top_logprobs=[top(t, lp) for t, lp in e["top_logprobs"]])
+            for e in entries
+        ]
+        return P.ChoiceLogprobs(content=content)
+
+    def completion(self, entries: list[dict | None], token_ids: list[int], offset: int) -> P.CompletionLogprobs:
+        """`entries[i]` is token_ids[i]'s (None for a first prompt token); offsets start at `offset`."""
+        out = P.CompletionLogprobs()
+        for tid, e in zip(token_ids, entries):
+            s = self.token(tid)
+            out.tokens.append(s)
+            out.text_offset.append(offset)
+            offset += len(s)
+            if e is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(e["logprob"])
+            tops = {self.token(t): lp for t, lp in e["top_logprobs"]}
+            tops.setdefault(s, e["logprob"])  # the chosen token is always listed (vLLM does the same)
+            out.top_logprobs.append(tops)
+        return out
+
+
+def merge_completion_logprobs(a: P.CompletionLogprobs, b: P.CompletionLogprobs) -> P.CompletionLogprobs:
+    return P.CompletionLogprobs(
+        tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset,
+    )
