@@ -13,16 +13,17 @@ import torch
 from nextn.config import FULL, ModelConfig
 
 
+KV_BLOCK = 64  # K/V storage is allocated in whole blocks (the step attention reads whole blocks)
+
+
 class LayerKV:
     """K/V of one attention layer over positions [0, max_len): append-only, position-addressed."""
 
     def __init__(self, batch: int, max_len: int, num_kv_heads: int, head_dim: int, device, dtype):
-        self.key = torch.zeros(batch, max_len, num_kv_heads, head_dim, device=device, dtype=dtype)
+        capacity = -(-max_len // KV_BLOCK) * KV_BLOCK
+        self.max_len = max_len
+        self.key = torch.zeros(batch, capacity, num_kv_heads, head_dim, device=device, dtype=dtype)
         self.value = torch.zeros_like(self.key)
-
-    @property
-    def max_len(self) -> int:
-        return self.key.shape[1]
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         end = start + k.shape[1]

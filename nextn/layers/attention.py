@@ -8,6 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nextn.cache import LayerKV
+from nextn.layers.linear import STEP_ROWS, Linear
+
+from nextn.cache.hybrid import KV_BLOCK as ATTN_BLOCK  # keys per block of the step attention
 from nextn.config import ModelConfig
 from nextn.layers.norm import RMSNorm
 from nextn.layers.rotary import apply_rotary
@@ -20,10 +23,10 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
@@ -34,6 +37,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv: LayerKV | None,
         start: int,  # position of x's first token
+        num_real: int | None = None,  # a padded step's real rows (None: prefill / training)
     ) -> torch.Tensor:
         B, T, _ = x.shape
         qg = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim)
@@ -42,30 +46,70 @@ class Attention(nn.Module):
         k = apply_rotary(self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)), cos, sin)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if kv is None:  # whole-sequence forward (training): plain causal attention
-            keys, values, is_causal, mask = k, v, True, None
+            o = attend(q, k, v, None, True)
+        elif num_real is not None:
+            kv.write(start, k[:, :num_real], v[:, :num_real])
+            o = attend_step(q, kv, start, num_real)
         else:
             kv.write(start, k, v)
             keys, values = kv.key[:, : start + T], kv.value[:, : start + T]
             # query t (position start+t) sees positions <= start+t
             rows = torch.arange(T, device=x.device)[:, None] + start
             mask = torch.arange(start + T, device=x.device)[None, :] <= rows
-            is_causal = False
-        o = attend(q, keys, values, mask, is_causal)
+            o = attend(q, keys, values, mask, False)
         o = o.reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(o)
 
 
+def attend_step(q: torch.Tensor, kv: LayerKV, start: int, num_real: int) -> torch.Tensor:
+    """Attention of a padded step: q [B, R, Hq, D] at positions start.. over the cache.
+
+    Keys are visited in fixed blocks of ATTN_BLOCK with an online softmax, always at the same
+    shapes, so a row's result does not depend on how many rows (or later blocks) the step has:
+    a block a row may not see contributes exact zeros. Pad rows see what the last real row sees.
+    """
+    B, R, Hq, D = q.shape
+    groups = Hq // kv.key.shape[2]
+    row_pos = start + torch.arange(R, device=q.device).clamp(max=num_real - 1)  # [R]
+    q = q.transpose(1, 2).float() * D**-0.5  # [B, Hq, R, D]
+    m = q.new_full((B, Hq, R, 1), float("-inf"))
+    denom = q.new_zeros(B, Hq, R, 1)
+    acc = q.new_zeros(B, Hq, R, D)
+    for b0 in range(0, start + num_real, ATTN_BLOCK):
+        k = kv.key[:, b0 : b0 + ATTN_BLOCK].transpose(1, 2).float()  # [B, Hkv, BLOCK, D]
+        v = kv.value[:, b0 : b0 + ATTN_BLOCK].transpose(1, 2).float()
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        visible = (b0 + torch.arange(k.shape[2], device=q.device))[None, :] <= row_pos[:, None]  # [R, BLOCK]
+        scores = (q @ k.transpose(-1, -2)).masked_fill(~visible, float("-inf"))  # [B, Hq, R, BLOCK]
+        m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
+        p = (scores - m_new).exp()
+        scale = (m - m_new).exp()
+        denom = denom * scale + p.sum(-1, keepdim=True)
+        acc = acc * scale + p @ v
+        m = m_new
+    return (acc / denom).to(kv.value.dtype).transpose(1, 2)
+
+
 def attend(q, k, v, mask, is_causal):
-    """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D] (GQA by repeating kv heads)."""
+    """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D] (GQA by repeating kv heads).
+
+    Fewer than STEP_ROWS query rows are padded to STEP_ROWS (masked like the last real row) so
+    each row's matmuls do not depend on the row count: decode and verify agree bitwise.
+    """
+    B, T = q.shape[:2]
     groups = q.shape[2] // k.shape[2]
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, Hq, T, S]
+    S = k.shape[2]
     if is_causal:
-        T, S = scores.shape[-2:]
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    if T < STEP_ROWS:
+        q = torch.cat([q, q.new_zeros(B, q.shape[1], STEP_ROWS - T, q.shape[3])], dim=2)
+        mask = torch.cat([mask, mask[-1:].expand(STEP_ROWS - T, S)])
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, Hq, rows, S]
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return (probs @ v).transpose(1, 2)
+    return (probs @ v)[:, :, :T].transpose(1, 2)

@@ -6,17 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nextn.layers.linear import Linear, pad_rows, row_invariant_linear
 from nextn.config import ModelConfig
 
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_real: int | None = None) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -29,13 +30,20 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x, top_idx, top_w):
-        """x [N, H]; top_idx, top_w [N, k] -> [N, H]."""
-        out = torch.zeros_like(x)
+        """x [N, H]; top_idx, top_w [N, k] -> [N, H].
+
+        Each (token, slot) output is computed alone, then slots are summed in slot order, so a
+        token's result does not depend on which other tokens share the call.
+        """
+        per_slot = x.new_zeros(x.shape[0], top_idx.shape[1], x.shape[1])  # [N, k, H]
         for e in top_idx.unique().tolist():
             rows, slot = torch.where(top_idx == e)
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
-            out.index_add_(0, rows, (y * top_w[rows, slot, None]).to(out.dtype))
+            xe = pad_rows(x[rows])  # small groups run at the fixed step shape (elementwise ops too)
+            gate, up = row_invariant_linear(xe, self.gate_up_proj[e]).chunk(2, dim=-1)
+            per_slot[rows, slot] = row_invariant_linear(F.silu(gate) * up, self.down_proj[e])[: rows.numel()]
+        out = per_slot[:, 0] * top_w[:, 0, None]
+        for s in range(1, top_idx.shape[1]):
+            out = out + per_slot[:, s] * top_w[:, s, None]
         return out
 
 
@@ -47,7 +55,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
 
     def forward(self, x):
-        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        probs = torch.softmax(row_invariant_linear(x, self.weight).float(), dim=-1)
         top_w, top_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
@@ -60,12 +68,16 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_real: int | None = None) -> torch.Tensor:
+        """x [B, T, H]; with num_real (a padded step, B = 1) only the real rows are routed."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        n = x.shape[0] if num_real is None else num_real
         top_idx, top_w = self.gate(x)
-        out = self.experts(x, top_idx, top_w)
-        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        routed = self.experts(x[:n], top_idx[:n], top_w[:n])
+        if n < x.shape[0]:
+            routed = torch.cat([routed, routed.new_zeros(x.shape[0] - n, x.shape[1])])
+        out = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)

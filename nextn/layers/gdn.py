@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nextn.cache import HybridCache, StepStash
+from nextn.layers.linear import Linear
 from nextn.config import ModelConfig
 from nextn.layers.norm import RMSNormGated
 from nextn.ops import conv as conv_ops
@@ -27,6 +28,7 @@ class _ConvWeight(nn.Module):
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    x = x.contiguous()  # a reduction's order can depend on strides: fix them
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
@@ -41,23 +43,25 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = RMSNormGated(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
         self._init_projections(cfg)
         self.chunk_rule = gdn_ops.chunk_gated_delta_rule
         self.recurrent_rule = gdn_ops.recurrent_gated_delta_rule
 
     def _init_projections(self, cfg: ModelConfig) -> None:
         H = cfg.hidden_size
-        self.in_proj_qkv = nn.Linear(H, cfg.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(H, self.num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(H, cfg.conv_dim, bias=False)
+        self.in_proj_z = Linear(H, self.value_dim, bias=False)
+        self.in_proj_b = Linear(H, self.num_v_heads, bias=False)
+        self.in_proj_a = Linear(H, self.num_v_heads, bias=False)
 
     def project(self, x: torch.Tensor):
         """x [B, T, H] -> mixed_qkv [B, T, conv_dim], z [B, T, value_dim], b, a [B, T, HV]."""
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
-    def forward(self, x: torch.Tensor, cache: HybridCache | None, keep_states: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: HybridCache | None, num_real: int | None) -> torch.Tensor:
+        """x [B, T, H]. num_real None: prefill (chunked rule, states written to the cache);
+        else a step whose first num_real rows are real: recurrent rule, per-token states stashed."""
         B, T, _ = x.shape
         i = self.layer_idx
         mixed_qkv, z, b, a = self.project(x)
@@ -70,9 +74,12 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         initial = cache.recurrent[i] if cache is not None else None
-        if keep_states:
-            o, states = self.recurrent_rule(q, k, v, g, beta, initial)
-            cache.stash[i] = StepStash(window, states)
+        if num_real is not None:
+            n = num_real
+            o, states = self.recurrent_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], initial)
+            o = torch.cat([o, o.new_zeros(B, T - n, *o.shape[2:])], dim=1)  # pad rows stay zero
+            W = self.conv1d.weight.shape[-1]
+            cache.stash[i] = StepStash(window[:, :, : W - 1 + n], states)
         else:
             o, final = self.chunk_rule(q, k, v, g, beta, initial)
             if cache is not None:
@@ -88,8 +95,8 @@ class GatedDeltaNetNext(GatedDeltaNet):
 
     def _init_projections(self, cfg: ModelConfig) -> None:
         H = cfg.hidden_size
-        self.in_proj_qkvz = nn.Linear(H, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(H, 2 * self.num_v_heads, bias=False)
+        self.in_proj_qkvz = Linear(H, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = Linear(H, 2 * self.num_v_heads, bias=False)
 
     def project(self, x: torch.Tensor):
         B, T, _ = x.shape

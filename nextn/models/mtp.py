@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from nextn.cache import LayerKV
+from nextn.layers.linear import Linear
 from nextn.config import FULL, ModelConfig
 from nextn.layers.norm import RMSNorm
 
@@ -22,7 +23,7 @@ class MTPHead(nn.Module):
         H = cfg.hidden_size
         self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
-        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.fc = Linear(2 * H, H, bias=False)
         # the MTP layer's FFN is dense or MoE like the trunk
         self.layers = nn.ModuleList([DecoderLayer(cfg, 0, FULL, moe=cfg.num_experts > 0)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -38,6 +39,4 @@ class MTPHead(nn.Module):
     ) -> torch.Tensor:
         """Returns the layer output before mtp.norm [B, T, H]."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        return self.layers[0](x, cos, sin, None, slot, keep_states=False, kv=kv) if kv is not None else (
-            self.layers[0](x, cos, sin, None, 0, keep_states=False)
-        )
+        return self.layers[0](x, cos, sin, None, slot, None, kv=kv)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from nextn.cache import HybridCache
+from nextn.layers.linear import STEP_ROWS, Linear, row_invariant_linear
 from nextn.config import FULL, ModelConfig
 from nextn.layers.attention import Attention
 from nextn.layers.ffn import MLP, SparseMoeBlock
@@ -32,15 +33,16 @@ class DecoderLayer(nn.Module):
             self.linear_attn = gdn_cls(cfg, layer_idx)
         self.mlp = SparseMoeBlock(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, cache: HybridCache | None, start: int, keep_states: bool, kv=None):
+    def forward(self, x, cos, sin, cache: HybridCache | None, start: int, num_real: int | None, kv=None):
+        """num_real: None for prefill / training; for a step, the real rows of the padded x."""
         h = self.input_layernorm(x)
         if self.kind == FULL:
             layer_kv = kv if kv is not None else (cache.kv[self.layer_idx] if cache is not None else None)
-            h = self.self_attn(h, cos, sin, layer_kv, start)
+            h = self.self_attn(h, cos, sin, layer_kv, start, num_real)
         else:
-            h = self.linear_attn(h, cache, keep_states)
+            h = self.linear_attn(h, cache, num_real)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), num_real)
 
 
 class TextModel(nn.Module):
@@ -62,7 +64,7 @@ class CausalLM(nn.Module):
         self.model = TextModel(cfg)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = MTPHead(cfg) if num_mtp_layers > 0 else None
 
     @property
@@ -84,20 +86,28 @@ class CausalLM(nn.Module):
         start = cache.seq_len if cache is not None else 0
         if cache is not None and start + T > cache.max_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds the cache capacity {cache.max_len}")
+        num_real = None
+        if keep_states:
+            # every step runs STEP_ROWS rows whatever T is: decode and verify share one shape,
+            # so each row's arithmetic is the same in both (and one CUDA graph fits all K)
+            if T > STEP_ROWS:
+                raise ValueError(f"a step takes at most {STEP_ROWS} tokens, got {T}")
+            num_real = T
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], STEP_ROWS - T)], dim=1)
         x = self.model.embed_tokens(input_ids)
-        positions = torch.arange(start, start + T, device=input_ids.device)
+        positions = torch.arange(start, start + x.shape[1], device=input_ids.device)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, start, keep_states)
+            x = layer(x, cos, sin, cache, start, num_real)
         if cache is not None:
             if keep_states:
                 cache.step_tokens = T
             else:
                 cache.seq_len += T
-        return x
+        return x[:, :T]
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.norm(hidden)
 
     def logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
-        return (normed_hidden @ self.lm_head_weight.t()).float()
+        return row_invariant_linear(normed_hidden, self.lm_head_weight).float()

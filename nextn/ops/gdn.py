@@ -44,12 +44,14 @@ def recurrent_gated_delta_rule(
     k, v, g, beta = k.float(), v.float(), g.float(), beta.float()
     state = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.float()
     outs, states = [], []
+    # elementwise products and fixed-axis sums: token t's arithmetic does not depend on T
     for t in range(T):
+        k_t, q_t = k[:, t].contiguous(), q[:, t].contiguous()  # [B, HV, K]
         state = state * g[:, t].exp()[..., None, None]
-        kv_mem = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        kv_mem = (state * k_t[..., None]).sum(-2)  # [B, HV, V]
         delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
-        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+        state = state + k_t[..., None] * delta[:, :, None, :]
+        outs.append((state * q_t[..., None]).sum(-2))
         states.append(state)
     o = torch.stack(outs, dim=1).to(out_dtype)
     return o, torch.stack(states, dim=1)

@@ -1,0 +1,168 @@
+"""The trunk against transformers, the checkpoint layouts, and the cached-forward invariants."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from hf_fixtures import hf_greedy, hf_logits
+from safetensors.torch import load_file, save_file
+
+import nextn
+from nextn.cache import HybridCache
+from nextn.config import ConfigError, ModelConfig
+from nextn.models.loader import CheckpointError, load_model
+
+CKPTS = ["dense_ckpt", "moe_ckpt", "moe_perexpert_ckpt", "next_ckpt", "vlm_ckpt", "moe_vlm_ckpt"]
+PROMPT = [7, 81, 3, 199, 42, 5, 260, 11]
+
+
+def _ids(n, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, n), generator=g)
+
+
+@pytest.mark.parametrize("name", CKPTS)
+def test_logits_match_transformers(name, request):
+    ckpt = request.getfixturevalue(name)
+    model = load_model(ckpt)
+    ids = _ids(70)  # crosses the 64-token chunk of the delta rule
+    with torch.no_grad():
+        ours = model.logits(model.final_norm(model(ids)))[0]
+    ref = hf_logits(ckpt, ids[0].tolist())
+    assert torch.allclose(ours, ref, atol=2e-4, rtol=1e-4), (ours - ref).abs().max()
+
+
+@pytest.mark.parametrize("name", ["dense_ckpt", "moe_ckpt", "next_ckpt", "vlm_ckpt"])
+def test_greedy_matches_transformers(name, request):
+    ckpt = request.getfixturevalue(name)
+    llm = nextn.LLM(model=ckpt, num_speculative_tokens=0)
+    for prompt in (PROMPT, [17], [5, 5, 5, 5, 9]):
+        out = llm.generate(prompt_token_ids=prompt, params=nextn.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        assert out.token_ids == hf_greedy(ckpt, prompt, 24)
+
+
+def test_vlm_layout_loads_the_same_weights(dense_ckpt, vlm_ckpt, moe_ckpt, moe_vlm_ckpt, moe_perexpert_ckpt):
+    for a, b in ((dense_ckpt, vlm_ckpt), (moe_ckpt, moe_vlm_ckpt), (moe_ckpt, moe_perexpert_ckpt)):
+        sa, sb = load_model(a).state_dict(), load_model(b).state_dict()
+        assert sa.keys() == sb.keys() and any(k.startswith("mtp.") for k in sa)
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+def _step_states(model, cache):
+    return {i: (cache.conv[i].clone(), cache.recurrent[i].clone()) for i in cache.conv}
+
+
+@pytest.mark.parametrize("name", ["dense_ckpt", "moe_ckpt", "next_ckpt"])
+def test_multi_token_step_equals_single_steps(name, request):
+    """A (K+1)-token keep-states step over the cache == K+1 one-token steps: outputs and per-token states."""
+    model = load_model(request.getfixturevalue(name))
+    ids = _ids(20, seed=1)
+    cfg = model.cfg
+    with torch.no_grad():
+        multi = HybridCache(cfg, 64, "cpu", torch.float32)
+        model(ids[:, :15], multi)
+        single = HybridCache(cfg, 64, "cpu", torch.float32)
+        model(ids[:, :15], single)
+        h_multi = model(ids[:, 15:], multi, keep_states=True)
+        stash = {i: s.states.clone() for i, s in multi.stash.items()}
+        windows = {i: s.window.clone() for i, s in multi.stash.items()}
+        for t in range(5):
+            h1 = model(ids[:, 15 + t : 16 + t], single, keep_states=True)
+            single.commit(1)
+            # bitwise: decode and verify rows share one arithmetic (the fixed-shape step)
+            assert torch.equal(h1[0, 0], h_multi[0, t])
+            W = cfg.linear_conv_kernel_dim
+            for i, (conv, rec) in _step_states(model, single).items():
+                assert torch.equal(stash[i][:, t], rec)
+                assert torch.equal(windows[i][:, :, t + 1 : t + W], conv)
+
+
+@pytest.mark.parametrize("name", ["dense_ckpt", "next_ckpt"])
+@pytest.mark.parametrize("n_keep", [1, 2, 3, 4, 5])
+def test_commit_rolls_back_to_the_kept_prefix(name, n_keep, request):
+    """State after a 5-token step committing n == state after feeding those n tokens one at a time."""
+    model = load_model(request.getfixturevalue(name))
+    ids = _ids(15, seed=2)
+    with torch.no_grad():
+        a = HybridCache(model.cfg, 64, "cpu", torch.float32)
+        b = HybridCache(model.cfg, 64, "cpu", torch.float32)
+        model(ids[:, :10], a)
+        model(ids[:, :10], b)
+        model(ids[:, 10:15], a, keep_states=True)
+        a.commit(n_keep)
+        for t in range(n_keep):
+            model(ids[:, 10 + t : 11 + t], b, keep_states=True)
+            b.commit(1)
+        assert a.seq_len == b.seq_len == 10 + n_keep
+        for i in a.conv:
+            assert torch.equal(a.conv[i], b.conv[i])
+            assert torch.equal(a.recurrent[i], b.recurrent[i])
+        for i in a.kv:
+            n = a.seq_len
+            assert torch.equal(a.kv[i].key[:, :n], b.kv[i].key[:, :n])
+        # the next token sees identical states
+        nxt = ids[:, 14:15]
+        ha, hb = model(nxt, a, keep_states=True), model(nxt, b, keep_states=True)
+        assert torch.equal(ha, hb)
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_tensors(ckpt, fn):
+    path = ckpt / "model.safetensors"
+    tensors = load_file(str(path))
+    fn(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_bad_checkpoints_name_the_tensor(dense_ckpt, tmp_path):
+    name = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    ckpt = _copy(dense_ckpt, tmp_path / "missing")
+    _edit_tensors(ckpt, lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match="missing.*in_proj_qkv"):
+        load_model(ckpt)
+    ckpt = _copy(dense_ckpt, tmp_path / "unknown")
+    _edit_tensors(ckpt, lambda t: t.update({"model.layers.0.bogus.weight": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match="unknown.*bogus"):
+        load_model(ckpt)
+    ckpt = _copy(dense_ckpt, tmp_path / "shape")
+    _edit_tensors(ckpt, lambda t: t.update({name: t[name][:-1]}))
+    with pytest.raises(CheckpointError, match="in_proj_qkv.*shape"):
+        load_model(ckpt)
+    ckpt = _copy(dense_ckpt, tmp_path / "mtp_shape")
+    _edit_tensors(ckpt, lambda t: t.update({"mtp.fc.weight": t["mtp.fc.weight"][:, :-1].contiguous()}))
+    with pytest.raises(CheckpointError, match="mtp.fc.weight"):
+        load_model(ckpt)
+
+
+def test_bad_configs_are_clear(dense_ckpt, tmp_path):
+    ckpt = _copy(dense_ckpt, tmp_path / "cfg")
+    raw = json.loads((ckpt / "config.json").read_text())
+    with pytest.raises(ConfigError, match="model_type"):
+        ModelConfig.from_dict({**raw, "model_type": "llama"})
+    broken = dict(raw)
+    broken.pop("linear_num_value_heads")
+    with pytest.raises(ConfigError, match="linear_num_value_heads"):
+        ModelConfig.from_dict(broken)
+    with pytest.raises(ConfigError, match="layer_types"):
+        ModelConfig.from_dict({**raw, "layer_types": ["linear_attention"]})
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_model(ckpt)
+
+
+def test_missing_mtp_head_means_plain_decoding(dense_ckpt, tmp_path, capsys):
+    ckpt = _copy(dense_ckpt, tmp_path / "nohead")
+    _edit_tensors(ckpt, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("mtp.")]])
+    llm = nextn.LLM(model=ckpt)
+    assert llm.num_speculative_tokens == 0 and llm.model.mtp is None
+    assert "no mtp" in capsys.readouterr().err.lower()
+    with pytest.raises(ValueError, match="MTP head"):
+        nextn.LLM(model=ckpt, num_speculative_tokens=2)
