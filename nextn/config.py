@@ -197,8 +197,9 @@ class SpecConfig:
     hidden_after_norm: bool = True
 
     def __post_init__(self):
-        if not 0 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}")
+        # a verify step holds the pending token and the drafts in STEP_ROWS (16) rows
+        if not 0 <= self.num_speculative_tokens <= 15:
+            raise ValueError(f"num_speculative_tokens must be in 0..15, got {self.num_speculative_tokens}")
         if not 0.0 <= self.p_min < 1.0:
             raise ValueError(f"p_min must be in [0, 1), got {self.p_min}")
 
