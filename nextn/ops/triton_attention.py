@@ -1,0 +1,207 @@
+"""Gated full attention for decode / verify steps (T <= 16 query rows), batch-invariant.
+
+Reference: `nextn.layers.attention.Attention` (per-head zero-centred q/k RMSNorm, partial NEOX
+RoPE, causal attention over the layer's K/V cache, output * sigmoid(gate)).
+
+Three launches, all reading the step's start position from a device scalar (`pos`), so a CUDA
+graph captured once serves every position:
+- `qk_norm_rope`: normalises and rotates q and k, writes k and v into the cache at pos + t;
+- `_attend_chunk_kernel`: flash-decoding over fixed chunks of CHUNK absolute positions: program
+  (t, head, c) reduces keys [c*CHUNK, (c+1)*CHUNK) of row t into (max, sum, acc) partials;
+- `_combine_kernel`: merges row t's chunk partials in chunk order, applies the gate.
+Chunk boundaries are absolute positions, so the row at position p is reduced in the same order
+whether it is a decode's only row or a verify's row t: decode and verify agree bitwise.
+"""
+from __future__ import annotations
+
+import torch
+
+from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
+
+CHUNK = 128  # positions per partial: a row at position p reads ceil((p+1)/CHUNK) chunks
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _qk_norm_rope_kernel(
+        qkv_ptr, stride_qkv,  # [T, Hq*2*D + 2*Hkv*D]: per q head [q | gate], then k heads, then v heads
+        q_norm_ptr, k_norm_ptr,  # [D] zero-centred norm weights
+        cos_ptr, sin_ptr,  # [max_pos, R] rotary tables (the reference's values, in the model dtype)
+        pos_ptr,  # int32 [1]: cache slot of row 0; its rope position is slot + ROPE_OFFSET
+        q_out_ptr,  # [T, Hq, D]
+        key_ptr, value_ptr,  # [max_len, Hkv, D] the layer's cache
+        eps,
+        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ROPE_OFFSET: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        head = tl.program_id(1)
+        slot = tl.load(pos_ptr) + t
+        rope_pos = slot + ROPE_OFFSET
+        offs = tl.arange(0, D)
+        is_q = head < HQ
+        kv_head = head - HQ
+        row = qkv_ptr + t * stride_qkv
+        base = tl.where(is_q, head * 2 * D, HQ * 2 * D + kv_head * D)
+        half = R // 2
+        rot = offs < R
+        partner = tl.where(offs < half, offs + half, offs - half)
+        if is_q:
+            w = tl.load(q_norm_ptr + offs).to(tl.float32)
+            wp = tl.load(q_norm_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+        else:
+            w = tl.load(k_norm_ptr + offs).to(tl.float32)
+            wp = tl.load(k_norm_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+        dtype = q_out_ptr.dtype.element_ty
+        x = tl.load(row + base + offs).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        xn = (x * rstd * (1.0 + w)).to(dtype).to(tl.float32)
+        # NEOX halves of the first R dims: out = x*cos + [-x2, x1]*sin, each op rounded like the reference
+        xp = tl.load(row + base + partner, mask=rot, other=0.0).to(tl.float32)
+        xpn = (xp * rstd * (1.0 + wp)).to(dtype).to(tl.float32)
+        xpn = tl.where(offs < half, -xpn, xpn)
+        cos = tl.load(cos_ptr + rope_pos * R + offs, mask=rot, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + rope_pos * R + offs, mask=rot, other=0.0).to(tl.float32)
+        rotated = (xn * cos).to(dtype).to(tl.float32) + (xpn * sin).to(dtype).to(tl.float32)
+        out = tl.where(rot, rotated, xn).to(dtype)
+        if is_q:
+            tl.store(q_out_ptr + (t * HQ + head) * D + offs, out)
+        else:
+            dst = (slot * HKV + kv_head) * D + offs
+            tl.store(key_ptr + dst, out)
+            v = tl.load(row + HQ * 2 * D + HKV * D + kv_head * D + offs)
+            tl.store(value_ptr + dst, v)
+
+    @triton.jit
+    def _attend_chunk_kernel(
+        q_ptr,  # [T, Hq, D]
+        key_ptr, value_ptr,  # [max_len, Hkv, D]
+        pos_ptr,  # int32 [1]: cache slot of row 0
+        part_m_ptr, part_l_ptr, part_acc_ptr,  # [T, Hq, NUM_CHUNKS] (, D) float32 out
+        scale,
+        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+        NUM_CHUNKS: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        head = tl.program_id(1)
+        c = tl.program_id(2)
+        length = tl.load(pos_ptr) + t + 1  # row t sees slots [0, length)
+        if c * CHUNK_SIZE < length:
+            kv_head = head // (HQ // HKV)
+            offs_d = tl.arange(0, D)
+            q = tl.load(q_ptr + (t * HQ + head) * D + offs_d).to(tl.float32)
+            m = tl.full((), float("-inf"), tl.float32)
+            l = tl.zeros((), tl.float32)
+            acc = tl.zeros((D,), tl.float32)
+            for s0 in range(0, CHUNK_SIZE, BLOCK_S):
+                offs_s = c * CHUNK_SIZE + s0 + tl.arange(0, BLOCK_S)
+                valid = offs_s < length
+                kv_off = (offs_s[:, None] * HKV + kv_head) * D + offs_d[None, :]
+                k = tl.load(key_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+                s = tl.sum(k * q[None, :], axis=1) * scale
+                s = tl.where(valid, s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=0))
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(s - m_new)
+                v = tl.load(value_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+                l = l * alpha + tl.sum(p, axis=0)
+                acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+                m = m_new
+            part = (t * HQ + head) * NUM_CHUNKS + c
+            tl.store(part_m_ptr + part, m)
+            tl.store(part_l_ptr + part, l)
+            tl.store(part_acc_ptr + part * D + offs_d, acc)
+
+    @triton.jit
+    def _combine_kernel(
+        part_m_ptr, part_l_ptr, part_acc_ptr,
+        qkv_ptr, stride_qkv,  # the gate: [T, Hq*2*D + ...] columns head*2*D + D ..
+        pos_ptr,
+        o_ptr,  # [T, Hq*D] out: attention * sigmoid(gate)
+        HQ: tl.constexpr, D: tl.constexpr,
+        NUM_CHUNKS: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        head = tl.program_id(1)
+        length = tl.load(pos_ptr) + t + 1
+        num_chunks = (length + CHUNK_SIZE - 1) // CHUNK_SIZE
+        base = (t * HQ + head) * NUM_CHUNKS
+        offs_d = tl.arange(0, D)
+        m = tl.full((), float("-inf"), tl.float32)
+        for c0 in range(0, NUM_CHUNKS, BLOCK_C):
+            offs_c = c0 + tl.arange(0, BLOCK_C)
+            mc = tl.load(part_m_ptr + base + offs_c, mask=offs_c < num_chunks, other=float("-inf"))
+            m = tl.maximum(m, tl.max(mc, axis=0))
+        l = tl.zeros((), tl.float32)
+        acc = tl.zeros((D,), tl.float32)
+        for c0 in range(0, NUM_CHUNKS, BLOCK_C):
+            offs_c = c0 + tl.arange(0, BLOCK_C)
+            live = offs_c < num_chunks
+            mc = tl.load(part_m_ptr + base + offs_c, mask=live, other=float("-inf"))
+            w = tl.where(live, tl.exp(mc - m), 0.0)
+            lc = tl.load(part_l_ptr + base + offs_c, mask=live, other=0.0)
+            ac = tl.load(part_acc_ptr + (base + offs_c[:, None]) * D + offs_d[None, :], mask=live[:, None], other=0.0)
+            l += tl.sum(w * lc, axis=0)
+            acc += tl.sum(w[:, None] * ac, axis=0)
+        dtype = o_ptr.dtype.element_ty
+        o = (acc / l).to(dtype).to(tl.float32)
+        g = tl.load(qkv_ptr + t * stride_qkv + head * 2 * D + D + offs_d).to(tl.float32)
+        gate = (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        tl.store(o_ptr + t * HQ * D + head * D + offs_d, (o * gate).to(dtype))
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,  # [T, Hq*2*D + 2*Hkv*D]
+    q_norm: torch.Tensor,  # [D]
+    k_norm: torch.Tensor,  # [D]
+    cos: torch.Tensor,  # [max_pos, R]
+    sin: torch.Tensor,
+    pos: torch.Tensor,  # int32 [1] cache slot of row 0
+    key: torch.Tensor,  # [max_len, Hkv, D] (written at pos + t)
+    value: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    rope_offset: int = 0,
+    q_out: torch.Tensor | None = None,  # [T, Hq, D]
+) -> torch.Tensor:
+    T = qkv.shape[0]
+    Hkv, D = key.shape[-2], key.shape[-1]
+    if q_out is None:
+        q_out = torch.empty(T, num_heads, D, device=qkv.device, dtype=qkv.dtype)
+    _qk_norm_rope_kernel[(T, num_heads + Hkv)](
+        qkv, qkv.stride(0), q_norm, k_norm, cos, sin, pos, q_out, key, value, eps,
+        HQ=num_heads, HKV=Hkv, D=D, R=cos.shape[1], ROPE_OFFSET=rope_offset, num_warps=4,
+    )
+    return q_out
+
+
+def attend_step(
+    q: torch.Tensor,  # [T, Hq, D] normed and rotated
+    qkv: torch.Tensor,  # [T, ...] the projection output holding the gate
+    key: torch.Tensor,  # [max_len, Hkv, D]
+    value: torch.Tensor,
+    pos: torch.Tensor,  # int32 [1] cache slot of row 0
+    out: torch.Tensor | None = None,  # [T, Hq*D]
+    chunk: int = CHUNK,
+) -> torch.Tensor:
+    T, Hq, D = q.shape
+    max_len, Hkv = key.shape[0], key.shape[1]
+    num_chunks = triton.cdiv(max_len, chunk)
+    part_m = torch.empty(T, Hq, num_chunks, device=q.device, dtype=torch.float32)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(T, Hq, num_chunks, D, device=q.device, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(T, Hq * D, device=q.device, dtype=q.dtype)
+    block_s = min(32, chunk)
+    _attend_chunk_kernel[(T, Hq, num_chunks)](
+        q, key, value, pos, part_m, part_l, part_acc, D**-0.5,
+        HQ=Hq, HKV=Hkv, D=D, NUM_CHUNKS=num_chunks, CHUNK_SIZE=chunk, BLOCK_S=block_s,
+        num_warps=4 if D <= 128 else 8,
+    )
+    _combine_kernel[(T, Hq)](
+        part_m, part_l, part_acc, qkv, qkv.stride(0), pos, out,
+        HQ=Hq, D=D, NUM_CHUNKS=num_chunks, CHUNK_SIZE=chunk, BLOCK_C=min(16, next_pow2(num_chunks)),
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,164 @@
+"""Batch-invariant skinny matmul for the step path: y = x @ w.T for x [M <= 16, K], w [N, K].
+
+The reference is `F.linear`. Decode (1 row) and verify (K+1 rows) must compute each row with the
+same arithmetic, or greedy speculative output drifts from plain output in bf16. Here each program
+owns BLOCK_N output columns for every row: it streams its weight rows once (so a 1-row GEMV reads
+each weight byte exactly once) and multiplies each [BLOCK_N, BLOCK_K] weight tile with all rows
+padded to 16 in one tensor-core dot (weights as the 16+-row operand: "swap AB"). Block sizes are
+chosen from (N, K) alone and M is never specialised, so the reduction order of a row does not
+depend on M.
+
+Fused around the dot, so a decoder layer needs fewer launches:
+- prologue `rms`: x -> RMSNorm(x) * (1 + w) (the zero-centred norm before a projection);
+- prologue `gated`: per group of `group` columns, RMSNorm(x) * w * silu(z) (the GDN output norm);
+- epilogue `residual`: y = residual + x @ w.T (each rounded to x's dtype first, like `x + f(x)`);
+- epilogue `silu_mul`: y = silu(x @ w.T) * (x @ w2.T) (the SwiGLU of an MLP, gate and up weights).
+Roundings follow the PyTorch modules they replace, op by op.
+"""
+from __future__ import annotations
+
+import torch
+
+from nextn.ops.triton_utils import HAVE_TRITON, INTERPRET, next_pow2
+
+MAX_ROWS = 16  # rows of one step: decode 1, verify K + 1 <= 16
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["M"])
+    def _skinny_kernel(
+        x_ptr, w_ptr, w2_ptr, y_ptr, res_ptr, nw_ptr, z_ptr,
+        M, N, K, stride_x, stride_y, stride_res, stride_z, eps,
+        PROLOGUE: tl.constexpr,  # 0 none, 1 rms (zero-centred), 2 gated rms per GROUP columns
+        EPILOGUE: tl.constexpr,  # 0 none, 1 residual add, 2 silu(x w^T) * (x w2^T)
+        GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        x_dtype = x_ptr.dtype.element_ty
+        if PROLOGUE == 1:  # per-row 1/rms over all of K, in a fixed block order
+            sumsq = tl.zeros((BLOCK_M,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                xk = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
+                             mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+                sumsq += tl.sum(xk * xk, axis=1)
+            rstd = 1.0 / tl.sqrt(sumsq / K + eps)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                x_mask = mask_m[:, None]
+                w_mask = mask_n[:, None]
+            else:
+                x_mask = mask_m[:, None] & (offs_k[None, :] < K)
+                w_mask = mask_n[:, None] & (offs_k[None, :] < K)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=x_mask, other=0.0)
+            if PROLOGUE == 1:
+                nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                x = (x.to(tl.float32) * rstd[:, None] * (1.0 + nw[None, :])).to(x_dtype)
+            elif PROLOGUE == 2:
+                xf = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // GROUP, GROUP))
+                g_rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=2) / GROUP + eps)
+                normed = tl.reshape((xf * g_rstd[:, :, None]).to(x_dtype), (BLOCK_M, BLOCK_K))
+                nw = tl.load(nw_ptr + offs_k % GROUP)
+                gated = (nw[None, :].to(tl.float32) * normed.to(tl.float32)).to(x_dtype)
+                z = tl.load(z_ptr + offs_m[:, None] * stride_z + offs_k[None, :], mask=x_mask, other=0.0)
+                z = z.to(tl.float32)
+                x = (gated.to(tl.float32) * (z / (1.0 + tl.exp(-z)))).to(x_dtype)
+            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+            if DOT_F32:
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+            if EPILOGUE == 2:
+                w2 = tl.load(w2_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+                if DOT_F32:
+                    acc2 = tl.dot(w2.to(tl.float32), tl.trans(x.to(tl.float32)), acc2, input_precision="ieee")
+                else:
+                    acc2 = tl.dot(w2, tl.trans(x), acc2)
+        out_mask = mask_n[:, None] & mask_m[None, :]
+        if EPILOGUE == 1:
+            r = tl.load(res_ptr + offs_m[None, :] * stride_res + offs_n[:, None], mask=out_mask, other=0.0)
+            out = acc.to(x_dtype).to(tl.float32) + r.to(tl.float32)
+        elif EPILOGUE == 2:
+            g = acc.to(x_dtype).to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(x_dtype).to(tl.float32)
+            out = silu * acc2.to(x_dtype).to(tl.float32)
+        else:
+            out = acc
+        tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], out.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages); bench/tune_linear.py measures candidates
+CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+NUM_SMS = 132  # H200; only sets how many programs a launch aims for
+
+
+def pick_config(N: int, K: int, group: int = 1) -> tuple[int, int, int, int]:
+    """Block sizes from the weight's shape alone (never the row count: that keeps rows invariant)."""
+    if (N, K) in CONFIGS:
+        return CONFIGS[(N, K)]
+    block_k = max(group, min(256, max(16, next_pow2(K))))
+    block_n = 16
+    for bn in (32, 64, 128):
+        if triton_cdiv(N, bn) >= 2 * NUM_SMS:
+            block_n = bn
+    return block_n, block_k, 4, 3
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def skinny_linear(
+    x: torch.Tensor,  # [M, K], M <= 16, last dim contiguous
+    weight: torch.Tensor,  # [N, K] contiguous
+    *,
+    out: torch.Tensor | None = None,  # [M, N]
+    out_dtype: torch.dtype | None = None,
+    norm_weight: torch.Tensor | None = None,  # [K]: prologue RMSNorm(x) * (1 + w)
+    gate: torch.Tensor | None = None,  # [M, K]: z of the gated prologue (needs norm_weight [group])
+    group: int = 1,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,  # [M, N]: epilogue residual + y
+    up_weight: torch.Tensor | None = None,  # [N, K]: epilogue silu(y) * (x @ up_weight.T)
+) -> torch.Tensor:
+    M, K = x.shape
+    N = weight.shape[0]
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"skinny_linear takes 1..{MAX_ROWS} rows, got {M}")
+    if weight.shape[1] != K or not weight.is_contiguous() or x.stride(1) != 1:
+        raise ValueError(f"skinny_linear: x {tuple(x.shape)} / weight {tuple(weight.shape)} layout")
+    if out is None:
+        out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
+    prologue = 0 if norm_weight is None else (2 if gate is not None else 1)
+    epilogue = 1 if residual is not None else (2 if up_weight is not None else 0)
+    block_n, block_k, warps, stages = pick_config(N, K, group if prologue == 2 else 1)
+    if prologue == 2 and block_k % group:
+        raise ValueError(f"gated prologue: BLOCK_K {block_k} must be a multiple of the group {group}")
+    dummy = weight
+    grid = (triton_cdiv(N, block_n),)
+    _skinny_kernel[grid](
+        x, weight, up_weight if up_weight is not None else dummy, out,
+        residual if residual is not None else dummy,
+        norm_weight if norm_weight is not None else dummy,
+        gate if gate is not None else dummy,
+        M, N, K, x.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        gate.stride(0) if gate is not None else 0,
+        eps,
+        PROLOGUE=prologue, EPILOGUE=epilogue, GROUP=group if prologue == 2 else 1,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
+        DOT_F32=INTERPRET or x.dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
+    )
+    return out

@@ -1,0 +1,241 @@
+"""Triton kernels against their PyTorch references, and the row invariance exactness rests on.
+
+On a CPU machine the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before
+triton is imported) on tiny shapes; on a GPU the `gpu` tests run them compiled, in bf16, at the
+Qwen3.5-9B shapes. Tolerances: float32 kernels differ from the references only in summation
+order (~1e-6 relative); bf16 outputs by at most a couple of bf16 ulps where the reference rounds
+intermediate values at different points.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton_interp  # noqa: F401  (before triton: the CPU interpreter, with GPU rounding)
+
+triton = pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from nextn.layers.attention import attend  # noqa: E402
+from nextn.layers.gdn import l2norm  # noqa: E402
+from nextn.layers.norm import RMSNorm, RMSNormGated  # noqa: E402
+from nextn.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+from nextn.ops.conv import causal_conv1d  # noqa: E402
+from nextn.ops.gdn import recurrent_gated_delta_rule  # noqa: E402
+from nextn.ops.triton_attention import attend_step, qk_norm_rope  # noqa: E402
+from nextn.ops.triton_conv import conv_step  # noqa: E402
+from nextn.ops.triton_gdn import recurrent_step  # noqa: E402
+from nextn.ops.triton_linear import skinny_linear  # noqa: E402
+from nextn.ops.triton_norm import rms_norm  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def _rand(*shape, dtype=torch.float32, scale=1.0, seed=None, gen=None):
+    return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(dtype)
+
+
+def _close(out, ref, dtype):
+    ref = ref.to(out.dtype)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:  # a couple of bf16 ulps at the values' scale
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err <= 4 * 2**-8 * max(1.0, ref.float().abs().max().item()), err
+
+
+# ---------------------------------------------------------------------------------------------
+# skinny matmul
+
+
+def _linear_case(M, N, K, dtype, g):
+    x = _rand(M, K, dtype=dtype, gen=g)
+    w = _rand(N, K, dtype=dtype, scale=K**-0.5, gen=g)
+    w2 = _rand(N, K, dtype=dtype, scale=K**-0.5, gen=g)
+    res = _rand(M, N, dtype=dtype, gen=g)
+    nw = _rand(K, dtype=dtype, scale=0.1, gen=g)
+    z = _rand(M, K, dtype=dtype, gen=g)
+    return x, w, w2, res, nw, z
+
+
+def _linear_variants(x, w, w2, res, nw, z, group):
+    M, K = x.shape
+    norm = RMSNorm(K).to(DEVICE)
+    norm.weight.data = nw.float()
+    gnorm = RMSNormGated(group).to(DEVICE)
+    gw = (nw[:group].float() + 1.0).to(x.dtype)
+    gnorm.weight.data = gw.to(x.dtype)
+    gated_in = gnorm(x.reshape(-1, group), z.reshape(-1, group)).reshape(M, K)
+    return {
+        "plain": (dict(), F.linear(x, w)),
+        "rms": (dict(norm_weight=nw), F.linear(norm.to(x.dtype)(x), w)),
+        "gated": (dict(norm_weight=gw, gate=z, group=group), F.linear(gated_in, w)),
+        "residual": (dict(residual=res), res + F.linear(x, w)),
+        "silu_mul": (dict(up_weight=w2), F.silu(F.linear(x, w)) * F.linear(x, w2)),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K", [(1, 24, 32), (3, 40, 64), (5, 16, 48)])
+def test_skinny_linear_matches_reference(M, N, K, dtype):
+    g = torch.Generator(device=DEVICE).manual_seed(M * 100 + N)
+    args = _linear_case(M, N, K, dtype, g)
+    for name, (kw, ref) in _linear_variants(*args, group=16).items():
+        out = skinny_linear(args[0], args[1], **kw)
+        _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skinny_linear_rows_do_not_depend_on_row_count(dtype):
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    x, w, w2, res, nw, z = _linear_case(9, 40, 64, dtype, g)
+    for name, (kw, _) in _linear_variants(x, w, w2, res, nw, z, group=16).items():
+        full = skinny_linear(x, w, **kw)
+        for m in (0, 4, 8):
+            one = {k: (v[m : m + 1] if k in ("residual", "gate") else v) for k, v in kw.items()}
+            assert torch.equal(skinny_linear(x[m : m + 1], w, **one)[0], full[m]), (name, m)
+
+
+def test_rms_norm_matches_reference():
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = _rand(5, 48, dtype=dtype, gen=g)
+        norm = RMSNorm(48).to(DEVICE)
+        norm.weight.data = _rand(48, scale=0.1, gen=g)
+        ref = norm.to(dtype)(x)
+        _close(rms_norm(x, norm.weight, 1e-6), ref, dtype)
+        assert torch.equal(rms_norm(x[2:3], norm.weight, 1e-6)[0], rms_norm(x, norm.weight, 1e-6)[2])
+
+
+# ---------------------------------------------------------------------------------------------
+# causal conv and the recurrent delta rule
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3, 9])
+def test_conv_step_matches_reference(T, dtype):
+    g = torch.Generator(device=DEVICE).manual_seed(T)
+    D, W = 40, 4
+    x = _rand(T, D + 8, dtype=dtype, gen=g)[:, :D]  # a column slice of a wider row, as in the engine
+    w = _rand(D, W, dtype=dtype, scale=0.5, gen=g)
+    state = _rand(D, W - 1, dtype=dtype, gen=g)
+    window = torch.full((D, W - 1 + 12), float("nan"), device=DEVICE, dtype=dtype)
+    y = conv_step(x, w, state, window)
+    ref_y, ref_window = causal_conv1d(x[None], w, state[None])
+    _close(y, ref_y[0], dtype)
+    assert torch.equal(window[:, : W - 1 + T], ref_window[0])
+    one = conv_step(x[-1:], w, window[:, T - 1 : T - 1 + W - 1].contiguous(), torch.empty_like(window))
+    assert torch.equal(one[0], y[-1])  # the last token alone, from the state before it
+
+
+def _gdn_case(T, H, HV, K, V, dtype, g):
+    conv_dim = 2 * H * K + HV * V
+    qkv = _rand(T, conv_dim, dtype=dtype, gen=g)
+    ba = _rand(T, 2 * HV + 5, dtype=dtype, gen=g)
+    A_log = _rand(HV, dtype=dtype, scale=0.5, gen=g)
+    dt_bias = _rand(HV, dtype=dtype, scale=0.5, gen=g)
+    state = _rand(HV, K, V, scale=0.1, gen=g)
+    return qkv, ba, A_log, dt_bias, state
+
+
+def _gdn_reference(qkv, ba, A_log, dt_bias, state, H, HV, K, V):
+    T = qkv.shape[0]
+    q, k, v = torch.split(qkv, [H * K, H * K, HV * V], dim=-1)
+    q = l2norm(q.reshape(1, T, H, K).float())
+    k = l2norm(k.reshape(1, T, H, K).float())
+    v = v.reshape(1, T, HV, V)
+    b, a = ba[:, 5 : 5 + HV], ba[:, 5 + HV : 5 + 2 * HV]
+    beta = b.sigmoid()[None]
+    gate = (-A_log.float().exp() * F.softplus(a.float() + dt_bias.float()))[None]
+    o, states = recurrent_gated_delta_rule(q, k, v, gate, beta, state[None])
+    return o[0].reshape(T, HV * V), states[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_recurrent_step_matches_reference(T, dtype):
+    H, HV, K, V = 2, 4, 16, 32
+    g = torch.Generator(device=DEVICE).manual_seed(10 + T)
+    qkv, ba, A_log, dt_bias, state = _gdn_case(T, H, HV, K, V, dtype, g)
+    states = torch.full((8, HV, K, V), float("nan"), device=DEVICE)
+    o = recurrent_step(qkv, ba, 5, 5 + HV, A_log, dt_bias, state, states, num_k_heads=H)
+    ref_o, ref_states = _gdn_reference(qkv, ba, A_log, dt_bias, state, H, HV, K, V)
+    _close(o, ref_o, dtype)
+    torch.testing.assert_close(states[:T], ref_states, rtol=1e-4, atol=1e-5)
+    # token t from the state after t-1, alone: bitwise the same output and state
+    t = T - 1
+    prev = state if t == 0 else states[t - 1].clone()
+    one_states = torch.empty_like(states)
+    one = recurrent_step(qkv[t:], ba[t:], 5, 5 + HV, A_log, dt_bias, prev, one_states, num_k_heads=H)
+    assert torch.equal(one[0], o[t]) and torch.equal(one_states[0], states[t])
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+
+
+def _attn_case(T, start, Hq, Hkv, D, max_len, dtype, g):
+    qkv = _rand(T, Hq * 2 * D + 2 * Hkv * D, dtype=dtype, gen=g)
+    key = _rand(max_len, Hkv, D, dtype=dtype, gen=g)  # slots >= start are stale: overwritten or unread
+    value = _rand(max_len, Hkv, D, dtype=dtype, gen=g)
+    q_norm = _rand(D, scale=0.1, dtype=dtype, gen=g)
+    k_norm = _rand(D, scale=0.1, dtype=dtype, gen=g)
+    return qkv, key, value, q_norm, k_norm
+
+
+def _attn_reference(qkv, key, value, q_norm, k_norm, start, Hq, Hkv, D, rotary, dtype):
+    T = qkv.shape[0]
+    qn, kn = RMSNorm(D).to(DEVICE), RMSNorm(D).to(DEVICE)
+    qn.weight.data, kn.weight.data = q_norm.float(), k_norm.float()
+    qn, kn = qn.to(dtype), kn.to(dtype)
+    qg = qkv[:, : Hq * 2 * D].reshape(1, T, Hq, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:]
+    k = qkv[:, Hq * 2 * D : Hq * 2 * D + Hkv * D].reshape(1, T, Hkv, D)
+    v = qkv[:, Hq * 2 * D + Hkv * D :].reshape(1, T, Hkv, D)
+    cos, sin = rotary.cos_sin(torch.arange(start, start + T, device=DEVICE), dtype)
+    q = apply_rotary(qn(q), cos, sin)
+    k = apply_rotary(kn(k), cos, sin)
+    keys, values = key.clone()[None], value.clone()[None]
+    keys[:, start : start + T], values[:, start : start + T] = k, v
+    rows = torch.arange(T, device=DEVICE)[:, None] + start
+    mask = torch.arange(start + T, device=DEVICE)[None, :] <= rows
+    o = attend(q, keys[:, : start + T], values[:, : start + T], mask, False)
+    return (o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1)))[None], keys[0], values[0]
+
+
+def _attn_run(qkv, key, value, q_norm, k_norm, start, Hq, cos, sin, chunk):
+    pos = torch.tensor([start], device=DEVICE, dtype=torch.int32)
+    q = qk_norm_rope(qkv, q_norm, k_norm, cos, sin, pos, key, value, Hq, 1e-6)
+    return attend_step(q, qkv, key, value, pos, chunk=chunk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,start", [(1, 0), (3, 5), (4, 30)])
+def test_step_attention_matches_reference(T, start, dtype):
+    Hq, Hkv, D, max_len = 4, 2, 32, 40
+    g = torch.Generator(device=DEVICE).manual_seed(20 + T)
+    qkv, key, value, q_norm, k_norm = _attn_case(T, start, Hq, Hkv, D, max_len, dtype, g)
+    rotary = RotaryEmbedding(D // 4, 10000.0).to(DEVICE)
+    cos, sin = rotary.cos_sin(torch.arange(max_len, device=DEVICE), dtype)
+    ref, ref_key, ref_value = _attn_reference(qkv, key, value, q_norm, k_norm, start, Hq, Hkv, D, rotary, dtype)
+    out = _attn_run(qkv, key, value, q_norm, k_norm, start, Hq, cos, sin, chunk=16)
+    _close(out, ref[0], dtype)
+    _close(key[: start + T], ref_key[: start + T], dtype)
+    assert torch.equal(value[: start + T], ref_value[: start + T])
+
+
+def test_step_attention_rows_do_not_depend_on_row_count():
+    Hq, Hkv, D, max_len, T, start = 4, 2, 32, 40, 5, 14  # rows cross a chunk boundary (16)
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    dtype = torch.bfloat16
+    qkv, key, value, q_norm, k_norm = _attn_case(T, start, Hq, Hkv, D, max_len, dtype, g)
+    rotary = RotaryEmbedding(D // 4, 10000.0).to(DEVICE)
+    cos, sin = rotary.cos_sin(torch.arange(max_len, device=DEVICE), dtype)
+    key1, value1 = key.clone(), value.clone()
+    full = _attn_run(qkv, key, value, q_norm, k_norm, start, Hq, cos, sin, chunk=16)
+    for t in range(T):  # one row at a time, as plain decoding would run them
+        one = _attn_run(qkv[t : t + 1], key1, value1, q_norm, k_norm, start + t, Hq, cos, sin, chunk=16)
+        assert torch.equal(one[0], full[t]), t
+    assert torch.equal(key1[: start + T], key[: start + T])
