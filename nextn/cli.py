@@ -10,6 +10,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the bundled model)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kernels", default="torch", choices=["torch", "triton"],
+                   help="decode/verify/draft step: reference PyTorch modules, or batch-invariant Triton "
+                        "kernels in CUDA graphs (GPU; an error if they cannot run)")
 
 
 def _spec(p: argparse.ArgumentParser) -> None:
@@ -112,7 +115,8 @@ def _generate(args) -> int:
     from nextn import LLM, SamplingParams
 
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, num_speculative_tokens=args.spec_k,
-              p_min=args.p_min, adaptive_k=args.adaptive_k, hidden_after_norm=not args.hidden_before_norm)
+              p_min=args.p_min, adaptive_k=args.adaptive_k, hidden_after_norm=not args.hidden_before_norm,
+              kernels=args.kernels)
     if args.prompt_ids is not None:
         try:
             prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]

@@ -212,8 +212,11 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     max_model_len: int = 8192
     session_memory_gb: float = 1.0
+    kernels: str = "torch"  # step path: "torch" reference modules or "triton" (nextn.engine.fast)
 
     def __post_init__(self):
+        if self.kernels not in ("torch", "triton"):
+            raise ValueError(f"kernels must be 'torch' or 'triton', got {self.kernels!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -15,6 +15,7 @@ import torch
 
 from nextn.config import DEFAULT_MODEL_DIR, EngineConfig, SpecConfig
 from nextn.core import RequestOutput, SamplingParams, SpecStats
+from nextn.engine.fast import build_engine
 from nextn.engine.generate import run_rounds
 from nextn.engine.runner import ModelRunner
 from nextn.engine.sessions import SessionStore
@@ -51,6 +52,7 @@ class LLM:
         hidden_after_norm: bool = True,
         max_model_len: int = 8192,
         session_memory_gb: float = 1.0,
+        kernels: str = "torch",
     ):
         model_dir = Path(model) if model is not None else DEFAULT_MODEL_DIR
         self.model = load_model(model_dir, device=device, dtype=dtype)
@@ -65,9 +67,9 @@ class LLM:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} needs an MTP head; {model_dir} has none")
         spec = SpecConfig(num_speculative_tokens, p_min, adaptive_k, hidden_after_norm)
         max_len = min(max_model_len, self.model.cfg.max_position_embeddings)
-        self.config = EngineConfig(str(model_dir), device, dtype, spec, max_len, session_memory_gb)
-        self.runner = ModelRunner(self.model, spec)
-        self.proposer = MTPProposer(self.model, spec) if spec.num_speculative_tokens > 0 else None
+        self.config = EngineConfig(str(model_dir), device, dtype, spec, max_len, session_memory_gb, kernels)
+        # kernels="triton": Triton step kernels in CUDA graphs (nextn.engine.fast); raises if they cannot run
+        self.runner, self.proposer = build_engine(self.model, spec, kernels)
         self.stop_ids = set(self.model.cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.stop_ids.add(self.tokenizer.eos_token_id)

@@ -1,0 +1,388 @@
+"""`nextn bench`: speed and exactness of one model on one device, measured in one run.
+
+A model comes from a checkpoint directory or from a released config with random weights made on
+the device (`--random-weights qwen3.5-9b | qwen3.5-35b-a3b`: a random MTP head too, so it drafts
+but rarely guesses right). One run measures, with CUDA events around warmed-up work, medians:
+- the device copy bandwidth, the weight bytes a decoded token reads, the roofline tokens/s they
+  imply, and the fraction of it that plain decoding reaches (`roofline_fraction`, engine loop;
+  `step_roofline_fraction`, the step alone);
+- prefill tokens/s; decode tokens/s through the real round loop, plain and for each K;
+- `verify_cost_ratio[K]` = t(step of K+1 tokens) / t(step of 1 token), `draft_cost_ratio` =
+  t(one MTP head step) / t(step of 1 token);
+- `spec_equals_plain[K]`: greedy speculative output == plain greedy output, token for token;
+- acceptance and `spec_speedup[K]` (meaningful for a checkpoint whose head predicts).
+Writes a JSON file and two PNG plots beside it.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from nextn.config import ModelConfig, SpecConfig
+from nextn.core import SamplingParams, SpecStats
+from nextn.engine.generate import run_rounds
+from nextn.models.loader import DTYPES, load_model
+from nextn.models.qwen3_5 import CausalLM
+
+_COMMON = dict(
+    vocab_size=248320, num_attention_heads=16, head_dim=256, linear_conv_kernel_dim=4,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+    linear_num_value_heads=32, rms_norm_eps=1e-6, max_position_embeddings=262144,
+    rope_parameters={"rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=False, mtp_num_hidden_layers=1, eos_token_id=248046,
+)
+# the released text configs (transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig defaults)
+PRESETS = {
+    "qwen3.5-9b": dict(_COMMON, model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288,
+                       num_hidden_layers=32, num_key_value_heads=4),
+    "qwen3.5-35b-a3b": dict(_COMMON, model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+                            num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
+                            moe_intermediate_size=512, shared_expert_intermediate_size=512),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+
+
+@torch.no_grad()
+def random_model(preset: str, device: str, dtype: str, seed: int = 0) -> CausalLM:
+    """A preset's model with random weights drawn on `device` (seconds, even for 35B), scaled so
+    activations stay O(1): projections ~ N(0, 1/fan_in), residual outputs shrunk by the depth."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    cfg = ModelConfig.from_dict(PRESETS[preset])
+    torch_dtype = DTYPES[dtype]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch_dtype)
+    try:
+        with torch.device("meta"):
+            model = CausalLM(cfg, num_mtp_layers=1)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    depth_scale = (2 * cfg.num_hidden_layers) ** -0.5
+    for name, p in model.named_parameters():
+        base = name.removesuffix(".weight")
+        if name.endswith("linear_attn.norm.weight"):
+            p.normal_(1.0, 0.05, generator=gen)  # the gated norm's weight sits around 1
+        elif name.endswith("norm.weight") or "norm_" in name:
+            p.normal_(0.0, 0.05, generator=gen)  # zero-centred norms: (1 + w)
+        elif name.endswith("A_log"):
+            p.uniform_(0.0, math.log(16.0), generator=gen)
+        elif name.endswith("dt_bias"):
+            p.normal_(-4.0, 1.0, generator=gen)  # softplus(a + dt_bias) ~ 0.02: slow decay
+        elif name.endswith("conv1d.weight"):
+            p.normal_(0.0, 0.5, generator=gen)
+        elif name.endswith("embed_tokens.weight"):
+            p.normal_(0.0, 1.0, generator=gen)
+        else:  # projections [.., out, in]
+            std = p.shape[-1] ** -0.5
+            if base.endswith(("o_proj", "out_proj", "down_proj")):
+                std *= depth_scale
+            p.normal_(0.0, std, generator=gen)
+    model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta).to(device)
+    return model.eval()
+
+
+def weight_bytes_per_token(model: CausalLM) -> int:
+    """Bytes of weights one decoded token reads: every trunk weight but the embedding table (one
+    row), the lm_head, and for MoE layers only the experts a token routes to."""
+    cfg = model.cfg
+    total = 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp.") or name == "model.embed_tokens.weight":
+            continue
+        nbytes = p.numel() * p.element_size()
+        if ".experts." in name:
+            nbytes = nbytes * cfg.num_experts_per_tok // cfg.num_experts
+        total += nbytes
+    if cfg.tie_word_embeddings:
+        total += model.lm_head_weight.numel() * model.lm_head_weight.element_size()
+    return total + cfg.hidden_size * model.model.embed_tokens.weight.element_size()
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device, warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds of fn() (CUDA events on a GPU, the host clock otherwise)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, warmup=3, iters=10)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# the measurements
+
+
+@dataclass
+class BenchConfig:
+    spec_ks: list[int]
+    prompt_len: int = 512
+    gen_len: int = 256
+    kernels: str = "torch"
+    seed: int = 0
+    iters: int = 20
+
+
+@dataclass
+class RunResult:
+    token_ids: list[int]
+    seconds: float
+    stats: SpecStats
+
+
+def _engine(model, k: int, kernels: str, step):
+    from nextn.engine.fast import build_engine
+
+    spec = SpecConfig(num_speculative_tokens=k)
+    runner, proposer = build_engine(model, spec, kernels, step=step)
+    return spec, runner, proposer
+
+
+def _precapture(runner, proposer, state, k: int) -> None:
+    """Capture a fresh state's CUDA graphs before a timed run (they are per state)."""
+    if not getattr(runner, "use_graphs", False):
+        return
+    graphs = runner.graphs(state)
+    for T in range(1, k + 2):
+        graphs.trunk(T, state.cache)
+    if proposer is not None:
+        for T in range(1, k + 3):  # a round's first head pass has kept + 1 rows, the chain 1
+            graphs.head(T, state.draft_len, state.draft_kv)
+
+
+def generate_once(model, prompt: list[int], k: int, cfg: BenchConfig, step) -> RunResult:
+    spec, runner, proposer = _engine(model, k, cfg.kernels, step)
+    state = runner.new_state(len(prompt) + cfg.gen_len + 32)
+    runner.extend(state, prompt)
+    _precapture(runner, proposer, state, k)
+    params = SamplingParams(max_tokens=cfg.gen_len, temperature=0.0, ignore_eos=True)
+    stats = SpecStats()
+    _sync(runner.device)
+    t0 = time.perf_counter()
+    ids = [t for ev in run_rounds(runner, proposer, state, params, spec, set(), stats) for t in ev.token_ids]
+    _sync(runner.device)
+    return RunResult(ids, time.perf_counter() - t0, stats)
+
+
+def step_costs(model, prompt: list[int], ks: list[int], cfg: BenchConfig, step) -> dict:
+    """Median ms of one trunk step of T = 1..max(K)+1 tokens and of one MTP head step."""
+    k_max = max(ks)
+    _, runner, proposer = _engine(model, k_max, cfg.kernels, step)
+    state = runner.new_state(len(prompt) + 64)
+    runner.extend(state, prompt)
+    device = runner.device
+    out = {"step_ms": {}, "head_step_ms": None}
+    graphs = runner.graphs(state) if getattr(runner, "use_graphs", False) else None
+    for T in range(1, k_max + 2):
+        ids = torch.randint(0, model.cfg.vocab_size, (T,), device=device)
+        if graphs is not None:  # the replay alone: what the step costs the GPU
+            g = graphs.trunk(T, state.cache)
+            g.run(state.cache.seq_len, ids)
+            fn = g.graph.replay
+        else:
+            fn = lambda ids=ids: runner.step(state, ids)  # noqa: E731
+        out["step_ms"][T] = time_ms(fn, device, iters=cfg.iters)
+    if proposer is not None:
+        ids = torch.randint(0, model.cfg.vocab_size, (1,), device=device)
+        hidden = torch.randn(1, model.cfg.hidden_size, device=device, dtype=runner.dtype)
+        pos = state.cache.seq_len  # a free draft K/V slot
+        if graphs is not None:
+            g = graphs.head(1, pos - 1, state.draft_kv)
+            g.run(pos - 1, ids, hidden)
+            fn = g.graph.replay
+        else:
+            fn = lambda: proposer._head(state, ids, hidden, pos)  # noqa: E731
+        out["head_step_ms"] = time_ms(fn, device, iters=cfg.iters)
+    return out
+
+
+def prefill_tokens_per_s(model, prompt: list[int], cfg: BenchConfig, step) -> float:
+    _, runner, _ = _engine(model, 0, cfg.kernels, step)
+
+    def run():
+        state = runner.new_state(len(prompt) + 8)
+        runner.extend(state, prompt)
+
+    ms = time_ms(run, runner.device, warmup=1, iters=3)
+    return len(prompt) / (ms * 1e-3)
+
+
+def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print) -> dict:
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    g = torch.Generator().manual_seed(cfg.seed)
+    prompt = torch.randint(0, model.cfg.vocab_size, (cfg.prompt_len,), generator=g).tolist()
+    step = None
+    if cfg.kernels == "triton":
+        from nextn.engine.fast import TritonStep
+
+        step = TritonStep(model)
+    res: dict = {
+        "model": name, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).replace("torch.", ""), "kernels": cfg.kernels,
+        "cuda_graphs": cfg.kernels == "triton" and device.type == "cuda", "config": asdict(cfg),
+        "torch": torch.__version__, "has_mtp_head": model.mtp is not None,
+    }
+    res["weight_bytes_per_token"] = weight_bytes_per_token(model)
+    if device.type == "cuda":
+        res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
+        res["roofline_tokens_per_s"] = res["copy_bandwidth_GBps"] * 1e9 / res["weight_bytes_per_token"]
+    log(f"bench: {name} {res['dtype']} kernels={cfg.kernels}: {res['weight_bytes_per_token'] / 1e9:.2f} GB/token")
+
+    res["prefill_tokens_per_s"] = prefill_tokens_per_s(model, prompt, cfg, step)
+    log(f"bench: prefill {res['prefill_tokens_per_s']:.0f} tok/s")
+
+    ks = cfg.spec_ks if model.mtp is not None else []
+    costs = step_costs(model, prompt, ks or [0], cfg, step)
+    t1 = costs["step_ms"][1]
+    res["decode_step_ms"] = t1
+    res["step_tokens_per_s"] = 1e3 / t1
+    res["step_ms"] = costs["step_ms"]
+    res["verify_cost_ratio"] = {k: costs["step_ms"][k + 1] / t1 for k in ks}
+    if costs["head_step_ms"] is not None:
+        res["draft_step_ms"] = costs["head_step_ms"]
+        res["draft_cost_ratio"] = costs["head_step_ms"] / t1
+    log(f"bench: step {t1:.3f} ms, verify ratios {_fmt(res['verify_cost_ratio'])}, "
+        f"draft ratio {res.get('draft_cost_ratio', float('nan')):.3f}")
+    gc.collect()
+
+    plain = generate_once(model, prompt, 0, cfg, step)
+    res["decode_tokens_per_s"] = len(plain.token_ids) / plain.seconds
+    if "roofline_tokens_per_s" in res:
+        res["roofline_fraction"] = res["decode_tokens_per_s"] / res["roofline_tokens_per_s"]
+        res["step_roofline_fraction"] = res["step_tokens_per_s"] / res["roofline_tokens_per_s"]
+    log(f"bench: plain decode {res['decode_tokens_per_s']:.1f} tok/s "
+        f"(roofline fraction {res.get('roofline_fraction', float('nan')):.3f})")
+    res.update(spec_equals_plain={}, spec_tokens_per_s={}, spec_speedup={}, acceptance_rate={},
+               mean_acceptance_length={}, accepted_per_position={})
+    for k in ks:
+        gc.collect()
+        run = generate_once(model, prompt, k, cfg, step)
+        tps = len(run.token_ids) / run.seconds
+        res["spec_equals_plain"][k] = run.token_ids == plain.token_ids
+        res["spec_tokens_per_s"][k] = tps
+        res["spec_speedup"][k] = tps / res["decode_tokens_per_s"]
+        res["acceptance_rate"][k] = run.stats.acceptance_rate
+        res["mean_acceptance_length"][k] = run.stats.mean_acceptance_length
+        res["accepted_per_position"][k] = run.stats.accepted_per_position[:k]
+        log(f"bench: K={k}: equal={res['spec_equals_plain'][k]} {tps:.1f} tok/s "
+            f"acceptance {run.stats.acceptance_rate:.2f} mean length {run.stats.mean_acceptance_length:.2f}")
+    res["plain_token_ids_head"] = plain.token_ids[:32]
+    return res
+
+
+def _fmt(d: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:.3f}" for k, v in d.items()) + "}"
+
+
+# ---------------------------------------------------------------------------------------------
+# plots and the CLI entry
+
+
+def plot(res: dict, path_prefix: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = sorted(int(k) for k in res.get("spec_tokens_per_s", {}))
+    title = f"{res['model']} {res['dtype']} kernels={res['kernels']} on {res['device']}"
+    paths = []
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    if ks:
+        ax.plot(ks, [res["spec_tokens_per_s"][k] for k in ks], "o-", label="spec decode (engine loop)")
+    ax.axhline(res["decode_tokens_per_s"], color="C1", ls="--", label="plain decode (engine loop)")
+    ax.axhline(res["step_tokens_per_s"], color="C2", ls=":", label="plain step alone")
+    if "roofline_tokens_per_s" in res:
+        ax.axhline(res["roofline_tokens_per_s"], color="k", ls="-.", label="HBM roofline")
+    ax.set_xlabel("K (draft tokens per round)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7)
+    paths.append(f"{path_prefix}_tokens_per_s.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    vk = sorted(int(k) for k in res.get("verify_cost_ratio", {}))
+    if vk:
+        ax.plot(vk, [res["verify_cost_ratio"][k] for k in vk], "o-", label="verify K+1 / decode 1")
+    if "draft_cost_ratio" in res:
+        ax.axhline(res["draft_cost_ratio"], color="C1", ls="--", label="draft step / decode")
+        ax.plot(vk, [1 + k * res["draft_cost_ratio"] for k in vk], "s:", label="round (K drafts + verify) / decode",
+                color="C2")
+    ax.axhline(1.15, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("K")
+    ax.set_ylabel("cost ratio")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7)
+    paths.append(f"{path_prefix}_cost_ratios.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def bench_from_args(args) -> int:
+    if (args.model is None) == (args.random_weights is None):
+        raise ValueError("nextn bench needs exactly one of --model DIR and --random-weights PRESET")
+    kernels = getattr(args, "kernels", "torch")
+    t0 = time.perf_counter()
+    if args.random_weights is not None:
+        model, name = random_model(args.random_weights, args.device, args.dtype), args.random_weights
+    else:
+        model, name = load_model(args.model, device=args.device, dtype=args.dtype), Path(args.model).name
+    _sync(args.device)
+    print(f"bench: model ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    cfg = BenchConfig(spec_ks=list(args.spec_k), prompt_len=args.prompt_len, gen_len=args.gen_len, kernels=kernels)
+    res = run_bench(model, name, cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    text = json.dumps(res, indent=1)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(text + "\n")
+        try:
+            plot(res, str(Path(args.json_out).with_suffix("")))
+        except ImportError:
+            print("bench: matplotlib missing, no plots", file=sys.stderr)
+    print(text)
+    return 0
