@@ -60,19 +60,20 @@ class HeadGraph:
 
 
 class StepGraphs:
-    """The graphs of one state: trunk steps and head steps keyed by row count."""
+    """The graphs of one state (kept on its cache; they hold no reference back to it): trunk
+    steps and head steps keyed by row count."""
 
-    def __init__(self, step, cache, draft_kv: LayerKV | None, pool):
-        self.step, self.cache, self.draft_kv, self.pool = step, cache, draft_kv, pool
+    def __init__(self, step, pool):
+        self.step, self.pool = step, pool
         self.trunk_graphs: dict[int, TrunkGraph] = {}
         self.head_graphs: dict[int, HeadGraph] = {}
 
-    def trunk(self, T: int) -> TrunkGraph:
+    def trunk(self, T: int, cache) -> TrunkGraph:
         if T not in self.trunk_graphs:
-            self.trunk_graphs[T] = TrunkGraph(self.step, self.cache, T, self.pool)
+            self.trunk_graphs[T] = TrunkGraph(self.step, cache, T, self.pool)
         return self.trunk_graphs[T]
 
-    def head(self, T: int, slot: int) -> HeadGraph:
+    def head(self, T: int, slot: int, draft_kv: LayerKV) -> HeadGraph:
         if T not in self.head_graphs:
-            self.head_graphs[T] = HeadGraph(self.step, self.draft_kv, T, slot, self.pool)
+            self.head_graphs[T] = HeadGraph(self.step, draft_kv, T, slot, self.pool)
         return self.head_graphs[T]

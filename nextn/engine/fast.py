@@ -289,10 +289,9 @@ class FastModelRunner(ModelRunner):
     def graphs(self, state: SeqState):
         from nextn.engine.cuda_graphs import StepGraphs
 
-        cache = state.cache
-        if cache.graphs is None:
-            cache.graphs = StepGraphs(self.fast, cache, state.draft_kv, self.pool)
-        return cache.graphs
+        if state.cache.graphs is None:
+            state.cache.graphs = StepGraphs(self.fast, self.pool)
+        return state.cache.graphs
 
     @torch.inference_mode()
     def step(self, state: SeqState, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,7 +304,7 @@ class FastModelRunner(ModelRunner):
         if start + T > cache.max_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds the cache capacity {cache.max_len}")
         if self.use_graphs:
-            out = self.graphs(state).trunk(T).run(start, token_ids)
+            out = self.graphs(state).trunk(T, cache).run(start, token_ids)
         else:
             pos = torch.tensor([start], device=self.device, dtype=torch.int32)
             out = self.fast.trunk(token_ids, pos, cache)
@@ -332,7 +331,8 @@ class FastMTPProposer(MTPProposer):
         if first_pos - 1 + T > state.draft_kv.max_len:
             raise ValueError("draft K/V overflow")
         if self.runner.use_graphs:
-            out = self.runner.graphs(state).head(T, first_pos - 1).run(first_pos - 1, ids, hidden)
+            graph = self.runner.graphs(state).head(T, first_pos - 1, state.draft_kv)
+            out = graph.run(first_pos - 1, ids, hidden)
         else:
             pos = torch.tensor([first_pos - 1], device=ids.device, dtype=torch.int32)
             out = self.runner.fast.head_step(ids, hidden, pos, state.draft_kv)
@@ -340,8 +340,13 @@ class FastMTPProposer(MTPProposer):
         return out.logits, chained
 
 
-def build_engine(model: CausalLM, spec: SpecConfig, kernels: str) -> tuple[ModelRunner, MTPProposer | None]:
-    """The runner and proposer for `kernels`; raises if the fast path cannot run here."""
+def build_engine(model: CausalLM, spec: SpecConfig, kernels: str,
+                 step: TritonStep | None = None) -> tuple[ModelRunner, MTPProposer | None]:
+    """The runner and proposer for `kernels`; raises if the fast path cannot run here.
+
+    `step`: a TritonStep already built for `model` (building one fuses weights; reuse it when
+    making engines for several SpecConfigs).
+    """
     check_kernels(kernels)
     want_proposer = spec.num_speculative_tokens > 0
     if kernels == "torch":
@@ -351,5 +356,5 @@ def build_engine(model: CausalLM, spec: SpecConfig, kernels: str) -> tuple[Model
     device = next(model.parameters()).device
     if device.type != "cuda" and not INTERPRET:
         raise RuntimeError("kernels='triton' needs a CUDA device (or TRITON_INTERPRET=1 for CPU tests)")
-    runner = FastModelRunner(model, spec, TritonStep(model), use_graphs=device.type == "cuda")
+    runner = FastModelRunner(model, spec, step or TritonStep(model), use_graphs=device.type == "cuda")
     return runner, FastMTPProposer(model, spec, runner) if want_proposer else None
