@@ -63,3 +63,15 @@ def moe_fitted_ckpt(tmp_path_factory) -> Path:
     model_dir = _build(tmp_path_factory, "moe_fitted", "moe", fused_experts=True)
     hf_fixtures.fit_mtp_head(model_dir, [list(p) for p in hf_fixtures.FIT_PROMPTS])
     return model_dir
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_intra_op_thread():
+    """The test models are tiny: thread hand-off costs more than their math (about 10x on a busy
+    2-core machine), so the whole suite runs torch with one intra-op thread."""
+    import torch
+
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)

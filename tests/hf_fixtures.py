@@ -543,7 +543,8 @@ def load_hf_mtp(model_dir: str | Path):
         verbosity = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()
         try:
-            main._fixture_mtp = MtpModel.from_pretrained(main).eval()
+            # kept outside the module tree so the main model's state_dict stays the trunk's
+            main.__dict__["_fixture_mtp"] = MtpModel.from_pretrained(main).eval()
         finally:
             transformers.logging.set_verbosity(verbosity)
     return main._fixture_mtp
