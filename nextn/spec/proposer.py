@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from nextn.cache import LayerKV
 from nextn.config import SpecConfig
 from nextn.engine.selector import TokenSelector
 from nextn.engine.state import SeqState
@@ -28,12 +29,14 @@ class MTPProposer:
             raise ValueError("the checkpoint has no MTP head (mtp.* tensors)")
         self.model, self.head, self.spec = model, model.mtp, spec
 
-    def _head(self, state: SeqState, ids: torch.Tensor, hidden: torch.Tensor, first_pos: int):
-        """Run rows at positions first_pos.. (K/V slots first_pos-1..); returns (logits of last row [1, V], next hidden [1, H])."""
+    def run_rows(self, kv: LayerKV, ids: torch.Tensor, hidden: torch.Tensor, first_pos: int, last_only: bool = True):
+        """Run head rows for tokens ids [n] with predecessor hiddens [n, H] at positions first_pos..
+        (K/V slots first_pos-1..). Returns (logits [n or 1, V], hiddens to chain [n or 1, H])."""
         embeds = self.model.model.embed_tokens(ids)[None]
         positions = torch.arange(first_pos, first_pos + ids.numel(), device=ids.device)
         cos, sin = self.model.rotary.cos_sin(positions, embeds.dtype)
-        out = self.head(embeds, hidden[None], cos, sin, state.draft_kv, first_pos - 1)[0, -1:]
+        out = self.head(embeds, hidden[None], cos, sin, kv, first_pos - 1)[0]
+        out = out[-1:] if last_only else out
         normed = self.head.norm(out)
         chained = normed if self.spec.hidden_after_norm else out
         return self.model.logits(normed), chained
@@ -45,7 +48,7 @@ class MTPProposer:
         n = len(state.tokens)  # the bonus is token n; its row pairs it with hidden n-1
         ids = torch.tensor(row_ids + [bonus], device=row_hidden.device)
         hidden = torch.cat([row_hidden, state.last_hidden[None]])
-        logits, chained = self._head(state, ids, hidden, state.draft_len + 1)
+        logits, chained = self.run_rows(state.draft_kv, ids, hidden, state.draft_len + 1)
         state.draft_len = n
         tokens, probs, confidence = [], [], []
         for j in range(k):
@@ -54,7 +57,7 @@ class MTPProposer:
             probs.append(q)
             confidence.append(conf)
             if j + 1 < k:
-                logits, chained = self._head(state, token, chained, n + 1 + j)
+                logits, chained = self.run_rows(state.draft_kv, token, chained, n + 1 + j)
         token_ids = torch.cat(tokens)
         keep = self._confident_prefix(torch.cat(confidence))
         q = None if probs[0] is None else torch.cat(probs)[:keep]
