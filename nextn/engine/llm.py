@@ -98,8 +98,15 @@ class LLM:
             )
 
     def stream(self, prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
-               prompt: str | None = None, use_sessions: bool = False) -> Iterator[StreamEvent]:
-        """Yields one event per round; the last one carries the RequestOutput."""
+               prompt: str | None = None, use_sessions: bool = False,
+               checkpoint_at: int | None = None) -> Iterator[StreamEvent]:
+        """Yields one event per round; the last one carries the RequestOutput.
+
+        checkpoint_at (sessions): where the kept rewind checkpoint goes, default the prompt end. A chat
+        server passes the end of the conversation before the generation prompt: the next request
+        re-renders the reply after it, and may tokenize the boundary differently ("\n" + "\n..."),
+        or drop a "<think>" the generation prompt opened.
+        """
         params = params or SamplingParams()
         if prompt_token_ids is None:
             if prompt is None:
@@ -107,9 +114,10 @@ class LLM:
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = list(prompt_token_ids)
         self.check_prompt(prompt_token_ids, params)
-        return self._stream(prompt_token_ids, params, use_sessions)
+        return self._stream(prompt_token_ids, params, use_sessions, checkpoint_at)
 
-    def _stream(self, prompt_ids: list[int], params: SamplingParams, use_sessions: bool) -> Iterator[StreamEvent]:
+    def _stream(self, prompt_ids: list[int], params: SamplingParams, use_sessions: bool,
+                checkpoint_at: int | None) -> Iterator[StreamEvent]:
         t0 = time.perf_counter()
         # prompt logprobs need the logits of every prompt row: prefill cold
         reuse = use_sessions and params.prompt_logprobs is None
@@ -118,9 +126,8 @@ class LLM:
             state = self.runner.new_state(self.config.max_model_len)
         consistent = False  # keep the state only if it ends between rounds
         try:
-            prompt_logprobs = self._prefill(state, prompt_ids[cached:], params.prompt_logprobs)
-            if use_sessions:
-                state.make_checkpoint()
+            split = len(prompt_ids) if checkpoint_at is None else min(max(checkpoint_at, cached), len(prompt_ids))
+            prompt_logprobs = self._prefill(state, prompt_ids, cached, split, params.prompt_logprobs, use_sessions)
             _sync(self.runner.device)
             t1 = time.perf_counter()
             stats = SpecStats()
@@ -169,21 +176,29 @@ class LLM:
             if use_sessions and consistent:
                 self.sessions.release(state)
 
-    def _prefill(self, state, token_ids: list[int], num_top: int | None) -> list[dict | None] | None:
-        """Run the uncached prompt tokens; with num_top, return prompt logprobs (state is cold)."""
-        if num_top is None:
-            if token_ids:
-                self.runner.extend(state, token_ids)
-            return None
+    def _prefill(self, state, prompt_ids: list[int], cached: int, split: int, num_top: int | None,
+                 checkpoint: bool) -> list[dict | None] | None:
+        """Run prompt_ids[cached:], keeping a checkpoint after prompt_ids[:split] if asked.
+
+        With num_top (then cached is 0), return the prompt logprobs, None for the first token.
+        """
         entries: list[dict | None] = [None]  # the first prompt token has no prediction
 
-        def take(start: int, rows: torch.Tensor) -> None:  # rows[i] predicts token_ids[start + i + 1]
-            targets = token_ids[start + 1 : start + 1 + rows.shape[0]]
+        def take(start: int, rows: torch.Tensor) -> None:  # rows[i] predicts prompt_ids[start + i + 1]
+            targets = prompt_ids[start + 1 : start + 1 + rows.shape[0]]
             if targets:
                 entries.extend(_logprob_entries(rows, targets, num_top))
 
-        self.runner.extend(state, token_ids, on_logits=take)
-        return entries
+        def extend(lo: int, hi: int) -> None:
+            if hi > lo:
+                on_logits = None if num_top is None else (lambda start, rows: take(lo + start, rows))
+                self.runner.extend(state, prompt_ids[lo:hi], on_logits=on_logits)
+
+        extend(cached, split)
+        if checkpoint:
+            state.make_checkpoint()
+        extend(split, len(prompt_ids))
+        return entries if num_top is not None else None
 
 
 def _num_covering(tokenizer, prior_ids: list[int], round_ids: list[int], text_len: int) -> int:

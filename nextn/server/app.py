@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nextn.config import ServeConfig
 from nextn.core import RequestOutput, SamplingParams
 from nextn.engine.llm import LLM, RequestError
+from nextn.engine.sessions import common_prefix
 from nextn.server import protocol as P
 from nextn.server.metrics import Metrics
 from nextn.server.responses import SSE_DONE, LogprobFormatter, merge_completion_logprobs, sse, to_json, usage
@@ -72,8 +73,8 @@ class Server:
             too_long = len(prompt_ids) >= self.llm.config.max_model_len
             raise APIError(400, str(e), param=param, code="context_length_exceeded" if too_long else None)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Job:
-        job = Job(prompt_ids, params, asyncio.get_running_loop())
+    def submit(self, prompt_ids: list[int], params: SamplingParams, checkpoint_at: int | None = None) -> Job:
+        job = Job(prompt_ids, params, asyncio.get_running_loop(), checkpoint_at)
         try:
             self.worker.submit(job)
         except QueueFull as e:
@@ -143,8 +144,9 @@ def _text_content(content, i: int) -> str:
     return "\n".join(texts)
 
 
-def prepare_chat(srv: Server, req: P.ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
-    """Blocking (template rendering, tokenizing): run it in a worker thread."""
+def prepare_chat(srv: Server, req: P.ChatCompletionRequest) -> tuple[list[int], SamplingParams, int | None]:
+    """(prompt ids, params, session checkpoint position). Blocking (template rendering,
+    tokenizing): run it in a worker thread."""
     srv.check_model(req.model)
     if req.tool_choice not in (None, "auto", "none"):
         raise APIError(400, "only tool_choice 'auto' or 'none' is supported", param="tool_choice")
@@ -154,18 +156,24 @@ def prepare_chat(srv: Server, req: P.ChatCompletionRequest) -> tuple[list[int], 
               if k not in ("messages", "add_generation_prompt")}
     if req.tools:
         kwargs["tools"] = req.tools
+    messages = template_messages(req.messages)
+    tok = srv.llm.tokenizer
     try:
-        text = srv.llm.tokenizer.apply_chat_template(template_messages(req.messages), req.add_generation_prompt,
-                                                     **kwargs)
+        prompt_ids = tok.encode(tok.apply_chat_template(messages, req.add_generation_prompt, **kwargs))
+        # the session checkpoint goes where the conversation ends and the generation prompt starts:
+        # the next turn re-renders this reply after that point, tokenized as the template pleases
+        checkpoint_at = None
+        if req.add_generation_prompt:
+            history_ids = tok.encode(tok.apply_chat_template(messages, False, **kwargs))
+            checkpoint_at = common_prefix(history_ids, prompt_ids)
     except TokenizerError as e:
         raise APIError(400, str(e), param="messages")
-    prompt_ids = srv.llm.tokenizer.encode(text)
     srv.prompt_checks(prompt_ids, SamplingParams(), "messages")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, len(prompt_ids), srv.llm.config.max_model_len, param)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    return prompt_ids, sampling_params(req, max_tokens, top)
+    return prompt_ids, sampling_params(req, max_tokens, top), checkpoint_at
 
 
 def prepare_completion(srv: Server, req: P.CompletionRequest) -> list[tuple[list[int], str | None, SamplingParams]]:
@@ -225,8 +233,8 @@ async def run_all(jobs: list[Job], request: Request) -> list[RequestOutput]:
 
 
 async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Request) -> Response:
-    prompt_ids, params = await run_in_threadpool(prepare_chat, srv, req)
-    job = srv.submit(prompt_ids, params)
+    prompt_ids, params, checkpoint_at = await run_in_threadpool(prepare_chat, srv, req)
+    job = srv.submit(prompt_ids, params, checkpoint_at)
     rid, created = P.new_id("chatcmpl"), P.now()
     if req.stream:
         return StreamingResponse(chat_stream(srv, req, job, rid, created), media_type="text/event-stream")
@@ -406,9 +414,11 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
     async def validation_error(_: Request, e: RequestValidationError) -> Response:
         metrics.rejected_request("bad_request")
         errors = e.errors()
-        parts = [f"{'.'.join(str(x) for x in err['loc'] if x != 'body')}: {err['msg']}" for err in errors]
-        first = errors[0]["loc"] if errors else ()
-        param = ".".join(str(x) for x in first if x != "body") or None
+        def where(err) -> str:
+            return ".".join(str(x) for x in err["loc"] if x != "body")
+
+        parts = [f"{where(err)}: {err['msg']}" if where(err) else err["msg"] for err in errors]
+        param = (where(errors[0]) if errors else "") or None
         return error_response(400, "; ".join(parts) or "invalid request", "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)

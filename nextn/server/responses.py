@@ -26,9 +26,10 @@ def sse(model: BaseModel) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def _drop_unset_extras(obj):
-    if isinstance(obj, dict):
-        return {k: _drop_unset_extras(v) for k, v in obj.items() if not (v is None and k in _OPTIONAL_EXTRAS)}
+def _drop_unset_extras(obj, in_delta: bool = False):
+    if isinstance(obj, dict):  # a chunk's delta carries only what it sets, as OpenAI's do
+        return {k: _drop_unset_extras(v, k == "delta") for k, v in obj.items()
+                if not (v is None and (in_delta or k in _OPTIONAL_EXTRAS))}
     if isinstance(obj, list):
         return [_drop_unset_extras(v) for v in obj]
     return obj
@@ -114,7 +115,9 @@ class LogprobFormatter:
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(e["logprob"])
-            tops = {self.token(t): lp for t, lp in e["top_logprobs"]}
+            tops: dict[str, float] = {}
+            for t, lp in e["top_logprobs"]:  # most likely first: tokens sharing a text keep the best
+                tops.setdefault(self.token(t), lp)
             tops.setdefault(s, e["logprob"])  # the chosen token is always listed (vLLM does the same)
             out.top_logprobs.append(tops)
         return out

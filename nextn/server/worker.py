@@ -32,9 +32,11 @@ class ClientGone(Exception):
 
 
 class Job:
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop):
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
+                 checkpoint_at: int | None = None):
         self.prompt_ids = prompt_ids
         self.params = params
+        self.checkpoint_at = checkpoint_at  # where the session's rewind checkpoint goes (None: prompt end)
         self.loop = loop
         self.arrived = time.perf_counter()
         self.cancelled = threading.Event()
@@ -58,15 +60,18 @@ class Job:
 
     async def events(self, poll_s: float = 1.0, disconnected=None) -> AsyncIterator[StreamEvent]:
         """The job's events until the one carrying the output. `disconnected`: an async callable
-        polled every `poll_s` while nothing arrives; when it says so, raise ClientGone."""
+        polled every `poll_s`; when it says so, raise ClientGone."""
+        last_poll = time.monotonic()
         while True:
+            if disconnected is not None and time.monotonic() - last_poll >= poll_s:
+                last_poll = time.monotonic()
+                if await disconnected():
+                    raise ClientGone()
             if not self._items:
                 try:
                     # waiting on the Event, not a Queue: a timeout here can never lose an item
                     await asyncio.wait_for(self._ready.wait(), poll_s)
                 except asyncio.TimeoutError:
-                    if disconnected is not None and await disconnected():
-                        raise ClientGone()
                     continue
             self._ready.clear()
             while self._items:
@@ -143,6 +148,7 @@ class EngineWorker:
         finally:
             for r in running:
                 r.gen.close()
+                r.job.put(RuntimeError("the server is shutting down"))
             with self._cond:
                 for job in self._waiting:
                     job.put(RuntimeError("the server is shutting down"))
@@ -153,7 +159,7 @@ class EngineWorker:
             self.metrics.ended_early(True, len(job.prompt_ids), 0)
             return None
         try:
-            gen = self.llm.stream(job.prompt_ids, job.params, use_sessions=True)
+            gen = self.llm.stream(job.prompt_ids, job.params, use_sessions=True, checkpoint_at=job.checkpoint_at)
         except Exception as e:  # a RequestError the HTTP side did not foresee: the job fails alone
             job.put(e)
             self.metrics.ended_early(False, len(job.prompt_ids), 0)

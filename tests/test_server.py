@@ -1,0 +1,379 @@
+"""`nextn serve` end to end: a real uvicorn server on 127.0.0.1 (background thread, pre-bound
+socket) over the tiny dense checkpoint, driven by the official `openai` client and raw httpx.
+
+Exactness is checked against a second LLM on the same checkpoint run cold (use_sessions=False):
+streamed == non-streamed, concurrent == solo, and resumed / rewound sessions == cold, all greedy.
+Every wait is bounded; all traffic stays on loopback.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import random
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import hf_fixtures  # noqa: E402
+import uvicorn  # noqa: E402
+
+from nextn import LLM, SamplingParams  # noqa: E402
+from nextn.config import ServeConfig  # noqa: E402
+from nextn.server.app import create_app  # noqa: E402
+
+KEY = "test-key"
+MODEL = "tiny"
+NUM_SPECIAL = len(hf_fixtures.SPECIAL_TOKENS)  # the fixture vocabulary ends with them
+GREEDY = {"temperature": 0.0}
+
+
+class LiveServer:
+    def __init__(self, llm: LLM, cfg: ServeConfig):
+        self.llm = llm
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(llm, cfg), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+    def client(self, api_key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line and not line.startswith("#")}
+
+
+@pytest.fixture(scope="module")
+def llm(dense_ckpt) -> LLM:
+    return LLM(model=dense_ckpt, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def cold(dense_ckpt) -> LLM:
+    """The reference: the same checkpoint, run without sessions."""
+    return LLM(model=dense_ckpt, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def live(llm):
+    with LiveServer(llm, ServeConfig(api_key=KEY, served_model_name=MODEL)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(live) -> openai.OpenAI:
+    return live.client()
+
+
+def cold_ids(cold: LLM, prompt_ids: list[int], max_tokens: int, **kw) -> list[int]:
+    return cold.generate(prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)).token_ids
+
+
+def extra(obj, name):
+    """A nextn/vLLM extra field of an openai response object."""
+    return getattr(obj, name)
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_models_and_health(live, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{live.url}/health", timeout=10).status_code == 200
+
+
+def test_chat_completion(client, llm, cold):
+    r = client.chat.completions.create(model=MODEL, messages=[user("Hello, how are you?")], max_tokens=12,
+                                       extra_body={"return_token_ids": True}, **GREEDY)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    u = r.usage
+    prompt_ids = extra(r, "prompt_token_ids")
+    assert u.prompt_tokens == len(prompt_ids) and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert prompt_ids == llm.tokenizer.encode(llm.tokenizer.apply_chat_template([user("Hello, how are you?")]))
+    assert extra(choice, "token_ids") == cold_ids(cold, prompt_ids, 12)
+    assert u.prompt_tokens_details.cached_tokens >= 0
+    spec = extra(u, "spec_decode")
+    assert spec["num_draft_tokens"] > 0 and len(spec["accepted_per_position"]) == llm.num_speculative_tokens
+    assert spec["num_accepted_tokens"] == sum(spec["accepted_per_position"])
+    assert spec["mean_acceptance_length"] >= 1.0
+
+
+def test_stream_equals_non_streamed(client):
+    kw = dict(model=MODEL, messages=[user("Tell me about the quick brown fox.")], max_tokens=20,
+              extra_body={"ignore_eos": True}, **GREEDY)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+    prompt = "def fibonacci(n):"
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **GREEDY)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+
+
+def test_text_completion_and_logprobs(client, llm, cold):
+    prompt = "The cache keeps the keys and values"
+    ids = llm.tokenizer.encode(prompt)
+    by_text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, logprobs=3, **GREEDY)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, extra_body={"return_token_ids": True},
+                                       **GREEDY)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    assert extra(by_ids.choices[0], "token_ids") == cold_ids(cold, ids, 10)
+    lp = by_text.choices[0].logprobs
+    n = by_text.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 4 for t in lp.top_logprobs)
+    # greedy: the chosen token is the most likely one
+    assert all(max(t.values()) == pytest.approx(v) for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+    # lm-eval's loglikelihood request: echo the prompt with its logprobs
+    echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logprobs=1, echo=True, **GREEDY)
+    elp = echo.choices[0].logprobs
+    assert echo.choices[0].text.startswith(prompt)
+    assert len(elp.tokens) == len(ids) + 1 and elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in elp.token_logprobs[1:])
+    assert elp.text_offset[0] == 0 and elp.text_offset[len(ids)] == len(prompt)
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=[user("Hi")], max_tokens=6, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True}, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy
+    text = bytes(b for t in content if t.token not in hf_fixtures.SPECIAL_TOKENS for b in t.bytes)
+    assert text.decode("utf-8", "replace") == r.choices[0].message.content
+
+
+def test_stop_strings(client):
+    kw = dict(model=MODEL, prompt="Hello, world! How are you today?", max_tokens=24,
+              extra_body={"ignore_eos": True}, **GREEDY)
+    full = client.completions.create(**kw).choices[0].text
+    stop = next(full[i : i + 2] for i in range(4, len(full) - 2) if full[i : i + 2].strip())
+    cut = client.completions.create(stop=[stop], **kw).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.find(stop)]
+    streamed = list(client.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed) == cut.text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_reproduces(client):
+    kw = dict(model=MODEL, prompt="A model reads the prompt", max_tokens=12, temperature=0.9, seed=1234,
+              top_p=0.95, presence_penalty=0.5, frequency_penalty=0.2,
+              extra_body={"top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True})
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+
+
+def test_chat_turns_reuse_the_session_and_equal_cold(client, llm, cold):
+    """The checkpoint sits where the conversation ends and the generation prompt starts, so a turn
+    whose previous reply re-tokenizes differently (or was rewritten) still resumes from there."""
+    tok = llm.tokenizer
+    kw = dict(model=MODEL, max_tokens=8, extra_body={"return_token_ids": True}, **GREEDY)
+    for reply_edit in (lambda text: text, lambda text: "I rewrote this reply."):
+        messages = [{"role": "system", "content": "You are terse."}, user("What is the time?")]
+        first = client.chat.completions.create(messages=messages, **kw)
+        history = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False))
+        messages += [{"role": "assistant", "content": reply_edit(first.choices[0].message.content)},
+                     user("And the date?")]
+        second = client.chat.completions.create(messages=messages, **kw)
+        assert second.usage.prompt_tokens_details.cached_tokens >= len(history) > 0
+        assert extra(second.choices[0], "token_ids") == cold_ids(cold, extra(second, "prompt_token_ids"), 8)
+
+
+def _random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab - NUM_SPECIAL) for _ in range(n)]
+
+
+def test_resumed_and_rewound_sessions_equal_cold(client, llm, cold):
+    """Token-level turns through /v1/completions: a resumed turn prefills only its suffix, a rewound
+    one restarts from the previous prompt end; both must emit exactly the cold run's tokens."""
+    rng = random.Random(7)
+    vocab = llm.model.cfg.vocab_size
+    body = {"ignore_eos": True, "return_token_ids": True}
+    for i in range(4):
+        prompt = _random_ids(rng, rng.randrange(8, 90), vocab)
+        first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=rng.randrange(4, 12),
+                                          extra_body=body, **GREEDY)
+        generated = extra(first.choices[0], "token_ids")
+        if i % 2 == 0:  # resume: the client sends back exactly what it got, then a new turn
+            turn = prompt + generated + _random_ids(rng, rng.randrange(1, 20), vocab)
+            expect_cached = len(prompt) + len(generated) - 1  # the last token was never fed
+        else:  # rewind: the client rewrote the reply (as when it strips a <think> block)
+            turn = prompt + generated[:1] + _random_ids(rng, 3, vocab) + _random_ids(rng, 5, vocab)
+            expect_cached = len(prompt)
+        second = client.completions.create(model=MODEL, prompt=turn, max_tokens=12, extra_body=body, **GREEDY)
+        assert second.usage.prompt_tokens_details.cached_tokens == expect_cached
+        assert extra(second.choices[0], "token_ids") == cold_ids(cold, turn, 12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("make_request", [
+    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}]),
+                 id="invalid-role"),
+    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]), id="image-content"),
+    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], max_tokens=-1),
+                 id="negative-max-tokens"),
+    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], max_tokens=10**9),
+                 id="huge-max-tokens"),
+    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], temperature=3.5),
+                 id="temperature"),
+    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], top_p=1.5), id="top-p"),
+    pytest.param(lambda c: c.chat.completions.create(model="gpt-4o", messages=[user("x")]), id="unknown-model"),
+    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], n=2), id="n"),
+    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[]), id="no-messages"),
+    pytest.param(lambda c: c.completions.create(model=MODEL, prompt="fox " * 600), id="prompt-too-long"),
+    pytest.param(lambda c: c.completions.create(model=MODEL, prompt=[1, 2, 10**6]), id="token-out-of-range"),
+])
+def test_bad_input_is_a_400(client, make_request):
+    with pytest.raises(openai.BadRequestError) as info:
+        make_request(client)
+    err = info.value.body
+    assert set(err) >= {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["message"]
+
+
+def test_malformed_json_is_a_400_and_the_server_keeps_serving(live, client):
+    r = httpx.post(f"{live.url}/v1/chat/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, timeout=10)
+    assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "param", "code"}
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2, **GREEDY).choices
+
+
+def test_api_key_is_required(live):
+    with pytest.raises(openai.AuthenticationError) as info:
+        live.client(api_key="wrong").models.list()
+    assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+    no_key = httpx.post(f"{live.url}/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert no_key.status_code == 401 and no_key.json()["error"]["type"] == "authentication_error"
+
+
+def test_eight_concurrent_requests_match_their_solo_answers(client, llm, cold):
+    prompts = [f"Question {i}: what is {i} plus {i + 3}?" for i in range(8)]
+    kw = dict(model=MODEL, max_tokens=16, extra_body={"ignore_eos": True, "return_token_ids": True}, **GREEDY)
+
+    def ask(prompt):
+        return client.completions.create(prompt=prompt, **kw)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, prompts, timeout=120))
+    for prompt, answer in zip(prompts, answers):
+        ids = llm.tokenizer.encode(prompt)
+        assert extra(answer.choices[0], "token_ids") == cold_ids(cold, ids, 16, ignore_eos=True)
+        assert answer.usage.completion_tokens == 16
+
+
+def _open_stream(live: LiveServer, max_tokens: int) -> tuple[httpx.Client, contextlib.AbstractContextManager]:
+    http = httpx.Client(timeout=30)
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": max_tokens, "stream": True,
+            "temperature": 0.0, "ignore_eos": True}
+    return http, http.stream("POST", f"{live.url}/v1/completions", json=body,
+                             headers={"Authorization": f"Bearer {KEY}"})
+
+
+def _wait_for(cond, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_disconnect_mid_stream_cancels_the_work(live, client):
+    aborted = live.metrics().get("nextn:request_aborted_total", 0)
+    http, stream = _open_stream(live, max_tokens=400)
+    with stream as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+        assert got and json.loads(got[-1][6:])["choices"][0]["finish_reason"] is None
+    http.close()  # drop the connection mid-stream
+    assert _wait_for(lambda: live.metrics()["nextn:request_aborted_total"] == aborted + 1)
+    assert _wait_for(lambda: live.metrics()["nextn:num_requests_running"] == 0)
+    assert client.completions.create(model=MODEL, prompt="still there?", max_tokens=3, **GREEDY).choices
+
+
+def test_disconnect_while_waiting_for_a_full_response_cancels_the_work(live):
+    aborted = live.metrics().get("nextn:request_aborted_total", 0)
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 400, "temperature": 0.0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+    assert _wait_for(lambda: live.metrics()["nextn:request_aborted_total"] == aborted + 1)
+    assert _wait_for(lambda: live.metrics()["nextn:num_requests_running"] == 0)
+
+
+def test_a_full_queue_answers_503_at_once(dense_ckpt):
+    llm = LLM(model=dense_ckpt, max_model_len=512)
+    with LiveServer(llm, ServeConfig(api_key=KEY, served_model_name=MODEL, max_queue=1, max_running=1)) as srv:
+        http_a, stream_a = _open_stream(srv, max_tokens=400)
+        http_b, stream_b = _open_stream(srv, max_tokens=400)
+        with stream_a as a:
+            lines_a = a.iter_lines()  # held: dropping the iterator would close the connection
+            next(line for line in lines_a if line.startswith("data: "))  # A is running
+            with stream_b:  # B is answered 200 at once and waits in the queue for its first token
+                assert _wait_for(lambda: srv.metrics()["nextn:num_requests_waiting"] == 1)
+                t0 = time.monotonic()
+                with pytest.raises(openai.InternalServerError) as info:
+                    srv.client().completions.create(model=MODEL, prompt="C", max_tokens=2)
+                assert info.value.status_code == 503 and time.monotonic() - t0 < 5
+        http_a.close()
+        http_b.close()
+        assert _wait_for(lambda: srv.metrics()["nextn:num_requests_running"] == 0
+                         and srv.metrics()["nextn:num_requests_waiting"] == 0)
+        assert srv.metrics()['nextn:request_rejected_total{reason="queue_full"}'] == 1
+
+
+def test_metrics_expose_spec_and_session_counters(live, llm):
+    m = live.metrics()
+    assert m["nextn:spec_decode_num_drafts_total"] > 0
+    assert m["nextn:spec_decode_num_draft_tokens_total"] >= m["nextn:spec_decode_num_drafts_total"]
+    assert "nextn:spec_decode_num_accepted_tokens_total" in m
+    for j in range(llm.num_speculative_tokens):
+        assert f'nextn:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}}' in m
+    assert m["nextn:session_lookups_total"] >= m["nextn:session_hits_total"] > 0
+    assert m["nextn:session_rewinds_total"] > 0 and m["nextn:prompt_tokens_cached_total"] > 0
+    assert m['nextn:request_success_total{finished_reason="length"}'] > 0
+    assert m["nextn:generation_tokens_total"] > 0 and m["nextn:prompt_tokens_total"] > 0
+    assert m["nextn:time_to_first_token_seconds_count"] > 0 and m["nextn:inter_token_latency_seconds_count"] > 0
+    assert m['nextn:request_rejected_total{reason="bad_request"}'] >= 4
+
+
+def test_health_after_everything(live):
+    assert httpx.get(f"{live.url}/health", timeout=10).json() == {"status": "ok"}
