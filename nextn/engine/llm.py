@@ -104,8 +104,8 @@ class LLM:
 
         checkpoint_at (sessions): where the kept rewind checkpoint goes, default the prompt end. A chat
         server passes the end of the conversation before the generation prompt: the next request
-        re-renders the reply after it, and may tokenize the boundary differently ("\n" + "\n..."),
-        or drop a "<think>" the generation prompt opened.
+        re-renders the reply after it, and may tokenize the boundary differently (a newline merges
+        with a reply that starts with one) or drop a "<think>" the generation prompt opened.
         """
         params = params or SamplingParams()
         if prompt_token_ids is None:

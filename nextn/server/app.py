@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -104,7 +104,9 @@ def sampling_params(req: P.SamplingRequest, max_tokens: int, logprobs: int | Non
                     prompt_logprobs: int | None = None) -> SamplingParams:
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
-    pick = lambda v, default: default if v is None else v  # noqa: E731
+    def pick(value, default):
+        return default if value is None else value
+
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=pick(req.temperature, 1.0), top_k=max(0, pick(req.top_k, 0)),
@@ -442,7 +444,8 @@ def serve_from_args(args) -> int:
 
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, num_speculative_tokens=args.spec_k,
               p_min=args.p_min, adaptive_k=args.adaptive_k, hidden_after_norm=not args.hidden_before_norm,
-              max_model_len=args.max_model_len, session_memory_gb=args.session_memory_gb)
+              max_model_len=args.max_model_len, session_memory_gb=args.session_memory_gb,
+              kernels=args.kernels)
     cfg = ServeConfig(host=args.host, port=args.port, api_key=args.api_key,
                       served_model_name=args.served_model_name, max_queue=args.max_queue)
     log.info("serving %s on http://%s:%d (spec K=%d)", llm.model_name, cfg.host, cfg.port,

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Generator
 
 from nextn.config import ServeConfig
 from nextn.core import SamplingParams
@@ -71,7 +71,7 @@ class Job:
                 try:
                     # waiting on the Event, not a Queue: a timeout here can never lose an item
                     await asyncio.wait_for(self._ready.wait(), poll_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
             self._ready.clear()
             while self._items:
