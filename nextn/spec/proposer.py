@@ -41,6 +41,10 @@ class MTPProposer:
         chained = normed if self.spec.hidden_after_norm else out
         return self.model.logits(normed), chained
 
+    def _head(self, state: SeqState, ids: torch.Tensor, hidden: torch.Tensor, first_pos: int):
+        """One draft pass over the state's draft K/V (the step a fast path replaces)."""
+        return self.run_rows(state.draft_kv, ids, hidden, first_pos)
+
     @torch.inference_mode()
     def propose(self, state: SeqState, bonus: int, k: int, selector: TokenSelector) -> Draft:
         """Draft up to k tokens following `bonus` (the pending token, not yet in the trunk cache)."""
@@ -48,7 +52,7 @@ class MTPProposer:
         n = len(state.tokens)  # the bonus is token n; its row pairs it with hidden n-1
         ids = torch.tensor(row_ids + [bonus], device=row_hidden.device)
         hidden = torch.cat([row_hidden, state.last_hidden[None]])
-        logits, chained = self.run_rows(state.draft_kv, ids, hidden, state.draft_len + 1)
+        logits, chained = self._head(state, ids, hidden, state.draft_len + 1)
         state.draft_len = n
         tokens, probs, confidence = [], [], []
         for j in range(k):
@@ -57,7 +61,7 @@ class MTPProposer:
             probs.append(q)
             confidence.append(conf)
             if j + 1 < k:
-                logits, chained = self.run_rows(state.draft_kv, token, chained, n + 1 + j)
+                logits, chained = self._head(state, token, chained, n + 1 + j)
         token_ids = torch.cat(tokens)
         keep = self._confident_prefix(torch.cat(confidence))
         q = None if probs[0] is None else torch.cat(probs)[:keep]
