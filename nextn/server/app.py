@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -104,20 +106,21 @@ def sampling_params(req: P.SamplingRequest, max_tokens: int, logprobs: int | Non
                     prompt_logprobs: int | None = None) -> SamplingParams:
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
-    def pick(value, default):
-        return default if value is None else value
-
     try:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=pick(req.temperature, 1.0), top_k=max(0, pick(req.top_k, 0)),
-            top_p=pick(req.top_p, 1.0), min_p=pick(req.min_p, 0.0),
-            repetition_penalty=pick(req.repetition_penalty, 1.0),
-            frequency_penalty=pick(req.frequency_penalty, 0.0), presence_penalty=pick(req.presence_penalty, 0.0),
+            max_tokens=max_tokens, temperature=_or(req.temperature, 1.0), top_k=max(0, _or(req.top_k, 0)),
+            top_p=_or(req.top_p, 1.0), min_p=_or(req.min_p, 0.0),
+            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0), presence_penalty=_or(req.presence_penalty, 0.0),
             seed=req.seed, ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, stop=req.stop_list,
         )
     except ValueError as e:
         raise APIError(400, str(e))
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def template_messages(messages: list[P.ChatMessage]) -> list[dict]:
@@ -168,8 +171,8 @@ def prepare_chat(srv: Server, req: P.ChatCompletionRequest) -> tuple[list[int], 
         if req.add_generation_prompt:
             history_ids = tok.encode(tok.apply_chat_template(messages, False, **kwargs))
             checkpoint_at = common_prefix(history_ids, prompt_ids)
-    except TokenizerError as e:
-        raise APIError(400, str(e), param="messages")
+    except (TokenizerError, jinja2.TemplateError) as e:
+        raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages")
     srv.prompt_checks(prompt_ids, SamplingParams(), "messages")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -448,8 +451,8 @@ def serve_from_args(args) -> int:
               kernels=args.kernels)
     cfg = ServeConfig(host=args.host, port=args.port, api_key=args.api_key,
                       served_model_name=args.served_model_name, max_queue=args.max_queue)
-    log.info("serving %s on http://%s:%d (spec K=%d)", llm.model_name, cfg.host, cfg.port,
-             llm.num_speculative_tokens)
+    print(f"nextn: serving {cfg.served_model_name or llm.model_name} on http://{cfg.host}:{cfg.port} "
+          f"(spec K={llm.num_speculative_tokens}, context {llm.config.max_model_len})", file=sys.stderr)
     uvicorn.run(create_app(llm, cfg), host=cfg.host, port=cfg.port, log_level="info")
     return 0
 
