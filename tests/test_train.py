@@ -153,6 +153,26 @@ def test_split_is_deterministic_and_order_resumes():
     assert pack(torch.arange(20).numpy(), 4).shape == (4, 5)
 
 
+def test_tokenising_threads_and_processes_agree(tiny_run):
+    from nextn.train.data import find_files, tokenize_stream
+    from nextn.train.tokenizer import load_tokenizer, token_id
+
+    tok = load_tokenizer(tiny_run / "run" / "tokenizer")
+    files = find_files([str(tiny_run / "src")], (".py",), 1 << 20)
+    eot = token_id(tok, ENDOFTEXT)
+    inline = tokenize_stream(tok, files, eot, 10**9, workers=1)
+    threads = tokenize_stream(tok, files, eot, 10**9, workers=0)
+    assert (inline == threads).all() and (inline == eot).sum() == len(files)  # every file differs
+    assert len(tokenize_stream(tok, files, eot, 100, workers=0)) == 100
+
+
+def test_wall_clock_limit_stops_the_run(tmp_path):
+    data_dir = _corpus(tmp_path / "src", num_files=12)
+    trainer.train(_config(tmp_path / "run", data_dir, max_steps=None, wall_minutes=0.2))
+    state = load_state(tmp_path / "run")
+    assert 0 < state["step"] and state["elapsed"] < 12 and (tmp_path / "run" / "checkpoint" / "config.json").is_file()
+
+
 def test_config_round_trips_through_json(tmp_path):
     cfg = _config(tmp_path, tmp_path)
     assert TrainConfig.from_dict(json.loads(cfg.to_json())) == cfg

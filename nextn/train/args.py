@@ -28,6 +28,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--distill-from", metavar="CKPT", help="train only the MTP head of this checkpoint")
     g.add_argument("--minutes", type=float, help="stop after this many minutes of training steps")
     g.add_argument("--max-steps", type=int, help="stop after this many steps")
+    g.add_argument("--wall-minutes", type=float,
+                   help="stop this invocation after this many wall-clock minutes, data preparation included")
     g.add_argument("--seq-len", type=int, default=1024)
     g.add_argument("--batch-size", type=int, default=64, help="sequences per step")
     g.add_argument("--lr", type=float, default=2e-3)
@@ -49,7 +51,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--heldout-percent", type=float, default=_DATA.heldout_percent)
     d.add_argument("--max-train-tokens", type=int, default=_DATA.max_train_tokens)
     d.add_argument("--max-heldout-tokens", type=int, default=_DATA.max_heldout_tokens)
-    d.add_argument("--workers", type=int, default=_DATA.workers, help="tokenising processes")
+    d.add_argument("--max-prep-seconds", type=float, default=None,
+                   help="stop tokenising the train split after this long (the run repeats what it has)")
+    d.add_argument("--workers", type=int, default=_DATA.workers,
+                   help="tokenising processes; 0 (default): the tokenizer's own threads")
     d.add_argument("--tokenizer-sample-mb", type=float, default=20.0, help="text the BPE is trained on")
     m = parser.add_argument_group("model shape (a new run only)")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
@@ -63,17 +68,17 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     if ns.distill_from and ns.model and ns.distill_from != ns.model:
         raise SystemExit("nextn train: --model and --distill-from name different checkpoints")
     dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
-    if ns.minutes is None and ns.max_steps is None:
-        raise SystemExit("nextn train: give --minutes or --max-steps")
+    if ns.minutes is None and ns.max_steps is None and ns.wall_minutes is None:
+        raise SystemExit("nextn train: give --minutes, --max-steps or --wall-minutes")
     shape = ModelShape(**{f: getattr(ns, f) for f in ModelShape.__dataclass_fields__ if hasattr(ns, f)})
     data = DataSettings(
         roots=tuple(ns.data), suffixes=tuple(ns.suffix or (".py",)), heldout_percent=ns.heldout_percent,
         max_train_tokens=ns.max_train_tokens, max_heldout_tokens=ns.max_heldout_tokens,
-        workers=ns.workers, seed=ns.seed,
+        max_prep_seconds=ns.max_prep_seconds, workers=ns.workers, seed=ns.seed,
     )
     return TrainConfig(
         run_dir=ns.out, data=data, shape=shape, distill_from=distill, minutes=ns.minutes,
-        max_steps=ns.max_steps, seq_len=ns.seq_len, batch_size=ns.batch_size, lr=ns.lr,
+        max_steps=ns.max_steps, wall_minutes=ns.wall_minutes, seq_len=ns.seq_len, batch_size=ns.batch_size, lr=ns.lr,
         warmup_steps=ns.warmup_steps, weight_decay=ns.weight_decay, head_loss_weight=ns.head_loss_weight,
         tokenizer_sample_mb=ns.tokenizer_sample_mb, log_every=ns.log_every, eval_every=ns.eval_every,
         eval_sequences=ns.eval_sequences, save_every=ns.save_every, device=ns.device, dtype=dtype,

@@ -79,9 +79,12 @@ class TrainConfig:
     shape: ModelShape = field(default_factory=ModelShape)
     # head distillation: train only mtp.* of this checkpoint, from its trunk's hidden states
     distill_from: str | None = None
-    # duration: stop at whichever comes first (minutes count training steps, not data preparation)
+    # duration: stop at whichever comes first. minutes: time in the training loop, summed over
+    # resumes; wall_minutes: this invocation's wall clock, data preparation included. The LR
+    # schedule is stretched over whichever limit binds.
     minutes: float | None = None
     max_steps: int | None = None
+    wall_minutes: float | None = None
     seq_len: int = 1024
     batch_size: int = 64  # sequences per step
     lr: float = 2e-3
@@ -104,8 +107,8 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.minutes is None and self.max_steps is None:
-            raise ValueError("give a duration: minutes or max_steps")
+        if self.minutes is None and self.max_steps is None and self.wall_minutes is None:
+            raise ValueError("give a duration: minutes, max_steps or wall_minutes")
         if self.gdn_kernel not in GDN_KERNELS:
             raise ValueError(f"gdn_kernel must be one of {GDN_KERNELS}, got {self.gdn_kernel!r}")
         if self.gdn_kernel == "fla" and not self.device.startswith("cuda"):
@@ -134,8 +137,10 @@ class TrainConfig:
 
 
 # settings a resumed run may change; everything else must match the run's saved config
-RESUMABLE_CHANGES = frozenset({"minutes", "max_steps", "log_every", "eval_every", "save_every", "device",
-                               "compile", "gdn_kernel"})
+RESUMABLE_CHANGES = frozenset({"minutes", "max_steps", "wall_minutes", "log_every", "eval_every", "save_every",
+                               "device", "compile", "gdn_kernel"})
+# settings the tokenizer and the token arrays of a run depend on
+DATA_FIELDS = ("data", "tokenizer_sample_mb", "distill_from")
 
 
 def check_resume(saved: TrainConfig, new: TrainConfig) -> None:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import multiprocessing
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -109,24 +110,41 @@ def _encode_files(paths: list[Path]) -> list[tuple[bytes, np.ndarray]]:
 
 
 def tokenize_stream(tok, files: list[SourceFile], eot_id: int, max_tokens: int, workers: int,
-                    files_per_task: int = 64) -> np.ndarray:
+                    max_seconds: float | None = None, files_per_task: int = 64) -> np.ndarray:
     """Token ids of the files' texts in order, each followed by <|endoftext|>, exact duplicates
-    dropped, up to max_tokens; uint16 (uint32 past 65,536 tokens). `workers` processes encode."""
+    dropped, up to max_tokens (and, if given, what max_seconds of tokenising yields); uint16
+    (uint32 past 65,536 tokens). workers 0: the library's own threads in this process; 1: this
+    process alone; more: that many worker processes."""
     dtype = np.uint16 if tok.get_vocab_size() <= 65_536 else np.uint32
-    tasks = [[f.path for f in files[i : i + files_per_task]] for i in range(0, len(files), files_per_task)]
+    per_task = files_per_task if workers else 8 * files_per_task  # big batches keep the threads busy
+    tasks = [[f.path for f in files[i : i + per_task]] for i in range(0, len(files), per_task)]
+    deadline = time.monotonic() + max_seconds if max_seconds else None
     init_args = (tok.to_str(), eot_id, dtype)
-    if workers <= 1:
+    if workers == 0:
         _init_worker(*init_args)
-        stream = _collect(map(_encode_files, tasks), max_tokens, dtype)
+        stream = _collect(map(_encode_files_batched, tasks), max_tokens, dtype, deadline)
+    elif workers == 1:
+        _init_worker(*init_args)
+        stream = _collect(map(_encode_files, tasks), max_tokens, dtype, deadline)
     else:
         ctx = multiprocessing.get_context("spawn")  # no fork after the tokenizer's threads ran
         with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
-            stream = _collect(pool.imap(_encode_files, tasks), max_tokens, dtype)
+            stream = _collect(pool.imap(_encode_files, tasks), max_tokens, dtype, deadline)
     return stream[:max_tokens]
 
 
-def _collect(encoded_tasks, max_tokens: int, dtype) -> np.ndarray:
-    """Concatenate task results in order, dropping repeated contents, until max_tokens."""
+def _encode_files_batched(paths: list[Path]) -> list[tuple[bytes, np.ndarray]]:
+    """_encode_files with one batch call: the tokenizer spreads it over its threads."""
+    raws = [path.read_bytes() for path in paths]
+    kept = [(raw, text) for raw in raws if (text := _decode(raw)) is not None]
+    encodings = _worker["tok"].encode_batch_fast([text for _, text in kept], add_special_tokens=False)
+    eot, dtype = _worker["eot_id"], _worker["dtype"]
+    return [(hashlib.sha1(raw).digest(), np.asarray(enc.ids + [eot], dtype=dtype))
+            for (raw, _), enc in zip(kept, encodings)]
+
+
+def _collect(encoded_tasks, max_tokens: int, dtype, deadline: float | None) -> np.ndarray:
+    """Concatenate task results in order, dropping repeated contents, until max_tokens or the deadline."""
     parts, total, seen = [], 0, set()
     for encoded in encoded_tasks:
         for digest, ids in encoded:
@@ -134,7 +152,7 @@ def _collect(encoded_tasks, max_tokens: int, dtype) -> np.ndarray:
                 seen.add(digest)
                 parts.append(ids)
                 total += len(ids)
-        if total >= max_tokens:
+        if total >= max_tokens or (deadline is not None and time.monotonic() > deadline):
             break
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
@@ -179,9 +197,10 @@ class DataSettings:
     heldout_percent: float = 2.0
     max_file_bytes: int = 1 << 20
     max_train_tokens: int = 400_000_000
-    max_heldout_tokens: int = 2_000_000
+    max_heldout_tokens: int = 1_000_000
+    max_prep_seconds: float | None = None  # stop tokenising the train split after this long
     seed: int = 0
-    workers: int = 8  # tokenising processes
+    workers: int = 0  # 0: the tokenizer's own threads; N: N processes
 
 
 def prepare(tok, settings: DataSettings, eot_id: int, out_dir: Path) -> dict:
@@ -192,11 +211,14 @@ def prepare(tok, settings: DataSettings, eot_id: int, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"roots": list(settings.roots), "files": len(files),
             "train_files": len(train_files), "heldout_files": len(heldout_files)}
-    for name, subset, cap in (("train", train_files, settings.max_train_tokens),
-                              ("heldout", heldout_files, settings.max_heldout_tokens)):
-        stream = tokenize_stream(tok, subset, eot_id, cap, settings.workers)
+    # held-out first: a time limit applies to the train split only
+    for name, subset, cap, seconds in (("heldout", heldout_files, settings.max_heldout_tokens, None),
+                                       ("train", train_files, settings.max_train_tokens, settings.max_prep_seconds)):
+        t0 = time.monotonic()
+        stream = tokenize_stream(tok, subset, eot_id, cap, settings.workers, seconds)
         np.save(out_dir / f"{name}.npy", stream)
         meta[f"{name}_tokens"] = int(len(stream))
+        meta[f"{name}_tokens_per_s"] = round(len(stream) / max(1e-9, time.monotonic() - t0))
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 

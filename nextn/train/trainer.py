@@ -21,7 +21,7 @@ from nextn.models.qwen3_5 import CausalLM
 from nextn.train import data as data_mod
 from nextn.train import objective, report
 from nextn.train.checkpoint import load_state, save_state, write_checkpoint
-from nextn.train.config import TrainConfig, check_resume
+from nextn.train.config import DATA_FIELDS, TrainConfig, check_resume
 from nextn.train.model_setup import build_model, distill_model, select_gdn_kernel
 from nextn.train.tokenizer import ENDOFTEXT, TOKENIZER_FILES, build_tokenizer, load_tokenizer, token_id, write_tokenizer_files
 
@@ -67,17 +67,31 @@ def prepare_data(cfg: TrainConfig, tok) -> tuple[np.ndarray, np.ndarray]:
     return train_rows, heldout_rows
 
 
-def lr_at(cfg: TrainConfig, step: int, elapsed: float) -> float:
-    """Linear warmup over steps, then cosine to min_lr_ratio over the run's progress, the larger
-    of steps done / max_steps and time spent / minutes (whichever limit ends the run)."""
+def lr_at(cfg: TrainConfig, step: int, elapsed: float, planned_s: float | None) -> float:
+    """Linear warmup over steps, then cosine to min_lr_ratio over the run's progress: the larger
+    of steps done / max_steps and loop time spent / planned loop time (whichever limit binds)."""
     progress = 0.0
     if cfg.max_steps:
         progress = step / cfg.max_steps
-    if cfg.minutes:
-        progress = max(progress, elapsed / (cfg.minutes * 60))
+    if planned_s is not None:
+        progress = max(progress, elapsed / planned_s if planned_s > 0 else 1.0)
     decay = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
     return cfg.lr * warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay)
+
+
+def finish_reserve(wall_s: float) -> float:
+    """Wall time kept for the final evaluation and checkpoint."""
+    return min(30.0, 0.1 * wall_s)
+
+
+def plan_seconds(cfg: TrainConfig, elapsed: float, deadline: float | None) -> float | None:
+    """Total loop time the run may reach: minutes, and what the wall-clock deadline leaves."""
+    limits = [cfg.minutes * 60] if cfg.minutes is not None else []
+    if deadline is not None:
+        reserve = finish_reserve(cfg.wall_minutes * 60)
+        limits.append(elapsed + max(0.0, deadline - time.monotonic() - reserve))
+    return min(limits) if limits else None
 
 
 def make_optimizer(model: CausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -106,6 +120,8 @@ class Run:
         select_gdn_kernel(self.model, cfg.gdn_kernel)
         self.optimizer = make_optimizer(self.model, cfg)
         self.step, self.tokens, self.elapsed = 0, 0, 0.0
+        self.planned_s: float | None = None  # loop time this run may reach (set when the loop starts)
+        self.last_eval_step = -1
         self.order = data_mod.SequenceOrder(len(train_rows), cfg.data.seed)
         self._restore(load_state(cfg.run_path))
         if cfg.compile:
@@ -177,14 +193,15 @@ class Run:
 
 def train(cfg: TrainConfig) -> Path:
     """Train (or resume) the run in cfg.run_dir; returns the checkpoint directory."""
+    deadline = time.monotonic() + cfg.wall_minutes * 60 if cfg.wall_minutes else None
     cfg.run_path.mkdir(parents=True, exist_ok=True)
     config_path = cfg.run_path / CONFIG_FILE
     if config_path.is_file():
         saved = TrainConfig.from_dict(json.loads(config_path.read_text()))
         if (cfg.run_path / "state.pt").is_file():
             check_resume(saved, cfg)
-        elif saved != cfg:  # an unstarted run with other settings: its tokenizer and data are stale
-            for derived in ("tokenizer", "data"):
+        elif any(getattr(saved, f) != getattr(cfg, f) for f in DATA_FIELDS) or saved.shape.vocab_size != cfg.shape.vocab_size:
+            for derived in ("tokenizer", "data"):  # an unstarted run's tokens are stale
                 shutil.rmtree(cfg.run_path / derived, ignore_errors=True)
     config_path.write_text(cfg.to_json())
     torch.manual_seed(cfg.seed)
@@ -196,22 +213,25 @@ def train(cfg: TrainConfig) -> Path:
     report.log(f"model: {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trained), "
                f"{len(run.train_rows)} train rows of {cfg.seq_len + 1} tokens, gdn kernel {cfg.gdn_kernel}")
     csv = report.LossCSV(cfg.run_path / "loss.csv", run.step)
+    run.planned_s = plan_seconds(cfg, run.elapsed, deadline)
+    if run.planned_s is not None:
+        report.log(f"training for up to {report.fmt_duration(run.planned_s - run.elapsed)} more")
     loop(run, csv)
-    out = finish(run, csv)
-    return out
+    return finish(run, csv)
 
 
 def _done(run: Run) -> bool:
     cfg = run.cfg
-    return bool((cfg.max_steps and run.step >= cfg.max_steps) or (cfg.minutes and run.elapsed >= cfg.minutes * 60))
+    return ((cfg.max_steps is not None and run.step >= cfg.max_steps)
+            or (run.planned_s is not None and run.elapsed >= run.planned_s))
 
 
 def _eta(run: Run, sec_per_step: float) -> float | None:
-    cfg, etas = run.cfg, []
-    if cfg.max_steps:
-        etas.append((cfg.max_steps - run.step) * sec_per_step)
-    if cfg.minutes:
-        etas.append(cfg.minutes * 60 - run.elapsed)
+    etas = []
+    if run.cfg.max_steps is not None:
+        etas.append((run.cfg.max_steps - run.step) * sec_per_step)
+    if run.planned_s is not None:
+        etas.append(run.planned_s - run.elapsed)
     return min(etas) if etas else None
 
 
@@ -223,35 +243,40 @@ def loop(run: Run, csv: report.LossCSV) -> None:
     t_mark, tokens_mark, steps_mark = time.perf_counter(), run.tokens, run.step
     while not _done(run):
         t0 = time.perf_counter()
-        lr = lr_at(cfg, run.step, run.elapsed)
+        lr = lr_at(cfg, run.step, run.elapsed, run.planned_s)
         losses = run.train_step(lr)
         vals = torch.stack([losses.trunk, losses.head, losses.head_acc, losses.head_agree]).detach().float()
         acc, n_acc = (vals if acc is None else acc + vals), n_acc + 1
-        logged = run.step % cfg.log_every == 0 or _done(run)
-        if logged:
+        now = time.perf_counter()
+        run.elapsed += now - t0  # loop time: the step here, evaluation and saving below
+        t0 = now
+        last = _done(run)
+        if run.step % cfg.log_every == 0 or last:
             means = (acc / n_acc).tolist()
             acc, n_acc = None, 0
-        now = time.perf_counter()
-        run.elapsed += now - t0  # train steps only: evaluation and saving are not counted
-        if logged:
+            if not all(math.isfinite(v) for v in means):
+                raise FloatingPointError(f"non-finite loss at step {run.step}: {means}")
+            now = time.perf_counter()
             row = dict(zip(("trunk_loss", "head_loss", "head_acc", "head_agree"), means), lr=lr)
             csv.append({**row, "step": run.step, "tokens": run.tokens, "elapsed_s": round(run.elapsed, 1),
                         "split": "train"})
             tok_s = (run.tokens - tokens_mark) / (now - t_mark)
             eta = _eta(run, (now - t_mark) / (run.step - steps_mark))
             report.log(report.progress_line(run.step, cfg.max_steps, tok_s, row, eta))
-        busy = not _done(run) and (run.step % cfg.eval_every == 0 or run.step % cfg.save_every == 0)
-        if busy and run.step % cfg.eval_every == 0:
+            t_mark, tokens_mark, steps_mark = now, run.tokens, run.step
+        if not last and run.step % cfg.eval_every == 0:
             eval_and_log(run, csv, lr)
-        if busy and run.step % cfg.save_every == 0:
+        if not last and run.step % cfg.save_every == 0:
             run.save()
-        if logged or busy:
-            t_mark, tokens_mark, steps_mark = time.perf_counter(), run.tokens, run.step
+        if not last and (run.step % cfg.eval_every == 0 or run.step % cfg.save_every == 0):
+            t_mark, tokens_mark, steps_mark = time.perf_counter(), run.tokens, run.step  # tok/s: steps only
+        run.elapsed += time.perf_counter() - t0
 
 
 def eval_and_log(run: Run, csv: report.LossCSV, lr: float) -> dict | None:
-    if len(run.heldout_rows) == 0:
+    if len(run.heldout_rows) == 0 or run.last_eval_step == run.step:
         return None
+    run.last_eval_step = run.step
     run.model.eval()
     row = run.evaluate()
     run.model.train()
@@ -263,7 +288,7 @@ def eval_and_log(run: Run, csv: report.LossCSV, lr: float) -> dict | None:
 
 
 def finish(run: Run, csv: report.LossCSV) -> Path:
-    eval_and_log(run, csv, lr_at(run.cfg, run.step, run.elapsed))
+    eval_and_log(run, csv, lr_at(run.cfg, run.step, run.elapsed, run.planned_s))
     out = run.save()
     report.plot_losses(csv.path, run.cfg.run_path / "loss.png", f"nextn train: {run.cfg.run_path.name}")
     report.log(f"done: step {run.step}, {run.tokens / 1e6:.1f}M tokens, {report.fmt_duration(run.elapsed)} "
