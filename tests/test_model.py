@@ -166,3 +166,18 @@ def test_missing_mtp_head_means_plain_decoding(dense_ckpt, tmp_path, capsys):
     assert "no mtp" in capsys.readouterr().err.lower()
     with pytest.raises(ValueError, match="MTP head"):
         nextn.LLM(model=ckpt, num_speculative_tokens=2)
+
+
+@pytest.mark.parametrize("name", ["vlm_ckpt", "next_ckpt"])
+def test_cli_generate_matches_transformers(name, request):
+    """The issue's bar command: `nextn generate ... --spec-k 0 --json` emits transformers' greedy continuation."""
+    import subprocess
+    import sys
+
+    ckpt = request.getfixturevalue(name)
+    cmd = [sys.executable, "-m", "nextn.cli", "generate", "--model", str(ckpt), "--prompt-ids", ",".join(map(str, PROMPT)),
+           "--max-tokens", "24", "--temperature", "0", "--ignore-eos", "--spec-k", "0", "--device", "cpu",
+           "--dtype", "float32", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["token_ids"] == hf_greedy(ckpt, PROMPT, 24)
