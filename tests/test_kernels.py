@@ -239,3 +239,53 @@ def test_step_attention_rows_do_not_depend_on_row_count():
         one = _attn_run(qkv[t : t + 1], key1, value1, q_norm, k_norm, start + t, Hq, cos, sin, chunk=16)
         assert torch.equal(one[0], full[t]), t
     assert torch.equal(key1[: start + T], key[: start + T])
+
+
+# ---------------------------------------------------------------------------------------------
+# the H200: Qwen3.5-9B shapes in bf16
+
+
+@gpu
+@pytest.mark.parametrize("N,K,kind", [(12352, 4096, "rms"), (4096, 4096, "gated"), (12288, 4096, "silu_mul"),
+                                      (4096, 12288, "residual"), (10240, 4096, "rms"), (248320, 4096, "plain")])
+def test_skinny_linear_9b_shapes_gpu(N, K, kind):
+    g = torch.Generator(device=DEVICE).manual_seed(N + K)
+    x, w, w2, res, nw, z = _linear_case(9, N, K, torch.bfloat16, g)
+    kw, ref = _linear_variants(x, w, w2, res, nw, z, group=128)[kind]
+    out = skinny_linear(x, w, **kw)
+    _close(out, ref, torch.bfloat16)
+    for m in (0, 3, 8):
+        one = {k: (v[m : m + 1] if k in ("residual", "gate") else v) for k, v in kw.items()}
+        assert torch.equal(skinny_linear(x[m : m + 1], w, **one)[0], out[m]), m
+
+
+@gpu
+def test_recurrent_step_9b_shapes_gpu():
+    H, HV, K, V, T = 16, 32, 128, 128, 9
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    qkv, ba, A_log, dt_bias, state = _gdn_case(T, H, HV, K, V, torch.bfloat16, g)
+    states = torch.empty(16, HV, K, V, device=DEVICE)
+    o = recurrent_step(qkv, ba, 5, 5 + HV, A_log, dt_bias, state, states, num_k_heads=H)
+    ref_o, ref_states = _gdn_reference(qkv, ba, A_log, dt_bias, state, H, HV, K, V)
+    _close(o, ref_o, torch.bfloat16)
+    torch.testing.assert_close(states[:T], ref_states, rtol=1e-3, atol=1e-4)
+    one_states = torch.empty_like(states)
+    one = recurrent_step(qkv[4:5], ba[4:5], 5, 5 + HV, A_log, dt_bias, states[3].clone(), one_states, num_k_heads=H)
+    assert torch.equal(one[0], o[4]) and torch.equal(one_states[0], states[4])
+
+
+@gpu
+def test_step_attention_9b_shapes_gpu():
+    Hq, Hkv, D, max_len, T, start = 16, 4, 256, 1024, 9, 700
+    g = torch.Generator(device=DEVICE).manual_seed(6)
+    dtype = torch.bfloat16
+    qkv, key, value, q_norm, k_norm = _attn_case(T, start, Hq, Hkv, D, max_len, dtype, g)
+    rotary = RotaryEmbedding(64, 1e7).to(DEVICE)
+    cos, sin = rotary.cos_sin(torch.arange(max_len, device=DEVICE), dtype)
+    ref, _, _ = _attn_reference(qkv, key, value, q_norm, k_norm, start, Hq, Hkv, D, rotary, dtype)
+    key1, value1 = key.clone(), value.clone()
+    out = _attn_run(qkv, key, value, q_norm, k_norm, start, Hq, cos, sin, chunk=128)
+    _close(out, ref[0], dtype)
+    for t in range(T):  # row by row, as plain decoding runs them
+        one = _attn_run(qkv[t : t + 1], key1, value1, q_norm, k_norm, start + t, Hq, cos, sin, chunk=128)
+        assert torch.equal(one[0], out[t]), t

@@ -13,7 +13,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one compiled kernel for decode and verify
     def _conv_step_kernel(
         x_ptr, stride_x,  # [T, D] step inputs (the first D columns of each row)
         w_ptr,  # [D, W] taps

@@ -16,7 +16,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one compiled kernel for decode and verify
     def _recurrent_step_kernel(
         qkv_ptr, stride_qkv,  # [T, 2*H*K + HV*V]: conv outputs [q all | k all | v all]
         ba_ptr, stride_ba, b_col, a_col,  # b at columns b_col.., a at a_col.. of each row

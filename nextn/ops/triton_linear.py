@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.triton_utils import HAVE_TRITON, INTERPRET, next_pow2
+from nextn.ops.triton_utils import HAVE_TRITON, interpreting, next_pow2
 
 MAX_ROWS = 16  # rows of one step: decode 1, verify K + 1 <= 16
 
@@ -158,7 +158,7 @@ def skinny_linear(
         eps,
         PROLOGUE=prologue, EPILOGUE=epilogue, GROUP=group if prologue == 2 else 1,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-        DOT_F32=INTERPRET or x.dtype == torch.float32,
+        DOT_F32=interpreting() or x.dtype == torch.float32,
         num_warps=warps, num_stages=stages,
     )
     return out

@@ -1,0 +1,24 @@
+#!/bin/bash
+# One device call on the H200: tune the skinny GEMM, kernel tests at real shapes, the benches.
+# Usage (device tool): bash bench/run_h200.sh [stages...]   stages: tune tests bench9b bench35b fast
+set -o pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
+mkdir -p /tmp/triton_cache
+[ -f .tcache/triton_cache.tgz ] && tar xzf .tcache/triton_cache.tgz -C /tmp/triton_cache
+LOG=$OUT/log.txt
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee $LOG
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $LOG
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)" | tee -a $LOG
+  case $stage in
+    tune) timeout 90 python3 bench/tune_linear.py --out $OUT/tune.json 2>&1 | grep -E "BEST|Error|error" | tee -a $LOG ;;
+    tests) timeout 120 python3 -m pytest -q -x -m gpu tests/test_kernels.py 2>&1 | tail -25 | tee -a $LOG ;;
+    fast) timeout 150 python3 -m pytest -q -x tests/test_fast.py 2>&1 | tail -25 | tee -a $LOG ;;
+    bench9b) timeout 240 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 \
+               --kernels triton --json $OUT/bench_qwen3.5-9b.json 2>&1 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
+    bench35b) timeout 240 python3 -m nextn.cli bench --random-weights qwen3.5-35b-a3b --device cuda --dtype bfloat16 \
+               --kernels ${KERNELS35:-triton} --json $OUT/bench_qwen3.5-35b-a3b.json 2>&1 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
+  esac
+done
+echo "=== end $(date +%T)" | tee -a $LOG
+tar czf $OUT/triton_cache.tgz -C /tmp/triton_cache . && ls -la $OUT
