@@ -92,3 +92,11 @@ def test_greedy_spec_equals_plain_bf16(dense_fitted_ckpt, k):
     spec, stats = _generate(dense_fitted_ckpt, k, "bfloat16", prompt, 12)
     assert spec == plain
     assert stats.num_drafted > 0
+
+
+def test_greedy_spec_equals_plain_bf16_moe(moe_fitted_ckpt):
+    prompt = tuple(FIT_PROMPTS[0])
+    plain, _ = _generate(moe_fitted_ckpt, 0, "bfloat16", prompt, 10)
+    spec, stats = _generate(moe_fitted_ckpt, 2, "bfloat16", prompt, 10)
+    assert spec == plain
+    assert stats.num_drafted > 0

@@ -289,3 +289,69 @@ def test_step_attention_9b_shapes_gpu():
     for t in range(T):  # row by row, as plain decoding runs them
         one = _attn_run(qkv[t : t + 1], key1, value1, q_norm, k_norm, start + t, Hq, cos, sin, chunk=128)
         assert torch.equal(one[0], out[t]), t
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse MoE block
+
+
+def _moe_block(E, k, H, I, Is, dtype, seed):
+    from nextn.config import ModelConfig
+    from nextn.layers.ffn import SparseMoeBlock
+
+    cfg = ModelConfig(family="qwen3_5_moe", vocab_size=16, hidden_size=H, num_hidden_layers=1,
+                      layer_types=("full_attention",), rms_norm_eps=1e-6, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, rope_theta=1e4, partial_rotary_factor=0.25,
+                      attention_bias=False, max_position_embeddings=64, linear_num_key_heads=1,
+                      linear_num_value_heads=1, linear_key_head_dim=8, linear_value_head_dim=8,
+                      linear_conv_kernel_dim=4, intermediate_size=0, num_experts=E, num_experts_per_tok=k,
+                      moe_intermediate_size=I, shared_expert_intermediate_size=Is)
+    block = SparseMoeBlock(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+    return block.to(device=DEVICE, dtype=dtype)
+
+
+def _moe_run(block, x, h):
+    from nextn.ops.triton_moe import moe_step
+
+    se = block.shared_expert
+    return moe_step(x, h, block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj,
+                    se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight, block.shared_expert_gate.weight,
+                    block.gate.top_k, block.gate.norm_topk_prob)
+
+
+def _untied_rows(block, T, H, dtype, g):
+    """Rows whose router logits have no tie at the top-k boundary (ties may pick either expert)."""
+    rows = []
+    while len(rows) < T:
+        h = _rand(1, H, dtype=dtype, gen=g)
+        logits = F.linear(h, block.gate.weight)[0].float().sort(descending=True).values
+        if logits[block.gate.top_k - 1] != logits[block.gate.top_k]:
+            rows.append(h)
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_step_matches_reference_and_rows_are_invariant(dtype):
+    block = _moe_block(E=8, k=3, H=32, I=16, Is=24, dtype=dtype, seed=0)
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    x = _rand(5, 32, dtype=dtype, gen=g)
+    h = _untied_rows(block, 5, 32, dtype, g)
+    out = _moe_run(block, x, h)
+    _close(out, x + block(h), dtype)
+    for t in range(5):
+        assert torch.equal(_moe_run(block, x[t : t + 1], h[t : t + 1])[0], out[t]), t
+
+
+@gpu
+def test_moe_step_35b_shapes_gpu():
+    block = _moe_block(E=256, k=8, H=2048, I=512, Is=512, dtype=torch.bfloat16, seed=1)
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    x, h = _rand(9, 2048, dtype=torch.bfloat16, gen=g), _untied_rows(block, 9, 2048, torch.bfloat16, g)
+    out = _moe_run(block, x, h)
+    _close(out, x + block(h), torch.bfloat16)
+    for t in (0, 8):
+        assert torch.equal(_moe_run(block, x[t : t + 1], h[t : t + 1])[0], out[t]), t

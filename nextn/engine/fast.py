@@ -8,7 +8,9 @@ What the Triton step does per decoder layer (T <= 16 rows, weights fused at load
   (writes the state after every token) -> [gated RMSNorm -> out_proj -> + residual];
 - attention: [RMSNorm -> q/k/v fused] -> q/k norm + RoPE + K/V write -> chunked attention * gate
   -> [o_proj + residual];
-- MLP: [RMSNorm -> gate/up -> silu * up] -> [down + residual].
+- MLP: [RMSNorm -> gate/up -> silu * up] -> [down + residual];
+- MoE: RMSNorm -> router -> [top-k] -> [experts' silu(gate) * up] -> shared expert (3 launches)
+  -> [experts' down, weighted sum, + gated shared expert + residual] (nextn.ops.triton_moe).
 Brackets are one kernel each. Every kernel computes a row with arithmetic that does not depend on
 the number of rows, so a verify row equals the decode of the same token bitwise, and greedy
 speculative output equals plain greedy output in bf16 (tests/test_fast.py).
@@ -31,7 +33,7 @@ from nextn.config import FULL, SpecConfig
 from nextn.engine.runner import ModelRunner
 from nextn.engine.state import SeqState
 from nextn.models.qwen3_5 import CausalLM
-from nextn.ops.triton_utils import HAVE_TRITON, INTERPRET
+from nextn.ops.triton_utils import HAVE_TRITON, interpreting
 from nextn.spec.proposer import MTPProposer
 
 KERNELS = ("torch", "triton")
@@ -67,6 +69,20 @@ class MLPWeights:
 
 
 @dataclass
+class MoEWeights:
+    norm: torch.Tensor  # [H] post_attention_layernorm
+    router: torch.Tensor  # [E, H]
+    gate_up: torch.Tensor  # [E, 2I, H]
+    down: torch.Tensor  # [E, H, I]
+    shared_gate: torch.Tensor
+    shared_up: torch.Tensor
+    shared_down: torch.Tensor
+    shared_expert_gate: torch.Tensor  # [1, H]
+    top_k: int
+    renorm: bool
+
+
+@dataclass
 class GDNWeights:
     norm: torch.Tensor  # [H] input_layernorm
     in_proj: torch.Tensor  # [conv_dim + value_dim + 2 HV, H]: qkv | z | b | a
@@ -75,7 +91,7 @@ class GDNWeights:
     dt_bias: torch.Tensor
     out_norm: torch.Tensor  # [V] RMSNormGated weight
     out_proj: torch.Tensor  # [H, value_dim]
-    mlp: MLPWeights
+    mlp: MLPWeights | MoEWeights
 
 
 @dataclass
@@ -85,13 +101,16 @@ class AttnWeights:
     q_norm: torch.Tensor
     k_norm: torch.Tensor
     o_proj: torch.Tensor
-    mlp: MLPWeights
+    mlp: MLPWeights | MoEWeights
 
 
-def _mlp_weights(layer) -> MLPWeights:
+def _mlp_weights(layer) -> MLPWeights | MoEWeights:
     mlp = layer.mlp
-    if not hasattr(mlp, "gate_proj"):
-        raise NotImplementedError("kernels='triton': the MoE FFN has no Triton step path yet (use kernels='torch')")
+    if hasattr(mlp, "experts"):
+        se = mlp.shared_expert
+        return MoEWeights(layer.post_attention_layernorm.weight, mlp.gate.weight, mlp.experts.gate_up_proj,
+                          mlp.experts.down_proj, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
+                          mlp.shared_expert_gate.weight, mlp.gate.top_k, mlp.gate.norm_topk_prob)
     return MLPWeights(layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
                       mlp.down_proj.weight)
 
@@ -208,7 +227,13 @@ class TritonStep:
             self._rope.append((n, *self.model.rotary.cos_sin(positions, self.embed.dtype)))
         return self._rope[-1][1], self._rope[-1][2]
 
-    def _mlp(self, x, w: MLPWeights):
+    def _mlp(self, x, w: MLPWeights | MoEWeights):
+        if isinstance(w, MoEWeights):
+            from nextn.ops.triton_moe import moe_step
+
+            h = self.ops[4].rms_norm(x, w.norm, self.eps)
+            return moe_step(x, h, w.router, w.gate_up, w.down, w.shared_gate, w.shared_up, w.shared_down,
+                            w.shared_expert_gate, w.top_k, w.renorm)
         lin = self.ops[3].skinny_linear
         act = lin(x, w.gate, norm_weight=w.norm, up_weight=w.up, eps=self.eps)
         return lin(act, w.down, residual=x)
@@ -354,7 +379,7 @@ def build_engine(model: CausalLM, spec: SpecConfig, kernels: str,
     if not HAVE_TRITON:
         raise RuntimeError("kernels='triton' needs the triton package")
     device = next(model.parameters()).device
-    if device.type != "cuda" and not INTERPRET:
+    if device.type != "cuda" and not interpreting():
         raise RuntimeError("kernels='triton' needs a CUDA device (or TRITON_INTERPRET=1 for CPU tests)")
     runner = FastModelRunner(model, spec, step or TritonStep(model), use_graphs=device.type == "cuda")
     return runner, FastMTPProposer(model, spec, runner) if want_proposer else None
