@@ -207,7 +207,12 @@ def test_fla_chunk_rule_matches_reference(T, dtype):
     tol = 5e-3 if dtype == torch.float32 else 3e-2  # tf32 dots / bf16 operands
     assert o.dtype == dtype and s.dtype == torch.float32
     assert rel(o, o_ref) < tol and rel(s, s_ref) < tol
-    grads = torch.autograd.grad(o.float().pow(2).sum(), inputs)
+    try:
+        grads = torch.autograd.grad(o.float().pow(2).sum(), inputs)
+    except RuntimeError as e:  # fla refuses its backward on Hopper with Triton < 3.7.1
+        if "#640" in str(e):
+            pytest.skip(f"fla backward unavailable here: {e}")
+        raise
     grads_ref = torch.autograd.grad(o_ref.double().pow(2).sum(), inputs)
     for name, a, b in zip("q k v g beta".split(), grads, grads_ref):
         assert rel(a, b) < 2 * tol, name

@@ -3,6 +3,10 @@
 Same signature and result as `nextn.ops.gdn.chunk_gated_delta_rule` (its reference, which
 tests/test_train.py compares against on a GPU). Importing this module needs the `fla` package
 (fla-core, pure Triton); nothing imports it unless a caller asks for the "fla" kernel by name.
+
+Seen on the H200 image (Triton 3.6, fla-core 0.6.0): the forward runs, but fla's backward raises
+"Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated
+chunk_bwd_dqkwg (see #640)" unless tilelang is installed, so training there uses the torch kernel.
 """
 from __future__ import annotations
 
