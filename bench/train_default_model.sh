@@ -4,6 +4,8 @@
 #   bench/train_default_model.sh smoke OUT                        # ~2.5 min: data prep, torch vs fla tokens/s
 #   bench/train_default_model.sh full OUT WALL_MINUTES [TRAIN FLAGS...]  # the default model
 # Needs the fla-core wheel in .whl/ (pure Triton). Writes logs, shards and a tarball under OUT.
+# On the H200 image (Triton 3.6) fla-core 0.6.0 refuses its backward (fla issue #640), so `full`
+# falls back to the torch kernel after the fla attempt: that is how the bundled model was made.
 set -euo pipefail
 mode=$1 out=$2
 shift 2
