@@ -161,6 +161,7 @@ class BenchConfig:
     kernels: str = "torch"
     seed: int = 0
     iters: int = 20
+    tune: bool = True  # measure the skinny GEMM's block configs for this model first (triton, GPU)
 
 
 @dataclass
@@ -253,16 +254,22 @@ def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print) -> dict:
     g = torch.Generator().manual_seed(cfg.seed)
     prompt = torch.randint(0, model.cfg.vocab_size, (cfg.prompt_len,), generator=g).tolist()
     step = None
+    tuned = None
     if cfg.kernels == "triton":
         from nextn.engine.fast import TritonStep
 
         step = TritonStep(model)
+        if device.type == "cuda" and cfg.tune:
+            t0 = time.perf_counter()
+            tuned = (step.tune(log=log), time.perf_counter() - t0)
     res: dict = {
         "model": name, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).replace("torch.", ""), "kernels": cfg.kernels,
         "cuda_graphs": cfg.kernels == "triton" and device.type == "cuda", "config": asdict(cfg),
         "torch": torch.__version__, "has_mtp_head": model.mtp is not None,
     }
+    if tuned is not None:
+        res["linear_configs"], res["tune_seconds"] = tuned
     res["weight_bytes_per_token"] = weight_bytes_per_token(model)
     if device.type == "cuda":
         res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9

@@ -30,7 +30,11 @@ from nextn.ops.triton_norm import rms_norm  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def gpu(fn):
+    """Real-shape bf16 tests: marked `gpu` (select with -m gpu), skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs a CUDA device")(fn))
 
 
 def _rand(*shape, dtype=torch.float32, scale=1.0, seed=None, gen=None):
@@ -355,3 +359,19 @@ def test_moe_step_35b_shapes_gpu():
     _close(out, x + block(h), torch.bfloat16)
     for t in (0, 8):
         assert torch.equal(_moe_run(block, x[t : t + 1], h[t : t + 1])[0], out[t]), t
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_matches_reference_and_rows_are_invariant(split):
+    dtype = torch.bfloat16
+    g = torch.Generator(device=DEVICE).manual_seed(split)
+    x, w, w2, res, nw, z = _linear_case(6, 40, 128, dtype, g)
+    cfg = (16, 32, 4, 2, split)
+    for name, (kw, ref) in _linear_variants(x, w, w2, res, nw, z, group=16).items():
+        if name == "rms":  # a full-row norm prologue never splits
+            continue
+        out = skinny_linear(x, w, config=cfg, **kw)
+        _close(out, ref, dtype)
+        for m in (0, 5):
+            one = {k: (v[m : m + 1] if k in ("residual", "gate") else v) for k, v in kw.items()}
+            assert torch.equal(skinny_linear(x[m : m + 1], w, config=cfg, **one)[0], out[m]), (name, m)

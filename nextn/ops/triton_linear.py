@@ -27,23 +27,39 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    @triton.jit
+    def _epilogue(acc, acc2, r, x_dtype: tl.constexpr, EPILOGUE: tl.constexpr):
+        """acc (, acc2, residual r) [BLOCK_N, BLOCK_M] float32 -> the output values, rounded like the modules."""
+        if EPILOGUE == 1:
+            out = acc.to(x_dtype).to(tl.float32) + r.to(tl.float32)
+        elif EPILOGUE == 2:
+            g = acc.to(x_dtype).to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(x_dtype).to(tl.float32)
+            out = silu * acc2.to(x_dtype).to(tl.float32)
+        else:
+            out = acc
+        return out
+
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(
-        x_ptr, w_ptr, w2_ptr, y_ptr, res_ptr, nw_ptr, z_ptr,
-        M, N, K, stride_x, stride_y, stride_res, stride_z, eps,
+        x_ptr, w_ptr, w2_ptr, y_ptr, res_ptr, nw_ptr, z_ptr, part_ptr,
+        M, N, K, K_SPLIT, stride_x, stride_y, stride_res, stride_z, eps,
         PROLOGUE: tl.constexpr,  # 0 none, 1 rms (zero-centred), 2 gated rms per GROUP columns
         EPILOGUE: tl.constexpr,  # 0 none, 1 residual add, 2 silu(x w^T) * (x w2^T)
         GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+        EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
     ):
+        """Program (n, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs, all rows.
+        SPLIT > 1 stores float32 partials [SPLIT, M, N] for _split_reduce_kernel."""
         pid = tl.program_id(0)
+        k_start = tl.program_id(1) * K_SPLIT
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
         mask_n = offs_n < N
         x_dtype = x_ptr.dtype.element_ty
-        if PROLOGUE == 1:  # per-row 1/rms over all of K, in a fixed block order
+        if PROLOGUE == 1:  # per-row 1/rms over all of K, in a fixed block order (SPLIT is 1)
             sumsq = tl.zeros((BLOCK_M,), tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -53,7 +69,7 @@ if HAVE_TRITON:
             rstd = 1.0 / tl.sqrt(sumsq / K + eps)
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc2 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 x_mask = mask_m[:, None]
@@ -86,33 +102,62 @@ if HAVE_TRITON:
                 else:
                     acc2 = tl.dot(w2, tl.trans(x), acc2)
         out_mask = mask_n[:, None] & mask_m[None, :]
-        if EPILOGUE == 1:
-            r = tl.load(res_ptr + offs_m[None, :] * stride_res + offs_n[:, None], mask=out_mask, other=0.0)
-            out = acc.to(x_dtype).to(tl.float32) + r.to(tl.float32)
-        elif EPILOGUE == 2:
-            g = acc.to(x_dtype).to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(x_dtype).to(tl.float32)
-            out = silu * acc2.to(x_dtype).to(tl.float32)
+        if SPLIT > 1:
+            part = part_ptr + (tl.program_id(1) * M + offs_m[None, :]) * N + offs_n[:, None]
+            tl.store(part, acc, mask=out_mask)
+            if EPILOGUE == 2:
+                tl.store(part + SPLIT * M * N, acc2, mask=out_mask)
         else:
-            out = acc
-        tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], out.to(y_ptr.dtype.element_ty), mask=out_mask)
+            r = acc
+            if EPILOGUE == 1:
+                r = tl.load(res_ptr + offs_m[None, :] * stride_res + offs_n[:, None], mask=out_mask, other=0.0)
+            out = _epilogue(acc, acc2, r, x_dtype, EPILOGUE)
+            tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], out.to(y_ptr.dtype.element_ty),
+                     mask=out_mask)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _split_reduce_kernel(part_ptr, y_ptr, res_ptr, M, N, stride_y, stride_res,
+                             x_dtype: tl.constexpr, EPILOGUE: tl.constexpr, SPLIT: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Sums the SPLIT partials in split order (fixed: rows stay invariant), then the epilogue."""
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+        at = (offs_m[None, :]) * N + offs_n[:, None]
+        acc = tl.load(part_ptr + at, mask=mask, other=0.0)
+        acc2 = acc
+        if EPILOGUE == 2:
+            acc2 = tl.load(part_ptr + SPLIT * M * N + at, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(part_ptr + s * M * N + at, mask=mask, other=0.0)
+            if EPILOGUE == 2:
+                acc2 += tl.load(part_ptr + (SPLIT + s) * M * N + at, mask=mask, other=0.0)
+        r = acc
+        if EPILOGUE == 1:
+            r = tl.load(res_ptr + offs_m[None, :] * stride_res + offs_n[:, None], mask=mask, other=0.0)
+        out = _epilogue(acc, acc2, r, x_dtype, EPILOGUE)
+        tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages); bench/tune_linear.py measures candidates
-CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT); `tune` measures candidates per shape
+CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
 NUM_SMS = 132  # H200; only sets how many programs a launch aims for
 
 
-def pick_config(N: int, K: int, group: int = 1) -> tuple[int, int, int, int]:
-    """Block sizes from the weight's shape alone (never the row count: that keeps rows invariant)."""
-    if (N, K) in CONFIGS:
-        return CONFIGS[(N, K)]
-    block_k = max(group, min(256, max(16, next_pow2(K))))
-    block_n = 16
-    for bn in (32, 64, 128):
-        if triton_cdiv(N, bn) >= 2 * NUM_SMS:
-            block_n = bn
-    return block_n, block_k, 4, 3
+def pick_config(N: int, K: int, group: int = 1, norm_prologue: bool = False) -> tuple[int, int, int, int, int]:
+    """Block sizes from the weight's shape alone (never the row count: that keeps rows invariant).
+    A full-row RMSNorm prologue needs the whole K in one program: no split then."""
+    cfg = CONFIGS.get((N, K))
+    if cfg is None:
+        block_k = max(group, min(256, max(16, next_pow2(K))))
+        block_n = 32 if N >= 32 * NUM_SMS else 16
+        split = 1
+        while triton_cdiv(N, block_n) * split < 3 * NUM_SMS and K % (2 * split * block_k) == 0:
+            split *= 2
+        cfg = (block_n, block_k, 4, 4, split)
+    if norm_prologue and cfg[4] > 1:
+        cfg = (*cfg[:4], 1)
+    return cfg
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -131,6 +176,7 @@ def skinny_linear(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,  # [M, N]: epilogue residual + y
     up_weight: torch.Tensor | None = None,  # [N, K]: epilogue silu(y) * (x @ up_weight.T)
+    config: tuple[int, int, int, int, int] | None = None,  # override (tuning)
 ) -> torch.Tensor:
     M, K = x.shape
     N = weight.shape[0]
@@ -142,23 +188,89 @@ def skinny_linear(
         out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     prologue = 0 if norm_weight is None else (2 if gate is not None else 1)
     epilogue = 1 if residual is not None else (2 if up_weight is not None else 0)
-    block_n, block_k, warps, stages = pick_config(N, K, group if prologue == 2 else 1)
+    block_n, block_k, warps, stages, split = pick_config(N, K, group if prologue == 2 else 1, prologue == 1)
+    if config is not None:
+        block_n, block_k, warps, stages, split = config
+    block_k = max(block_k, group if prologue == 2 else 1)
     if prologue == 2 and block_k % group:
         raise ValueError(f"gated prologue: BLOCK_K {block_k} must be a multiple of the group {group}")
+    if split > 1 and (prologue == 1 or K % (split * block_k)):
+        raise ValueError(f"split {split} does not fit K={K}, BLOCK_K={block_k}, prologue {prologue}")
     dummy = weight
-    grid = (triton_cdiv(N, block_n),)
-    _skinny_kernel[grid](
+    part = None
+    if split > 1:
+        part = torch.empty((2 if epilogue == 2 else 1) * split * M * N, device=x.device, dtype=torch.float32)
+    _skinny_kernel[(triton_cdiv(N, block_n), split)](
         x, weight, up_weight if up_weight is not None else dummy, out,
         residual if residual is not None else dummy,
         norm_weight if norm_weight is not None else dummy,
         gate if gate is not None else dummy,
-        M, N, K, x.stride(0), out.stride(0),
+        part if part is not None else dummy,
+        M, N, K, K // split, x.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0,
         gate.stride(0) if gate is not None else 0,
         eps,
         PROLOGUE=prologue, EPILOGUE=epilogue, GROUP=group if prologue == 2 else 1,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-        DOT_F32=interpreting() or x.dtype == torch.float32,
+        DOT_F32=interpreting() or x.dtype == torch.float32, SPLIT=split,
         num_warps=warps, num_stages=stages,
     )
+    if split > 1:
+        block_r = 64
+        _split_reduce_kernel[(triton_cdiv(N, block_r),)](
+            part, out, residual if residual is not None else dummy, M, N, out.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            x_dtype=_tl_dtype(x.dtype), EPILOGUE=epilogue, SPLIT=split, BLOCK_M=MAX_ROWS, BLOCK_N=block_r,
+            num_warps=4,
+        )
     return out
+
+
+def _tl_dtype(dtype: torch.dtype):
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
+def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log=None) -> dict:
+    """Time block configs per weight shape (N, K, full-row norm prologue?, second weight?) at 1 and
+    9 rows and keep the best in CONFIGS. Run it before any step is captured: a shape's config then
+    stays fixed, so rows stay invariant."""
+    from triton.testing import do_bench
+
+    candidates = candidates or [
+        (128, 128, 4, 4, 1), (64, 128, 4, 4, 1), (64, 256, 8, 3, 1), (32, 256, 4, 4, 1),
+        (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (128, 128, 4, 4, 4), (32, 256, 4, 4, 4), (64, 128, 4, 4, 8),
+    ]
+    chosen = {}
+    merged: dict[tuple[int, int], tuple[bool, bool]] = {}
+    for N, K, norm, dual in shapes:  # one config per (N, K): tune the most demanding use
+        a, b = merged.get((N, K), (False, False))
+        merged[(N, K)] = (a or norm, b or dual)
+    for (N, K), (norm, dual) in sorted(merged.items()):
+        w = torch.randn(N, K, device=device, dtype=torch.bfloat16)
+        w2 = torch.randn(N, K, device=device, dtype=torch.bfloat16) if dual else None
+        x = torch.randn(9, K, device=device, dtype=torch.bfloat16)
+        nw = torch.zeros(K, device=device, dtype=torch.bfloat16) if norm else None
+        best = None
+        for cfg in candidates:
+            bn, bk, _, _, split = cfg
+            if (split > 1 and (norm or K % (split * bk))) or bk > K:
+                continue
+            try:
+                t1 = do_bench(lambda: skinny_linear(x[:1], w, norm_weight=nw, up_weight=w2, config=cfg), warmup=5,
+                              rep=25, return_mode="median")
+                t9 = do_bench(lambda: skinny_linear(x, w, norm_weight=nw, up_weight=w2, config=cfg), warmup=5,
+                              rep=25, return_mode="median")
+            except Exception as e:  # e.g. more shared memory than the chip has: not a candidate
+                if log:
+                    log(f"tune {N}x{K} {cfg}: {type(e).__name__}")
+                continue
+            score = t1 + 0.25 * t9
+            if best is None or score < best[0]:
+                best = (score, cfg, t1, t9)
+        CONFIGS[(N, K)] = best[1]
+        nbytes = N * K * 2 * (2 if dual else 1)
+        chosen[f"{N}x{K}"] = {"config": list(best[1]), "us_1row": best[2] * 1e3, "us_9rows": best[3] * 1e3,
+                              "GBps_1row": nbytes / (best[2] * 1e-3) / 1e9}
+        if log:
+            log(f"tune {N}x{K}: {best[1]} {chosen[f'{N}x{K}']['GBps_1row']:.0f} GB/s at 1 row")
+    return chosen

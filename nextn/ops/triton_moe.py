@@ -6,8 +6,9 @@ expert order with the model dtype's rounding; plus the sigmoid-gated shared expe
 - `_route_kernel` per row: softmax over the router logits, top-k, renormalise; the chosen experts
   are written in ascending id order (the reference's summation order);
 - `_gate_up_kernel` per (row, slot, block of I): silu(x W_gate^T) * (x W_up^T) of that expert;
-- `_down_combine_kernel` per (row, block of H): each slot's down projection, weighted and summed
-  in slot order, plus sigmoid(shared gate) * shared expert, plus the residual.
+- `_down_kernel` per (row, slot, block of H): the slot's down projection times its weight;
+- `_combine_kernel` per (row, block of H): the slots summed in slot order, plus sigmoid(shared
+  gate) * shared expert, plus the residual.
 The router and shared expert matmuls go through `skinny_linear`.
 """
 from __future__ import annotations
@@ -72,26 +73,36 @@ if HAVE_TRITON:
         tl.store(act_ptr + row * I + offs_n, (silu * up.to(dtype).to(tl.float32)).to(dtype), mask=mask_n)
 
     @triton.jit
-    def _down_combine_kernel(act_ptr, idx_ptr, rw_ptr, w_ptr, shared_ptr, shared_gate_ptr, res_ptr, out_ptr,
-                             H, I, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _down_kernel(act_ptr, idx_ptr, rw_ptr, w_ptr, y_ptr, H, I,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y[row] = (act[row] @ W_down[e]^T) * routing weight, each rounded to the model dtype."""
+        row = tl.program_id(0)  # t * TOP_K + slot
+        e = tl.load(idx_ptr + row).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < H
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mk = offs_k < I
+            a = tl.load(act_ptr + row * I + offs_k, mask=mk, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + e * (H * I) + offs_n[:, None] * I + offs_k[None, :],
+                        mask=mask_n[:, None] & mk[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        dtype = y_ptr.dtype.element_ty
+        rw = tl.load(rw_ptr + row).to(tl.float32)
+        tl.store(y_ptr + row * H + offs_n, (acc.to(dtype).to(tl.float32) * rw).to(dtype), mask=mask_n)
+
+    @triton.jit
+    def _combine_kernel(y_ptr, shared_ptr, shared_gate_ptr, res_ptr, out_ptr, H,
+                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """x + (sum of the slots' outputs in slot order + sigmoid(shared gate) * shared expert)."""
         t = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < H
         dtype = out_ptr.dtype.element_ty
         total = tl.zeros((BLOCK_N,), tl.float32)
         for j in tl.static_range(TOP_K):
-            row = t * TOP_K + j
-            e = tl.load(idx_ptr + row).to(tl.int64)
-            acc = tl.zeros((BLOCK_N,), tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mk = offs_k < I
-                a = tl.load(act_ptr + row * I + offs_k, mask=mk, other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + e * (H * I) + offs_n[:, None] * I + offs_k[None, :],
-                            mask=mask_n[:, None] & mk[None, :], other=0.0)
-                acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-            rw = tl.load(rw_ptr + row).to(tl.float32)
-            y = (acc.to(dtype).to(tl.float32) * rw).to(dtype).to(tl.float32)
+            y = tl.load(y_ptr + (t * TOP_K + j) * H + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             total = (total + y).to(dtype).to(tl.float32)
         sg = tl.load(shared_gate_ptr + t).to(tl.float32)
         sg = (1.0 / (1.0 + tl.exp(-sg))).to(dtype).to(tl.float32)
@@ -125,12 +136,13 @@ def moe_step(
     weights = torch.empty(T, top_k, device=h.device, dtype=h.dtype)
     _route_kernel[(T,)](logits, idx, weights, E=E, TOP_K=top_k, BLOCK_E=next_pow2(E), RENORM=renorm, num_warps=4)
     act = torch.empty(T * top_k, I, device=h.device, dtype=h.dtype)
-    block_n = 32
-    _gate_up_kernel[(T * top_k, triton.cdiv(I, block_n))](
-        h, idx, gate_up, act, H, I, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=256, num_warps=4)
+    _gate_up_kernel[(T * top_k, triton.cdiv(I, 16))](
+        h, idx, gate_up, act, H, I, TOP_K=top_k, BLOCK_N=16, BLOCK_K=256, num_warps=4)
+    y = torch.empty(T * top_k, H, device=h.device, dtype=h.dtype)
+    _down_kernel[(T * top_k, triton.cdiv(H, 32))](act, idx, weights, down, y, H, I, BLOCK_N=32, BLOCK_K=256,
+                                                  num_warps=4)
     shared = skinny_linear(skinny_linear(h, shared_gate, up_weight=shared_up), shared_down)
     sg = skinny_linear(h, shared_expert_gate)  # [T, 1]
     out = torch.empty_like(x)
-    _down_combine_kernel[(T, triton.cdiv(H, 16))](
-        act, idx, weights, down, shared, sg, x, out, H, I, TOP_K=top_k, BLOCK_N=16, BLOCK_K=256, num_warps=4)
+    _combine_kernel[(T, triton.cdiv(H, 256))](y, shared, sg, x, out, H, TOP_K=top_k, BLOCK_N=256, num_warps=4)
     return out
