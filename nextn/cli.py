@@ -6,10 +6,11 @@ import json
 import sys
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, dtype_default: str | None = "float32") -> None:
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the bundled model)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=dtype_default, choices=["float32", "bfloat16", "float16"],
+                   help=f"default {dtype_default or 'bfloat16 autocast on CUDA, float32 on CPU'}")
     p.add_argument("--kernels", default="torch", choices=["torch", "triton"],
                    help="decode/verify/draft step: reference PyTorch modules, or batch-invariant Triton "
                         "kernels in CUDA graphs (GPU; an error if they cannot run)")
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
 
     t = sub.add_parser("train", help="train a Qwen3.5-layout model with its MTP head, or distill a head")
-    _common(t)
+    _common(t, dtype_default=None)  # train picks bf16 autocast on CUDA itself
     from nextn.train import add_train_args
 
     add_train_args(t)
