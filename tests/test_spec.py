@@ -126,3 +126,14 @@ def test_cli_generate_spec_json(dense_fitted_ckpt):
                 "decode_tokens_per_s", "prefill_tokens_per_s"):
         assert key in outs[2]
     assert outs[2]["num_accepted"] > 0 and outs[0]["num_drafted"] == 0
+
+
+def test_bundled_model_spec_equals_plain_with_acceptance():
+    """The bundled model (a head that predicts): K = 1..8 emit the plain tokens, and drafts are accepted."""
+    plain = nextn.LLM(num_speculative_tokens=0)
+    prompt = plain.tokenizer.encode('import os\n\n\ndef list_python_files(root):\n    """Return the .py files under root."""\n')
+    ref = _run(plain, prompt, max_tokens=48).token_ids
+    for k in range(1, 9):
+        out = _run(nextn.LLM(num_speculative_tokens=k), prompt, max_tokens=48)
+        assert out.token_ids == ref, k
+        assert out.num_accepted > 0.3 * out.num_drafted, (k, out.num_accepted, out.num_drafted)
