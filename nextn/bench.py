@@ -270,6 +270,9 @@ def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print) -> dict:
     }
     if tuned is not None:
         res["linear_configs"], res["tune_seconds"] = tuned
+        # what the step's matmuls alone would take, from the tuning measurements (graph, L2 cold)
+        res["step_matmul_ms_estimate"] = sum(
+            tuned[0][f"{n}x{k}"]["us_1row"] for n, k, _, _ in step.linear_uses(head=False)) / 1e3
     res["weight_bytes_per_token"] = weight_bytes_per_token(model)
     if device.type == "cuda":
         res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
@@ -289,6 +292,8 @@ def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print) -> dict:
     if costs["head_step_ms"] is not None:
         res["draft_step_ms"] = costs["head_step_ms"]
         res["draft_cost_ratio"] = costs["head_step_ms"] / t1
+    if "step_matmul_ms_estimate" in res:
+        log(f"bench: of the step, matmuls ~{res['step_matmul_ms_estimate']:.3f} ms (from tuning)")
     log(f"bench: step {t1:.3f} ms, verify ratios {_fmt(res['verify_cost_ratio'])}, "
         f"draft ratio {res.get('draft_cost_ratio', float('nan')):.3f}")
     gc.collect()

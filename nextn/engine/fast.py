@@ -227,35 +227,36 @@ class TritonStep:
             self._rope.append((n, *self.model.rotary.cos_sin(positions, self.embed.dtype)))
         return self._rope[-1][1], self._rope[-1][2]
 
-    def linear_shapes(self) -> list[tuple[int, int, bool, bool]]:
-        """(N, K, full-row norm prologue, second weight) of every skinny_linear a step runs."""
-        shapes = []
+    def linear_uses(self, head: bool = True) -> list[tuple[int, int, bool, bool]]:
+        """(N, K, full-row norm prologue, second weight) of each skinny_linear one trunk step runs
+        (and the MTP head's step, with head=True), repeats included."""
+        uses = []
 
         def mlp(w):
             if isinstance(w, MoEWeights):
-                shapes.extend([(*w.router.shape, False, False), (*w.shared_gate.shape, False, True),
-                               (*w.shared_down.shape, False, False), (*w.shared_expert_gate.shape, False, False)])
+                uses.extend([(*w.router.shape, False, False), (*w.shared_gate.shape, False, True),
+                             (*w.shared_down.shape, False, False), (*w.shared_expert_gate.shape, False, False)])
             else:
-                shapes.extend([(*w.gate.shape, True, True), (*w.down.shape, False, False)])
+                uses.extend([(*w.gate.shape, True, True), (*w.down.shape, False, False)])
 
         def layer(w):
             if isinstance(w, AttnWeights):
-                shapes.extend([(*w.qkv.shape, True, False), (*w.o_proj.shape, False, False)])
+                uses.extend([(*w.qkv.shape, True, False), (*w.o_proj.shape, False, False)])
             else:
-                shapes.extend([(*w.in_proj.shape, True, False), (*w.out_proj.shape, False, False)])
+                uses.extend([(*w.in_proj.shape, True, False), (*w.out_proj.shape, False, False)])
             mlp(w.mlp)
 
         for w in self.layers:
             layer(w)
-        if self.head is not None:
-            shapes.append((*self.head[2].shape, False, False))
+        uses.append((*self.lm_head.shape, False, False))
+        if head and self.head is not None:
+            uses.append((*self.head[2].shape, False, False))
             layer(self.head[3])
-        shapes.append((*self.lm_head.shape, False, False))
-        return sorted(set(shapes))
+        return uses
 
     def tune(self, log=None) -> dict:
         """Measure the skinny GEMM's block configs for this model's weight shapes (before capture)."""
-        return self.ops[3].tune(self.linear_shapes(), self.embed.device, log=log)
+        return self.ops[3].tune(sorted(set(self.linear_uses())), self.embed.device, log=log)
 
     def _mlp(self, x, w: MLPWeights | MoEWeights):
         if isinstance(w, MoEWeights):
