@@ -1,6 +1,7 @@
 #!/bin/bash
 # One device call on the H200: tune the skinny GEMM, kernel tests at real shapes, the benches.
-# Usage (device tool): bash bench/run_h200.sh [stages...]   stages: tune tests bench9b bench35b fast
+# Usage (device tool): bash bench/run_h200.sh [stages...]
+#   stages: tune tests fast bench9b benchdefault bench35b
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p /tmp/triton_cache
@@ -16,9 +17,13 @@ for stage in "$@"; do
     fast) timeout 150 python3 -m pytest -q -x tests/test_fast.py 2>&1 | tail -25 | tee -a $LOG ;;
     bench9b) timeout 240 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 \
                --kernels triton --json $OUT/bench_qwen3.5-9b.json 2>&1 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
+    benchdefault) timeout 120 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \
+               --kernels triton --json $OUT/bench_default_model.json 2>&1 | grep -v "^ " | tail -40 | tee -a $LOG ;;
     bench35b) timeout 240 python3 -m nextn.cli bench --random-weights qwen3.5-35b-a3b --device cuda --dtype bfloat16 \
                --kernels ${KERNELS35:-triton} --json $OUT/bench_qwen3.5-35b-a3b.json 2>&1 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
   esac
 done
 echo "=== end $(date +%T)" | tee -a $LOG
-tar czf $OUT/triton_cache.tgz -C /tmp/triton_cache . && ls -la $OUT
+tar czf $OUT/triton_cache.tgz -C /tmp/triton_cache .
+(cd $OUT && ls *.png >/dev/null 2>&1 && tar cf plots.tar *.png && rm -f *.png)  # at most 8 files come back
+ls -la $OUT

@@ -248,11 +248,13 @@ def prefill_tokens_per_s(model, prompt: list[int], cfg: BenchConfig, step) -> fl
     return len(prompt) / (ms * 1e-3)
 
 
-def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print) -> dict:
+def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print, prompt: list[int] | None = None) -> dict:
+    """prompt: token ids (default: prompt_len random ids, all a random-weight model can use)."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    g = torch.Generator().manual_seed(cfg.seed)
-    prompt = torch.randint(0, model.cfg.vocab_size, (cfg.prompt_len,), generator=g).tolist()
+    if prompt is None:
+        g = torch.Generator().manual_seed(cfg.seed)
+        prompt = torch.randint(0, model.cfg.vocab_size, (cfg.prompt_len,), generator=g).tolist()
     step = None
     tuned = None
     if cfg.kernels == "triton":
@@ -375,6 +377,32 @@ def plot(res: dict, path_prefix: str) -> list[str]:
     return paths
 
 
+PROMPT_TEXT = """The report below explains how the cache works and why each step matters.
+def fibonacci(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+Question: what does the function return for n = 10? Answer: it returns 55, because the loop
+advances the pair (a, b) ten times. In the same way, a speculative decoder drafts a few tokens
+with a small head and lets the large model verify them all at once; when the drafts are right,
+several tokens are accepted for the price of one forward pass.
+"""
+
+
+def text_prompt(model_dir: str, prompt_len: int) -> list[int] | None:
+    """prompt_len ids of a fixed English-and-code text (repeated) if the checkpoint has a tokenizer:
+    a trained head's acceptance on random ids says nothing."""
+    from nextn.tokenizer import Tokenizer
+
+    try:
+        ids = Tokenizer(Path(model_dir)).encode(PROMPT_TEXT)
+    except (OSError, ValueError):
+        return None
+    return (ids * (prompt_len // max(1, len(ids)) + 1))[:prompt_len] if ids else None
+
+
 def bench_from_args(args) -> int:
     if (args.model is None) == (args.random_weights is None):
         raise ValueError("nextn bench needs exactly one of --model DIR and --random-weights PRESET")
@@ -387,7 +415,8 @@ def bench_from_args(args) -> int:
     _sync(args.device)
     print(f"bench: model ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     cfg = BenchConfig(spec_ks=list(args.spec_k), prompt_len=args.prompt_len, gen_len=args.gen_len, kernels=kernels)
-    res = run_bench(model, name, cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    prompt = None if args.model is None else text_prompt(args.model, args.prompt_len)
+    res = run_bench(model, name, cfg, log=lambda s: print(s, file=sys.stderr, flush=True), prompt=prompt)
     text = json.dumps(res, indent=1)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
