@@ -139,8 +139,18 @@ if HAVE_TRITON:
         tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT); `tune` measures candidates per shape
-CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
+# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT). `tune` measures candidates per shape
+# and overwrites entries; the defaults are Qwen3.5-9B's shapes as tuned on an H200 (CUDA graphs,
+# weights out of L2: bench/results/bench_qwen3.5-9b.json, "linear_configs").
+CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (4096, 4096): (64, 128, 4, 4, 4),  # o_proj, out_proj
+    (4096, 8192): (64, 128, 4, 4, 4),  # mtp.fc
+    (4096, 12288): (64, 128, 4, 4, 4),  # down_proj
+    (10240, 4096): (32, 256, 4, 3, 1),  # q/k/v fused
+    (12288, 4096): (32, 256, 4, 3, 1),  # gate + up
+    (12352, 4096): (32, 256, 4, 3, 1),  # GDN in_proj fused
+    (248320, 4096): (128, 128, 4, 4, 1),  # lm_head
+}
 NUM_SMS = 132  # H200; only sets how many programs a launch aims for
 
 
