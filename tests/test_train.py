@@ -8,6 +8,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,6 +129,65 @@ def test_head_distillation_trains_only_the_head(tiny_run):
         assert torch.equal(a, b), name
     assert any(not torch.equal(a, b) for (n, a), (_, b) in
                zip(before.state_dict().items(), after.state_dict().items()) if n.startswith("mtp."))
+
+
+def _chain_loss(model, x, depth: int) -> float:
+    """KL(trunk's next-token distribution || chain depth `depth`'s), mean over rows."""
+    from nextn.train.objective import chain_logits, trunk_hidden
+
+    with torch.no_grad():
+        hidden = trunk_hidden(model, x[:, :-1])
+        teacher = torch.softmax(model.logits(hidden), -1)[:, depth:]
+        logits = chain_logits(model, x, hidden, depth)[-1]
+        return (teacher * (torch.log(teacher) - torch.log_softmax(logits, -1))).sum(-1).mean().item()
+
+
+def test_chain_objective_is_the_proposers_chain(tiny_run):
+    """Chain depths computed in one pass equal the proposer's drafting over a persistent draft K/V
+    (true tokens fed as the accepted drafts), and depth 1 equals the head's one-step objective."""
+    from nextn.cache import LayerKV
+    from nextn.config import SpecConfig
+    from nextn.spec.proposer import MTPProposer
+    from nextn.train.objective import chain_logits, head_logits, trunk_hidden
+    from nextn.train.tokenizer import load_tokenizer
+
+    model = load_model(tiny_run / "run" / "checkpoint")
+    ids = load_tokenizer(tiny_run / "run" / "tokenizer").encode(SOURCE * 2).ids[:41]
+    x = torch.tensor([ids])
+    L = x.shape[1] - 1
+    proposer, cfg = MTPProposer(model, SpecConfig(num_speculative_tokens=3)), model.cfg
+    with torch.no_grad():
+        hidden = trunk_hidden(model, x[:, :-1])
+        chain = chain_logits(model, x, hidden, 3)
+        assert [c.shape[1] for c in chain] == [L - 1, L - 2, L - 3]
+        torch.testing.assert_close(chain[0], head_logits(model, x, hidden), atol=1e-4, rtol=1e-4)
+        kv = LayerKV(1, L + 4, cfg.num_key_value_heads, cfg.head_dim, "cpu", torch.float32)
+        logits, chained = proposer.run_rows(kv, x[0, 1:L], hidden[0, : L - 1], 1, last_only=False)
+        torch.testing.assert_close(logits, chain[0][0], atol=1e-4, rtol=1e-4)
+        for p in (1, 7, 20, L - 3):
+            saved = kv.key.clone(), kv.value.clone()
+            h = chained[p - 1 : p]
+            for d in (1, 2):  # draft step d + 1 at position p + d, fed the true token x_{p+d}
+                step, h = proposer.run_rows(kv, x[0, p + d : p + d + 1], h, p + d)
+                torch.testing.assert_close(step[0], chain[d][0, p - 1], atol=1e-4, rtol=1e-4)
+            kv.key, kv.value = saved
+
+
+def test_chain_depth_distillation_trains_the_chain(tiny_run):
+    src = tiny_run / "run" / "checkpoint"
+    cfg = _config(tiny_run / "chain", tiny_run / "src", distill_from=str(src), chain_depth=2, max_steps=40,
+                  log_every=10, eval_every=1000, lr=3e-3, warmup_steps=4)
+    out = trainer.train(cfg)
+    before, after = load_model(src), load_model(out)
+    a_sd, b_sd = before.state_dict(), after.state_dict()
+    assert all(torch.equal(a_sd[n], b_sd[n]) for n in a_sd if not n.startswith("mtp."))
+    assert any(not torch.equal(a_sd[n], b_sd[n]) for n in a_sd if n.startswith("mtp."))
+    x = torch.from_numpy(pack(np.load(tiny_run / "chain" / "data" / "train.npy"), 32)[:8].astype(np.int64))
+    assert _chain_loss(after, x, 2) < 0.5 * _chain_loss(before, x, 2)
+    rows = [r for r in read_rows(tiny_run / "chain" / "loss.csv") if r["split"] == "train"]
+    assert 1.0 <= float(rows[-1]["accept_len"]) <= 3.0
+    with pytest.raises(ValueError, match="chain_depth"):
+        dataclasses.replace(cfg, distill_from=None)
 
 
 def test_loss_falls_on_repetitive_text(tmp_path):

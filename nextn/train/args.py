@@ -26,6 +26,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data", action="append", default=[], metavar="DIR", help="folder of text files (repeatable)")
     g.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory; an existing run there is resumed")
     g.add_argument("--distill-from", metavar="CKPT", help="train only the MTP head of this checkpoint")
+    g.add_argument("--chain-depth", type=int, default=1,
+                   help="with distillation: also train draft steps 2..D of the head's own chain (default 1)")
+    g.add_argument("--chain-decay", type=float, default=0.7, help="loss weight of chain depth d: decay ** (d - 1)")
     g.add_argument("--minutes", type=float, help="stop after this many minutes of training steps")
     g.add_argument("--max-steps", type=int, help="stop after this many steps")
     g.add_argument("--wall-minutes", type=float,
@@ -77,7 +80,8 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         max_prep_seconds=ns.max_prep_seconds, workers=ns.workers, seed=ns.seed,
     )
     return TrainConfig(
-        run_dir=ns.out, data=data, shape=shape, distill_from=distill, minutes=ns.minutes,
+        run_dir=ns.out, data=data, shape=shape, distill_from=distill, chain_depth=ns.chain_depth,
+        chain_decay=ns.chain_decay, minutes=ns.minutes,
         max_steps=ns.max_steps, wall_minutes=ns.wall_minutes, seq_len=ns.seq_len, batch_size=ns.batch_size, lr=ns.lr,
         warmup_steps=ns.warmup_steps, weight_decay=ns.weight_decay, head_loss_weight=ns.head_loss_weight,
         tokenizer_sample_mb=ns.tokenizer_sample_mb, log_every=ns.log_every, eval_every=ns.eval_every,

@@ -79,6 +79,10 @@ class TrainConfig:
     shape: ModelShape = field(default_factory=ModelShape)
     # head distillation: train only mtp.* of this checkpoint, from its trunk's hidden states
     distill_from: str | None = None
+    # head distillation: also train draft steps 2..chain_depth of the head's own chain (its
+    # output hidden fed back, as the proposer drafts), depth d's loss weighted chain_decay ** (d - 1)
+    chain_depth: int = 1
+    chain_decay: float = 0.7
     # duration: stop at whichever comes first. minutes: time in the training loop, summed over
     # resumes; wall_minutes: this invocation's wall clock, data preparation included. The LR
     # schedule is stretched over whichever limit binds.
@@ -118,6 +122,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be float32, bfloat16 or float16")
         if self.seq_len < 4 or self.batch_size < 1:
             raise ValueError("seq_len must be >= 4 and batch_size >= 1")
+        if self.chain_depth < 1 or (self.chain_depth > 1 and self.distill_from is None):
+            raise ValueError("chain_depth must be >= 1, and above 1 only with head distillation (distill_from)")
+        if self.chain_depth >= self.seq_len:
+            raise ValueError("chain_depth must be below seq_len")
         if self.distill_from is None and not self.data.roots:
             raise ValueError("give at least one data folder")
 

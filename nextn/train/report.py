@@ -6,7 +6,7 @@ import csv
 import sys
 from pathlib import Path
 
-COLUMNS = ("step", "tokens", "elapsed_s", "split", "trunk_loss", "head_loss", "head_acc", "head_agree", "lr")
+COLUMNS = ("step", "tokens", "elapsed_s", "split", "trunk_loss", "head_loss", "head_acc", "head_agree", "accept_len", "lr")
 
 
 def log(msg: str) -> None:
@@ -24,7 +24,8 @@ def progress_line(step: int, max_steps: int | None, tok_per_s: float, row: dict,
     total = f"/{max_steps}" if max_steps else ""
     eta = fmt_duration(eta_s) if eta_s is not None else "?"
     return (f"step {step}{total} | {tok_per_s / 1e3:,.1f}k tok/s | trunk {row['trunk_loss']:.4f} | "
-            f"head {row['head_loss']:.4f} | head acc {row['head_acc']:.3f} | lr {row['lr']:.2e} | ETA {eta}")
+            f"head {row['head_loss']:.4f} | head acc {row['head_acc']:.3f} | agree {row['head_agree']:.3f} | "
+            f"acc len {row['accept_len']:.3f} | lr {row['lr']:.2e} | ETA {eta}")
 
 
 class LossCSV:

@@ -26,6 +26,11 @@ from nextn.train.model_setup import build_model, distill_model, select_gdn_kerne
 from nextn.train.tokenizer import ENDOFTEXT, TOKENIZER_FILES, build_tokenizer, load_tokenizer, token_id, write_tokenizer_files
 
 CONFIG_FILE = "train_config.json"
+METRICS = ("trunk_loss", "head_loss", "head_acc", "head_agree", "accept_len")  # logged per step and held out
+
+
+def _metrics(losses: objective.Losses) -> torch.Tensor:
+    return torch.stack([losses.trunk, losses.head, losses.head_acc, losses.head_agree, losses.accept_len]).detach().float()
 
 
 def prepare_tokenizer(cfg: TrainConfig) -> Path:
@@ -127,7 +132,7 @@ class Run:
         if cfg.compile:
             for layer in list(self.model.model.layers) + list(self.model.mtp.layers):
                 layer.compile()
-        self.loss_fn = (lambda m, x: objective.distill_losses(m, x)) if cfg.distill_from else (
+        self.loss_fn = (lambda m, x: objective.distill_losses(m, x, cfg.chain_depth, cfg.chain_decay)) if cfg.distill_from else (
             lambda m, x: objective.joint_losses(m, x, cfg.head_loss_weight))
 
     def _restore(self, state: dict | None) -> None:
@@ -180,15 +185,15 @@ class Run:
     def evaluate(self) -> dict:
         """Mean losses over the first eval_sequences held-out rows."""
         rows = self.heldout_rows[: self.cfg.eval_sequences]
-        sums, n = torch.zeros(4, device=self.device), 0
+        sums, n = torch.zeros(len(METRICS), device=self.device), 0
         for i in range(0, len(rows), self.cfg.batch_size):
             x = rows[i : i + self.cfg.batch_size].long()
             with self.autocast():
                 losses = self.loss_fn(self.model, x)
-            sums += torch.stack([losses.trunk, losses.head, losses.head_acc, losses.head_agree]) * len(x)
+            sums += _metrics(losses) * len(x)
             n += len(x)
         means = (sums / n).tolist()
-        return dict(zip(("trunk_loss", "head_loss", "head_acc", "head_agree"), means))
+        return dict(zip(METRICS, means))
 
 
 def train(cfg: TrainConfig) -> Path:
@@ -245,7 +250,7 @@ def loop(run: Run, csv: report.LossCSV) -> None:
         t0 = time.perf_counter()
         lr = lr_at(cfg, run.step, run.elapsed, run.planned_s)
         losses = run.train_step(lr)
-        vals = torch.stack([losses.trunk, losses.head, losses.head_acc, losses.head_agree]).detach().float()
+        vals = _metrics(losses)
         acc, n_acc = (vals if acc is None else acc + vals), n_acc + 1
         now = time.perf_counter()
         run.elapsed += now - t0  # loop time: the step here, evaluation and saving below
@@ -257,7 +262,7 @@ def loop(run: Run, csv: report.LossCSV) -> None:
             if not all(math.isfinite(v) for v in means):
                 raise FloatingPointError(f"non-finite loss at step {run.step}: {means}")
             now = time.perf_counter()
-            row = dict(zip(("trunk_loss", "head_loss", "head_acc", "head_agree"), means), lr=lr)
+            row = dict(zip(METRICS, means), lr=lr)
             csv.append({**row, "step": run.step, "tokens": run.tokens, "elapsed_s": round(run.elapsed, 1),
                         "split": "train"})
             tok_s = (run.tokens - tokens_mark) / (now - t_mark)
@@ -283,7 +288,8 @@ def eval_and_log(run: Run, csv: report.LossCSV, lr: float) -> dict | None:
     csv.append({**row, "lr": lr, "step": run.step, "tokens": run.tokens, "elapsed_s": round(run.elapsed, 1),
                 "split": "heldout"})
     report.log(f"held-out at step {run.step}: trunk {row['trunk_loss']:.4f} | head {row['head_loss']:.4f} | "
-               f"head acc {row['head_acc']:.3f} | head agrees with trunk {row['head_agree']:.3f}")
+               f"head acc {row['head_acc']:.3f} | head agrees with trunk {row['head_agree']:.3f} | "
+               f"teacher-forced acceptance length {row['accept_len']:.3f}")
     return row
 
 
