@@ -32,12 +32,13 @@ from nextn.cache import HybridCache, LayerKV
 from nextn.config import FULL, SpecConfig
 from nextn.engine.runner import ModelRunner
 from nextn.engine.state import SeqState
+from nextn.layers.linear import STEP_ROWS
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.triton_utils import HAVE_TRITON, interpreting
 from nextn.spec.proposer import MTPProposer
 
 KERNELS = ("torch", "triton")
-MAX_STEP_ROWS = 16  # rows of one Triton step (decode 1, verify K + 1)
+MAX_STEP_ROWS = STEP_ROWS  # rows of one step, as in the reference path (decode 1, verify K + 1)
 
 
 def check_kernels(kernels: str) -> None:
