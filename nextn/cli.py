@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    g.add_argument("--prefill", default="chunked", choices=["chunked", "steps"],
+                   help="chunked (default): the chunked delta rule; steps: the decode step's arithmetic")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _common(s)
@@ -58,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=8192)
     s.add_argument("--session-memory-gb", type=float, default=1.0)
     s.add_argument("--max-queue", type=int, default=64)
+    s.add_argument("--prefill", default="steps", choices=["chunked", "steps"],
+                   help="steps (default here): prompts run through the decode step's arithmetic, so a "
+                        "resumed or rewound session emits exactly what a cold run emits; chunked: faster prefill")
 
     r = sub.add_parser("replay", help="teacher-forced draft acceptance over a text file")
     _common(r)
@@ -117,7 +122,7 @@ def _generate(args) -> int:
 
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, num_speculative_tokens=args.spec_k,
               p_min=args.p_min, adaptive_k=args.adaptive_k, hidden_after_norm=not args.hidden_before_norm,
-              kernels=args.kernels)
+              kernels=args.kernels, prefill=args.prefill)
     if args.prompt_ids is not None:
         try:
             prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]

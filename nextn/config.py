@@ -213,10 +213,14 @@ class EngineConfig:
     max_model_len: int = 8192
     session_memory_gb: float = 1.0
     kernels: str = "torch"  # step path: "torch" reference modules or "triton" (nextn.engine.fast)
+    # prompt prefill: "chunked" (fast) or "steps" (the decode step's arithmetic: resumed == cold bitwise)
+    prefill: str = "chunked"
 
     def __post_init__(self):
         if self.kernels not in ("torch", "triton"):
             raise ValueError(f"kernels must be 'torch' or 'triton', got {self.kernels!r}")
+        if self.prefill not in ("chunked", "steps"):
+            raise ValueError(f"prefill must be 'chunked' or 'steps', got {self.prefill!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -330,8 +330,9 @@ class TritonStep:
 class FastModelRunner(ModelRunner):
     """ModelRunner whose keep-states step runs TritonStep (as CUDA graphs where CUDA is there)."""
 
-    def __init__(self, model: CausalLM, spec: SpecConfig, step: TritonStep, use_graphs: bool):
-        super().__init__(model, spec)
+    def __init__(self, model: CausalLM, spec: SpecConfig, step: TritonStep, use_graphs: bool,
+                 prefill: str = "chunked"):
+        super().__init__(model, spec, prefill)
         self.fast = step
         self.use_graphs = use_graphs
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -398,7 +399,7 @@ class FastMTPProposer(MTPProposer):
 
 
 def build_engine(model: CausalLM, spec: SpecConfig, kernels: str,
-                 step: TritonStep | None = None) -> tuple[ModelRunner, MTPProposer | None]:
+                 step: TritonStep | None = None, prefill: str = "chunked") -> tuple[ModelRunner, MTPProposer | None]:
     """The runner and proposer for `kernels`; raises if the fast path cannot run here.
 
     `step`: a TritonStep already built for `model` (building one fuses weights; reuse it when
@@ -407,11 +408,11 @@ def build_engine(model: CausalLM, spec: SpecConfig, kernels: str,
     check_kernels(kernels)
     want_proposer = spec.num_speculative_tokens > 0
     if kernels == "torch":
-        return ModelRunner(model, spec), MTPProposer(model, spec) if want_proposer else None
+        return ModelRunner(model, spec, prefill), MTPProposer(model, spec) if want_proposer else None
     if not HAVE_TRITON:
         raise RuntimeError("kernels='triton' needs the triton package")
     device = next(model.parameters()).device
     if device.type != "cuda" and not interpreting():
         raise RuntimeError("kernels='triton' needs a CUDA device (or TRITON_INTERPRET=1 for CPU tests)")
-    runner = FastModelRunner(model, spec, step or TritonStep(model), use_graphs=device.type == "cuda")
+    runner = FastModelRunner(model, spec, step or TritonStep(model), use_graphs=device.type == "cuda", prefill=prefill)
     return runner, FastMTPProposer(model, spec, runner) if want_proposer else None

@@ -53,6 +53,7 @@ class LLM:
         max_model_len: int = 8192,
         session_memory_gb: float = 1.0,
         kernels: str = "torch",
+        prefill: str = "chunked",
     ):
         model_dir = Path(model) if model is not None else DEFAULT_MODEL_DIR
         self.model = load_model(model_dir, device=device, dtype=dtype)
@@ -67,9 +68,9 @@ class LLM:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} needs an MTP head; {model_dir} has none")
         spec = SpecConfig(num_speculative_tokens, p_min, adaptive_k, hidden_after_norm)
         max_len = min(max_model_len, self.model.cfg.max_position_embeddings)
-        self.config = EngineConfig(str(model_dir), device, dtype, spec, max_len, session_memory_gb, kernels)
+        self.config = EngineConfig(str(model_dir), device, dtype, spec, max_len, session_memory_gb, kernels, prefill)
         # kernels="triton": Triton step kernels in CUDA graphs (nextn.engine.fast); raises if they cannot run
-        self.runner, self.proposer = build_engine(self.model, spec, kernels)
+        self.runner, self.proposer = build_engine(self.model, spec, kernels, prefill=prefill)
         self.stop_ids = set(self.model.cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.stop_ids.add(self.tokenizer.eos_token_id)

@@ -12,15 +12,24 @@ import torch
 from nextn.cache import HybridCache, LayerKV
 from nextn.config import SpecConfig
 from nextn.engine.state import SeqState
+from nextn.layers.linear import STEP_ROWS
 from nextn.models.qwen3_5 import CausalLM
 
 PREFILL_CHUNK = 2048  # tokens per prefill forward: bounds attention score memory
+PREFILL_MODES = ("chunked", "steps")
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, spec: SpecConfig):
+    def __init__(self, model: CausalLM, spec: SpecConfig, prefill: str = "chunked"):
+        """prefill "chunked": the chunked delta rule over up to PREFILL_CHUNK tokens per forward
+        (fast); "steps": the decode/verify step over STEP_ROWS tokens at a time, so every token's
+        state is computed with the same arithmetic however the sequence was split into requests
+        (a resumed session equals a cold run bitwise)."""
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
         self.model = model
         self.spec = spec
+        self.prefill = prefill
         self.cfg = model.cfg
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -43,7 +52,7 @@ class ModelRunner:
     @torch.inference_mode()
     def extend(self, state: SeqState, token_ids: list[int],
                on_logits: Callable[[int, torch.Tensor], None] | None = None) -> None:
-        """Prefill `token_ids` after the state's committed tokens (chunked delta rule).
+        """Prefill `token_ids` after the state's committed tokens (see `prefill` for how).
 
         on_logits(start, logits [T, V]): if given, called per chunk with the logits of every row
         (row i follows token_ids[start + i]); for prompt logprobs.
@@ -52,6 +61,8 @@ class ModelRunner:
             raise ValueError(
                 f"{len(state.tokens) + len(token_ids)} tokens exceed the context of {state.cache.max_len}"
             )
+        if self.prefill == "steps":
+            return self._extend_by_steps(state, token_ids, on_logits)
         for s in range(0, len(token_ids), PREFILL_CHUNK):
             chunk = token_ids[s : s + PREFILL_CHUNK]
             ids = torch.tensor([chunk], device=self.device)
@@ -62,6 +73,15 @@ class ModelRunner:
             # the last row alone, as always: a batched matmul may round it differently
             logits = self.model.logits(normed[-1:])[0]
             state.commit(chunk, self.head_input(h, normed), logits)
+
+    def _extend_by_steps(self, state: SeqState, token_ids: list[int], on_logits) -> None:
+        for s in range(0, len(token_ids), STEP_ROWS):
+            piece = token_ids[s : s + STEP_ROWS]
+            logits, hidden = self.step(state, torch.tensor(piece, device=self.device))
+            state.cache.commit(len(piece))
+            if on_logits:
+                on_logits(s, logits)
+            state.commit(piece, hidden, logits[-1])
 
     @torch.inference_mode()
     def step(self, state: SeqState, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -448,7 +448,7 @@ def serve_from_args(args) -> int:
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, num_speculative_tokens=args.spec_k,
               p_min=args.p_min, adaptive_k=args.adaptive_k, hidden_after_norm=not args.hidden_before_norm,
               max_model_len=args.max_model_len, session_memory_gb=args.session_memory_gb,
-              kernels=args.kernels)
+              kernels=args.kernels, prefill=args.prefill)
     cfg = ServeConfig(host=args.host, port=args.port, api_key=args.api_key,
                       served_model_name=args.served_model_name, max_queue=args.max_queue)
     print(f"nextn: serving {cfg.served_model_name or llm.model_name} on http://{cfg.host}:{cfg.port} "

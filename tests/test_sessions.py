@@ -1,0 +1,39 @@
+"""Kept sessions in bf16: with prefill="steps" a resumed or rewound session emits exactly what a
+cold run of the same prompt emits (every token's state comes from the same per-row arithmetic,
+however the conversation was split into requests)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import nextn
+
+GREEDY = nextn.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("name", ["dense_ckpt", "next_ckpt"])
+def test_resumed_and_rewound_sessions_equal_cold_runs_bf16(name, request):
+    ckpt = request.getfixturevalue(name)
+    warm = nextn.LLM(model=ckpt, dtype="bfloat16", num_speculative_tokens=3, prefill="steps")
+    cold = nextn.LLM(model=ckpt, dtype="bfloat16", num_speculative_tokens=3, prefill="steps")
+    rng = random.Random(0)
+    for _ in range(8):
+        turn1 = [rng.randrange(340) for _ in range(rng.randrange(5, 60))]
+        reply = warm.generate(prompt_token_ids=turn1, params=GREEDY, use_sessions=True).token_ids
+        turn2 = turn1 + reply + [rng.randrange(340) for _ in range(rng.randrange(3, 30))]
+        resumed = warm.generate(prompt_token_ids=turn2, params=GREEDY, use_sessions=True)
+        assert resumed.cached_tokens >= len(turn1)
+        assert resumed.token_ids == cold.generate(prompt_token_ids=turn2, params=GREEDY).token_ids
+        # the client rewrote the reply it got (as clients that strip <think> blocks do): the state
+        # rewinds to turn 2's prompt-end checkpoint and prefills the rewritten reply
+        turn3 = turn2 + resumed.token_ids[:3] + [1, 2, 3] + [rng.randrange(340) for _ in range(5)]
+        rewound = warm.generate(prompt_token_ids=turn3, params=GREEDY, use_sessions=True)
+        assert rewound.cached_tokens >= len(turn2)
+        assert rewound.token_ids == cold.generate(prompt_token_ids=turn3, params=GREEDY).token_ids
+    assert warm.sessions.counters.rewinds > 0
+
+
+def test_prefill_mode_is_validated(dense_ckpt):
+    with pytest.raises(ValueError, match="prefill"):
+        nextn.LLM(model=dense_ckpt, prefill="fast")
