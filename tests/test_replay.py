@@ -10,7 +10,7 @@ from hf_fixtures import FIT_PROMPTS
 
 import nextn
 from nextn.engine.selector import TokenSelector
-from nextn.spec.replay import replay, replay_rounds, trunk_pass
+from nextn.spec.replay import replay_rounds, trunk_pass
 
 
 def test_replay_drafts_equal_live_drafts(dense_fitted_ckpt):

@@ -3,7 +3,6 @@ three tokens matches the filtered, penalized target law computed independently (
 logits, a plain numpy filter), for several K, filters and penalties."""
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 
 import numpy as np

@@ -330,19 +330,14 @@ class TritonStep:
 class FastModelRunner(ModelRunner):
     """ModelRunner whose keep-states step runs TritonStep (as CUDA graphs where CUDA is there)."""
 
+    cache_cls = FastCache
+
     def __init__(self, model: CausalLM, spec: SpecConfig, step: TritonStep, use_graphs: bool,
                  prefill: str = "chunked"):
         super().__init__(model, spec, prefill)
         self.fast = step
         self.use_graphs = use_graphs
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
-
-    def new_state(self, max_len: int) -> SeqState:
-        cache = FastCache(self.cfg, max_len, self.device, self.dtype)
-        draft_kv = None
-        if self.has_head:
-            draft_kv = LayerKV(1, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim, self.device, self.dtype)
-        return SeqState(cache, draft_kv, self.cfg.hidden_size)
 
     def graphs(self, state: SeqState):
         from nextn.engine.cuda_graphs import StepGraphs

@@ -17,12 +17,10 @@ from nextn.config import DEFAULT_MODEL_DIR, EngineConfig, SpecConfig
 from nextn.core import RequestOutput, SamplingParams, SpecStats
 from nextn.engine.fast import build_engine
 from nextn.engine.generate import run_rounds
-from nextn.engine.runner import ModelRunner
 from nextn.engine.sessions import SessionStore
 from nextn.engine.stops import StopStrings
 from nextn.models.loader import load_model
 from nextn.sampling import token_logprobs, top_logprobs
-from nextn.spec.proposer import MTPProposer
 from nextn.tokenizer import IncrementalDecoder, Tokenizer
 
 DEFAULT_K_WITH_HEAD = 3

@@ -20,6 +20,8 @@ PREFILL_MODES = ("chunked", "steps")
 
 
 class ModelRunner:
+    cache_cls = HybridCache  # the caches a state of this runner holds
+
     def __init__(self, model: CausalLM, spec: SpecConfig, prefill: str = "chunked"):
         """prefill "chunked": the chunked delta rule over up to PREFILL_CHUNK tokens per forward
         (fast); "steps": the decode/verify step over STEP_ROWS tokens at a time, so every token's
@@ -39,7 +41,7 @@ class ModelRunner:
         return self.model.mtp is not None
 
     def new_state(self, max_len: int) -> SeqState:
-        cache = HybridCache(self.cfg, max_len, self.device, self.dtype)
+        cache = self.cache_cls(self.cfg, max_len, self.device, self.dtype)
         draft_kv = None
         if self.has_head:
             draft_kv = LayerKV(1, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim, self.device, self.dtype)

@@ -4,7 +4,6 @@ q/k RMSNorm, partial NEOX RoPE, attention over the layer's K/V cache, output * s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nextn.cache import LayerKV
