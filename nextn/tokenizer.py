@@ -63,17 +63,24 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Turns a growing list of ids into text deltas, holding back incomplete UTF-8 sequences."""
+    """Turns a growing list of ids into text deltas, holding back incomplete UTF-8 sequences.
+
+    Each push decodes only a window: the tokens since the last emitted boundary, plus the few
+    before it as context (compared decoded with and without the new tokens), so a long output
+    costs O(n) decoding, not O(n^2).
+    """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.text = ""
+        self.prefix_offset = 0  # window start: context for the decoder
+        self.read_offset = 0  # tokens before this are emitted
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.text = text[len(self.text) :], text
-        return delta
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if text.endswith("\ufffd") or len(text) <= len(prefix):
+            return ""  # an incomplete UTF-8 sequence (or nothing visible yet): wait
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix) :]
