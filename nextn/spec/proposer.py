@@ -13,6 +13,7 @@ import torch
 
 from nextn.cache import LayerKV
 from nextn.config import SpecConfig
+from nextn.engine.runner import PREFILL_CHUNK
 from nextn.engine.selector import TokenSelector
 from nextn.engine.state import SeqState
 from nextn.models.qwen3_5 import CausalLM
@@ -52,7 +53,10 @@ class MTPProposer:
         n = len(state.tokens)  # the bonus is token n; its row pairs it with hidden n-1
         ids = torch.tensor(row_ids + [bonus], device=row_hidden.device)
         hidden = torch.cat([row_hidden, state.last_hidden[None]])
-        logits, chained = self._head(state, ids, hidden, state.draft_len + 1)
+        # the rows' catch-up (a whole prompt after a prefill) runs in prefill-sized chunks
+        for s in range(0, ids.numel(), PREFILL_CHUNK):
+            logits, chained = self._head(state, ids[s : s + PREFILL_CHUNK], hidden[s : s + PREFILL_CHUNK],
+                                         state.draft_len + 1 + s)
         state.draft_len = n
         tokens, probs, confidence = [], [], []
         for j in range(k):
