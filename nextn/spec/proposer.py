@@ -48,7 +48,11 @@ class MTPProposer:
 
     @torch.inference_mode()
     def propose(self, state: SeqState, bonus: int, k: int, selector: TokenSelector) -> Draft:
-        """Draft up to k tokens following `bonus` (the pending token, not yet in the trunk cache)."""
+        """Draft up to k tokens following `bonus` (the pending token, not yet in the trunk cache).
+
+        The chain runs all k steps without reading anything back, then is cut at the first draft
+        whose own-pick probability is below p_min (one host read; zero drafts if the first is).
+        """
         row_ids, row_hidden = state.take_rows()
         n = len(state.tokens)  # the bonus is token n; its row pairs it with hidden n-1
         ids = torch.tensor(row_ids + [bonus], device=row_hidden.device)
