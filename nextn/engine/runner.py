@@ -37,13 +37,14 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
 
     @property
-    def has_head(self) -> bool:
-        return self.model.mtp is not None
+    def drafts(self) -> bool:
+        """Whether states need the MTP head's draft K/V (a head, and K > 0)."""
+        return self.model.mtp is not None and self.spec.num_speculative_tokens > 0
 
     def new_state(self, max_len: int) -> SeqState:
         cache = self.cache_cls(self.cfg, max_len, self.device, self.dtype)
         draft_kv = None
-        if self.has_head:
+        if self.drafts:  # without it, plain decoding queues no head rows
             draft_kv = LayerKV(1, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim, self.device, self.dtype)
         return SeqState(cache, draft_kv, self.cfg.hidden_size)
 
