@@ -349,14 +349,7 @@ def plot(res: dict, path_prefix: str) -> list[str]:
     ax.axhline(res["step_tokens_per_s"], color="C2", ls=":", label="plain step alone")
     if "roofline_tokens_per_s" in res:
         ax.axhline(res["roofline_tokens_per_s"], color="k", ls="-.", label="HBM roofline")
-    ax.set_xlabel("K (draft tokens per round)")
-    ax.set_ylabel("tokens/s")
-    ax.set_title(title, fontsize=8)
-    ax.legend(fontsize=7)
-    paths.append(f"{path_prefix}_tokens_per_s.png")
-    fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, ax, "K (draft tokens per round)", "tokens/s", title, f"{path_prefix}_tokens_per_s.png"))
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     vk = sorted(int(k) for k in res.get("verify_cost_ratio", {}))
     if vk:
@@ -366,15 +359,19 @@ def plot(res: dict, path_prefix: str) -> list[str]:
         ax.plot(vk, [1 + k * res["draft_cost_ratio"] for k in vk], "s:", label="round (K drafts + verify) / decode",
                 color="C2")
     ax.axhline(1.15, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel("K")
-    ax.set_ylabel("cost ratio")
+    paths.append(_save(plt, fig, ax, "K", "cost ratio", title, f"{path_prefix}_cost_ratios.png"))
+    return paths
+
+
+def _save(plt, fig, ax, xlabel: str, ylabel: str, title: str, path: str) -> str:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=8)
     ax.legend(fontsize=7)
-    paths.append(f"{path_prefix}_cost_ratios.png")
     fig.tight_layout()
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return paths
+    return path
 
 
 PROMPT_TEXT = """The report below explains how the cache works and why each step matters.
