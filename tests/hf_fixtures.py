@@ -597,7 +597,10 @@ class MtpReference(torch.nn.Module):
         x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden[:, :num_rows])], -1)
         x = self.fc(x)
         position_ids = torch.arange(1, num_rows + 1).expand(input_ids.shape[0], -1)
-        cos_sin = model.model.rotary_emb(x, position_ids)
+        try:
+            cos_sin = model.model.rotary_emb(x, position_ids)
+        except IndexError:  # transformers versions whose Qwen3.5 rotary takes [3, B, T] text positions
+            cos_sin = model.model.rotary_emb(x, position_ids[None].expand(3, -1, -1))
         mask = torch.full((num_rows, num_rows), float("-inf")).triu(1)[None, None]
         x = self.layers[0](x, position_embeddings=cos_sin, attention_mask=mask, position_ids=position_ids)
         x = x[0] if isinstance(x, tuple) else x

@@ -184,6 +184,8 @@ def attend_step(
     pos: torch.Tensor,  # int32 [1] cache slot of row 0
     out: torch.Tensor | None = None,  # [T, Hq*D]
     chunk: int = CHUNK,
+    block_s: int = CHUNK,  # keys per inner iteration (fixed: it sets the reduction order)
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     T, Hq, D = q.shape
     max_len, Hkv = key.shape[0], key.shape[1]
@@ -193,11 +195,11 @@ def attend_step(
     part_acc = torch.empty(T, Hq, num_chunks, D, device=q.device, dtype=torch.float32)
     if out is None:
         out = torch.empty(T, Hq * D, device=q.device, dtype=q.dtype)
-    block_s = min(32, chunk)
+    block_s = min(block_s, chunk)
     _attend_chunk_kernel[(T, Hq, num_chunks)](
         q, key, value, pos, part_m, part_l, part_acc, D**-0.5,
         HQ=Hq, HKV=Hkv, D=D, NUM_CHUNKS=num_chunks, CHUNK_SIZE=chunk, BLOCK_S=block_s,
-        num_warps=4 if D <= 128 else 8,
+        num_warps=num_warps or (4 if D <= 128 else 8),
     )
     _combine_kernel[(T, Hq)](
         part_m, part_l, part_acc, qkv, qkv.stride(0), pos, out,

@@ -42,7 +42,7 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(
-        x_ptr, w_ptr, w2_ptr, y_ptr, res_ptr, nw_ptr, z_ptr, part_ptr,
+        x_ptr, w_ptr, w2_ptr, y_ptr, res_ptr, nw_ptr, z_ptr, part_ptr, count_ptr,
         M, N, K, K_SPLIT, stride_x, stride_y, stride_res, stride_z, eps,
         PROLOGUE: tl.constexpr,  # 0 none, 1 rms (zero-centred), 2 gated rms per GROUP columns
         EPILOGUE: tl.constexpr,  # 0 none, 1 residual add, 2 silu(x w^T) * (x w2^T)
@@ -51,7 +51,7 @@ if HAVE_TRITON:
         EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
     ):
         """Program (n, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs, all rows.
-        SPLIT > 1 stores float32 partials [SPLIT, M, N] for _split_reduce_kernel."""
+        SPLIT > 1: float32 partials [SPLIT, M, N] in part_ptr, arrivals per N block in count_ptr."""
         pid = tl.program_id(0)
         k_start = tl.program_id(1) * K_SPLIT
         offs_m = tl.arange(0, BLOCK_M)
@@ -59,7 +59,7 @@ if HAVE_TRITON:
         mask_m = offs_m < M
         mask_n = offs_n < N
         x_dtype = x_ptr.dtype.element_ty
-        if PROLOGUE == 1:  # per-row 1/rms over all of K, in a fixed block order (SPLIT is 1)
+        if PROLOGUE == 1:  # per-row 1/rms over all of K in a fixed block order (every split does it)
             sumsq = tl.zeros((BLOCK_M,), tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -102,61 +102,53 @@ if HAVE_TRITON:
                 else:
                     acc2 = tl.dot(w2, tl.trans(x), acc2)
         out_mask = mask_n[:, None] & mask_m[None, :]
+        store_mask = out_mask
         if SPLIT > 1:
-            part = part_ptr + (tl.program_id(1) * M + offs_m[None, :]) * N + offs_n[:, None]
+            # Each split stores its float32 partial; the split that arrives last at the N block's
+            # counter sums all of them in split order (a fixed order, so rows stay invariant),
+            # resets the counter for the next launch and runs the epilogue: no second launch.
+            at = offs_m[None, :] * N + offs_n[:, None]
+            part = part_ptr + tl.program_id(1) * M * N + at
             tl.store(part, acc, mask=out_mask)
             if EPILOGUE == 2:
                 tl.store(part + SPLIT * M * N, acc2, mask=out_mask)
-        else:
-            r = acc
-            if EPILOGUE == 1:
-                r = tl.load(res_ptr + offs_m[None, :] * stride_res + offs_n[:, None], mask=out_mask, other=0.0)
-            out = _epilogue(acc, acc2, r, x_dtype, EPILOGUE)
-            tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], out.to(y_ptr.dtype.element_ty),
-                     mask=out_mask)
-
-    @triton.jit(do_not_specialize=["M"])
-    def _split_reduce_kernel(part_ptr, y_ptr, res_ptr, M, N, stride_y, stride_res,
-                             x_dtype: tl.constexpr, EPILOGUE: tl.constexpr, SPLIT: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Sums the SPLIT partials in split order (fixed: rows stay invariant), then the epilogue."""
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-        at = (offs_m[None, :]) * N + offs_n[:, None]
-        acc = tl.load(part_ptr + at, mask=mask, other=0.0)
-        acc2 = acc
-        if EPILOGUE == 2:
-            acc2 = tl.load(part_ptr + SPLIT * M * N + at, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLIT):
-            acc += tl.load(part_ptr + s * M * N + at, mask=mask, other=0.0)
+            tl.debug_barrier()  # every thread's partial is written before the counter moves
+            arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
+            store_mask = out_mask & ((tl.zeros((BLOCK_N, BLOCK_M), tl.int32) + arrived) == SPLIT - 1)
+            acc = tl.load(part_ptr + at, mask=store_mask, other=0.0, cache_modifier=".cg")
             if EPILOGUE == 2:
-                acc2 += tl.load(part_ptr + (SPLIT + s) * M * N + at, mask=mask, other=0.0)
+                acc2 = tl.load(part_ptr + SPLIT * M * N + at, mask=store_mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT):
+                acc += tl.load(part_ptr + s * M * N + at, mask=store_mask, other=0.0, cache_modifier=".cg")
+                if EPILOGUE == 2:
+                    acc2 += tl.load(part_ptr + (SPLIT + s) * M * N + at, mask=store_mask, other=0.0,
+                                    cache_modifier=".cg")
+            tl.store(count_ptr + pid, 0, mask=arrived == SPLIT - 1)
         r = acc
         if EPILOGUE == 1:
-            r = tl.load(res_ptr + offs_m[None, :] * stride_res + offs_n[:, None], mask=mask, other=0.0)
+            r = tl.load(res_ptr + offs_m[None, :] * stride_res + offs_n[:, None], mask=store_mask, other=0.0)
         out = _epilogue(acc, acc2, r, x_dtype, EPILOGUE)
-        tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], out.to(y_ptr.dtype.element_ty),
+                 mask=store_mask)
 
 
 # (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT). `tune` measures candidates per shape
-# and overwrites entries; the defaults are Qwen3.5-9B's shapes as tuned on an H200 (CUDA graphs,
-# weights out of L2: bench/results/bench_qwen3.5-9b.json, "linear_configs").
+# and overwrites entries; the defaults are Qwen3.5-9B's shapes as swept on an H200 (CUDA graphs,
+# weights out of L2: bench/results/gemv_sweep_qwen3.5-9b_run4.json; bench/gemv_sweep.py).
 CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
-    (4096, 4096): (64, 128, 4, 4, 4),  # o_proj, out_proj
-    (4096, 8192): (64, 128, 4, 4, 4),  # mtp.fc
-    (4096, 12288): (64, 128, 4, 4, 4),  # down_proj
-    (10240, 4096): (32, 256, 4, 3, 1),  # q/k/v fused
-    (12288, 4096): (32, 256, 4, 3, 1),  # gate + up
-    (12352, 4096): (32, 256, 4, 3, 1),  # GDN in_proj fused
+    (4096, 4096): (64, 128, 8, 3, 4),  # o_proj, out_proj (gated norm prologue)
+    (4096, 8192): (64, 128, 4, 3, 4),  # mtp.fc
+    (4096, 12288): (64, 128, 4, 3, 4),  # down_proj
+    (10240, 4096): (128, 128, 8, 3, 2),  # q/k/v fused
+    (12288, 4096): (64, 128, 8, 3, 1),  # gate + up
+    (12352, 4096): (128, 128, 8, 3, 2),  # GDN in_proj fused
     (248320, 4096): (128, 128, 4, 4, 1),  # lm_head
 }
 NUM_SMS = 132  # H200; only sets how many programs a launch aims for
 
 
-def pick_config(N: int, K: int, group: int = 1, norm_prologue: bool = False) -> tuple[int, int, int, int, int]:
-    """Block sizes from the weight's shape alone (never the row count: that keeps rows invariant).
-    A full-row RMSNorm prologue needs the whole K in one program: no split then."""
+def pick_config(N: int, K: int, group: int = 1) -> tuple[int, int, int, int, int]:
+    """Block sizes from the weight's shape alone (never the row count: that keeps rows invariant)."""
     cfg = CONFIGS.get((N, K))
     if cfg is None:
         block_k = max(group, min(256, max(16, next_pow2(K))))
@@ -165,8 +157,6 @@ def pick_config(N: int, K: int, group: int = 1, norm_prologue: bool = False) -> 
         while triton_cdiv(N, block_n) * split < 3 * NUM_SMS and K % (2 * split * block_k) == 0:
             split *= 2
         cfg = (block_n, block_k, 4, 4, split)
-    if norm_prologue and cfg[4] > 1:
-        cfg = (*cfg[:4], 1)
     return cfg
 
 
@@ -198,24 +188,25 @@ def skinny_linear(
         out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     prologue = 0 if norm_weight is None else (2 if gate is not None else 1)
     epilogue = 1 if residual is not None else (2 if up_weight is not None else 0)
-    block_n, block_k, warps, stages, split = pick_config(N, K, group if prologue == 2 else 1, prologue == 1)
+    block_n, block_k, warps, stages, split = pick_config(N, K, group if prologue == 2 else 1)
     if config is not None:
         block_n, block_k, warps, stages, split = config
     block_k = max(block_k, group if prologue == 2 else 1)
     if prologue == 2 and block_k % group:
         raise ValueError(f"gated prologue: BLOCK_K {block_k} must be a multiple of the group {group}")
-    if split > 1 and (prologue == 1 or K % (split * block_k)):
+    if split > 1 and K % (split * block_k):
         raise ValueError(f"split {split} does not fit K={K}, BLOCK_K={block_k}, prologue {prologue}")
     dummy = weight
-    part = None
+    part = count = dummy
     if split > 1:
         part = torch.empty((2 if epilogue == 2 else 1) * split * M * N, device=x.device, dtype=torch.float32)
+        count = _arrival_counters(x.device, triton_cdiv(N, block_n))
     _skinny_kernel[(triton_cdiv(N, block_n), split)](
         x, weight, up_weight if up_weight is not None else dummy, out,
         residual if residual is not None else dummy,
         norm_weight if norm_weight is not None else dummy,
         gate if gate is not None else dummy,
-        part if part is not None else dummy,
+        part, count,
         M, N, K, K // split, x.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0,
         gate.stride(0) if gate is not None else 0,
@@ -225,19 +216,22 @@ def skinny_linear(
         DOT_F32=interpreting() or x.dtype == torch.float32, SPLIT=split,
         num_warps=warps, num_stages=stages,
     )
-    if split > 1:
-        block_r = 64
-        _split_reduce_kernel[(triton_cdiv(N, block_r),)](
-            part, out, residual if residual is not None else dummy, M, N, out.stride(0),
-            residual.stride(0) if residual is not None else 0,
-            x_dtype=_tl_dtype(x.dtype), EPILOGUE=epilogue, SPLIT=split, BLOCK_M=MAX_ROWS, BLOCK_N=block_r,
-            num_warps=4,
-        )
     return out
 
 
-def _tl_dtype(dtype: torch.dtype):
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+
+
+def _arrival_counters(device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for split-K arrivals, one per N block; every launch leaves them zero.
+    One buffer per device: the kernels of a stream run one after another."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _OUTGROWN.append(buf)  # captured CUDA graphs may still use it
+        buf = _COUNTERS[device] = torch.zeros(max(n, 1 << 14), device=device, dtype=torch.int32)
+    return buf
 
 
 def _graph_us(launch, num_copies: int, reps: int) -> float:
@@ -270,6 +264,7 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
     candidates = list(candidates or [
         (128, 128, 4, 4, 1), (64, 128, 4, 4, 1), (32, 256, 4, 4, 1), (16, 256, 4, 3, 1), (32, 256, 4, 3, 1),
         (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (32, 256, 4, 4, 4), (64, 128, 4, 4, 8),
+        (64, 128, 8, 3, 1), (128, 128, 8, 3, 2), (64, 128, 4, 3, 4), (64, 128, 8, 3, 4),
     ])
     chosen = {}
     merged: dict[tuple[int, int], tuple[bool, bool]] = {}
@@ -278,8 +273,10 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
         merged[(N, K)] = (a or norm, b or dual)
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
     for (N, K), (norm, dual) in sorted(merged.items()):
-        CONFIGS.pop((N, K), None)
-        default = pick_config(N, K, 1, norm)
+        table = CONFIGS.pop((N, K), None)
+        default = pick_config(N, K, 1)
+        if table is not None and table not in candidates:
+            candidates.append(table)
         nbytes = N * K * 2 * (2 if dual else 1)
         copies = max(1, min(8, -(-4 * l2_bytes // nbytes)))
         ws = [torch.randn(N, K, device=device, dtype=torch.bfloat16) for _ in range(copies)]
@@ -290,7 +287,7 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
         best = None
         for cfg in [default] + [c for c in candidates if c != default]:
             bn, bk, _, _, split = cfg
-            if (split > 1 and (norm or K % (split * bk))) or bk > K:
+            if (split > 1 and K % (split * bk)) or bk > K:
                 continue
             times = []
             try:
