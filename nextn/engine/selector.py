@@ -12,7 +12,7 @@ from nextn.core import SamplingParams
 from nextn.sampling import (
     RequestRng, Stream, TokenHistory, greedy_ids, has_penalties, probs_from_logits, sample,
 )
-from nextn.spec.rejection import verify_greedy, verify_sampled
+from nextn.spec.rejection import VerifyResult, verify_greedy, verify_sampled
 
 _TABLE_SLACK = 20  # uniforms beyond max_tokens: a round may draft past the budget by K <= 16
 
@@ -56,18 +56,29 @@ class TokenSelector:
         Returns (num_accepted, emitted ids: accepted drafts then the recovered/bonus token). The
         only host read of the round.
         """
+        n, out_ids = self._verify_on_device(logits, draft_ids, draft_q, self.num_generated)
+        host = torch.cat([n.reshape(1), out_ids]).tolist()
+        return host[0], host[1 : host[0] + 2]
+
+    def select(self, logits: torch.Tensor, index: int) -> torch.Tensor:
+        """Generated token number `index` from trunk logits [1, V], as a device tensor [1] long,
+        without reading the host: the token `verify` emits for a round with no drafts (the same
+        ops), for a loop that queues the next step before it reads this token. Needs no
+        penalty history (it would have to hold the tokens before `index`)."""
+        if self.history is not None:
+            raise ValueError("select() cannot apply penalties: their history lags the device")
+        return self._verify_on_device(logits, logits.new_zeros(0, dtype=torch.long), None, index).out_ids
+
+    def _verify_on_device(self, logits: torch.Tensor, draft_ids: torch.Tensor, draft_q: torch.Tensor | None,
+                          index: int) -> VerifyResult:
+        """`verify` without the host read; row 0 of logits predicts generated token `index`."""
         k = draft_ids.numel()
         if self.params.greedy:
             target = greedy_ids(logits, self.params, self.history, draft_ids)  # [k+1]
-            n, out_ids = verify_greedy(target, draft_ids)
-        else:
-            p = probs_from_logits(logits, self.params, self.history, draft_ids)  # [k+1, V]
-            i = self.num_generated
-            n, out_ids = verify_sampled(
-                p, draft_q, draft_ids, self._u(Stream.ACCEPT, i, k), self._u(Stream.SAMPLE, i, k + 1)
-            )
-        host = torch.cat([n.reshape(1), out_ids]).tolist()
-        return host[0], host[1 : host[0] + 2]
+            return verify_greedy(target, draft_ids)
+        p = probs_from_logits(logits, self.params, self.history, draft_ids)  # [k+1, V]
+        u_accept, u_sample = self._u(Stream.ACCEPT, index, k), self._u(Stream.SAMPLE, index, k + 1)
+        return verify_sampled(p, draft_q, draft_ids, u_accept, u_sample)
 
     def record(self, emitted: list[int]) -> None:
         """Count tokens emitted to the client (history for penalties, index for uniforms)."""
