@@ -31,15 +31,19 @@ USES = {
 }
 
 
-def candidates(N: int, K: int, dual: bool, split_ok: bool = True) -> list[tuple]:
+def candidates(N: int, K: int, dual: bool, small: bool = False) -> list[tuple]:
+    """small: the configs whose stages are small enough for 3+ programs per SM (all resident at once)."""
     out = []
     for bn, bk, warps, stages, split in itertools.product(
-            (16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 5), (1, 2, 4, 8)):
+            (16, 32, 64, 128), (64, 128, 256, 512), (4, 8), (3, 4, 5), (1, 2, 4, 8)):
         stage_bytes = bn * bk * 2 * (2 if dual else 1) + MAX_ROWS * bk * 2
         programs = -(-N // bn) * split
-        if stages * stage_bytes > 200 * 1024 or K % (split * bk) or (split > 1 and not split_ok):
+        if stages * stage_bytes > 200 * 1024 or K % (split * bk):
             continue
-        if programs < 132 or programs > 16384 or bn * bk < 8192 or bn * bk > 32768:
+        if programs < 132 or programs > 16384 or bn * bk > 32768:
+            continue
+        if small != (stages * stage_bytes <= 72 * 1024 and bn * bk >= 2048 and stages < 5 and split < 8
+                     and bn < 128) or (not small and bn * bk < 8192):
             continue
         out.append((bn, bk, warps, stages, split))
     return out
@@ -93,6 +97,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--only", default=None, help="comma-separated use names")
     ap.add_argument("--top", default=None, help="an earlier sweep's JSON: time only its best configs")
+    ap.add_argument("--small", action="store_true", help="only configs small enough for 3+ programs per SM")
     args = ap.parse_args()
     uses = [u for u in USES[args.preset] if not args.only or u[0] in args.only.split(",")]
     if args.top:
@@ -100,7 +105,7 @@ def main() -> None:
             top = json.load(f)
         configs = {u[0]: [tuple(b["config"]) for b in top[u[0]]["best"]] for u in uses if u[0] in top}
     else:
-        configs = {u[0]: candidates(u[1], u[2], u[4] == "silu_mul") for u in uses}
+        configs = {u[0]: candidates(u[1], u[2], u[4] == "silu_mul", args.small) for u in uses}
     for u in uses:  # the configs in use now are always timed
         current = triton_linear.pick_config(u[1], u[2])
         configs.setdefault(u[0], [])

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call on the H200: tune the skinny GEMM, kernel tests at real shapes, the benches.
 # Usage (device tool): bash bench/run_h200.sh [stages...]
-#   stages: tune tests fast bench9b benchdefault bench35b
+#   stages: tune tests fast profile bench9b benchdefault bench35b
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p /tmp/triton_cache
@@ -15,6 +15,8 @@ for stage in "$@"; do
     tune) timeout 90 python3 bench/tune_linear.py --out $OUT/tune.json 2>&1 | grep -E "BEST|Error|error" | tee -a $LOG ;;
     tests) timeout 120 python3 -m pytest -q -x -m gpu tests/test_kernels.py 2>&1 | tail -25 | tee -a $LOG ;;
     fast) timeout 150 python3 -m pytest -q -x tests/test_fast.py 2>&1 | tail -25 | tee -a $LOG ;;
+    profile) timeout 150 python3 bench/profile_step.py --out $OUT/profile_qwen3.5-9b.json 2>&1 | grep -v Warn \
+               | head -16 | tee -a $LOG ;;
     bench9b) timeout 240 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 \
                --kernels triton --json $OUT/bench_qwen3.5-9b.json 2>&1 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
     benchdefault) timeout 120 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \

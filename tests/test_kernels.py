@@ -23,9 +23,8 @@ from nextn.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from nextn.ops.conv import causal_conv1d  # noqa: E402
 from nextn.ops.gdn import recurrent_gated_delta_rule  # noqa: E402
 from nextn.ops.triton_attention import attend_step, qk_norm_rope  # noqa: E402
-from nextn.ops.triton_conv import conv_step  # noqa: E402
-from nextn.ops.triton_gdn import recurrent_step  # noqa: E402
-from nextn.ops import triton_linear  # noqa: E402
+from nextn.ops.triton_gdn import gdn_step  # noqa: E402
+from nextn.ops import triton_utils  # noqa: E402
 from nextn.ops.triton_linear import skinny_linear  # noqa: E402
 from nextn.ops.triton_norm import rms_norm  # noqa: E402
 
@@ -115,66 +114,69 @@ def test_rms_norm_matches_reference():
 
 
 # ---------------------------------------------------------------------------------------------
-# causal conv and the recurrent delta rule
+# the GDN step: causal conv + recurrent delta rule + gated output norm
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 3, 9])
-def test_conv_step_matches_reference(T, dtype):
-    g = torch.Generator(device=DEVICE).manual_seed(T)
-    D, W = 40, 4
-    x = _rand(T, D + 8, dtype=dtype, gen=g)[:, :D]  # a column slice of a wider row, as in the engine
-    w = _rand(D, W, dtype=dtype, scale=0.5, gen=g)
-    state = _rand(D, W - 1, dtype=dtype, gen=g)
-    window = torch.full((D, W - 1 + 12), float("nan"), device=DEVICE, dtype=dtype)
-    y = conv_step(x, w, state, window)
-    ref_y, ref_window = causal_conv1d(x[None], w, state[None])
-    _close(y, ref_y[0], dtype)
-    assert torch.equal(window[:, : W - 1 + T], ref_window[0])
-    one = conv_step(x[-1:], w, window[:, T - 1 : T - 1 + W - 1].contiguous(), torch.empty_like(window))
-    assert torch.equal(one[0], y[-1])  # the last token alone, from the state before it
-
-
-def _gdn_case(T, H, HV, K, V, dtype, g):
+def _gdn_case(T, H, HV, K, V, W, dtype, g):
+    """proj [T, conv | z | b | a] (a column slice of a wider row, as in the engine) and the rest."""
     conv_dim = 2 * H * K + HV * V
-    qkv = _rand(T, conv_dim, dtype=dtype, gen=g)
-    ba = _rand(T, 2 * HV + 5, dtype=dtype, gen=g)
-    A_log = _rand(HV, dtype=dtype, scale=0.5, gen=g)
-    dt_bias = _rand(HV, dtype=dtype, scale=0.5, gen=g)
-    state = _rand(HV, K, V, scale=0.1, gen=g)
-    return qkv, ba, A_log, dt_bias, state
+    proj = _rand(T, conv_dim + HV * V + 2 * HV + 8, dtype=dtype, gen=g)[:, : conv_dim + HV * V + 2 * HV]
+    return dict(
+        proj=proj, conv_weight=_rand(conv_dim, W, dtype=dtype, scale=0.5, gen=g),
+        conv_state=_rand(conv_dim, W - 1, dtype=dtype, gen=g),
+        A_log=_rand(HV, dtype=dtype, scale=0.5, gen=g), dt_bias=_rand(HV, dtype=dtype, scale=0.5, gen=g),
+        state=_rand(HV, K, V, scale=0.1, gen=g), norm_weight=(1.0 + _rand(V, scale=0.1, gen=g)).to(dtype),
+    )
 
 
-def _gdn_reference(qkv, ba, A_log, dt_bias, state, H, HV, K, V):
-    T = qkv.shape[0]
-    q, k, v = torch.split(qkv, [H * K, H * K, HV * V], dim=-1)
+def _gdn_reference(c, H, HV, K, V, norm_eps):
+    """The reference modules' composition: conv (+ the window), delta rule (+ states), gated norm."""
+    proj = c["proj"]
+    T, dtype = proj.shape[0], proj.dtype
+    conv_dim = 2 * H * K + HV * V
+    mixed, window = causal_conv1d(proj[None, :, :conv_dim], c["conv_weight"], c["conv_state"][None])
+    q, k, v = torch.split(mixed[0], [H * K, H * K, HV * V], dim=-1)
     q = l2norm(q.reshape(1, T, H, K).float())
     k = l2norm(k.reshape(1, T, H, K).float())
     v = v.reshape(1, T, HV, V)
-    b, a = ba[:, 5 : 5 + HV], ba[:, 5 + HV : 5 + 2 * HV]
+    z = proj[:, conv_dim : conv_dim + HV * V]
+    b, a = proj[:, conv_dim + HV * V : conv_dim + HV * V + HV], proj[:, conv_dim + HV * V + HV :]
     beta = b.sigmoid()[None]
-    gate = (-A_log.float().exp() * F.softplus(a.float() + dt_bias.float()))[None]
-    o, states = recurrent_gated_delta_rule(q, k, v, gate, beta, state[None])
-    return o[0].reshape(T, HV * V), states[0]
+    gate = (-c["A_log"].float().exp() * F.softplus(a.float() + c["dt_bias"].float()))[None]
+    o, states = recurrent_gated_delta_rule(q, k, v, gate, beta, c["state"][None])
+    norm = RMSNormGated(V, eps=norm_eps).to(DEVICE)
+    norm.weight.data = c["norm_weight"]
+    out = norm(o[0].reshape(T * HV, V).to(dtype), z.reshape(T * HV, V)).reshape(T, HV * V)
+    return out, states[0], window[0]
+
+
+def _run_gdn_step(c, H, HV, K, V, W, norm_eps, T_max=8):
+    conv_dim = 2 * H * K + HV * V
+    window = torch.full((conv_dim, W - 1 + T_max), float("nan"), device=DEVICE, dtype=c["proj"].dtype)
+    states = torch.full((T_max, HV, K, V), float("nan"), device=DEVICE)
+    out = gdn_step(c["proj"], c["conv_weight"], c["conv_state"], window, c["A_log"], c["dt_bias"], c["state"],
+                   states, c["norm_weight"], num_k_heads=H, norm_eps=norm_eps)
+    return out, states, window
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 2, 5])
-def test_recurrent_step_matches_reference(T, dtype):
-    H, HV, K, V = 2, 4, 16, 32
+def test_gdn_step_matches_reference(T, dtype):
+    H, HV, K, V, W, eps = 2, 4, 16, 32, 4, 1e-6
     g = torch.Generator(device=DEVICE).manual_seed(10 + T)
-    qkv, ba, A_log, dt_bias, state = _gdn_case(T, H, HV, K, V, dtype, g)
-    states = torch.full((8, HV, K, V), float("nan"), device=DEVICE)
-    o = recurrent_step(qkv, ba, 5, 5 + HV, A_log, dt_bias, state, states, num_k_heads=H)
-    ref_o, ref_states = _gdn_reference(qkv, ba, A_log, dt_bias, state, H, HV, K, V)
-    _close(o, ref_o, dtype)
+    c = _gdn_case(T, H, HV, K, V, W, dtype, g)
+    out, states, window = _run_gdn_step(c, H, HV, K, V, W, eps)
+    ref_out, ref_states, ref_window = _gdn_reference(c, H, HV, K, V, eps)
+    _close(out, ref_out, dtype)
     torch.testing.assert_close(states[:T], ref_states, rtol=1e-4, atol=1e-5)
-    # token t from the state after t-1, alone: bitwise the same output and state
+    assert torch.equal(window[:, : W - 1 + T], ref_window)  # every channel's rollback window, bitwise
+    assert not triton_utils._COUNTERS[out.device].any()  # the heads' last programs re-armed them
+    # token t alone, from the conv window and state after t-1: bitwise the same output and state
     t = T - 1
-    prev = state if t == 0 else states[t - 1].clone()
-    one_states = torch.empty_like(states)
-    one = recurrent_step(qkv[t:], ba[t:], 5, 5 + HV, A_log, dt_bias, prev, one_states, num_k_heads=H)
-    assert torch.equal(one[0], o[t]) and torch.equal(one_states[0], states[t])
+    one = dict(c, proj=c["proj"][t:], conv_state=window[:, t : t + W - 1].contiguous(),
+               state=c["state"] if t == 0 else states[t - 1].clone())
+    one_out, one_states, _ = _run_gdn_step(one, H, HV, K, V, W, eps)
+    assert torch.equal(one_out[0], out[t]) and torch.equal(one_states[0], states[t])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,18 +267,18 @@ def test_skinny_linear_9b_shapes_gpu(N, K, kind):
 
 
 @gpu
-def test_recurrent_step_9b_shapes_gpu():
-    H, HV, K, V, T = 16, 32, 128, 128, 9
+def test_gdn_step_9b_shapes_gpu():
+    H, HV, K, V, W, T, eps = 16, 32, 128, 128, 4, 9, 1e-6
     g = torch.Generator(device=DEVICE).manual_seed(5)
-    qkv, ba, A_log, dt_bias, state = _gdn_case(T, H, HV, K, V, torch.bfloat16, g)
-    states = torch.empty(16, HV, K, V, device=DEVICE)
-    o = recurrent_step(qkv, ba, 5, 5 + HV, A_log, dt_bias, state, states, num_k_heads=H)
-    ref_o, ref_states = _gdn_reference(qkv, ba, A_log, dt_bias, state, H, HV, K, V)
-    _close(o, ref_o, torch.bfloat16)
+    c = _gdn_case(T, H, HV, K, V, W, torch.bfloat16, g)
+    out, states, window = _run_gdn_step(c, H, HV, K, V, W, eps, T_max=16)
+    ref_out, ref_states, ref_window = _gdn_reference(c, H, HV, K, V, eps)
+    _close(out, ref_out, torch.bfloat16)
     torch.testing.assert_close(states[:T], ref_states, rtol=1e-3, atol=1e-4)
-    one_states = torch.empty_like(states)
-    one = recurrent_step(qkv[4:5], ba[4:5], 5, 5 + HV, A_log, dt_bias, states[3].clone(), one_states, num_k_heads=H)
-    assert torch.equal(one[0], o[4]) and torch.equal(one_states[0], states[4])
+    assert torch.equal(window[:, : W - 1 + T], ref_window)
+    one = dict(c, proj=c["proj"][4:5], conv_state=window[:, 4 : 4 + W - 1].contiguous(), state=states[3].clone())
+    one_out, one_states, _ = _run_gdn_step(one, H, HV, K, V, W, eps, T_max=16)
+    assert torch.equal(one_out[0], out[4]) and torch.equal(one_states[0], states[4])
 
 
 @gpu
@@ -375,5 +377,5 @@ def test_split_k_matches_reference_and_rows_are_invariant(split):
             one = {k: (v[m : m + 1] if k in ("residual", "gate") else v) for k, v in kw.items()}
             assert torch.equal(skinny_linear(x[m : m + 1], w, config=cfg, **one)[0], out[m]), (name, m)
         # the last split to arrive reduces and re-arms its N block's counter for the next launch
-        assert not triton_linear._COUNTERS[x.device].any(), name
+        assert not triton_utils._COUNTERS[x.device].any(), name
         assert torch.equal(skinny_linear(x, w, config=cfg, **kw), out), name

@@ -4,8 +4,8 @@ head's draft step with batch-invariant Triton kernels, replayed as CUDA graphs o
 fast path is asked for and cannot run (no triton, an unsupported model), building it raises.
 
 What the Triton step does per decoder layer (T <= 16 rows, weights fused at load time):
-- Gated DeltaNet: [RMSNorm -> in_proj_{qkv,z,b,a} fused] -> causal conv -> recurrent delta rule
-  (writes the state after every token) -> [gated RMSNorm -> out_proj -> + residual];
+- Gated DeltaNet: [RMSNorm -> in_proj_{qkv,z,b,a} fused] -> [causal conv -> recurrent delta rule
+  (writes the state after every token) -> gated RMSNorm] -> [out_proj -> + residual];
 - attention: [RMSNorm -> q/k/v fused] -> q/k norm + RoPE + K/V write -> chunked attention * gate
   -> [o_proj + residual];
 - MLP: [RMSNorm -> gate/up -> silu * up] -> [down + residual];
@@ -196,9 +196,9 @@ class TritonStep:
     position."""
 
     def __init__(self, model: CausalLM):
-        from nextn.ops import triton_attention, triton_conv, triton_gdn, triton_linear, triton_norm
+        from nextn.ops import triton_attention, triton_gdn, triton_linear, triton_norm
 
-        self.ops = (triton_attention, triton_conv, triton_gdn, triton_linear, triton_norm)
+        self.ops = (triton_attention, triton_gdn, triton_linear, triton_norm)
         cfg = model.cfg
         if cfg.family not in ("qwen3_5", "qwen3_5_moe"):
             raise NotImplementedError(f"kernels='triton' does not support the {cfg.family} family yet")
@@ -257,21 +257,21 @@ class TritonStep:
 
     def tune(self, log=None) -> dict:
         """Measure the skinny GEMM's block configs for this model's weight shapes (before capture)."""
-        return self.ops[3].tune(sorted(set(self.linear_uses())), self.embed.device, log=log)
+        return self.ops[2].tune(sorted(set(self.linear_uses())), self.embed.device, log=log)
 
     def _mlp(self, x, w: MLPWeights | MoEWeights):
         if isinstance(w, MoEWeights):
             from nextn.ops.triton_moe import moe_step
 
-            h = self.ops[4].rms_norm(x, w.norm, self.eps)
+            h = self.ops[3].rms_norm(x, w.norm, self.eps)
             return moe_step(x, h, w.router, w.gate_up, w.down, w.shared_gate, w.shared_up, w.shared_down,
                             w.shared_expert_gate, w.top_k, w.renorm)
-        lin = self.ops[3].skinny_linear
+        lin = self.ops[2].skinny_linear
         act = lin(x, w.gate, norm_weight=w.norm, up_weight=w.up, eps=self.eps)
         return lin(act, w.down, residual=x)
 
     def _attn(self, x, w: AttnWeights, kv: LayerKV, pos, rope_offset: int, max_pos: int):
-        attn_ops, lin = self.ops[0], self.ops[3].skinny_linear
+        attn_ops, lin = self.ops[0], self.ops[2].skinny_linear
         qkv = lin(x, w.qkv, norm_weight=w.norm, eps=self.eps)
         cos, sin = self.rope_tables(max_pos)
         key, value = kv.key[0], kv.value[0]
@@ -281,22 +281,16 @@ class TritonStep:
         return self._mlp(lin(o, w.o_proj, residual=x), w.mlp)
 
     def _gdn(self, x, w: GDNWeights, cache: FastCache, j: int):
-        cfg, lin = self.cfg, self.ops[3].skinny_linear
-        conv_dim, value_dim, HV = cfg.conv_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
+        cfg, lin = self.cfg, self.ops[2].skinny_linear
         proj = lin(x, w.in_proj, norm_weight=w.norm, eps=self.eps)  # [T, conv | z | b | a]
-        mixed = self.ops[1].conv_step(proj[:, :conv_dim], w.conv, cache.conv_all[j], cache.window_all[j])
-        o = self.ops[2].recurrent_step(
-            mixed, proj, conv_dim + value_dim, conv_dim + value_dim + HV, w.A_log, w.dt_bias,
-            cache.recurrent_all[j], cache.states_all[j], cfg.linear_num_key_heads,
-        )
-        z = proj[:, conv_dim : conv_dim + value_dim]
-        x = lin(o, w.out_proj, norm_weight=w.out_norm, gate=z, group=cfg.linear_value_head_dim,
-                eps=self.eps, residual=x)
-        return self._mlp(x, w.mlp)
+        o = self.ops[1].gdn_step(proj, w.conv, cache.conv_all[j], cache.window_all[j], w.A_log, w.dt_bias,
+                                 cache.recurrent_all[j], cache.states_all[j], w.out_norm,
+                                 cfg.linear_num_key_heads, self.eps)
+        return self._mlp(lin(o, w.out_proj, residual=x), w.mlp)
 
     def trunk(self, ids: torch.Tensor, pos: torch.Tensor, cache: FastCache) -> StepOut:
         """ids [T] at cache slots pos + [0, T); writes K/V and the GDN step buffers of `cache`."""
-        lin, norm = self.ops[3].skinny_linear, self.ops[4].rms_norm
+        lin, norm = self.ops[2].skinny_linear, self.ops[3].rms_norm
         x = F.embedding(ids, self.embed)
         j = 0
         for layer, w in zip(self.model.model.layers, self.layers):
@@ -310,7 +304,7 @@ class TritonStep:
 
     def head_step(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, kv: LayerKV) -> HeadOut:
         """MTP rows: ids [T] paired with hidden [T, H]; row 0 sits in draft K/V slot pos (rope pos + 1)."""
-        lin, norm = self.ops[3].skinny_linear, self.ops[4].rms_norm
+        lin, norm = self.ops[2].skinny_linear, self.ops[3].rms_norm
         norm_embed, norm_hidden, fc, layer, final = self.head
         H = self.cfg.hidden_size
         T = ids.shape[0]

@@ -66,11 +66,12 @@ class SeqState:
         Queues their MTP rows (token p with hidden p-1), skipping rows a draft pass already wrote.
         """
         first = len(self.tokens)
-        pred_hidden = hidden[:-1] if self.last_hidden is None else torch.cat([self.last_hidden[None], hidden[:-1]])
+        last_hidden = self.last_hidden
         self.tokens.extend(token_ids)
         self.last_hidden, self.last_logits = hidden[-1], logits
         if self.draft_kv is None:
             return
+        pred_hidden = hidden[:-1] if last_hidden is None else torch.cat([last_hidden[None], hidden[:-1]])
         row_pos = range(first if first > 0 else 1, first + len(token_ids))
         offset = 0 if first > 0 else 1  # row 0 has no predecessor
         skip = max(0, self.next_row - row_pos.start)

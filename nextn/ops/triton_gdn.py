@@ -1,82 +1,169 @@
-"""Recurrent gated delta rule for decode / verify steps, writing the state after every token.
+"""A Gated DeltaNet layer's step between its two projections, in one kernel: causal conv + SiLU,
+recurrent gated delta rule writing the state after every token, and the gated output RMSNorm.
 
-Reference: `nextn.layers.gdn` (l2norm of q and k, `beta = sigmoid(b)`,
-`g = -exp(A_log) * softplus(a + dt_bias)`) then `nextn.ops.gdn.recurrent_gated_delta_rule`. Fused
-here: one program per (value head, block of BLOCK_V value columns) keeps its [K, BLOCK_V] slice of
-the float32 state in registers, walks the T tokens, and stores o_t and the state after each token
-(the rollback point of a partial accept). Per token, so row t's result does not depend on T.
+References, op by op: `nextn.ops.conv.causal_conv1d` (taps summed in order, each product and sum
+rounded to the input dtype: bitwise), `nextn.layers.gdn` (l2norm of q and k, `beta = sigmoid(b)`,
+`g = -exp(A_log) * softplus(a + dt_bias)`) with `nextn.ops.gdn.recurrent_gated_delta_rule`, then
+`nextn.layers.norm.RMSNormGated` on o rounded to the input dtype.
+
+Program (value head, block of BLOCK_V value columns) keeps its [K, BLOCK_V] slice of the float32
+state in registers, walks the T tokens and for each one convolves its q, k (its key head's) and
+v channels, updates the state, stores it (the rollback point of a partial accept), o rounded to
+the input dtype and o's partial sum of squares. The last of a head's programs to finish (an
+arrival counter) sums the partials in block order and applies the gated norm to the head's rows.
+Per token, in a fixed order, so row t's result does not depend on T. The carried conv window (the
+step's inputs after the committed columns) is written for rollback too: v channels by their
+program, q/k channels by block 0 of the first value head of each key head.
 """
 from __future__ import annotations
 
 import torch
 
-from nextn.ops.triton_utils import HAVE_TRITON
+from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    @triton.jit
+    def _conv_silu(proj_ptr, stride_p, w_ptr, state_ptr, ch, t, W: tl.constexpr, dtype: tl.constexpr):
+        """silu(causal conv) of channels ch at token t, rounded like the reference, as float32."""
+        y = tl.zeros(ch.shape, tl.float32)
+        for j in tl.static_range(W):
+            # window column of tap j: a carried column (c < W-1) or the step's input c-(W-1)
+            c = tl.zeros(ch.shape, tl.int32) + t + j
+            carried = c < W - 1
+            from_state = tl.load(state_ptr + ch * (W - 1) + c, mask=carried, other=0.0)
+            from_x = tl.load(proj_ptr + (c - (W - 1)) * stride_p + ch, mask=c >= W - 1, other=0.0)
+            v = tl.where(carried, from_state.to(dtype), from_x).to(tl.float32)
+            tap = tl.load(w_ptr + ch * W + j).to(dtype).to(tl.float32)
+            prod = (v * tap).to(dtype).to(tl.float32)
+            if j == 0:
+                y = prod
+            else:
+                y = (y + prod).to(dtype).to(tl.float32)
+        return (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _keep_window(proj_ptr, stride_p, state_ptr, window_ptr, stride_win, ch, T, mask, W: tl.constexpr,
+                     dtype: tl.constexpr):
+        """window[ch] = the W-1 carried columns, then the step's T inputs."""
+        for j in tl.static_range(W - 1):
+            col = tl.load(state_ptr + ch * (W - 1) + j, mask=mask, other=0.0).to(dtype)
+            tl.store(window_ptr + ch * stride_win + j, col, mask=mask)
+        for t in range(T):
+            col = tl.load(proj_ptr + t * stride_p + ch, mask=mask, other=0.0)
+            tl.store(window_ptr + ch * stride_win + (W - 1 + t), col, mask=mask)
+
     @triton.jit(do_not_specialize=["T"])  # one compiled kernel for decode and verify
-    def _recurrent_step_kernel(
-        qkv_ptr, stride_qkv,  # [T, 2*H*K + HV*V]: conv outputs [q all | k all | v all]
-        ba_ptr, stride_ba, b_col, a_col,  # b at columns b_col.., a at a_col.. of each row
+    def _gdn_step_kernel(
+        proj_ptr, stride_p,  # [T, conv_dim | z (HV*V) | b (HV) | a (HV)]: the in_proj output
+        conv_w_ptr,  # [conv_dim, W] taps
+        conv_state_ptr,  # [conv_dim, W-1] committed conv inputs
+        window_ptr, stride_win,  # [conv_dim, >= W-1+T] out
         a_log_ptr, dt_bias_ptr,  # [HV]
         state_ptr,  # [HV, K, V] float32: the state before the step
         states_ptr, stride_states,  # [T, HV, K, V] float32 out: the state after each token
-        o_ptr, stride_o,  # [T, HV*V] out
-        T, scale, eps,
-        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr,
+        norm_w_ptr,  # [V] RMSNormGated weight
+        o_ptr, stride_o,  # [T, HV*V] out: RMSNormGated(o) * silu(z)
+        sumsq_ptr,  # [T, HV, V // BLOCK_V] float32 scratch: o's partial sums of squares
+        count_ptr,  # [>= HV] int32 arrival counters, zero
+        T, scale, eps, norm_eps,
+        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+        BLOCK_V: tl.constexpr,
     ):
         hv = tl.program_id(0)
+        vb = tl.program_id(1)
+        NB: tl.constexpr = V // BLOCK_V
         h = hv // (HV // H)
+        dtype = proj_ptr.dtype.element_ty
+        conv_dim = 2 * H * K + HV * V
         offs_k = tl.arange(0, K)
-        offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        q_ch = h * K + offs_k
+        k_ch = H * K + h * K + offs_k
+        v_ch = 2 * H * K + hv * V + offs_v
+        writes_qk = (tl.zeros((K,), tl.int32) + (hv % (HV // H)) + vb) == 0
+        _keep_window(proj_ptr, stride_p, conv_state_ptr, window_ptr, stride_win, q_ch, T, writes_qk, W, dtype)
+        _keep_window(proj_ptr, stride_p, conv_state_ptr, window_ptr, stride_win, k_ch, T, writes_qk, W, dtype)
+        _keep_window(proj_ptr, stride_p, conv_state_ptr, window_ptr, stride_win, v_ch, T, offs_v < V, W, dtype)
+
         tile = hv * K * V + offs_k[:, None] * V + offs_v[None, :]
         S = tl.load(state_ptr + tile)
         decay_rate = tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
-        in_dtype = qkv_ptr.dtype.element_ty
         for t in range(T):
-            row = qkv_ptr + t * stride_qkv
-            q = tl.load(row + h * K + offs_k).to(tl.float32)
-            k = tl.load(row + H * K + h * K + offs_k).to(tl.float32)
-            v = tl.load(row + 2 * H * K + hv * V + offs_v).to(tl.float32)
+            row = proj_ptr + t * stride_p
+            q = _conv_silu(proj_ptr, stride_p, conv_w_ptr, conv_state_ptr, q_ch, t, W, dtype)
+            k = _conv_silu(proj_ptr, stride_p, conv_w_ptr, conv_state_ptr, k_ch, t, W, dtype)
+            v = _conv_silu(proj_ptr, stride_p, conv_w_ptr, conv_state_ptr, v_ch, t, W, dtype)
             q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps) * scale
             k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
-            b = tl.load(ba_ptr + t * stride_ba + b_col + hv).to(tl.float32)
-            beta = (1.0 / (1.0 + tl.exp(-b))).to(in_dtype).to(tl.float32)
-            a = tl.load(ba_ptr + t * stride_ba + a_col + hv).to(tl.float32) + dt_bias
+            b = tl.load(row + conv_dim + HV * V + hv).to(tl.float32)
+            beta = (1.0 / (1.0 + tl.exp(-b))).to(dtype).to(tl.float32)
+            a = tl.load(row + conv_dim + HV * V + HV + hv).to(tl.float32) + dt_bias
             softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
             S = S * tl.exp(-decay_rate * softplus)
             kv_mem = tl.sum(S * k[:, None], axis=0)  # [BLOCK_V]
             delta = (v - kv_mem) * beta
             S = S + k[:, None] * delta[None, :]
-            o = tl.sum(S * q[:, None], axis=0)
-            tl.store(o_ptr + t * stride_o + hv * V + offs_v, o.to(o_ptr.dtype.element_ty))
             tl.store(states_ptr + t * stride_states + tile, S)
+            o = tl.sum(S * q[:, None], axis=0).to(dtype)
+            tl.store(o_ptr + t * stride_o + hv * V + offs_v, o)
+            of = o.to(tl.float32)
+            tl.store(sumsq_ptr + (t * HV + hv) * NB + vb, tl.sum(of * of, axis=0))
+
+        # the head's last program: RMSNormGated over the head's V columns, each op rounded like
+        # the module, from the partial sums in block order
+        tl.debug_barrier()  # every thread's o and partial are written before the counter moves
+        arrived = tl.atomic_add(count_ptr + hv, 1, sem="acq_rel")
+        if arrived == NB - 1:
+            tl.store(count_ptr + hv, 0)  # re-armed for the next launch
+            offs = tl.arange(0, V)
+            norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
+            for t in range(T):
+                total = tl.load(sumsq_ptr + (t * HV + hv) * NB, cache_modifier=".cg")
+                for j in tl.static_range(1, NB):
+                    total += tl.load(sumsq_ptr + (t * HV + hv) * NB + j, cache_modifier=".cg")
+                rstd = 1.0 / tl.sqrt(total / V + norm_eps)
+                o = tl.load(o_ptr + t * stride_o + hv * V + offs, cache_modifier=".cg").to(tl.float32)
+                normed = (o * rstd).to(dtype).to(tl.float32)
+                gated = (norm_w * normed).to(dtype).to(tl.float32)
+                z = tl.load(proj_ptr + t * stride_p + conv_dim + hv * V + offs).to(tl.float32)
+                tl.store(o_ptr + t * stride_o + hv * V + offs, (gated * (z / (1.0 + tl.exp(-z)))).to(dtype))
 
 
-def recurrent_step(
-    qkv: torch.Tensor,  # [T, 2*H*K + HV*V] conv outputs
-    ba: torch.Tensor,  # [T, *] the rows holding b and a
-    b_col: int,
-    a_col: int,
+def gdn_step(
+    proj: torch.Tensor,  # [T, conv_dim + HV*V + 2*HV] (last dim contiguous)
+    conv_weight: torch.Tensor,  # [conv_dim, W]
+    conv_state: torch.Tensor,  # [conv_dim, W-1] contiguous
+    window: torch.Tensor,  # [conv_dim, >= W-1+T] out, last dim contiguous
     A_log: torch.Tensor,  # [HV]
     dt_bias: torch.Tensor,  # [HV]
     state: torch.Tensor,  # [HV, K, V] float32 contiguous
     states: torch.Tensor,  # [>= T, HV, K, V] float32 out (contiguous per token)
+    norm_weight: torch.Tensor,  # [V]
     num_k_heads: int,
-    eps: float = 1e-6,
+    norm_eps: float,
+    eps: float = 1e-6,  # of the q / k l2norm
     out: torch.Tensor | None = None,  # [T, HV*V]
 ) -> torch.Tensor:
-    T = qkv.shape[0]
+    T = proj.shape[0]
     HV, K, V = state.shape
+    W = conv_weight.shape[1]
+    if conv_weight.shape[0] != 2 * num_k_heads * K + HV * V:
+        raise ValueError(f"gdn_step: conv weight {tuple(conv_weight.shape)} does not fit H={num_k_heads}, "
+                         f"HV={HV}, K={K}, V={V}")
     if out is None:
-        out = torch.empty(T, HV * V, device=qkv.device, dtype=qkv.dtype)
+        out = torch.empty(T, HV * V, device=proj.device, dtype=proj.dtype)
+    if out.dtype != proj.dtype:
+        raise ValueError("gdn_step: out must have the input dtype (it holds o before the norm)")
     block_v = min(32, V)
-    _recurrent_step_kernel[(HV, V // block_v)](
-        qkv, qkv.stride(0), ba, ba.stride(0), b_col, a_col, A_log, dt_bias, state,
-        states, states.stride(0), out, out.stride(0), T, K**-0.5, eps,
-        H=num_k_heads, HV=HV, K=K, V=V, BLOCK_V=block_v, num_warps=4,
+    sumsq = torch.empty(T, HV, V // block_v, device=proj.device, dtype=torch.float32)
+    _gdn_step_kernel[(HV, V // block_v)](
+        proj, proj.stride(0), conv_weight, conv_state, window, window.stride(0), A_log, dt_bias, state,
+        states, states.stride(0), norm_weight, out, out.stride(0), sumsq, arrival_counters(proj.device, HV),
+        T, K**-0.5, eps, norm_eps,
+        H=num_k_heads, HV=HV, K=K, V=V, W=W, BLOCK_V=block_v, num_warps=4,
     )
     return out

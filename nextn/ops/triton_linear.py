@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.triton_utils import HAVE_TRITON, interpreting, next_pow2
+from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2
 
 MAX_ROWS = 16  # rows of one step: decode 1, verify K + 1 <= 16
 
@@ -200,7 +200,7 @@ def skinny_linear(
     part = count = dummy
     if split > 1:
         part = torch.empty((2 if epilogue == 2 else 1) * split * M * N, device=x.device, dtype=torch.float32)
-        count = _arrival_counters(x.device, triton_cdiv(N, block_n))
+        count = arrival_counters(x.device, triton_cdiv(N, block_n))
     _skinny_kernel[(triton_cdiv(N, block_n), split)](
         x, weight, up_weight if up_weight is not None else dummy, out,
         residual if residual is not None else dummy,
@@ -219,19 +219,6 @@ def skinny_linear(
     return out
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []
-
-
-def _arrival_counters(device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters for split-K arrivals, one per N block; every launch leaves them zero.
-    One buffer per device: the kernels of a stream run one after another."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _OUTGROWN.append(buf)  # captured CUDA graphs may still use it
-        buf = _COUNTERS[device] = torch.zeros(max(n, 1 << 14), device=device, dtype=torch.int32)
-    return buf
 
 
 def _graph_us(launch, num_copies: int, reps: int) -> float:

@@ -26,3 +26,21 @@ def next_pow2(n: int) -> int:
 def require_triton() -> None:
     if not HAVE_TRITON:
         raise RuntimeError("the Triton kernels need the `triton` package (pip install triton)")
+
+
+_COUNTERS: dict = {}  # device -> int32 counters
+_OUTGROWN: list = []  # replaced buffers: captured CUDA graphs may still use them
+
+
+def arrival_counters(device, n: int):
+    """Zeroed int32 counters for "the last program to arrive finishes the job" (split-K sums,
+    per-head norms); every launch that uses them leaves them zero again. One buffer per device:
+    the kernels of a stream run one after another."""
+    import torch
+
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _OUTGROWN.append(buf)
+        buf = _COUNTERS[device] = torch.zeros(max(n, 1 << 14), device=device, dtype=torch.int32)
+    return buf

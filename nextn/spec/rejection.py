@@ -44,6 +44,8 @@ class VerifyResult(NamedTuple):
 def verify_greedy(target_argmax: Tensor, draft_ids: Tensor) -> VerifyResult:
     """target_argmax [K+1] long (per verify row, penalties applied), draft_ids [K] long."""
     num_drafts = draft_ids.shape[0]
+    if num_drafts == 0:  # a plain step: the argmax is the token (one launch, not seven)
+        return VerifyResult(target_argmax.new_zeros(()), target_argmax.long())
     # accept the longest prefix where the draft equals the target's argmax
     match = draft_ids == target_argmax[:num_drafts]  # [K]
     n = match.long().cumprod(0).sum()  # [] drafts before the first mismatch
