@@ -47,6 +47,7 @@ def test_triton_step_matches_reference_step(dense_ckpt):
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
     ref_state.cache.commit(2)
     fast_state.cache.commit(2)
+    fast_state.cache.materialize()  # the committed states come home from the step buffers
     for i in ref_state.cache.recurrent:
         torch.testing.assert_close(fast_state.cache.recurrent[i], ref_state.cache.recurrent[i], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(fast_state.cache.conv[i], ref_state.cache.conv[i])
@@ -65,12 +66,35 @@ def test_verify_rows_equal_decode_steps_bitwise(dense_ckpt):
         other.cache.commit(1)
         assert torch.equal(logits[0], verify_logits[t]), t
         assert torch.equal(hidden[0], verify_hidden[t]), t
+    state.cache.materialize()
+    other.cache.materialize()
     for i in state.cache.recurrent:
         assert torch.equal(state.cache.recurrent[i], other.cache.recurrent[i])
         assert torch.equal(state.cache.conv[i], other.cache.conv[i])
     for i in state.cache.kv:
         n = state.cache.seq_len
         assert torch.equal(state.cache.kv[i].key[:, :n], other.cache.kv[i].key[:, :n])
+
+
+def test_discarded_step_leaves_the_committed_state(dense_ckpt):
+    """The committed recurrent states stay in the step buffers after commit (FastCache.slots);
+    a later step that is discarded, or a verify committing fewer tokens, must not overwrite them."""
+    runner, _ = build_engine(_model(dense_ckpt, "bfloat16"), SpecConfig(), "triton")
+    state, other = _prefilled(runner), _prefilled(runner)
+    for st in (state, other):
+        runner.step(st, torch.tensor([5], device=DEVICE))
+        st.cache.commit(1)
+    runner.step(state, torch.tensor([77, 300, 12], device=DEVICE))  # e.g. queued after a stop token
+    state.cache.discard_step()
+    logits, _ = runner.step(state, torch.tensor([9], device=DEVICE))
+    other_logits, _ = runner.step(other, torch.tensor([9], device=DEVICE))
+    assert torch.equal(logits, other_logits)
+    for st in (state, other):
+        st.cache.commit(1)
+        st.cache.materialize()
+    for i in state.cache.recurrent:
+        assert torch.equal(state.cache.recurrent[i], other.cache.recurrent[i])
+        assert torch.equal(state.cache.conv[i], other.cache.conv[i])
 
 
 @functools.lru_cache(maxsize=4)

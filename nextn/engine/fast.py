@@ -139,7 +139,17 @@ def _gdn_weights(layer) -> GDNWeights:
 
 class FastCache(HybridCache):
     """HybridCache whose GDN conv / recurrent states are views of two stacked tensors, with
-    stacked buffers for what a Triton step keeps per token, so `commit` is two copies."""
+    stacked buffers for what a Triton step keeps per token.
+
+    After a Triton step, `commit(n)` copies the conv windows but not the recurrent states (50 MB
+    per token on a 9B model): the committed state stays where the step wrote it, in `states_all`,
+    and the next step reads it there. `states_all` holds two halves of `max_step` token slots and
+    a step writes the half that does not hold the committed state, so a step that is discarded
+    (`discard_step`) leaves the committed state intact. The device scalars `slots` = [where the
+    committed state is (-1: `recurrent_all`), first slot the next step writes] steer the kernel,
+    so one CUDA graph serves every round. Code that reads `recurrent` itself (prefill through the
+    reference modules, snapshots) calls `materialize()` first, which copies the states home.
+    """
 
     def __init__(self, cfg, max_len: int, device, dtype, max_step: int = MAX_STEP_ROWS):
         super().__init__(cfg, max_len, device, dtype)
@@ -150,8 +160,11 @@ class FastCache(HybridCache):
         self.recurrent_all = torch.zeros(n, HV, K, V, device=device, dtype=torch.float32)
         for j, i in enumerate(self.gdn_layers):
             self.conv[i], self.recurrent[i] = self.conv_all[j][None], self.recurrent_all[j][None]
+        self.max_step = max_step
         self.window_all = torch.zeros(n, cfg.conv_dim, W - 1 + max_step, device=device, dtype=dtype)
-        self.states_all = torch.zeros(n, max_step, HV, K, V, device=device, dtype=torch.float32)
+        self.states_all = torch.zeros(n, 2 * max_step, HV, K, V, device=device, dtype=torch.float32)
+        self.slots = torch.tensor([-1, 0], device=device, dtype=torch.int32)
+        self._committed_at, self._write_at = -1, 0  # host copies of `slots`
         self.fast_step = False  # the last keep-states step ran the Triton kernels
         self.graphs = None  # CUDA graphs captured against this cache (nextn.engine.cuda_graphs)
 
@@ -162,12 +175,32 @@ class FastCache(HybridCache):
             raise ValueError(f"commit({num_kept}) after a step of {self.step_tokens} tokens")
         W = self.cfg.linear_conv_kernel_dim
         self.conv_all.copy_(self.window_all[:, :, num_kept : num_kept + W - 1])
-        self.recurrent_all.copy_(self.states_all[:, num_kept - 1])
+        committed = self._write_at + num_kept - 1
+        self._set_slots(committed, self.max_step - self._write_at)
         self.fast_step = False
         self.seq_len += num_kept
         self.step_tokens = 0
 
+    def _set_slots(self, committed_at: int, write_at: int) -> None:
+        if committed_at != self._committed_at:
+            self.slots[0].fill_(committed_at)
+        if write_at != self._write_at:
+            self.slots[1].fill_(write_at)
+        self._committed_at, self._write_at = committed_at, write_at
+
+    def materialize(self) -> None:
+        """Bring the committed recurrent states home to `recurrent_all` (before anything but a
+        Triton step reads them)."""
+        if self._committed_at >= 0:
+            self.recurrent_all.copy_(self.states_all[:, self._committed_at])
+            self._set_slots(-1, self._write_at)
+
+    def snapshot(self):
+        self.materialize()
+        return super().snapshot()
+
     def restore(self, snap) -> None:
+        self.materialize()  # restore overwrites recurrent_all: the states must be read from there
         super().restore(snap)
         self.fast_step = False
 
@@ -285,7 +318,7 @@ class TritonStep:
         proj = lin(x, w.in_proj, norm_weight=w.norm, eps=self.eps)  # [T, conv | z | b | a]
         o = self.ops[1].gdn_step(proj, w.conv, cache.conv_all[j], cache.window_all[j], w.A_log, w.dt_bias,
                                  cache.recurrent_all[j], cache.states_all[j], w.out_norm,
-                                 cfg.linear_num_key_heads, self.eps)
+                                 cfg.linear_num_key_heads, self.eps, slots=cache.slots)
         return self._mlp(lin(o, w.out_proj, residual=x), w.mlp)
 
     def trunk(self, ids: torch.Tensor, pos: torch.Tensor, cache: FastCache) -> StepOut:
@@ -332,6 +365,12 @@ class FastModelRunner(ModelRunner):
         self.fast = step
         self.use_graphs = use_graphs
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+
+    @torch.inference_mode()
+    def extend(self, state: SeqState, token_ids: list[int], on_logits=None) -> None:
+        if self.prefill != "steps":  # the reference modules read the recurrent states in place
+            state.cache.materialize()
+        super().extend(state, token_ids, on_logits)
 
     def graphs(self, state: SeqState):
         from nextn.engine.cuda_graphs import StepGraphs

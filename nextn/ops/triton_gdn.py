@@ -62,8 +62,9 @@ if HAVE_TRITON:
         conv_state_ptr,  # [conv_dim, W-1] committed conv inputs
         window_ptr, stride_win,  # [conv_dim, >= W-1+T] out
         a_log_ptr, dt_bias_ptr,  # [HV]
-        state_ptr,  # [HV, K, V] float32: the state before the step
-        states_ptr, stride_states,  # [T, HV, K, V] float32 out: the state after each token
+        state_ptr,  # [HV, K, V] float32: the state before the step, unless slots[0] >= 0
+        states_ptr, stride_states,  # [S, HV, K, V] float32: slot slots[1] + t gets the state after token t
+        slots_ptr,  # int32 [2]: (slot of the state before the step, or -1: state_ptr), first slot written
         norm_w_ptr,  # [V] RMSNormGated weight
         o_ptr, stride_o,  # [T, HV*V] out: RMSNormGated(o) * silu(z)
         sumsq_ptr,  # [T, HV, V // BLOCK_V] float32 scratch: o's partial sums of squares
@@ -89,7 +90,12 @@ if HAVE_TRITON:
         _keep_window(proj_ptr, stride_p, conv_state_ptr, window_ptr, stride_win, v_ch, T, offs_v < V, W, dtype)
 
         tile = hv * K * V + offs_k[:, None] * V + offs_v[None, :]
-        S = tl.load(state_ptr + tile)
+        committed_at = tl.load(slots_ptr)
+        if committed_at >= 0:
+            S = tl.load(states_ptr + committed_at * stride_states + tile)
+        else:
+            S = tl.load(state_ptr + tile)
+        states_ptr += tl.load(slots_ptr + 1) * stride_states
         decay_rate = tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
         for t in range(T):
@@ -141,12 +147,14 @@ def gdn_step(
     A_log: torch.Tensor,  # [HV]
     dt_bias: torch.Tensor,  # [HV]
     state: torch.Tensor,  # [HV, K, V] float32 contiguous
-    states: torch.Tensor,  # [>= T, HV, K, V] float32 out (contiguous per token)
+    states: torch.Tensor,  # [>= T, HV, K, V] float32 out (contiguous per token): see `slots`
     norm_weight: torch.Tensor,  # [V]
     num_k_heads: int,
     norm_eps: float,
     eps: float = 1e-6,  # of the q / k l2norm
     out: torch.Tensor | None = None,  # [T, HV*V]
+    slots: torch.Tensor | None = None,  # int32 [2]: (s >= 0: the state before is states[s] instead of
+    # `state`; the states after the tokens go to states[w:w+T]); default (-1, 0)
 ) -> torch.Tensor:
     T = proj.shape[0]
     HV, K, V = state.shape
@@ -160,9 +168,12 @@ def gdn_step(
         raise ValueError("gdn_step: out must have the input dtype (it holds o before the norm)")
     block_v = min(32, V)
     sumsq = torch.empty(T, HV, V // block_v, device=proj.device, dtype=torch.float32)
+    if slots is None:
+        slots = torch.tensor([-1, 0], device=proj.device, dtype=torch.int32)
     _gdn_step_kernel[(HV, V // block_v)](
         proj, proj.stride(0), conv_weight, conv_state, window, window.stride(0), A_log, dt_bias, state,
-        states, states.stride(0), norm_weight, out, out.stride(0), sumsq, arrival_counters(proj.device, HV),
+        states, states.stride(0), slots, norm_weight, out, out.stride(0), sumsq,
+        arrival_counters(proj.device, HV),
         T, K**-0.5, eps, norm_eps,
         H=num_k_heads, HV=HV, K=K, V=V, W=W, BLOCK_V=block_v, num_warps=4,
     )
