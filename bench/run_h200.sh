@@ -14,7 +14,7 @@ for stage in "$@"; do
   case $stage in
     tune) timeout 90 python3 bench/tune_linear.py --out $OUT/tune.json 2>&1 | grep -E "BEST|Error|error" | tee -a $LOG ;;
     tests) timeout 120 python3 -m pytest -q -x -m gpu tests/test_kernels.py 2>&1 | tail -25 | tee -a $LOG ;;
-    fast) timeout 150 python3 -m pytest -q -x tests/test_fast.py 2>&1 | tail -25 | tee -a $LOG ;;
+    fast) timeout 150 python3 -m pytest -q tests/test_fast.py tests/test_pipeline.py 2>&1 | tail -25 | tee -a $LOG ;;
     profile) timeout 150 python3 bench/profile_step.py --out $OUT/profile_qwen3.5-9b.json 2>&1 | grep -v Warn \
                | head -16 | tee -a $LOG ;;
     bench9b) timeout 240 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 \
