@@ -484,6 +484,24 @@ def load_hf_model(model_dir: str | Path):
     return _load_hf_model(str(path), stamp)
 
 
+# transformers swaps in flash-linear-attention's (and causal-conv1d's) kernels for these when the
+# package is importable, whatever the device; the oracles run on the CPU in float32, so they take
+# transformers' own torch code, which each wrapper keeps as __wrapped__
+_HUB_KERNEL_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                     "causal_conv1d_update")
+
+
+def _torch_only(model: torch.nn.Module) -> None:
+    import importlib
+
+    for module_name in {type(m).__module__ for m in model.modules()}:
+        module = importlib.import_module(module_name)
+        for name in _HUB_KERNEL_FUNCS:
+            fn = getattr(module, name, None)
+            if fn is not None and hasattr(fn, "__wrapped__"):
+                setattr(module, name, fn.__wrapped__)
+
+
 @functools.lru_cache(maxsize=8)
 def _load_hf_model(model_dir: str, _stamp) -> torch.nn.Module:
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
@@ -496,6 +514,7 @@ def _load_hf_model(model_dir: str, _stamp) -> torch.nn.Module:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model.config.num_mtp_layers = 1
     model.config.mtp_layer_types = ["full_attention"]
+    _torch_only(model)
     return model.eval().requires_grad_(False)
 
 
