@@ -25,7 +25,7 @@ USES = {
         ("attn_qkv", 10240, 4096, "rms", None, False),
         ("gate_up", 12288, 4096, "rms", "silu_mul", False),
         ("down", 4096, 12288, None, "residual", False),
-        ("gdn_out_proj", 4096, 4096, "gated", "residual", False),
+        ("gdn_out_proj", 4096, 4096, None, "residual", False),
         ("lm_head", 248320, 4096, None, None, True),
     ],
 }
@@ -56,15 +56,13 @@ def make_call(use, copies: int, device):
     w2s = [torch.randn(N, K, device=device, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)] \
         if epilogue == "silu_mul" else None
     x = torch.randn(MAX_ROWS, K, device=device, dtype=torch.bfloat16)
-    nw = torch.zeros(K if prologue == "rms" else 128, device=device, dtype=torch.bfloat16)
-    z = torch.randn(MAX_ROWS, K, device=device, dtype=torch.bfloat16)
+    nw = torch.zeros(K, device=device, dtype=torch.bfloat16)
     res = torch.randn(MAX_ROWS, N, device=device, dtype=torch.bfloat16)
 
     def call(i: int, rows: int, cfg):
         return skinny_linear(
             x[:rows], ws[i], out_dtype=torch.float32 if out_f32 else None,
-            norm_weight=nw if prologue else None, gate=z[:rows] if prologue == "gated" else None,
-            group=128 if prologue == "gated" else 1, residual=res[:rows] if epilogue == "residual" else None,
+            norm_weight=nw if prologue else None, residual=res[:rows] if epilogue == "residual" else None,
             up_weight=w2s[i] if w2s else None, config=cfg)
 
     def cublas(i: int):

@@ -60,22 +60,16 @@ def _linear_case(M, N, K, dtype, g):
     w2 = _rand(N, K, dtype=dtype, scale=K**-0.5, gen=g)
     res = _rand(M, N, dtype=dtype, gen=g)
     nw = _rand(K, dtype=dtype, scale=0.1, gen=g)
-    z = _rand(M, K, dtype=dtype, gen=g)
-    return x, w, w2, res, nw, z
+    return x, w, w2, res, nw
 
 
-def _linear_variants(x, w, w2, res, nw, z, group):
-    M, K = x.shape
+def _linear_variants(x, w, w2, res, nw):
+    K = x.shape[1]
     norm = RMSNorm(K).to(DEVICE)
     norm.weight.data = nw.float()
-    gnorm = RMSNormGated(group).to(DEVICE)
-    gw = (nw[:group].float() + 1.0).to(x.dtype)
-    gnorm.weight.data = gw.to(x.dtype)
-    gated_in = gnorm(x.reshape(-1, group), z.reshape(-1, group)).reshape(M, K)
     return {
         "plain": (dict(), F.linear(x, w)),
         "rms": (dict(norm_weight=nw), F.linear(norm.to(x.dtype)(x), w)),
-        "gated": (dict(norm_weight=gw, gate=z, group=group), F.linear(gated_in, w)),
         "residual": (dict(residual=res), res + F.linear(x, w)),
         "silu_mul": (dict(up_weight=w2), F.silu(F.linear(x, w)) * F.linear(x, w2)),
     }
@@ -86,7 +80,7 @@ def _linear_variants(x, w, w2, res, nw, z, group):
 def test_skinny_linear_matches_reference(M, N, K, dtype):
     g = torch.Generator(device=DEVICE).manual_seed(M * 100 + N)
     args = _linear_case(M, N, K, dtype, g)
-    for name, (kw, ref) in _linear_variants(*args, group=16).items():
+    for name, (kw, ref) in _linear_variants(*args).items():
         out = skinny_linear(args[0], args[1], **kw)
         _close(out, ref, dtype)
 
@@ -94,11 +88,11 @@ def test_skinny_linear_matches_reference(M, N, K, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_skinny_linear_rows_do_not_depend_on_row_count(dtype):
     g = torch.Generator(device=DEVICE).manual_seed(1)
-    x, w, w2, res, nw, z = _linear_case(9, 40, 64, dtype, g)
-    for name, (kw, _) in _linear_variants(x, w, w2, res, nw, z, group=16).items():
+    x, w, w2, res, nw = _linear_case(9, 40, 64, dtype, g)
+    for name, (kw, _) in _linear_variants(x, w, w2, res, nw).items():
         full = skinny_linear(x, w, **kw)
         for m in (0, 4, 8):
-            one = {k: (v[m : m + 1] if k in ("residual", "gate") else v) for k, v in kw.items()}
+            one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
             assert torch.equal(skinny_linear(x[m : m + 1], w, **one)[0], full[m]), (name, m)
 
 
@@ -253,16 +247,16 @@ def test_step_attention_rows_do_not_depend_on_row_count():
 
 
 @gpu
-@pytest.mark.parametrize("N,K,kind", [(12352, 4096, "rms"), (4096, 4096, "gated"), (12288, 4096, "silu_mul"),
+@pytest.mark.parametrize("N,K,kind", [(12352, 4096, "rms"), (4096, 4096, "residual"), (12288, 4096, "silu_mul"),
                                       (4096, 12288, "residual"), (10240, 4096, "rms"), (248320, 4096, "plain")])
 def test_skinny_linear_9b_shapes_gpu(N, K, kind):
     g = torch.Generator(device=DEVICE).manual_seed(N + K)
-    x, w, w2, res, nw, z = _linear_case(9, N, K, torch.bfloat16, g)
-    kw, ref = _linear_variants(x, w, w2, res, nw, z, group=128)[kind]
+    x, w, w2, res, nw = _linear_case(9, N, K, torch.bfloat16, g)
+    kw, ref = _linear_variants(x, w, w2, res, nw)[kind]
     out = skinny_linear(x, w, **kw)
     _close(out, ref, torch.bfloat16)
     for m in (0, 3, 8):
-        one = {k: (v[m : m + 1] if k in ("residual", "gate") else v) for k, v in kw.items()}
+        one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
         assert torch.equal(skinny_linear(x[m : m + 1], w, **one)[0], out[m]), m
 
 
@@ -370,13 +364,13 @@ def test_moe_step_35b_shapes_gpu():
 def test_split_k_matches_reference_and_rows_are_invariant(split):
     dtype = torch.bfloat16
     g = torch.Generator(device=DEVICE).manual_seed(split)
-    x, w, w2, res, nw, z = _linear_case(6, 40, 128, dtype, g)
+    x, w, w2, res, nw = _linear_case(6, 40, 128, dtype, g)
     cfg = (16, 32, 4, 2, split)
-    for name, (kw, ref) in _linear_variants(x, w, w2, res, nw, z, group=16).items():
+    for name, (kw, ref) in _linear_variants(x, w, w2, res, nw).items():
         out = skinny_linear(x, w, config=cfg, **kw)
         _close(out, ref, dtype)
         for m in (0, 5):
-            one = {k: (v[m : m + 1] if k in ("residual", "gate") else v) for k, v in kw.items()}
+            one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
             assert torch.equal(skinny_linear(x[m : m + 1], w, config=cfg, **one)[0], out[m]), (name, m)
         # the last split to arrive reduces and re-arms its N block's counter for the next launch
         assert not triton_utils._COUNTERS[x.device].any(), name

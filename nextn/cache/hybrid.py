@@ -92,11 +92,9 @@ class HybridCache:
     def discard_step(self) -> None:
         """Keep none of the last keep-states step (one queued ahead whose input turned out to
         follow a stop). Its K/V writes lie beyond seq_len; the committed GDN state was never
-        touched. Subclasses' per-step flags (FastCache.fast_step) are cleared too."""
+        touched."""
         self.stash.clear()
         self.step_tokens = 0
-        if hasattr(self, "fast_step"):
-            self.fast_step = False
 
     def snapshot(self) -> CacheSnapshot:
         """A copy of the in-place state; attention K/V need none (truncation restores them)."""

@@ -195,13 +195,17 @@ class FastCache(HybridCache):
             self.recurrent_all.copy_(self.states_all[:, self._committed_at])
             self._set_slots(-1, self._write_at)
 
+    def discard_step(self) -> None:
+        super().discard_step()
+        self.fast_step = False
+
     def snapshot(self):
         self.materialize()
         return super().snapshot()
 
     def restore(self, snap) -> None:
-        self.materialize()  # restore overwrites recurrent_all: the states must be read from there
-        super().restore(snap)
+        super().restore(snap)  # overwrites recurrent_all: the committed states are there again
+        self._set_slots(-1, self._write_at)
         self.fast_step = False
 
 

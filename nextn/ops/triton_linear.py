@@ -10,7 +10,6 @@ depend on M.
 
 Fused around the dot, so a decoder layer needs fewer launches:
 - prologue `rms`: x -> RMSNorm(x) * (1 + w) (the zero-centred norm before a projection);
-- prologue `gated`: per group of `group` columns, RMSNorm(x) * w * silu(z) (the GDN output norm);
 - epilogue `residual`: y = residual + x @ w.T (each rounded to x's dtype first, like `x + f(x)`);
 - epilogue `silu_mul`: y = silu(x @ w.T) * (x @ w2.T) (the SwiGLU of an MLP, gate and up weights).
 Roundings follow the PyTorch modules they replace, op by op.
@@ -42,11 +41,10 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(
-        x_ptr, w_ptr, w2_ptr, y_ptr, res_ptr, nw_ptr, z_ptr, part_ptr, count_ptr,
-        M, N, K, K_SPLIT, stride_x, stride_y, stride_res, stride_z, eps,
-        PROLOGUE: tl.constexpr,  # 0 none, 1 rms (zero-centred), 2 gated rms per GROUP columns
+        x_ptr, w_ptr, w2_ptr, y_ptr, res_ptr, nw_ptr, part_ptr, count_ptr,
+        M, N, K, K_SPLIT, stride_x, stride_y, stride_res, eps,
+        PROLOGUE: tl.constexpr,  # 0 none, 1 rms (zero-centred)
         EPILOGUE: tl.constexpr,  # 0 none, 1 residual add, 2 silu(x w^T) * (x w2^T)
-        GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
     ):
@@ -81,15 +79,6 @@ if HAVE_TRITON:
             if PROLOGUE == 1:
                 nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
                 x = (x.to(tl.float32) * rstd[:, None] * (1.0 + nw[None, :])).to(x_dtype)
-            elif PROLOGUE == 2:
-                xf = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // GROUP, GROUP))
-                g_rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=2) / GROUP + eps)
-                normed = tl.reshape((xf * g_rstd[:, :, None]).to(x_dtype), (BLOCK_M, BLOCK_K))
-                nw = tl.load(nw_ptr + offs_k % GROUP)
-                gated = (nw[None, :].to(tl.float32) * normed.to(tl.float32)).to(x_dtype)
-                z = tl.load(z_ptr + offs_m[:, None] * stride_z + offs_k[None, :], mask=x_mask, other=0.0)
-                z = z.to(tl.float32)
-                x = (gated.to(tl.float32) * (z / (1.0 + tl.exp(-z)))).to(x_dtype)
             w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
             if DOT_F32:
                 acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
@@ -136,7 +125,7 @@ if HAVE_TRITON:
 # and overwrites entries; the defaults are Qwen3.5-9B's shapes as swept on an H200 (CUDA graphs,
 # weights out of L2: bench/results/gemv_sweep_qwen3.5-9b_run4.json; bench/gemv_sweep.py).
 CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
-    (4096, 4096): (64, 128, 8, 3, 4),  # o_proj, out_proj (gated norm prologue)
+    (4096, 4096): (64, 128, 8, 3, 4),  # o_proj, out_proj
     (4096, 8192): (64, 128, 4, 3, 4),  # mtp.fc
     (4096, 12288): (64, 128, 4, 3, 4),  # down_proj
     (10240, 4096): (128, 128, 8, 3, 2),  # q/k/v fused
@@ -147,11 +136,11 @@ CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
 NUM_SMS = 132  # H200; only sets how many programs a launch aims for
 
 
-def pick_config(N: int, K: int, group: int = 1) -> tuple[int, int, int, int, int]:
+def pick_config(N: int, K: int) -> tuple[int, int, int, int, int]:
     """Block sizes from the weight's shape alone (never the row count: that keeps rows invariant)."""
     cfg = CONFIGS.get((N, K))
     if cfg is None:
-        block_k = max(group, min(256, max(16, next_pow2(K))))
+        block_k = min(256, max(16, next_pow2(K)))
         block_n = 32 if N >= 32 * NUM_SMS else 16
         split = 1
         while triton_cdiv(N, block_n) * split < 3 * NUM_SMS and K % (2 * split * block_k) == 0:
@@ -171,8 +160,6 @@ def skinny_linear(
     out: torch.Tensor | None = None,  # [M, N]
     out_dtype: torch.dtype | None = None,
     norm_weight: torch.Tensor | None = None,  # [K]: prologue RMSNorm(x) * (1 + w)
-    gate: torch.Tensor | None = None,  # [M, K]: z of the gated prologue (needs norm_weight [group])
-    group: int = 1,
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,  # [M, N]: epilogue residual + y
     up_weight: torch.Tensor | None = None,  # [N, K]: epilogue silu(y) * (x @ up_weight.T)
@@ -186,16 +173,11 @@ def skinny_linear(
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} / weight {tuple(weight.shape)} layout")
     if out is None:
         out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
-    prologue = 0 if norm_weight is None else (2 if gate is not None else 1)
+    prologue = 0 if norm_weight is None else 1
     epilogue = 1 if residual is not None else (2 if up_weight is not None else 0)
-    block_n, block_k, warps, stages, split = pick_config(N, K, group if prologue == 2 else 1)
-    if config is not None:
-        block_n, block_k, warps, stages, split = config
-    block_k = max(block_k, group if prologue == 2 else 1)
-    if prologue == 2 and block_k % group:
-        raise ValueError(f"gated prologue: BLOCK_K {block_k} must be a multiple of the group {group}")
+    block_n, block_k, warps, stages, split = config or pick_config(N, K)
     if split > 1 and K % (split * block_k):
-        raise ValueError(f"split {split} does not fit K={K}, BLOCK_K={block_k}, prologue {prologue}")
+        raise ValueError(f"split {split} does not fit K={K}, BLOCK_K={block_k}")
     dummy = weight
     part = count = dummy
     if split > 1:
@@ -205,20 +187,16 @@ def skinny_linear(
         x, weight, up_weight if up_weight is not None else dummy, out,
         residual if residual is not None else dummy,
         norm_weight if norm_weight is not None else dummy,
-        gate if gate is not None else dummy,
         part, count,
         M, N, K, K // split, x.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0,
-        gate.stride(0) if gate is not None else 0,
         eps,
-        PROLOGUE=prologue, EPILOGUE=epilogue, GROUP=group if prologue == 2 else 1,
+        PROLOGUE=prologue, EPILOGUE=epilogue,
         BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
         DOT_F32=interpreting() or x.dtype == torch.float32, SPLIT=split,
         num_warps=warps, num_stages=stages,
     )
     return out
-
-
 
 
 def _graph_us(launch, num_copies: int, reps: int) -> float:
@@ -261,7 +239,7 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
     for (N, K), (norm, dual) in sorted(merged.items()):
         table = CONFIGS.pop((N, K), None)
-        default = pick_config(N, K, 1)
+        default = pick_config(N, K)
         if table is not None and table not in candidates:
             candidates.append(table)
         nbytes = N * K * 2 * (2 if dual else 1)
@@ -296,5 +274,5 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
                               "us_9rows": best[3], "GBps_1row": nbytes / (best[2] * 1e-6) / 1e9}
         if log:
             log(f"tune {N}x{K}: {best[1]} {chosen[f'{N}x{K}']['GBps_1row']:.0f} GB/s at 1 row ({best[2]:.1f} us)")
-        del ws, w2s
+        ws = w2s = None  # free the copies before the next shape's
     return chosen

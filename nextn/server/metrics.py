@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass, field
 
 from nextn.core import MAX_TRACKED_POSITIONS, RequestOutput
+from nextn.engine.sessions import SessionCounters
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 1.0)
@@ -43,11 +44,7 @@ class Histogram:
 
 @dataclass
 class SessionSnapshot:
-    lookups: int = 0
-    hits: int = 0
-    rewinds: int = 0
-    reused_tokens: int = 0
-    evictions: int = 0
+    counters: SessionCounters = field(default_factory=SessionCounters)  # a copy of the store's
     num_states: int = 0
     memory_bytes: int = 0
 
@@ -166,13 +163,13 @@ class Metrics:
                    "Draft tokens proposed at each draft position.",
                    [f'nextn:spec_decode_num_draft_tokens_per_pos_total{{position="{j}"}} {self.drafted_per_pos[j]}'
                     for j in positions])
-            s = self.sessions
-            counter("nextn:session_lookups_total", "Session lookups by prompt prefix.", s.lookups)
-            counter("nextn:session_hits_total", "Lookups that found a kept session state.", s.hits)
+            s, c = self.sessions, self.sessions.counters
+            counter("nextn:session_lookups_total", "Session lookups by prompt prefix.", c.lookups)
+            counter("nextn:session_hits_total", "Lookups that found a kept session state.", c.hits)
             counter("nextn:session_rewinds_total", "Hits that rewound a state to its prompt-end checkpoint.",
-                    s.rewinds)
+                    c.rewinds)
             counter("nextn:session_evictions_total", "Session states evicted under the memory budget.",
-                    s.evictions)
+                    c.evictions)
             counter("nextn:prompt_tokens_cached_total", "Prompt tokens served from kept session state.",
                     self.cached_tokens)
             gauge("nextn:session_states", "Kept session states.", s.num_states)

@@ -9,6 +9,7 @@ closing an engine generator between rounds keeps its session state). Does not kn
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -206,6 +207,4 @@ class EngineWorker:
     def _after_request(self) -> None:
         """Copy the session store's numbers for /metrics (the store is this thread's)."""
         store = self.llm.sessions
-        c = store.counters
-        self.metrics.set_sessions(SessionSnapshot(c.lookups, c.hits, c.rewinds, c.reused_tokens, c.evictions,
-                                                  len(store), store.nbytes))
+        self.metrics.set_sessions(SessionSnapshot(dataclasses.replace(store.counters), len(store), store.nbytes))
