@@ -21,9 +21,12 @@ from nextn.layers.gdn import l2norm  # noqa: E402
 from nextn.layers.norm import RMSNorm, RMSNormGated  # noqa: E402
 from nextn.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from nextn.ops.conv import causal_conv1d  # noqa: E402
-from nextn.ops.gdn import recurrent_gated_delta_rule  # noqa: E402
+from nextn.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: E402
 from nextn.ops.triton_attention import attend_step, qk_norm_rope  # noqa: E402
+from nextn.layers.ffn import routed_experts  # noqa: E402
 from nextn.ops.triton_gdn import gdn_step  # noqa: E402
+from nextn.ops.triton_moe_grouped import grouped_experts  # noqa: E402
+from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule as triton_chunk_rule  # noqa: E402
 from nextn.ops import triton_utils  # noqa: E402
 from nextn.ops.triton_linear import skinny_linear  # noqa: E402
 from nextn.ops.triton_norm import rms_norm  # noqa: E402
@@ -174,6 +177,83 @@ def test_gdn_step_matches_reference(T, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
+# chunked delta rule (prefill)
+
+
+def _chunk_case(B, T, H, HV, K, V, dtype, g, decay=0.5, with_state=True, repeat_keys=False):
+    q = l2norm(_rand(B, T, H, K, gen=g))
+    k = l2norm(_rand(B, T, H, K, gen=g))
+    if repeat_keys:  # one key throughout: A is dense, its power series explodes; the inverse must not
+        k = k[:, :1].expand(B, T, H, K).contiguous()
+    v = _rand(B, T, HV, V, dtype=dtype, gen=g)
+    gate = -torch.rand(B, T, HV, generator=g, device=DEVICE) * decay
+    beta = torch.rand(B, T, HV, generator=g, device=DEVICE)
+    state = _rand(B, HV, K, V, gen=g) if with_state else None
+    return q, k, v, gate, beta, state
+
+
+@pytest.mark.parametrize("B,T,H,HV,K,V,decay,with_state,repeat_keys", [
+    (1, 1, 1, 2, 16, 16, 0.5, True, False),  # one token
+    (1, 70, 2, 4, 16, 32, 0.5, True, False),  # a partial second chunk, grouped heads
+    (2, 130, 1, 1, 32, 16, 0.5, False, False),  # batch, three chunks, no initial state
+    (1, 64, 1, 1, 8, 24, 8.0, True, False),  # head dims below a tile (masked), strong decay (exp underflow)
+    (1, 100, 1, 1, 16, 16, 0.01, True, True),  # the same key at every token, barely decaying
+])
+def test_chunk_rule_matches_reference(B, T, H, HV, K, V, decay, with_state, repeat_keys):
+    g = torch.Generator(device=DEVICE).manual_seed(T + K)
+    q, k, v, gate, beta, state = _chunk_case(B, T, H, HV, K, V, torch.float32, g, decay, with_state, repeat_keys)
+    o, final = triton_chunk_rule(q, k, v, gate, beta, state)
+    ref_o, ref_final = chunk_gated_delta_rule(q, k, v, gate, beta, state)
+    torch.testing.assert_close(o, ref_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, ref_final, rtol=1e-5, atol=1e-5)
+    # and the recurrence it stands for, token by token
+    rec_o, rec_states = recurrent_gated_delta_rule(q, k, v, gate, beta, state)
+    torch.testing.assert_close(o, rec_o, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, rec_states[:, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_chunk_rule_splits_like_one_call():
+    """A prompt prefilled in two requests ends in the state one request would reach."""
+    g = torch.Generator(device=DEVICE).manual_seed(9)
+    q, k, v, gate, beta, state = _chunk_case(1, 100, 1, 2, 16, 16, torch.float32, g)
+    o, whole = triton_chunk_rule(q, k, v, gate, beta, state)
+    o1, mid = triton_chunk_rule(q[:, :37], k[:, :37], v[:, :37], gate[:, :37], beta[:, :37], state)
+    o2, end = triton_chunk_rule(q[:, 37:], k[:, 37:], v[:, 37:], gate[:, 37:], beta[:, 37:], mid)
+    torch.testing.assert_close(end, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([o1, o2], dim=1), o, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not a multiple"):
+        triton_chunk_rule(q.expand(1, 100, 2, 16), k.expand(1, 100, 2, 16), v[:, :, :1].expand(1, 100, 3, 16),
+                          gate[:, :, :1].expand(1, 100, 3), beta[:, :, :1].expand(1, 100, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# routed experts over many rows (prefill)
+
+
+def _experts_case(N, H, E, I, k, dtype, g, skew=False):
+    x = _rand(N, H, dtype=dtype, gen=g)
+    gate_up = _rand(E, 2 * I, H, dtype=dtype, scale=H**-0.5, gen=g)
+    down = _rand(E, H, I, dtype=dtype, scale=I**-0.5, gen=g)
+    logits = _rand(N, E, gen=g) + (torch.arange(E, device=DEVICE) == 1) * (20.0 if skew else 0.0)
+    top_w, top_idx = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    return x, top_idx, (top_w / top_w.sum(-1, keepdim=True)).to(dtype), gate_up, down
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,H,E,I,k,skew", [
+    (1, 32, 4, 16, 2, False),  # one token
+    (37, 48, 8, 24, 3, False),  # dims off the tiles, several groups per block size
+    (150, 32, 6, 16, 2, True),  # one expert takes every token: its group spans three blocks
+])
+def test_grouped_experts_match_reference(N, H, E, I, k, skew, dtype):
+    g = torch.Generator(device=DEVICE).manual_seed(N + E)
+    x, top_idx, top_w, gate_up, down = _experts_case(N, H, E, I, k, dtype, g, skew)
+    out = grouped_experts(x, top_idx, top_w, gate_up, down)
+    ref = routed_experts(x, top_idx, top_w, gate_up, down)
+    _close(out, ref, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
 # attention
 
 
@@ -275,6 +355,27 @@ def test_gdn_step_9b_shapes_gpu():
     one = dict(c, proj=c["proj"][4:5], conv_state=window[:, 4 : 4 + W - 1].contiguous(), state=states[3].clone())
     one_out, one_states, _ = _run_gdn_step(one, H, HV, K, V, W, eps, T_max=16)
     assert torch.equal(one_out[0], out[4]) and torch.equal(one_states[0], states[4])
+
+
+@gpu
+def test_chunk_rule_9b_shapes_gpu():
+    """Qwen3.5-9B's GDN heads over a 512-token prompt, v in bf16, as prefill runs it."""
+    g = torch.Generator(device=DEVICE).manual_seed(8)
+    q, k, v, gate, beta, state = _chunk_case(1, 517, 16, 32, 128, 128, torch.bfloat16, g)
+    o, final = triton_chunk_rule(q, k, v, gate, beta, state)
+    ref_o, ref_final = chunk_gated_delta_rule(q, k, v, gate, beta, state)
+    _close(o, ref_o, torch.bfloat16)
+    torch.testing.assert_close(final, ref_final, rtol=1e-4, atol=1e-4)
+
+
+@gpu
+def test_grouped_experts_35b_shapes_gpu():
+    """Qwen3.5-35B-A3B's experts over a 517-token prompt in bf16, as prefill runs them."""
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    x, top_idx, top_w, gate_up, down = _experts_case(517, 2048, 256, 512, 8, torch.bfloat16, g)
+    out = grouped_experts(x, top_idx, top_w, gate_up, down)
+    ref = routed_experts(x, top_idx, top_w, gate_up, down)
+    _close(out, ref, torch.bfloat16)
 
 
 @gpu

@@ -16,13 +16,15 @@ the number of rows, so a verify row equals the decode of the same token bitwise,
 speculative output equals plain greedy output in bf16 (tests/test_fast.py).
 
 Prefill (and the MTP head's catch-up over more than 16 rows, e.g. a whole prompt) keeps the
-reference modules: plain and speculative decoding share it, so it does not affect exactness.
+reference modules, with the chunked delta rule and the routed experts as Triton kernels
+(`prefill_kernels`): plain and speculative decoding share it, so it does not affect exactness.
 
 Owns: fused weight views, the fast cache, the fast runner and proposer. Does not know about
 requests or sampling.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,8 @@ from nextn.cache import HybridCache, LayerKV
 from nextn.config import FULL, SpecConfig
 from nextn.engine.runner import ModelRunner
 from nextn.engine.state import SeqState
+from nextn.layers.ffn import Experts
+from nextn.layers.gdn import GatedDeltaNet
 from nextn.layers.linear import STEP_ROWS
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.triton_utils import HAVE_TRITON, interpreting
@@ -358,6 +362,26 @@ class TritonStep:
 # runner and proposer
 
 
+@contextmanager
+def prefill_kernels(model: CausalLM):
+    """Within the block the reference modules run their two prefill hot spots as Triton kernels:
+    the chunked delta rule (`triton_gdn_chunk`) and the routed experts (`triton_moe_grouped`).
+    The modules' own rules are put back after."""
+    from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule  # these import triton: when used
+    from nextn.ops.triton_moe_grouped import grouped_experts
+
+    swaps = [(m, "chunk_rule", chunk_gated_delta_rule) for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    swaps += [(m, "routed_rule", grouped_experts) for m in model.modules() if isinstance(m, Experts)]
+    before = [getattr(m, attr) for m, attr, _ in swaps]
+    for m, attr, rule in swaps:
+        setattr(m, attr, rule)
+    try:
+        yield
+    finally:
+        for (m, attr, _), rule in zip(swaps, before):
+            setattr(m, attr, rule)
+
+
 class FastModelRunner(ModelRunner):
     """ModelRunner whose keep-states step runs TritonStep (as CUDA graphs where CUDA is there)."""
 
@@ -372,9 +396,11 @@ class FastModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def extend(self, state: SeqState, token_ids: list[int], on_logits=None) -> None:
-        if self.prefill != "steps":  # the reference modules read the recurrent states in place
-            state.cache.materialize()
-        super().extend(state, token_ids, on_logits)
+        if self.prefill == "steps":
+            return super().extend(state, token_ids, on_logits)
+        state.cache.materialize()  # the reference modules read the recurrent states in place
+        with prefill_kernels(self.model):
+            super().extend(state, token_ids, on_logits)
 
     def graphs(self, state: SeqState):
         from nextn.engine.cuda_graphs import StepGraphs

@@ -21,30 +21,38 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def routed_experts(x, top_idx, top_w, gate_up, down):
+    """x [N, H]; top_idx, top_w [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H].
+
+    Each (token, slot) output is computed alone, then slots are summed in slot order, so a
+    token's result does not depend on which other tokens share the call.
+    """
+    per_slot = x.new_zeros(x.shape[0], top_idx.shape[1], x.shape[1])  # [N, k, H]
+    for e in top_idx.unique().tolist():
+        rows, slot = torch.where(top_idx == e)
+        xe = pad_rows(x[rows])  # small groups run at the fixed step shape (elementwise ops too)
+        gate, up = row_invariant_linear(xe, gate_up[e]).chunk(2, dim=-1)
+        per_slot[rows, slot] = row_invariant_linear(F.silu(gate) * up, down[e])[: rows.numel()]
+    out = per_slot[:, 0] * top_w[:, 0, None]
+    for s in range(1, top_idx.shape[1]):
+        out = out + per_slot[:, s] * top_w[:, s, None]
+    return out
+
+
 class Experts(nn.Module):
-    """Expert weights fused as checkpoints of transformers 5 store them (per-expert checkpoints are packed by the loader)."""
+    """Expert weights fused as checkpoints of transformers 5 store them (per-expert checkpoints are
+    packed by the loader). `routed_rule` computes them (`routed_experts`, or a kernel with its
+    signature: the fast runner's prefill swaps in a grouped GEMM)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.routed_rule = routed_experts
 
     def forward(self, x, top_idx, top_w):
-        """x [N, H]; top_idx, top_w [N, k] -> [N, H].
-
-        Each (token, slot) output is computed alone, then slots are summed in slot order, so a
-        token's result does not depend on which other tokens share the call.
-        """
-        per_slot = x.new_zeros(x.shape[0], top_idx.shape[1], x.shape[1])  # [N, k, H]
-        for e in top_idx.unique().tolist():
-            rows, slot = torch.where(top_idx == e)
-            xe = pad_rows(x[rows])  # small groups run at the fixed step shape (elementwise ops too)
-            gate, up = row_invariant_linear(xe, self.gate_up_proj[e]).chunk(2, dim=-1)
-            per_slot[rows, slot] = row_invariant_linear(F.silu(gate) * up, self.down_proj[e])[: rows.numel()]
-        out = per_slot[:, 0] * top_w[:, 0, None]
-        for s in range(1, top_idx.shape[1]):
-            out = out + per_slot[:, s] * top_w[:, s, None]
-        return out
+        """x [N, H]; top_idx, top_w [N, k] -> [N, H]."""
+        return self.routed_rule(x, top_idx, top_w, self.gate_up_proj, self.down_proj)
 
 
 class Router(nn.Module):

@@ -1,0 +1,136 @@
+"""The routed experts over many rows (prefill): grouped GEMMs over (token, slot) pairs sorted by
+expert. Reference: `nextn.layers.ffn.routed_experts` (per expert: silu(x W_gate^T) * (x W_up^T),
+then W_down, times the routing weight, each rounded to the model dtype; slots summed in slot order).
+
+Pairs are sorted by expert and each expert's group padded to a multiple of BLOCK_M rows, on the
+device with no host synchronisation (`_align`); a block of BLOCK_M sorted rows belongs to one
+expert, so each program multiplies a [BLOCK_M, K] tile of gathered rows by one expert's weights on
+the tensor cores, and an expert's weights are read once per output tile however many of the
+prompt's tokens chose it (the per-row decode kernels of `triton_moe` read them once per row).
+"""
+from __future__ import annotations
+
+import torch
+
+from nextn.ops.triton_utils import HAVE_TRITON, interpreting, require_triton
+
+BLOCK_M = 64
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _grouped_gate_up_kernel(x_ptr, pairs_ptr, block_expert_ptr, w_ptr, act_ptr, NK, H, I,
+                                TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+        """act[row] = silu(x[token] W_gate[e]^T) * (x[token] W_up[e]^T) for the block's sorted rows."""
+        pid_m = tl.program_id(0)
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= 0:
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            pair = tl.load(pairs_ptr + rows)
+            valid = pair < NK
+            tok = (pair // TOP_K).to(tl.int64)
+            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mn = offs_n < I
+            base = w_ptr + e.to(tl.int64) * (2 * I * H)
+            gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mk = offs_k < H
+                xa = tl.load(x_ptr + tok[:, None] * H + offs_k[None, :], mask=valid[:, None] & mk[None, :], other=0.0)
+                wmask = mk[:, None] & mn[None, :]
+                wg = tl.load(base + offs_n[None, :] * H + offs_k[:, None], mask=wmask, other=0.0)
+                wu = tl.load(base + (I + offs_n[None, :]) * H + offs_k[:, None], mask=wmask, other=0.0)
+                if DOT_F32:
+                    xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+                gate = tl.dot(xa, wg, gate)
+                up = tl.dot(xa, wu, up)
+            dtype = act_ptr.dtype.element_ty
+            g = gate.to(dtype).to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            act = (silu * up.to(dtype).to(tl.float32)).to(dtype)
+            tl.store(act_ptr + rows[:, None].to(tl.int64) * I + offs_n[None, :], act, mask=mn[None, :])
+
+    @triton.jit
+    def _grouped_down_kernel(act_ptr, pairs_ptr, block_expert_ptr, w_ptr, rw_ptr, y_ptr, NK, H, I,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             DOT_F32: tl.constexpr):
+        """y[pair] = (act[row] W_down[e]^T) * the pair's routing weight, each rounded to the dtype."""
+        pid_m = tl.program_id(0)
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= 0:
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            pair = tl.load(pairs_ptr + rows)
+            valid = pair < NK
+            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mn = offs_n < H
+            base = w_ptr + e.to(tl.int64) * (H * I)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mk = offs_k < I
+                a = tl.load(act_ptr + rows[:, None].to(tl.int64) * I + offs_k[None, :], mask=mk[None, :], other=0.0)
+                w = tl.load(base + offs_n[None, :] * I + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
+                if DOT_F32:
+                    a, w = a.to(tl.float32), w.to(tl.float32)
+                acc = tl.dot(a, w, acc)
+            dtype = y_ptr.dtype.element_ty
+            rw = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+            y = (acc.to(dtype).to(tl.float32) * rw[:, None]).to(dtype)
+            tl.store(y_ptr + pair[:, None].to(tl.int64) * H + offs_n[None, :], y, mask=valid[:, None] & mn[None, :])
+
+
+def _align(top_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs int32 [P]: pair ids (token * k + slot) grouped by expert, each group padded
+    to a multiple of block_m with NK; block_expert int32 [P // block_m]: each block's expert, -1
+    past the last group). P = NK + E * (block_m - 1) rounded up: enough for any routing, so no
+    count is read back to the host."""
+    flat = top_idx.reshape(-1).long()
+    nk, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, device=dev, dtype=torch.long).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    rank = torch.arange(nk, device=dev) - (counts.cumsum(0) - counts)[expert]
+    P = -(-(nk + num_experts * (block_m - 1)) // block_m) * block_m
+    pairs = torch.full((P,), nk, device=dev, dtype=torch.int32)
+    pairs[(pad_end - padded)[expert] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, P, block_m, device=dev)
+    block_expert = torch.searchsorted(pad_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return pairs, block_expert
+
+
+def grouped_experts(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
+                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """x [N, H]; top_idx, top_w [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H] (x's dtype)."""
+    require_triton()
+    N, H = x.shape
+    k = top_idx.shape[1]
+    E, two_i, _ = gate_up.shape
+    I = two_i // 2
+    if gate_up.shape[2] != H or down.shape != (E, H, I):
+        raise ValueError(f"grouped_experts: weights {tuple(gate_up.shape)}, {tuple(down.shape)} do not fit H={H}")
+    if N == 0:
+        return x.new_zeros(0, H)
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    pairs, block_expert = _align(top_idx, E, BLOCK_M)
+    n_blocks = block_expert.numel()
+    dot_f32 = interpreting() or x.dtype == torch.float32
+    act = torch.empty(pairs.numel(), I, device=x.device, dtype=x.dtype)
+    _grouped_gate_up_kernel[(n_blocks, triton.cdiv(I, 64))](
+        x, pairs, block_expert, gate_up, act, N * k, H, I,
+        TOP_K=k, BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=64, DOT_F32=dot_f32, num_warps=4)
+    y = torch.empty(N * k, H, device=x.device, dtype=x.dtype)
+    _grouped_down_kernel[(n_blocks, triton.cdiv(H, 64))](
+        act, pairs, block_expert, down, top_w.reshape(-1).contiguous(), y, N * k, H, I,
+        BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=64, DOT_F32=dot_f32, num_warps=4)
+    y = y.view(N, k, H)
+    out = y[:, 0]
+    for s in range(1, k):  # slot order, rounded per add like the reference
+        out = out + y[:, s]
+    return out
