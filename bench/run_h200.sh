@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call on the H200: tune the skinny GEMM, kernel tests at real shapes, the benches.
 # Usage (device tool): bash bench/run_h200.sh [stages...]
-#   stages: tune tests fast profile prefill bench9b benchdefault bench35b
+#   stages: tune tests fast profile prefill profilespec bench9b benchdefault bench35b
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p /tmp/triton_cache
@@ -19,6 +19,7 @@ for stage in "$@"; do
                | head -16 | tee -a $LOG ;;
     prefill) for p in qwen3.5-9b qwen3.5-35b-a3b; do timeout 150 python3 bench/profile_prefill.py --preset $p \
                --out $OUT/prefill_$p.json 2>&1 | grep -v Warn | grep -v '^  *[0-9.]* *us .*nvjet_sm90_tst_64x8' | head -80 | tee -a $LOG; done ;;
+    profilespec) timeout 150 python3 bench/profile_spec.py 2>&1 | grep -v Warn | head -60 | tee -a $LOG ;;
     bench9b) timeout 240 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 \
                --kernels triton --json $OUT/bench_qwen3.5-9b.json 2>&1 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
     benchdefault) timeout 120 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \

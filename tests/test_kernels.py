@@ -8,6 +8,11 @@ intermediate values at different points.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton_interp  # noqa: F401  (before triton: the CPU interpreter, with GPU rounding)
@@ -224,6 +229,37 @@ def test_chunk_rule_splits_like_one_call():
     with pytest.raises(ValueError, match="not a multiple"):
         triton_chunk_rule(q.expand(1, 100, 2, 16), k.expand(1, 100, 2, 16), v[:, :, :1].expand(1, 100, 3, 16),
                           gate[:, :, :1].expand(1, 100, 3), beta[:, :, :1].expand(1, 100, 3))
+
+
+def _sm90_unavailable() -> str | None:
+    """Why the installed triton cannot compile for sm90 on this machine, or None if it can."""
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        return f"the installed triton has no nvidia backend (backends: {sorted(backends)})"
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    try:
+        get_ptxas(90)  # the ptxas triton would run for sm90 (bundled, or TRITON_PTXAS_*_PATH)
+    except RuntimeError as e:  # "Cannot find ptxas..."
+        return f"the installed triton finds no ptxas for sm90: {e}"
+    return None
+
+
+def test_prefill_kernels_fit_sm90_shared_memory():
+    """The prefill kernels (chunked delta rule, grouped experts) compile for sm90 at the real shapes
+    with their wrappers' launch options, within an H200 block's shared memory: a config that would
+    raise OutOfResources on the GPU fails here, on the CPU. bench/sm90_compile.py does it, in a
+    process without TRITON_INTERPRET (this one interprets: its kernels cannot be compiled)."""
+    reason = _sm90_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    proc = subprocess.run([sys.executable, str(root / "bench" / "sm90_compile.py")], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"bench/sm90_compile.py exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,21 @@ import torch
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2, require_triton
 
 CHUNK = 64
+SCAN_BLOCK_V = 32  # value columns of the state per scan program (fewer when V is smaller)
+# launch options of the two kernels; bench/sm90_compile.py compiles the kernels with them (and with
+# `launch_constexprs`) for sm90 on the CPU and checks their shared memory fits an H200 block
+PREP_OPTIONS = dict(num_warps=8, num_stages=1)
+# the scan: 98 KB of shared memory at K = 128 on sm90 (2 stages: 222 KB, at the limit; 3: 345 KB, over it)
+SCAN_OPTIONS = dict(num_warps=8, num_stages=1)
+
+
+def launch_constexprs(H: int, HV: int, K: int, V: int, has_h0: bool) -> tuple[dict, dict]:
+    """The constexprs of (`_chunk_prep_kernel`, `_chunk_scan_kernel`) for H key heads and HV value
+    heads of dims K and V, as `chunk_gated_delta_rule` launches them."""
+    BK, BV = max(16, next_pow2(K)), max(16, next_pow2(V))
+    common = dict(HV=HV, GROUPS=HV // H, K=K, V=V, BK=BK, C=CHUNK)
+    return dict(common, BV=BV), dict(common, BLOCK_V=min(SCAN_BLOCK_V, BV), HAS_H0=has_h0)
+
 
 if HAVE_TRITON:
     import triton
@@ -176,22 +191,20 @@ def chunk_gated_delta_rule(
     w = torch.empty(B * HV, Tp, K, device=dev, dtype=torch.float32)
     intra = torch.empty(B * HV, Tp, C, device=dev, dtype=torch.float32)
     gc = torch.empty(B * HV, Tp, device=dev, dtype=torch.float32)
-    BK, BV = max(16, next_pow2(K)), max(16, next_pow2(V))
+    prep_constexprs, scan_constexprs = launch_constexprs(H, HV, K, V, initial_state is not None)
     _chunk_prep_kernel[(n_chunks, B * HV)](
         q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
         v, v.stride(0), v.stride(1), v.stride(2),
         g, beta, g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), u, w, intra, gc, T, Tp, K**-0.5,
-        HV=HV, GROUPS=HV // H, K=K, V=V, BK=BK, BV=BV, C=C, num_warps=8, num_stages=1,
+        **prep_constexprs, **PREP_OPTIONS,
     )
     h0 = None
     if initial_state is not None:
         h0 = initial_state.float().reshape(B * HV, K, V).contiguous()
-    block_v = min(32, BV)
-    _chunk_scan_kernel[(B * HV, triton.cdiv(V, block_v))](
+    _chunk_scan_kernel[(B * HV, triton.cdiv(V, scan_constexprs["BLOCK_V"]))](
         q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
         u, w, intra, gc, h0 if h0 is not None else final, o, o.stride(0), o.stride(1), o.stride(2), final,
         T, Tp, K**-0.5,
-        HV=HV, GROUPS=HV // H, K=K, V=V, BK=BK, BLOCK_V=block_v, C=C, HAS_H0=h0 is not None, num_warps=8,
-        num_stages=1,  # 98 KB of shared memory at K = 128 on sm90 (2 stages: 222 KB, at the limit)
+        **scan_constexprs, **SCAN_OPTIONS,
     )
     return o, final.view(B, HV, K, V)

@@ -15,6 +15,13 @@ import torch
 from nextn.ops.triton_utils import HAVE_TRITON, interpreting, require_triton
 
 BLOCK_M = 64
+# the kernels' tiles (constexprs) and launch options (num_stages: the backend's default), as
+# `grouped_experts` launches them; bench/sm90_compile.py compiles the kernels with them for sm90
+# on the CPU and checks their shared memory fits an H200 block
+GATE_UP_BLOCKS = dict(BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=64)
+GATE_UP_OPTIONS = dict(num_warps=4)
+DOWN_BLOCKS = dict(BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=64)
+DOWN_OPTIONS = dict(num_warps=4)
 
 if HAVE_TRITON:
     import triton
@@ -122,13 +129,13 @@ def grouped_experts(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
     n_blocks = block_expert.numel()
     dot_f32 = interpreting() or x.dtype == torch.float32
     act = torch.empty(pairs.numel(), I, device=x.device, dtype=x.dtype)
-    _grouped_gate_up_kernel[(n_blocks, triton.cdiv(I, 64))](
+    _grouped_gate_up_kernel[(n_blocks, triton.cdiv(I, GATE_UP_BLOCKS["BLOCK_N"]))](
         x, pairs, block_expert, gate_up, act, N * k, H, I,
-        TOP_K=k, BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=64, DOT_F32=dot_f32, num_warps=4)
+        TOP_K=k, DOT_F32=dot_f32, **GATE_UP_BLOCKS, **GATE_UP_OPTIONS)
     y = torch.empty(N * k, H, device=x.device, dtype=x.dtype)
-    _grouped_down_kernel[(n_blocks, triton.cdiv(H, 64))](
+    _grouped_down_kernel[(n_blocks, triton.cdiv(H, DOWN_BLOCKS["BLOCK_N"]))](
         act, pairs, block_expert, down, top_w.reshape(-1).contiguous(), y, N * k, H, I,
-        BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=64, DOT_F32=dot_f32, num_warps=4)
+        DOT_F32=dot_f32, **DOWN_BLOCKS, **DOWN_OPTIONS)
     y = y.view(N, k, H)
     out = y[:, 0]
     for s in range(1, k):  # slot order, rounded per add like the reference
