@@ -189,6 +189,8 @@ def _precapture(runner, proposer, state, k: int) -> None:
     if proposer is not None:
         for T in range(1, k + 3):  # a round's first head pass has kept + 1 rows, the chain 1
             graphs.head(T, state.draft_len, state.draft_kv)
+        for j in range(2, k + 1):  # greedy chains of every length a round may draft
+            graphs.chain(j, state.draft_len, state.draft_kv, proposer.spec.hidden_after_norm)
 
 
 def generate_once(model, prompt: list[int], k: int, cfg: BenchConfig, step) -> RunResult:

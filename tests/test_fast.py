@@ -118,6 +118,28 @@ def test_greedy_spec_equals_plain_bf16(dense_fitted_ckpt, k):
     assert stats.num_drafted > 0
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_chain_graph_drafts_what_the_eager_chain_drafts(dense_fitted_ckpt):
+    """The greedy chain replayed as one CUDA graph drafts the eager chain's tokens: same output,
+    same acceptance at every draft position (the verify would hide wrong drafts; acceptance not)."""
+    model = _model(dense_fitted_ckpt, "bfloat16")
+    prompt = list(FIT_PROMPTS[1])
+    spec = SpecConfig(num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    runs = []
+    for graphs in (True, False):
+        runner, proposer = build_engine(model, spec, "triton")
+        runner.use_graphs = graphs
+        state = _prefilled(runner, prompt, max_len=len(prompt) + 40)
+        stats = SpecStats()
+        ids = [t for ev in run_rounds(runner, proposer, state, params, spec, set(), stats) for t in ev.token_ids]
+        runs.append((ids, stats.accepted_per_position, stats.num_drafted))
+        if graphs:
+            assert state.cache.graphs.chain_graphs, "the graph chain did not run"
+    assert runs[0] == runs[1]
+    assert runs[0][2] > 0
+
+
 def test_greedy_spec_equals_plain_bf16_moe(moe_fitted_ckpt):
     prompt = tuple(FIT_PROMPTS[0])
     plain, _ = _generate(moe_fitted_ckpt, 0, "bfloat16", prompt, 10)

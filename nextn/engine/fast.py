@@ -33,13 +33,14 @@ import torch.nn.functional as F
 from nextn.cache import HybridCache, LayerKV
 from nextn.config import FULL, SpecConfig
 from nextn.engine.runner import ModelRunner
+from nextn.engine.selector import TokenSelector
 from nextn.engine.state import SeqState
 from nextn.layers.ffn import Experts
 from nextn.layers.gdn import GatedDeltaNet
 from nextn.layers.linear import STEP_ROWS
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.triton_utils import HAVE_TRITON, interpreting
-from nextn.spec.proposer import MTPProposer
+from nextn.spec.proposer import Draft, MTPProposer
 
 KERNELS = ("torch", "triton")
 MAX_STEP_ROWS = STEP_ROWS  # rows of one step, as in the reference path (decode 1, verify K + 1)
@@ -439,6 +440,19 @@ class FastMTPProposer(MTPProposer):
     def __init__(self, model: CausalLM, spec: SpecConfig, runner: FastModelRunner):
         super().__init__(model, spec)
         self.runner = runner
+
+    @torch.inference_mode()
+    def propose(self, state: SeqState, bonus: int, k: int, selector: TokenSelector) -> Draft:
+        """With CUDA graphs, greedy drafting without penalties or a confidence gate replays the
+        whole chain after the first pass as one graph (`ChainGraph`); otherwise the base chain."""
+        greedy_chain = selector.params.greedy and selector.history is None and self.spec.p_min <= 0.0
+        if not (self.runner.use_graphs and greedy_chain and k > 1):
+            return super().propose(state, bonus, k, selector)
+        logits, chained, n = self._first_pass(state, bonus)
+        if n + k - 1 > state.draft_kv.max_len:  # the chain's steps write slots n .. n+k-2
+            raise ValueError("draft K/V overflow")
+        graph = self.runner.graphs(state).chain(k, n, state.draft_kv, self.spec.hidden_after_norm)
+        return Draft(graph.run(n, logits, chained).clone(), None)
 
     def _head(self, state: SeqState, ids: torch.Tensor, hidden: torch.Tensor, first_pos: int):
         T = ids.numel()

@@ -53,18 +53,11 @@ class MTPProposer:
         The chain runs all k steps without reading anything back, then is cut at the first draft
         whose own-pick probability is below p_min (one host read; zero drafts if the first is).
         """
-        row_ids, row_hidden = state.take_rows()
-        n = len(state.tokens)  # the bonus is token n; its row pairs it with hidden n-1
-        ids = torch.tensor(row_ids + [bonus], device=row_hidden.device)
-        hidden = torch.cat([row_hidden, state.last_hidden[None]])
-        # the rows' catch-up (a whole prompt after a prefill) runs in prefill-sized chunks
-        for s in range(0, ids.numel(), PREFILL_CHUNK):
-            logits, chained = self._head(state, ids[s : s + PREFILL_CHUNK], hidden[s : s + PREFILL_CHUNK],
-                                         state.draft_len + 1 + s)
-        state.draft_len = n
+        logits, chained, n = self._first_pass(state, bonus)
         tokens, probs, confidence = [], [], []
+        no_drafts = logits.new_zeros(0, dtype=torch.long)
         for j in range(k):
-            token, q, conf = selector.draft(logits, torch.cat(tokens) if tokens else ids[:0])
+            token, q, conf = selector.draft(logits, torch.cat(tokens) if tokens else no_drafts)
             tokens.append(token)
             probs.append(q)
             confidence.append(conf)
@@ -74,6 +67,20 @@ class MTPProposer:
         keep = self._confident_prefix(torch.cat(confidence))
         q = None if probs[0] is None else torch.cat(probs)[:keep]
         return Draft(token_ids[:keep], q)
+
+    def _first_pass(self, state: SeqState, bonus: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Write the state's pending head rows and the bonus's row; returns (the last row's logits
+        [1, V], its hidden to chain [1, H], n: the bonus's position)."""
+        row_ids, row_hidden = state.take_rows()
+        n = len(state.tokens)  # the bonus is token n; its row pairs it with hidden n-1
+        ids = torch.tensor(row_ids + [bonus], device=row_hidden.device)
+        hidden = torch.cat([row_hidden, state.last_hidden[None]])
+        # the rows' catch-up (a whole prompt after a prefill) runs in prefill-sized chunks
+        for s in range(0, ids.numel(), PREFILL_CHUNK):
+            logits, chained = self._head(state, ids[s : s + PREFILL_CHUNK], hidden[s : s + PREFILL_CHUNK],
+                                         state.draft_len + 1 + s)
+        state.draft_len = n
+        return logits, chained, n
 
     def _confident_prefix(self, confidence: torch.Tensor) -> int:
         """Drafts before the first whose own-pick probability is below p_min (one host read)."""
