@@ -161,6 +161,7 @@ class BenchConfig:
     kernels: str = "torch"
     seed: int = 0
     iters: int = 20
+    repeats: int = 3  # end-to-end generations per K: the report gives their median and every run
     tune: bool = True  # measure the skinny GEMM's block configs for this model first (triton, GPU)
 
 
@@ -205,6 +206,19 @@ def generate_once(model, prompt: list[int], k: int, cfg: BenchConfig, step) -> R
     ids = [t for ev in run_rounds(runner, proposer, state, params, spec, set(), stats) for t in ev.token_ids]
     _sync(runner.device)
     return RunResult(ids, time.perf_counter() - t0, stats)
+
+
+def generate_repeated(model, prompt: list[int], k: int, cfg: BenchConfig, step) -> tuple[list[RunResult], float]:
+    """cfg.repeats runs of `generate_once` (host-bound rounds vary run to run); (runs, median tok/s)."""
+    if cfg.repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
+    runs = [generate_once(model, prompt, k, cfg, step) for _ in range(cfg.repeats)]
+    return runs, statistics.median(len(r.token_ids) / r.seconds for r in runs)
+
+
+def _spread(runs: list[RunResult]) -> str:
+    tps = [len(r.token_ids) / r.seconds for r in runs]
+    return f" (runs {min(tps):.1f}-{max(tps):.1f})" if len(tps) > 1 else ""
 
 
 def step_costs(model, prompt: list[int], ks: list[int], cfg: BenchConfig, step) -> dict:
@@ -302,26 +316,29 @@ def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print, prompt: l
         f"draft ratio {res.get('draft_cost_ratio', float('nan')):.3f}")
     gc.collect()
 
-    plain = generate_once(model, prompt, 0, cfg, step)
-    res["decode_tokens_per_s"] = len(plain.token_ids) / plain.seconds
+    plain_runs, res["decode_tokens_per_s"] = generate_repeated(model, prompt, 0, cfg, step)
+    plain = plain_runs[0]
+    res["decode_tokens_per_s_runs"] = [len(r.token_ids) / r.seconds for r in plain_runs]
+    res["plain_runs_agree"] = all(r.token_ids == plain.token_ids for r in plain_runs)
     if "roofline_tokens_per_s" in res:
         res["roofline_fraction"] = res["decode_tokens_per_s"] / res["roofline_tokens_per_s"]
         res["step_roofline_fraction"] = res["step_tokens_per_s"] / res["roofline_tokens_per_s"]
-    log(f"bench: plain decode {res['decode_tokens_per_s']:.1f} tok/s "
+    log(f"bench: plain decode {res['decode_tokens_per_s']:.1f} tok/s{_spread(plain_runs)} "
         f"(roofline fraction {res.get('roofline_fraction', float('nan')):.3f})")
-    res.update(spec_equals_plain={}, spec_tokens_per_s={}, spec_speedup={}, acceptance_rate={},
-               mean_acceptance_length={}, accepted_per_position={})
+    res.update(spec_equals_plain={}, spec_tokens_per_s={}, spec_tokens_per_s_runs={}, spec_speedup={},
+               acceptance_rate={}, mean_acceptance_length={}, accepted_per_position={})
     for k in ks:
         gc.collect()
-        run = generate_once(model, prompt, k, cfg, step)
-        tps = len(run.token_ids) / run.seconds
-        res["spec_equals_plain"][k] = run.token_ids == plain.token_ids
+        runs, tps = generate_repeated(model, prompt, k, cfg, step)
+        run = runs[0]
+        res["spec_equals_plain"][k] = all(r.token_ids == plain.token_ids for r in runs)
         res["spec_tokens_per_s"][k] = tps
+        res["spec_tokens_per_s_runs"][k] = [len(r.token_ids) / r.seconds for r in runs]
         res["spec_speedup"][k] = tps / res["decode_tokens_per_s"]
         res["acceptance_rate"][k] = run.stats.acceptance_rate
         res["mean_acceptance_length"][k] = run.stats.mean_acceptance_length
         res["accepted_per_position"][k] = run.stats.accepted_per_position[:k]
-        log(f"bench: K={k}: equal={res['spec_equals_plain'][k]} {tps:.1f} tok/s "
+        log(f"bench: K={k}: equal={res['spec_equals_plain'][k]} {tps:.1f} tok/s{_spread(runs)} "
             f"acceptance {run.stats.acceptance_rate:.2f} mean length {run.stats.mean_acceptance_length:.2f}")
     res["plain_token_ids_head"] = plain.token_ids[:32]
     return res
@@ -413,7 +430,8 @@ def bench_from_args(args) -> int:
         model, name = load_model(args.model, device=args.device, dtype=args.dtype), Path(args.model).name
     _sync(args.device)
     print(f"bench: model ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    cfg = BenchConfig(spec_ks=list(args.spec_k), prompt_len=args.prompt_len, gen_len=args.gen_len, kernels=kernels)
+    cfg = BenchConfig(spec_ks=list(args.spec_k), prompt_len=args.prompt_len, gen_len=args.gen_len, kernels=kernels,
+                      repeats=args.repeats)
     prompt = None if args.model is None else text_prompt(args.model, args.prompt_len)
     res = run_bench(model, name, cfg, log=lambda s: print(s, file=sys.stderr, flush=True), prompt=prompt)
     text = json.dumps(res, indent=1)

@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--spec-k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
     b.add_argument("--prompt-len", type=int, default=512)
     b.add_argument("--gen-len", type=int, default=256)
+    b.add_argument("--repeats", type=int, default=3, help="end-to-end generations per K (median reported)")
     b.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
 
     t = sub.add_parser("train", help="train a Qwen3.5-layout model with its MTP head, or distill a head")

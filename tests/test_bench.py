@@ -14,9 +14,12 @@ def test_run_bench_on_a_checkpoint(dense_fitted_ckpt):
     from nextn.models.loader import load_model
 
     model = load_model(dense_fitted_ckpt)
-    cfg = bench.BenchConfig(spec_ks=[1, 2], prompt_len=12, gen_len=10, iters=2)
+    cfg = bench.BenchConfig(spec_ks=[1, 2], prompt_len=12, gen_len=10, iters=2, repeats=2)
     res = bench.run_bench(model, "dense", cfg, log=lambda s: None)
     assert res["spec_equals_plain"] == {1: True, 2: True}
+    assert res["plain_runs_agree"] and len(res["decode_tokens_per_s_runs"]) == 2
+    runs = res["spec_tokens_per_s_runs"][2]
+    assert len(runs) == 2 and min(runs) <= res["spec_tokens_per_s"][2] <= max(runs)
     assert set(res["verify_cost_ratio"]) == {1, 2}
     assert res["draft_cost_ratio"] > 0 and res["decode_tokens_per_s"] > 0 and res["prefill_tokens_per_s"] > 0
     assert res["weight_bytes_per_token"] > 0
