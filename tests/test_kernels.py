@@ -199,6 +199,10 @@ def _chunk_case(B, T, H, HV, K, V, dtype, g, decay=0.5, with_state=True, repeat_
 
 @pytest.mark.parametrize("B,T,H,HV,K,V,decay,with_state,repeat_keys", [
     (1, 1, 1, 2, 16, 16, 0.5, True, False),  # one token
+    (1, 2, 1, 1, 16, 16, 0.5, True, False),
+    (1, 63, 1, 2, 16, 16, 0.5, True, False),  # around the chunk boundary (64)
+    (1, 65, 1, 2, 16, 16, 0.5, False, False),
+    (1, 1000, 1, 1, 16, 16, 0.1, True, False),  # 16 chunks: errors must not grow along the scan
     (1, 70, 2, 4, 16, 32, 0.5, True, False),  # a partial second chunk, grouped heads
     (2, 130, 1, 1, 32, 16, 0.5, False, False),  # batch, three chunks, no initial state
     (1, 64, 1, 1, 8, 24, 8.0, True, False),  # head dims below a tile (masked), strong decay (exp underflow)
@@ -226,6 +230,8 @@ def test_chunk_rule_splits_like_one_call():
     o2, end = triton_chunk_rule(q[:, 37:], k[:, 37:], v[:, 37:], gate[:, 37:], beta[:, 37:], mid)
     torch.testing.assert_close(end, whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat([o1, o2], dim=1), o, rtol=1e-5, atol=1e-5)
+    o0, same = triton_chunk_rule(q[:, :0], k[:, :0], v[:, :0], gate[:, :0], beta[:, :0], state)
+    assert o0.shape == (1, 0, 2, 16) and torch.equal(same, state)
     with pytest.raises(ValueError, match="not a multiple"):
         triton_chunk_rule(q.expand(1, 100, 2, 16), k.expand(1, 100, 2, 16), v[:, :, :1].expand(1, 100, 3, 16),
                           gate[:, :, :1].expand(1, 100, 3), beta[:, :, :1].expand(1, 100, 3))

@@ -14,8 +14,9 @@
        v_new = u - w S;  o = (q * exp(gc)) S + intra v_new;  S = exp(gc_last) S + (k * exp(gc_last - gc))^T v_new
 
 Every product is a `tl.dot` on float32 operands at "tf32x3" precision (three TF32 tensor-core
-products: float32-level accuracy, 1e-6 relative, at tensor-core speed); the prompt's states must
-agree with the reference's closely, since decoding continues from them. Rows past T are loaded
+products: near-float32 accuracy at tensor-core speed; at the 9B shape over 517 tokens the final
+states stay within 1e-4 of the reference's, tests/test_kernels.py); the prompt's states must agree
+with the reference's closely, since decoding continues from them. Rows past T are loaded
 as zeros with g = 0, exactly as the reference pads, so they change nothing.
 """
 from __future__ import annotations
