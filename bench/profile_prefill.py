@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nextn.bench import random_model
+from nextn.bench import random_model, time_ms
 from nextn.config import SpecConfig
 from nextn.engine.fast import TritonStep, build_engine
 
@@ -32,14 +31,7 @@ def main() -> None:
         st = runner.new_state(args.prompt_len + 16)
         runner.extend(st, prompt)
 
-    for _ in range(2):
-        prefill()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        prefill()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) / 3 * 1e3
+    wall_ms = time_ms(prefill, "cuda", warmup=2, iters=3)  # host-bound: the events span the host's issue time
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         prefill()
         torch.cuda.synchronize()
@@ -69,16 +61,8 @@ def main() -> None:
     v = torch.randn(1, T, HV, V, device="cuda", dtype=torch.bfloat16)
     g, beta = -torch.rand(1, T, HV, device="cuda"), torch.rand(1, T, HV, device="cuda")
     h0 = torch.randn(1, HV, K, V, device="cuda")
-    rule_ms = {}
-    for name, rule in (("torch", torch_rule), ("triton", triton_rule)):
-        for _ in range(2):
-            rule(q, k, v, g, beta, h0)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            rule(q, k, v, g, beta, h0)
-        torch.cuda.synchronize()
-        rule_ms[name] = (time.perf_counter() - t0) / 10 * 1e3
+    rule_ms = {name: time_ms(lambda r=rule: r(q, k, v, g, beta, h0), "cuda", warmup=2, iters=10)
+               for name, rule in (("torch", torch_rule), ("triton", triton_rule))}
     print("chunked delta rule, one layer, ms:", {n: round(v, 3) for n, v in rule_ms.items()})
     experts_ms = {}
     if cfg.num_experts:  # the routed experts alone, one layer over the prompt: reference vs Triton
@@ -90,15 +74,9 @@ def main() -> None:
         top_w, top_idx = torch.topk(torch.softmax(torch.randn(T, cfg.num_experts, device="cuda"), -1),
                                     cfg.num_experts_per_tok, dim=-1)
         top_w = top_w.to(torch.bfloat16)
-        for name, rule in (("torch", routed_experts), ("triton", grouped_experts)):
-            for _ in range(2):
-                rule(x, top_idx, top_w, layer.gate_up_proj, layer.down_proj)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(5):
-                rule(x, top_idx, top_w, layer.gate_up_proj, layer.down_proj)
-            torch.cuda.synchronize()
-            experts_ms[name] = (time.perf_counter() - t0) / 5 * 1e3
+        experts_ms = {name: time_ms(lambda r=rule: r(x, top_idx, top_w, layer.gate_up_proj, layer.down_proj),
+                                    "cuda", warmup=2, iters=5)
+                      for name, rule in (("torch", routed_experts), ("triton", grouped_experts))}
         print("routed experts, one layer, ms:", {n: round(v, 3) for n, v in experts_ms.items()})
     if args.out:
         with open(args.out, "w") as f:

@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nextn.bench import random_model
+from nextn.bench import BenchConfig, generate_once, random_model
 from nextn.config import SpecConfig
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.fast import TritonStep, build_engine
@@ -71,17 +71,9 @@ def main() -> None:
     # host side of plain decoding (graphs)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 
-    def decode(n_tokens: int) -> float:
-        st = runner.new_state(1024)
-        runner.extend(st, prompt)
-        runner.graphs(st).trunk(1, st.cache)  # capture before the clock starts
-        p = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in run_rounds(runner, None, st, p, spec, set(), SpecStats()):
-            pass
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / n_tokens
+    def decode(n_tokens: int) -> float:  # seconds per token of the plain loop (graphs captured first)
+        run = generate_once(model, prompt, 0, BenchConfig(spec_ks=[0], gen_len=n_tokens, kernels="triton"), step)
+        return run.seconds / len(run.token_ids)
 
     decode(8)
     per_token = decode(128)

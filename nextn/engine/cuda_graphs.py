@@ -77,7 +77,7 @@ class ChainGraph:
             tokens, hidden = [token], self.hidden
             for j in range(k - 1):
                 out = step.head_step(token, hidden, self.pos + j, kv)
-                hidden = out.normed if hidden_after_norm else out.out
+                hidden = out.chained(hidden_after_norm)
                 token = out.logits.float().argmax(dim=-1)
                 tokens.append(token)
             return torch.cat(tokens)

@@ -19,7 +19,7 @@ Prefill (and the MTP head's catch-up over more than 16 rows, e.g. a whole prompt
 reference modules, with the chunked delta rule and the routed experts as Triton kernels
 (`prefill_kernels`): plain and speculative decoding share it, so it does not affect exactness.
 
-Owns: fused weight views, the fast cache, the fast runner and proposer. Does not know about
+Owns: fused weight views, the fast runner and proposer (their cache: nextn.cache.fast). Does not know about
 requests or sampling.
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nextn.cache import HybridCache, LayerKV
+from nextn.cache import LayerKV
+from nextn.cache.fast import FastCache
 from nextn.config import FULL, SpecConfig
 from nextn.engine.runner import ModelRunner
 from nextn.engine.selector import TokenSelector
@@ -43,7 +44,6 @@ from nextn.ops.triton_utils import HAVE_TRITON, interpreting
 from nextn.spec.proposer import Draft, MTPProposer
 
 KERNELS = ("torch", "triton")
-MAX_STEP_ROWS = STEP_ROWS  # rows of one step, as in the reference path (decode 1, verify K + 1)
 
 
 def check_kernels(kernels: str) -> None:
@@ -139,82 +139,6 @@ def _gdn_weights(layer) -> GDNWeights:
 
 
 # ---------------------------------------------------------------------------------------------
-# the cache: per-layer GDN state as views of stacked tensors, and room for a step's states
-
-
-class FastCache(HybridCache):
-    """HybridCache whose GDN conv / recurrent states are views of two stacked tensors, with
-    stacked buffers for what a Triton step keeps per token.
-
-    After a Triton step, `commit(n)` copies the conv windows but not the recurrent states (50 MB
-    per token on a 9B model): the committed state stays where the step wrote it, in `states_all`,
-    and the next step reads it there. `states_all` holds two halves of `max_step` token slots and
-    a step writes the half that does not hold the committed state, so a step that is discarded
-    (`discard_step`) leaves the committed state intact. The device scalars `slots` = [where the
-    committed state is (-1: `recurrent_all`), first slot the next step writes] steer the kernel,
-    so one CUDA graph serves every round. Code that reads `recurrent` itself (prefill through the
-    reference modules, snapshots) calls `materialize()` first, which copies the states home.
-    """
-
-    def __init__(self, cfg, max_len: int, device, dtype, max_step: int = MAX_STEP_ROWS):
-        super().__init__(cfg, max_len, device, dtype)
-        self.gdn_layers = sorted(self.conv)
-        n, W = len(self.gdn_layers), cfg.linear_conv_kernel_dim
-        HV, K, V = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.conv_all = torch.zeros(n, cfg.conv_dim, W - 1, device=device, dtype=dtype)
-        self.recurrent_all = torch.zeros(n, HV, K, V, device=device, dtype=torch.float32)
-        for j, i in enumerate(self.gdn_layers):
-            self.conv[i], self.recurrent[i] = self.conv_all[j][None], self.recurrent_all[j][None]
-        self.max_step = max_step
-        self.window_all = torch.zeros(n, cfg.conv_dim, W - 1 + max_step, device=device, dtype=dtype)
-        self.states_all = torch.zeros(n, 2 * max_step, HV, K, V, device=device, dtype=torch.float32)
-        self.slots = torch.tensor([-1, 0], device=device, dtype=torch.int32)
-        self._committed_at, self._write_at = -1, 0  # host copies of `slots`
-        self.fast_step = False  # the last keep-states step ran the Triton kernels
-        self.graphs = None  # CUDA graphs captured against this cache (nextn.engine.cuda_graphs)
-
-    def commit(self, num_kept: int) -> None:
-        if not self.fast_step:
-            return super().commit(num_kept)
-        if not 1 <= num_kept <= self.step_tokens:
-            raise ValueError(f"commit({num_kept}) after a step of {self.step_tokens} tokens")
-        W = self.cfg.linear_conv_kernel_dim
-        self.conv_all.copy_(self.window_all[:, :, num_kept : num_kept + W - 1])
-        committed = self._write_at + num_kept - 1
-        self._set_slots(committed, self.max_step - self._write_at)
-        self.fast_step = False
-        self.seq_len += num_kept
-        self.step_tokens = 0
-
-    def _set_slots(self, committed_at: int, write_at: int) -> None:
-        if committed_at != self._committed_at:
-            self.slots[0].fill_(committed_at)
-        if write_at != self._write_at:
-            self.slots[1].fill_(write_at)
-        self._committed_at, self._write_at = committed_at, write_at
-
-    def materialize(self) -> None:
-        """Bring the committed recurrent states home to `recurrent_all` (before anything but a
-        Triton step reads them)."""
-        if self._committed_at >= 0:
-            self.recurrent_all.copy_(self.states_all[:, self._committed_at])
-            self._set_slots(-1, self._write_at)
-
-    def discard_step(self) -> None:
-        super().discard_step()
-        self.fast_step = False
-
-    def snapshot(self):
-        self.materialize()
-        return super().snapshot()
-
-    def restore(self, snap) -> None:
-        super().restore(snap)  # overwrites recurrent_all: the committed states are there again
-        self._set_slots(-1, self._write_at)
-        self.fast_step = False
-
-
-# ---------------------------------------------------------------------------------------------
 # the Triton step
 
 
@@ -230,6 +154,10 @@ class HeadOut:
     out: torch.Tensor  # [1, H] the head layer's last row before mtp.norm
     normed: torch.Tensor  # [1, H] after it
     logits: torch.Tensor  # [1, V] float32
+
+    def chained(self, after_norm: bool) -> torch.Tensor:
+        """The hidden the next draft step consumes (SpecConfig.hidden_after_norm)."""
+        return self.normed if after_norm else self.out
 
 
 class TritonStep:
@@ -416,8 +344,8 @@ class FastModelRunner(ModelRunner):
         if not isinstance(cache, FastCache):
             raise TypeError("the Triton step needs a state made by FastModelRunner.new_state")
         T, start = token_ids.numel(), cache.seq_len
-        if not 1 <= T <= MAX_STEP_ROWS:
-            raise ValueError(f"a Triton step takes 1..{MAX_STEP_ROWS} tokens, got {T}")
+        if not 1 <= T <= STEP_ROWS:
+            raise ValueError(f"a Triton step takes 1..{STEP_ROWS} tokens, got {T}")
         if start + T > cache.max_len:
             raise ValueError(f"sequence of {start + T} tokens exceeds the cache capacity {cache.max_len}")
         if self.use_graphs:
@@ -456,7 +384,7 @@ class FastMTPProposer(MTPProposer):
 
     def _head(self, state: SeqState, ids: torch.Tensor, hidden: torch.Tensor, first_pos: int):
         T = ids.numel()
-        if T > MAX_STEP_ROWS:
+        if T > STEP_ROWS:
             return super()._head(state, ids, hidden, first_pos)
         if first_pos - 1 + T > state.draft_kv.max_len:
             raise ValueError("draft K/V overflow")
@@ -466,8 +394,7 @@ class FastMTPProposer(MTPProposer):
         else:
             pos = torch.tensor([first_pos - 1], device=ids.device, dtype=torch.int32)
             out = self.runner.fast.head_step(ids, hidden, pos, state.draft_kv)
-        chained = out.normed if self.spec.hidden_after_norm else out.out
-        return out.logits, chained
+        return out.logits, out.chained(self.spec.hidden_after_norm)
 
 
 def build_engine(model: CausalLM, spec: SpecConfig, kernels: str,

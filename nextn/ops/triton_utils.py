@@ -7,7 +7,6 @@ On a GPU the operands stay bf16 and the dot runs on the tensor cores.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 # probe without importing: triton decides at import whether it interprets (TRITON_INTERPRET),
 # and the kernel modules import it only when a fast path is built
@@ -15,8 +14,13 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (read when asked: tests set it late)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether Triton runs kernels in its CPU interpreter: Triton's own setting (its knob, read
+    from TRITON_INTERPRET when asked: tests set it late), never one of ours."""
+    if not HAVE_TRITON:
+        return False
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
 
 
 def next_pow2(n: int) -> int:
