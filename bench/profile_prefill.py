@@ -12,9 +12,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nextn.bench import random_model, time_ms
-from nextn.config import SpecConfig
-from nextn.engine.fast import TritonStep, build_engine
+from nextn.bench import Bench, BenchConfig, random_model, time_ms
 
 
 def main() -> None:
@@ -24,12 +22,11 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = random_model(args.preset, "cuda", "bfloat16")
-    runner, _ = build_engine(model, SpecConfig(num_speculative_tokens=0), "triton", step=TritonStep(model))
     prompt = torch.randint(0, model.cfg.vocab_size, (args.prompt_len,)).tolist()
+    bench = Bench(model, prompt, BenchConfig(spec_ks=[0], gen_len=16, kernels="triton"))
 
     def prefill() -> None:
-        st = runner.new_state(args.prompt_len + 16)
-        runner.extend(st, prompt)
+        bench.prefilled(0)
 
     wall_ms = time_ms(prefill, "cuda", warmup=2, iters=3)  # host-bound: the events span the host's issue time
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -66,10 +63,11 @@ def main() -> None:
     print("chunked delta rule, one layer, ms:", {n: round(v, 3) for n, v in rule_ms.items()})
     experts_ms = {}
     if cfg.num_experts:  # the routed experts alone, one layer over the prompt: reference vs Triton
-        from nextn.layers.ffn import routed_experts
+        from nextn.layers.ffn import Experts
+        from nextn.ops.moe import routed_experts
         from nextn.ops.triton_moe_grouped import grouped_experts
 
-        layer = next(m for m in model.modules() if hasattr(m, "routed_rule"))
+        layer = next(m for m in model.modules() if isinstance(m, Experts))
         x = torch.randn(T, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
         top_w, top_idx = torch.topk(torch.softmax(torch.randn(T, cfg.num_experts, device="cuda"), -1),
                                     cfg.num_experts_per_tok, dim=-1)

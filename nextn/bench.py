@@ -6,11 +6,15 @@ but rarely guesses right). One run measures, with CUDA events around warmed-up w
 - the device copy bandwidth, the weight bytes a decoded token reads, the roofline tokens/s they
   imply, and the fraction of it that plain decoding reaches (`roofline_fraction`, engine loop;
   `step_roofline_fraction`, the step alone);
-- prefill tokens/s; decode tokens/s through the real round loop, plain and for each K;
+- prefill tokens/s; decode tokens/s through the engine's round loop, plain and for each K;
 - `verify_cost_ratio[K]` = t(step of K+1 tokens) / t(step of 1 token), `draft_cost_ratio` =
-  t(one MTP head step) / t(step of 1 token);
+  t(one MTP head step) / t(step of 1 token); `round_overhead[K]` = t(spec round) / t(plain token)
+  - verify_cost_ratio[K] - K * draft_cost_ratio: what a round costs beyond its steps;
 - `spec_equals_plain[K]`: greedy speculative output == plain greedy output, token for token;
-- acceptance and `spec_speedup[K]` (meaningful for a checkpoint whose head predicts).
+- acceptance and `spec_speedup[K]` (meaningful for a checkpoint whose head predicts); with
+  `--temperature T`, `sampled_spec_speedup[K]` at T (seeded, against plain decoding at T); with
+  `--acceptance-profile p1,p2,..`, `profile_spec_speedup[K]`: drafts replaced, with probability p_j
+  at position j, by the token plain decoding emits there (nextn.spec.proposer.ProfileProposer).
 Writes a JSON file and two PNG plots beside it.
 """
 from __future__ import annotations
@@ -21,16 +25,19 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from nextn.config import ModelConfig, SpecConfig
+from nextn.config import STEP_ROWS, EngineConfig, ModelConfig, SpecConfig
 from nextn.core import SamplingParams, SpecStats
-from nextn.engine.generate import run_rounds
-from nextn.models.loader import DTYPES, load_model
+from nextn.engine.engine import build_core
+from nextn.engine.rounds import RequestRounds
+from nextn.engine.sequence import Sequence
+from nextn.models.loader import DTYPES, fuse_weights, load_model
 from nextn.models.qwen3_5 import CausalLM
+from nextn.spec.proposer import ProfileProposer
 
 _COMMON = dict(
     vocab_size=248320, num_attention_heads=16, head_dim=256, linear_conv_kernel_dim=4,
@@ -91,7 +98,7 @@ def random_model(preset: str, device: str, dtype: str, seed: int = 0) -> CausalL
                 std *= depth_scale
             p.normal_(0.0, std, generator=gen)
     model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta).to(device)
-    return model.eval()
+    return fuse_weights(model.eval())
 
 
 def weight_bytes_per_token(model: CausalLM) -> int:
@@ -158,11 +165,14 @@ class BenchConfig:
     spec_ks: list[int]
     prompt_len: int = 512
     gen_len: int = 256
-    kernels: str = "torch"
+    kernels: str = "auto"
     seed: int = 0
     iters: int = 20
     repeats: int = 3  # end-to-end generations per K: the report gives their median and every run
     tune: bool = True  # measure the skinny GEMM's block configs for this model first (triton, GPU)
+    temperatures: list[float] = field(default_factory=list)  # sampled runs besides the greedy ones
+    acceptance_profile: list[float] | None = None
+    prompt_file: str | None = None
 
 
 @dataclass
@@ -172,48 +182,91 @@ class RunResult:
     stats: SpecStats
 
 
-def _engine(model, k: int, kernels: str, step):
-    from nextn.engine.fast import build_engine
+class Bench:
+    """The model's engines (one per K, sharing the weights) on a single cache slot."""
 
-    spec = SpecConfig(num_speculative_tokens=k)
-    runner, proposer = build_engine(model, spec, kernels, step=step)
-    return spec, runner, proposer
+    def __init__(self, model: CausalLM, prompt: list[int], cfg: BenchConfig):
+        self.model, self.prompt, self.cfg = model, prompt, cfg
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_len = len(prompt) + cfg.gen_len + 2 * STEP_ROWS
+        self.cores: dict[int, tuple] = {}
 
+    def core(self, k: int):
+        if k not in self.cores:
+            for old in list(self.cores):  # one engine's cache at a time
+                del self.cores[old]
+            gc.collect()
+            config = EngineConfig("bench", str(self.device), str(self.dtype).replace("torch.", ""),
+                                  SpecConfig(num_speculative_tokens=k), self.max_len, 1, self.cfg.kernels)
+            self.cores[k] = build_core(self.model, config)
+        return self.cores[k]
 
-def _precapture(runner, proposer, state, k: int) -> None:
-    """Capture a fresh state's CUDA graphs before a timed run (they are per state)."""
-    if not getattr(runner, "use_graphs", False):
-        return
-    graphs = runner.graphs(state)
-    for T in range(1, k + 2):
-        graphs.trunk(T, state.cache)
-    if proposer is not None:
-        for T in range(1, k + 3):  # a round's first head pass has kept + 1 rows, the chain 1
-            graphs.head(T, state.draft_len, state.draft_kv)
-        for j in range(2, k + 1):  # greedy chains of every length a round may draft
-            graphs.chain(j, state.draft_len, state.draft_kv, proposer.spec.hidden_after_norm)
+    def prefilled(self, k: int) -> Sequence:
+        _, runner, proposer = self.core(k)
+        seq = Sequence(0, heads=proposer is not None)
+        runner.slot(0).reset()
+        runner.extend(seq, self.prompt)
+        return seq
 
+    def generate(self, k: int, temperature: float = 0.0, profile=None) -> RunResult:
+        """One generation of gen_len tokens through the engine's rounds (timed after the prefill)."""
+        _, runner, proposer = self.core(k)
+        if profile is not None:
+            proposer = ProfileProposer(proposer, *profile)
+        seq = self.prefilled(k)
+        params = SamplingParams(max_tokens=self.cfg.gen_len, temperature=temperature, seed=self.cfg.seed,
+                                ignore_eos=True)
+        stats = SpecStats()
+        _sync(self.device)
+        t0 = time.perf_counter()
+        rounds = RequestRounds(runner, proposer, seq, params, runner.config.spec, set(), stats)
+        ids = []
+        while True:
+            r = rounds.next()
+            ids += r.token_ids
+            if r.finish_reason is not None:
+                break
+        rounds.close()
+        _sync(self.device)
+        return RunResult(ids, time.perf_counter() - t0, stats)
 
-def generate_once(model, prompt: list[int], k: int, cfg: BenchConfig, step) -> RunResult:
-    spec, runner, proposer = _engine(model, k, cfg.kernels, step)
-    state = runner.new_state(len(prompt) + cfg.gen_len + 32)
-    runner.extend(state, prompt)
-    _precapture(runner, proposer, state, k)
-    params = SamplingParams(max_tokens=cfg.gen_len, temperature=0.0, ignore_eos=True)
-    stats = SpecStats()
-    _sync(runner.device)
-    t0 = time.perf_counter()
-    ids = [t for ev in run_rounds(runner, proposer, state, params, spec, set(), stats) for t in ev.token_ids]
-    _sync(runner.device)
-    return RunResult(ids, time.perf_counter() - t0, stats)
+    def repeated(self, k: int, temperature: float = 0.0, profile=None) -> tuple[list[RunResult], float]:
+        """A warm-up run (kernels compile, the rounds' CUDA graphs are captured), then cfg.repeats
+        timed runs: (runs, median tok/s)."""
+        if self.cfg.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.cfg.repeats}")
+        self.generate(k, temperature, profile)
+        runs = [self.generate(k, temperature, profile) for _ in range(self.cfg.repeats)]
+        return runs, statistics.median(len(r.token_ids) / r.seconds for r in runs)
 
+    def step_costs(self, ks: list[int]) -> dict:
+        """Median ms of one trunk step of T = 1..max(K)+1 tokens and of one MTP head step (graph
+        replays where graphs run: what the step costs the device)."""
+        k_max = max(ks)
+        _, runner, proposer = self.core(k_max)
+        seq = self.prefilled(k_max)
+        cache, cfg = runner.slot(0), self.model.cfg
+        logits = torch.empty(k_max + 1, cfg.vocab_size, device=self.device)
+        hidden = torch.empty(k_max + 1, cfg.hidden_size, device=self.device, dtype=self.dtype)
+        out = {"step_ms": {}, "head_step_ms": None}
+        gen = torch.Generator(device=self.device).manual_seed(self.cfg.seed)
+        with torch.inference_mode():
+            for T in range(1, k_max + 2):  # steps at the next free positions, never committed
+                ids = torch.randint(0, cfg.vocab_size, (T,), device=self.device, generator=gen)
+                fn = lambda T=T, ids=ids: runner.run(("bench", T), lambda: runner.step.trunk(  # noqa: E731
+                    cache, ids, logits[:T], hidden[:T]))
+                out["step_ms"][T] = time_ms(fn, self.device, iters=self.cfg.iters)
+            if proposer is not None:
+                ids, pos = ids[:1], torch.tensor([len(seq.tokens)], dtype=torch.int32, device=self.device)
+                fn = lambda: runner.run(("bench", "head"), lambda: runner.step.head(  # noqa: E731
+                    cache, ids, hidden[:1], pos, 0, logits[:1], hidden[1:2]))
+                out["head_step_ms"] = time_ms(fn, self.device, iters=self.cfg.iters)
+        return out
 
-def generate_repeated(model, prompt: list[int], k: int, cfg: BenchConfig, step) -> tuple[list[RunResult], float]:
-    """cfg.repeats runs of `generate_once` (host-bound rounds vary run to run); (runs, median tok/s)."""
-    if cfg.repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {cfg.repeats}")
-    runs = [generate_once(model, prompt, k, cfg, step) for _ in range(cfg.repeats)]
-    return runs, statistics.median(len(r.token_ids) / r.seconds for r in runs)
+    def prefill_tokens_per_s(self) -> float:
+        ms = time_ms(lambda: self.prefilled(0), self.device, warmup=1, iters=3)
+        return len(self.prompt) / (ms * 1e-3)
 
 
 def _spread(runs: list[RunResult]) -> str:
@@ -221,105 +274,66 @@ def _spread(runs: list[RunResult]) -> str:
     return f" (runs {min(tps):.1f}-{max(tps):.1f})" if len(tps) > 1 else ""
 
 
-def step_costs(model, prompt: list[int], ks: list[int], cfg: BenchConfig, step) -> dict:
-    """Median ms of one trunk step of T = 1..max(K)+1 tokens and of one MTP head step."""
-    k_max = max(ks)
-    _, runner, proposer = _engine(model, k_max, cfg.kernels, step)
-    state = runner.new_state(len(prompt) + 64)
-    runner.extend(state, prompt)
-    device = runner.device
-    out = {"step_ms": {}, "head_step_ms": None}
-    graphs = runner.graphs(state) if getattr(runner, "use_graphs", False) else None
-    for T in range(1, k_max + 2):
-        ids = torch.randint(0, model.cfg.vocab_size, (T,), device=device)
-        if graphs is not None:  # the replay alone: what the step costs the GPU
-            g = graphs.trunk(T, state.cache)
-            g.run(state.cache.seq_len, ids)
-            fn = g.graph.replay
-        else:
-            fn = lambda ids=ids: runner.step(state, ids)  # noqa: E731
-        out["step_ms"][T] = time_ms(fn, device, iters=cfg.iters)
-    if proposer is not None:
-        ids = torch.randint(0, model.cfg.vocab_size, (1,), device=device)
-        hidden = torch.randn(1, model.cfg.hidden_size, device=device, dtype=runner.dtype)
-        pos = state.cache.seq_len  # a free draft K/V slot
-        if graphs is not None:
-            g = graphs.head(1, pos - 1, state.draft_kv)
-            g.run(pos - 1, ids, hidden)
-            fn = g.graph.replay
-        else:
-            fn = lambda: proposer._head(state, ids, hidden, pos)  # noqa: E731
-        out["head_step_ms"] = time_ms(fn, device, iters=cfg.iters)
-    return out
+def _tps(runs: list[RunResult]) -> list[float]:
+    return [len(r.token_ids) / r.seconds for r in runs]
 
 
-def prefill_tokens_per_s(model, prompt: list[int], cfg: BenchConfig, step) -> float:
-    _, runner, _ = _engine(model, 0, cfg.kernels, step)
-
-    def run():
-        state = runner.new_state(len(prompt) + 8)
-        runner.extend(state, prompt)
-
-    ms = time_ms(run, runner.device, warmup=1, iters=3)
-    return len(prompt) / (ms * 1e-3)
+def _round_overhead(res: dict, key: str, k: int, runs: list[RunResult]) -> None:
+    """t(round) / t(plain token) - verify - k drafts: what a round costs beyond its steps."""
+    if "draft_cost_ratio" not in res or k not in res["verify_cost_ratio"]:
+        return
+    seconds = statistics.median(r.seconds / max(1, r.stats.num_rounds) for r in runs)
+    ratio = seconds / (1.0 / res["decode_tokens_per_s"])
+    res.setdefault(f"{key}round_cost_ratio", {})[k] = ratio
+    res.setdefault(f"{key}round_overhead", {})[k] = ratio - res["verify_cost_ratio"][k] - k * res["draft_cost_ratio"]
 
 
 def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print, prompt: list[int] | None = None) -> dict:
     """prompt: token ids (default: prompt_len random ids, all a random-weight model can use)."""
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
     if prompt is None:
         g = torch.Generator().manual_seed(cfg.seed)
         prompt = torch.randint(0, model.cfg.vocab_size, (cfg.prompt_len,), generator=g).tolist()
-    step = None
-    tuned = None
-    if cfg.kernels == "triton":
-        from nextn.engine.fast import TritonStep
-
-        step = TritonStep(model)
-        if device.type == "cuda" and cfg.tune:
-            t0 = time.perf_counter()
-            tuned = (step.tune(log=log), time.perf_counter() - t0)
+    kernels = EngineConfig("bench", str(device), kernels=cfg.kernels).kernels
+    bench = Bench(model, prompt, cfg)
     res: dict = {
         "model": name, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(dtype).replace("torch.", ""), "kernels": cfg.kernels,
-        "cuda_graphs": cfg.kernels == "triton" and device.type == "cuda", "config": asdict(cfg),
-        "torch": torch.__version__, "has_mtp_head": model.mtp is not None,
+        "dtype": str(bench.dtype).replace("torch.", ""), "kernels": kernels,
+        "cuda_graphs": kernels == "triton" and device.type == "cuda", "config": asdict(cfg),
+        "prompt_tokens": len(prompt), "torch": torch.__version__, "has_mtp_head": model.mtp is not None,
     }
-    if tuned is not None:
-        res["linear_configs"], res["tune_seconds"] = tuned
+    if kernels == "triton" and device.type == "cuda" and cfg.tune:
+        t0 = time.perf_counter()
+        step = bench.core(0)[1].step
+        res["linear_configs"], res["tune_seconds"] = step.tune(log=log), time.perf_counter() - t0
         # what the step's matmuls alone would take, from the tuning measurements (graph, L2 cold)
         res["step_matmul_ms_estimate"] = sum(
-            tuned[0][f"{n}x{k}"]["us_1row"] for n, k, _, _ in step.linear_uses(head=False)) / 1e3
+            res["linear_configs"][f"{n}x{k}"]["us_1row"] for n, k, _, _ in step.linear_uses(head=False)) / 1e3
     res["weight_bytes_per_token"] = weight_bytes_per_token(model)
     if device.type == "cuda":
         res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
         res["roofline_tokens_per_s"] = res["copy_bandwidth_GBps"] * 1e9 / res["weight_bytes_per_token"]
-    log(f"bench: {name} {res['dtype']} kernels={cfg.kernels}: {res['weight_bytes_per_token'] / 1e9:.2f} GB/token")
+    log(f"bench: {name} {res['dtype']} kernels={kernels}: {res['weight_bytes_per_token'] / 1e9:.2f} GB/token, "
+        f"prompt {len(prompt)} tokens")
 
-    res["prefill_tokens_per_s"] = prefill_tokens_per_s(model, prompt, cfg, step)
+    res["prefill_tokens_per_s"] = bench.prefill_tokens_per_s()
     log(f"bench: prefill {res['prefill_tokens_per_s']:.0f} tok/s")
-
     ks = cfg.spec_ks if model.mtp is not None else []
-    costs = step_costs(model, prompt, ks or [0], cfg, step)
+    costs = bench.step_costs(ks or [0])
     t1 = costs["step_ms"][1]
-    res["decode_step_ms"] = t1
-    res["step_tokens_per_s"] = 1e3 / t1
-    res["step_ms"] = costs["step_ms"]
-    res["verify_cost_ratio"] = {k: costs["step_ms"][k + 1] / t1 for k in ks}
+    res.update(decode_step_ms=t1, step_tokens_per_s=1e3 / t1, step_ms=costs["step_ms"],
+               verify_cost_ratio={k: costs["step_ms"][k + 1] / t1 for k in ks})
     if costs["head_step_ms"] is not None:
         res["draft_step_ms"] = costs["head_step_ms"]
         res["draft_cost_ratio"] = costs["head_step_ms"] / t1
-    if "step_matmul_ms_estimate" in res:
-        log(f"bench: of the step, matmuls ~{res['step_matmul_ms_estimate']:.3f} ms (from tuning)")
     log(f"bench: step {t1:.3f} ms, verify ratios {_fmt(res['verify_cost_ratio'])}, "
         f"draft ratio {res.get('draft_cost_ratio', float('nan')):.3f}")
-    gc.collect()
 
-    plain_runs, res["decode_tokens_per_s"] = generate_repeated(model, prompt, 0, cfg, step)
+    plain_runs, res["decode_tokens_per_s"] = bench.repeated(0)
     plain = plain_runs[0]
-    res["decode_tokens_per_s_runs"] = [len(r.token_ids) / r.seconds for r in plain_runs]
+    res["decode_tokens_per_s_runs"] = _tps(plain_runs)
     res["plain_runs_agree"] = all(r.token_ids == plain.token_ids for r in plain_runs)
+    res["plain_overhead"] = (1e3 / res["decode_tokens_per_s"]) / t1 - 1  # the round loop beyond the step
     if "roofline_tokens_per_s" in res:
         res["roofline_fraction"] = res["decode_tokens_per_s"] / res["roofline_tokens_per_s"]
         res["step_roofline_fraction"] = res["step_tokens_per_s"] / res["roofline_tokens_per_s"]
@@ -328,20 +342,61 @@ def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print, prompt: l
     res.update(spec_equals_plain={}, spec_tokens_per_s={}, spec_tokens_per_s_runs={}, spec_speedup={},
                acceptance_rate={}, mean_acceptance_length={}, accepted_per_position={})
     for k in ks:
-        gc.collect()
-        runs, tps = generate_repeated(model, prompt, k, cfg, step)
+        runs, tps = bench.repeated(k)
         run = runs[0]
         res["spec_equals_plain"][k] = all(r.token_ids == plain.token_ids for r in runs)
         res["spec_tokens_per_s"][k] = tps
-        res["spec_tokens_per_s_runs"][k] = [len(r.token_ids) / r.seconds for r in runs]
+        res["spec_tokens_per_s_runs"][k] = _tps(runs)
         res["spec_speedup"][k] = tps / res["decode_tokens_per_s"]
         res["acceptance_rate"][k] = run.stats.acceptance_rate
         res["mean_acceptance_length"][k] = run.stats.mean_acceptance_length
         res["accepted_per_position"][k] = run.stats.accepted_per_position[:k]
+        _round_overhead(res, "", k, runs)
         log(f"bench: K={k}: equal={res['spec_equals_plain'][k]} {tps:.1f} tok/s{_spread(runs)} "
-            f"acceptance {run.stats.acceptance_rate:.2f} mean length {run.stats.mean_acceptance_length:.2f}")
+            f"acceptance {run.stats.acceptance_rate:.2f} mean length {run.stats.mean_acceptance_length:.2f} "
+            f"round overhead {res.get('round_overhead', {}).get(k, float('nan')):.3f}")
+    for temperature in cfg.temperatures:
+        _sampled(bench, res, ks, temperature, log)
+    if cfg.acceptance_profile and ks:
+        _profiled(bench, res, ks, cfg.acceptance_profile, plain.token_ids, log)
     res["plain_token_ids_head"] = plain.token_ids[:32]
     return res
+
+
+def _sampled(bench: Bench, res: dict, ks: list[int], temperature: float, log) -> None:
+    """Seeded sampling at `temperature`: plain and each K (exact in law, not token for token)."""
+    runs, plain = bench.repeated(0, temperature)
+    entry = res.setdefault("sampled", {})[temperature] = {"decode_tokens_per_s": plain, "spec_tokens_per_s": {},
+                                                          "acceptance_rate": {}, "mean_acceptance_length": {}}
+    log(f"bench: T={temperature} plain {plain:.1f} tok/s{_spread(runs)}")
+    for k in ks:
+        runs, tps = bench.repeated(k, temperature)
+        entry["spec_tokens_per_s"][k] = tps
+        entry["acceptance_rate"][k] = runs[0].stats.acceptance_rate
+        entry["mean_acceptance_length"][k] = runs[0].stats.mean_acceptance_length
+        if temperature == 0.7 or len(bench.cfg.temperatures) == 1:
+            res.setdefault("sampled_spec_speedup", {})[k] = tps / plain
+        log(f"bench: T={temperature} K={k}: {tps:.1f} tok/s{_spread(runs)} ({tps / plain:.2f}x) "
+            f"acceptance {runs[0].stats.acceptance_rate:.2f}")
+
+
+def _profiled(bench: Bench, res: dict, ks: list[int], profile: list[float], reference: list[int], log) -> None:
+    """Greedy rounds whose drafts follow an acceptance profile (the real head still drafts)."""
+    res["acceptance_profile"] = profile
+    res.update(profile_spec_speedup={}, profile_tokens_per_s={}, profile_equals_plain={},
+               profile_mean_acceptance_length={}, profile_accepted_per_position={})
+    for k in ks:
+        runs, tps = bench.repeated(k, profile=(profile, reference, bench.cfg.seed))
+        stats = runs[0].stats
+        res["profile_tokens_per_s"][k] = tps
+        res["profile_spec_speedup"][k] = tps / res["decode_tokens_per_s"]
+        res["profile_equals_plain"][k] = all(r.token_ids == reference for r in runs)
+        res["profile_mean_acceptance_length"][k] = stats.mean_acceptance_length
+        res["profile_accepted_per_position"][k] = [a / max(1, d) for a, d in zip(
+            stats.accepted_per_position[:k], stats.drafted_per_position[:k])]
+        _round_overhead(res, "profile_", k, runs)
+        log(f"bench: profile K={k}: {tps:.1f} tok/s{_spread(runs)} ({res['profile_spec_speedup'][k]:.2f}x) "
+            f"mean length {stats.mean_acceptance_length:.2f} equal={res['profile_equals_plain'][k]}")
 
 
 def _fmt(d: dict) -> str:
@@ -407,13 +462,13 @@ several tokens are accepted for the price of one forward pass.
 """
 
 
-def text_prompt(model_dir: str, prompt_len: int) -> list[int] | None:
-    """prompt_len ids of a fixed English-and-code text (repeated) if the checkpoint has a tokenizer:
-    a trained head's acceptance on random ids says nothing."""
+def text_prompt(model_dir: str, prompt_len: int, text: str = PROMPT_TEXT) -> list[int] | None:
+    """prompt_len ids of a text (repeated if short) if the checkpoint has a tokenizer: a trained
+    head's acceptance on random ids says nothing."""
     from nextn.tokenizer import Tokenizer
 
     try:
-        ids = Tokenizer(Path(model_dir)).encode(PROMPT_TEXT)
+        ids = Tokenizer(Path(model_dir)).encode(text)
     except (OSError, ValueError):
         return None
     return (ids * (prompt_len // max(1, len(ids)) + 1))[:prompt_len] if ids else None
@@ -422,7 +477,21 @@ def text_prompt(model_dir: str, prompt_len: int) -> list[int] | None:
 def bench_from_args(args) -> int:
     if (args.model is None) == (args.random_weights is None):
         raise ValueError("nextn bench needs exactly one of --model DIR and --random-weights PRESET")
-    kernels = getattr(args, "kernels", "torch")
+    profile = None
+    if args.acceptance_profile:
+        try:
+            profile = [float(p) for p in args.acceptance_profile.split(",")]
+        except ValueError:
+            raise ValueError(f"--acceptance-profile takes comma-separated probabilities, got {args.acceptance_profile!r}")
+        if not profile or not all(0.0 <= p <= 1.0 for p in profile):
+            raise ValueError(f"--acceptance-profile probabilities must be in [0, 1], got {args.acceptance_profile!r}")
+    if any(not 0.0 < t <= 100.0 for t in args.temperature):
+        raise ValueError(f"--temperature takes values in (0, 100] (greedy always runs), got {args.temperature}")
+    prompt_text = None
+    if args.prompt_file is not None:
+        if args.random_weights is not None:
+            raise ValueError("--prompt-file needs --model (a checkpoint with a tokenizer)")
+        prompt_text = Path(args.prompt_file).read_text(errors="replace")
     t0 = time.perf_counter()
     if args.random_weights is not None:
         model, name = random_model(args.random_weights, args.device, args.dtype), args.random_weights
@@ -430,10 +499,16 @@ def bench_from_args(args) -> int:
         model, name = load_model(args.model, device=args.device, dtype=args.dtype), Path(args.model).name
     _sync(args.device)
     print(f"bench: model ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    cfg = BenchConfig(spec_ks=list(args.spec_k), prompt_len=args.prompt_len, gen_len=args.gen_len, kernels=kernels,
-                      repeats=args.repeats)
-    prompt = None if args.model is None else text_prompt(args.model, args.prompt_len)
+    cfg = BenchConfig(spec_ks=list(args.spec_k), prompt_len=args.prompt_len, gen_len=args.gen_len,
+                      kernels=args.kernels, repeats=args.repeats, temperatures=list(args.temperature),
+                      acceptance_profile=profile, prompt_file=args.prompt_file)
+    prompt = None
+    if args.model is not None:
+        prompt = text_prompt(args.model, args.prompt_len, prompt_text or PROMPT_TEXT)
+        if prompt_text is not None and prompt is None:
+            raise ValueError(f"{args.prompt_file}: the checkpoint has no tokenizer to encode it with")
     res = run_bench(model, name, cfg, log=lambda s: print(s, file=sys.stderr, flush=True), prompt=prompt)
+    res["prompt_file"] = args.prompt_file
     text = json.dumps(res, indent=1)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

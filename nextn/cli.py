@@ -11,9 +11,9 @@ def _common(p: argparse.ArgumentParser, dtype_default: str | None = "float32") -
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default=dtype_default, choices=["float32", "bfloat16", "float16"],
                    help=f"default {dtype_default or 'bfloat16 autocast on CUDA, float32 on CPU'}")
-    p.add_argument("--kernels", default="torch", choices=["torch", "triton"],
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
                    help="decode/verify/draft step: reference PyTorch modules, or batch-invariant Triton "
-                        "kernels in CUDA graphs (GPU; an error if they cannot run)")
+                        "kernels in CUDA graphs (an error if they cannot run); auto: triton on CUDA, torch on CPU")
 
 
 def _spec(p: argparse.ArgumentParser) -> None:
@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-model-len", type=int, default=8192)
-    s.add_argument("--session-memory-gb", type=float, default=1.0)
+    s.add_argument("--max-num-seqs", type=int, default=8,
+                   help="cache slots, allocated at start: requests running at once plus conversations kept")
     s.add_argument("--max-queue", type=int, default=64)
     s.add_argument("--prefill", default="steps", choices=["chunked", "steps"],
                    help="steps (default here): prompts run through the decode step's arithmetic, so a "
@@ -81,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=int, default=512)
     b.add_argument("--gen-len", type=int, default=256)
     b.add_argument("--repeats", type=int, default=3, help="end-to-end generations per K (median reported)")
+    b.add_argument("--prompt-file", default=None,
+                   help="prompt text from this file (its first --prompt-len tokens, repeated if shorter)")
+    b.add_argument("--temperature", type=float, nargs="*", default=[],
+                   help="sampled runs at these temperatures besides the greedy ones (seeded)")
+    b.add_argument("--acceptance-profile", default=None,
+                   help="p1,p2,...: also run greedy spec with drafts that are right with probability p_j at "
+                        "position j (the head still runs), for models whose head guesses nothing")
     b.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
 
     t = sub.add_parser("train", help="train a Qwen3.5-layout model with its MTP head, or distill a head")

@@ -10,6 +10,12 @@ from pathlib import Path
 LINEAR = "linear_attention"
 FULL = "full_attention"
 
+# Rows of one decode / verify step: the pending token and up to STEP_ROWS - 1 drafts. Every step
+# computes its rows at this fixed shape, so a row's arithmetic never depends on the row count.
+STEP_ROWS = 16
+KERNELS = ("auto", "torch", "triton")
+PREFILL_MODES = ("chunked", "steps")
+
 # model_type -> family. The VLM wrappers keep their text keys under `text_config`.
 _FAMILIES = {
     "qwen3_5": "qwen3_5",
@@ -197,36 +203,45 @@ class SpecConfig:
     hidden_after_norm: bool = True
 
     def __post_init__(self):
-        # a verify step holds the pending token and the drafts in STEP_ROWS (16) rows
-        if not 0 <= self.num_speculative_tokens <= 15:
-            raise ValueError(f"num_speculative_tokens must be in 0..15, got {self.num_speculative_tokens}")
+        # a verify step holds the pending token and the drafts in STEP_ROWS rows
+        if not 0 <= self.num_speculative_tokens < STEP_ROWS:
+            raise ValueError(f"num_speculative_tokens must be in 0..{STEP_ROWS - 1}, got {self.num_speculative_tokens}")
         if not 0.0 <= self.p_min < 1.0:
             raise ValueError(f"p_min must be in [0, 1), got {self.p_min}")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The engine's settings, validated once here and passed down as they are."""
+
     model: str
     device: str = "cpu"
     dtype: str = "float32"
     spec: SpecConfig = field(default_factory=SpecConfig)
     max_model_len: int = 8192
-    session_memory_gb: float = 1.0
-    kernels: str = "torch"  # step path: "torch" reference modules or "triton" (nextn.engine.fast)
+    # cache slots, allocated up front: requests running at once plus conversations kept between turns
+    max_num_seqs: int = 8
+    # step path: "torch" (the reference modules), "triton" (the fused step in CUDA graphs) or "auto":
+    # triton on CUDA, torch on the CPU (stored resolved)
+    kernels: str = "auto"
     # prompt prefill: "chunked" (fast) or "steps" (the decode step's arithmetic: resumed == cold bitwise)
     prefill: str = "chunked"
 
     def __post_init__(self):
-        if self.kernels not in ("torch", "triton"):
-            raise ValueError(f"kernels must be 'torch' or 'triton', got {self.kernels!r}")
-        if self.prefill not in ("chunked", "steps"):
-            raise ValueError(f"prefill must be 'chunked' or 'steps', got {self.prefill!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.kernels == "auto":
+            object.__setattr__(self, "kernels", "triton" if self.device.startswith("cuda") else "torch")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
 # the checkpoint bundled with the package: the default model of every command
@@ -242,11 +257,9 @@ class ServeConfig:
     api_key: str | None = None
     served_model_name: str | None = None  # default: the model directory's name
     max_queue: int = 64  # waiting requests beyond this are answered 503 at once
-    burst_rounds: int = 4  # rounds one request runs before the next waiting request gets a turn
-    max_running: int = 8  # requests interleaved at once (each holds its own cache); the rest wait
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        if self.max_queue < 1 or self.burst_rounds < 1 or self.max_running < 1:
-            raise ValueError("max_queue, burst_rounds and max_running must be >= 1")
+        if self.max_queue < 1:
+            raise ValueError("max_queue must be >= 1")

@@ -3,7 +3,7 @@
 Owns: the penalty and filter pipeline (`probs_from_logits`, `penalized_logits`, `greedy_ids`),
 the per-request token history the penalties read (`TokenHistory`), the counter-based random
 numbers of a seeded request (`RequestRng`), inverse-CDF drawing (`sample`) and logprobs.
-Does not know models, caches, the engine loop or speculation; `spec/rejection.py` builds on it.
+Does not know models, caches, the engine loop or speculation; `spec/verifier.py` builds on it.
 Everything is pure torch on whatever device the logits live on; nothing here reads a device
 tensor back to the host.
 
@@ -22,6 +22,10 @@ Pipeline, in this fixed order (vLLM's classic order, also Hugging Face's):
   7. renormalise.
 vLLM V1 applies min-p before top-k/top-p; the two orders differ only when top-p and min-p are both
 set. Plain decoding and both sides of speculative decoding use this one function, so they agree.
+
+Which steps run is structure (`SamplerKind`, from the request's SamplingParams); their values may
+be Python numbers (SamplingParams) or device scalars (the engine's per-slot values, so one CUDA
+graph serves every request of a kind): the same ops either way.
 
 Randomness: `RequestRng(seed)` is a counter-based generator (Philox-4x32-10, Random123's). The
 uniform used for "generated token number i, purpose `stream`" is a pure function of
@@ -92,49 +96,71 @@ class TokenHistory:
         return seen, counts
 
 
+@dataclass(frozen=True)
+class SamplerKind:
+    """Which steps of the pipeline a request runs (the rest are off)."""
+
+    greedy: bool
+    repetition: bool = False
+    frequency: bool = False
+    presence: bool = False
+    top_k: bool = False
+    top_p: bool = False
+    min_p: bool = False
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> SamplerKind:
+        return cls(params.greedy, params.repetition_penalty != 1.0, params.frequency_penalty != 0.0,
+                   params.presence_penalty != 0.0, params.top_k > 0, params.top_p < 1.0, params.min_p > 0.0)
+
+    @property
+    def penalties(self) -> bool:
+        return self.repetition or self.frequency or self.presence
+
+
 def has_penalties(params: SamplingParams) -> bool:
-    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-            or params.presence_penalty != 0.0)
+    return SamplerKind.of(params).penalties
 
 
-def penalized_logits(logits: Tensor, params: SamplingParams, history: TokenHistory | None = None,
-                     extra_ids: Tensor | None = None) -> Tensor:
+def penalized_logits(logits: Tensor, params, history: TokenHistory | None = None,
+                     extra_ids: Tensor | None = None, kind: SamplerKind | None = None) -> Tensor:
     """Steps 1-2 of the pipeline. logits [N, V] -> float32 [N, V]; never writes into `logits`
     (returns it as is when it is float32 and no penalty is set)."""
+    kind = kind or SamplerKind.of(params)
     logits = logits.float()  # [N, V]
-    if not has_penalties(params):
+    if not kind.penalties:
         return logits
     if history is None:
         raise ValueError("penalties are set but no TokenHistory was given")
     seen, counts = history.rows(logits.shape[0], extra_ids)  # [N, V] each
-    rp = params.repetition_penalty
-    if rp != 1.0:
+    if kind.repetition:
+        rp = params.repetition_penalty
         logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
-    if params.frequency_penalty != 0.0:
+    if kind.frequency:
         logits = logits - params.frequency_penalty * counts.float()
-    if params.presence_penalty != 0.0:
+    if kind.presence:
         logits = logits - params.presence_penalty * (counts > 0).float()
     return logits
 
 
-def greedy_ids(logits: Tensor, params: SamplingParams, history: TokenHistory | None = None,
-               extra_ids: Tensor | None = None) -> Tensor:
+def greedy_ids(logits: Tensor, params, history: TokenHistory | None = None,
+               extra_ids: Tensor | None = None, kind: SamplerKind | None = None) -> Tensor:
     """Argmax of the penalized logits, per row: [N, V] -> [N] long. Ties go to the lowest id."""
-    return penalized_logits(logits, params, history, extra_ids).argmax(dim=-1)
+    return penalized_logits(logits, params, history, extra_ids, kind).argmax(dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------
 # Temperature and filters
 
 
-def _top_k_top_p_keep(probs: Tensor, top_k: int, top_p: float) -> Tensor:
+def _top_k_top_p_keep(probs: Tensor, top_k, top_p, kind: SamplerKind) -> Tensor:
     """keep mask [N, V] of top-k then top-p, computed on one stable descending sort."""
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # [N, V]
     rank = torch.arange(probs.shape[-1], device=probs.device)  # [V]
     keep_sorted = torch.ones_like(sorted_p, dtype=torch.bool)
-    if 0 < top_k < probs.shape[-1]:
+    if kind.top_k:  # top_k >= V keeps every rank
         keep_sorted &= rank < top_k
-    if top_p < 1.0:
+    if kind.top_p:
         kept = sorted_p * keep_sorted  # mass left after top-k, most probable first
         mass_before = kept.cumsum(-1) - kept  # [N, V] exclusive prefix mass
         # keep while the tokens before this one have not yet reached top_p of the kept mass;
@@ -143,12 +169,13 @@ def _top_k_top_p_keep(probs: Tensor, top_k: int, top_p: float) -> Tensor:
     return torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
 
-def filter_probs(probs: Tensor, params: SamplingParams) -> Tensor:
+def filter_probs(probs: Tensor, params, kind: SamplerKind | None = None) -> Tensor:
     """Steps 4-7: top-k, top-p, min-p on probabilities [N, V], renormalised."""
+    kind = kind or SamplerKind.of(params)
     keep = None
-    if params.top_k > 0 or params.top_p < 1.0:
-        keep = _top_k_top_p_keep(probs, params.top_k, params.top_p)
-    if params.min_p > 0.0:
+    if kind.top_k or kind.top_p:
+        keep = _top_k_top_p_keep(probs, params.top_k, params.top_p, kind)
+    if kind.min_p:
         # p / max(p) is unchanged by renormalising after top-k/top-p, and the max is always kept
         above = probs >= params.min_p * probs.amax(dim=-1, keepdim=True)
         keep = above if keep is None else keep & above
@@ -158,18 +185,19 @@ def filter_probs(probs: Tensor, params: SamplingParams) -> Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def probs_from_logits(logits: Tensor, params: SamplingParams, history: TokenHistory | None = None,
-                      extra_ids: Tensor | None = None) -> Tensor:
+def probs_from_logits(logits: Tensor, params, history: TokenHistory | None = None,
+                      extra_ids: Tensor | None = None, kind: SamplerKind | None = None) -> Tensor:
     """The distribution a token is drawn from: logits [N, V] -> float32 probs [N, V], rows sum to 1.
 
     history/extra_ids: see `TokenHistory.rows`; needed only when a penalty is set.
     Greedy (temperature 0) gives a one-hot at the penalized argmax.
     """
-    logits = penalized_logits(logits, params, history, extra_ids)  # [N, V]
-    if params.greedy:
+    kind = kind or SamplerKind.of(params)
+    logits = penalized_logits(logits, params, history, extra_ids, kind)  # [N, V]
+    if kind.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     probs = torch.softmax(logits / params.temperature, dim=-1)  # [N, V]
-    return filter_probs(probs, params)
+    return filter_probs(probs, params, kind)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,6 +23,23 @@ def test_run_bench_on_a_checkpoint(dense_fitted_ckpt):
     assert set(res["verify_cost_ratio"]) == {1, 2}
     assert res["draft_cost_ratio"] > 0 and res["decode_tokens_per_s"] > 0 and res["prefill_tokens_per_s"] > 0
     assert res["weight_bytes_per_token"] > 0
+    assert set(res["round_overhead"]) == {1, 2}
+
+
+def test_acceptance_profile_and_sampled_runs(dense_ckpt):
+    """Drafts that follow a profile are accepted exactly as often as it says (a random head alone
+    accepts nothing), output stays plain greedy's; sampled runs report their own speed-up."""
+    from nextn.models.loader import load_model
+
+    model = load_model(dense_ckpt)
+    cfg = bench.BenchConfig(spec_ks=[2], prompt_len=8, gen_len=11, iters=1, repeats=1, temperatures=[0.7],
+                            acceptance_profile=[1.0, 0.0])
+    res = bench.run_bench(model, "dense", cfg, log=lambda s: None)
+    assert res["profile_equals_plain"] == {2: True} and res["spec_equals_plain"] == {2: True}
+    assert res["profile_mean_acceptance_length"][2] == 2.0  # every round: draft 1 right, draft 2 wrong
+    assert res["profile_accepted_per_position"][2] == [1.0, 0.0]
+    assert res["mean_acceptance_length"][2] < 1.5  # the random head alone
+    assert set(res["sampled_spec_speedup"]) == {2} and res["sampled"][0.7]["decode_tokens_per_s"] > 0
 
 
 def test_random_preset_builds_and_decodes(monkeypatch, tmp_path):

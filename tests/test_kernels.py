@@ -28,7 +28,7 @@ from nextn.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from nextn.ops.conv import causal_conv1d  # noqa: E402
 from nextn.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: E402
 from nextn.ops.triton_attention import attend_step, qk_norm_rope  # noqa: E402
-from nextn.layers.ffn import routed_experts  # noqa: E402
+from nextn.ops.moe import routed_experts  # noqa: E402
 from nextn.ops.triton_gdn import gdn_step  # noqa: E402
 from nextn.ops.triton_moe_grouped import grouped_experts  # noqa: E402
 from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule as triton_chunk_rule  # noqa: E402
@@ -125,9 +125,9 @@ def _gdn_case(T, H, HV, K, V, W, dtype, g):
     proj = _rand(T, conv_dim + HV * V + 2 * HV + 8, dtype=dtype, gen=g)[:, : conv_dim + HV * V + 2 * HV]
     return dict(
         proj=proj, conv_weight=_rand(conv_dim, W, dtype=dtype, scale=0.5, gen=g),
-        conv_state=_rand(conv_dim, W - 1, dtype=dtype, gen=g),
+        conv_home=_rand(conv_dim, W - 1, dtype=dtype, gen=g),
         A_log=_rand(HV, dtype=dtype, scale=0.5, gen=g), dt_bias=_rand(HV, dtype=dtype, scale=0.5, gen=g),
-        state=_rand(HV, K, V, scale=0.1, gen=g), norm_weight=(1.0 + _rand(V, scale=0.1, gen=g)).to(dtype),
+        state_home=_rand(HV, K, V, scale=0.1, gen=g), norm_weight=(1.0 + _rand(V, scale=0.1, gen=g)).to(dtype),
     )
 
 
@@ -136,7 +136,7 @@ def _gdn_reference(c, H, HV, K, V, norm_eps):
     proj = c["proj"]
     T, dtype = proj.shape[0], proj.dtype
     conv_dim = 2 * H * K + HV * V
-    mixed, window = causal_conv1d(proj[None, :, :conv_dim], c["conv_weight"], c["conv_state"][None])
+    mixed, window = causal_conv1d(proj[None, :, :conv_dim], c["conv_weight"], c["conv_home"][None])
     q, k, v = torch.split(mixed[0], [H * K, H * K, HV * V], dim=-1)
     q = l2norm(q.reshape(1, T, H, K).float())
     k = l2norm(k.reshape(1, T, H, K).float())
@@ -145,20 +145,35 @@ def _gdn_reference(c, H, HV, K, V, norm_eps):
     b, a = proj[:, conv_dim + HV * V : conv_dim + HV * V + HV], proj[:, conv_dim + HV * V + HV :]
     beta = b.sigmoid()[None]
     gate = (-c["A_log"].float().exp() * F.softplus(a.float() + c["dt_bias"].float()))[None]
-    o, states = recurrent_gated_delta_rule(q, k, v, gate, beta, c["state"][None])
+    o, states = recurrent_gated_delta_rule(q, k, v, gate, beta, c["state_home"][None])
     norm = RMSNormGated(V, eps=norm_eps).to(DEVICE)
     norm.weight.data = c["norm_weight"]
     out = norm(o[0].reshape(T * HV, V).to(dtype), z.reshape(T * HV, V)).reshape(T, HV * V)
     return out, states[0], window[0]
 
 
-def _run_gdn_step(c, H, HV, K, V, W, norm_eps, T_max=8):
+def _gdn_buffers(c, H, HV, K, V, W, T_max):
+    """NaN-poisoned window [conv_dim, 2 * (W-1+T_max)] and states [2 * T_max, HV, K, V]: both halves,
+    as the engine keeps them."""
     conv_dim = 2 * H * K + HV * V
-    window = torch.full((conv_dim, W - 1 + T_max), float("nan"), device=DEVICE, dtype=c["proj"].dtype)
-    states = torch.full((T_max, HV, K, V), float("nan"), device=DEVICE)
-    out = gdn_step(c["proj"], c["conv_weight"], c["conv_state"], window, c["A_log"], c["dt_bias"], c["state"],
-                   states, c["norm_weight"], num_k_heads=H, norm_eps=norm_eps)
+    window = torch.full((conv_dim, 2 * (W - 1 + T_max)), float("nan"), device=DEVICE, dtype=c["proj"].dtype)
+    return window, torch.full((2 * T_max, HV, K, V), float("nan"), device=DEVICE)
+
+
+def _run_gdn_step(c, H, HV, K, V, W, norm_eps, T_max=8, slots=None, store_all=True, window=None, states=None):
+    """The step into `window` / `states` (fresh NaN-poisoned ones by default); slots as a list."""
+    if window is None:
+        window, states = _gdn_buffers(c, H, HV, K, V, W, T_max)
+    if slots is not None:
+        slots = torch.tensor(slots, device=DEVICE, dtype=torch.int32)
+    out = gdn_step(c["proj"], c["conv_weight"], c["conv_home"], window, c["A_log"], c["dt_bias"], c["state_home"],
+                   states, c["norm_weight"], num_k_heads=H, norm_eps=norm_eps, slots=slots, store_all=store_all)
     return out, states, window
+
+
+def _bits(x):
+    """x's bit patterns, so that equality holds NaN for NaN (an untouched poisoned entry)."""
+    return x.contiguous().view({4: torch.int32, 2: torch.int16}[x.element_size()])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -167,18 +182,70 @@ def test_gdn_step_matches_reference(T, dtype):
     H, HV, K, V, W, eps = 2, 4, 16, 32, 4, 1e-6
     g = torch.Generator(device=DEVICE).manual_seed(10 + T)
     c = _gdn_case(T, H, HV, K, V, W, dtype, g)
-    out, states, window = _run_gdn_step(c, H, HV, K, V, W, eps)
+    out, states, window = _run_gdn_step(c, H, HV, K, V, W, eps)  # default slots (-1, 0, -1, 0)
     ref_out, ref_states, ref_window = _gdn_reference(c, H, HV, K, V, eps)
     _close(out, ref_out, dtype)
     torch.testing.assert_close(states[:T], ref_states, rtol=1e-4, atol=1e-5)
     assert torch.equal(window[:, : W - 1 + T], ref_window)  # every channel's rollback window, bitwise
+    assert window[:, W - 1 + T :].isnan().all() and states[T:].isnan().all()  # and nothing else written
     assert not triton_utils._COUNTERS[out.device].any()  # the heads' last programs re-armed them
     # token t alone, from the conv window and state after t-1: bitwise the same output and state
     t = T - 1
-    one = dict(c, proj=c["proj"][t:], conv_state=window[:, t : t + W - 1].contiguous(),
-               state=c["state"] if t == 0 else states[t - 1].clone())
+    one = dict(c, proj=c["proj"][t:], conv_home=window[:, t : t + W - 1].contiguous(),
+               state_home=c["state_home"] if t == 0 else states[t - 1].clone())
     one_out, one_states, _ = _run_gdn_step(one, H, HV, K, V, W, eps)
     assert torch.equal(one_out[0], out[t]) and torch.equal(one_states[0], states[t])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4])
+def test_gdn_step_slots(T, dtype):
+    """slots = (state_at, state_write, conv_at, conv_write) in the device tensor: carried columns from
+    the window and the state from states[state_at] give bitwise what conv_home / state_home give;
+    writes land at the offsets and nowhere else; store_all=False stores only the last token's state."""
+    H, HV, K, V, W, eps, T_max = 2, 4, 16, 32, 4, 1e-6, 8
+    half = W - 1 + T_max
+    g = torch.Generator(device=DEVICE).manual_seed(20 + T)
+    c = _gdn_case(T, H, HV, K, V, W, dtype, g)
+    out, states, window = _run_gdn_step(c, H, HV, K, V, W, eps, T_max)  # from the homes: the baseline
+    # homes poisoned: the step must take its carried columns and state from window / states
+    poisoned = dict(c, conv_home=torch.full_like(c["conv_home"], float("nan")),
+                    state_home=torch.full_like(c["state_home"], float("nan")))
+    state_at, state_write, conv_at, conv_write = 2 * T_max - 1, 3, half + 2, 1
+    slots = [state_at, state_write, conv_at, conv_write]
+    written_cols = torch.zeros(2 * half, dtype=torch.bool, device=DEVICE)
+    written_cols[conv_write : conv_write + W - 1 + T] = True
+    for store_all in (True, False):
+        win, st = _gdn_buffers(c, H, HV, K, V, W, T_max)
+        win[:, conv_at : conv_at + W - 1] = c["conv_home"]
+        st[state_at] = c["state_home"]
+        win0, st0 = win.clone(), st.clone()
+        out2, _, _ = _run_gdn_step(poisoned, H, HV, K, V, W, eps, slots=slots, store_all=store_all,
+                                   window=win, states=st)
+        assert torch.equal(out2, out), store_all
+        assert not triton_utils._COUNTERS[out.device].any()
+        # the window: the step's columns at conv_write, bitwise; every other column as it was
+        assert torch.equal(win[:, written_cols], window[:, : W - 1 + T])
+        assert torch.equal(_bits(win[:, ~written_cols]), _bits(win0[:, ~written_cols]))
+        assert torch.equal(win[:, conv_at : conv_at + W - 1], c["conv_home"])  # the read columns kept
+        untouched = ~written_cols
+        untouched[conv_at : conv_at + W - 1] = False
+        assert win[:, untouched].isnan().all()
+        # the states: all T from state_write, or only the last token's at state_write; no other slot
+        written = list(range(state_write, state_write + T)) if store_all else [state_write]
+        assert torch.equal(st[written], states[:T] if store_all else states[T - 1 : T]), store_all
+        others = [s for s in range(2 * T_max) if s not in written]
+        assert torch.equal(_bits(st[others]), _bits(st0[others]))
+        assert st[[s for s in others if s != state_at]].isnan().all()
+        if store_all:  # the next round on the same buffers: token T-1 alone, from its window columns and
+            # the state after token T-2, written to the other halves: bitwise row T-1 and its state
+            one = dict(poisoned, proj=c["proj"][T - 1 :])
+            prev = state_at if T == 1 else state_write + T - 2
+            win1, st1 = win.clone(), st.clone()
+            one_out, _, _ = _run_gdn_step(one, H, HV, K, V, W, eps, slots=[prev, T_max, conv_write + T - 1, half],
+                                          store_all=False, window=win1, states=st1)
+            assert torch.equal(one_out[0], out[T - 1]) and torch.equal(st1[T_max], states[T - 1])
+            assert torch.equal(win1[:, half : half + W], window[:, T - 1 : T - 1 + W])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,19 +451,29 @@ def test_skinny_linear_9b_shapes_gpu(N, K, kind):
 
 @gpu
 def test_gdn_step_9b_shapes_gpu():
-    H, HV, K, V, W, T, eps = 16, 32, 128, 128, 4, 9, 1e-6
+    H, HV, K, V, W, T, eps, T_max = 16, 32, 128, 128, 4, 9, 1e-6, 16
     g = torch.Generator(device=DEVICE).manual_seed(5)
     c = _gdn_case(T, H, HV, K, V, W, torch.bfloat16, g)
-    out, states, window = _run_gdn_step(c, H, HV, K, V, W, eps, T_max=16)
+    out, states, window = _run_gdn_step(c, H, HV, K, V, W, eps, T_max=T_max)
     ref_out, ref_states, ref_window = _gdn_reference(c, H, HV, K, V, eps)
     _close(out, ref_out, torch.bfloat16)
     # the kernel's SiLU (tl.exp) can round a bf16 conv output one ulp off torch's, and the state
     # integrates v, k over the tokens: 0.0159 was the largest difference seen on an H200
     torch.testing.assert_close(states[:T], ref_states, rtol=2**-6, atol=2**-5)
     assert torch.equal(window[:, : W - 1 + T], ref_window)
-    one = dict(c, proj=c["proj"][4:5], conv_state=window[:, 4 : 4 + W - 1].contiguous(), state=states[3].clone())
-    one_out, one_states, _ = _run_gdn_step(one, H, HV, K, V, W, eps, T_max=16)
+    one = dict(c, proj=c["proj"][4:5], conv_home=window[:, 4 : 4 + W - 1].contiguous(), state_home=states[3].clone())
+    one_out, one_states, _ = _run_gdn_step(one, H, HV, K, V, W, eps, T_max=T_max)
     assert torch.equal(one_out[0], out[4]) and torch.equal(one_states[0], states[4])
+    # the same token through the slots: window columns 4.., states[3], written to the other halves
+    half = W - 1 + T_max
+    poisoned = dict(one, conv_home=torch.full_like(c["conv_home"], float("nan")),
+                    state_home=torch.full_like(c["state_home"], float("nan")))
+    win, st = window.clone(), states.clone()
+    slot_out, _, _ = _run_gdn_step(poisoned, H, HV, K, V, W, eps, slots=[3, T_max, 4, half], store_all=False,
+                                   window=win, states=st)
+    assert torch.equal(slot_out[0], out[4]) and torch.equal(st[T_max], states[4])
+    assert torch.equal(win[:, half : half + W], window[:, 4 : 4 + W])
+    assert st[T_max + 1 :].isnan().all() and win[:, half + W :].isnan().all()
 
 
 @gpu

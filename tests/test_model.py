@@ -10,8 +10,9 @@ from hf_fixtures import hf_greedy, hf_logits
 from safetensors.torch import load_file, save_file
 
 import nextn
-from nextn.cache import HybridCache
-from nextn.config import ConfigError, ModelConfig
+from nextn.cache import CacheLayout, HybridCache
+from nextn.cache.hybrid import CONV_WRITE, STATE_WRITE
+from nextn.config import FULL, ConfigError, ModelConfig
 from nextn.models.loader import CheckpointError, load_model
 
 CKPTS = ["dense_ckpt", "moe_ckpt", "moe_perexpert_ckpt", "next_ckpt", "vlm_ckpt", "moe_vlm_ckpt"]
@@ -51,8 +52,14 @@ def test_vlm_layout_loads_the_same_weights(dense_ckpt, vlm_ckpt, moe_ckpt, moe_v
             assert torch.equal(sa[k], sb[k]), k
 
 
-def _step_states(model, cache):
-    return {i: (cache.conv[i].clone(), cache.recurrent[i].clone()) for i in cache.conv}
+def _slots(model, num_slots=2, rows=5):
+    """num_slots views of one cache (64 tokens each, steps keeping up to `rows` states)."""
+    cache = HybridCache(model.cfg, CacheLayout(num_slots, 64, rows, draft=False), "cpu", torch.float32)
+    return [cache.slot(s) for s in range(num_slots)]
+
+
+def _gdn_layers(model):
+    return [i for i, t in enumerate(model.cfg.layer_types) if t != FULL]
 
 
 @pytest.mark.parametrize("name", ["dense_ckpt", "moe_ckpt", "next_ckpt"])
@@ -60,24 +67,24 @@ def test_multi_token_step_equals_single_steps(name, request):
     """A (K+1)-token keep-states step over the cache == K+1 one-token steps: outputs and per-token states."""
     model = load_model(request.getfixturevalue(name))
     ids = _ids(20, seed=1)
-    cfg = model.cfg
+    W = model.cfg.linear_conv_kernel_dim
+    multi, single = _slots(model)
     with torch.no_grad():
-        multi = HybridCache(cfg, 64, "cpu", torch.float32)
-        model(ids[:, :15], multi)
-        single = HybridCache(cfg, 64, "cpu", torch.float32)
-        model(ids[:, :15], single)
+        for cache in (multi, single):
+            model(ids[:, :15], cache)
+            cache.commit_home(15)
         h_multi = model(ids[:, 15:], multi, keep_states=True)
-        stash = {i: s.states.clone() for i, s in multi.stash.items()}
-        windows = {i: s.window.clone() for i, s in multi.stash.items()}
+        w, cw = multi.get(STATE_WRITE), multi.get(CONV_WRITE)  # where the step wrote its states
+        states, windows = multi.t("states").clone(), multi.t("window").clone()
         for t in range(5):
             h1 = model(ids[:, 15 + t : 16 + t], single, keep_states=True)
             single.commit(1)
             # bitwise: decode and verify rows share one arithmetic (the fixed-shape step)
             assert torch.equal(h1[0, 0], h_multi[0, t])
-            W = cfg.linear_conv_kernel_dim
-            for i, (conv, rec) in _step_states(model, single).items():
-                assert torch.equal(stash[i][:, t], rec)
-                assert torch.equal(windows[i][:, :, t + 1 : t + W], conv)
+            for j, i in enumerate(_gdn_layers(model)):
+                conv, rec = single.committed_gdn(i)
+                assert torch.equal(states[j][w + t], rec)
+                assert torch.equal(windows[j][:, cw + t + 1 : cw + t + W], conv)
 
 
 @pytest.mark.parametrize("name", ["dense_ckpt", "next_ckpt"])
@@ -86,23 +93,23 @@ def test_commit_rolls_back_to_the_kept_prefix(name, n_keep, request):
     """State after a 5-token step committing n == state after feeding those n tokens one at a time."""
     model = load_model(request.getfixturevalue(name))
     ids = _ids(15, seed=2)
+    a, b = _slots(model)
     with torch.no_grad():
-        a = HybridCache(model.cfg, 64, "cpu", torch.float32)
-        b = HybridCache(model.cfg, 64, "cpu", torch.float32)
-        model(ids[:, :10], a)
-        model(ids[:, :10], b)
+        for cache in (a, b):
+            model(ids[:, :10], cache)
+            cache.commit_home(10)
         model(ids[:, 10:15], a, keep_states=True)
         a.commit(n_keep)
         for t in range(n_keep):
             model(ids[:, 10 + t : 11 + t], b, keep_states=True)
             b.commit(1)
         assert a.seq_len == b.seq_len == 10 + n_keep
-        for i in a.conv:
-            assert torch.equal(a.conv[i], b.conv[i])
-            assert torch.equal(a.recurrent[i], b.recurrent[i])
-        for i in a.kv:
-            n = a.seq_len
-            assert torch.equal(a.kv[i].key[:, :n], b.kv[i].key[:, :n])
+        for i in _gdn_layers(model):
+            for x, y in zip(a.committed_gdn(i), b.committed_gdn(i)):
+                assert torch.equal(x, y)
+        n = a.seq_len
+        for i in (i for i, t in enumerate(model.cfg.layer_types) if t == FULL):
+            assert torch.equal(a.kv(i)[0][:n], b.kv(i)[0][:n])
         # the next token sees identical states
         nxt = ids[:, 14:15]
         ha, hb = model(nxt, a, keep_states=True), model(nxt, b, keep_states=True)

@@ -9,25 +9,48 @@ import torch
 from hf_fixtures import FIT_PROMPTS
 
 import nextn
-from nextn.engine.selector import TokenSelector
+from nextn.cache.hybrid import ACCEPTED, NUM_GEN
+from nextn.engine.rounds import Buffers
+from nextn.engine.sampler import SlotSampler
+from nextn.engine.scheduler import Request
 from nextn.spec.replay import replay_rounds, trunk_pass
+
+
+def _live_drafts(llm, context: list[int], pending: int, k: int) -> list[int]:
+    """What the engine's proposer drafts after `context` with `pending` as the pending token."""
+    engine = llm.engine
+    req = Request(context, nextn.SamplingParams(temperature=0))
+    engine.scheduler.add(req)
+    engine.scheduler.admit()
+    seq, cache = req.seq, engine.runner.slot(req.seq.slot)
+    cache.reset()
+    seq.heads = True
+    with torch.inference_mode():
+        engine.runner.extend(seq, context)
+        engine.runner.catch_up(seq)
+        buf, sampler = Buffers.of(cache), SlotSampler(cache)
+        sampler.start(req.params, context)
+        buf.verify_ids[0] = pending
+        buf.hidden[0] = seq.last_hidden
+        cache.set(accepted=0, num_gen=1)
+        engine.proposer.propose(cache, sampler, buf.draft_io(), k)
+    engine.scheduler.finish(req, keep=False)
+    assert cache.get(ACCEPTED) == 0 and cache.get(NUM_GEN) == 1
+    return buf.verify_ids[1 : k + 1].tolist()
 
 
 def test_replay_drafts_equal_live_drafts(dense_fitted_ckpt):
     llm = nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=3)
     prompt = list(FIT_PROMPTS[0])
-    text = prompt + llm.generate(prompt_token_ids=prompt, params=nextn.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)).token_ids
-    runner, proposer = llm.runner, llm.proposer
-    hidden, picks, _ = trunk_pass(runner, text)
-    greedy = nextn.SamplingParams(temperature=0)
+    greedy = nextn.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    text = prompt + llm.generate(prompt_token_ids=prompt, params=greedy).token_ids
+    hidden, picks, _ = trunk_pass(llm.model, text)
     with torch.inference_mode():
-        rounds = list(replay_rounds(runner, proposer, text, hidden, picks, 3, range(1, len(text) - 3, 4)))
+        rounds = list(replay_rounds(llm.model, text, hidden, picks, 3, range(1, len(text) - 3, 4)))
     assert len(rounds) > 3
     for p, drafts, targets in rounds:
-        state = runner.new_state(64)
-        runner.extend(state, text[:p])  # live: tokens 0..p-1 committed, token p pending
-        live = proposer.propose(state, text[p], 3, TokenSelector(greedy, text[:p], runner.cfg.vocab_size, "cpu"))
-        assert live.token_ids.tolist() == drafts.tolist(), p
+        # live: tokens 0..p-1 committed, token p pending
+        assert _live_drafts(llm, text[:p], text[p], 3) == drafts.tolist(), p
         # targets are the trunk's own greedy picks, and on its own greedy text they are the text
         if p >= len(prompt):
             assert targets.tolist() == text[p + 1 : p + 4]

@@ -15,7 +15,7 @@ from nextn.core import SamplingParams
 from nextn.sampling import (RequestRng, Stream, TokenHistory, filter_probs, greedy_ids, philox4x32,
                             philox4x32_tensor, probs_from_logits, sample, token_logprobs,
                             top_logprobs)
-from nextn.spec.rejection import draft_probs_on_target_vocab, verify_greedy, verify_sampled
+from nextn.spec.verifier import draft_probs_on_target_vocab, verify_greedy, verify_sampled
 
 
 @pytest.fixture(autouse=True, scope="module")

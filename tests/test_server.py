@@ -340,8 +340,8 @@ def test_disconnect_while_waiting_for_a_full_response_cancels_the_work(live):
 
 
 def test_a_full_queue_answers_503_at_once(dense_ckpt):
-    llm = LLM(model=dense_ckpt, max_model_len=512)
-    with LiveServer(llm, ServeConfig(api_key=KEY, served_model_name=MODEL, max_queue=1, max_running=1)) as srv:
+    llm = LLM(model=dense_ckpt, max_model_len=512, max_num_seqs=1)
+    with LiveServer(llm, ServeConfig(api_key=KEY, served_model_name=MODEL, max_queue=1)) as srv:
         http_a, stream_a = _open_stream(srv, max_tokens=400)
         http_b, stream_b = _open_stream(srv, max_tokens=400)
         with stream_a as a:

@@ -11,7 +11,6 @@ import torch
 from hf_fixtures import FIT_PROMPTS, hf_hidden_states, hf_mtp_logits
 
 import nextn
-from nextn.cache import LayerKV
 from nextn.models.loader import load_model
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -61,12 +60,9 @@ def test_mtp_head_logits_match_transformers(dense_ckpt, after_norm):
     hidden = post if after_norm else pre
     ref = hf_mtp_logits(dense_ckpt, ids, hidden)
     cfg = model.cfg
-    kv = LayerKV(1, 32, cfg.num_key_value_heads, cfg.head_dim, "cpu", torch.float32)
+    kv = tuple(torch.zeros(32, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2))
     with torch.no_grad():
-        embeds = model.model.embed_tokens(torch.tensor([ids[1:]]))
-        cos, sin = model.rotary.cos_sin(torch.arange(1, len(ids)), embeds.dtype)
-        out = model.mtp(embeds, hidden[None, :-1], cos, sin, kv, 0)
-        ours = model.logits(model.mtp.norm(out))[0]
+        ours = model.head_rows(kv, torch.tensor(ids[1:]), hidden[:-1], 1, last_only=False)[0]
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
 
 

@@ -145,9 +145,6 @@ def _chain_loss(model, x, depth: int) -> float:
 def test_chain_objective_is_the_proposers_chain(tiny_run):
     """Chain depths computed in one pass equal the proposer's drafting over a persistent draft K/V
     (true tokens fed as the accepted drafts), and depth 1 equals the head's one-step objective."""
-    from nextn.cache import LayerKV
-    from nextn.config import SpecConfig
-    from nextn.spec.proposer import MTPProposer
     from nextn.train.objective import chain_logits, head_logits, trunk_hidden
     from nextn.train.tokenizer import load_tokenizer
 
@@ -155,22 +152,23 @@ def test_chain_objective_is_the_proposers_chain(tiny_run):
     ids = load_tokenizer(tiny_run / "run" / "tokenizer").encode(SOURCE * 2).ids[:41]
     x = torch.tensor([ids])
     L = x.shape[1] - 1
-    proposer, cfg = MTPProposer(model, SpecConfig(num_speculative_tokens=3)), model.cfg
+    cfg = model.cfg
     with torch.no_grad():
         hidden = trunk_hidden(model, x[:, :-1])
         chain = chain_logits(model, x, hidden, 3)
         assert [c.shape[1] for c in chain] == [L - 1, L - 2, L - 3]
         torch.testing.assert_close(chain[0], head_logits(model, x, hidden), atol=1e-4, rtol=1e-4)
-        kv = LayerKV(1, L + 4, cfg.num_key_value_heads, cfg.head_dim, "cpu", torch.float32)
-        logits, chained = proposer.run_rows(kv, x[0, 1:L], hidden[0, : L - 1], 1, last_only=False)
+        kv = tuple(torch.zeros(L + 4, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2))
+        logits, chained = model.head_rows(kv, x[0, 1:L], hidden[0, : L - 1], 1, last_only=False)
         torch.testing.assert_close(logits, chain[0][0], atol=1e-4, rtol=1e-4)
         for p in (1, 7, 20, L - 3):
-            saved = kv.key.clone(), kv.value.clone()
+            saved = kv[0].clone(), kv[1].clone()
             h = chained[p - 1 : p]
             for d in (1, 2):  # draft step d + 1 at position p + d, fed the true token x_{p+d}
-                step, h = proposer.run_rows(kv, x[0, p + d : p + d + 1], h, p + d)
+                step, h = model.head_rows(kv, x[0, p + d : p + d + 1], h, p + d)
                 torch.testing.assert_close(step[0], chain[d][0, p - 1], atol=1e-4, rtol=1e-4)
-            kv.key, kv.value = saved
+            kv[0].copy_(saved[0])
+            kv[1].copy_(saved[1])
 
 
 def test_chain_depth_distillation_trains_the_chain(tiny_run):

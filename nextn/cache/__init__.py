@@ -1,3 +1,4 @@
-from nextn.cache.hybrid import CacheSnapshot, HybridCache, LayerKV, StepStash
+from nextn.cache.hybrid import CacheLayout, HybridCache, SlotCache, commit_ctl
+from nextn.cache.pool import CacheMemoryError, SlotPool
 
-__all__ = ["CacheSnapshot", "HybridCache", "LayerKV", "StepStash"]
+__all__ = ["CacheLayout", "CacheMemoryError", "HybridCache", "SlotCache", "SlotPool", "commit_ctl"]

@@ -1,8 +1,24 @@
-"""Caches of the hybrid trunk, allocated up front: attention K/V per full-attention layer,
-conv window and recurrent state per Gated DeltaNet layer, plus the per-token states a
-multi-token step keeps until `commit` says how many of its tokens stay (speculative rollback).
+"""The caches of every sequence slot in one allocation made up front, one layout for the reference
+modules and the Triton step, and the rule that commits a step.
 
-Owns: tensors and their bookkeeping. Does not know about models, tokens or sampling.
+Per slot: attention K/V per full-attention layer (position-addressed, append-only); per Gated
+DeltaNet layer a home conv window and recurrent state (what a chunked prefill writes) and step
+buffers in two halves (the conv window with a step's inputs, the state after each step token); a
+prompt-end checkpoint of the GDN states; the MTP head's draft K/V; the engine's own per-slot
+buffers (named in `CacheLayout.extra`); and `ctl`, the slot's counters on the device:
+
+  SEQ_LEN      committed tokens: the next step's row 0 sits at this position
+  STATE_AT     step-buffer slot of the committed recurrent state (-1: the home state)
+  STATE_WRITE  first step-buffer slot the next step writes (0 or R: the half without STATE_AT)
+  CONV_AT      window column where the committed conv columns start (-1: the home window)
+  CONV_WRITE   first window column the next step writes (0 or WC)
+  DRAFT_LEN    MTP rows written with true hiddens (rows 1..DRAFT_LEN sit in draft slots 0..DRAFT_LEN-1)
+  NUM_GEN      tokens the running request has emitted (the index of its next uniform)
+  ACCEPTED     drafts the last round accepted
+
+A step never writes where the committed state lives, so a step that is not kept needs no undo, and
+`commit_ctl` keeps tokens by moving the pointers: nothing is copied. Owns the tensors and that
+rule; does not know models, tokens or sampling.
 """
 from __future__ import annotations
 
@@ -10,112 +26,206 @@ from dataclasses import dataclass
 
 import torch
 
-from nextn.config import FULL, ModelConfig
-
+from nextn.config import FULL, STEP_ROWS, ModelConfig
 
 KV_BLOCK = 64  # K/V storage is allocated in whole blocks (the step attention reads whole blocks)
+SEQ_LEN, STATE_AT, STATE_WRITE, CONV_AT, CONV_WRITE, DRAFT_LEN, NUM_GEN, ACCEPTED = range(8)
+NUM_CTL = 8
 
 
-class LayerKV:
-    """K/V of one attention layer over positions [0, max_len): append-only, position-addressed."""
-
-    def __init__(self, batch: int, max_len: int, num_kv_heads: int, head_dim: int, device, dtype):
-        capacity = -(-max_len // KV_BLOCK) * KV_BLOCK
-        self.max_len = max_len
-        self.key = torch.zeros(batch, capacity, num_kv_heads, head_dim, device=device, dtype=dtype)
-        self.value = torch.zeros_like(self.key)
-
-    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        end = start + k.shape[1]
-        if end > self.max_len:
-            raise ValueError(f"cache overflow: {end} positions > capacity {self.max_len}")
-        self.key[:, start:end] = k
-        self.value[:, start:end] = v
-
-
-@dataclass
-class StepStash:
-    """What a keep-states step leaves per GDN layer until commit."""
-
-    window: torch.Tensor  # [B, D, W-1+T]: carried conv columns then the step's inputs
-    states: torch.Tensor  # [B, T, HV, K, V] float32: recurrent state after each step token
-
-
-@dataclass
-class CacheSnapshot:
-    seq_len: int
-    conv: dict[int, torch.Tensor]
-    recurrent: dict[int, torch.Tensor]
+@dataclass(frozen=True)
+class CacheLayout:
+    num_slots: int
+    max_len: int  # tokens a sequence may commit
+    step_states: int  # R: per-token states a step keeps for rollback (the longest verify)
+    draft: bool  # the MTP head's draft K/V
+    extra: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()  # engine buffers, per slot
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.conv, self.recurrent) for t in d.values())
+    def capacity(self) -> int:
+        """K/V positions per slot: a round queued ahead, and head rows past the committed ones,
+        write up to 2 * STEP_ROWS positions beyond max_len."""
+        return -(-(self.max_len + 2 * STEP_ROWS) // KV_BLOCK) * KV_BLOCK
+
+
+def window_cols(cfg: ModelConfig) -> int:
+    """WC: columns of one half of a step's conv window (the carried columns, then the inputs)."""
+    return cfg.linear_conv_kernel_dim - 1 + STEP_ROWS
+
+
+def tensor_specs(cfg: ModelConfig, layout: CacheLayout, dtype: torch.dtype) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor the cache holds, slot first."""
+    S, cap, f32 = layout.num_slots, layout.capacity, torch.float32
+    kv = (S, cap, cfg.num_key_value_heads, cfg.head_dim)
+    n = sum(t != FULL for t in cfg.layer_types)
+    conv = (S, n, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)
+    state = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    specs = {}
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == FULL:
+            specs[f"key.{i}"] = specs[f"value.{i}"] = (kv, dtype)
+    specs.update({
+        "conv": (conv, dtype), "recurrent": ((S, n, *state), f32),
+        "window": ((S, n, cfg.conv_dim, 2 * window_cols(cfg)), dtype),
+        "states": ((S, n, 2 * layout.step_states, *state), f32),
+        "ckpt_conv": (conv, dtype), "ckpt_recurrent": ((S, n, *state), f32),
+        "ctl": ((S, NUM_CTL), torch.int32),
+    })
+    if layout.draft:
+        specs["draft_key"] = specs["draft_value"] = (kv, dtype)
+    for name, shape, extra_dtype in layout.extra:
+        specs[name] = ((S, *shape), extra_dtype)
+    return specs
+
+
+def nbytes_of(specs: dict[str, tuple[tuple, torch.dtype]]) -> int:
+    total = 0
+    for shape, dtype in specs.values():
+        numel = 1
+        for d in shape:
+            numel *= d
+        total += numel * dtype.itemsize
+    return total
 
 
 class HybridCache:
-    def __init__(self, cfg: ModelConfig, max_len: int, device, dtype, batch: int = 1):
-        self.cfg = cfg
-        self.max_len = max_len
-        self.seq_len = 0  # committed positions
-        self.kv: dict[int, LayerKV] = {}
-        self.conv: dict[int, torch.Tensor] = {}
-        self.recurrent: dict[int, torch.Tensor] = {}
-        self.stash: dict[int, StepStash] = {}
-        self.step_tokens = 0  # tokens of the last keep-states step, awaiting commit
-        for i, kind in enumerate(cfg.layer_types):
-            if kind == FULL:
-                self.kv[i] = LayerKV(batch, max_len, cfg.num_key_value_heads, cfg.head_dim, device, dtype)
-            else:
-                W = cfg.linear_conv_kernel_dim
-                self.conv[i] = torch.zeros(batch, cfg.conv_dim, W - 1, device=device, dtype=dtype)
-                self.recurrent[i] = torch.zeros(
-                    batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                    device=device, dtype=torch.float32,
-                )
-
-    def commit(self, num_kept: int) -> None:
-        """Keep the first `num_kept` tokens of the last keep-states step; drop the rest.
-
-        Attention K/V past the kept tokens are simply outside seq_len. GDN layers take the conv
-        window and recurrent state as they were after the last kept token.
-        """
-        if not 1 <= num_kept <= self.step_tokens:
-            raise ValueError(f"commit({num_kept}) after a step of {self.step_tokens} tokens")
-        W = self.cfg.linear_conv_kernel_dim
-        for i, s in self.stash.items():
-            self.conv[i].copy_(s.window[:, :, num_kept : num_kept + W - 1])
-            self.recurrent[i].copy_(s.states[:, num_kept - 1])
-        self.stash.clear()
-        self.seq_len += num_kept
-        self.step_tokens = 0
-
-    def discard_step(self) -> None:
-        """Keep none of the last keep-states step (one queued ahead whose input turned out to
-        follow a stop). Its K/V writes lie beyond seq_len; the committed GDN state was never
-        touched."""
-        self.stash.clear()
-        self.step_tokens = 0
-
-    def snapshot(self) -> CacheSnapshot:
-        """A copy of the in-place state; attention K/V need none (truncation restores them)."""
-        return CacheSnapshot(
-            self.seq_len,
-            {i: t.clone() for i, t in self.conv.items()},
-            {i: t.clone() for i, t in self.recurrent.items()},
-        )
-
-    def restore(self, snap: CacheSnapshot) -> None:
-        if snap.seq_len > self.seq_len:
-            raise ValueError("cannot restore a snapshot from beyond the cache's committed length")
-        for i, t in snap.conv.items():
-            self.conv[i].copy_(t)
-        for i, t in snap.recurrent.items():
-            self.recurrent[i].copy_(t)
-        self.seq_len = snap.seq_len
-        self.stash.clear()
-        self.step_tokens = 0
+    def __init__(self, cfg: ModelConfig, layout: CacheLayout, device, dtype: torch.dtype):
+        self.cfg, self.layout = cfg, layout
+        self.tensors = {name: torch.zeros(shape, device=device, dtype=dt)
+                        for name, (shape, dt) in tensor_specs(cfg, layout, dtype).items()}
+        self.ctl = self.tensors["ctl"]
+        reset_ctl(self.ctl, layout.step_states, window_cols(cfg))
+        # decoder layer index -> its index among the GDN layers (their stacked buffers)
+        self.gdn_index = {i: j for j, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t != FULL)}
 
     @property
     def nbytes(self) -> int:
-        n = sum(kv.key.numel() * kv.key.element_size() * 2 for kv in self.kv.values())
-        return n + sum(t.numel() * t.element_size() for d in (self.conv, self.recurrent) for t in d.values())
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def slot(self, slot: int) -> SlotCache:
+        return SlotCache(self, slot)
+
+
+def reset_ctl(ctl: torch.Tensor, rows: int, cols: int) -> None:
+    """An empty sequence: nothing committed, home states, halves at 0."""
+    ctl.zero_()
+    ctl[..., STATE_AT] = -1
+    ctl[..., CONV_AT] = -1
+
+
+class SlotCache:
+    """One sequence slot's view of the cache: what the reference modules and the step read."""
+
+    def __init__(self, cache: HybridCache, slot: int):
+        self.cache, self.slot, self.cfg = cache, slot, cache.cfg
+        self.max_len = cache.layout.max_len
+        self.ctl = cache.ctl[slot]  # [NUM_CTL]
+        self.rows = cache.layout.step_states
+        self.cols = window_cols(cache.cfg)
+
+    def t(self, name: str) -> torch.Tensor:
+        """The slot's part of a cache tensor."""
+        return self.cache.tensors[name][self.slot]
+
+    def kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention K/V of a decoder layer [capacity, Hkv, D]."""
+        return self.t(f"key.{layer_idx}"), self.t(f"value.{layer_idx}")
+
+    def draft_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.t("draft_key"), self.t("draft_value")
+
+    # --- the host's reading of ctl (the reference path and prefill; a device sync on CUDA)
+
+    def get(self, field: int) -> int:
+        return int(self.ctl[field])
+
+    @property
+    def seq_len(self) -> int:
+        return self.get(SEQ_LEN)
+
+    def committed_gdn(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv columns [D, W-1], recurrent state [HV, K, V]) after the committed tokens."""
+        j, W = self.cache.gdn_index[layer_idx], self.cfg.linear_conv_kernel_dim
+        conv_at, state_at = self.get(CONV_AT), self.get(STATE_AT)
+        conv = self.t("conv")[j] if conv_at < 0 else self.t("window")[j][:, conv_at : conv_at + W - 1]
+        state = self.t("recurrent")[j] if state_at < 0 else self.t("states")[j][state_at]
+        return conv, state
+
+    def write_step(self, layer_idx: int, window: torch.Tensor, states: torch.Tensor) -> None:
+        """A step's conv window [D, W-1+T] and states [T or 1, HV, K, V] into the write half."""
+        j = self.cache.gdn_index[layer_idx]
+        at, w = self.get(CONV_WRITE), self.get(STATE_WRITE)
+        self.t("window")[j][:, at : at + window.shape[-1]] = window
+        self.t("states")[j][w : w + states.shape[0]] = states
+
+    def write_home(self, layer_idx: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        """Prefill's final conv columns and state (the caller then points ctl home)."""
+        j = self.cache.gdn_index[layer_idx]
+        self.t("conv")[j].copy_(conv)
+        self.t("recurrent")[j].copy_(state)
+
+    def set(self, **fields: int) -> None:
+        for name, value in fields.items():
+            self.ctl[globals()[name.upper()]] = value
+
+    def commit(self, kept: int, store_all: bool = True) -> None:
+        """Keep `kept` tokens of the last step (host-driven: prefill)."""
+        self.ctl.copy_(commit_ctl(self.ctl, kept, self.rows, self.cols, store_all))
+
+    def commit_home(self, num_tokens: int) -> None:
+        """After a chunked prefill of num_tokens that wrote the home states."""
+        self.set(seq_len=self.seq_len + num_tokens, state_at=-1, conv_at=-1)
+
+    def snapshot_gdn(self) -> None:
+        """The committed GDN states into the slot's checkpoint buffers (a prompt-end checkpoint)."""
+        for i, j in self.cache.gdn_index.items():
+            conv, state = self.committed_gdn(i)
+            self.t("ckpt_conv")[j].copy_(conv)
+            self.t("ckpt_recurrent")[j].copy_(state)
+
+    def restore_gdn(self, num_tokens: int) -> None:
+        """Rewind to the checkpoint taken after num_tokens tokens: its states become home."""
+        self.t("conv").copy_(self.t("ckpt_conv"))
+        self.t("recurrent").copy_(self.t("ckpt_recurrent"))
+        self.set(seq_len=num_tokens, state_at=-1, conv_at=-1)
+
+    def reset(self) -> None:
+        """An empty sequence: zero home states (K/V are position-addressed: no need)."""
+        reset_ctl(self.ctl, self.rows, self.cols)
+        self.t("conv").zero_()
+        self.t("recurrent").zero_()
+
+
+def commit_ctl(ctl: torch.Tensor, kept, rows: int, cols: int, store_all: bool = True,
+               round_: bool = False) -> torch.Tensor:
+    """ctl [NUM_CTL] after keeping `kept` (an int, or a device scalar: no host read) tokens of a
+    step that wrote the halves at STATE_WRITE / CONV_WRITE; the next step writes the other halves.
+    store_all: the step kept every token's state (a verify), else only its last (a prefill step).
+    round_: the step was a round's verify: also DRAFT_LEN += ACCEPTED + 1 (the rows the round's
+    head pass wrote), NUM_GEN += kept, ACCEPTED = kept - 1. The one commit rule of the engine."""
+    a_idx, a, b_idx, b, k, c = _commit_table(rows, cols, store_all, round_, ctl.device)
+    return ctl[a_idx] * a + ctl[b_idx] * b + kept * k + c
+
+
+_TABLES: dict = {}
+
+
+def _commit_table(rows: int, cols: int, store_all: bool, round_: bool, device) -> tuple[torch.Tensor, ...]:
+    """new[f] = ctl[a_idx[f]] * a[f] + ctl[b_idx[f]] * b[f] + kept * k[f] + c[f]: commit_ctl as a
+    few vector ops (each field's rule is affine in two old fields and kept)."""
+    key = (rows, cols, store_all, round_, str(device))
+    if key not in _TABLES:
+        rule = {  # field: (a_field, a, b_field, b, k, c)
+            SEQ_LEN: (SEQ_LEN, 1, SEQ_LEN, 0, 1, 0),
+            STATE_AT: (STATE_WRITE, 1, SEQ_LEN, 0, int(store_all), -int(store_all)),
+            STATE_WRITE: (STATE_WRITE, -1, SEQ_LEN, 0, 0, rows),
+            CONV_AT: (CONV_WRITE, 1, SEQ_LEN, 0, 1, 0),
+            CONV_WRITE: (CONV_WRITE, -1, SEQ_LEN, 0, 0, cols),
+            DRAFT_LEN: (DRAFT_LEN, 1, ACCEPTED, int(round_), 0, int(round_)),
+            NUM_GEN: (NUM_GEN, 1, SEQ_LEN, 0, int(round_), 0),
+            ACCEPTED: (ACCEPTED, 1 - int(round_), SEQ_LEN, 0, int(round_), -int(round_)),
+        }
+        cols_ = list(zip(*(rule[f] for f in range(NUM_CTL))))
+        _TABLES[key] = tuple(torch.tensor(col, device=device, dtype=torch.long if i in (0, 2) else torch.int32)
+                             for i, col in enumerate(cols_))
+    return _TABLES[key]

@@ -1,7 +1,10 @@
-"""The model runner: the one place that runs the trunk on a sequence state (prefill, and the
-multi-token step shared by decode and verify) and turns hiddens into logits and head inputs.
+"""The model runner: the one device boundary. It owns the cache slots and the positions in them
+(prefill commits here; a round commits on the device through `commit_ctl`), runs the trunk and
+the MTP head through the step backend named at construction (`STEPS`: the reference modules or
+the fused Triton step), and runs device work as CUDA graphs: eager on a key's first call,
+captured on its second, replayed after.
 
-Does not choose tokens (the selector does) or decide how many stay (the round loop does).
+Does not choose tokens (nextn.engine.sampler) or decide what a round keeps (nextn.engine.rounds).
 """
 from __future__ import annotations
 
@@ -9,90 +12,123 @@ from typing import Callable
 
 import torch
 
-from nextn.cache import HybridCache, LayerKV
-from nextn.config import SpecConfig
-from nextn.engine.state import SeqState
-from nextn.layers.linear import STEP_ROWS
-from nextn.models.qwen3_5 import CausalLM
+from nextn.cache import SlotCache, SlotPool
+from nextn.cache.hybrid import DRAFT_LEN
+from nextn.config import STEP_ROWS, EngineConfig
+from nextn.engine.sequence import Sequence
+from nextn.models.qwen3_5 import CausalLM, ReferenceStep
+from nextn.models.qwen3_5_step import TritonStep
+from nextn.ops import OPS
+from nextn.ops.triton_utils import interpreting
 
-PREFILL_CHUNK = 2048  # tokens per prefill forward: bounds attention score memory
-PREFILL_MODES = ("chunked", "steps")
+PREFILL_CHUNK = 2048  # tokens per chunked prefill forward: bounds attention score memory
+STEPS = {"torch": ReferenceStep, "triton": TritonStep}
 
 
 class ModelRunner:
-    cache_cls = HybridCache  # the caches a state of this runner holds
-
-    def __init__(self, model: CausalLM, spec: SpecConfig, prefill: str = "chunked"):
-        """prefill "chunked": the chunked delta rule over up to PREFILL_CHUNK tokens per forward
-        (fast); "steps": the decode/verify step over STEP_ROWS tokens at a time, so every token's
-        state is computed with the same arithmetic however the sequence was split into requests
-        (a resumed session equals a cold run bitwise)."""
-        if prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
-        self.model = model
-        self.spec = spec
-        self.prefill = prefill
-        self.cfg = model.cfg
+    def __init__(self, model: CausalLM, config: EngineConfig, pool: SlotPool):
+        self.model, self.config, self.pool, self.cfg = model, config, pool, model.cfg
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.after_norm = config.spec.hidden_after_norm
+        if config.kernels == "triton" and self.device.type != "cuda" and not interpreting():
+            raise RuntimeError("kernels='triton' needs a CUDA device (or Triton's interpreter, for CPU tests)")
+        self.step = STEPS[config.kernels](model, self.after_norm)
+        self.ops = OPS[config.kernels]()
+        self.use_graphs = self.device.type == "cuda" and config.kernels == "triton"
+        self.graphs: dict = {}  # key -> None (ran eagerly once) or a captured CUDAGraph
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.slots = [pool.cache.slot(s) for s in range(pool.num_slots)]
+        V, H = self.cfg.vocab_size, self.cfg.hidden_size
+        # outputs of prefill steps and catch-up head passes (one at a time)
+        self.scratch_ids = torch.zeros(STEP_ROWS, dtype=torch.long, device=self.device)
+        self.scratch_logits = torch.zeros(STEP_ROWS, V, dtype=torch.float32, device=self.device)
+        self.scratch_hidden = torch.zeros(STEP_ROWS, H, dtype=self.dtype, device=self.device)
 
-    @property
-    def drafts(self) -> bool:
-        """Whether states need the MTP head's draft K/V (a head, and K > 0)."""
-        return self.model.mtp is not None and self.spec.num_speculative_tokens > 0
+    def slot(self, slot: int) -> SlotCache:
+        return self.slots[slot]
 
-    def new_state(self, max_len: int) -> SeqState:
-        cache = self.cache_cls(self.cfg, max_len, self.device, self.dtype)
-        draft_kv = None
-        if self.drafts:  # without it, plain decoding queues no head rows
-            draft_kv = LayerKV(1, max_len, self.cfg.num_key_value_heads, self.cfg.head_dim, self.device, self.dtype)
-        return SeqState(cache, draft_kv, self.cfg.hidden_size)
+    def run(self, key, fn: Callable[[], None]) -> None:
+        """fn (device work on static buffers, no host reads) eagerly on the key's first call (Triton
+        compiles, the allocator settles; a warm-up run would change state), captured on the second
+        and replayed from then on. Without graphs, always eagerly."""
+        if not self.use_graphs:
+            return fn()
+        if key not in self.graphs:
+            self.graphs[key] = None
+            return fn()
+        graph = self.graphs[key]
+        if graph is None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                fn()
+            self.graphs[key] = graph
+        graph.replay()
 
-    def head_input(self, pre_norm: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
-        """The hidden the MTP head consumes: after the final norm (default) or before it."""
-        return normed if self.spec.hidden_after_norm else pre_norm
+    def drop_graphs(self) -> None:
+        self.graphs.clear()
+
+    # --- prefill
 
     @torch.inference_mode()
-    def extend(self, state: SeqState, token_ids: list[int],
+    def extend(self, seq: Sequence, token_ids: list[int],
                on_logits: Callable[[int, torch.Tensor], None] | None = None) -> None:
-        """Prefill `token_ids` after the state's committed tokens (see `prefill` for how).
+        """Prefill token_ids after the sequence's committed tokens and commit them.
 
-        on_logits(start, logits [T, V]): if given, called per chunk with the logits of every row
-        (row i follows token_ids[start + i]); for prompt logprobs.
+        "chunked": the module forward over up to PREFILL_CHUNK tokens per call (states to the
+        slot's home); "steps": the decode step over STEP_ROWS tokens at a time, so every token's
+        state is computed with the same per-row arithmetic however the sequence was split into
+        requests (a resumed session equals a cold run bitwise). on_logits(start, logits [T, V]):
+        called with the logits of every row (row i follows token_ids[start + i]).
         """
-        if len(state.tokens) + len(token_ids) > state.cache.max_len:
-            raise ValueError(
-                f"{len(state.tokens) + len(token_ids)} tokens exceed the context of {state.cache.max_len}"
-            )
-        if self.prefill == "steps":
-            return self._extend_by_steps(state, token_ids, on_logits)
-        for s in range(0, len(token_ids), PREFILL_CHUNK):
-            chunk = token_ids[s : s + PREFILL_CHUNK]
-            ids = torch.tensor([chunk], device=self.device)
-            h = self.model(ids, state.cache, keep_states=False)[0]
-            normed = self.model.final_norm(h)
-            if on_logits:
-                on_logits(s, self.model.logits(normed))
-            # the last row alone, as always: a batched matmul may round it differently
-            logits = self.model.logits(normed[-1:])[0]
-            state.commit(chunk, self.head_input(h, normed), logits)
-
-    def _extend_by_steps(self, state: SeqState, token_ids: list[int], on_logits) -> None:
-        for s in range(0, len(token_ids), STEP_ROWS):
-            piece = token_ids[s : s + STEP_ROWS]
-            logits, hidden = self.step(state, torch.tensor(piece, device=self.device))
-            state.cache.commit(len(piece))
+        cache = self.slot(seq.slot)
+        if len(seq.tokens) + len(token_ids) > cache.max_len:
+            raise ValueError(f"{len(seq.tokens) + len(token_ids)} tokens exceed the context of {cache.max_len}")
+        steps = self.config.prefill == "steps"
+        chunk = STEP_ROWS if steps else PREFILL_CHUNK
+        for s in range(0, len(token_ids), chunk):
+            piece = token_ids[s : s + chunk]
+            if steps:
+                logits, hidden = self._prefill_steps(cache, piece)
+            else:
+                logits, hidden = self._prefill_chunk(cache, piece, on_logits is not None)
             if on_logits:
                 on_logits(s, logits)
-            state.commit(piece, hidden, logits[-1])
+            seq.commit(piece, hidden.clone(), logits[-1].clone())
+
+    def _prefill_chunk(self, cache: SlotCache, piece: list[int], all_rows: bool):
+        h = self.model(torch.tensor([piece], device=self.device), cache, ops=self.ops)[0]
+        normed = self.model.final_norm(h)
+        # the last row's logits alone (a batched matmul may round it differently), all rows when asked
+        last = self.model.logits(normed[-1:])
+        logits = torch.cat([self.model.logits(normed[:-1]), last]) if all_rows else last
+        cache.commit_home(len(piece))
+        return logits, normed if self.after_norm else h
+
+    def _prefill_steps(self, cache: SlotCache, piece: list[int]):
+        T = len(piece)
+        self.scratch_ids[:T].copy_(torch.tensor(piece), non_blocking=True)
+        logits, hidden = self.scratch_logits[:T], self.scratch_hidden[:T]
+        self.run(("prefill", cache.slot, T),
+                 lambda: self.step.trunk(cache, self.scratch_ids[:T], logits, hidden, store_all=False))
+        cache.commit(T, store_all=False)
+        return logits, hidden
 
     @torch.inference_mode()
-    def step(self, state: SeqState, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run `token_ids` [T] (decode T=1, verify T=K+1) keeping per-token states.
-
-        Returns (logits [T, V] float32, head-input hiddens [T, H]); the caller then calls
-        `state.cache.commit(n)` and `state.commit(...)` with the tokens it keeps.
-        """
-        h = self.model(token_ids[None], state.cache, keep_states=True)[0]
-        normed = self.model.final_norm(h)
-        return self.model.logits(normed), self.head_input(h, normed)
+    def catch_up(self, seq: Sequence) -> None:
+        """Write the sequence's pending MTP rows into its draft K/V (a whole prompt after a prefill),
+        in prefill-sized chunks, or in step-sized head passes under prefill="steps" (the rounds'
+        own arithmetic, however the sequence was split)."""
+        ids, hidden = seq.take_rows()
+        cache, first = self.slot(seq.slot), seq.draft_len + 1
+        chunk = STEP_ROWS if self.config.prefill == "steps" else PREFILL_CHUNK
+        for s in range(0, len(ids), chunk):
+            piece, rows = torch.tensor(ids[s : s + chunk], device=self.device), hidden[s : s + chunk]
+            if chunk == STEP_ROWS:
+                pos = torch.tensor([first + s - 1], dtype=torch.int32, device=self.device)
+                self.step.head(cache, piece, rows, pos, piece.numel() - 1, self.scratch_logits[:1],
+                               self.scratch_hidden[:1])
+            else:
+                self.model.head_rows(cache.draft_kv(), piece, rows, first + s, ops=self.ops)
+        seq.draft_len = max(seq.draft_len, len(seq.tokens) - 1)
+        cache.set(draft_len=seq.draft_len)

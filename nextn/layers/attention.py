@@ -1,16 +1,18 @@
 """Gated full attention (Qwen3.5 / Qwen3-Next): q_proj emits [query | gate] per head, per-head
 q/k RMSNorm, partial NEOX RoPE, attention over the layer's K/V cache, output * sigmoid(gate).
+
+A layer's cache is one sequence's (key, value), each [capacity, Hkv, D], position-addressed.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from nextn.cache import LayerKV
-from nextn.layers.linear import STEP_ROWS, Linear
+from nextn.config import STEP_ROWS, ModelConfig
+from nextn.layers.linear import Linear
 
-from nextn.cache.hybrid import KV_BLOCK as ATTN_BLOCK  # keys per block of the step attention
-from nextn.config import ModelConfig
+ATTN_BLOCK = 64  # keys per block of the step attention
+KV = tuple[torch.Tensor, torch.Tensor]  # (key, value) [capacity, Hkv, D]
 from nextn.layers.norm import RMSNorm
 from nextn.layers.rotary import apply_rotary
 
@@ -34,7 +36,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, H]
         cos: torch.Tensor,  # [T, rotary_dim]
         sin: torch.Tensor,
-        kv: LayerKV | None,
+        kv: KV | None,  # one sequence's cache (then B = 1)
         start: int,  # position of x's first token
         num_real: int | None = None,  # a padded step's real rows (None: prefill / training)
     ) -> torch.Tensor:
@@ -47,11 +49,11 @@ class Attention(nn.Module):
         if kv is None:  # whole-sequence forward (training): plain causal attention
             o = attend(q, k, v, None, True)
         elif num_real is not None:
-            kv.write(start, k[:, :num_real], v[:, :num_real])
+            write_kv(kv, start, k[0, :num_real], v[0, :num_real])
             o = attend_step(q, kv, start, num_real)
         else:
-            kv.write(start, k, v)
-            keys, values = kv.key[:, : start + T], kv.value[:, : start + T]
+            write_kv(kv, start, k[0], v[0])
+            keys, values = kv[0][None, : start + T], kv[1][None, : start + T]
             # query t (position start+t) sees positions <= start+t
             rows = torch.arange(T, device=x.device)[:, None] + start
             mask = torch.arange(start + T, device=x.device)[None, :] <= rows
@@ -60,7 +62,16 @@ class Attention(nn.Module):
         return self.o_proj(o)
 
 
-def attend_step(q: torch.Tensor, kv: LayerKV, start: int, num_real: int) -> torch.Tensor:
+def write_kv(kv: KV, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] at positions start.."""
+    end = start + k.shape[0]
+    if end > kv[0].shape[0]:
+        raise ValueError(f"cache overflow: {end} positions > capacity {kv[0].shape[0]}")
+    kv[0][start:end] = k
+    kv[1][start:end] = v
+
+
+def attend_step(q: torch.Tensor, kv: KV, start: int, num_real: int) -> torch.Tensor:
     """Attention of a padded step: q [B, R, Hq, D] at positions start.. over the cache.
 
     Keys are visited in fixed blocks of ATTN_BLOCK with an online softmax, always at the same
@@ -68,15 +79,16 @@ def attend_step(q: torch.Tensor, kv: LayerKV, start: int, num_real: int) -> torc
     a block a row may not see contributes exact zeros. Pad rows see what the last real row sees.
     """
     B, R, Hq, D = q.shape
-    groups = Hq // kv.key.shape[2]
+    key, value = kv[0][None], kv[1][None]
+    groups = Hq // key.shape[2]
     row_pos = start + torch.arange(R, device=q.device).clamp(max=num_real - 1)  # [R]
     q = q.transpose(1, 2).float() * D**-0.5  # [B, Hq, R, D]
     m = q.new_full((B, Hq, R, 1), float("-inf"))
     denom = q.new_zeros(B, Hq, R, 1)
     acc = q.new_zeros(B, Hq, R, D)
     for b0 in range(0, start + num_real, ATTN_BLOCK):
-        k = kv.key[:, b0 : b0 + ATTN_BLOCK].transpose(1, 2).float()  # [B, Hkv, BLOCK, D]
-        v = kv.value[:, b0 : b0 + ATTN_BLOCK].transpose(1, 2).float()
+        k = key[:, b0 : b0 + ATTN_BLOCK].transpose(1, 2).float()  # [B, Hkv, BLOCK, D]
+        v = value[:, b0 : b0 + ATTN_BLOCK].transpose(1, 2).float()
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         visible = (b0 + torch.arange(k.shape[2], device=q.device))[None, :] <= row_pos[:, None]  # [R, BLOCK]
@@ -87,7 +99,7 @@ def attend_step(q: torch.Tensor, kv: LayerKV, start: int, num_real: int) -> torc
         denom = denom * scale + p.sum(-1, keepdim=True)
         acc = acc * scale + p @ v
         m = m_new
-    return (acc / denom).to(kv.value.dtype).transpose(1, 2)
+    return (acc / denom).to(value.dtype).transpose(1, 2)
 
 
 def attend(q, k, v, mask, is_causal):

@@ -6,8 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nextn.layers.linear import Linear, pad_rows, row_invariant_linear
 from nextn.config import ModelConfig
+from nextn.layers.linear import Linear
+from nextn.ops.linear import row_invariant_linear
+from nextn.ops import OPS, Ops
+
+REFERENCE_OPS = OPS["torch"]()
 
 
 class MLP(nn.Module):
@@ -17,42 +21,22 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, num_real: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_real: int | None = None, ops: Ops | None = None) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def routed_experts(x, top_idx, top_w, gate_up, down):
-    """x [N, H]; top_idx, top_w [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H].
-
-    Each (token, slot) output is computed alone, then slots are summed in slot order, so a
-    token's result does not depend on which other tokens share the call.
-    """
-    per_slot = x.new_zeros(x.shape[0], top_idx.shape[1], x.shape[1])  # [N, k, H]
-    for e in top_idx.unique().tolist():
-        rows, slot = torch.where(top_idx == e)
-        xe = pad_rows(x[rows])  # small groups run at the fixed step shape (elementwise ops too)
-        gate, up = row_invariant_linear(xe, gate_up[e]).chunk(2, dim=-1)
-        per_slot[rows, slot] = row_invariant_linear(F.silu(gate) * up, down[e])[: rows.numel()]
-    out = per_slot[:, 0] * top_w[:, 0, None]
-    for s in range(1, top_idx.shape[1]):
-        out = out + per_slot[:, s] * top_w[:, s, None]
-    return out
 
 
 class Experts(nn.Module):
     """Expert weights fused as checkpoints of transformers 5 store them (per-expert checkpoints are
-    packed by the loader). `routed_rule` computes them (`routed_experts`, or a kernel with its
-    signature: the fast runner's prefill swaps in a grouped GEMM)."""
+    packed by the loader), computed by the Ops table's `routed_experts`."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.routed_rule = routed_experts
 
-    def forward(self, x, top_idx, top_w):
+    def forward(self, x, top_idx, top_w, ops: Ops):
         """x [N, H]; top_idx, top_w [N, k] -> [N, H]."""
-        return self.routed_rule(x, top_idx, top_w, self.gate_up_proj, self.down_proj)
+        return ops.routed_experts(x, top_idx, top_w, self.gate_up_proj, self.down_proj)
 
 
 class Router(nn.Module):
@@ -78,13 +62,13 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, num_real: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, num_real: int | None = None, ops: Ops | None = None) -> torch.Tensor:
         """x [B, T, H]; with num_real (a padded step, B = 1) only the real rows are routed."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         n = x.shape[0] if num_real is None else num_real
         top_idx, top_w = self.gate(x)
-        routed = self.experts(x[:n], top_idx[:n], top_w[:n])
+        routed = self.experts(x[:n], top_idx[:n], top_w[:n], ops or REFERENCE_OPS)
         if n < x.shape[0]:
             routed = torch.cat([routed, routed.new_zeros(x.shape[0] - n, x.shape[1])])
         out = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -3,7 +3,8 @@ rule, gated RMSNorm, output projection.
 
 Two projection layouts, one mixer: Qwen3.5 stores `in_proj_qkv` ([q all | k all | v all]),
 `in_proj_z`, `in_proj_b`, `in_proj_a`; Qwen3-Next fuses them into `in_proj_qkvz` / `in_proj_ba`
-grouped per key head. Both produce the same (mixed_qkv, z, b, a) for the shared body.
+grouped per key head, which the loader regroups at load time into [q all | k all | v all | z all]
+and [b all | a all] (nextn.models.loader), so both split the same way.
 """
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nextn.cache import HybridCache, StepStash
-from nextn.layers.linear import Linear
+from nextn.cache import SlotCache
 from nextn.config import ModelConfig
+from nextn.layers.linear import Linear
 from nextn.layers.norm import RMSNormGated
+from nextn.ops import Ops
 from nextn.ops import conv as conv_ops
 from nextn.ops import gdn as gdn_ops
 
@@ -45,8 +47,6 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
         self._init_projections(cfg)
-        self.chunk_rule = gdn_ops.chunk_gated_delta_rule
-        self.recurrent_rule = gdn_ops.recurrent_gated_delta_rule
 
     def _init_projections(self, cfg: ModelConfig) -> None:
         H = cfg.hidden_size
@@ -59,39 +59,41 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, H] -> mixed_qkv [B, T, conv_dim], z [B, T, value_dim], b, a [B, T, HV]."""
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
-    def forward(self, x: torch.Tensor, cache: HybridCache | None, num_real: int | None) -> torch.Tensor:
-        """x [B, T, H]. num_real None: prefill (chunked rule, states written to the cache);
-        else a step whose first num_real rows are real: recurrent rule, per-token states stashed."""
+    def forward(self, x: torch.Tensor, cache: SlotCache | None, num_real: int | None, ops: Ops,
+                store_all: bool = True) -> torch.Tensor:
+        """x [B, T, H]. num_real None: prefill or training (the Ops table's chunked rule; with a
+        cache the final states go home); else a step whose first num_real rows are real (the
+        recurrent rule; the window and the state after each token, or the last only if not
+        store_all, go to the slot's step buffers)."""
         B, T, _ = x.shape
         i = self.layer_idx
         mixed_qkv, z, b, a = self.project(x)
-        conv_state = cache.conv[i] if cache is not None else None
-        mixed_qkv, window = conv_ops.causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1), conv_state)
+        conv_state, initial = cache.committed_gdn(i) if cache is not None else (None, None)
+        mixed_qkv, window = conv_ops.causal_conv1d(
+            mixed_qkv, self.conv1d.weight.squeeze(1), None if conv_state is None else conv_state[None])
         q, k, v = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.reshape(B, T, self.num_k_heads, self.head_k_dim).float())
         k = l2norm(k.reshape(B, T, self.num_k_heads, self.head_k_dim).float())
         v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        initial = cache.recurrent[i] if cache is not None else None
+        initial = None if initial is None else initial[None]
+        W = self.conv1d.weight.shape[-1]
         if num_real is not None:
             n = num_real
-            o, states = self.recurrent_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], initial)
+            o, states = gdn_ops.recurrent_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], initial)
             o = torch.cat([o, o.new_zeros(B, T - n, *o.shape[2:])], dim=1)  # pad rows stay zero
-            W = self.conv1d.weight.shape[-1]
-            cache.stash[i] = StepStash(window[:, :, : W - 1 + n], states)
+            cache.write_step(i, window[0, :, : W - 1 + n], states[0] if store_all else states[0, -1:])
         else:
-            o, final = self.chunk_rule(q, k, v, g, beta, initial)
+            o, final = ops.chunk_rule(q, k, v, g, beta, initial)
             if cache is not None:
-                W = self.conv1d.weight.shape[-1]
-                cache.conv[i].copy_(window[:, :, window.shape[-1] - (W - 1) :])
-                cache.recurrent[i].copy_(final)
+                cache.write_home(i, window[0, :, window.shape[-1] - (W - 1) :], final[0])
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.reshape(B, T, self.value_dim).to(x.dtype))
 
 
 class GatedDeltaNetNext(GatedDeltaNet):
-    """Qwen3-Next: fused projections grouped per key head: [q | k | v_group | z_group] and [b_group | a_group]."""
+    """Qwen3-Next: in_proj_qkvz and in_proj_ba (stored per key head in the checkpoint)."""
 
     def _init_projections(self, cfg: ModelConfig) -> None:
         H = cfg.hidden_size
@@ -99,12 +101,6 @@ class GatedDeltaNetNext(GatedDeltaNet):
         self.in_proj_ba = Linear(H, 2 * self.num_v_heads, bias=False)
 
     def project(self, x: torch.Tensor):
-        B, T, _ = x.shape
-        nk, r = self.num_k_heads, self.num_v_heads // self.num_k_heads
-        dk, dv = self.head_k_dim, self.head_v_dim
-        qkvz = self.in_proj_qkvz(x).view(B, T, nk, 2 * dk + 2 * r * dv)
-        q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
-        ba = self.in_proj_ba(x).view(B, T, nk, 2 * r)
-        b, a = torch.split(ba, [r, r], dim=-1)
-        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
-        return mixed, z.reshape(B, T, -1), b.reshape(B, T, -1), a.reshape(B, T, -1)
+        """The loader stored the rows regrouped: [q all | k all | v all | z all] and [b all | a all]."""
+        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        return qkvz[..., : -self.value_dim], qkvz[..., -self.value_dim :], *ba.chunk(2, dim=-1)

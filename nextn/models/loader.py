@@ -1,8 +1,17 @@
 """Hugging Face checkpoint directory -> CausalLM with every tensor checked.
 
 Reads safetensors (single file or sharded with an index), maps checkpoint keys onto the module's
-names (an identity map after the trunk prefix, plus one packing rule for per-expert MoE weights),
-and fails with an error naming the tensor when one is missing, unknown or mis-shaped.
+names (an identity map after the trunk prefix, plus the packing table below), and fails with an
+error naming the tensor when one is missing, unknown or mis-shaped.
+
+Packing table:
+- per-expert MoE weights `experts.{e}.{gate,up,down}_proj` -> fused 3-D `experts.gate_up_proj`,
+  `experts.down_proj` (what transformers 5 stores);
+- Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` (rows grouped per key head) -> rows regrouped as
+  [q all | k all | v all | z all] and [b all | a all], the Qwen3.5 order;
+- at load, once: the projections one step kernel reads together become row blocks of one tensor
+  (`FUSED`), each module keeping its own name as a view, so the fused Triton step reads them
+  with one GEMM (`fused_weight`) and nothing rewrites the model afterwards.
 """
 from __future__ import annotations
 
@@ -20,6 +29,12 @@ from nextn.models.qwen3_5 import CausalLM
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PER_EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _IGNORED = ("model.visual.", "visual.", "model.vision_tower.")
+# Linear children of one module whose weights one step GEMM reads, in row order
+FUSED = (
+    ("q_proj", "k_proj", "v_proj"),  # attention
+    ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # Qwen3.5 GDN
+    ("in_proj_qkvz", "in_proj_ba"),  # Qwen3-Next GDN
+)
 
 
 class CheckpointError(ValueError):
@@ -64,7 +79,7 @@ def read_checkpoint(model_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor
                 if m:
                     experts.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = f.get_tensor(key)
                 else:
-                    tensors[name] = f.get_tensor(key)
+                    tensors[name] = _regroup_next(name, f.get_tensor(key), cfg)
     for pre, projs in experts.items():
         tensors.update(_pack_experts(pre, projs))
     return tensors
@@ -81,6 +96,49 @@ def _pack_experts(pre: str, projs: dict[str, dict[int, torch.Tensor]]) -> dict[s
     gate_up = torch.stack([torch.cat([projs["gate_proj"][e], projs["up_proj"][e]], 0) for e in ids])
     down = torch.stack([projs["down_proj"][e] for e in ids])
     return {f"{pre}.gate_up_proj": gate_up, f"{pre}.down_proj": down}
+
+
+def _regroup_next(name: str, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Qwen3-Next's GDN projections, grouped per key head in the checkpoint, in the Qwen3.5 row order."""
+    nk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = cfg.linear_num_value_heads // max(1, nk)
+    if name.endswith("linear_attn.in_proj_qkvz.weight"):
+        parts = w.view(nk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+    elif name.endswith("linear_attn.in_proj_ba.weight"):
+        parts = w.view(nk, 2 * r, -1).split([r, r], dim=1)
+    else:
+        return w
+    return torch.cat([p.reshape(-1, w.shape[-1]) for p in parts])
+
+
+def fuse_weights(model: CausalLM) -> CausalLM:
+    """Make each FUSED group's weights row blocks of one tensor (the modules keep views of it)."""
+    with torch.no_grad():
+        for module in model.modules():
+            for names in FUSED:
+                if not all(hasattr(module, n) for n in names):
+                    continue
+                linears = [getattr(module, n) for n in names]
+                fused = torch.cat([m.weight.detach() for m in linears]).contiguous()
+                start = 0
+                for m in linears:
+                    n = m.weight.shape[0]
+                    m.weight = torch.nn.Parameter(fused[start : start + n], requires_grad=False)
+                    start += n
+    return model
+
+
+def fused_weight(*linears) -> torch.Tensor:
+    """The tensor whose consecutive row blocks the linears' weights are (`fuse_weights` made it)."""
+    first = linears[0].weight
+    rows = 0
+    for m in linears:
+        w = m.weight
+        if (w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or w.storage_offset() != first.storage_offset() + rows * first.shape[1] or not w.is_contiguous()):
+            raise ValueError("the model's weights are not fused: load it with nextn.models.loader (fuse_weights)")
+        rows += w.shape[0]
+    return first.as_strided((rows, first.shape[1]), (first.shape[1], 1))
 
 
 def count_mtp_layers(names) -> int:
@@ -107,7 +165,7 @@ def load_model(model_dir: str | Path, device: str = "cpu", dtype: str = "float32
     state = {k: t.to(device=device, dtype=torch_dtype) for k, t in tensors.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta).to(device)
-    return model.eval()
+    return fuse_weights(model.eval())
 
 
 def check_tensors(model: CausalLM, tensors: dict[str, torch.Tensor]) -> None:

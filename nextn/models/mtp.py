@@ -9,23 +9,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nextn.cache import LayerKV
-from nextn.layers.linear import Linear
 from nextn.config import FULL, ModelConfig
+from nextn.layers.attention import KV
+from nextn.layers.linear import Linear
 from nextn.layers.norm import RMSNorm
+from nextn.ops import OPS, Ops
 
 
 class MTPHead(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_cls: type[nn.Module]):
         super().__init__()
-        from nextn.models.qwen3_5 import DecoderLayer
-
         H = cfg.hidden_size
         self.pre_fc_norm_embedding = RMSNorm(H, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(H, cfg.rms_norm_eps)
         self.fc = Linear(2 * H, H, bias=False)
-        # the MTP layer's FFN is dense or MoE like the trunk
-        self.layers = nn.ModuleList([DecoderLayer(cfg, 0, FULL, moe=cfg.num_experts > 0)])
+        # the MTP layer is the trunk's decoder layer (nextn.models.decoder), dense or MoE like it
+        self.layers = nn.ModuleList([layer_cls(cfg, 0, FULL, moe=cfg.num_experts > 0)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
 
     def forward(
@@ -34,9 +33,11 @@ class MTPHead(nn.Module):
         hidden: torch.Tensor,  # [B, T, H] trunk (or previous draft step) hiddens h_{p-1}
         cos: torch.Tensor,  # [T, rotary_dim] at positions p
         sin: torch.Tensor,
-        kv: LayerKV | None,
+        kv: KV | None,
         slot: int,  # K/V slot of the first row (= its position - 1)
+        num_real: int | None = None,  # a step-sized pass (<= STEP_ROWS rows): the step attention
+        ops: Ops | None = None,
     ) -> torch.Tensor:
         """Returns the layer output before mtp.norm [B, T, H]."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        return self.layers[0](x, cos, sin, None, slot, None, kv=kv)
+        return self.layers[0](x, cos, sin, None, slot, num_real, ops or OPS["torch"](), kv=kv)

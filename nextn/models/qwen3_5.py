@@ -1,48 +1,26 @@
 """The hybrid trunk of Qwen3.5 (dense and MoE) and Qwen3-Next: module names are the checkpoint's,
 so `state_dict()` keys are the text-only export's keys (`model.*`, `lm_head.*`, `mtp.*`).
 
-One forward serves prefill (chunked delta rule, states written in place) and the multi-token
-step used by decode (1 token) and verify (K+1 tokens), which keeps per-token states for rollback.
+One module forward serves prefill (the Ops table's chunked delta rule, final states to the slot's
+home) and the reference decode / verify step (every step padded to STEP_ROWS rows, states after
+each token to the slot's step buffers). The forward never moves positions: the runner commits.
+The fused Triton step is a sibling forward (nextn.models.qwen3_5_step) over the same weights.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from nextn.cache import HybridCache
-from nextn.layers.linear import STEP_ROWS, Linear, row_invariant_linear
-from nextn.config import FULL, ModelConfig
-from nextn.layers.attention import Attention
-from nextn.layers.ffn import MLP, SparseMoeBlock
-from nextn.layers.gdn import GatedDeltaNet, GatedDeltaNetNext
+from nextn.cache import SlotCache
+from nextn.config import STEP_ROWS, ModelConfig
+from nextn.layers.attention import KV
+from nextn.layers.linear import Linear
 from nextn.layers.norm import RMSNorm
 from nextn.layers.rotary import RotaryEmbedding
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, kind: str, moe: bool):
-        super().__init__()
-        self.kind = kind
-        self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if kind == FULL:
-            self.self_attn = Attention(cfg)
-        else:
-            gdn_cls = GatedDeltaNetNext if cfg.family == "qwen3_next" else GatedDeltaNet
-            self.linear_attn = gdn_cls(cfg, layer_idx)
-        self.mlp = SparseMoeBlock(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward(self, x, cos, sin, cache: HybridCache | None, start: int, num_real: int | None, kv=None):
-        """num_real: None for prefill / training; for a step, the real rows of the padded x."""
-        h = self.input_layernorm(x)
-        if self.kind == FULL:
-            layer_kv = kv if kv is not None else (cache.kv[self.layer_idx] if cache is not None else None)
-            h = self.self_attn(h, cos, sin, layer_kv, start, num_real)
-        else:
-            h = self.linear_attn(h, cache, num_real)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), num_real)
+from nextn.models.decoder import DecoderLayer
+from nextn.models.mtp import MTPHead
+from nextn.ops import OPS, Ops
+from nextn.ops.linear import row_invariant_linear
 
 
 class TextModel(nn.Module):
@@ -58,14 +36,12 @@ class TextModel(nn.Module):
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, num_mtp_layers: int = 0):
         super().__init__()
-        from nextn.models.mtp import MTPHead  # the head builds on this module's DecoderLayer
-
         self.cfg = cfg
         self.model = TextModel(cfg)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.mtp = MTPHead(cfg) if num_mtp_layers > 0 else None
+        self.mtp = MTPHead(cfg, DecoderLayer) if num_mtp_layers > 0 else None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -74,40 +50,83 @@ class CausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T]
-        cache: HybridCache | None = None,
+        cache: SlotCache | None = None,
         keep_states: bool = False,
+        ops: Ops | None = None,
+        store_all: bool = True,
     ) -> torch.Tensor:
         """Returns the last layer's hidden states before the final norm [B, T, H].
 
-        With a cache, tokens sit at positions cache.seq_len + [0, T). keep_states=False (prefill)
-        commits them at once; keep_states=True (decode / verify) leaves them for `cache.commit(n)`.
+        With a cache (B = 1), tokens sit at positions cache.seq_len + [0, T). keep_states=False
+        (prefill) writes the GDN states home; keep_states=True (the reference step) leaves them in
+        the step buffers (the state after every token, or the last only when not store_all) for
+        the caller's commit. ops: the kernels of prefill / training (default: the references).
         """
         T = input_ids.shape[1]
         start = cache.seq_len if cache is not None else 0
-        if cache is not None and start + T > cache.max_len:
+        if cache is not None and start + T > cache.max_len + (STEP_ROWS if keep_states else 0):
             raise ValueError(f"sequence of {start + T} tokens exceeds the cache capacity {cache.max_len}")
         num_real = None
         if keep_states:
             # every step runs STEP_ROWS rows whatever T is: decode and verify share one shape,
-            # so each row's arithmetic is the same in both (and one CUDA graph fits all K)
+            # so each row's arithmetic is the same in both
             if T > STEP_ROWS:
                 raise ValueError(f"a step takes at most {STEP_ROWS} tokens, got {T}")
             num_real = T
             input_ids = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], STEP_ROWS - T)], dim=1)
+        ops = ops or OPS["torch"]()
         x = self.model.embed_tokens(input_ids)
         positions = torch.arange(start, start + x.shape[1], device=input_ids.device)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, start, num_real)
-        if cache is not None:
-            if keep_states:
-                cache.step_tokens = T
-            else:
-                cache.seq_len += T
+            x = layer(x, cos, sin, cache, start, num_real, ops, store_all=store_all)
         return x[:, :T]
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.norm(hidden)
 
+    def head_rows(self, kv: KV, ids: torch.Tensor, hidden: torch.Tensor, first_pos: int, after_norm: bool = True,
+                  last_only: bool = True, ops: Ops | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP head over rows of tokens ids [n] with predecessor hiddens [n, H] at positions
+        first_pos.. (K/V slots first_pos-1..), any number of rows (a prompt's catch-up, replay,
+        training checks). Returns (logits [n or 1, V], the hiddens to chain [n or 1, H])."""
+        embeds = self.model.embed_tokens(ids)[None]
+        positions = torch.arange(first_pos, first_pos + ids.numel(), device=ids.device)
+        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
+        out = self.mtp(embeds, hidden[None], cos, sin, kv, first_pos - 1, ops=ops)[0]
+        out = out[-1:] if last_only else out
+        normed = self.mtp.norm(out)
+        return self.logits(normed), normed if after_norm else out
+
     def logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
         return row_invariant_linear(normed_hidden, self.lm_head_weight).float()
+
+
+class ReferenceStep:
+    """The step interface of nextn.models.qwen3_5_step.TritonStep over the module forward: the CPU
+    path, and the oracle the fused step is tested against. Reads positions on the host."""
+
+    def __init__(self, model: CausalLM, hidden_after_norm: bool = True):
+        self.model, self.after_norm = model, hidden_after_norm
+
+    def trunk(self, cache: SlotCache, ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor,
+              store_all: bool = True) -> None:
+        h = self.model(ids[None], cache, keep_states=True, store_all=store_all)[0]
+        normed = self.model.final_norm(h)
+        logits.copy_(self.model.logits(normed))
+        hidden.copy_(normed if self.after_norm else h)
+
+    def head(self, cache: SlotCache, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, row,
+             logits: torch.Tensor, chained: torch.Tensor) -> None:
+        T, slot = ids.shape[0], int(pos.reshape(-1)[0])
+        pad = STEP_ROWS - T  # the head's step, like the trunk's, always runs STEP_ROWS rows
+        ids = torch.cat([ids, ids.new_zeros(pad)])
+        embeds = self.model.model.embed_tokens(ids)[None]
+        hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])[None]
+        positions = torch.arange(slot + 1, slot + 1 + STEP_ROWS, device=ids.device)
+        cos, sin = self.model.rotary.cos_sin(positions, embeds.dtype)
+        out = self.model.mtp(embeds, hidden, cos, sin, cache.draft_kv(), slot, num_real=T)[0]
+        out = out.index_select(0, torch.as_tensor(row, device=ids.device).reshape(1))
+        normed = self.model.mtp.norm(out)
+        logits.copy_(self.model.logits(normed))
+        chained.copy_(normed if self.after_norm else out)

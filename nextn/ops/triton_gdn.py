@@ -14,6 +14,13 @@ arrival counter) sums the partials in block order and applies the gated norm to 
 Per token, in a fixed order, so row t's result does not depend on T. The carried conv window (the
 step's inputs after the committed columns) is written for rollback too: v channels by their
 program, q/k channels by block 0 of the first value head of each key head.
+
+Where the step reads and writes is one int32 device tensor, `slots` = (state_at, state_write,
+conv_at, conv_write), read by the kernel itself (no host read: one CUDA graph serves every round):
+the state before the step is `state_home` if state_at < 0 else states[state_at]; the state after
+token t goes to states[state_write + t] (or, with store_all=False, only the last token's to
+states[state_write]); carried conv column j is conv_home[:, j] if conv_at < 0 else
+window[:, conv_at + j]; the step's window goes to window[:, conv_write:conv_write + W-1+T].
 """
 from __future__ import annotations
 
@@ -26,14 +33,14 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _conv_silu(proj_ptr, stride_p, w_ptr, state_ptr, ch, t, W: tl.constexpr, dtype: tl.constexpr):
+    def _conv_silu(proj_ptr, stride_p, w_ptr, carried_ptr, stride_c, ch, t, W: tl.constexpr, dtype: tl.constexpr):
         """silu(causal conv) of channels ch at token t, rounded like the reference, as float32."""
         y = tl.zeros(ch.shape, tl.float32)
         for j in tl.static_range(W):
             # window column of tap j: a carried column (c < W-1) or the step's input c-(W-1)
             c = tl.zeros(ch.shape, tl.int32) + t + j
             carried = c < W - 1
-            from_state = tl.load(state_ptr + ch * (W - 1) + c, mask=carried, other=0.0)
+            from_state = tl.load(carried_ptr + ch * stride_c + c, mask=carried, other=0.0)
             from_x = tl.load(proj_ptr + (c - (W - 1)) * stride_p + ch, mask=c >= W - 1, other=0.0)
             v = tl.where(carried, from_state.to(dtype), from_x).to(tl.float32)
             tap = tl.load(w_ptr + ch * W + j).to(dtype).to(tl.float32)
@@ -45,11 +52,11 @@ if HAVE_TRITON:
         return (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32)
 
     @triton.jit
-    def _keep_window(proj_ptr, stride_p, state_ptr, window_ptr, stride_win, ch, T, mask, W: tl.constexpr,
+    def _keep_window(proj_ptr, stride_p, carried_ptr, stride_c, window_ptr, stride_win, ch, T, mask, W: tl.constexpr,
                      dtype: tl.constexpr):
-        """window[ch] = the W-1 carried columns, then the step's T inputs."""
+        """window[ch] (from window_ptr) = the W-1 carried columns, then the step's T inputs."""
         for j in tl.static_range(W - 1):
-            col = tl.load(state_ptr + ch * (W - 1) + j, mask=mask, other=0.0).to(dtype)
+            col = tl.load(carried_ptr + ch * stride_c + j, mask=mask, other=0.0).to(dtype)
             tl.store(window_ptr + ch * stride_win + j, col, mask=mask)
         for t in range(T):
             col = tl.load(proj_ptr + t * stride_p + ch, mask=mask, other=0.0)
@@ -59,19 +66,19 @@ if HAVE_TRITON:
     def _gdn_step_kernel(
         proj_ptr, stride_p,  # [T, conv_dim | z (HV*V) | b (HV) | a (HV)]: the in_proj output
         conv_w_ptr,  # [conv_dim, W] taps
-        conv_state_ptr,  # [conv_dim, W-1] committed conv inputs
-        window_ptr, stride_win,  # [conv_dim, >= W-1+T] out
+        conv_home_ptr,  # [conv_dim, W-1] committed conv inputs, when slots[2] < 0
+        window_ptr, stride_win,  # [conv_dim, NW]: carried columns at slots[2] (if >= 0); written at slots[3]
         a_log_ptr, dt_bias_ptr,  # [HV]
-        state_ptr,  # [HV, K, V] float32: the state before the step, unless slots[0] >= 0
-        states_ptr, stride_states,  # [S, HV, K, V] float32: slot slots[1] + t gets the state after token t
-        slots_ptr,  # int32 [2]: (slot of the state before the step, or -1: state_ptr), first slot written
+        state_home_ptr,  # [HV, K, V] float32: the state before the step, when slots[0] < 0
+        states_ptr, stride_states,  # [NS, HV, K, V] float32: states[slots[0]] if >= 0; written from slots[1]
+        slots_ptr,  # int32 [4]: (state_at, state_write, conv_at, conv_write)
         norm_w_ptr,  # [V] RMSNormGated weight
         o_ptr, stride_o,  # [T, HV*V] out: RMSNormGated(o) * silu(z)
         sumsq_ptr,  # [T, HV, V // BLOCK_V] float32 scratch: o's partial sums of squares
         count_ptr,  # [>= HV] int32 arrival counters, zero
         T, scale, eps, norm_eps,
         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-        BLOCK_V: tl.constexpr,
+        BLOCK_V: tl.constexpr, STORE_ALL: tl.constexpr,  # else only the last token's state, at slots[1]
     ):
         hv = tl.program_id(0)
         vb = tl.program_id(1)
@@ -84,25 +91,35 @@ if HAVE_TRITON:
         q_ch = h * K + offs_k
         k_ch = H * K + h * K + offs_k
         v_ch = 2 * H * K + hv * V + offs_v
+        state_at = tl.load(slots_ptr)
+        state_write = tl.load(slots_ptr + 1)
+        conv_at = tl.load(slots_ptr + 2)
+        conv_write = tl.load(slots_ptr + 3)
+        # the carried columns: conv_home's (row stride W-1), or the window's from column conv_at, through
+        # one pointer and row stride, so each tap stays one masked load: a second load per tap changes how
+        # the GPU compiler fuses the bf16 conv's products and sums (fma), and with it the rows' bits
+        at_home = conv_at < 0
+        carried_ptr = tl.where(at_home, conv_home_ptr, window_ptr + conv_at)
+        stride_c = tl.where(at_home, W - 1, stride_win)
+        win = window_ptr + conv_write
         writes_qk = (tl.zeros((K,), tl.int32) + (hv % (HV // H)) + vb) == 0
-        _keep_window(proj_ptr, stride_p, conv_state_ptr, window_ptr, stride_win, q_ch, T, writes_qk, W, dtype)
-        _keep_window(proj_ptr, stride_p, conv_state_ptr, window_ptr, stride_win, k_ch, T, writes_qk, W, dtype)
-        _keep_window(proj_ptr, stride_p, conv_state_ptr, window_ptr, stride_win, v_ch, T, offs_v < V, W, dtype)
+        _keep_window(proj_ptr, stride_p, carried_ptr, stride_c, win, stride_win, q_ch, T, writes_qk, W, dtype)
+        _keep_window(proj_ptr, stride_p, carried_ptr, stride_c, win, stride_win, k_ch, T, writes_qk, W, dtype)
+        _keep_window(proj_ptr, stride_p, carried_ptr, stride_c, win, stride_win, v_ch, T, offs_v < V, W, dtype)
 
         tile = hv * K * V + offs_k[:, None] * V + offs_v[None, :]
-        committed_at = tl.load(slots_ptr)
-        if committed_at >= 0:
-            S = tl.load(states_ptr + committed_at * stride_states + tile)
+        if state_at >= 0:
+            S = tl.load(states_ptr + state_at * stride_states + tile)
         else:
-            S = tl.load(state_ptr + tile)
-        states_ptr += tl.load(slots_ptr + 1) * stride_states
+            S = tl.load(state_home_ptr + tile)
+        states_ptr += state_write * stride_states
         decay_rate = tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
         for t in range(T):
             row = proj_ptr + t * stride_p
-            q = _conv_silu(proj_ptr, stride_p, conv_w_ptr, conv_state_ptr, q_ch, t, W, dtype)
-            k = _conv_silu(proj_ptr, stride_p, conv_w_ptr, conv_state_ptr, k_ch, t, W, dtype)
-            v = _conv_silu(proj_ptr, stride_p, conv_w_ptr, conv_state_ptr, v_ch, t, W, dtype)
+            q = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, q_ch, t, W, dtype)
+            k = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, k_ch, t, W, dtype)
+            v = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, v_ch, t, W, dtype)
             q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps) * scale
             k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
             b = tl.load(row + conv_dim + HV * V + hv).to(tl.float32)
@@ -113,11 +130,14 @@ if HAVE_TRITON:
             kv_mem = tl.sum(S * k[:, None], axis=0)  # [BLOCK_V]
             delta = (v - kv_mem) * beta
             S = S + k[:, None] * delta[None, :]
-            tl.store(states_ptr + t * stride_states + tile, S)
+            if STORE_ALL:
+                tl.store(states_ptr + t * stride_states + tile, S)
             o = tl.sum(S * q[:, None], axis=0).to(dtype)
             tl.store(o_ptr + t * stride_o + hv * V + offs_v, o)
             of = o.to(tl.float32)
             tl.store(sumsq_ptr + (t * HV + hv) * NB + vb, tl.sum(of * of, axis=0))
+        if not STORE_ALL:  # the state after the last token only (the same S the loop stored at t = T-1)
+            tl.store(states_ptr + tile, S)
 
         # the head's last program: RMSNormGated over the head's V columns, each op rounded like
         # the module, from the partial sums in block order
@@ -142,22 +162,33 @@ if HAVE_TRITON:
 def gdn_step(
     proj: torch.Tensor,  # [T, conv_dim + HV*V + 2*HV] (last dim contiguous)
     conv_weight: torch.Tensor,  # [conv_dim, W]
-    conv_state: torch.Tensor,  # [conv_dim, W-1] contiguous
-    window: torch.Tensor,  # [conv_dim, >= W-1+T] out, last dim contiguous
+    conv_home: torch.Tensor,  # [conv_dim, W-1] contiguous: the carried conv columns when slots[2] < 0
+    window: torch.Tensor,  # [conv_dim, NW] (last dim contiguous): read at slots[2] (if >= 0), written at slots[3]
     A_log: torch.Tensor,  # [HV]
     dt_bias: torch.Tensor,  # [HV]
-    state: torch.Tensor,  # [HV, K, V] float32 contiguous
-    states: torch.Tensor,  # [>= T, HV, K, V] float32 out (contiguous per token): see `slots`
+    state_home: torch.Tensor,  # [HV, K, V] float32 contiguous: the state before the step when slots[0] < 0
+    states: torch.Tensor,  # [NS, HV, K, V] float32 (contiguous per token): see `slots`
     norm_weight: torch.Tensor,  # [V]
     num_k_heads: int,
     norm_eps: float,
     eps: float = 1e-6,  # of the q / k l2norm
     out: torch.Tensor | None = None,  # [T, HV*V]
-    slots: torch.Tensor | None = None,  # int32 [2]: (s >= 0: the state before is states[s] instead of
-    # `state`; the states after the tokens go to states[w:w+T]); default (-1, 0)
+    slots: torch.Tensor | None = None,  # int32 [4] on the device, read by the kernel: see below
+    store_all: bool = True,
 ) -> torch.Tensor:
+    """One GDN decode / verify step (T <= 16 tokens); returns `out` [T, HV*V].
+
+    slots = (state_at, state_write, conv_at, conv_write), default (-1, 0, -1, 0):
+    - the state before the step is `state_home` if state_at < 0, else states[state_at];
+    - the state after token t goes to states[state_write + t]; with store_all=False only the last
+      token's, to states[state_write] (the same values: only the stores differ);
+    - carried conv column j (< W-1) is conv_home[:, j] if conv_at < 0, else window[:, conv_at + j];
+    - window[:, conv_write + j] gets carried column j, window[:, conv_write + W-1 + t] input t.
+    The caller keeps the regions read (window[:, conv_at:conv_at+W-1], states[state_at]) apart from
+    those written (window[:, conv_write:conv_write+W-1+T], the states slots written).
+    """
     T = proj.shape[0]
-    HV, K, V = state.shape
+    HV, K, V = state_home.shape
     W = conv_weight.shape[1]
     if conv_weight.shape[0] != 2 * num_k_heads * K + HV * V:
         raise ValueError(f"gdn_step: conv weight {tuple(conv_weight.shape)} does not fit H={num_k_heads}, "
@@ -166,15 +197,21 @@ def gdn_step(
         out = torch.empty(T, HV * V, device=proj.device, dtype=proj.dtype)
     if out.dtype != proj.dtype:
         raise ValueError("gdn_step: out must have the input dtype (it holds o before the norm)")
+    if conv_home.dtype != window.dtype:
+        raise ValueError(f"gdn_step: conv_home ({conv_home.dtype}) and window ({window.dtype}) must share a dtype "
+                         "(the kernel reads the carried columns from either through one pointer)")
+    if slots is None:
+        slots = torch.tensor([-1, 0, -1, 0], device=proj.device, dtype=torch.int32)
+    if slots.dtype != torch.int32 or slots.numel() != 4:
+        raise ValueError(f"gdn_step: slots must be int32 [4] (state_at, state_write, conv_at, conv_write), "
+                         f"not {slots.dtype} {tuple(slots.shape)}")
     block_v = min(32, V)
     sumsq = torch.empty(T, HV, V // block_v, device=proj.device, dtype=torch.float32)
-    if slots is None:
-        slots = torch.tensor([-1, 0], device=proj.device, dtype=torch.int32)
     _gdn_step_kernel[(HV, V // block_v)](
-        proj, proj.stride(0), conv_weight, conv_state, window, window.stride(0), A_log, dt_bias, state,
+        proj, proj.stride(0), conv_weight, conv_home, window, window.stride(0), A_log, dt_bias, state_home,
         states, states.stride(0), slots, norm_weight, out, out.stride(0), sumsq,
         arrival_counters(proj.device, HV),
         T, K**-0.5, eps, norm_eps,
-        H=num_k_heads, HV=HV, K=K, V=V, W=W, BLOCK_V=block_v, num_warps=4,
+        H=num_k_heads, HV=HV, K=K, V=V, W=W, BLOCK_V=block_v, STORE_ALL=bool(store_all), num_warps=4,
     )
     return out

@@ -1,5 +1,5 @@
 """The routed experts over many rows (prefill): grouped GEMMs over (token, slot) pairs sorted by
-expert. Reference: `nextn.layers.ffn.routed_experts` (per expert: silu(x W_gate^T) * (x W_up^T),
+expert. Reference: `nextn.ops.moe.routed_experts` (per expert: silu(x W_gate^T) * (x W_up^T),
 then W_down, times the routing weight, each rounded to the model dtype; slots summed in slot order).
 
 Pairs are sorted by expert and each expert's group padded to a multiple of BLOCK_M rows, on the

@@ -25,11 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nextn.config import ServeConfig
 from nextn.core import RequestOutput, SamplingParams
 from nextn.engine.llm import LLM, RequestError
-from nextn.engine.sessions import common_prefix
+from nextn.engine.scheduler import common_prefix
 from nextn.server import protocol as P
 from nextn.server.metrics import Metrics
 from nextn.server.responses import SSE_DONE, LogprobFormatter, merge_completion_logprobs, sse, to_json, usage
-from nextn.server.worker import ClientGone, EngineWorker, Job, QueueFull
+from nextn.engine.scheduler import QueueFull
+from nextn.server.worker import ClientGone, EngineWorker, Job
 from nextn.tokenizer import TokenizerError
 
 log = logging.getLogger("nextn.server")
@@ -447,7 +448,7 @@ def serve_from_args(args) -> int:
 
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, num_speculative_tokens=args.spec_k,
               p_min=args.p_min, adaptive_k=args.adaptive_k, hidden_after_norm=not args.hidden_before_norm,
-              max_model_len=args.max_model_len, session_memory_gb=args.session_memory_gb,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               kernels=args.kernels, prefill=args.prefill)
     cfg = ServeConfig(host=args.host, port=args.port, api_key=args.api_key,
                       served_model_name=args.served_model_name, max_queue=args.max_queue)

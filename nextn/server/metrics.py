@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass, field
 
 from nextn.core import MAX_TRACKED_POSITIONS, RequestOutput
-from nextn.engine.sessions import SessionCounters
+from nextn.engine.scheduler import SessionCounters
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 1.0)

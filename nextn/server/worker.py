@@ -1,10 +1,11 @@
-"""The engine thread: the only thread that touches the LLM. Admitted requests wait in a bounded
-FIFO; up to `max_running` of them are interleaved round-robin, `burst_rounds` speculative rounds
-per turn, so concurrent clients share the engine fairly and never see each other's state.
+"""The bridge between the event loop and the engine thread, the only thread that touches the
+engine. Jobs come in through a locked inbox (a full queue is refused at once); the engine thread
+hands them to the engine (its scheduler decides who runs, in which slot, for how many rounds) and
+calls `engine.step()` while there is work, feeding each event to its job.
 
-A `Job` is the handle the HTTP side holds: it is fed from this thread (through the event loop's
-call_soon_threadsafe) and cancelled from the HTTP side (a flag this thread reads between rounds;
-closing an engine generator between rounds keeps its session state). Does not know HTTP or JSON.
+A `Job` is the handle the HTTP side holds: it is fed from the engine thread (through the event
+loop's call_soon_threadsafe) and cancelled from the HTTP side (a flag the engine thread reads
+between steps; aborting between rounds keeps the session state). Does not know HTTP or JSON.
 """
 from __future__ import annotations
 
@@ -14,18 +15,16 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator
 
 from nextn.config import ServeConfig
 from nextn.core import SamplingParams
-from nextn.engine.llm import LLM, StreamEvent
+from nextn.engine.engine import StreamEvent
+from nextn.engine.llm import LLM
+from nextn.engine.scheduler import QueueFull, Request
 from nextn.server.metrics import Metrics, SessionSnapshot
 
 log = logging.getLogger("nextn.server")
-
-
-class QueueFull(Exception):
-    pass
 
 
 class ClientGone(Exception):
@@ -41,6 +40,9 @@ class Job:
         self.loop = loop
         self.arrived = time.perf_counter()
         self.cancelled = threading.Event()
+        self.req: Request | None = None  # the engine's request, once the engine thread took the job
+        self.last_token_at: float | None = None
+        self.num_generated = 0
         self._items: deque[StreamEvent | BaseException] = deque()
         self._ready = asyncio.Event()  # belongs to `loop`; set only there
 
@@ -84,22 +86,13 @@ class Job:
                     return
 
 
-class _Running:
-    """A job with its engine generator, and the timing of its tokens."""
-
-    def __init__(self, job: Job, gen: Generator[StreamEvent, None, None]):
-        self.job, self.gen = job, gen
-        self.last_token_at: float | None = None
-        self.num_generated = 0
-
-
 class EngineWorker:
     def __init__(self, llm: LLM, cfg: ServeConfig, metrics: Metrics):
-        self.llm, self.cfg, self.metrics = llm, cfg, metrics
-        self._waiting: deque[Job] = deque()
+        self.llm, self.engine, self.cfg, self.metrics = llm, llm.engine, cfg, metrics
+        self._inbox: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self.num_running = 0  # written by the engine thread only
+        self._jobs: dict[int, Job] = {}  # request id -> job (engine thread only)
         self._thread = threading.Thread(target=self._run, name="nextn-engine", daemon=True)
 
     @property
@@ -117,94 +110,99 @@ class EngineWorker:
             self._thread.join(timeout)
 
     @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._inbox) + len(self.engine.scheduler.waiting)
 
     def submit(self, job: Job) -> None:
-        """Queue a job or raise QueueFull at once (never block the caller)."""
+        """Queue a job or raise QueueFull at once (never block the caller): more jobs than slots
+        the engine could give them may wait, up to max_queue."""
+        sched = self.engine.scheduler
         with self._cond:
-            if len(self._waiting) >= self.cfg.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are already waiting")
-            self._waiting.append(job)
+            takeable = len(sched.free) + len(sched.sessions)
+            if self.num_waiting - takeable >= self.cfg.max_queue:
+                raise QueueFull(f"{self.num_waiting} requests are already waiting")
+            self._inbox.append(job)
             self._cond.notify()
 
     # --- the engine thread
 
     def _run(self) -> None:
-        running: list[_Running] = []
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and not self._waiting and not running:
+                    while not self._stopping and not self._inbox and not self.engine.has_work:
                         self._cond.wait()
                     if self._stopping:
                         break
-                    admitted = []
-                    while self._waiting and len(running) + len(admitted) < self.cfg.max_running:
-                        admitted.append(self._waiting.popleft())
-                running.extend(r for job in admitted if (r := self._admit(job)) is not None)
-                self.num_running = len(running)
-                running = [r for r in running if self._turn(r)]
-                self.num_running = len(running)
+                    jobs = list(self._inbox)
+                    self._inbox.clear()
+                for job in jobs:
+                    self._add(job)
+                self._cancel_dropped()
+                for req, ev in self.engine.step():
+                    self._deliver(self._jobs[req.request_id], ev)
         finally:
-            for r in running:
-                r.gen.close()
-                r.job.put(RuntimeError("the server is shutting down"))
             with self._cond:
-                for job in self._waiting:
-                    job.put(RuntimeError("the server is shutting down"))
-                self._waiting.clear()
+                leftover = list(self._jobs.values()) + list(self._inbox)
+                self._inbox.clear()
+            for job in leftover:
+                job.put(RuntimeError("the server is shutting down"))
 
-    def _admit(self, job: Job) -> _Running | None:
+    def _add(self, job: Job) -> None:
         if job.cancelled.is_set():
             self.metrics.ended_early(True, len(job.prompt_ids), 0)
-            return None
+            return
         try:
-            gen = self.llm.stream(job.prompt_ids, job.params, use_sessions=True, checkpoint_at=job.checkpoint_at)
-        except Exception as e:  # a RequestError the HTTP side did not foresee: the job fails alone
+            job.req = self.engine.add(job.prompt_ids, job.params, use_sessions=True, checkpoint_at=job.checkpoint_at)
+        except Exception as e:  # a request the HTTP side did not foresee: the job fails alone
             job.put(e)
             self.metrics.ended_early(False, len(job.prompt_ids), 0)
-            return None
-        return _Running(job, gen)
+            return
+        self._jobs[job.req.request_id] = job
 
-    def _turn(self, r: _Running) -> bool:
-        """Run up to burst_rounds rounds of one job; False once it is over."""
-        for _ in range(self.cfg.burst_rounds):
-            if r.job.cancelled.is_set():  # client gone: rounds are atomic, the session state is kept
-                r.gen.close()
-                self.metrics.ended_early(True, len(r.job.prompt_ids), r.num_generated)
+    def _cancel_dropped(self) -> None:
+        """Clients gone: stop their work between rounds (the session state is kept)."""
+        for rid, job in list(self._jobs.items()):
+            if job.cancelled.is_set():
+                self.engine.abort(job.req)
+                del self._jobs[rid]
+                self.metrics.ended_early(True, len(job.prompt_ids), job.num_generated)
                 self._after_request()
-                return False
-            try:
-                ev = next(r.gen)
-            except Exception as e:
-                log.exception("engine failure")
-                r.job.put(e)
-                self.metrics.ended_early(False, len(r.job.prompt_ids), r.num_generated)
-                self._after_request()
-                return False
-            self._timing(r, ev)
-            r.job.put(ev)
-            if ev.output is not None:
-                self.metrics.finished(ev.output, time.perf_counter() - r.job.arrived)
-                self._after_request()
-                return False
-        return True
 
-    def _timing(self, r: _Running, ev: StreamEvent) -> None:
+    def _deliver(self, job: Job, ev: StreamEvent | BaseException) -> None:
+        if isinstance(ev, BaseException):
+            log.error("engine failure: %r", ev)
+            del self._jobs[job.req.request_id]
+            job.put(ev)
+            self.metrics.ended_early(False, len(job.prompt_ids), job.num_generated)
+            self._after_request()
+            return
+        self._timing(job, ev)
+        job.put(ev)
+        if ev.output is not None:
+            del self._jobs[job.req.request_id]
+            self.metrics.finished(ev.output, time.perf_counter() - job.arrived)
+            self._after_request()
+
+    def _timing(self, job: Job, ev: StreamEvent) -> None:
         if not ev.token_ids:
             return
         t = time.perf_counter()
-        if r.last_token_at is None:
-            self.metrics.observe_first_token(t - r.job.arrived)
+        if job.last_token_at is None:
+            self.metrics.observe_first_token(t - job.arrived)
             if len(ev.token_ids) > 1:
                 self.metrics.observe_tokens(0.0, len(ev.token_ids) - 1)
         else:
-            self.metrics.observe_tokens(t - r.last_token_at, len(ev.token_ids))
-        r.last_token_at = t
-        r.num_generated += len(ev.token_ids)
+            self.metrics.observe_tokens(t - job.last_token_at, len(ev.token_ids))
+        job.last_token_at = t
+        job.num_generated += len(ev.token_ids)
 
     def _after_request(self) -> None:
-        """Copy the session store's numbers for /metrics (the store is this thread's)."""
-        store = self.llm.sessions
-        self.metrics.set_sessions(SessionSnapshot(dataclasses.replace(store.counters), len(store), store.nbytes))
+        """Copy the scheduler's session numbers for /metrics (they are this thread's)."""
+        sched = self.engine.scheduler
+        self.metrics.set_sessions(SessionSnapshot(dataclasses.replace(sched.counters), len(sched.sessions),
+                                                  len(sched.sessions) * self.engine.pool.slot_nbytes))

@@ -1,9 +1,14 @@
-"""The MTP proposer: drafts K tokens with the model's NextN head, autoregressively.
+"""Proposers: draft K tokens for a round, on the device, through the runner's head step.
 
-Each round it first writes the head's pending rows (committed tokens with their true trunk
-hiddens, plus the pending bonus with the hidden of its predecessor) into the draft K/V in one
-batched pass; the last row's output gives draft 1. Drafts 2..K chain the head's own output
-hidden. Chain rows sit past the committed rows and are overwritten by the next round.
+`MTPProposer` drafts with the model's NextN head. Its first pass writes the head rows of the
+tokens the last round kept (its accepted drafts, paired with their true trunk hiddens, and the
+new pending token with the hidden of its predecessor) into the draft K/V, at a fixed shape of
+K_max + 1 rows whatever was accepted (rows past the kept ones land beyond and are overwritten
+later); the kept row's output gives draft 1. Drafts 2..K chain the head's own output hidden.
+`ProfileProposer` replaces the head's drafts with tokens of a chosen acceptance (benchmarks).
+
+Tensor-only interface: the runner, the slot's cache and sampler come in as arguments; nothing
+here reads the host, so a round's draft is captured in its CUDA graph.
 """
 from __future__ import annotations
 
@@ -11,79 +16,74 @@ from typing import NamedTuple
 
 import torch
 
-from nextn.cache import LayerKV
-from nextn.config import SpecConfig
-from nextn.engine.runner import PREFILL_CHUNK
-from nextn.engine.selector import TokenSelector
-from nextn.engine.state import SeqState
-from nextn.models.qwen3_5 import CausalLM
+from nextn.cache import SlotCache
+from nextn.cache.hybrid import ACCEPTED, DRAFT_LEN, NUM_GEN
+from nextn.sampling import RequestRng
 
 
-class Draft(NamedTuple):
-    token_ids: torch.Tensor  # [k] long
-    probs: torch.Tensor | None  # [k, V] the law each draft was drawn from (None: greedy, one-hot)
+class DraftIO(NamedTuple):
+    """A slot's round buffers the proposer reads and writes."""
+
+    verify_ids: torch.Tensor  # [R] long: [pending token, drafts...]; the proposer writes 1..K
+    hidden: torch.Tensor  # [R, H] the last verify's head-input hiddens (row 0 at its first position)
+    draft_q: torch.Tensor  # [R - 1, V] float32: the law of each sampled draft
+    logits: torch.Tensor  # [1, V] float32 scratch: the head's logits
+    chained: torch.Tensor  # [1, H] scratch: the head's hidden to chain
 
 
 class MTPProposer:
-    def __init__(self, model: CausalLM, spec: SpecConfig):
-        if model.mtp is None:
+    def __init__(self, runner, p_min: float = 0.0):
+        if runner.model.mtp is None:
             raise ValueError("the checkpoint has no MTP head (mtp.* tensors)")
-        self.model, self.head, self.spec = model, model.mtp, spec
+        self.runner, self.p_min = runner, p_min
 
-    def run_rows(self, kv: LayerKV, ids: torch.Tensor, hidden: torch.Tensor, first_pos: int, last_only: bool = True):
-        """Run head rows for tokens ids [n] with predecessor hiddens [n, H] at positions first_pos..
-        (K/V slots first_pos-1..). Returns (logits [n or 1, V], hiddens to chain [n or 1, H])."""
-        embeds = self.model.model.embed_tokens(ids)[None]
-        positions = torch.arange(first_pos, first_pos + ids.numel(), device=ids.device)
-        cos, sin = self.model.rotary.cos_sin(positions, embeds.dtype)
-        out = self.head(embeds, hidden[None], cos, sin, kv, first_pos - 1)[0]
-        out = out[-1:] if last_only else out
-        normed = self.head.norm(out)
-        chained = normed if self.spec.hidden_after_norm else out
-        return self.model.logits(normed), chained
-
-    def _head(self, state: SeqState, ids: torch.Tensor, hidden: torch.Tensor, first_pos: int):
-        """One draft pass over the state's draft K/V (the step a fast path replaces)."""
-        return self.run_rows(state.draft_kv, ids, hidden, first_pos)
-
-    @torch.inference_mode()
-    def propose(self, state: SeqState, bonus: int, k: int, selector: TokenSelector) -> Draft:
-        """Draft up to k tokens following `bonus` (the pending token, not yet in the trunk cache).
-
-        The chain runs all k steps without reading anything back, then is cut at the first draft
-        whose own-pick probability is below p_min (one host read; zero drafts if the first is).
-        """
-        logits, chained, n = self._first_pass(state, bonus)
-        tokens, probs, confidence = [], [], []
-        no_drafts = logits.new_zeros(0, dtype=torch.long)
+    def propose(self, cache: SlotCache, sampler, io: DraftIO, k: int):
+        """Draft k >= 1 tokens into io.verify_ids[1:k+1] (and their q into io.draft_q[:k] when
+        sampled). Returns how many count: k, or the drafts before the first whose head probability
+        is below p_min (a device scalar)."""
+        ctl, R = cache.ctl, io.verify_ids.shape[0]
+        accepted = ctl[ACCEPTED].long()
+        # first pass: row j is the last round's draft j + 1 while j < accepted, then the pending token
+        rows = torch.arange(R, device=ctl.device)
+        ids = torch.where(rows < accepted, io.verify_ids.roll(-1), io.verify_ids[0])
+        self.runner.step.head(cache, ids, io.hidden, ctl[DRAFT_LEN : DRAFT_LEN + 1], accepted, io.logits, io.chained)
+        # the chain: draft j + 1's row sits in draft K/V slot DRAFT_LEN + accepted + 1 + j
+        chain_pos = (ctl[DRAFT_LEN] + accepted + 1 + rows[: max(k - 1, 1)]).int()
+        confidence = []
         for j in range(k):
-            token, q, conf = selector.draft(logits, torch.cat(tokens) if tokens else no_drafts)
-            tokens.append(token)
-            probs.append(q)
+            token, q, conf = sampler.draft(io.logits, io.verify_ids[1 : 1 + j], ctl[NUM_GEN] + j)
+            io.verify_ids[1 + j : 2 + j] = token
+            if q is not None:
+                io.draft_q[j : j + 1] = q
             confidence.append(conf)
             if j + 1 < k:
-                logits, chained = self._head(state, token, chained, n + 1 + j)
-        token_ids = torch.cat(tokens)
-        keep = self._confident_prefix(torch.cat(confidence))
-        q = None if probs[0] is None else torch.cat(probs)[:keep]
-        return Draft(token_ids[:keep], q)
+                self.runner.step.head(cache, io.verify_ids[1 + j : 2 + j], io.chained, chain_pos[j : j + 1], 0,
+                                      io.logits, io.chained)
+        if self.p_min <= 0.0:
+            return k
+        return (torch.cat(confidence) >= self.p_min).long().cumprod(0).sum()
 
-    def _first_pass(self, state: SeqState, bonus: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Write the state's pending head rows and the bonus's row; returns (the last row's logits
-        [1, V], its hidden to chain [1, H], n: the bonus's position)."""
-        row_ids, row_hidden = state.take_rows()
-        n = len(state.tokens)  # the bonus is token n; its row pairs it with hidden n-1
-        ids = torch.tensor(row_ids + [bonus], device=row_hidden.device)
-        hidden = torch.cat([row_hidden, state.last_hidden[None]])
-        # the rows' catch-up (a whole prompt after a prefill) runs in prefill-sized chunks
-        for s in range(0, ids.numel(), PREFILL_CHUNK):
-            logits, chained = self._head(state, ids[s : s + PREFILL_CHUNK], hidden[s : s + PREFILL_CHUNK],
-                                         state.draft_len + 1 + s)
-        state.draft_len = n
-        return logits, chained, n
 
-    def _confident_prefix(self, confidence: torch.Tensor) -> int:
-        """Drafts before the first whose own-pick probability is below p_min (one host read)."""
-        if self.spec.p_min <= 0.0:
-            return confidence.numel()
-        return int((confidence >= self.spec.p_min).long().cumprod(0).sum())
+class ProfileProposer:
+    """Drafts of a chosen acceptance, for measuring speed-ups where the head guesses nothing (random
+    weights): the real head drafts (and is paid for), then draft j is replaced, with probability
+    profile[j], by the token plain decoding emits at its position (so the verify accepts it) and
+    otherwise by another token. Draws are seeded Philox, a pure function of the position."""
+
+    def __init__(self, base: MTPProposer, profile: list[float], reference_ids: list[int], seed: int = 0):
+        device = base.runner.device
+        self.base, self.p_min = base, base.p_min
+        self.profile = torch.tensor(profile, dtype=torch.float64, device=device)
+        self.reference = torch.tensor(reference_ids, dtype=torch.long, device=device)
+        self.rng = RequestRng(seed)
+
+    def propose(self, cache: SlotCache, sampler, io: DraftIO, k: int):
+        if not sampler.kind.greedy:  # a replaced draft is not drawn from its q: sampled rounds would not be exact
+            raise ValueError("an acceptance profile drives greedy decoding only")
+        num_drafts = self.base.propose(cache, sampler, io, k)
+        index = cache.ctl[NUM_GEN].long() + torch.arange(k, device=io.verify_ids.device)  # generated index of each draft
+        right = self.reference[index.clamp(max=self.reference.numel() - 1)]
+        hit = self.rng.uniforms(index, 0) < self.profile[torch.arange(k, device=index.device).clamp(
+            max=self.profile.numel() - 1)]
+        io.verify_ids[1 : k + 1] = torch.where(hit, right, (right + 1) % self.base.runner.cfg.vocab_size)
+        return num_drafts

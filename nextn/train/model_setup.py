@@ -1,6 +1,6 @@
 """The model a run trains: a fresh Qwen3.5-layout CausalLM with its MTP head (initialised here),
-or an existing checkpoint with a frozen trunk and a trainable head; and the explicit choice of
-the chunked gated-delta-rule kernel its GDN layers use for training.
+or an existing checkpoint with a frozen trunk and a trainable head. (The chunked delta rule a run
+uses is an Ops table the trainer passes down: nextn.ops.OPS.)
 """
 from __future__ import annotations
 
@@ -12,12 +12,10 @@ import torch
 from torch import nn
 
 from nextn.config import ModelConfig
-from nextn.layers.gdn import GatedDeltaNet
 from nextn.layers.norm import RMSNorm, RMSNormGated
 from nextn.models.loader import load_model
 from nextn.models.mtp import MTPHead
 from nextn.models.qwen3_5 import CausalLM
-from nextn.ops import gdn as gdn_ops
 from nextn.train.config import TrainConfig
 from nextn.train.tokenizer import ENDOFTEXT, token_id
 
@@ -86,21 +84,3 @@ def text_config(model_dir: Path) -> dict:
         tie = raw.get("tie_word_embeddings", raw["text_config"].get("tie_word_embeddings", False))
         raw = {**raw["text_config"], "architectures": [arch], "tie_word_embeddings": tie}
     return {**raw, "mtp_num_hidden_layers": 1}
-
-
-def select_gdn_kernel(model: CausalLM, name: str) -> None:
-    """Point every GDN layer's chunked rule at the named kernel: "torch" (nextn.ops.gdn, any
-    device) or "fla" (flash-linear-attention's Triton kernels; an error if fla is missing)."""
-    if name == "torch":
-        rule = gdn_ops.chunk_gated_delta_rule
-    elif name == "fla":
-        try:
-            from nextn.ops import gdn_fla
-        except ImportError as e:
-            raise RuntimeError("gdn_kernel 'fla' needs flash-linear-attention (pip install fla-core)") from e
-        rule = gdn_fla.chunk_gated_delta_rule
-    else:
-        raise ValueError(f"unknown gdn kernel {name!r}")
-    for m in model.modules():
-        if isinstance(m, GatedDeltaNet):
-            m.chunk_rule = rule

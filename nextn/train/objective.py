@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from nextn.layers.attention import attend
 from nextn.layers.rotary import apply_rotary
 from nextn.models.qwen3_5 import CausalLM
+from nextn.ops import Ops
 
 
 class Losses(NamedTuple):
@@ -32,9 +33,9 @@ class Losses(NamedTuple):
     accept_len: torch.Tensor  # 1 + sum over depths d of P(depths 1..d all pick the trunk's pick)
 
 
-def trunk_hidden(model: CausalLM, inputs: torch.Tensor) -> torch.Tensor:
-    """inputs [B, L] -> the trunk's hidden after the final norm [B, L, H]."""
-    return model.final_norm(model(inputs))
+def trunk_hidden(model: CausalLM, inputs: torch.Tensor, ops: Ops | None = None) -> torch.Tensor:
+    """inputs [B, L] -> the trunk's hidden after the final norm [B, L, H] (ops: the chunked rule's kernel)."""
+    return model.final_norm(model(inputs, ops=ops))
 
 
 def head_logits(model: CausalLM, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -80,9 +81,9 @@ def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten().long())
 
 
-def joint_losses(model: CausalLM, x: torch.Tensor, head_weight: float) -> Losses:
+def joint_losses(model: CausalLM, x: torch.Tensor, head_weight: float, ops: Ops | None = None) -> Losses:
     """Trunk and head trained together: trunk CE + head_weight * head CE."""
-    hidden = trunk_hidden(model, x[:, :-1])
+    hidden = trunk_hidden(model, x[:, :-1], ops)
     trunk_logits = model.logits(hidden)
     logits = head_logits(model, x, hidden)
     trunk, head = _ce(trunk_logits, x[:, 1:]), _ce(logits, x[:, 2:])
@@ -90,12 +91,13 @@ def joint_losses(model: CausalLM, x: torch.Tensor, head_weight: float) -> Losses
     return Losses(trunk + head_weight * head, trunk, head, acc, agree, 1 + agree)
 
 
-def distill_losses(model: CausalLM, x: torch.Tensor, depth: int = 1, decay: float = 0.7) -> Losses:
+def distill_losses(model: CausalLM, x: torch.Tensor, depth: int = 1, decay: float = 0.7,
+                   ops: Ops | None = None) -> Losses:
     """Frozen trunk: the head learns the trunk's next-token distribution (soft cross-entropy),
     which is what drafting is judged against; with depth D > 1 also at draft steps 2..D of its
     chain, depth d weighted decay ** (d - 1). Head CE/acc/agree are depth 1's."""
     with torch.no_grad():
-        hidden = trunk_hidden(model, x[:, :-1])
+        hidden = trunk_hidden(model, x[:, :-1], ops)
         trunk_logits = model.logits(hidden)
         teacher = torch.softmax(trunk_logits, dim=-1)
     all_logits = [head_logits(model, x, hidden)] if depth == 1 else chain_logits(model, x, hidden, depth)

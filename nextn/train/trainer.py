@@ -22,7 +22,8 @@ from nextn.train import data as data_mod
 from nextn.train import objective, report
 from nextn.train.checkpoint import load_state, save_state, write_checkpoint
 from nextn.train.config import DATA_FIELDS, TrainConfig, check_resume
-from nextn.train.model_setup import build_model, distill_model, select_gdn_kernel
+from nextn.ops import OPS
+from nextn.train.model_setup import build_model, distill_model
 from nextn.train.tokenizer import ENDOFTEXT, TOKENIZER_FILES, build_tokenizer, load_tokenizer, token_id, write_tokenizer_files
 
 CONFIG_FILE = "train_config.json"
@@ -122,7 +123,7 @@ class Run:
             self.model, self.hf_config = distill_model(cfg, self.device)
         else:
             self.model, self.hf_config = build_model(cfg, tok, self.device)
-        select_gdn_kernel(self.model, cfg.gdn_kernel)
+        ops = OPS[cfg.gdn_kernel]()  # the chunked delta rule's kernel: torch (any device) or fla (CUDA)
         self.optimizer = make_optimizer(self.model, cfg)
         self.step, self.tokens, self.elapsed = 0, 0, 0.0
         self.planned_s: float | None = None  # loop time this run may reach (set when the loop starts)
@@ -132,8 +133,8 @@ class Run:
         if cfg.compile:
             for layer in list(self.model.model.layers) + list(self.model.mtp.layers):
                 layer.compile()
-        self.loss_fn = (lambda m, x: objective.distill_losses(m, x, cfg.chain_depth, cfg.chain_decay)) if cfg.distill_from else (
-            lambda m, x: objective.joint_losses(m, x, cfg.head_loss_weight))
+        self.loss_fn = (lambda m, x: objective.distill_losses(m, x, cfg.chain_depth, cfg.chain_decay, ops)) if (
+            cfg.distill_from) else (lambda m, x: objective.joint_losses(m, x, cfg.head_loss_weight, ops))
 
     def _restore(self, state: dict | None) -> None:
         if state is None:

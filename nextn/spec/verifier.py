@@ -1,4 +1,4 @@
-"""The verifier of one speculative round at batch 1: which drafts to accept, which token follows.
+"""The verifier of one speculative round: which drafts to accept, which token follows.
 
 Owns: `verify_greedy` (longest prefix matching the target argmax + bonus) and `verify_sampled`
 (speculative rejection sampling, Leviathan et al. 2023 / Chen et al. 2023, exact in distribution),
@@ -10,7 +10,8 @@ already filtered distributions (`nextn.sampling.probs_from_logits`) and the unif
 
 Words: K drafts `draft_ids[j]` for generated positions i..i+K-1; the round emits the *accepted*
 drafts draft_ids[:n], then either a *recovered* token (first rejection at n < K) or the *bonus*
-token (n == K) — always n + 1 tokens.
+token (n == K) — always n + 1 tokens. `num_drafts` (a device scalar <= K, default K) cuts the
+drafts a confidence gate dropped: the round is then exactly a round of that many drafts.
 
 Exactness contract for q (the draft distribution):
   * `draft_probs[j]` must be the exact distribution draft_ids[j] was drawn from, including the
@@ -41,22 +42,25 @@ class VerifyResult(NamedTuple):
     out_ids: Tensor  # [K+1] long: draft_ids[:n], then the recovered/bonus token, then -1
 
 
-def verify_greedy(target_argmax: Tensor, draft_ids: Tensor) -> VerifyResult:
+def verify_greedy(target_argmax: Tensor, draft_ids: Tensor, num_drafts: Tensor | int | None = None) -> VerifyResult:
     """target_argmax [K+1] long (per verify row, penalties applied), draft_ids [K] long."""
-    num_drafts = draft_ids.shape[0]
-    if num_drafts == 0:  # a plain step: the argmax is the token (one launch, not seven)
+    K = draft_ids.shape[0]
+    if K == 0:  # a plain step: the argmax is the token (one launch, not seven)
         return VerifyResult(target_argmax.new_zeros(()), target_argmax.long())
     # accept the longest prefix where the draft equals the target's argmax
-    match = draft_ids == target_argmax[:num_drafts]  # [K]
+    match = draft_ids == target_argmax[:K]  # [K]
     n = match.long().cumprod(0).sum()  # [] drafts before the first mismatch
+    if isinstance(num_drafts, torch.Tensor):
+        n = torch.minimum(n, num_drafts)
     # accepted drafts equal the argmax, and the argmax at row n is the bonus/correction
-    pos = torch.arange(num_drafts + 1, device=target_argmax.device)  # [K+1]
+    pos = torch.arange(K + 1, device=target_argmax.device)  # [K+1]
     out_ids = torch.where(pos <= n, target_argmax.long(), -1)  # [K+1]
     return VerifyResult(n, out_ids)
 
 
 def verify_sampled(target_probs: Tensor, draft_probs: Tensor | None, draft_ids: Tensor,
-                   uniforms_accept: Tensor, uniforms_resample: Tensor) -> VerifyResult:
+                   uniforms_accept: Tensor, uniforms_resample: Tensor, num_drafts: Tensor | None = None
+                   ) -> VerifyResult:
     """Speculative rejection sampling for one round.
 
     target_probs [K+1, V]: filtered target law per verify row (row j: after the first j drafts).
@@ -64,35 +68,36 @@ def verify_sampled(target_probs: Tensor, draft_probs: Tensor | None, draft_ids: 
     uniforms_accept [K]: ACCEPT uniforms of positions i..i+K-1.
     uniforms_resample [K+1]: SAMPLE uniforms of positions i..i+K (only entry n is used).
     """
-    num_drafts = draft_ids.shape[0]
+    K = draft_ids.shape[0]
+    num_drafts = K if num_drafts is None else num_drafts
     device = target_probs.device
-    rows = torch.arange(num_drafts, device=device)  # [K]
+    rows = torch.arange(K, device=device)  # [K]
     p_x = target_probs[rows, draft_ids].double()  # [K] p_j(x_j)
     q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs[rows, draft_ids].double()
     # accept x_j with probability min(1, p_j(x_j) / q_j(x_j)):  u < p/q  <=>  u * q < p
     # (no division; p(x) = 0 is never accepted since u >= 0)
-    accept = uniforms_accept.double() * q_x < p_x  # [K]
+    accept = (uniforms_accept.double() * q_x < p_x) & (rows < num_drafts)  # [K]
     n = accept.long().cumprod(0).sum()  # [] drafts before the first rejection
     # first rejection at n < K: recovered token ~ norm(max(0, p_n - q_n));
     # all K accepted: bonus token ~ p_K (q_K := 0 below makes the same formula give p_K)
     p_n = target_probs.index_select(0, n.reshape(1))[0].float()  # [V]
-    residual = (p_n - _draft_row(draft_probs, draft_ids, n, p_n)).clamp_(min=0.0)  # [V]
+    residual = (p_n - _draft_row(draft_probs, draft_ids, n, num_drafts, p_n)).clamp_(min=0.0)  # [V]
     # p == q makes a rejection impossible in exact arithmetic; if round-off still produced one
     # with an all-zero residual, draw from p_n
     residual = torch.where(residual.sum() > 0, residual, p_n)
     token = sample(residual, uniforms_resample.index_select(0, n.reshape(1)))  # [1]
-    pos = torch.arange(num_drafts + 1, device=device)  # [K+1]
+    pos = torch.arange(K + 1, device=device)  # [K+1]
     drafts_padded = torch.cat([draft_ids.long(), draft_ids.new_full((1,), -1).long()])  # [K+1]
     out_ids = torch.where(pos < n, drafts_padded, -1).scatter(0, n.reshape(1), token.reshape(1))
     return VerifyResult(n, out_ids)
 
 
-def _draft_row(draft_probs: Tensor | None, draft_ids: Tensor, n: Tensor, like: Tensor) -> Tensor:
-    """q_n as [V] float32; zeros when n == K (the bonus row has no draft)."""
-    num_drafts = draft_ids.shape[0]
-    if num_drafts == 0:
+def _draft_row(draft_probs: Tensor | None, draft_ids: Tensor, n: Tensor, num_drafts, like: Tensor) -> Tensor:
+    """q_n as [V] float32; zeros when n == num_drafts (the bonus row has no draft)."""
+    K = draft_ids.shape[0]
+    if K == 0:
         return torch.zeros_like(like)
-    row = n.clamp(max=num_drafts - 1).reshape(1)  # [1]
+    row = n.clamp(max=K - 1).reshape(1)  # [1]
     live = (n < num_drafts).float()  # [] 0 for the bonus row
     if draft_probs is None:  # one-hot q at the greedy draft
         return torch.zeros_like(like).scatter_(0, draft_ids.index_select(0, row), live.reshape(1))

@@ -1,0 +1,73 @@
+"""Where a round's time goes on the GPU: GPU time per kernel name over eager rounds of the engine
+(torch.profiler), for plain decoding and for K drafts, and the replayed round against its steps.
+
+python bench/profile_round.py (--model DIR | --preset qwen3.5-9b) [--k 3] [--out profile.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nextn.bench import Bench, BenchConfig, random_model
+from nextn.core import SamplingParams, SpecStats
+from nextn.engine.rounds import RequestRounds
+from nextn.models.loader import load_model
+
+
+def kernels_per_round(bench: Bench, k: int, temperature: float, rounds: int = 8) -> tuple[list, float]:
+    """(rows of (us per round, launches per round, kernel name), GPU ms per round) over eager rounds."""
+    _, runner, proposer = bench.core(k)
+    runner.use_graphs = False
+    seq = bench.prefilled(k)
+    params = SamplingParams(max_tokens=4 * rounds, temperature=temperature, seed=0, ignore_eos=True)
+    loop = RequestRounds(runner, proposer, seq, params, runner.config.spec, set(), SpecStats(), ahead=False)
+    loop.next()  # the first token
+    loop.next()  # a warm round: kernels compiled
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            loop.next()
+        torch.cuda.synchronize()
+    loop.close()
+    runner.use_graphs = True
+    per_kernel = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name][0] += ev.device_time / rounds
+            per_kernel[ev.name][1] += 1
+    rows = sorted(((us, n / rounds, name) for name, (us, n) in per_kernel.items()), reverse=True)
+    return rows, sum(r[0] for r in rows) / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--preset", default=None)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    model = load_model(args.model, "cuda", "bfloat16") if args.model else random_model(args.preset, "cuda", "bfloat16")
+    prompt = torch.randint(0, model.cfg.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    bench = Bench(model, prompt, BenchConfig(spec_ks=[args.k], gen_len=64, kernels="triton"))
+    report = {}
+    for k, temperature in ((0, 0.0), (args.k, 0.0), (args.k, 0.7)):
+        rows, ms = kernels_per_round(bench, k, temperature)
+        launches = sum(r[1] for r in rows)
+        small = [r for r in rows if r[0] < 5.0]  # the round's bookkeeping kernels (< 5 us each)
+        print(f"K={k} T={temperature}: {ms:.3f} ms of kernels per round, {launches:.0f} launches; "
+              f"{sum(r[1] for r in small):.0f} of them under 5 us ({sum(r[0] for r in small) / 1e3:.3f} ms)")
+        for us, n, name in rows[:12]:
+            print(f"  {us:9.1f} us  {n:5.1f}x  {name[:100]}")
+        report[f"K{k}_T{temperature}"] = {"gpu_ms_per_round": ms, "launches": launches,
+                                          "kernels_us": [[us, n, name] for us, n, name in rows]}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

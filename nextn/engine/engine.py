@@ -1,0 +1,235 @@
+"""The engine loop: `step()` = schedule -> run -> postprocess. The scheduler admits waiting
+requests into cache slots (the engine prefills them) and picks whose turn it is; that request runs
+a few rounds (nextn.engine.rounds); each round's tokens become text (stop strings cut on the host),
+logprobs and events, and a finished request hands its slot back to the scheduler (kept as a
+session when asked).
+
+Owns the model, the runner, the proposer and the aggregated spec counters. One thread calls it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nextn.cache import CacheLayout, SlotPool
+from nextn.config import EngineConfig
+from nextn.core import RequestOutput, SamplingParams, SpecStats
+from nextn.engine.rounds import RequestRounds, Round, round_buffers
+from nextn.engine.runner import ModelRunner
+from nextn.engine.sampler import sampler_buffers
+from nextn.engine.scheduler import Request, Scheduler
+from nextn.engine.stops import StopStrings
+from nextn.models.qwen3_5 import CausalLM
+from nextn.sampling import token_logprobs, top_logprobs
+from nextn.spec.proposer import MTPProposer
+from nextn.tokenizer import IncrementalDecoder, Tokenizer
+
+
+@dataclass
+class StreamEvent:
+    token_ids: list[int]  # new tokens of this round
+    text: str  # their text delta (incomplete UTF-8 held back)
+    output: RequestOutput | None  # set on the last event
+    logprobs: list[dict] | None = None  # entries of this round's tokens when params.logprobs is set
+
+
+@dataclass
+class _Live:
+    """A running request's host state."""
+
+    rounds: RequestRounds
+    decoder: IncrementalDecoder
+    stops: StopStrings
+    stats: SpecStats
+    started: float
+    prefill_seconds: float
+    prompt_logprobs: list | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None
+    released: int = 0  # characters handed out
+
+
+def build_core(model: CausalLM, config: EngineConfig) -> tuple[SlotPool, ModelRunner, MTPProposer | None]:
+    """The cache slots (checked against the device's memory first), the runner and the proposer."""
+    cfg, k_max = model.cfg, config.spec.num_speculative_tokens
+    dtype = next(model.parameters()).dtype
+    extra = round_buffers(cfg, k_max, dtype) + sampler_buffers(cfg.vocab_size, config.max_model_len)
+    layout = CacheLayout(config.max_num_seqs, config.max_model_len, k_max + 1, k_max > 0, tuple(extra))
+    pool = SlotPool(cfg, layout, config.device, dtype)
+    runner = ModelRunner(model, config, pool)
+    return pool, runner, MTPProposer(runner, config.spec.p_min) if k_max > 0 else None
+
+
+class Engine:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        cfg = model.cfg
+        self.pool, self.runner, self.proposer = build_core(model, config)
+        self.scheduler = Scheduler(config.max_num_seqs)
+        self.stop_ids = set(cfg.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            self.stop_ids.add(tokenizer.eos_token_id)
+        self.stats = SpecStats()
+        self.live: dict[int, _Live] = {}
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, use_sessions: bool = False,
+            checkpoint_at: int | None = None) -> Request:
+        # prompt logprobs need the logits of every prompt row: such a request prefills cold
+        req = Request(prompt_ids, params, use_sessions and params.prompt_logprobs is None, checkpoint_at)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, req: Request) -> None:
+        """Stop a request (its slot stays consistent: rounds are atomic)."""
+        if self.scheduler.cancel_waiting(req):
+            return
+        live = self.live.pop(req.request_id, None)
+        if live is not None:
+            live.rounds.close()
+            self.scheduler.finish(req, keep=req.use_sessions)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def step(self) -> list[tuple[Request, StreamEvent | BaseException]]:
+        events: list = []
+        for req in self.scheduler.admit():
+            try:
+                events += self._start(req)
+            except Exception as e:  # a request the engine cannot run fails alone; its slot is reset
+                self.live.pop(req.request_id, None)
+                req.use_sessions = False
+                self.scheduler.finish(req, keep=False)
+                events.append((req, e))
+        turn = self.scheduler.next_turn()
+        if turn is not None:
+            events += self._run(*turn)
+        return events
+
+    # --- prefill
+
+    def _start(self, req: Request) -> list:
+        seq, params, prompt = req.seq, req.params, req.prompt_ids
+        t0 = time.perf_counter()
+        cache = self.runner.slot(seq.slot)
+        if req.cached == 0:  # a fresh slot (or one taken from an evicted session)
+            cache.reset()
+            seq.heads = self.proposer is not None
+        elif req.rewind:
+            seq.rewind_to_checkpoint()
+            cache.restore_gdn(seq.checkpoint.num_tokens)
+            cache.set(draft_len=seq.draft_len)
+        split = len(prompt) if req.checkpoint_at is None else min(max(req.checkpoint_at, req.cached), len(prompt))
+        entries = self._prefill(req, split)
+        _sync(self.runner.device)
+        t1 = time.perf_counter()
+        if params.max_tokens == 0:
+            output = self._output(req, [], "length", SpecStats(), t1 - t0, 0.0, None, entries)
+            self.scheduler.finish(req, keep=req.use_sessions)
+            return [(req, StreamEvent([], "", output))]
+        rounds = RequestRounds(self.runner, self.proposer, seq, params, self.config.spec,
+                               set() if params.ignore_eos else self.stop_ids | set(params.stop_token_ids),
+                               SpecStats(), want_logits=params.logprobs is not None)
+        self.live[req.request_id] = _Live(rounds, IncrementalDecoder(self.tokenizer), StopStrings(params.stop),
+                                          rounds.stats, t1, t1 - t0, entries,
+                                          logprobs=[] if params.logprobs is not None else None)
+        return []
+
+    def _prefill(self, req: Request, split: int) -> list | None:
+        """Prefill the prompt past the cached tokens, with a checkpoint after prompt[:split] (sessions).
+        Returns the prompt logprobs when asked (then nothing was cached): None for the first token."""
+        prompt, num_top, seq = req.prompt_ids, req.params.prompt_logprobs, req.seq
+        entries: list = [None]  # the first prompt token has no prediction
+
+        def take(start: int, rows: torch.Tensor) -> None:  # rows[i] predicts prompt[start + i + 1]
+            targets = prompt[start + 1 : start + 1 + rows.shape[0]]
+            if targets:
+                entries.extend(logprob_entries(rows, targets, num_top))
+
+        def extend(lo: int, hi: int) -> None:
+            if hi > lo:
+                on_logits = None if num_top is None else (lambda start, rows: take(lo + start, rows))
+                self.runner.extend(seq, prompt[lo:hi], on_logits=on_logits)
+
+        extend(req.cached, split)
+        if req.use_sessions:
+            seq.make_checkpoint()
+            self.runner.slot(seq.slot).snapshot_gdn()
+        extend(split, len(prompt))
+        return entries if num_top is not None else None
+
+    # --- rounds and their tokens
+
+    def _run(self, req: Request, num_rounds: int) -> list:
+        live, events = self.live[req.request_id], []
+        for _ in range(num_rounds):
+            try:
+                r = live.rounds.next()
+            except Exception as e:
+                self.live.pop(req.request_id)
+                req.use_sessions = False
+                self.scheduler.finish(req, keep=False)
+                return events + [(req, e)]
+            ev = self._postprocess(req, live, r)
+            events.append((req, ev))
+            if ev.output is not None:
+                break
+        return events
+
+    def _postprocess(self, req: Request, live: _Live, r: Round) -> StreamEvent:
+        ids, finish_reason = r.token_ids, r.finish_reason
+        text = live.stops.push(live.decoder.push(ids))
+        if live.stops.hit is not None:  # keep tokens up to the one completing the stop string
+            ids, finish_reason = ids[: _num_covering(self.tokenizer, live.token_ids, ids, live.stops.hit)], "stop"
+        live.token_ids.extend(ids)
+        entries = None
+        if live.logprobs is not None:
+            entries = logprob_entries(r.logits, ids, req.params.logprobs) if ids else []
+            live.logprobs.extend(entries)
+        if finish_reason is None:
+            live.released += len(text)
+            return StreamEvent(ids, text, None, entries)
+        live.rounds.close(len(ids) if live.stops.hit is not None else None)
+        _sync(self.runner.device)
+        final_text = live.stops.text if live.stops.hit is not None else self.tokenizer.decode(live.token_ids)
+        output = self._output(req, live.token_ids, finish_reason, live.stats, live.prefill_seconds,
+                              time.perf_counter() - live.started, live.logprobs, live.prompt_logprobs, final_text)
+        self.stats.merge(live.stats)
+        del self.live[req.request_id]
+        self.scheduler.finish(req, keep=req.use_sessions)
+        # the last delta also carries text held back (a stop-string prefix, split UTF-8)
+        return StreamEvent(ids, final_text[live.released :], output, entries)
+
+    def _output(self, req: Request, token_ids, finish_reason, stats, prefill_s, decode_s, logprobs, prompt_lp,
+                text: str = "") -> RequestOutput:
+        return RequestOutput(token_ids=token_ids, text=text, finish_reason=finish_reason,
+                             prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached, spec=stats,
+                             prefill_seconds=prefill_s, decode_seconds=decode_s, logprobs=logprobs,
+                             prompt_logprobs=prompt_lp)
+
+
+def _num_covering(tokenizer, prior_ids: list[int], round_ids: list[int], text_len: int) -> int:
+    """How many of `round_ids` it takes for the decoded text to reach `text_len` characters."""
+    for n in range(1, len(round_ids)):
+        if len(tokenizer.decode(prior_ids + round_ids[:n])) >= text_len:
+            return n
+    return len(round_ids)
+
+
+def logprob_entries(rows: torch.Tensor, ids: list[int], n: int) -> list[dict]:
+    rows = rows[: len(ids)]
+    chosen = token_logprobs(rows, torch.tensor(ids, device=rows.device)).tolist()
+    top = top_logprobs(rows, n) if n > 0 else None
+    entries = []
+    for i, (tok, lp) in enumerate(zip(ids, chosen)):
+        tops = list(zip(top.ids[i].tolist(), top.logprobs[i].tolist())) if top is not None else []
+        entries.append({"token_id": tok, "logprob": lp, "top_logprobs": tops})
+    return entries
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

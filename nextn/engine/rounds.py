@@ -1,0 +1,251 @@
+"""The rounds of one request: draft -> verify -> accept -> commit on the device, and the host loop
+that queues them one ahead and reads each round's tokens once.
+
+A round (`device_round`) is device work only, one CUDA graph per (slot, K, sampler kind): the
+proposer drafts K tokens after the pending token; the trunk verifies [pending, drafts] in one
+step; the sampler accepts the longest matching prefix (greedy) or rejection-samples, and picks the
+bonus / recovered token, which becomes the next round's pending token (it enters the trunk only as
+column 0 of the next verify: no round spends a forward on it alone); `commit_ctl` keeps the
+accepted columns by moving the slot's pointers. Plain decoding is the same round with K = 0. The
+outcome goes to a small buffer, [accepted, drafts counted, tokens..., counters before the round],
+copied to pinned host memory.
+
+The host (`RequestRounds`) queues round r+1 before it reads round r, so its bookkeeping overlaps a
+running round. EOS, stop ids, the token budget and the context end cut the tokens read (stop
+strings are the caller's, through `close`); when a request ends inside round r, the round queued
+after it is not kept: `close` recommits round r's columns with the same `commit_ctl` (no round
+writes where a committed state lives, so nothing is undone). What is emitted never depends on the
+overlap.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+from nextn.cache import SlotCache, commit_ctl
+from nextn.cache.hybrid import DRAFT_LEN, NUM_CTL, NUM_GEN, SEQ_LEN, window_cols
+from nextn.config import ModelConfig, SpecConfig
+from nextn.core import SamplingParams, SpecStats
+from nextn.engine.sampler import SlotSampler
+from nextn.engine.sequence import Sequence
+from nextn.spec.proposer import DraftIO
+
+_N, _DRAFTED, _TOKENS = 0, 1, 2  # fields of a round's outcome buffer
+
+
+def round_buffers(cfg: ModelConfig, k_max: int, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """Per-slot buffers of a round with up to k_max drafts (R = k_max + 1 verify rows)."""
+    R, V, H, f32 = k_max + 1, cfg.vocab_size, cfg.hidden_size, torch.float32
+    return [("verify_ids", (R,), torch.long), ("logits", (R, V), f32), ("hidden", (R, H), dtype),
+            ("prev_logits", (R, V), f32), ("prev_hidden", (R, H), dtype), ("draft_q", (max(k_max, 1), V), f32),
+            ("head_logits", (1, V), f32), ("head_hidden", (1, H), dtype), ("out", (_TOKENS + R + NUM_CTL,), torch.long)]
+
+
+class Buffers(NamedTuple):
+    verify_ids: torch.Tensor  # [R] [pending token, drafts...]
+    logits: torch.Tensor  # [R, V] the last verify's logits (row j predicts emitted token j)
+    hidden: torch.Tensor  # [R, H] its head-input hiddens
+    prev_logits: torch.Tensor  # the verify before it (copied as a round starts)
+    prev_hidden: torch.Tensor
+    draft_q: torch.Tensor
+    head_logits: torch.Tensor
+    head_hidden: torch.Tensor
+    out: torch.Tensor  # [2 + R + NUM_CTL] the round's outcome
+
+    @classmethod
+    def of(cls, cache: SlotCache) -> Buffers:
+        return cls(*(cache.t(name) for name in cls._fields))
+
+    def draft_io(self) -> DraftIO:
+        return DraftIO(self.verify_ids, self.hidden, self.draft_q, self.head_logits, self.head_hidden)
+
+
+def device_round(runner, proposer, cache: SlotCache, sampler: SlotSampler, buf: Buffers, k: int) -> None:
+    """One round of k drafts (0: plain decoding), device work only."""
+    ctl, R = cache.ctl, buf.verify_ids.shape[0]
+    before = ctl.clone()
+    num_drafts = proposer.propose(cache, sampler, buf.draft_io(), k) if k > 0 else 0
+    buf.prev_logits.copy_(buf.logits)  # what a request ending in the last round reads
+    buf.prev_hidden.copy_(buf.hidden)
+    runner.step.trunk(cache, buf.verify_ids[: k + 1], buf.logits[: k + 1], buf.hidden[: k + 1])
+    q = None if sampler.kind.greedy else buf.draft_q[:k]
+    n, out_ids = sampler.verify(buf.logits[: k + 1], buf.verify_ids[1 : k + 1], q, num_drafts, before[NUM_GEN])
+    sampler.record(out_ids, n)
+    ctl.copy_(commit_ctl(before, n + 1, cache.rows, cache.cols, round_=True))
+    buf.verify_ids[:1] = out_ids.index_select(0, n.reshape(1))  # the next round's pending token
+    drafted = before.new_full((1,), k).long() if isinstance(num_drafts, int) else num_drafts.reshape(1)
+    tokens = torch.cat([out_ids, out_ids.new_full((R - k - 1,), -1)])
+    buf.out.copy_(torch.cat([n.reshape(1), drafted, tokens, before.long()]))
+
+
+def first_token(cache: SlotCache, sampler: SlotSampler, buf: Buffers, seq: Sequence) -> None:
+    """The token after the prompt, from the trunk's last logits: the outcome of a round with no
+    verify (nothing committed). Sets up the first round's head pass (the pending token's row)."""
+    ctl, R = cache.ctl, buf.verify_ids.shape[0]
+    before = ctl.clone()
+    buf.logits[:1] = seq.last_logits
+    buf.hidden[:1] = seq.last_hidden
+    n, out_ids = sampler.verify(buf.logits[:1], buf.verify_ids[:0], None, 0, before[NUM_GEN])
+    sampler.record(out_ids, n)
+    buf.verify_ids[:1] = out_ids
+    ctl[NUM_GEN] += 1
+    buf.out.copy_(torch.cat([n.reshape(1), n.reshape(1), out_ids, out_ids.new_full((R - 1,), -1), before.long()]))
+
+
+class AdaptiveK:
+    """Draft length for the next round: back off to what was accepted, grow after full accepts."""
+
+    def __init__(self, k_max: int, adaptive: bool):
+        self.k_max, self.adaptive, self.k = k_max, adaptive, k_max
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if self.adaptive and drafted > 0:
+            self.k = min(self.k_max, accepted + 1) if accepted < drafted else min(self.k_max, self.k + 1)
+
+
+class Round(NamedTuple):
+    """One round as read on the host, cut at a stop token, the budget or the context end."""
+
+    token_ids: list[int]
+    logits: torch.Tensor | None  # [len(token_ids), V] the rows that predicted them (when asked)
+    finish_reason: str | None  # None while running, else "stop" or "length"
+
+
+class _Read(NamedTuple):
+    index: int  # 0: the first token; r >= 1: a verify round
+    n: int
+    tokens: list[int]  # emitted, uncut
+    before: torch.Tensor  # ctl before the round (host)
+
+
+class RequestRounds:
+    """The rounds of one request on one slot. `next()` queues the following round (one ahead,
+    unless the request wants logits, which the next round would overwrite, or `ahead` is off) and
+    reads the oldest; `close(kept)` ends the request after `kept` tokens of the last round read and
+    leaves the slot's state as exactly those tokens."""
+
+    def __init__(self, runner, proposer, seq: Sequence, params: SamplingParams, spec: SpecConfig,
+                 stop_ids: set[int], stats: SpecStats, want_logits: bool = False, ahead: bool = True):
+        self.runner, self.proposer, self.seq, self.params = runner, proposer, seq, params
+        self.cache = runner.slot(seq.slot)
+        self.buf = Buffers.of(self.cache)
+        self.sampler = SlotSampler(self.cache, spec.p_min)
+        self.stop_ids, self.stats, self.want_logits = stop_ids, stats, want_logits
+        self.ahead = ahead and not want_logits
+        self.k_ctl = AdaptiveK(spec.num_speculative_tokens if proposer is not None else 0, spec.adaptive)
+        self.max_len = self.cache.max_len
+        self.inflight: deque[tuple[int, torch.Tensor, torch.cuda.Event | None]] = deque()
+        self.launched = 0  # rounds queued (round 0 included)
+        self.reads: list[_Read] = []  # the last two rounds read
+        self.emitted: list[int] = []  # tokens handed out
+        self.handed = 0  # of them, from the last round read
+        self.prompt_len = len(seq.tokens)
+        self.next_start = len(seq.tokens)  # committed tokens when the oldest unread round starts
+        self.closed = False
+        self._start()
+
+    @torch.inference_mode()
+    def _start(self) -> None:
+        if self.proposer is not None:
+            self.runner.catch_up(self.seq)
+        self.sampler.start(self.params, self.seq.tokens)
+        self.cache.set(num_gen=0, accepted=0)
+        self._launch(lambda: first_token(self.cache, self.sampler, self.buf, self.seq))
+
+    def _launch(self, fn) -> None:
+        fn()
+        if self.runner.device.type == "cuda":
+            host = torch.empty_like(self.buf.out, device="cpu", pin_memory=True)
+            host.copy_(self.buf.out, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = self.buf.out.clone(), None
+        self.inflight.append((self.launched, host, event))
+        self.launched += 1
+
+    def _launch_round(self) -> None:
+        k = self.k_ctl.k
+        key = ("round", self.seq.slot, k, self.sampler.kind, id(self.proposer))
+        self.runner.run(key, lambda: device_round(self.runner, self.proposer, self.cache, self.sampler, self.buf, k))
+        self._launch(lambda: None)
+
+    @torch.inference_mode()
+    def next(self) -> Round:
+        if self.closed:
+            raise RuntimeError("the request's rounds are closed")
+        if not self.inflight:
+            if self.next_start >= self.max_len:  # the context is full: no round can run (nothing read)
+                return Round([], None, "length")
+            self._launch_round()
+        # queue the next round before reading this one (the oldest in flight starts at next_start)
+        if len(self.inflight) == 1 and self.ahead and self.next_start < self.max_len:
+            self._launch_round()
+        index, host, event = self.inflight.popleft()
+        if event is not None:
+            event.synchronize()
+        out = host.tolist()
+        R = self.buf.verify_ids.shape[0]
+        n, tokens, before = out[_N], out[_TOKENS : _TOKENS + out[_N] + 1], torch.tensor(out[_TOKENS + R :])
+        self.reads = (self.reads + [_Read(index, n, tokens, before)])[-2:]
+        room = 1  # the first token commits nothing
+        if index > 0:
+            room = self.max_len - int(before[SEQ_LEN])  # a round commits what it emits but the last
+            self.next_start = int(before[SEQ_LEN]) + n + 1
+            if room > 0:  # (a round queued ahead into a full context counts for nothing)
+                self.stats.record_round(out[_DRAFTED], n)
+                self.k_ctl.update(out[_DRAFTED], n)
+        return self._cut(index, tokens, room)
+
+    def _cut(self, index: int, tokens: list[int], room: int) -> Round:
+        budget, done = self.params.max_tokens, None
+        kept = tokens[: max(0, min(len(tokens), budget - len(self.emitted), room))]
+        for i, t in enumerate(kept):
+            if t in self.stop_ids:
+                kept, done = kept[: i + 1], "stop"
+                break
+        if done is None and (len(self.emitted) + len(kept) >= budget or len(kept) < len(tokens)):
+            done = "length"
+        self.emitted.extend(kept)
+        self.handed = len(kept)
+        logits = None
+        if self.want_logits and kept:
+            logits = (self.seq.last_logits[None] if index == 0 else self.buf.logits[: len(kept)]).clone()
+        return Round(kept, logits, done)
+
+    @torch.inference_mode()
+    def close(self, kept: int | None = None) -> None:
+        """End the request after `kept` tokens of the last round read (None: all it handed out;
+        fewer: a stop string). The slot then holds the prompt and every emitted token but the last."""
+        if self.closed:
+            return
+        if not self.reads:  # nothing read yet: the first token's outcome tells where things stand
+            self.next()
+            kept = 0
+        kept = self.handed if kept is None else kept
+        if kept > self.handed:
+            raise ValueError(f"close({kept}) after a round that handed out {self.handed} tokens")
+        del self.emitted[len(self.emitted) - (self.handed - kept) :]
+        self.closed = True
+        self._settle(self.reads[-1], kept, ahead=bool(self.inflight))
+        self.inflight.clear()
+
+    def _settle(self, last: _Read, kept: int, ahead: bool) -> None:
+        """The slot's counters and the sequence's record after `kept` tokens of round `last`."""
+        if last.index > 0 and kept == 0:  # a round queued into a full context: the one before stands whole
+            last, kept, ahead = self.reads[-2], len(self.reads[-2].tokens), True
+        seq, cache, buf = self.seq, self.cache, self.buf
+        seq.tokens[self.prompt_len :] = self.emitted[:-1]
+        if last.index == 0:  # the first token commits nothing
+            ctl = last.before
+        else:
+            ctl = commit_ctl(last.before, kept, cache.rows, cache.cols, round_=True)
+            hidden, logits = (buf.prev_hidden, buf.prev_logits) if ahead else (buf.hidden, buf.logits)
+            seq.last_hidden, seq.last_logits = hidden[kept - 1].clone(), logits[kept - 1].clone()
+        if seq.heads:  # rows of the round's kept drafts are pending (the next head pass rewrites them)
+            seq.draft_len, seq.pending_ids, seq.pending_hidden = int(ctl[DRAFT_LEN]), [], None
+            if last.index > 0:
+                seq.queue_rows(last.tokens[: kept - 1], hidden[: kept - 1].clone())
+        cache.ctl.copy_(ctl.to(cache.ctl.device), non_blocking=True)

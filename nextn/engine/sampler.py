@@ -1,0 +1,97 @@
+"""One slot's token choice on the device: the request's sampling values as device scalars, its
+seeded uniforms and its penalty history, kept in the slot's cache buffers, so a round's CUDA graph
+(captured once per slot, K and `SamplerKind`) serves every request. Drawing, drafting and
+verifying are device ops with no host read; the host fills the buffers once per request.
+
+Generated token number i always uses uniform i of its stream (nextn.sampling), so a seeded request
+reproduces whatever K is and however its tokens fall into rounds.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from nextn.cache import SlotCache
+from nextn.config import STEP_ROWS
+from nextn.core import SamplingParams
+from nextn.sampling import (
+    RequestRng, SamplerKind, Stream, TokenHistory, greedy_ids, probs_from_logits, sample,
+)
+from nextn.spec.verifier import VerifyResult, verify_greedy, verify_sampled
+
+VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def sampler_buffers(vocab_size: int, max_len: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """Per-slot buffers: values, top_k, uniforms of every stream for any generated index a request
+    can reach (a round may draft 2 * STEP_ROWS past the budget), penalty history."""
+    return [("sampling_values", (len(VALUES),), torch.float32), ("sampling_top_k", (1,), torch.long),
+            ("uniforms", (len(Stream), max_len + 2 * STEP_ROWS + 2), torch.float64),
+            ("prompt_mask", (vocab_size,), torch.bool), ("output_counts", (vocab_size,), torch.int32)]
+
+
+class SlotSampler:
+    def __init__(self, cache: SlotCache, p_min: float = 0.0):
+        self.p_min = p_min
+        values = cache.t("sampling_values")
+        self.values = SimpleNamespace(**{name: values[i] for i, name in enumerate(VALUES)},
+                                      top_k=cache.t("sampling_top_k")[0])
+        self.uniforms = cache.t("uniforms")  # [streams, U] float64
+        self.history = TokenHistory(cache.t("prompt_mask"), cache.t("output_counts"))
+        self.kind = SamplerKind(greedy=True)
+
+    def start(self, params: SamplingParams, prompt_ids: list[int]) -> None:
+        """Load a request's values, uniforms and history (host -> device, once per request)."""
+        self.kind = SamplerKind.of(params)
+        device = self.uniforms.device
+        for name in VALUES:
+            getattr(self.values, name).fill_(getattr(params, name))
+        self.values.top_k.fill_(params.top_k)
+        if not self.kind.greedy:
+            count = min(self.uniforms.shape[1], params.max_tokens + 2 * STEP_ROWS + 2)
+            self.uniforms[:, :count].copy_(RequestRng(params.seed).table(0, count, device))
+        if self.kind.penalties:
+            self.history.prompt_mask.zero_()
+            self.history.prompt_mask[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+            self.history.output_counts.zero_()
+
+    def _u(self, stream: Stream, start: torch.Tensor, count: int) -> torch.Tensor:
+        """Uniforms [count] of indices start.. (start a device scalar)."""
+        idx = start.long() + torch.arange(count, device=self.uniforms.device)
+        return self.uniforms[int(stream)].index_select(0, idx)
+
+    def _history(self):
+        return self.history if self.kind.penalties else None
+
+    def draft(self, logits: torch.Tensor, drafts_so_far: torch.Tensor, index: torch.Tensor):
+        """One draft step from head logits [1, V]; drafts_so_far [j] long; index: the generated
+        index of this draft (a device scalar). Returns (token [1] long, q [1, V] or None for greedy,
+        the head's probability of its pick [1] when a p_min gate is on, else None)."""
+        if self.kind.greedy:
+            token, q = greedy_ids(logits, self.values, self._history(), drafts_so_far, self.kind), None
+        else:
+            q = probs_from_logits(logits, self.values, self._history(), drafts_so_far, self.kind)  # [1, V]
+            token = sample(q, self._u(Stream.DRAFT, index, 1))
+        confidence = None
+        if self.p_min > 0.0:
+            confidence = torch.softmax(logits.float(), dim=-1).gather(-1, token[:, None])[:, 0]
+        return token, q, confidence
+
+    def verify(self, logits: torch.Tensor, draft_ids: torch.Tensor, draft_q: torch.Tensor | None,
+               num_drafts, index: torch.Tensor) -> VerifyResult:
+        """Verify rows logits [k+1, V] (row 0 predicts generated index `index`) against draft_ids
+        [k] (q [k, V] or None when greedy), the first num_drafts of which count."""
+        if self.kind.greedy:
+            target = greedy_ids(logits, self.values, self._history(), draft_ids, self.kind)  # [k+1]
+            return verify_greedy(target, draft_ids, num_drafts)
+        k = draft_ids.numel()
+        p = probs_from_logits(logits, self.values, self._history(), draft_ids, self.kind)  # [k+1, V]
+        return verify_sampled(p, draft_q, draft_ids, self._u(Stream.ACCEPT, index, k),
+                              self._u(Stream.SAMPLE, index, k + 1), num_drafts)
+
+    def record(self, out_ids: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """Count a round's emitted tokens (out_ids [k+1], the first n+1 real) in the penalty history."""
+        if self.kind.penalties:
+            kept = (torch.arange(out_ids.numel(), device=out_ids.device) <= num_accepted).int()
+            self.history.output_counts.index_add_(0, out_ids.clamp(min=0), kept)

@@ -1,0 +1,43 @@
+"""One decoder layer of the hybrid trunk (and of the MTP head): a Gated DeltaNet or gated
+full-attention mixer, then a dense or sparse-MoE FFN, each behind a zero-centred RMSNorm and a
+residual. Module names are the checkpoint's.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from nextn.cache import SlotCache
+from nextn.config import FULL, ModelConfig
+from nextn.layers.attention import KV, Attention
+from nextn.layers.ffn import MLP, SparseMoeBlock
+from nextn.layers.gdn import GatedDeltaNet, GatedDeltaNetNext
+from nextn.layers.norm import RMSNorm
+from nextn.ops import Ops
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, kind: str, moe: bool):
+        super().__init__()
+        self.kind = kind
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if kind == FULL:
+            self.self_attn = Attention(cfg)
+        else:
+            gdn_cls = GatedDeltaNetNext if cfg.family == "qwen3_next" else GatedDeltaNet
+            self.linear_attn = gdn_cls(cfg, layer_idx)
+        self.mlp = SparseMoeBlock(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, cache: SlotCache | None, start: int, num_real: int | None, ops: Ops,
+                kv: KV | None = None, store_all: bool = True):
+        """x [B, T, H] at positions start..; num_real None for prefill / training, else the real rows
+        of a padded step. kv: the attention cache to use instead of the slot's (the MTP head's)."""
+        h = self.input_layernorm(x)
+        if self.kind == FULL:
+            layer_kv = kv if kv is not None else (cache.kv(self.layer_idx) if cache is not None else None)
+            h = self.self_attn(h, cos, sin, layer_kv, start, num_real)
+        else:
+            h = self.linear_attn(h, cache, num_real, ops, store_all)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x), num_real, ops)

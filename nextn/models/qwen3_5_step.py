@@ -1,0 +1,234 @@
+"""The fused decode / verify step and MTP head step: a sibling forward of the module forward
+(nextn.models.qwen3_5) over the same weights, with batch-invariant Triton kernels. Its fusions
+cross module boundaries (a norm inside the next projection, a residual inside the previous one),
+so it is written once here and held to the reference by bitwise tests (tests/test_step.py).
+
+Per decoder layer (T <= STEP_ROWS rows; the projections fused at load by nextn.models.loader):
+- Gated DeltaNet: [RMSNorm -> in_proj_{qkv,z,b,a}] -> [causal conv -> recurrent delta rule
+  (writes the state after every token) -> gated RMSNorm] -> [out_proj + residual];
+- attention: [RMSNorm -> q/k/v] -> q/k norm + RoPE + K/V write -> chunked attention * gate
+  -> [o_proj + residual];
+- MLP: [RMSNorm -> gate/up -> silu * up] -> [down + residual];
+- MoE: RMSNorm -> router -> [top-k] -> [experts' silu(gate) * up] -> shared expert
+  -> [experts' down, weighted sum, + gated shared expert + residual] (nextn.ops.triton_moe).
+Brackets are one kernel each. A row's arithmetic does not depend on the number of rows, so a
+verify row equals the decode of the same token bitwise. Positions and the GDN state locations
+come from the slot's device counters (nextn.cache.hybrid), so one CUDA graph serves every round.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nextn.cache.hybrid import CONV_WRITE, SEQ_LEN, STATE_AT, SlotCache
+from nextn.config import FULL
+from nextn.models.loader import fused_weight
+from nextn.models.qwen3_5 import CausalLM
+from nextn.ops.triton_utils import require_triton
+
+
+@dataclass
+class MLPWeights:
+    norm: torch.Tensor  # [H] post_attention_layernorm (zero-centred)
+    gate: torch.Tensor  # [I, H]
+    up: torch.Tensor  # [I, H]
+    down: torch.Tensor  # [H, I]
+
+
+@dataclass
+class MoEWeights:
+    norm: torch.Tensor  # [H] post_attention_layernorm
+    router: torch.Tensor  # [E, H]
+    gate_up: torch.Tensor  # [E, 2I, H]
+    down: torch.Tensor  # [E, H, I]
+    shared_gate: torch.Tensor
+    shared_up: torch.Tensor
+    shared_down: torch.Tensor
+    shared_expert_gate: torch.Tensor  # [1, H]
+    top_k: int
+    renorm: bool
+
+
+@dataclass
+class GDNWeights:
+    norm: torch.Tensor  # [H] input_layernorm
+    in_proj: torch.Tensor  # [conv_dim + value_dim + 2 HV, H]: qkv | z | b | a
+    conv: torch.Tensor  # [conv_dim, W]
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    out_norm: torch.Tensor  # [V] RMSNormGated weight
+    out_proj: torch.Tensor  # [H, value_dim]
+    mlp: MLPWeights | MoEWeights
+
+
+@dataclass
+class AttnWeights:
+    norm: torch.Tensor  # [H] input_layernorm
+    qkv: torch.Tensor  # [Hq*2*D + 2*Hkv*D, H]
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: torch.Tensor
+    mlp: MLPWeights | MoEWeights
+
+
+def _mlp_weights(layer) -> MLPWeights | MoEWeights:
+    mlp = layer.mlp
+    if hasattr(mlp, "experts"):
+        se = mlp.shared_expert
+        return MoEWeights(layer.post_attention_layernorm.weight, mlp.gate.weight, mlp.experts.gate_up_proj,
+                          mlp.experts.down_proj, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
+                          mlp.shared_expert_gate.weight, mlp.gate.top_k, mlp.gate.norm_topk_prob)
+    return MLPWeights(layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                      mlp.down_proj.weight)
+
+
+def _attn_weights(layer) -> AttnWeights:
+    a = layer.self_attn
+    if a.q_proj.bias is not None:
+        raise NotImplementedError("kernels='triton': attention biases are not supported")
+    return AttnWeights(layer.input_layernorm.weight, fused_weight(a.q_proj, a.k_proj, a.v_proj),
+                       a.q_norm.weight, a.k_norm.weight, a.o_proj.weight, _mlp_weights(layer))
+
+
+def _gdn_weights(layer) -> GDNWeights:
+    g = layer.linear_attn
+    if hasattr(g, "in_proj_qkvz"):  # Qwen3-Next: the loader regrouped the rows to the same order
+        in_proj = fused_weight(g.in_proj_qkvz, g.in_proj_ba)
+    else:
+        in_proj = fused_weight(g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a)
+    return GDNWeights(layer.input_layernorm.weight, in_proj, g.conv1d.weight.detach().squeeze(1), g.A_log,
+                      g.dt_bias, g.norm.weight, g.out_proj.weight, _mlp_weights(layer))
+
+
+class TritonStep:
+    """The trunk's multi-token step and the MTP head's step with Triton kernels, writing into the
+    caller's buffers (CUDA-graph friendly: every position and state location is a device value)."""
+
+    def __init__(self, model: CausalLM, hidden_after_norm: bool = True):
+        require_triton()
+        from nextn.ops import triton_attention, triton_gdn, triton_linear, triton_norm
+
+        self.attn, self.gdn, self.linear, self.norm = triton_attention, triton_gdn, triton_linear, triton_norm
+        cfg = model.cfg
+        self.model, self.cfg, self.eps = model, cfg, cfg.rms_norm_eps
+        self.after_norm = hidden_after_norm
+        self.layers = [
+            _attn_weights(layer) if layer.kind == FULL else _gdn_weights(layer) for layer in model.model.layers
+        ]
+        self.embed = model.model.embed_tokens.weight
+        self.final_norm = model.model.norm.weight
+        self.lm_head = model.lm_head_weight
+        self.head_weights = None
+        if model.mtp is not None:
+            h = model.mtp
+            self.head_weights = (h.pre_fc_norm_embedding.weight, h.pre_fc_norm_hidden.weight, h.fc.weight,
+                                 _attn_weights(h.layers[0]), h.norm.weight)
+        self._rope: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def rope_tables(self, max_pos: int):
+        """cos, sin [>= max_pos, rotary_dim] as the reference computes them (model dtype).
+
+        Tables only grow, and old ones stay alive: captured CUDA graphs hold their addresses.
+        """
+        if not self._rope or self._rope[-1][0] < max_pos:
+            n = max(max_pos, self.cfg.max_position_embeddings + 1)
+            positions = torch.arange(n, device=self.embed.device)
+            self._rope.append((n, *self.model.rotary.cos_sin(positions, self.embed.dtype)))
+        return self._rope[-1][1], self._rope[-1][2]
+
+    def linear_uses(self, head: bool = True) -> list[tuple[int, int, bool, bool]]:
+        """(N, K, full-row norm prologue, second weight) of each skinny_linear one trunk step runs
+        (and the MTP head's step, with head=True), repeats included."""
+        uses = []
+
+        def mlp(w):
+            if isinstance(w, MoEWeights):
+                uses.extend([(*w.router.shape, False, False), (*w.shared_gate.shape, False, True),
+                             (*w.shared_down.shape, False, False), (*w.shared_expert_gate.shape, False, False)])
+            else:
+                uses.extend([(*w.gate.shape, True, True), (*w.down.shape, False, False)])
+
+        def layer(w):
+            proj, out = (w.qkv, w.o_proj) if isinstance(w, AttnWeights) else (w.in_proj, w.out_proj)
+            uses.extend([(*proj.shape, True, False), (*out.shape, False, False)])
+            mlp(w.mlp)
+
+        for w in self.layers:
+            layer(w)
+        uses.append((*self.lm_head.shape, False, False))
+        if head and self.head_weights is not None:
+            uses.append((*self.head_weights[2].shape, False, False))
+            layer(self.head_weights[3])
+        return uses
+
+    def tune(self, log=None) -> dict:
+        """Measure the skinny GEMM's block configs for this model's weight shapes (before capture)."""
+        return self.linear.tune(sorted(set(self.linear_uses())), self.embed.device, log=log)
+
+    def _mlp(self, x, w: MLPWeights | MoEWeights):
+        if isinstance(w, MoEWeights):
+            from nextn.ops.triton_moe import moe_step
+
+            h = self.norm.rms_norm(x, w.norm, self.eps)
+            return moe_step(x, h, w.router, w.gate_up, w.down, w.shared_gate, w.shared_up, w.shared_down,
+                            w.shared_expert_gate, w.top_k, w.renorm)
+        lin = self.linear.skinny_linear
+        act = lin(x, w.gate, norm_weight=w.norm, up_weight=w.up, eps=self.eps)
+        return lin(act, w.down, residual=x)
+
+    def _attn(self, x, w: AttnWeights, key, value, pos, rope_offset: int):
+        lin = self.linear.skinny_linear
+        qkv = lin(x, w.qkv, norm_weight=w.norm, eps=self.eps)
+        cos, sin = self.rope_tables(key.shape[0] + 1)
+        q = self.attn.qk_norm_rope(qkv, w.q_norm, w.k_norm, cos, sin, pos, key, value,
+                                   self.cfg.num_attention_heads, self.eps, rope_offset)
+        o = self.attn.attend_step(q, qkv, key, value, pos)
+        return self._mlp(lin(o, w.o_proj, residual=x), w.mlp)
+
+    def _gdn(self, x, w: GDNWeights, cache: SlotCache, j: int, store_all: bool):
+        lin = self.linear.skinny_linear
+        proj = lin(x, w.in_proj, norm_weight=w.norm, eps=self.eps)  # [T, conv | z | b | a]
+        o = self.gdn.gdn_step(proj, w.conv, cache.t("conv")[j], cache.t("window")[j], w.A_log, w.dt_bias,
+                              cache.t("recurrent")[j], cache.t("states")[j], w.out_norm,
+                              self.cfg.linear_num_key_heads, self.eps,
+                              slots=cache.ctl[STATE_AT : CONV_WRITE + 1], store_all=store_all)
+        return self._mlp(lin(o, w.out_proj, residual=x), w.mlp)
+
+    def trunk(self, cache: SlotCache, ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor,
+              store_all: bool = True) -> None:
+        """ids [T] at positions SEQ_LEN..: logits [T, V] float32 and head-input hiddens [T, H] into
+        the given buffers; K/V and the GDN step buffers written, nothing committed."""
+        lin, norm = self.linear.skinny_linear, self.norm.rms_norm
+        if store_all and ids.shape[0] > cache.rows:  # the kernel would write past the slot's state buffers
+            raise ValueError(f"a step keeping every state takes at most {cache.rows} tokens here, got {ids.shape[0]}")
+        pos = cache.ctl[SEQ_LEN : SEQ_LEN + 1]
+        x = F.embedding(ids, self.embed)
+        for layer, w in zip(self.model.model.layers, self.layers):
+            if layer.kind == FULL:
+                x = self._attn(x, w, *cache.kv(layer.layer_idx), pos, 0)
+            else:
+                x = self._gdn(x, w, cache, cache.cache.gdn_index[layer.layer_idx], store_all)
+        normed = norm(x, self.final_norm, self.eps, out=hidden if self.after_norm else None)
+        lin(normed, self.lm_head, out=logits)
+        if not self.after_norm:
+            hidden.copy_(x)
+
+    def head(self, cache: SlotCache, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, row,
+             logits: torch.Tensor, chained: torch.Tensor) -> None:
+        """MTP rows: ids [T] paired with hidden [T, H]; row 0 in draft K/V slot pos (int32 [1]; rope
+        position pos + 1). Row `row` (an int, or a device index) gives logits [1, V] and the hidden
+        to chain [1, H]."""
+        lin, norm = self.linear.skinny_linear, self.norm.rms_norm
+        norm_embed, norm_hidden, fc, layer, final = self.head_weights
+        H, T = self.cfg.hidden_size, ids.shape[0]
+        cat = torch.empty(T, 2 * H, device=ids.device, dtype=self.embed.dtype)
+        norm(F.embedding(ids, self.embed), norm_embed, self.eps, out=cat[:, :H])
+        norm(hidden, norm_hidden, self.eps, out=cat[:, H:])
+        x = self._attn(lin(cat, fc), layer, *cache.draft_kv(), pos, 1)
+        out = x[row : row + 1] if isinstance(row, int) else x.index_select(0, row.reshape(1))
+        normed = norm(out, final, self.eps, out=chained if self.after_norm else None)
+        lin(normed, self.lm_head, out=logits)
+        if not self.after_norm:
+            chained.copy_(out)

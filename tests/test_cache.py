@@ -1,0 +1,94 @@
+"""The cache slots: one allocation whose byte count is every tensor it holds, a memory check that
+refuses what does not fit with the numbers that would, and the commit rule on host and device."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nextn.cache import CacheLayout, CacheMemoryError, HybridCache, commit_ctl
+from nextn.cache import pool as pool_mod
+from nextn.cache.hybrid import CONV_AT, CONV_WRITE, NUM_CTL, SEQ_LEN, STATE_AT, STATE_WRITE, nbytes_of, tensor_specs
+from nextn.config import ModelConfig
+from nextn.engine.rounds import round_buffers
+from nextn.engine.sampler import sampler_buffers
+from nextn.models.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def cfg(dense_ckpt) -> ModelConfig:
+    return ModelConfig.from_hf(dense_ckpt)
+
+
+def _layout(cfg, slots=3, max_len=100, k=3):
+    extra = tuple(round_buffers(cfg, k, torch.float32) + sampler_buffers(cfg.vocab_size, max_len))
+    return CacheLayout(slots, max_len, k + 1, draft=True, extra=extra)
+
+
+def test_nbytes_is_every_tensor_the_cache_holds(cfg):
+    layout = _layout(cfg)
+    cache = HybridCache(cfg, layout, "cpu", torch.float32)
+    held = {id(t): t for t in vars(cache).values() if isinstance(t, torch.Tensor)}
+    held.update({id(t): t for t in cache.tensors.values()})
+    assert cache.nbytes == sum(t.numel() * t.element_size() for t in held.values())
+    assert cache.nbytes == nbytes_of(tensor_specs(cfg, layout, torch.float32))
+    # every per-slot tensor has the slot dimension first; a slot's views are disjoint
+    a, b = cache.slot(0), cache.slot(2)
+    for name, t in cache.tensors.items():
+        assert t.shape[0] == 3, name
+        assert a.t(name).data_ptr() != b.t(name).data_ptr()
+    # the step buffers are part of it: two halves of R = K + 1 states per GDN layer
+    assert cache.tensors["states"].shape[2] == 2 * layout.step_states
+
+
+def test_a_cache_that_does_not_fit_is_refused_with_what_fits(cfg, monkeypatch):
+    layout = _layout(cfg, slots=8, max_len=4096)
+    need = nbytes_of(tensor_specs(cfg, layout, torch.float32))
+    monkeypatch.setattr(pool_mod, "available_bytes", lambda device: int(need * 0.6 / 0.9))
+    with pytest.raises(CacheMemoryError) as info:
+        pool_mod.SlotPool(cfg, layout, "cpu", torch.float32)
+    msg = str(info.value)
+    assert "8 sequence(s) of 4096 tokens" in msg and "4 sequence(s) of 4096 tokens fit" in msg
+    fits = int(msg.split("or 8 of up to ")[1].split(" tokens")[0])
+    assert 0 < fits < 4096
+    # what the message says fits, fits
+    smaller = _layout(cfg, slots=8, max_len=fits)
+    assert nbytes_of(tensor_specs(cfg, smaller, torch.float32)) <= int(need * 0.6 / 0.9) * 0.9
+    pool_mod.check_fits(cfg, smaller, torch.device("cpu"), torch.float32)
+
+
+def test_the_engine_checks_memory_before_allocating(dense_ckpt, monkeypatch):
+    import nextn
+
+    monkeypatch.setattr(pool_mod, "available_bytes", lambda device: 10_000)
+    with pytest.raises(CacheMemoryError, match="--max-num-seqs"):
+        nextn.LLM(model=dense_ckpt, max_num_seqs=4)
+
+
+def test_commit_rule_on_host_and_device_agree(cfg):
+    """commit_ctl with a device scalar (a round's accept) equals it with a host int (a request's
+    end), and keeps tokens by moving pointers between the halves."""
+    R, C = 4, 7
+    ctl = torch.tensor([10, -1, 0, -1, 0, 9, 1, 0], dtype=torch.int32)
+    for kept in range(1, R + 1):
+        host = commit_ctl(ctl, kept, R, C, round_=True)
+        device = commit_ctl(ctl, torch.tensor(kept), R, C, round_=True)
+        assert torch.equal(host, device) and host.dtype == torch.int32 and host.shape == (NUM_CTL,)
+        assert host[SEQ_LEN] == 10 + kept and host[STATE_AT] == kept - 1 and host[STATE_WRITE] == R
+        assert host[CONV_AT] == kept and host[CONV_WRITE] == C
+        again = commit_ctl(host, 1, R, C, round_=True)  # the next step wrote the other halves
+        assert again[STATE_AT] == R and again[STATE_WRITE] == 0 and again[CONV_AT] == C + 1
+    prefill = commit_ctl(ctl, 16, R, C, store_all=False)  # a prefill step keeps its last state only
+    assert prefill[STATE_AT] == 0 and prefill[SEQ_LEN] == 26
+
+
+def test_prefilled_states_are_where_ctl_says(dense_ckpt):
+    """After a chunked prefill the committed states are home; after a step they are in a half."""
+    model = load_model(dense_ckpt)
+    cache = HybridCache(model.cfg, CacheLayout(1, 64, 4, draft=False), "cpu", torch.float32).slot(0)
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]), cache)
+        cache.commit_home(3)
+        assert cache.get(STATE_AT) == -1 and cache.get(CONV_AT) == -1
+        model(torch.tensor([[8, 9]]), cache, keep_states=True)
+        cache.commit(2)
+    assert cache.get(STATE_AT) == 1 and cache.get(CONV_AT) == 2 and cache.seq_len == 5
