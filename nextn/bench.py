@@ -191,11 +191,12 @@ class Bench:
         self.device, self.dtype = param.device, param.dtype
         self.max_len = len(prompt) + cfg.gen_len + 2 * STEP_ROWS
         self.cores: dict[int, tuple] = {}
+        self.profilers: dict[int, ProfileProposer] = {}  # one per core: its graphs key on it
 
     def core(self, k: int):
         if k not in self.cores:
-            for old in list(self.cores):  # one engine's cache at a time
-                del self.cores[old]
+            self.cores.clear()  # one engine's cache at a time
+            self.profilers.clear()
             gc.collect()
             config = EngineConfig("bench", str(self.device), str(self.dtype).replace("torch.", ""),
                                   SpecConfig(num_speculative_tokens=k), self.max_len, 1, self.cfg.kernels)
@@ -213,7 +214,7 @@ class Bench:
         """One generation of gen_len tokens through the engine's rounds (timed after the prefill)."""
         _, runner, proposer = self.core(k)
         if profile is not None:
-            proposer = ProfileProposer(proposer, *profile)
+            proposer = self.profilers.setdefault(k, ProfileProposer(proposer, *profile))
         seq = self.prefilled(k)
         params = SamplingParams(max_tokens=self.cfg.gen_len, temperature=temperature, seed=self.cfg.seed,
                                 ignore_eos=True)

@@ -17,6 +17,7 @@ from nextn.core import SamplingParams, SpecStats
 from nextn.engine.rounds import RequestRounds
 from nextn.engine.sequence import Sequence
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CUDA: Triton rounds replayed as CUDA graphs
 PROMPTS = [list(FIT_PROMPTS[0]), [17], list(FIT_PROMPTS[1])]
 GREEDY = dict(temperature=0.0)
 SAMPLED = dict(temperature=0.8, top_p=0.9, seed=1234)
@@ -25,7 +26,7 @@ SECOND_TURN = [40, 7, 250]
 
 @pytest.fixture(scope="module", params=[0, 3], ids=["plain", "spec3"])
 def engine(request, dense_fitted_ckpt):
-    return nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=request.param, max_model_len=96,
+    return nextn.LLM(model=dense_fitted_ckpt, device=DEVICE, num_speculative_tokens=request.param, max_model_len=96,
                      max_num_seqs=2).engine
 
 
