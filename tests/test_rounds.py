@@ -117,11 +117,12 @@ def test_sampled_cases_draw(engine):
 
 @pytest.mark.parametrize("room", [0, 1, 2, 5])
 def test_context_end(engine, room):
-    """The context ends before the budget: the tokens up to it, then an empty "length" event."""
+    """The context ends before the budget: the tokens up to it (committed: all of the context, the
+    last token pending), then "length"."""
     prompt = list(range(3, 3 + engine.config.max_model_len - room))
     _compare(engine, prompt, SamplingParams(max_tokens=24, ignore_eos=True, **GREEDY))
     events, _ = _run(engine, _prefilled(engine, 0, prompt), SamplingParams(max_tokens=24, ignore_eos=True), True)
-    assert events[-1] == ([], "length") and sum(len(ids) for ids, _ in events) == room + 1
+    assert events[-1][1] == "length" and sum(len(ids) for ids, _ in events) == room + 1
 
 
 @pytest.mark.parametrize("close_after", [1, 2, 5])
