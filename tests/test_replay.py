@@ -30,7 +30,7 @@ def _live_drafts(llm, context: list[int], pending: int, k: int) -> list[int]:
         engine.runner.catch_up(seq)
         buf, sampler = Buffers.of(cache), SlotSampler(cache)
         sampler.start(req.params, context)
-        buf.verify_ids[0] = pending
+        buf.verify_ids[0] = buf.head_ids[0] = pending
         buf.hidden[0] = seq.last_hidden
         cache.set(accepted=0, num_gen=1)
         engine.proposer.propose(cache, sampler, buf.draft_io(), k)

@@ -38,13 +38,14 @@ _N, _DRAFTED, _TOKENS = 0, 1, 2  # fields of a round's outcome buffer
 def round_buffers(cfg: ModelConfig, k_max: int, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """Per-slot buffers of a round with up to k_max drafts (R = k_max + 1 verify rows)."""
     R, V, H, f32 = k_max + 1, cfg.vocab_size, cfg.hidden_size, torch.float32
-    return [("verify_ids", (R,), torch.long), ("logits", (R, V), f32), ("hidden", (R, H), dtype),
+    return [("verify_ids", (R,), torch.long), ("head_ids", (R,), torch.long), ("logits", (R, V), f32), ("hidden", (R, H), dtype),
             ("prev_logits", (R, V), f32), ("prev_hidden", (R, H), dtype), ("draft_q", (max(k_max, 1), V), f32),
             ("head_logits", (1, V), f32), ("head_hidden", (1, H), dtype), ("out", (_TOKENS + R + NUM_CTL,), torch.long)]
 
 
 class Buffers(NamedTuple):
     verify_ids: torch.Tensor  # [R] [pending token, drafts...]
+    head_ids: torch.Tensor  # [R] the tokens the last round kept: its accepted drafts, the pending token
     logits: torch.Tensor  # [R, V] the last verify's logits (row j predicts emitted token j)
     hidden: torch.Tensor  # [R, H] its head-input hiddens
     prev_logits: torch.Tensor  # the verify before it (copied as a round starts)
@@ -59,7 +60,7 @@ class Buffers(NamedTuple):
         return cls(*(cache.t(name) for name in cls._fields))
 
     def draft_io(self) -> DraftIO:
-        return DraftIO(self.verify_ids, self.hidden, self.draft_q, self.head_logits, self.head_hidden)
+        return DraftIO(self.verify_ids, self.head_ids, self.hidden, self.draft_q, self.head_logits, self.head_hidden)
 
 
 def device_round(runner, proposer, cache: SlotCache, sampler: SlotSampler, buf: Buffers, k: int) -> None:
@@ -75,6 +76,8 @@ def device_round(runner, proposer, cache: SlotCache, sampler: SlotSampler, buf: 
     sampler.record(out_ids, n)
     ctl.copy_(commit_ctl(before, n + 1, cache.rows, cache.cols, round_=True))
     buf.verify_ids[:1] = out_ids.index_select(0, n.reshape(1))  # the next round's pending token
+    if proposer is not None:  # the next head pass writes the rows of what this round kept
+        torch.clamp(out_ids, min=0, out=buf.head_ids[: k + 1])
     drafted = before.new_full((1,), k).long() if isinstance(num_drafts, int) else num_drafts.reshape(1)
     tokens = torch.cat([out_ids, out_ids.new_full((R - k - 1,), -1)])
     buf.out.copy_(torch.cat([n.reshape(1), drafted, tokens, before.long()]))
@@ -90,6 +93,7 @@ def first_token(cache: SlotCache, sampler: SlotSampler, buf: Buffers, seq: Seque
     n, out_ids = sampler.verify(buf.logits[:1], buf.verify_ids[:0], None, 0, before[NUM_GEN])
     sampler.record(out_ids, n)
     buf.verify_ids[:1] = out_ids
+    buf.head_ids[:1] = out_ids
     ctl[NUM_GEN] += 1
     buf.out.copy_(torch.cat([n.reshape(1), n.reshape(1), out_ids, out_ids.new_full((R - 1,), -1), before.long()]))
 

@@ -16,7 +16,7 @@ from nextn.cache import SlotCache
 from nextn.config import STEP_ROWS
 from nextn.core import SamplingParams
 from nextn.sampling import (
-    RequestRng, SamplerKind, Stream, TokenHistory, greedy_ids, probs_from_logits, sample,
+    RequestRng, SamplerKind, Stream, TokenHistory, greedy_ids, penalized_logits, probs_from_logits, sample,
 )
 from nextn.spec.verifier import VerifyResult, verify_greedy, verify_sampled
 
@@ -56,7 +56,7 @@ class SlotSampler:
             self.history.prompt_mask[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
             self.history.output_counts.zero_()
 
-    def _u(self, stream: Stream, start: torch.Tensor, count: int) -> torch.Tensor:
+    def uniforms_at(self, stream: Stream, start: torch.Tensor, count: int) -> torch.Tensor:
         """Uniforms [count] of indices start.. (start a device scalar)."""
         idx = start.long() + torch.arange(count, device=self.uniforms.device)
         return self.uniforms[int(stream)].index_select(0, idx)
@@ -64,19 +64,21 @@ class SlotSampler:
     def _history(self):
         return self.history if self.kind.penalties else None
 
-    def draft(self, logits: torch.Tensor, drafts_so_far: torch.Tensor, index: torch.Tensor):
-        """One draft step from head logits [1, V]; drafts_so_far [j] long; index: the generated
-        index of this draft (a device scalar). Returns (token [1] long, q [1, V] or None for greedy,
-        the head's probability of its pick [1] when a p_min gate is on, else None)."""
+    def draft(self, logits: torch.Tensor, drafts_so_far: torch.Tensor, u: torch.Tensor | None, token: torch.Tensor):
+        """One draft step from head logits [1, V] into token ([1] long, a slot of the round's ids);
+        drafts_so_far [j] long; u [1]: the draft's DRAFT uniform (sampled). Returns (q [1, V] or None
+        for greedy, the head's probability of its pick [1] when a p_min gate is on, else None)."""
         if self.kind.greedy:
-            token, q = greedy_ids(logits, self.values, self._history(), drafts_so_far, self.kind), None
+            q = None
+            torch.argmax(penalized_logits(logits, self.values, self._history(), drafts_so_far, self.kind), dim=-1,
+                         out=token)
         else:
             q = probs_from_logits(logits, self.values, self._history(), drafts_so_far, self.kind)  # [1, V]
-            token = sample(q, self._u(Stream.DRAFT, index, 1))
+            token.copy_(sample(q, u))
         confidence = None
         if self.p_min > 0.0:
             confidence = torch.softmax(logits.float(), dim=-1).gather(-1, token[:, None])[:, 0]
-        return token, q, confidence
+        return q, confidence
 
     def verify(self, logits: torch.Tensor, draft_ids: torch.Tensor, draft_q: torch.Tensor | None,
                num_drafts, index: torch.Tensor) -> VerifyResult:
@@ -87,8 +89,8 @@ class SlotSampler:
             return verify_greedy(target, draft_ids, num_drafts)
         k = draft_ids.numel()
         p = probs_from_logits(logits, self.values, self._history(), draft_ids, self.kind)  # [k+1, V]
-        return verify_sampled(p, draft_q, draft_ids, self._u(Stream.ACCEPT, index, k),
-                              self._u(Stream.SAMPLE, index, k + 1), num_drafts)
+        return verify_sampled(p, draft_q, draft_ids, self.uniforms_at(Stream.ACCEPT, index, k),
+                              self.uniforms_at(Stream.SAMPLE, index, k + 1), num_drafts)
 
     def record(self, out_ids: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Count a round's emitted tokens (out_ids [k+1], the first n+1 real) in the penalty history."""

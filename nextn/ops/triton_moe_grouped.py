@@ -51,10 +51,13 @@ if HAVE_TRITON:
                 wmask = mk[:, None] & mn[None, :]
                 wg = tl.load(base + offs_n[None, :] * H + offs_k[:, None], mask=wmask, other=0.0)
                 wu = tl.load(base + (I + offs_n[None, :]) * H + offs_k[:, None], mask=wmask, other=0.0)
-                if DOT_F32:
+                if DOT_F32:  # float32 products in full precision (Triton's default there is TF32)
                     xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-                gate = tl.dot(xa, wg, gate)
-                up = tl.dot(xa, wu, up)
+                    gate = tl.dot(xa, wg, gate, input_precision="ieee")
+                    up = tl.dot(xa, wu, up, input_precision="ieee")
+                else:
+                    gate = tl.dot(xa, wg, gate)
+                    up = tl.dot(xa, wu, up)
             dtype = act_ptr.dtype.element_ty
             g = gate.to(dtype).to(tl.float32)
             silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
@@ -82,8 +85,9 @@ if HAVE_TRITON:
                 a = tl.load(act_ptr + rows[:, None].to(tl.int64) * I + offs_k[None, :], mask=mk[None, :], other=0.0)
                 w = tl.load(base + offs_n[None, :] * I + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
                 if DOT_F32:
-                    a, w = a.to(tl.float32), w.to(tl.float32)
-                acc = tl.dot(a, w, acc)
+                    acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, w, acc)
             dtype = y_ptr.dtype.element_ty
             rw = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
             y = (acc.to(dtype).to(tl.float32) * rw[:, None]).to(dtype)

@@ -17,14 +17,16 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache import SlotCache
-from nextn.cache.hybrid import ACCEPTED, DRAFT_LEN, NUM_GEN
-from nextn.sampling import RequestRng
+from nextn.cache.hybrid import ACCEPTED, DRAFT_LEN, NUM_GEN, SEQ_LEN
+from nextn.config import STEP_ROWS
+from nextn.sampling import RequestRng, Stream
 
 
 class DraftIO(NamedTuple):
     """A slot's round buffers the proposer reads and writes."""
 
     verify_ids: torch.Tensor  # [R] long: [pending token, drafts...]; the proposer writes 1..K
+    head_ids: torch.Tensor  # [R] long: the last round's kept tokens (accepted drafts, then the pending token)
     hidden: torch.Tensor  # [R, H] the last verify's head-input hiddens (row 0 at its first position)
     draft_q: torch.Tensor  # [R - 1, V] float32: the law of each sampled draft
     logits: torch.Tensor  # [1, V] float32 scratch: the head's logits
@@ -36,29 +38,29 @@ class MTPProposer:
         if runner.model.mtp is None:
             raise ValueError("the checkpoint has no MTP head (mtp.* tensors)")
         self.runner, self.p_min = runner, p_min
+        self.steps = torch.arange(STEP_ROWS, device=runner.device)  # [STEP_ROWS] long
 
     def propose(self, cache: SlotCache, sampler, io: DraftIO, k: int):
         """Draft k >= 1 tokens into io.verify_ids[1:k+1] (and their q into io.draft_q[:k] when
         sampled). Returns how many count: k, or the drafts before the first whose head probability
         is below p_min (a device scalar)."""
-        ctl, R = cache.ctl, io.verify_ids.shape[0]
-        accepted = ctl[ACCEPTED].long()
-        # first pass: row j is the last round's draft j + 1 while j < accepted, then the pending token
-        rows = torch.arange(R, device=ctl.device)
-        ids = torch.where(rows < accepted, io.verify_ids.roll(-1), io.verify_ids[0])
-        self.runner.step.head(cache, ids, io.hidden, ctl[DRAFT_LEN : DRAFT_LEN + 1], accepted, io.logits, io.chained)
-        # the chain: draft j + 1's row sits in draft K/V slot DRAFT_LEN + accepted + 1 + j
-        chain_pos = (ctl[DRAFT_LEN] + accepted + 1 + rows[: max(k - 1, 1)]).int()
+        ctl = cache.ctl
+        # first pass: the last round's kept tokens, from draft K/V slot DRAFT_LEN; row ACCEPTED (the
+        # pending token's) gives draft 1
+        self.runner.step.head(cache, io.head_ids, io.hidden, ctl[DRAFT_LEN : DRAFT_LEN + 1], ctl[ACCEPTED].long(),
+                              io.logits, io.chained)
+        # the chain: draft j + 1's row sits in draft K/V slot SEQ_LEN + j (the pending token's is SEQ_LEN - 1)
+        chain_pos = (ctl[SEQ_LEN] + self.steps[: max(k - 1, 1)]).int()
+        u = None if sampler.kind.greedy else sampler.uniforms_at(Stream.DRAFT, ctl[NUM_GEN], k)
         confidence = []
         for j in range(k):
-            token, q, conf = sampler.draft(io.logits, io.verify_ids[1 : 1 + j], ctl[NUM_GEN] + j)
-            io.verify_ids[1 + j : 2 + j] = token
+            token = io.verify_ids[1 + j : 2 + j]
+            q, conf = sampler.draft(io.logits, io.verify_ids[1 : 1 + j], None if u is None else u[j : j + 1], token)
             if q is not None:
                 io.draft_q[j : j + 1] = q
             confidence.append(conf)
             if j + 1 < k:
-                self.runner.step.head(cache, io.verify_ids[1 + j : 2 + j], io.chained, chain_pos[j : j + 1], 0,
-                                      io.logits, io.chained)
+                self.runner.step.head(cache, token, io.chained, chain_pos[j : j + 1], 0, io.logits, io.chained)
         if self.p_min <= 0.0:
             return k
         return (torch.cat(confidence) >= self.p_min).long().cumprod(0).sum()
