@@ -210,13 +210,13 @@ class Bench:
         runner.extend(seq, self.prompt)
         return seq
 
-    def generate(self, k: int, temperature: float = 0.0, profile=None) -> RunResult:
+    def generate(self, k: int, temperature: float = 0.0, profile=None, seed: int = 0) -> RunResult:
         """One generation of gen_len tokens through the engine's rounds (timed after the prefill)."""
         _, runner, proposer = self.core(k)
         if profile is not None:
             proposer = self.profilers.setdefault(k, ProfileProposer(proposer, *profile))
         seq = self.prefilled(k)
-        params = SamplingParams(max_tokens=self.cfg.gen_len, temperature=temperature, seed=self.cfg.seed,
+        params = SamplingParams(max_tokens=self.cfg.gen_len, temperature=temperature, seed=self.cfg.seed + seed,
                                 ignore_eos=True)
         stats = SpecStats()
         _sync(self.device)
@@ -234,11 +234,16 @@ class Bench:
 
     def repeated(self, k: int, temperature: float = 0.0, profile=None) -> tuple[list[RunResult], float]:
         """A warm-up run (kernels compile, the rounds' CUDA graphs are captured), then cfg.repeats
-        timed runs: (runs, median tok/s)."""
+        timed runs: (runs, tok/s). Greedy runs repeat one generation (the median of their tok/s);
+        sampled runs draw with seeds seed, seed + 1, ... (one sampled path says little about the
+        acceptance to expect) and report all their tokens over all their time."""
         if self.cfg.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.cfg.repeats}")
         self.generate(k, temperature, profile)
-        runs = [self.generate(k, temperature, profile) for _ in range(self.cfg.repeats)]
+        runs = [self.generate(k, temperature, profile, seed=i if temperature > 0 else 0)
+                for i in range(self.cfg.repeats)]
+        if temperature > 0:
+            return runs, sum(len(r.token_ids) for r in runs) / sum(r.seconds for r in runs)
         return runs, statistics.median(len(r.token_ids) / r.seconds for r in runs)
 
     def step_costs(self, ks: list[int]) -> dict:
@@ -372,13 +377,16 @@ def _sampled(bench: Bench, res: dict, ks: list[int], temperature: float, log) ->
     log(f"bench: T={temperature} plain {plain:.1f} tok/s{_spread(runs)}")
     for k in ks:
         runs, tps = bench.repeated(k, temperature)
+        stats = SpecStats()
+        for r in runs:
+            stats.merge(r.stats)
         entry["spec_tokens_per_s"][k] = tps
-        entry["acceptance_rate"][k] = runs[0].stats.acceptance_rate
-        entry["mean_acceptance_length"][k] = runs[0].stats.mean_acceptance_length
+        entry["acceptance_rate"][k] = stats.acceptance_rate
+        entry["mean_acceptance_length"][k] = stats.mean_acceptance_length
         if temperature == 0.7 or len(bench.cfg.temperatures) == 1:
             res.setdefault("sampled_spec_speedup", {})[k] = tps / plain
         log(f"bench: T={temperature} K={k}: {tps:.1f} tok/s{_spread(runs)} ({tps / plain:.2f}x) "
-            f"acceptance {runs[0].stats.acceptance_rate:.2f}")
+            f"acceptance {stats.acceptance_rate:.2f} over seeds {bench.cfg.seed}..{bench.cfg.seed + len(runs) - 1}")
 
 
 def _profiled(bench: Bench, res: dict, ks: list[int], profile: list[float], reference: list[int], log) -> None:

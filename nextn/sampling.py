@@ -186,8 +186,10 @@ def filter_probs(probs: Tensor, params, kind: SamplerKind | None = None) -> Tens
 
 
 def probs_from_logits(logits: Tensor, params, history: TokenHistory | None = None,
-                      extra_ids: Tensor | None = None, kind: SamplerKind | None = None) -> Tensor:
-    """The distribution a token is drawn from: logits [N, V] -> float32 probs [N, V], rows sum to 1.
+                      extra_ids: Tensor | None = None, kind: SamplerKind | None = None,
+                      out: Tensor | None = None) -> Tensor:
+    """The distribution a token is drawn from: logits [N, V] -> float32 probs [N, V], rows sum to 1
+    (written into `out` when given).
 
     history/extra_ids: see `TokenHistory.rows`; needed only when a penalty is set.
     Greedy (temperature 0) gives a one-hot at the penalized argmax.
@@ -195,9 +197,12 @@ def probs_from_logits(logits: Tensor, params, history: TokenHistory | None = Non
     kind = kind or SamplerKind.of(params)
     logits = penalized_logits(logits, params, history, extra_ids, kind)  # [N, V]
     if kind.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    probs = torch.softmax(logits / params.temperature, dim=-1)  # [N, V]
-    return filter_probs(probs, params, kind)
+        probs = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return probs if out is None else out.copy_(probs)
+    if not (kind.top_k or kind.top_p or kind.min_p):
+        return torch.softmax(logits / params.temperature, dim=-1, out=out)  # [N, V]
+    probs = filter_probs(torch.softmax(logits / params.temperature, dim=-1), params, kind)
+    return probs if out is None else out.copy_(probs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,8 +214,9 @@ def _cdf_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def sample(probs: Tensor, u: Tensor | float) -> Tensor:
-    """Inverse-CDF draw: probs [N, V] (or [V]), u [N] (or a scalar) in [0, 1) -> ids [N] (or []).
+def sample(probs: Tensor, u: Tensor | float, out: Tensor | None = None) -> Tensor:
+    """Inverse-CDF draw: probs [N, V] (or [V]), u [N] (or a scalar) in [0, 1) -> ids [N] (or []),
+    written into `out` ([N] long) when given.
 
     probs need not be normalised. Never returns a zero-probability token: a token is picked only
     where the float cumsum strictly rises, and u close to 1 is clamped to the last token with
@@ -224,6 +230,8 @@ def sample(probs: Tensor, u: Tensor | float) -> Tensor:
     u = torch.as_tensor(u, dtype=dtype, device=probs.device).reshape(-1, 1)  # [N or 1, 1]
     idx = torch.searchsorted(cdf, (u * total).expand(cdf.shape[0], 1).contiguous(), right=True)
     last_positive = (cdf < total).sum(-1, keepdim=True)  # first index where cdf reaches total
+    if out is not None:
+        return torch.minimum(idx, last_positive, out=out.view(-1, 1)).view(out.shape)
     ids = torch.minimum(idx, last_positive).squeeze(-1)  # [N]
     return ids[0] if squeeze else ids
 

@@ -64,21 +64,22 @@ class SlotSampler:
     def _history(self):
         return self.history if self.kind.penalties else None
 
-    def draft(self, logits: torch.Tensor, drafts_so_far: torch.Tensor, u: torch.Tensor | None, token: torch.Tensor):
-        """One draft step from head logits [1, V] into token ([1] long, a slot of the round's ids);
-        drafts_so_far [j] long; u [1]: the draft's DRAFT uniform (sampled). Returns (q [1, V] or None
-        for greedy, the head's probability of its pick [1] when a p_min gate is on, else None)."""
+    def draft(self, logits: torch.Tensor, drafts_so_far: torch.Tensor, u: torch.Tensor | None, token: torch.Tensor,
+              q: torch.Tensor):
+        """One draft step from head logits [1, V] into token ([1] long, a slot of the round's ids)
+        and, sampled, its law into q ([1, V], a row of the round's buffer); drafts_so_far [j] long;
+        u [1]: the draft's DRAFT uniform. Returns the head's probability of its pick [1] when a
+        p_min gate is on, else None."""
         if self.kind.greedy:
-            q = None
             torch.argmax(penalized_logits(logits, self.values, self._history(), drafts_so_far, self.kind), dim=-1,
                          out=token)
         else:
-            q = probs_from_logits(logits, self.values, self._history(), drafts_so_far, self.kind)  # [1, V]
-            token.copy_(sample(q, u))
+            probs_from_logits(logits, self.values, self._history(), drafts_so_far, self.kind, out=q)
+            sample(q, u, out=token)
         confidence = None
         if self.p_min > 0.0:
             confidence = torch.softmax(logits.float(), dim=-1).gather(-1, token[:, None])[:, 0]
-        return q, confidence
+        return confidence
 
     def verify(self, logits: torch.Tensor, draft_ids: torch.Tensor, draft_q: torch.Tensor | None,
                num_drafts, index: torch.Tensor) -> VerifyResult:

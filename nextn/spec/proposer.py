@@ -55,10 +55,8 @@ class MTPProposer:
         confidence = []
         for j in range(k):
             token = io.verify_ids[1 + j : 2 + j]
-            q, conf = sampler.draft(io.logits, io.verify_ids[1 : 1 + j], None if u is None else u[j : j + 1], token)
-            if q is not None:
-                io.draft_q[j : j + 1] = q
-            confidence.append(conf)
+            confidence.append(sampler.draft(io.logits, io.verify_ids[1 : 1 + j], None if u is None else u[j : j + 1],
+                                            token, io.draft_q[j : j + 1]))
             if j + 1 < k:
                 self.runner.step.head(cache, token, io.chained, chain_pos[j : j + 1], 0, io.logits, io.chained)
         if self.p_min <= 0.0:
