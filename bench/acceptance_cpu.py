@@ -2,6 +2,7 @@
 
 python bench/acceptance_cpu.py [--temperatures 0 0.7] [--k 3] [--max-tokens 128] [--json OUT]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,17 +34,34 @@ def main() -> None:
         for i, text in enumerate(PROMPTS):
             params = nextn.SamplingParams(max_tokens=args.max_tokens, temperature=t, seed=i, ignore_eos=True)
             stats.merge(llm.generate(prompt=text, params=params).spec)
-        row = {"temperature": t, "k": args.k, "num_drafted": stats.num_drafted, "num_accepted": stats.num_accepted,
-               "acceptance_rate": round(stats.acceptance_rate, 4),
-               "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
-               "accepted_per_position": [round(a / d, 4) if d else 0.0 for a, d in
-                                         zip(stats.accepted_per_position, stats.drafted_per_position)][: args.k]}
+        row = {
+            "temperature": t,
+            "k": args.k,
+            "num_drafted": stats.num_drafted,
+            "num_accepted": stats.num_accepted,
+            "acceptance_rate": round(stats.acceptance_rate, 4),
+            "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
+            "accepted_per_position": [
+                round(a / d, 4) if d else 0.0
+                for a, d in zip(stats.accepted_per_position, stats.drafted_per_position, strict=True)
+            ][: args.k],
+        }
         print(json.dumps(row))
         results.append(row)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": "nextn/default_model", "device": "cpu", "dtype": "float32",
-                       "prompts": len(PROMPTS), "max_tokens": args.max_tokens, "results": results}, f, indent=2)
+            json.dump(
+                {
+                    "model": "nextn/default_model",
+                    "device": "cpu",
+                    "dtype": "float32",
+                    "prompts": len(PROMPTS),
+                    "max_tokens": args.max_tokens,
+                    "results": results,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ same 16 padded rows; each timing is a CUDA graph of many launches with the weigh
 
 python bench/gemv_sweep.py --preset qwen3.5-9b --out sweep.json [--workers 14]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,15 +36,17 @@ def candidates(N: int, K: int, dual: bool, small: bool = False) -> list[tuple]:
     """small: the configs whose stages are small enough for 3+ programs per SM (all resident at once)."""
     out = []
     for bn, bk, warps, stages, split in itertools.product(
-            (16, 32, 64, 128), (64, 128, 256, 512), (4, 8), (3, 4, 5), (1, 2, 4, 8)):
+        (16, 32, 64, 128), (64, 128, 256, 512), (4, 8), (3, 4, 5), (1, 2, 4, 8)
+    ):
         stage_bytes = bn * bk * 2 * (2 if dual else 1) + MAX_ROWS * bk * 2
         programs = -(-N // bn) * split
         if stages * stage_bytes > 200 * 1024 or K % (split * bk):
             continue
         if programs < 132 or programs > 16384 or bn * bk > 32768:
             continue
-        if small != (stages * stage_bytes <= 72 * 1024 and bn * bk >= 2048 and stages < 5 and split < 8
-                     and bn < 128) or (not small and bn * bk < 8192):
+        if small != (
+            stages * stage_bytes <= 72 * 1024 and bn * bk >= 2048 and stages < 5 and split < 8 and bn < 128
+        ) or (not small and bn * bk < 8192):
             continue
         out.append((bn, bk, warps, stages, split))
     return out
@@ -53,17 +56,25 @@ def make_call(use, copies: int, device):
     name, N, K, prologue, epilogue, out_f32 = use
     g = torch.Generator(device=device).manual_seed(0)
     ws = [torch.randn(N, K, device=device, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
-    w2s = [torch.randn(N, K, device=device, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)] \
-        if epilogue == "silu_mul" else None
+    w2s = (
+        [torch.randn(N, K, device=device, dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(copies)]
+        if epilogue == "silu_mul"
+        else None
+    )
     x = torch.randn(MAX_ROWS, K, device=device, dtype=torch.bfloat16)
     nw = torch.zeros(K, device=device, dtype=torch.bfloat16)
     res = torch.randn(MAX_ROWS, N, device=device, dtype=torch.bfloat16)
 
     def call(i: int, rows: int, cfg):
         return skinny_linear(
-            x[:rows], ws[i], out_dtype=torch.float32 if out_f32 else None,
-            norm_weight=nw if prologue else None, residual=res[:rows] if epilogue == "residual" else None,
-            up_weight=w2s[i] if w2s else None, config=cfg)
+            x[:rows],
+            ws[i],
+            out_dtype=torch.float32 if out_f32 else None,
+            norm_weight=nw if prologue else None,
+            residual=res[:rows] if epilogue == "residual" else None,
+            up_weight=w2s[i] if w2s else None,
+            config=cfg,
+        )
 
     def cublas(i: int):
         y = F.linear(x, ws[i])
@@ -125,7 +136,7 @@ def main() -> None:
         rows = []
         for cfg in configs[name]:
             try:
-                us = _graph_us(lambda i, cfg=cfg: call(i, 1, cfg), copies, reps)
+                us = _graph_us(lambda i, cfg=cfg, call=call: call(i, 1, cfg), copies, reps)
             except Exception as e:
                 torch.cuda.synchronize()
                 print(f"{name} {cfg}: {type(e).__name__}", flush=True)
@@ -134,19 +145,29 @@ def main() -> None:
         rows.sort()
         best = []
         for us, cfg in rows[:6]:
-            us16 = _graph_us(lambda i, cfg=cfg: call(i, MAX_ROWS, cfg), copies, reps)
-            best.append({"config": list(cfg), "us_1row": us, "us_16rows": us16,
-                         "GBps_1row": nbytes / us / 1e3})
+            us16 = _graph_us(lambda i, cfg=cfg, call=call: call(i, MAX_ROWS, cfg), copies, reps)
+            best.append({"config": list(cfg), "us_1row": us, "us_16rows": us16, "GBps_1row": nbytes / us / 1e3})
         cub = _graph_us(cublas, copies, reps)
         current = triton_linear.pick_config(N, K)
         cur = [r for r in rows if r[1] == current]
-        results[name] = {"N": N, "K": K, "bytes": nbytes, "best": best, "cublas_16rows_us": cub,
-                         "cublas_GBps": nbytes / cub / 1e3, "current_config": list(current),
-                         "current_us": cur[0][0] if cur else None, "num_configs": len(rows)}
-        print(f"{name} {N}x{K}: best {best[0]['config']} {best[0]['us_1row']:.1f} us "
-              f"({best[0]['GBps_1row']:.0f} GB/s, 16 rows {best[0]['us_16rows']:.1f} us); "
-              f"current {current} {results[name]['current_us']}; cuBLAS 16 rows {cub:.1f} us "
-              f"({results[name]['cublas_GBps']:.0f} GB/s)", flush=True)
+        results[name] = {
+            "N": N,
+            "K": K,
+            "bytes": nbytes,
+            "best": best,
+            "cublas_16rows_us": cub,
+            "cublas_GBps": nbytes / cub / 1e3,
+            "current_config": list(current),
+            "current_us": cur[0][0] if cur else None,
+            "num_configs": len(rows),
+        }
+        print(
+            f"{name} {N}x{K}: best {best[0]['config']} {best[0]['us_1row']:.1f} us "
+            f"({best[0]['GBps_1row']:.0f} GB/s, 16 rows {best[0]['us_16rows']:.1f} us); "
+            f"current {current} {results[name]['current_us']}; cuBLAS 16 rows {cub:.1f} us "
+            f"({results[name]['cublas_GBps']:.0f} GB/s)",
+            flush=True,
+        )
         for b in best[1:]:
             print(f"    {b['config']} {b['us_1row']:.1f} us 16 rows {b['us_16rows']:.1f}", flush=True)
         call = cublas = None

@@ -3,6 +3,7 @@ GPU time per kernel name (torch.profiler), and the CPU ops by self time (is it l
 
 python bench/profile_prefill.py --preset qwen3.5-9b [--prompt-len 512] [--out prefill.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,11 @@ def main() -> None:
             per_kernel[ev.name][1] += 1
     rows = sorted(((v[0], v[1], k) for k, v in per_kernel.items()), reverse=True)
     gpu_ms = sum(r[0] for r in rows) / 1e3
-    print(f"{args.preset} prefill {args.prompt_len} tokens: wall {wall_ms:.2f} ms "
-          f"({args.prompt_len / wall_ms * 1e3:.0f} tok/s), GPU kernels {gpu_ms:.2f} ms, "
-          f"{sum(r[1] for r in rows)} launches")
+    print(
+        f"{args.preset} prefill {args.prompt_len} tokens: wall {wall_ms:.2f} ms "
+        f"({args.prompt_len / wall_ms * 1e3:.0f} tok/s), GPU kernels {gpu_ms:.2f} ms, "
+        f"{sum(r[1] for r in rows)} launches"
+    )
     for us, n, name in rows[:20]:
         print(f"  {us:9.1f} us  {n:5d}x  {name[:110]}")
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
@@ -52,14 +55,21 @@ def main() -> None:
     from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule as triton_rule
 
     cfg, T = model.cfg, args.prompt_len
-    H, HV, K, V = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    H, HV, K, V = (
+        cfg.linear_num_key_heads,
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
+    )
     q = l2norm(torch.randn(1, T, H, K, device="cuda"))
     k = l2norm(torch.randn(1, T, H, K, device="cuda"))
     v = torch.randn(1, T, HV, V, device="cuda", dtype=torch.bfloat16)
     g, beta = -torch.rand(1, T, HV, device="cuda"), torch.rand(1, T, HV, device="cuda")
     h0 = torch.randn(1, HV, K, V, device="cuda")
-    rule_ms = {name: time_ms(lambda r=rule: r(q, k, v, g, beta, h0), "cuda", warmup=2, iters=10)
-               for name, rule in (("torch", torch_rule), ("triton", triton_rule))}
+    rule_ms = {
+        name: time_ms(lambda r=rule: r(q, k, v, g, beta, h0), "cuda", warmup=2, iters=10)
+        for name, rule in (("torch", torch_rule), ("triton", triton_rule))
+    }
     print("chunked delta rule, one layer, ms:", {n: round(v, 3) for n, v in rule_ms.items()})
     experts_ms = {}
     if cfg.num_experts:  # the routed experts alone, one layer over the prompt: reference vs Triton
@@ -69,17 +79,33 @@ def main() -> None:
 
         layer = next(m for m in model.modules() if isinstance(m, Experts))
         x = torch.randn(T, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-        top_w, top_idx = torch.topk(torch.softmax(torch.randn(T, cfg.num_experts, device="cuda"), -1),
-                                    cfg.num_experts_per_tok, dim=-1)
+        top_w, top_idx = torch.topk(
+            torch.softmax(torch.randn(T, cfg.num_experts, device="cuda"), -1), cfg.num_experts_per_tok, dim=-1
+        )
         top_w = top_w.to(torch.bfloat16)
-        experts_ms = {name: time_ms(lambda r=rule: r(x, top_idx, top_w, layer.gate_up_proj, layer.down_proj),
-                                    "cuda", warmup=2, iters=5)
-                      for name, rule in (("torch", routed_experts), ("triton", grouped_experts))}
+        experts_ms = {
+            name: time_ms(
+                lambda r=rule: r(x, top_idx, top_w, layer.gate_up_proj, layer.down_proj), "cuda", warmup=2, iters=5
+            )
+            for name, rule in (("torch", routed_experts), ("triton", grouped_experts))
+        }
         print("routed experts, one layer, ms:", {n: round(v, 3) for n, v in experts_ms.items()})
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"preset": args.preset, "prompt_len": args.prompt_len, "wall_ms": wall_ms, "gpu_kernel_ms": gpu_ms, "chunk_rule_ms": rule_ms, "routed_experts_ms": experts_ms,
-                       "kernels_us": [[us, n, name] for us, n, name in rows], "cpu_table": table}, f, indent=1)
+            json.dump(
+                {
+                    "preset": args.preset,
+                    "prompt_len": args.prompt_len,
+                    "wall_ms": wall_ms,
+                    "gpu_kernel_ms": gpu_ms,
+                    "chunk_rule_ms": rule_ms,
+                    "routed_experts_ms": experts_ms,
+                    "kernels_us": [[us, n, name] for us, n, name in rows],
+                    "cpu_table": table,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

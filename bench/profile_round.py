@@ -3,6 +3,7 @@
 
 python bench/profile_round.py (--model DIR | --preset qwen3.5-9b) [--k 3] [--out profile.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,12 +59,17 @@ def main() -> None:
         rows, ms = kernels_per_round(bench, k, temperature)
         launches = sum(r[1] for r in rows)
         small = [r for r in rows if r[0] < 5.0]  # the round's bookkeeping kernels (< 5 us each)
-        print(f"K={k} T={temperature}: {ms:.3f} ms of kernels per round, {launches:.0f} launches; "
-              f"{sum(r[1] for r in small):.0f} of them under 5 us ({sum(r[0] for r in small) / 1e3:.3f} ms)")
+        print(
+            f"K={k} T={temperature}: {ms:.3f} ms of kernels per round, {launches:.0f} launches; "
+            f"{sum(r[1] for r in small):.0f} of them under 5 us ({sum(r[0] for r in small) / 1e3:.3f} ms)"
+        )
         for us, n, name in rows[:12]:
             print(f"  {us:9.1f} us  {n:5.1f}x  {name[:100]}")
-        report[f"K{k}_T{temperature}"] = {"gpu_ms_per_round": ms, "launches": launches,
-                                          "kernels_us": [[us, n, name] for us, n, name in rows]}
+        report[f"K{k}_T{temperature}"] = {
+            "gpu_ms_per_round": ms,
+            "launches": launches,
+            "kernels_us": [[us, n, name] for us, n, name in rows],
+        }
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

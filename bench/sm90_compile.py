@@ -13,6 +13,7 @@ per kernel and exits 1 if one fails to compile or does not fit.
 
 tests/test_kernels.py runs it (test_prefill_kernels_fit_sm90_shared_memory).
 """
+
 from __future__ import annotations
 
 import sys
@@ -46,12 +47,37 @@ def gdn_cases(B=1, T=517, H=16, HV=32, K=128, V=128):
     (l2-normalised upstream), v and o bfloat16, the scratch and states float32, an initial state."""
     sq, sv, sg = _strides(B, T, H, K), _strides(B, T, HV, V), _strides(B, T, HV)
     args = dict(
-        q_ptr="*fp32", k_ptr="*fp32", v_ptr="*bf16", o_ptr="*bf16", g_ptr="*fp32", beta_ptr="*fp32",
-        u_ptr="*fp32", w_ptr="*fp32", a_ptr="*fp32", gc_ptr="*fp32", h0_ptr="*fp32", ht_ptr="*fp32",
-        sq_b=sq[0], sq_t=sq[1], sq_h=sq[2], sk_b=sq[0], sk_t=sq[1], sk_h=sq[2],
-        sv_b=sv[0], sv_t=sv[1], sv_h=sv[2], so_b=sv[0], so_t=sv[1], so_h=sv[2],
-        sg_b=sg[0], sg_t=sg[1], sb_b=sg[0], sb_t=sg[1],
-        T=T, Tp=triton.cdiv(T, gdn.CHUNK) * gdn.CHUNK, scale=K**-0.5,
+        q_ptr="*fp32",
+        k_ptr="*fp32",
+        v_ptr="*bf16",
+        o_ptr="*bf16",
+        g_ptr="*fp32",
+        beta_ptr="*fp32",
+        u_ptr="*fp32",
+        w_ptr="*fp32",
+        a_ptr="*fp32",
+        gc_ptr="*fp32",
+        h0_ptr="*fp32",
+        ht_ptr="*fp32",
+        sq_b=sq[0],
+        sq_t=sq[1],
+        sq_h=sq[2],
+        sk_b=sq[0],
+        sk_t=sq[1],
+        sk_h=sq[2],
+        sv_b=sv[0],
+        sv_t=sv[1],
+        sv_h=sv[2],
+        so_b=sv[0],
+        so_t=sv[1],
+        so_h=sv[2],
+        sg_b=sg[0],
+        sg_t=sg[1],
+        sb_b=sg[0],
+        sb_t=sg[1],
+        T=T,
+        Tp=triton.cdiv(T, gdn.CHUNK) * gdn.CHUNK,
+        scale=K**-0.5,
     )
     prep, scan = gdn.launch_constexprs(H, HV, K, V, has_h0=True)
     return [
@@ -63,13 +89,27 @@ def gdn_cases(B=1, T=517, H=16, HV=32, K=128, V=128):
 def moe_cases(N=517, H=2048, I=512, top_k=8):
     """`grouped_experts` over N tokens with Qwen3.5-35B-A3B's experts in bfloat16 (on a GPU the dot
     operands stay bf16: DOT_F32=False)."""
-    args = dict(x_ptr="*bf16", pairs_ptr="*i32", block_expert_ptr="*i32", w_ptr="*bf16", act_ptr="*bf16",
-                rw_ptr="*bf16", y_ptr="*bf16", NK=N * top_k, H=H, I=I)
+    args = dict(
+        x_ptr="*bf16",
+        pairs_ptr="*i32",
+        block_expert_ptr="*i32",
+        w_ptr="*bf16",
+        act_ptr="*bf16",
+        rw_ptr="*bf16",
+        y_ptr="*bf16",
+        NK=N * top_k,
+        H=H,
+        I=I,
+    )
     return [
-        ("moe_grouped_gate_up", moe._grouped_gate_up_kernel, args,
-         dict(TOP_K=top_k, DOT_F32=False, **moe.GATE_UP_BLOCKS), moe.GATE_UP_OPTIONS),
-        ("moe_grouped_down", moe._grouped_down_kernel, args,
-         dict(DOT_F32=False, **moe.DOWN_BLOCKS), moe.DOWN_OPTIONS),
+        (
+            "moe_grouped_gate_up",
+            moe._grouped_gate_up_kernel,
+            args,
+            dict(TOP_K=top_k, DOT_F32=False, **moe.GATE_UP_BLOCKS),
+            moe.GATE_UP_OPTIONS,
+        ),
+        ("moe_grouped_down", moe._grouped_down_kernel, args, dict(DOT_F32=False, **moe.DOWN_BLOCKS), moe.DOWN_OPTIONS),
     ]
 
 
@@ -99,7 +139,7 @@ def specialise(fn: JITFunction, args: dict, constexprs: dict) -> tuple[dict, dic
         elif value == 1 and not p.do_not_specialize:
             signature[name], consts[name] = "constexpr", 1
         else:
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
             divisible = value % 16 == 0 and not p.do_not_specialize and not p.do_not_specialize_on_alignment
         if divisible:
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -111,13 +151,19 @@ def main() -> int:
     for name, fn, args, constexprs, options in gdn_cases() + moe_cases():
         opts = " ".join(f"{k}={v}" for k, v in options.items())
         if not isinstance(fn, JITFunction):
-            print(f"sm90_compile: {name} is a {type(fn).__name__}, not a JITFunction: run with "
-                  "TRITON_INTERPRET unset or 0 (the interpreter's kernels cannot be compiled)", file=sys.stderr)
+            print(
+                f"sm90_compile: {name} is a {type(fn).__name__}, not a JITFunction: run with "
+                "TRITON_INTERPRET unset or 0 (the interpreter's kernels cannot be compiled)",
+                file=sys.stderr,
+            )
             return 1
         try:
             signature, consts, attrs = specialise(fn, args, constexprs)
-            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
-                                    target=SM90, options=dict(options))
+            kernel = triton.compile(
+                ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
+                target=SM90,
+                options=dict(options),
+            )
         except Exception as e:  # noqa: BLE001  (any failure to compile is what this script reports)
             last = (str(e).strip().splitlines() or [""])[-1]  # a CompilationError ends with its message
             print(f"{name:22s} FAILED to compile ({opts}): {type(e).__name__}: {last}")
@@ -128,8 +174,10 @@ def main() -> int:
         fits = shared <= SHARED_LIMIT
         print(f"{name:22s} shared {shared:7d} bytes  {opts:26s} {'ok' if fits else 'TOO MUCH'}")
         if not fits:
-            failures.append(f"{name} needs {shared} bytes of shared memory per block, more than sm90's "
-                            f"{SHARED_LIMIT} ({opts}): it would fail to launch on an H200 (OutOfResources)")
+            failures.append(
+                f"{name} needs {shared} bytes of shared memory per block, more than sm90's "
+                f"{SHARED_LIMIT} ({opts}): it would fail to launch on an H200 (OutOfResources)"
+            )
     if failures:
         print("sm90_compile: FAILED\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1

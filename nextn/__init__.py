@@ -1,4 +1,5 @@
 """nextn: exact, fast MTP speculative decoding for Qwen3.5 / Qwen3-Next hybrid models."""
+
 from nextn.core import RequestOutput, SamplingParams, SpecStats
 from nextn.engine.llm import LLM, RequestError
 

@@ -17,6 +17,7 @@ but rarely guesses right). One run measures, with CUDA events around warmed-up w
   at position j, by the token plain decoding emits there (nextn.spec.proposer.ProfileProposer).
 Writes a JSON file and two PNG plots beside it.
 """
+
 from __future__ import annotations
 
 import gc
@@ -40,19 +41,42 @@ from nextn.models.qwen3_5 import CausalLM
 from nextn.spec.proposer import ProfileProposer
 
 _COMMON = dict(
-    vocab_size=248320, num_attention_heads=16, head_dim=256, linear_conv_kernel_dim=4,
-    linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
-    linear_num_value_heads=32, rms_norm_eps=1e-6, max_position_embeddings=262144,
+    vocab_size=248320,
+    num_attention_heads=16,
+    head_dim=256,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=262144,
     rope_parameters={"rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
-    tie_word_embeddings=False, mtp_num_hidden_layers=1, eos_token_id=248046,
+    tie_word_embeddings=False,
+    mtp_num_hidden_layers=1,
+    eos_token_id=248046,
 )
 # the released text configs (transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig defaults)
 PRESETS = {
-    "qwen3.5-9b": dict(_COMMON, model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288,
-                       num_hidden_layers=32, num_key_value_heads=4),
-    "qwen3.5-35b-a3b": dict(_COMMON, model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
-                            num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
-                            moe_intermediate_size=512, shared_expert_intermediate_size=512),
+    "qwen3.5-9b": dict(
+        _COMMON,
+        model_type="qwen3_5_text",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_key_value_heads=4,
+    ),
+    "qwen3.5-35b-a3b": dict(
+        _COMMON,
+        model_type="qwen3_5_moe_text",
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_key_value_heads=2,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+    ),
 }
 
 
@@ -198,8 +222,15 @@ class Bench:
             self.cores.clear()  # one engine's cache at a time
             self.profilers.clear()
             gc.collect()
-            config = EngineConfig("bench", str(self.device), str(self.dtype).replace("torch.", ""),
-                                  SpecConfig(num_speculative_tokens=k), self.max_len, 1, self.cfg.kernels)
+            config = EngineConfig(
+                "bench",
+                str(self.device),
+                str(self.dtype).replace("torch.", ""),
+                SpecConfig(num_speculative_tokens=k),
+                self.max_len,
+                1,
+                self.cfg.kernels,
+            )
             self.cores[k] = build_core(self.model, config)
         return self.cores[k]
 
@@ -216,8 +247,9 @@ class Bench:
         if profile is not None:
             proposer = self.profilers.setdefault(k, ProfileProposer(proposer, *profile))
         seq = self.prefilled(k)
-        params = SamplingParams(max_tokens=self.cfg.gen_len, temperature=temperature, seed=self.cfg.seed + seed,
-                                ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=self.cfg.gen_len, temperature=temperature, seed=self.cfg.seed + seed, ignore_eos=True
+        )
         stats = SpecStats()
         _sync(self.device)
         t0 = time.perf_counter()
@@ -240,8 +272,9 @@ class Bench:
         if self.cfg.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.cfg.repeats}")
         self.generate(k, temperature, profile)
-        runs = [self.generate(k, temperature, profile, seed=i if temperature > 0 else 0)
-                for i in range(self.cfg.repeats)]
+        runs = [
+            self.generate(k, temperature, profile, seed=i if temperature > 0 else 0) for i in range(self.cfg.repeats)
+        ]
         if temperature > 0:
             return runs, sum(len(r.token_ids) for r in runs) / sum(r.seconds for r in runs)
         return runs, statistics.median(len(r.token_ids) / r.seconds for r in runs)
@@ -260,14 +293,21 @@ class Bench:
         with torch.inference_mode():
             for T in range(1, k_max + 2):  # steps at the next free positions, never committed
                 ids = torch.randint(0, cfg.vocab_size, (T,), device=self.device, generator=gen)
-                fn = lambda T=T, ids=ids: runner.run(("bench", T), lambda: runner.step.trunk(  # noqa: E731
-                    cache, ids, logits[:T], hidden[:T]))
-                out["step_ms"][T] = time_ms(fn, self.device, iters=self.cfg.iters)
+
+                def trunk(T=T, ids=ids):
+                    runner.run(("bench", T), lambda: runner.step.trunk(cache, ids, logits[:T], hidden[:T]))
+
+                out["step_ms"][T] = time_ms(trunk, self.device, iters=self.cfg.iters)
             if proposer is not None:
                 ids, pos = ids[:1], torch.tensor([len(seq.tokens)], dtype=torch.int32, device=self.device)
-                fn = lambda: runner.run(("bench", "head"), lambda: runner.step.head(  # noqa: E731
-                    cache, ids, hidden[:1], pos, 0, logits[:1], hidden[1:2]))
-                out["head_step_ms"] = time_ms(fn, self.device, iters=self.cfg.iters)
+
+                def head():
+                    runner.run(
+                        ("bench", "head"),
+                        lambda: runner.step.head(cache, ids, hidden[:1], pos, 0, logits[:1], hidden[1:2]),
+                    )
+
+                out["head_step_ms"] = time_ms(head, self.device, iters=self.cfg.iters)
         return out
 
     def prefill_tokens_per_s(self) -> float:
@@ -303,37 +343,51 @@ def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print, prompt: l
     kernels = EngineConfig("bench", str(device), kernels=cfg.kernels).kernels
     bench = Bench(model, prompt, cfg)
     res: dict = {
-        "model": name, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(bench.dtype).replace("torch.", ""), "kernels": kernels,
-        "cuda_graphs": kernels == "triton" and device.type == "cuda", "config": asdict(cfg),
-        "prompt_tokens": len(prompt), "torch": torch.__version__, "has_mtp_head": model.mtp is not None,
+        "model": name,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(bench.dtype).replace("torch.", ""),
+        "kernels": kernels,
+        "cuda_graphs": kernels == "triton" and device.type == "cuda",
+        "config": asdict(cfg),
+        "prompt_tokens": len(prompt),
+        "torch": torch.__version__,
+        "has_mtp_head": model.mtp is not None,
     }
     if kernels == "triton" and device.type == "cuda" and cfg.tune:
         t0 = time.perf_counter()
         step = bench.core(0)[1].step
         res["linear_configs"], res["tune_seconds"] = step.tune(log=log), time.perf_counter() - t0
         # what the step's matmuls alone would take, from the tuning measurements (graph, L2 cold)
-        res["step_matmul_ms_estimate"] = sum(
-            res["linear_configs"][f"{n}x{k}"]["us_1row"] for n, k, _, _ in step.linear_uses(head=False)) / 1e3
+        res["step_matmul_ms_estimate"] = (
+            sum(res["linear_configs"][f"{n}x{k}"]["us_1row"] for n, k, _, _ in step.linear_uses(head=False)) / 1e3
+        )
     res["weight_bytes_per_token"] = weight_bytes_per_token(model)
     if device.type == "cuda":
         res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
         res["roofline_tokens_per_s"] = res["copy_bandwidth_GBps"] * 1e9 / res["weight_bytes_per_token"]
-    log(f"bench: {name} {res['dtype']} kernels={kernels}: {res['weight_bytes_per_token'] / 1e9:.2f} GB/token, "
-        f"prompt {len(prompt)} tokens")
+    log(
+        f"bench: {name} {res['dtype']} kernels={kernels}: {res['weight_bytes_per_token'] / 1e9:.2f} GB/token, "
+        f"prompt {len(prompt)} tokens"
+    )
 
     res["prefill_tokens_per_s"] = bench.prefill_tokens_per_s()
     log(f"bench: prefill {res['prefill_tokens_per_s']:.0f} tok/s")
     ks = cfg.spec_ks if model.mtp is not None else []
     costs = bench.step_costs(ks or [0])
     t1 = costs["step_ms"][1]
-    res.update(decode_step_ms=t1, step_tokens_per_s=1e3 / t1, step_ms=costs["step_ms"],
-               verify_cost_ratio={k: costs["step_ms"][k + 1] / t1 for k in ks})
+    res.update(
+        decode_step_ms=t1,
+        step_tokens_per_s=1e3 / t1,
+        step_ms=costs["step_ms"],
+        verify_cost_ratio={k: costs["step_ms"][k + 1] / t1 for k in ks},
+    )
     if costs["head_step_ms"] is not None:
         res["draft_step_ms"] = costs["head_step_ms"]
         res["draft_cost_ratio"] = costs["head_step_ms"] / t1
-    log(f"bench: step {t1:.3f} ms, verify ratios {_fmt(res['verify_cost_ratio'])}, "
-        f"draft ratio {res.get('draft_cost_ratio', float('nan')):.3f}")
+    log(
+        f"bench: step {t1:.3f} ms, verify ratios {_fmt(res['verify_cost_ratio'])}, "
+        f"draft ratio {res.get('draft_cost_ratio', float('nan')):.3f}"
+    )
 
     plain_runs, res["decode_tokens_per_s"] = bench.repeated(0)
     plain = plain_runs[0]
@@ -343,10 +397,19 @@ def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print, prompt: l
     if "roofline_tokens_per_s" in res:
         res["roofline_fraction"] = res["decode_tokens_per_s"] / res["roofline_tokens_per_s"]
         res["step_roofline_fraction"] = res["step_tokens_per_s"] / res["roofline_tokens_per_s"]
-    log(f"bench: plain decode {res['decode_tokens_per_s']:.1f} tok/s{_spread(plain_runs)} "
-        f"(roofline fraction {res.get('roofline_fraction', float('nan')):.3f})")
-    res.update(spec_equals_plain={}, spec_tokens_per_s={}, spec_tokens_per_s_runs={}, spec_speedup={},
-               acceptance_rate={}, mean_acceptance_length={}, accepted_per_position={})
+    log(
+        f"bench: plain decode {res['decode_tokens_per_s']:.1f} tok/s{_spread(plain_runs)} "
+        f"(roofline fraction {res.get('roofline_fraction', float('nan')):.3f})"
+    )
+    res.update(
+        spec_equals_plain={},
+        spec_tokens_per_s={},
+        spec_tokens_per_s_runs={},
+        spec_speedup={},
+        acceptance_rate={},
+        mean_acceptance_length={},
+        accepted_per_position={},
+    )
     for k in ks:
         runs, tps = bench.repeated(k)
         run = runs[0]
@@ -358,9 +421,11 @@ def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print, prompt: l
         res["mean_acceptance_length"][k] = run.stats.mean_acceptance_length
         res["accepted_per_position"][k] = run.stats.accepted_per_position[:k]
         _round_overhead(res, "", k, runs)
-        log(f"bench: K={k}: equal={res['spec_equals_plain'][k]} {tps:.1f} tok/s{_spread(runs)} "
+        log(
+            f"bench: K={k}: equal={res['spec_equals_plain'][k]} {tps:.1f} tok/s{_spread(runs)} "
             f"acceptance {run.stats.acceptance_rate:.2f} mean length {run.stats.mean_acceptance_length:.2f} "
-            f"round overhead {res.get('round_overhead', {}).get(k, float('nan')):.3f}")
+            f"round overhead {res.get('round_overhead', {}).get(k, float('nan')):.3f}"
+        )
     for temperature in cfg.temperatures:
         _sampled(bench, res, ks, temperature, log)
     if cfg.acceptance_profile and ks:
@@ -372,8 +437,12 @@ def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print, prompt: l
 def _sampled(bench: Bench, res: dict, ks: list[int], temperature: float, log) -> None:
     """Seeded sampling at `temperature`: plain and each K (exact in law, not token for token)."""
     runs, plain = bench.repeated(0, temperature)
-    entry = res.setdefault("sampled", {})[temperature] = {"decode_tokens_per_s": plain, "spec_tokens_per_s": {},
-                                                          "acceptance_rate": {}, "mean_acceptance_length": {}}
+    entry = res.setdefault("sampled", {})[temperature] = {
+        "decode_tokens_per_s": plain,
+        "spec_tokens_per_s": {},
+        "acceptance_rate": {},
+        "mean_acceptance_length": {},
+    }
     log(f"bench: T={temperature} plain {plain:.1f} tok/s{_spread(runs)}")
     for k in ks:
         runs, tps = bench.repeated(k, temperature)
@@ -385,15 +454,22 @@ def _sampled(bench: Bench, res: dict, ks: list[int], temperature: float, log) ->
         entry["mean_acceptance_length"][k] = stats.mean_acceptance_length
         if temperature == 0.7 or len(bench.cfg.temperatures) == 1:
             res.setdefault("sampled_spec_speedup", {})[k] = tps / plain
-        log(f"bench: T={temperature} K={k}: {tps:.1f} tok/s{_spread(runs)} ({tps / plain:.2f}x) "
-            f"acceptance {stats.acceptance_rate:.2f} over seeds {bench.cfg.seed}..{bench.cfg.seed + len(runs) - 1}")
+        log(
+            f"bench: T={temperature} K={k}: {tps:.1f} tok/s{_spread(runs)} ({tps / plain:.2f}x) "
+            f"acceptance {stats.acceptance_rate:.2f} over seeds {bench.cfg.seed}..{bench.cfg.seed + len(runs) - 1}"
+        )
 
 
 def _profiled(bench: Bench, res: dict, ks: list[int], profile: list[float], reference: list[int], log) -> None:
     """Greedy rounds whose drafts follow an acceptance profile (the real head still drafts)."""
     res["acceptance_profile"] = profile
-    res.update(profile_spec_speedup={}, profile_tokens_per_s={}, profile_equals_plain={},
-               profile_mean_acceptance_length={}, profile_accepted_per_position={})
+    res.update(
+        profile_spec_speedup={},
+        profile_tokens_per_s={},
+        profile_equals_plain={},
+        profile_mean_acceptance_length={},
+        profile_accepted_per_position={},
+    )
     for k in ks:
         runs, tps = bench.repeated(k, profile=(profile, reference, bench.cfg.seed))
         stats = runs[0].stats
@@ -401,11 +477,14 @@ def _profiled(bench: Bench, res: dict, ks: list[int], profile: list[float], refe
         res["profile_spec_speedup"][k] = tps / res["decode_tokens_per_s"]
         res["profile_equals_plain"][k] = all(r.token_ids == reference for r in runs)
         res["profile_mean_acceptance_length"][k] = stats.mean_acceptance_length
-        res["profile_accepted_per_position"][k] = [a / max(1, d) for a, d in zip(
-            stats.accepted_per_position[:k], stats.drafted_per_position[:k])]
+        res["profile_accepted_per_position"][k] = [
+            a / max(1, d) for a, d in zip(stats.accepted_per_position[:k], stats.drafted_per_position[:k], strict=True)
+        ]
         _round_overhead(res, "profile_", k, runs)
-        log(f"bench: profile K={k}: {tps:.1f} tok/s{_spread(runs)} ({res['profile_spec_speedup'][k]:.2f}x) "
-            f"mean length {stats.mean_acceptance_length:.2f} equal={res['profile_equals_plain'][k]}")
+        log(
+            f"bench: profile K={k}: {tps:.1f} tok/s{_spread(runs)} ({res['profile_spec_speedup'][k]:.2f}x) "
+            f"mean length {stats.mean_acceptance_length:.2f} equal={res['profile_equals_plain'][k]}"
+        )
 
 
 def _fmt(d: dict) -> str:
@@ -432,15 +511,22 @@ def plot(res: dict, path_prefix: str) -> list[str]:
     ax.axhline(res["step_tokens_per_s"], color="C2", ls=":", label="plain step alone")
     if "roofline_tokens_per_s" in res:
         ax.axhline(res["roofline_tokens_per_s"], color="k", ls="-.", label="HBM roofline")
-    paths.append(_save(plt, fig, ax, "K (draft tokens per round)", "tokens/s", title, f"{path_prefix}_tokens_per_s.png"))
+    paths.append(
+        _save(plt, fig, ax, "K (draft tokens per round)", "tokens/s", title, f"{path_prefix}_tokens_per_s.png")
+    )
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     vk = sorted(int(k) for k in res.get("verify_cost_ratio", {}))
     if vk:
         ax.plot(vk, [res["verify_cost_ratio"][k] for k in vk], "o-", label="verify K+1 / decode 1")
     if "draft_cost_ratio" in res:
         ax.axhline(res["draft_cost_ratio"], color="C1", ls="--", label="draft step / decode")
-        ax.plot(vk, [1 + k * res["draft_cost_ratio"] for k in vk], "s:", label="round (K drafts + verify) / decode",
-                color="C2")
+        ax.plot(
+            vk,
+            [1 + k * res["draft_cost_ratio"] for k in vk],
+            "s:",
+            label="round (K drafts + verify) / decode",
+            color="C2",
+        )
     ax.axhline(1.15, color="grey", lw=0.8, ls=":")
     paths.append(_save(plt, fig, ax, "K", "cost ratio", title, f"{path_prefix}_cost_ratios.png"))
     return paths
@@ -491,7 +577,9 @@ def bench_from_args(args) -> int:
         try:
             profile = [float(p) for p in args.acceptance_profile.split(",")]
         except ValueError:
-            raise ValueError(f"--acceptance-profile takes comma-separated probabilities, got {args.acceptance_profile!r}")
+            raise ValueError(
+                f"--acceptance-profile takes comma-separated probabilities, got {args.acceptance_profile!r}"
+            ) from None
         if not profile or not all(0.0 <= p <= 1.0 for p in profile):
             raise ValueError(f"--acceptance-profile probabilities must be in [0, 1], got {args.acceptance_profile!r}")
     if any(not 0.0 < t <= 100.0 for t in args.temperature):
@@ -508,9 +596,16 @@ def bench_from_args(args) -> int:
         model, name = load_model(args.model, device=args.device, dtype=args.dtype), Path(args.model).name
     _sync(args.device)
     print(f"bench: model ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    cfg = BenchConfig(spec_ks=list(args.spec_k), prompt_len=args.prompt_len, gen_len=args.gen_len,
-                      kernels=args.kernels, repeats=args.repeats, temperatures=list(args.temperature),
-                      acceptance_profile=profile, prompt_file=args.prompt_file)
+    cfg = BenchConfig(
+        spec_ks=list(args.spec_k),
+        prompt_len=args.prompt_len,
+        gen_len=args.gen_len,
+        kernels=args.kernels,
+        repeats=args.repeats,
+        temperatures=list(args.temperature),
+        acceptance_profile=profile,
+        prompt_file=args.prompt_file,
+    )
     prompt = None
     if args.model is not None:
         prompt = text_prompt(args.model, args.prompt_len, prompt_text or PROMPT_TEXT)

@@ -1,4 +1,5 @@
 """Every command-line flag of nextn is parsed here: generate, serve, bench, replay, train."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,20 +10,35 @@ import sys
 def _common(p: argparse.ArgumentParser, dtype_default: str | None = "float32") -> None:
     p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the bundled model)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default=dtype_default, choices=["float32", "bfloat16", "float16"],
-                   help=f"default {dtype_default or 'bfloat16 autocast on CUDA, float32 on CPU'}")
-    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
-                   help="decode/verify/draft step: reference PyTorch modules, or batch-invariant Triton "
-                        "kernels in CUDA graphs (an error if they cannot run); auto: triton on CUDA, torch on CPU")
+    p.add_argument(
+        "--dtype",
+        default=dtype_default,
+        choices=["float32", "bfloat16", "float16"],
+        help=f"default {dtype_default or 'bfloat16 autocast on CUDA, float32 on CPU'}",
+    )
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="decode/verify/draft step: reference PyTorch modules, or batch-invariant Triton "
+        "kernels in CUDA graphs (an error if they cannot run); auto: triton on CUDA, torch on CPU",
+    )
 
 
 def _spec(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec-k", type=int, default=None,
-                   help="draft tokens per round (default: 3 with an MTP head, 0 without; 0 = plain decoding)")
+    p.add_argument(
+        "--spec-k",
+        type=int,
+        default=None,
+        help="draft tokens per round (default: 3 with an MTP head, 0 without; 0 = plain decoding)",
+    )
     p.add_argument("--p-min", type=float, default=0.0, help="stop a draft chain below this head confidence")
     p.add_argument("--adaptive-k", action="store_true", help="adapt the draft length to recent acceptance")
-    p.add_argument("--hidden-before-norm", action="store_true",
-                   help="feed the MTP head the trunk hidden before the final norm (default: after)")
+    p.add_argument(
+        "--hidden-before-norm",
+        action="store_true",
+        help="feed the MTP head the trunk hidden before the final norm (default: after)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,8 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
-    g.add_argument("--prefill", default="chunked", choices=["chunked", "steps"],
-                   help="chunked (default): the chunked delta rule; steps: the decode step's arithmetic")
+    g.add_argument(
+        "--prefill",
+        default="chunked",
+        choices=["chunked", "steps"],
+        help="chunked (default): the chunked delta rule; steps: the decode step's arithmetic",
+    )
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _common(s)
@@ -58,12 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-model-len", type=int, default=8192)
-    s.add_argument("--max-num-seqs", type=int, default=8,
-                   help="cache slots, allocated at start: requests running at once plus conversations kept")
+    s.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=8,
+        help="cache slots, allocated at start: requests running at once plus conversations kept",
+    )
     s.add_argument("--max-queue", type=int, default=64)
-    s.add_argument("--prefill", default="steps", choices=["chunked", "steps"],
-                   help="steps (default here): prompts run through the decode step's arithmetic, so a "
-                        "resumed or rewound session emits exactly what a cold run emits; chunked: faster prefill")
+    s.add_argument(
+        "--prefill",
+        default="steps",
+        choices=["chunked", "steps"],
+        help="steps (default here): prompts run through the decode step's arithmetic, so a "
+        "resumed or rewound session emits exactly what a cold run emits; chunked: faster prefill",
+    )
 
     r = sub.add_parser("replay", help="teacher-forced draft acceptance over a text file")
     _common(r)
@@ -82,13 +110,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=int, default=512)
     b.add_argument("--gen-len", type=int, default=256)
     b.add_argument("--repeats", type=int, default=3, help="end-to-end generations per K (median reported)")
-    b.add_argument("--prompt-file", default=None,
-                   help="prompt text from this file (its first --prompt-len tokens, repeated if shorter)")
-    b.add_argument("--temperature", type=float, nargs="*", default=[],
-                   help="sampled runs at these temperatures besides the greedy ones (seeded)")
-    b.add_argument("--acceptance-profile", default=None,
-                   help="p1,p2,...: also run greedy spec with drafts that are right with probability p_j at "
-                        "position j (the head still runs), for models whose head guesses nothing")
+    b.add_argument(
+        "--prompt-file",
+        default=None,
+        help="prompt text from this file (its first --prompt-len tokens, repeated if shorter)",
+    )
+    b.add_argument(
+        "--temperature",
+        type=float,
+        nargs="*",
+        default=[],
+        help="sampled runs at these temperatures besides the greedy ones (seeded)",
+    )
+    b.add_argument(
+        "--acceptance-profile",
+        default=None,
+        help="p1,p2,...: also run greedy spec with drafts that are right with probability p_j at "
+        "position j (the head still runs), for models whose head guesses nothing",
+    )
     b.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
 
     t = sub.add_parser("train", help="train a Qwen3.5-layout model with its MTP head, or distill a head")
@@ -129,23 +168,38 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args) -> int:
     from nextn import LLM, SamplingParams
 
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, num_speculative_tokens=args.spec_k,
-              p_min=args.p_min, adaptive_k=args.adaptive_k, hidden_after_norm=not args.hidden_before_norm,
-              kernels=args.kernels, prefill=args.prefill)
+    llm = LLM(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        num_speculative_tokens=args.spec_k,
+        p_min=args.p_min,
+        adaptive_k=args.adaptive_k,
+        hidden_after_norm=not args.hidden_before_norm,
+        kernels=args.kernels,
+        prefill=args.prefill,
+    )
     if args.prompt_ids is not None:
         try:
             prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
-            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}")
+            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     else:
         text = args.prompt
         if args.chat:
             text = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
         prompt_ids = llm.tokenizer.encode(text)
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty, seed=args.seed, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
     )
     streamed = not args.json
     out = None
@@ -165,14 +219,26 @@ def _generate(args) -> int:
         file=sys.stderr,
     )
     if args.json:
-        print(json.dumps({
-            "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
-            "prompt_tokens": out.prompt_tokens, "num_speculative_tokens": llm.num_speculative_tokens,
-            "num_drafted": s.num_drafted, "num_accepted": s.num_accepted, "num_rounds": s.num_rounds,
-            "drafted_per_position": s.drafted_per_position, "accepted_per_position": s.accepted_per_position,
-            "acceptance_rate": s.acceptance_rate, "mean_acceptance_length": s.mean_acceptance_length,
-            "decode_tokens_per_s": out.decode_tokens_per_s, "prefill_tokens_per_s": out.prefill_tokens_per_s,
-        }))
+        print(
+            json.dumps(
+                {
+                    "token_ids": out.token_ids,
+                    "text": out.text,
+                    "finish_reason": out.finish_reason,
+                    "prompt_tokens": out.prompt_tokens,
+                    "num_speculative_tokens": llm.num_speculative_tokens,
+                    "num_drafted": s.num_drafted,
+                    "num_accepted": s.num_accepted,
+                    "num_rounds": s.num_rounds,
+                    "drafted_per_position": s.drafted_per_position,
+                    "accepted_per_position": s.accepted_per_position,
+                    "acceptance_rate": s.acceptance_rate,
+                    "mean_acceptance_length": s.mean_acceptance_length,
+                    "decode_tokens_per_s": out.decode_tokens_per_s,
+                    "prefill_tokens_per_s": out.prefill_tokens_per_s,
+                }
+            )
+        )
     return 0
 
 

@@ -1,6 +1,7 @@
 """Frozen configuration: the model's hyperparameters (read from a checkpoint's config.json) and
 the engine's settings. Validation happens here, once; nothing else reads config files.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,9 +71,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(
-                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
-            )
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         bad = sorted({t for t in self.layer_types if t not in (LINEAR, FULL)})
         if bad:
             raise ConfigError(f"unknown layer_types {bad}; expected {LINEAR!r} or {FULL!r}")

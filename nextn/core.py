@@ -2,6 +2,7 @@
 
 Nothing here touches tensors or devices.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

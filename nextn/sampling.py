@@ -34,12 +34,14 @@ rounds. Streams: DRAFT (draw draft token i from q), ACCEPT (accept test of the d
 SAMPLE (plain draw, recovered or bonus token i). A plain-decoding step and a zero-draft speculative
 round both draw token i from p with SAMPLE's uniform i, so they give the same token.
 """
+
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -58,8 +60,13 @@ class TokenHistory:
     output_counts: Tensor  # [V] int32: occurrences among generated tokens
 
     @classmethod
-    def from_ids(cls, prompt_ids: Sequence[int] | Tensor, output_ids: Sequence[int] | Tensor,
-                 vocab_size: int, device: torch.device | str = "cpu") -> TokenHistory:
+    def from_ids(
+        cls,
+        prompt_ids: Sequence[int] | Tensor,
+        output_ids: Sequence[int] | Tensor,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> TokenHistory:
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(-1)
         mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         mask[prompt] = True
@@ -110,8 +117,15 @@ class SamplerKind:
 
     @classmethod
     def of(cls, params: SamplingParams) -> SamplerKind:
-        return cls(params.greedy, params.repetition_penalty != 1.0, params.frequency_penalty != 0.0,
-                   params.presence_penalty != 0.0, params.top_k > 0, params.top_p < 1.0, params.min_p > 0.0)
+        return cls(
+            params.greedy,
+            params.repetition_penalty != 1.0,
+            params.frequency_penalty != 0.0,
+            params.presence_penalty != 0.0,
+            params.top_k > 0,
+            params.top_p < 1.0,
+            params.min_p > 0.0,
+        )
 
     @property
     def penalties(self) -> bool:
@@ -122,8 +136,13 @@ def has_penalties(params: SamplingParams) -> bool:
     return SamplerKind.of(params).penalties
 
 
-def penalized_logits(logits: Tensor, params, history: TokenHistory | None = None,
-                     extra_ids: Tensor | None = None, kind: SamplerKind | None = None) -> Tensor:
+def penalized_logits(
+    logits: Tensor,
+    params,
+    history: TokenHistory | None = None,
+    extra_ids: Tensor | None = None,
+    kind: SamplerKind | None = None,
+) -> Tensor:
     """Steps 1-2 of the pipeline. logits [N, V] -> float32 [N, V]; never writes into `logits`
     (returns it as is when it is float32 and no penalty is set)."""
     kind = kind or SamplerKind.of(params)
@@ -143,8 +162,13 @@ def penalized_logits(logits: Tensor, params, history: TokenHistory | None = None
     return logits
 
 
-def greedy_ids(logits: Tensor, params, history: TokenHistory | None = None,
-               extra_ids: Tensor | None = None, kind: SamplerKind | None = None) -> Tensor:
+def greedy_ids(
+    logits: Tensor,
+    params,
+    history: TokenHistory | None = None,
+    extra_ids: Tensor | None = None,
+    kind: SamplerKind | None = None,
+) -> Tensor:
     """Argmax of the penalized logits, per row: [N, V] -> [N] long. Ties go to the lowest id."""
     return penalized_logits(logits, params, history, extra_ids, kind).argmax(dim=-1)
 
@@ -185,9 +209,14 @@ def filter_probs(probs: Tensor, params, kind: SamplerKind | None = None) -> Tens
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def probs_from_logits(logits: Tensor, params, history: TokenHistory | None = None,
-                      extra_ids: Tensor | None = None, kind: SamplerKind | None = None,
-                      out: Tensor | None = None) -> Tensor:
+def probs_from_logits(
+    logits: Tensor,
+    params,
+    history: TokenHistory | None = None,
+    extra_ids: Tensor | None = None,
+    kind: SamplerKind | None = None,
+    out: Tensor | None = None,
+) -> Tensor:
     """The distribution a token is drawn from: logits [N, V] -> float32 probs [N, V], rows sum to 1
     (written into `out` when given).
 

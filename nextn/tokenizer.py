@@ -1,5 +1,6 @@
 """Text <-> token ids from a checkpoint's tokenizer.json, and its chat template from
 tokenizer_config.json (rendered with a sandboxed jinja2, as transformers does)."""
+
 from __future__ import annotations
 
 import json

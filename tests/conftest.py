@@ -1,5 +1,6 @@
 """Shared pytest fixtures: tiny random HF checkpoints built once per test session (see
 tests/hf_fixtures.py for what each holds and the transformers oracles that go with them)."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -8,6 +8,7 @@ storage formats, the released VLM layout, and the oracles `hf_logits`, `hf_greed
 `hf_hidden_states`, `hf_mtp_logits` (plus `torch_mtp_logits`, a plain-torch cross-check).
 Does not know nextn: nothing here imports the engine.
 """
+
 from __future__ import annotations
 
 import copy
@@ -36,6 +37,7 @@ _VLM_CLASSES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qw
 def _one_thread(fn):
     """Run `fn` with one intra-op thread (restored after): on these tiny models thread hand-off
     costs more than the math, and on a busy machine it made the oracles about 10x slower."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         num_threads = torch.get_num_threads()
@@ -44,6 +46,7 @@ def _one_thread(fn):
             return fn(*args, **kwargs)
         finally:
             torch.set_num_threads(num_threads)
+
     return wrapper
 
 
@@ -53,8 +56,13 @@ def _one_thread(fn):
 
 # Qwen's order: the BPE vocabulary first, then the special tokens as added tokens at the end.
 SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 )
 VOCAB_SIZE = 352  # 256 byte symbols + 89 merges + 7 special tokens
 
@@ -112,10 +120,12 @@ def fixture_tokenizer_json() -> str:
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS),
@@ -140,8 +150,14 @@ def _write_tokenizer(out_dir: Path) -> None:
     ids = special_token_ids()
     (out_dir / "tokenizer.json").write_text(fixture_tokenizer_json())
     added = {
-        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": True}
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for t, i in ids.items()
     }
     tokenizer_config = {
@@ -182,13 +198,24 @@ def text_config(kind: str, *, tie: bool | None = None, with_mtp: bool = True):
     cfg_name, _, _, tie_default = _CLASSES[kind]
     ids = special_token_ids()
     kwargs = dict(
-        vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, num_hidden_layers=NUM_HIDDEN_LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        linear_num_key_heads=2, linear_num_value_heads=4,  # grouped: 2 value heads per key head
-        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-        intermediate_size=128, rms_norm_eps=1e-6, max_position_embeddings=4096,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=HIDDEN_SIZE,
+        num_hidden_layers=NUM_HIDDEN_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,  # grouped: 2 value heads per key head
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        intermediate_size=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
         tie_word_embeddings=tie_default if tie is None else tie,
-        eos_token_id=ids["<|endoftext|>"], pad_token_id=None, bos_token_id=None,
+        eos_token_id=ids["<|endoftext|>"],
+        pad_token_id=None,
+        bos_token_id=None,
         dtype="float32",
     )
     rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
@@ -198,8 +225,9 @@ def text_config(kind: str, *, tie: bool | None = None, with_mtp: bool = True):
         if with_mtp:
             kwargs["mtp_num_hidden_layers"] = 1  # Qwen3-Next configs have no such key
     if kind != "dense":
-        kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=48)
+        kwargs.update(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+        )
     if kind == "next":
         kwargs.update(norm_topk_prob=True, decoder_sparse_step=1)
     return getattr(transformers, cfg_name)(rope_parameters=rope, **kwargs)
@@ -209,15 +237,27 @@ def _vlm_config(text_cfg):
     """A Qwen3.5 VLM wrapper config around `text_cfg`, with a tiny vision tower."""
     cfg_name = _CLASSES["dense" if text_cfg.model_type == "qwen3_5_text" else "moe"][2]
     ids = special_token_ids()
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3,
-                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                  out_hidden_size=text_cfg.hidden_size, num_position_embeddings=16)
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        in_channels=3,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=text_cfg.hidden_size,
+        num_position_embeddings=16,
+    )
     text = text_cfg.to_dict()
     text.pop("architectures", None)
     cfg = getattr(transformers, cfg_name)(
-        text_config=text, vision_config=vision,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=text_cfg.tie_word_embeddings,
     )
     cfg.architectures = [_VLM_CLASSES[cfg.model_type]]
@@ -228,12 +268,14 @@ def _vlm_config(text_cfg):
 # Random weights
 # --------------------------------------------------------------------------------------------
 
+
 def _random_tensor(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
     """A random value for parameter `name`, scaled so every part of the network does something.
 
     Zero-centred norms (x_hat * (1 + w)) get small values around 0; the GDN output norm, which
     multiplies plainly, gets values around 1; matrices get N(0, 1/fan_in); decays stay moderate.
     """
+
     def normal(std, mean=0.0):
         return torch.randn(shape, generator=gen) * std + mean
 
@@ -332,7 +374,8 @@ def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for prefix, parts in groups.items():
         num_experts = 1 + max(e for e, _ in parts)
         out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]], dim=0) for e in range(num_experts)])
+            [torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]], dim=0) for e in range(num_experts)]
+        )
         out[f"{prefix}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(num_experts)])
     return out
 
@@ -344,6 +387,7 @@ def has_per_expert_tensors(names) -> bool:
 # --------------------------------------------------------------------------------------------
 # Safetensors I/O
 # --------------------------------------------------------------------------------------------
+
 
 def read_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor in a checkpoint directory (sharded or not)."""
@@ -395,6 +439,7 @@ def write_tensors(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_siz
 # --------------------------------------------------------------------------------------------
 # Checkpoints
 # --------------------------------------------------------------------------------------------
+
 
 @_one_thread
 def make_checkpoint(
@@ -454,8 +499,9 @@ def make_checkpoint(
 
 def _to_vlm_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Text-layout names -> released VLM names: `model.*` -> `model.language_model.*`."""
-    return {(f"model.language_model.{k[len('model.'):]}" if k.startswith("model.") else k): v
-            for k, v in tensors.items()}
+    return {
+        (f"model.language_model.{k[len('model.') :]}" if k.startswith("model.") else k): v for k, v in tensors.items()
+    }
 
 
 def _visual_tensors(vlm_cfg, seed: int) -> dict[str, torch.Tensor]:
@@ -474,6 +520,7 @@ def is_vlm_layout(model_dir: str | Path) -> bool:
 # transformers references (the oracles)
 # --------------------------------------------------------------------------------------------
 
+
 def load_hf_model(model_dir: str | Path):
     """The checkpoint's trunk as a transformers *ForCausalLM (float32, eager attention, eval),
     with `num_mtp_layers`/`mtp_layer_types` set so `MtpModel` can be built from it. The VLM layout
@@ -487,8 +534,12 @@ def load_hf_model(model_dir: str | Path):
 # transformers swaps in flash-linear-attention's (and causal-conv1d's) kernels for these when the
 # package is importable, whatever the device; the oracles run on the CPU in float32, so they take
 # transformers' own torch code, which each wrapper keeps as __wrapped__
-_HUB_KERNEL_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                     "causal_conv1d_update")
+_HUB_KERNEL_FUNCS = (
+    "torch_chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)
 
 
 def _torch_only(model: torch.nn.Module) -> None:
@@ -534,7 +585,7 @@ def hf_greedy(model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int)
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         ids.append(int(hf_logits(model_dir, ids)[-1].argmax()))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 @_one_thread
@@ -583,8 +634,9 @@ def hf_mtp_logits(model_dir: str | Path, input_ids: list[int], hidden: torch.Ten
     mtp = load_hf_mtp(model_dir)
     num_rows = len(input_ids) - 1
     position_ids = torch.arange(1, num_rows + 1)[None]
-    out = mtp.forward_layer(0, hidden[None, :num_rows].float(), position_ids, None,
-                            input_ids=torch.tensor([input_ids[1:]]))
+    out = mtp.forward_layer(
+        0, hidden[None, :num_rows].float(), position_ids, None, input_ids=torch.tensor([input_ids[1:]])
+    )
     return mtp._project_to_logits(out)[0].float()
 
 
@@ -627,7 +679,7 @@ class MtpReference(torch.nn.Module):
 
 
 def _mtp_reference(model_dir: str | Path) -> MtpReference:
-    raw = {k[len("mtp."):]: v for k, v in read_tensors(model_dir).items() if k.startswith("mtp.")}
+    raw = {k[len("mtp.") :]: v for k, v in read_tensors(model_dir).items() if k.startswith("mtp.")}
     return MtpReference(load_hf_model(model_dir), fuse_experts(raw)).eval()
 
 
@@ -650,9 +702,11 @@ FIT_PROMPTS = (
     [100, 40, 7, 250, 8, 61],
 )
 
+
 @_one_thread
-def fit_mtp_head(model_dir: str | Path, prompts: list[list[int]], *, num_new_tokens: int = 32,
-                 seed: int = 0, max_steps: int = 400) -> float:
+def fit_mtp_head(
+    model_dir: str | Path, prompts: list[list[int]], *, num_new_tokens: int = 32, seed: int = 0, max_steps: int = 400
+) -> float:
     """Train the checkpoint's `mtp.*` tensors in place so the head predicts the trunk's greedy
     choices on `prompts` and their greedy continuations (post-norm hidden, the default
     convention); returns the fraction of those rows it gets right (1.0 once memorised).
@@ -663,7 +717,6 @@ def fit_mtp_head(model_dir: str | Path, prompts: list[list[int]], *, num_new_tok
     which feed the head its own output, stay mostly wrong): exactly the mix of accepted and
     rejected drafts that exercises acceptance and rollback. Layout, shards and expert format kept.
     """
-    model = load_hf_model(model_dir)
     seqs = [list(p) + hf_greedy(model_dir, p, num_new_tokens) for p in prompts]
     data = []
     for ids in seqs:
@@ -675,8 +728,8 @@ def fit_mtp_head(model_dir: str | Path, prompts: list[list[int]], *, num_new_tok
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
     for step in range(max_steps + 1):
         logits = [head(ids, post)[0] for ids, post, _ in data]
-        loss = sum(torch.nn.functional.cross_entropy(lg, t) for lg, (_, _, t) in zip(logits, data))
-        correct = sum(int((lg.argmax(-1) == t).sum()) for lg, (_, _, t) in zip(logits, data))
+        loss = sum(torch.nn.functional.cross_entropy(lg, t) for lg, (_, _, t) in zip(logits, data, strict=True))
+        correct = sum(int((lg.argmax(-1) == t).sum()) for lg, (_, _, t) in zip(logits, data, strict=True))
         accuracy = correct / sum(len(t) for _, _, t in data)
         if accuracy == 1.0 or step == max_steps:
             break

@@ -1,4 +1,5 @@
 """`nextn bench` on CPU with tiny models: the report's keys, exactness, and random presets."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ def test_acceptance_profile_and_sampled_runs(dense_ckpt):
     from nextn.models.loader import load_model
 
     model = load_model(dense_ckpt)
-    cfg = bench.BenchConfig(spec_ks=[2], prompt_len=8, gen_len=11, iters=1, repeats=1, temperatures=[0.7],
-                            acceptance_profile=[1.0, 0.0])
+    cfg = bench.BenchConfig(
+        spec_ks=[2], prompt_len=8, gen_len=11, iters=1, repeats=1, temperatures=[0.7], acceptance_profile=[1.0, 0.0]
+    )
     res = bench.run_bench(model, "dense", cfg, log=lambda s: None)
     assert res["profile_equals_plain"] == {2: True} and res["spec_equals_plain"] == {2: True}
     assert res["profile_mean_acceptance_length"][2] == 2.0  # every round: draft 1 right, draft 2 wrong
@@ -43,16 +45,40 @@ def test_acceptance_profile_and_sampled_runs(dense_ckpt):
 
 
 def test_random_preset_builds_and_decodes(monkeypatch, tmp_path):
-    tiny = dict(bench.PRESETS["qwen3.5-9b"], vocab_size=300, hidden_size=64, intermediate_size=96,
-                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                linear_value_head_dim=16, max_position_embeddings=2048)
+    tiny = dict(
+        bench.PRESETS["qwen3.5-9b"],
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        max_position_embeddings=2048,
+    )
     monkeypatch.setitem(bench.PRESETS, "tiny", tiny)
     model = bench.random_model("tiny", "cpu", "float32")
     assert all(torch.isfinite(p).all() for p in model.parameters())
     out = tmp_path / "res.json"
-    rc = main(["bench", "--random-weights", "tiny", "--spec-k", "1", "--prompt-len", "8", "--gen-len", "6",
-               "--json", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--random-weights",
+            "tiny",
+            "--spec-k",
+            "1",
+            "--prompt-len",
+            "8",
+            "--gen-len",
+            "6",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["spec_equals_plain"] == {"1": True}
@@ -66,8 +92,11 @@ def test_weight_bytes_count_routed_experts_only(moe_ckpt):
     cfg = model.cfg
     dense_part = bench.weight_bytes_per_token(model)
     experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n and not n.startswith("mtp."))
-    all_trunk = sum(p.numel() * 4 for n, p in model.named_parameters()
-                    if not n.startswith("mtp.") and n != "model.embed_tokens.weight")
+    all_trunk = sum(
+        p.numel() * 4
+        for n, p in model.named_parameters()
+        if not n.startswith("mtp.") and n != "model.embed_tokens.weight"
+    )
     expected = all_trunk - experts + experts * cfg.num_experts_per_tok // cfg.num_experts
     expected += (model.lm_head_weight.numel() * 4 if cfg.tie_word_embeddings else 0) + cfg.hidden_size * 4
     assert dense_part == expected

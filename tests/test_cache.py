@@ -1,5 +1,6 @@
 """The cache slots: one allocation whose byte count is every tensor it holds, a memory check that
 refuses what does not fit with the numbers that would, and the commit rule on host and device."""
+
 from __future__ import annotations
 
 import pytest

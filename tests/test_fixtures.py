@@ -1,15 +1,15 @@
 """The test fixtures themselves: transformers loads every checkpoint, the layouts and expert
 formats hold identical weights, the MTP tensors are the released set, the random models are not
 degenerate, and the MTP oracle agrees with its plain-torch reconstruction."""
+
 from __future__ import annotations
 
 import json
 
+import hf_fixtures as hf
 import pytest
 import torch
 import transformers
-
-import hf_fixtures as hf
 
 PROMPTS = ([1, 2, 3], [100, 40, 7, 250, 8, 61], [346, 84, 82, 262, 198, 39, 264, 75, 78, 11, 278, 347])
 CKPTS = ("dense_ckpt", "vlm_ckpt", "moe_ckpt", "moe_perexpert_ckpt", "moe_vlm_ckpt", "next_ckpt")
@@ -120,7 +120,7 @@ def test_mtp_model_loads_the_mtp_tensors_bit_exactly(ckpt, request):
     loaded = {k: v for k, v in _state(hf.load_hf_mtp(model_dir)).items() if k.startswith("layers.0.")}
     assert len(loaded) == len([k for k in raw if k.startswith("mtp.")])
     for name, value in loaded.items():
-        part = name[len("layers.0."):]
+        part = name[len("layers.0.") :]
         head, _, rest = part.partition(".")
         source = f"mtp.layers.0.{rest}" if head == "mtp_block" else f"mtp.{outer[head]}.{rest}"
         assert torch.equal(value, raw[source]), name
@@ -167,9 +167,8 @@ def test_greedy_matches_transformers_generate(ckpt, request):
     model_dir = request.getfixturevalue(ckpt)
     model = hf.load_hf_model(model_dir)
     prompt = PROMPTS[1]
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
-                         eos_token_id=[], pad_token_id=0)
-    assert out[0, len(prompt):].tolist() == hf.hf_greedy(model_dir, prompt, 12)
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, eos_token_id=[], pad_token_id=0)
+    assert out[0, len(prompt) :].tolist() == hf.hf_greedy(model_dir, prompt, 12)
 
 
 @pytest.mark.parametrize("ckpt", ("dense_ckpt", "vlm_ckpt", "next_ckpt"))

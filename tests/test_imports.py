@@ -1,5 +1,6 @@
 """The file-level import graph of the package is a DAG: every `import nextn...` / `from nextn... import`
 in a module, at top level or inside a function, is an edge from its file to the file it names."""
+
 from __future__ import annotations
 
 import ast
@@ -27,8 +28,9 @@ def import_graph() -> dict[str, set[str]]:
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 # `from nextn.ops import gdn` names the submodule when there is one
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
-                           for a in node.names]
+                targets = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module for a in node.names
+                ]
             graph[name].update(t for t in targets if t in files and t != name)
     return graph
 

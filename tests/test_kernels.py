@@ -6,6 +6,7 @@ Qwen3.5-9B shapes. Tolerances: float32 kernels differ from the references only i
 order (~1e-6 relative); bf16 outputs by at most a couple of bf16 ulps where the reference rounds
 intermediate values at different points.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,15 +26,15 @@ from nextn.layers.attention import attend  # noqa: E402
 from nextn.layers.gdn import l2norm  # noqa: E402
 from nextn.layers.norm import RMSNorm, RMSNormGated  # noqa: E402
 from nextn.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+from nextn.ops import triton_utils  # noqa: E402
 from nextn.ops.conv import causal_conv1d  # noqa: E402
 from nextn.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: E402
-from nextn.ops.triton_attention import attend_step, qk_norm_rope  # noqa: E402
 from nextn.ops.moe import routed_experts  # noqa: E402
+from nextn.ops.triton_attention import attend_step, qk_norm_rope  # noqa: E402
 from nextn.ops.triton_gdn import gdn_step  # noqa: E402
-from nextn.ops.triton_moe_grouped import grouped_experts  # noqa: E402
 from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule as triton_chunk_rule  # noqa: E402
-from nextn.ops import triton_utils  # noqa: E402
 from nextn.ops.triton_linear import skinny_linear  # noqa: E402
+from nextn.ops.triton_moe_grouped import grouped_experts  # noqa: E402
 from nextn.ops.triton_norm import rms_norm  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -88,7 +89,7 @@ def _linear_variants(x, w, w2, res, nw):
 def test_skinny_linear_matches_reference(M, N, K, dtype):
     g = torch.Generator(device=DEVICE).manual_seed(M * 100 + N)
     args = _linear_case(M, N, K, dtype, g)
-    for name, (kw, ref) in _linear_variants(*args).items():
+    for kw, ref in _linear_variants(*args).values():
         out = skinny_linear(args[0], args[1], **kw)
         _close(out, ref, dtype)
 
@@ -124,10 +125,13 @@ def _gdn_case(T, H, HV, K, V, W, dtype, g):
     conv_dim = 2 * H * K + HV * V
     proj = _rand(T, conv_dim + HV * V + 2 * HV + 8, dtype=dtype, gen=g)[:, : conv_dim + HV * V + 2 * HV]
     return dict(
-        proj=proj, conv_weight=_rand(conv_dim, W, dtype=dtype, scale=0.5, gen=g),
+        proj=proj,
+        conv_weight=_rand(conv_dim, W, dtype=dtype, scale=0.5, gen=g),
         conv_home=_rand(conv_dim, W - 1, dtype=dtype, gen=g),
-        A_log=_rand(HV, dtype=dtype, scale=0.5, gen=g), dt_bias=_rand(HV, dtype=dtype, scale=0.5, gen=g),
-        state_home=_rand(HV, K, V, scale=0.1, gen=g), norm_weight=(1.0 + _rand(V, scale=0.1, gen=g)).to(dtype),
+        A_log=_rand(HV, dtype=dtype, scale=0.5, gen=g),
+        dt_bias=_rand(HV, dtype=dtype, scale=0.5, gen=g),
+        state_home=_rand(HV, K, V, scale=0.1, gen=g),
+        norm_weight=(1.0 + _rand(V, scale=0.1, gen=g)).to(dtype),
     )
 
 
@@ -166,8 +170,21 @@ def _run_gdn_step(c, H, HV, K, V, W, norm_eps, T_max=8, slots=None, store_all=Tr
         window, states = _gdn_buffers(c, H, HV, K, V, W, T_max)
     if slots is not None:
         slots = torch.tensor(slots, device=DEVICE, dtype=torch.int32)
-    out = gdn_step(c["proj"], c["conv_weight"], c["conv_home"], window, c["A_log"], c["dt_bias"], c["state_home"],
-                   states, c["norm_weight"], num_k_heads=H, norm_eps=norm_eps, slots=slots, store_all=store_all)
+    out = gdn_step(
+        c["proj"],
+        c["conv_weight"],
+        c["conv_home"],
+        window,
+        c["A_log"],
+        c["dt_bias"],
+        c["state_home"],
+        states,
+        c["norm_weight"],
+        num_k_heads=H,
+        norm_eps=norm_eps,
+        slots=slots,
+        store_all=store_all,
+    )
     return out, states, window
 
 
@@ -191,8 +208,12 @@ def test_gdn_step_matches_reference(T, dtype):
     assert not triton_utils._COUNTERS[out.device].any()  # the heads' last programs re-armed them
     # token t alone, from the conv window and state after t-1: bitwise the same output and state
     t = T - 1
-    one = dict(c, proj=c["proj"][t:], conv_home=window[:, t : t + W - 1].contiguous(),
-               state_home=c["state_home"] if t == 0 else states[t - 1].clone())
+    one = dict(
+        c,
+        proj=c["proj"][t:],
+        conv_home=window[:, t : t + W - 1].contiguous(),
+        state_home=c["state_home"] if t == 0 else states[t - 1].clone(),
+    )
     one_out, one_states, _ = _run_gdn_step(one, H, HV, K, V, W, eps)
     assert torch.equal(one_out[0], out[t]) and torch.equal(one_states[0], states[t])
 
@@ -209,8 +230,11 @@ def test_gdn_step_slots(T, dtype):
     c = _gdn_case(T, H, HV, K, V, W, dtype, g)
     out, states, window = _run_gdn_step(c, H, HV, K, V, W, eps, T_max)  # from the homes: the baseline
     # homes poisoned: the step must take its carried columns and state from window / states
-    poisoned = dict(c, conv_home=torch.full_like(c["conv_home"], float("nan")),
-                    state_home=torch.full_like(c["state_home"], float("nan")))
+    poisoned = dict(
+        c,
+        conv_home=torch.full_like(c["conv_home"], float("nan")),
+        state_home=torch.full_like(c["state_home"], float("nan")),
+    )
     state_at, state_write, conv_at, conv_write = 2 * T_max - 1, 3, half + 2, 1
     slots = [state_at, state_write, conv_at, conv_write]
     written_cols = torch.zeros(2 * half, dtype=torch.bool, device=DEVICE)
@@ -220,8 +244,9 @@ def test_gdn_step_slots(T, dtype):
         win[:, conv_at : conv_at + W - 1] = c["conv_home"]
         st[state_at] = c["state_home"]
         win0, st0 = win.clone(), st.clone()
-        out2, _, _ = _run_gdn_step(poisoned, H, HV, K, V, W, eps, slots=slots, store_all=store_all,
-                                   window=win, states=st)
+        out2, _, _ = _run_gdn_step(
+            poisoned, H, HV, K, V, W, eps, slots=slots, store_all=store_all, window=win, states=st
+        )
         assert torch.equal(out2, out), store_all
         assert not triton_utils._COUNTERS[out.device].any()
         # the window: the step's columns at conv_write, bitwise; every other column as it was
@@ -242,8 +267,19 @@ def test_gdn_step_slots(T, dtype):
             one = dict(poisoned, proj=c["proj"][T - 1 :])
             prev = state_at if T == 1 else state_write + T - 2
             win1, st1 = win.clone(), st.clone()
-            one_out, _, _ = _run_gdn_step(one, H, HV, K, V, W, eps, slots=[prev, T_max, conv_write + T - 1, half],
-                                          store_all=False, window=win1, states=st1)
+            one_out, _, _ = _run_gdn_step(
+                one,
+                H,
+                HV,
+                K,
+                V,
+                W,
+                eps,
+                slots=[prev, T_max, conv_write + T - 1, half],
+                store_all=False,
+                window=win1,
+                states=st1,
+            )
             assert torch.equal(one_out[0], out[T - 1]) and torch.equal(st1[T_max], states[T - 1])
             assert torch.equal(win1[:, half : half + W], window[:, T - 1 : T - 1 + W])
 
@@ -264,17 +300,20 @@ def _chunk_case(B, T, H, HV, K, V, dtype, g, decay=0.5, with_state=True, repeat_
     return q, k, v, gate, beta, state
 
 
-@pytest.mark.parametrize("B,T,H,HV,K,V,decay,with_state,repeat_keys", [
-    (1, 1, 1, 2, 16, 16, 0.5, True, False),  # one token
-    (1, 2, 1, 1, 16, 16, 0.5, True, False),
-    (1, 63, 1, 2, 16, 16, 0.5, True, False),  # around the chunk boundary (64)
-    (1, 65, 1, 2, 16, 16, 0.5, False, False),
-    (1, 1000, 1, 1, 16, 16, 0.1, True, False),  # 16 chunks: errors must not grow along the scan
-    (1, 70, 2, 4, 16, 32, 0.5, True, False),  # a partial second chunk, grouped heads
-    (2, 130, 1, 1, 32, 16, 0.5, False, False),  # batch, three chunks, no initial state
-    (1, 64, 1, 1, 8, 24, 8.0, True, False),  # head dims below a tile (masked), strong decay (exp underflow)
-    (1, 100, 1, 1, 16, 16, 0.01, True, True),  # the same key at every token, barely decaying
-])
+@pytest.mark.parametrize(
+    "B,T,H,HV,K,V,decay,with_state,repeat_keys",
+    [
+        (1, 1, 1, 2, 16, 16, 0.5, True, False),  # one token
+        (1, 2, 1, 1, 16, 16, 0.5, True, False),
+        (1, 63, 1, 2, 16, 16, 0.5, True, False),  # around the chunk boundary (64)
+        (1, 65, 1, 2, 16, 16, 0.5, False, False),
+        (1, 1000, 1, 1, 16, 16, 0.1, True, False),  # 16 chunks: errors must not grow along the scan
+        (1, 70, 2, 4, 16, 32, 0.5, True, False),  # a partial second chunk, grouped heads
+        (2, 130, 1, 1, 32, 16, 0.5, False, False),  # batch, three chunks, no initial state
+        (1, 64, 1, 1, 8, 24, 8.0, True, False),  # head dims below a tile (masked), strong decay (exp underflow)
+        (1, 100, 1, 1, 16, 16, 0.01, True, True),  # the same key at every token, barely decaying
+    ],
+)
 def test_chunk_rule_matches_reference(B, T, H, HV, K, V, decay, with_state, repeat_keys):
     g = torch.Generator(device=DEVICE).manual_seed(T + K)
     q, k, v, gate, beta, state = _chunk_case(B, T, H, HV, K, V, torch.float32, g, decay, with_state, repeat_keys)
@@ -300,8 +339,13 @@ def test_chunk_rule_splits_like_one_call():
     o0, same = triton_chunk_rule(q[:, :0], k[:, :0], v[:, :0], gate[:, :0], beta[:, :0], state)
     assert o0.shape == (1, 0, 2, 16) and torch.equal(same, state)
     with pytest.raises(ValueError, match="not a multiple"):
-        triton_chunk_rule(q.expand(1, 100, 2, 16), k.expand(1, 100, 2, 16), v[:, :, :1].expand(1, 100, 3, 16),
-                          gate[:, :, :1].expand(1, 100, 3), beta[:, :, :1].expand(1, 100, 3))
+        triton_chunk_rule(
+            q.expand(1, 100, 2, 16),
+            k.expand(1, 100, 2, 16),
+            v[:, :, :1].expand(1, 100, 3, 16),
+            gate[:, :, :1].expand(1, 100, 3),
+            beta[:, :, :1].expand(1, 100, 3),
+        )
 
 
 def _sm90_unavailable() -> str | None:
@@ -330,8 +374,14 @@ def test_prefill_kernels_fit_sm90_shared_memory():
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    proc = subprocess.run([sys.executable, str(root / "bench" / "sm90_compile.py")], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "sm90_compile.py")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, f"bench/sm90_compile.py exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
 
 
@@ -349,11 +399,14 @@ def _experts_case(N, H, E, I, k, dtype, g, skew=False):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("N,H,E,I,k,skew", [
-    (1, 32, 4, 16, 2, False),  # one token
-    (37, 48, 8, 24, 3, False),  # dims off the tiles, several groups per block size
-    (150, 32, 6, 16, 2, True),  # one expert takes every token: its group spans three blocks
-])
+@pytest.mark.parametrize(
+    "N,H,E,I,k,skew",
+    [
+        (1, 32, 4, 16, 2, False),  # one token
+        (37, 48, 8, 24, 3, False),  # dims off the tiles, several groups per block size
+        (150, 32, 6, 16, 2, True),  # one expert takes every token: its group spans three blocks
+    ],
+)
 def test_grouped_experts_match_reference(N, H, E, I, k, skew, dtype):
     g = torch.Generator(device=DEVICE).manual_seed(N + E)
     x, top_idx, top_w, gate_up, down = _experts_case(N, H, E, I, k, dtype, g, skew)
@@ -436,8 +489,17 @@ def test_step_attention_rows_do_not_depend_on_row_count():
 
 
 @gpu
-@pytest.mark.parametrize("N,K,kind", [(12352, 4096, "rms"), (4096, 4096, "residual"), (12288, 4096, "silu_mul"),
-                                      (4096, 12288, "residual"), (10240, 4096, "rms"), (248320, 4096, "plain")])
+@pytest.mark.parametrize(
+    "N,K,kind",
+    [
+        (12352, 4096, "rms"),
+        (4096, 4096, "residual"),
+        (12288, 4096, "silu_mul"),
+        (4096, 12288, "residual"),
+        (10240, 4096, "rms"),
+        (248320, 4096, "plain"),
+    ],
+)
 def test_skinny_linear_9b_shapes_gpu(N, K, kind):
     g = torch.Generator(device=DEVICE).manual_seed(N + K)
     x, w, w2, res, nw = _linear_case(9, N, K, torch.bfloat16, g)
@@ -466,11 +528,15 @@ def test_gdn_step_9b_shapes_gpu():
     assert torch.equal(one_out[0], out[4]) and torch.equal(one_states[0], states[4])
     # the same token through the slots: window columns 4.., states[3], written to the other halves
     half = W - 1 + T_max
-    poisoned = dict(one, conv_home=torch.full_like(c["conv_home"], float("nan")),
-                    state_home=torch.full_like(c["state_home"], float("nan")))
+    poisoned = dict(
+        one,
+        conv_home=torch.full_like(c["conv_home"], float("nan")),
+        state_home=torch.full_like(c["state_home"], float("nan")),
+    )
     win, st = window.clone(), states.clone()
-    slot_out, _, _ = _run_gdn_step(poisoned, H, HV, K, V, W, eps, slots=[3, T_max, 4, half], store_all=False,
-                                   window=win, states=st)
+    slot_out, _, _ = _run_gdn_step(
+        poisoned, H, HV, K, V, W, eps, slots=[3, T_max, 4, half], store_all=False, window=win, states=st
+    )
     assert torch.equal(slot_out[0], out[4]) and torch.equal(st[T_max], states[4])
     assert torch.equal(win[:, half : half + W], window[:, 4 : 4 + W])
     assert st[T_max + 1 :].isnan().all() and win[:, half + W :].isnan().all()
@@ -522,13 +588,31 @@ def _moe_block(E, k, H, I, Is, dtype, seed):
     from nextn.config import ModelConfig
     from nextn.layers.ffn import SparseMoeBlock
 
-    cfg = ModelConfig(family="qwen3_5_moe", vocab_size=16, hidden_size=H, num_hidden_layers=1,
-                      layer_types=("full_attention",), rms_norm_eps=1e-6, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, rope_theta=1e4, partial_rotary_factor=0.25,
-                      attention_bias=False, max_position_embeddings=64, linear_num_key_heads=1,
-                      linear_num_value_heads=1, linear_key_head_dim=8, linear_value_head_dim=8,
-                      linear_conv_kernel_dim=4, intermediate_size=0, num_experts=E, num_experts_per_tok=k,
-                      moe_intermediate_size=I, shared_expert_intermediate_size=Is)
+    cfg = ModelConfig(
+        family="qwen3_5_moe",
+        vocab_size=16,
+        hidden_size=H,
+        num_hidden_layers=1,
+        layer_types=("full_attention",),
+        rms_norm_eps=1e-6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        rope_theta=1e4,
+        partial_rotary_factor=0.25,
+        attention_bias=False,
+        max_position_embeddings=64,
+        linear_num_key_heads=1,
+        linear_num_value_heads=1,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        intermediate_size=0,
+        num_experts=E,
+        num_experts_per_tok=k,
+        moe_intermediate_size=I,
+        shared_expert_intermediate_size=Is,
+    )
     block = SparseMoeBlock(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -541,9 +625,19 @@ def _moe_run(block, x, h):
     from nextn.ops.triton_moe import moe_step
 
     se = block.shared_expert
-    return moe_step(x, h, block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj,
-                    se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight, block.shared_expert_gate.weight,
-                    block.gate.top_k, block.gate.norm_topk_prob)
+    return moe_step(
+        x,
+        h,
+        block.gate.weight,
+        block.experts.gate_up_proj,
+        block.experts.down_proj,
+        se.gate_proj.weight,
+        se.up_proj.weight,
+        se.down_proj.weight,
+        block.shared_expert_gate.weight,
+        block.gate.top_k,
+        block.gate.norm_topk_prob,
+    )
 
 
 def _untied_rows(block, T, H, dtype, g):

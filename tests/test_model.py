@@ -1,4 +1,5 @@
 """The trunk against transformers, the checkpoint layouts, and the cached-forward invariants."""
+
 from __future__ import annotations
 
 import json
@@ -40,7 +41,9 @@ def test_greedy_matches_transformers(name, request):
     ckpt = request.getfixturevalue(name)
     llm = nextn.LLM(model=ckpt, num_speculative_tokens=0)
     for prompt in (PROMPT, [17], [5, 5, 5, 5, 9]):
-        out = llm.generate(prompt_token_ids=prompt, params=nextn.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        out = llm.generate(
+            prompt_token_ids=prompt, params=nextn.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        )
         assert out.token_ids == hf_greedy(ckpt, prompt, 24)
 
 
@@ -105,7 +108,7 @@ def test_commit_rolls_back_to_the_kept_prefix(name, n_keep, request):
             b.commit(1)
         assert a.seq_len == b.seq_len == 10 + n_keep
         for i in _gdn_layers(model):
-            for x, y in zip(a.committed_gdn(i), b.committed_gdn(i)):
+            for x, y in zip(a.committed_gdn(i), b.committed_gdn(i), strict=True):
                 assert torch.equal(x, y)
         n = a.seq_len
         for i in (i for i, t in enumerate(model.cfg.layer_types) if t == FULL):
@@ -182,9 +185,28 @@ def test_cli_generate_matches_transformers(name, request):
     import sys
 
     ckpt = request.getfixturevalue(name)
-    cmd = [sys.executable, "-m", "nextn.cli", "generate", "--model", str(ckpt), "--prompt-ids", ",".join(map(str, PROMPT)),
-           "--max-tokens", "24", "--temperature", "0", "--ignore-eos", "--spec-k", "0", "--device", "cpu",
-           "--dtype", "float32", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nextn.cli",
+        "generate",
+        "--model",
+        str(ckpt),
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-tokens",
+        "24",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--spec-k",
+        "0",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--json",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["token_ids"] == hf_greedy(ckpt, PROMPT, 24)

@@ -1,4 +1,5 @@
 """The delta-rule and conv references: chunked == recurrent across chunk boundaries, grouped heads."""
+
 from __future__ import annotations
 
 import pytest

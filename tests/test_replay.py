@@ -1,4 +1,5 @@
 """Teacher-forced replay: its draft chains are the live proposer's chains on the same context."""
+
 from __future__ import annotations
 
 import json
@@ -58,9 +59,22 @@ def test_replay_drafts_equal_live_drafts(dense_fitted_ckpt):
 
 def test_replay_cli_reports_rates(dense_fitted_ckpt, tmp_path):
     f = tmp_path / "text.txt"
-    f.write_text("def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)\n" * 3)
-    cmd = [sys.executable, "-m", "nextn.cli", "replay", "--model", str(dense_fitted_ckpt), "--file", str(f),
-           "--k", "3", "--json"]
+    f.write_text(
+        "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, x):\n        self.items.append(x)\n" * 3
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "nextn.cli",
+        "replay",
+        "--model",
+        str(dense_fitted_ckpt),
+        "--file",
+        str(f),
+        "--k",
+        "3",
+        "--json",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     rates = out["acceptance_per_position"]

@@ -5,6 +5,7 @@ budget, a stop token, the context, or the consumer closing it, for plain decodin
 accepted; and a second turn on either state continues identically. A request that ends inside a
 round leaves exactly its emitted tokens but the last committed, which is what a cold prefill of
 those tokens leaves (greedy: the same next tokens)."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,9 @@ SECOND_TURN = [40, 7, 250]
 
 @pytest.fixture(scope="module", params=[0, 3], ids=["plain", "spec3"])
 def engine(request, dense_fitted_ckpt):
-    return nextn.LLM(model=dense_fitted_ckpt, device=DEVICE, num_speculative_tokens=request.param, max_model_len=96,
-                     max_num_seqs=2).engine
+    return nextn.LLM(
+        model=dense_fitted_ckpt, device=DEVICE, num_speculative_tokens=request.param, max_model_len=96, max_num_seqs=2
+    ).engine
 
 
 def _prefilled(engine, slot, prompt):
@@ -39,8 +41,9 @@ def _prefilled(engine, slot, prompt):
 
 def _run(engine, seq, params, ahead, stop_ids=(), close_after=None):
     stats = SpecStats()
-    rounds = RequestRounds(engine.runner, engine.proposer, seq, params, engine.config.spec, set(stop_ids), stats,
-                           ahead=ahead)
+    rounds = RequestRounds(
+        engine.runner, engine.proposer, seq, params, engine.config.spec, set(stop_ids), stats, ahead=ahead
+    )
     events = []
     while True:
         r = rounds.next()
@@ -55,8 +58,15 @@ def _state(engine, seq) -> list:
     """Everything a later turn reads of the slot."""
     cache, cfg = engine.runner.slot(seq.slot), engine.model.cfg
     n = len(seq.tokens)
-    out = [seq.tokens, seq.draft_len, seq.pending_ids, cache.ctl.tolist(), seq.last_hidden, seq.last_logits,
-           seq.pending_hidden]
+    out = [
+        seq.tokens,
+        seq.draft_len,
+        seq.pending_ids,
+        cache.ctl.tolist(),
+        seq.last_hidden,
+        seq.last_logits,
+        seq.pending_hidden,
+    ]
     for i, kind in enumerate(cfg.layer_types):
         out += [cache.kv(i)[0][:n], cache.kv(i)[1][:n]] if kind == FULL else list(cache.committed_gdn(i))
     if seq.heads:
@@ -66,7 +76,7 @@ def _state(engine, seq) -> list:
 
 def _assert_same(a, b):
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
             assert (x is None) == (y is None) and (x is None or torch.equal(x, y))
         else:
@@ -77,7 +87,9 @@ def _compare(engine, prompt, params, stop_ids=(), close_after=None):
     """Both loops on fresh slots, then a second turn on each; assert everything equal. Returns the
     first turn's tokens."""
     seqs = [_prefilled(engine, slot, prompt) for slot in (0, 1)]
-    runs = [_run(engine, seq, params, ahead, stop_ids, close_after) for seq, ahead in zip(seqs, (True, False))]
+    runs = [
+        _run(engine, seq, params, ahead, stop_ids, close_after) for seq, ahead in zip(seqs, (True, False), strict=True)
+    ]
     assert runs[0] == runs[1]
     _assert_same(_state(engine, seqs[0]), _state(engine, seqs[1]))
     tokens = [t for ids, _ in runs[0][0] for t in ids]

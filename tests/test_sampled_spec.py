@@ -1,6 +1,7 @@
 """Sampled speculative decoding through the engine is exact in distribution: the law of the first
 three tokens matches the filtered, penalized target law computed independently (transformers'
 logits, a plain numpy filter), for several K, filters and penalties."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -73,7 +74,9 @@ def test_sampled_spec_matches_the_exact_law(dense_fitted_ckpt, k, cfg, draws):
     llm = nextn.LLM(model=dense_fitted_ckpt, device="cpu", dtype="float32", num_speculative_tokens=k)
     seen, accepted = Counter(), 0
     for seed in range(draws):
-        out = llm.generate(prompt_token_ids=PROMPT, params=nextn.SamplingParams(max_tokens=3, seed=seed, ignore_eos=True, **cfg))
+        out = llm.generate(
+            prompt_token_ids=PROMPT, params=nextn.SamplingParams(max_tokens=3, seed=seed, ignore_eos=True, **cfg)
+        )
         seen[tuple(out.token_ids)] += 1
         accepted += out.num_accepted
     assert all(seq in law for seq in seen), "a draw outside the filtered support"
@@ -90,6 +93,16 @@ def test_seeded_requests_reproduce_and_greedy_is_untouched(dense_fitted_ckpt):
     assert llm.generate(prompt_token_ids=PROMPT, params=params).token_ids == a
     plain = nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=0)
     greedy = nextn.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    assert llm.generate(prompt_token_ids=PROMPT, params=greedy).token_ids == plain.generate(prompt_token_ids=PROMPT, params=greedy).token_ids
-    unseeded = {tuple(llm.generate(prompt_token_ids=PROMPT, params=nextn.SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)).token_ids) for _ in range(4)}
+    assert (
+        llm.generate(prompt_token_ids=PROMPT, params=greedy).token_ids
+        == plain.generate(prompt_token_ids=PROMPT, params=greedy).token_ids
+    )
+    unseeded = {
+        tuple(
+            llm.generate(
+                prompt_token_ids=PROMPT, params=nextn.SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+            ).token_ids
+        )
+        for _ in range(4)
+    }
     assert len(unseeded) > 1

@@ -1,6 +1,7 @@
 """Token selection: filters and penalties against a plain reference, seeded RNG, inverse-CDF draws,
 and the speculative verifier — exact in distribution, checked against an enumerated target law.
 """
+
 from __future__ import annotations
 
 import functools
@@ -12,9 +13,19 @@ import pytest
 import torch
 
 from nextn.core import SamplingParams
-from nextn.sampling import (RequestRng, Stream, TokenHistory, filter_probs, greedy_ids, philox4x32,
-                            philox4x32_tensor, probs_from_logits, sample, token_logprobs,
-                            top_logprobs)
+from nextn.sampling import (
+    RequestRng,
+    Stream,
+    TokenHistory,
+    filter_probs,
+    greedy_ids,
+    philox4x32,
+    philox4x32_tensor,
+    probs_from_logits,
+    sample,
+    token_logprobs,
+    top_logprobs,
+)
 from nextn.spec.verifier import draft_probs_on_target_vocab, verify_greedy, verify_sampled
 
 
@@ -72,10 +83,16 @@ FILTERS = {
     "repetition": SamplingParams(repetition_penalty=1.4),
     "frequency": SamplingParams(frequency_penalty=0.7),
     "presence": SamplingParams(presence_penalty=-0.9),
-    "all": SamplingParams(temperature=0.8, top_k=12, top_p=0.9, min_p=0.05,
-                          repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.4),
-    "greedy_penalized": SamplingParams(temperature=0.0, repetition_penalty=1.5,
-                                       frequency_penalty=1.0),
+    "all": SamplingParams(
+        temperature=0.8,
+        top_k=12,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.2,
+        frequency_penalty=0.3,
+        presence_penalty=0.4,
+    ),
+    "greedy_penalized": SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=1.0),
 }
 
 
@@ -114,14 +131,24 @@ def test_history_rows_match_per_row_histories():
     batched = probs_from_logits(logits, params, hist, extra_ids=drafts)
     for j in range(4):
         one = TokenHistory.from_ids(prompt, output + drafts[:j].tolist(), vocab)
-        torch.testing.assert_close(batched[j], probs_from_logits(logits[j:j + 1], params, one)[0])
+        torch.testing.assert_close(batched[j], probs_from_logits(logits[j : j + 1], params, one)[0])
     # one draft step: a single row sees every extra id
     step = probs_from_logits(logits[3:], params, hist, extra_ids=drafts)[0]
     torch.testing.assert_close(step, batched[3])
     greedy = greedy_ids(logits, params, hist, extra_ids=drafts)
-    assert greedy.tolist() == [int(np.argmax(ref_probs(logits[j].numpy(), SamplingParams(
-        temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
-        prompt, output + drafts[:j].tolist()))) for j in range(4)]
+    assert greedy.tolist() == [
+        int(
+            np.argmax(
+                ref_probs(
+                    logits[j].numpy(),
+                    SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
+                    prompt,
+                    output + drafts[:j].tolist(),
+                )
+            )
+        )
+        for j in range(4)
+    ]
 
 
 def test_penalties_need_history():
@@ -138,7 +165,7 @@ def test_sample_inverse_cdf_and_guards():
     assert int(sample(probs, 0.0)) == 1
     assert int(sample(probs, 0.2499)) == 1
     assert int(sample(probs, 0.2501)) == 3
-    assert int(sample(probs, 1.0 - 2.0 ** -53)) == 3
+    assert int(sample(probs, 1.0 - 2.0**-53)) == 3
     assert int(sample(probs, 1.0)) == 3  # even u * total == total stops before the zero tail
     assert int(sample(probs * 3.0, 0.5)) == 3  # unnormalised input
     # a uniform grid reproduces the probabilities and never hits zero-mass tokens
@@ -167,8 +194,11 @@ def test_logprobs():
 RANDOM123_KAT = [  # Random123 kat_vectors for philox4x32_10
     ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
     ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
 ]
 
 
@@ -247,14 +277,15 @@ def test_no_host_reads():
     """Everything a round calls runs on the meta device, where any read to the host raises."""
     meta, num_drafts, vocab = "meta", 3, 50
     params = FILTERS["all"]
-    hist = TokenHistory(torch.zeros(vocab, dtype=torch.bool, device=meta),
-                        torch.zeros(vocab, dtype=torch.int32, device=meta))
+    hist = TokenHistory(
+        torch.zeros(vocab, dtype=torch.bool, device=meta), torch.zeros(vocab, dtype=torch.int32, device=meta)
+    )
     drafts = torch.zeros(num_drafts, dtype=torch.long, device=meta)  # [K]
     table = RequestRng(3).table(0, 16, meta)  # [streams, 16]
     q = probs_from_logits(torch.randn(num_drafts, vocab, device=meta), params, hist, drafts)
     p = probs_from_logits(torch.randn(num_drafts + 1, vocab, device=meta), params, hist, drafts)
     sample(q[-1], table[Stream.DRAFT, 2])
-    u_acc, u_res = table[Stream.ACCEPT, :num_drafts], table[Stream.SAMPLE, :num_drafts + 1]
+    u_acc, u_res = table[Stream.ACCEPT, :num_drafts], table[Stream.SAMPLE, : num_drafts + 1]
     for draft_probs in (q, None):
         n, out = verify_sampled(p, draft_probs, drafts, u_acc, u_res)
         assert n.device.type == "meta" and out.shape == (num_drafts + 1,)
@@ -277,8 +308,7 @@ SPEC_FILTERS = {
     "top_k": SamplingParams(top_k=3, temperature=0.9),
     "top_p": SamplingParams(top_p=0.75),
     "min_p": SamplingParams(min_p=0.2, temperature=1.3),
-    "penalties": SamplingParams(repetition_penalty=1.8, frequency_penalty=0.6,
-                                presence_penalty=0.5),
+    "penalties": SamplingParams(repetition_penalty=1.8, frequency_penalty=0.6, presence_penalty=0.5),
 }
 
 
@@ -287,10 +317,10 @@ def _rows_probs(table, context, drafts, params):
     return _rows_probs_cached(table is DRAFT, tuple(context), tuple(drafts), params)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rows_probs_cached(is_draft, context, drafts, params):
     table = DRAFT if is_draft else TARGET
-    lasts = (PROMPT + list(context + drafts))[len(PROMPT) + len(context) - 1:]  # [K+1] prev ids
+    lasts = (PROMPT + list(context + drafts))[len(PROMPT) + len(context) - 1 :]  # [K+1] prev ids
     hist = TokenHistory.from_ids(PROMPT, list(context), VOCAB)
     extra = torch.tensor(drafts, dtype=torch.long)
     return probs_from_logits(table[lasts], params, hist, extra_ids=extra)
@@ -304,7 +334,7 @@ def exact_law(params):
         for t in range(NUM_TOKENS):
             hist = TokenHistory.from_ids(PROMPT, list(seq[:t]), VOCAB)
             prev = (PROMPT + list(seq))[len(PROMPT) + t - 1]
-            prob *= float(probs_from_logits(TARGET[prev:prev + 1], params, hist)[0, seq[t]])
+            prob *= float(probs_from_logits(TARGET[prev : prev + 1], params, hist)[0, seq[t]])
         law[seq] = prob
     return law
 
@@ -328,10 +358,8 @@ def spec_generate(params, num_drafts, seed, verify=verify_sampled):
             qs.append(q)
         p = _rows_probs(TARGET, out, drafts, params)  # [K+1, V]
         q = torch.stack(qs) if qs else torch.zeros(0, VOCAB)
-        u_acc = torch.tensor([rng.uniform(i + j, Stream.ACCEPT) for j in range(num_drafts)],
-                             dtype=torch.float64)
-        u_res = torch.tensor([rng.uniform(i + j, Stream.SAMPLE) for j in range(num_drafts + 1)],
-                             dtype=torch.float64)
+        u_acc = torch.tensor([rng.uniform(i + j, Stream.ACCEPT) for j in range(num_drafts)], dtype=torch.float64)
+        u_res = torch.tensor([rng.uniform(i + j, Stream.SAMPLE) for j in range(num_drafts + 1)], dtype=torch.float64)
         n, ids = verify(p, q, torch.tensor(drafts, dtype=torch.long), u_acc, u_res)
         out += list(ids[: int(n) + 1]) if verify is biased_verify else ids[: int(n) + 1].tolist()
     return tuple(out[:NUM_TOKENS])

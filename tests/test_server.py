@@ -5,6 +5,7 @@ Exactness is checked against a second LLM on the same checkpoint run cold (use_s
 streamed == non-streamed, concurrent == solo, and resumed / rewound sessions == cold, all greedy.
 Every wait is bounded; all traffic stays on loopback.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -61,8 +62,11 @@ class LiveServer:
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line and not line.startswith("#")}
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +114,13 @@ def test_models_and_health(live, client):
 
 
 def test_chat_completion(client, llm, cold):
-    r = client.chat.completions.create(model=MODEL, messages=[user("Hello, how are you?")], max_tokens=12,
-                                       extra_body={"return_token_ids": True}, **GREEDY)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[user("Hello, how are you?")],
+        max_tokens=12,
+        extra_body={"return_token_ids": True},
+        **GREEDY,
+    )
     choice = r.choices[0]
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
     assert choice.finish_reason in ("stop", "length")
@@ -128,8 +137,13 @@ def test_chat_completion(client, llm, cold):
 
 
 def test_stream_equals_non_streamed(client):
-    kw = dict(model=MODEL, messages=[user("Tell me about the quick brown fox.")], max_tokens=20,
-              extra_body={"ignore_eos": True}, **GREEDY)
+    kw = dict(
+        model=MODEL,
+        messages=[user("Tell me about the quick brown fox.")],
+        max_tokens=20,
+        extra_body={"ignore_eos": True},
+        **GREEDY,
+    )
     full = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -149,8 +163,9 @@ def test_text_completion_and_logprobs(client, llm, cold):
     prompt = "The cache keeps the keys and values"
     ids = llm.tokenizer.encode(prompt)
     by_text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, logprobs=3, **GREEDY)
-    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, extra_body={"return_token_ids": True},
-                                       **GREEDY)
+    by_ids = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=10, extra_body={"return_token_ids": True}, **GREEDY
+    )
     assert by_text.choices[0].text == by_ids.choices[0].text
     assert extra(by_ids.choices[0], "token_ids") == cold_ids(cold, ids, 10)
     lp = by_text.choices[0].logprobs
@@ -158,7 +173,7 @@ def test_text_completion_and_logprobs(client, llm, cold):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
     assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 4 for t in lp.top_logprobs)
     # greedy: the chosen token is the most likely one
-    assert all(max(t.values()) == pytest.approx(v) for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert all(max(t.values()) == pytest.approx(v) for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
 
     # lm-eval's loglikelihood request: echo the prompt with its logprobs
     echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, logprobs=1, echo=True, **GREEDY)
@@ -170,8 +185,15 @@ def test_text_completion_and_logprobs(client, llm, cold):
 
 
 def test_chat_logprobs(client):
-    r = client.chat.completions.create(model=MODEL, messages=[user("Hi")], max_tokens=6, logprobs=True,
-                                       top_logprobs=2, extra_body={"ignore_eos": True}, **GREEDY)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[user("Hi")],
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+        **GREEDY,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 6 and all(len(t.top_logprobs) == 2 for t in content)
     assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)  # greedy
@@ -180,8 +202,9 @@ def test_chat_logprobs(client):
 
 
 def test_stop_strings(client):
-    kw = dict(model=MODEL, prompt="Hello, world! How are you today?", max_tokens=24,
-              extra_body={"ignore_eos": True}, **GREEDY)
+    kw = dict(
+        model=MODEL, prompt="Hello, world! How are you today?", max_tokens=24, extra_body={"ignore_eos": True}, **GREEDY
+    )
     full = client.completions.create(**kw).choices[0].text
     stop = next(full[i : i + 2] for i in range(4, len(full) - 2) if full[i : i + 2].strip())
     cut = client.completions.create(stop=[stop], **kw).choices[0]
@@ -192,9 +215,17 @@ def test_stop_strings(client):
 
 
 def test_seeded_sampling_reproduces(client):
-    kw = dict(model=MODEL, prompt="A model reads the prompt", max_tokens=12, temperature=0.9, seed=1234,
-              top_p=0.95, presence_penalty=0.5, frequency_penalty=0.2,
-              extra_body={"top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        prompt="A model reads the prompt",
+        max_tokens=12,
+        temperature=0.9,
+        seed=1234,
+        top_p=0.95,
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+        extra_body={"top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True},
+    )
     a = client.completions.create(**kw).choices[0].text
     b = client.completions.create(**kw).choices[0].text
     assert a == b
@@ -209,8 +240,10 @@ def test_chat_turns_reuse_the_session_and_equal_cold(client, llm, cold):
         messages = [{"role": "system", "content": "You are terse."}, user("What is the time?")]
         first = client.chat.completions.create(messages=messages, **kw)
         history = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False))
-        messages += [{"role": "assistant", "content": reply_edit(first.choices[0].message.content)},
-                     user("And the date?")]
+        messages += [
+            {"role": "assistant", "content": reply_edit(first.choices[0].message.content)},
+            user("And the date?"),
+        ]
         second = client.chat.completions.create(messages=messages, **kw)
         assert second.usage.prompt_tokens_details.cached_tokens >= len(history) > 0
         assert extra(second.choices[0], "token_ids") == cold_ids(cold, extra(second, "prompt_token_ids"), 8)
@@ -228,8 +261,9 @@ def test_resumed_and_rewound_sessions_equal_cold(client, llm, cold):
     body = {"ignore_eos": True, "return_token_ids": True}
     for i in range(4):
         prompt = _random_ids(rng, rng.randrange(8, 90), vocab)
-        first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=rng.randrange(4, 12),
-                                          extra_body=body, **GREEDY)
+        first = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=rng.randrange(4, 12), extra_body=body, **GREEDY
+        )
         generated = extra(first.choices[0], "token_ids")
         if i % 2 == 0:  # resume: the client sends back exactly what it got, then a new turn
             turn = prompt + generated + _random_ids(rng, rng.randrange(1, 20), vocab)
@@ -242,24 +276,41 @@ def test_resumed_and_rewound_sessions_equal_cold(client, llm, cold):
         assert extra(second.choices[0], "token_ids") == cold_ids(cold, turn, 12, ignore_eos=True)
 
 
-@pytest.mark.parametrize("make_request", [
-    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}]),
-                 id="invalid-role"),
-    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]), id="image-content"),
-    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], max_tokens=-1),
-                 id="negative-max-tokens"),
-    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], max_tokens=10**9),
-                 id="huge-max-tokens"),
-    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], temperature=3.5),
-                 id="temperature"),
-    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], top_p=1.5), id="top-p"),
-    pytest.param(lambda c: c.chat.completions.create(model="gpt-4o", messages=[user("x")]), id="unknown-model"),
-    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], n=2), id="n"),
-    pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[]), id="no-messages"),
-    pytest.param(lambda c: c.completions.create(model=MODEL, prompt="fox " * 600), id="prompt-too-long"),
-    pytest.param(lambda c: c.completions.create(model=MODEL, prompt=[1, 2, 10**6]), id="token-out-of-range"),
-])
+@pytest.mark.parametrize(
+    "make_request",
+    [
+        pytest.param(
+            lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}]),
+            id="invalid-role",
+        ),
+        pytest.param(
+            lambda c: c.chat.completions.create(
+                model=MODEL,
+                messages=[
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}
+                ],
+            ),
+            id="image-content",
+        ),
+        pytest.param(
+            lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], max_tokens=-1),
+            id="negative-max-tokens",
+        ),
+        pytest.param(
+            lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], max_tokens=10**9),
+            id="huge-max-tokens",
+        ),
+        pytest.param(
+            lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], temperature=3.5), id="temperature"
+        ),
+        pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], top_p=1.5), id="top-p"),
+        pytest.param(lambda c: c.chat.completions.create(model="gpt-4o", messages=[user("x")]), id="unknown-model"),
+        pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], n=2), id="n"),
+        pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[]), id="no-messages"),
+        pytest.param(lambda c: c.completions.create(model=MODEL, prompt="fox " * 600), id="prompt-too-long"),
+        pytest.param(lambda c: c.completions.create(model=MODEL, prompt=[1, 2, 10**6]), id="token-out-of-range"),
+    ],
+)
 def test_bad_input_is_a_400(client, make_request):
     with pytest.raises(openai.BadRequestError) as info:
         make_request(client)
@@ -269,8 +320,12 @@ def test_bad_input_is_a_400(client, make_request):
 
 
 def test_malformed_json_is_a_400_and_the_server_keeps_serving(live, client):
-    r = httpx.post(f"{live.url}/v1/chat/completions", content=b"{not json",
-                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, timeout=10)
+    r = httpx.post(
+        f"{live.url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        timeout=10,
+    )
     assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "param", "code"}
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2, **GREEDY).choices
 
@@ -292,7 +347,7 @@ def test_eight_concurrent_requests_match_their_solo_answers(client, llm, cold):
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(ask, prompts, timeout=120))
-    for prompt, answer in zip(prompts, answers):
+    for prompt, answer in zip(prompts, answers, strict=True):
         ids = llm.tokenizer.encode(prompt)
         assert extra(answer.choices[0], "token_ids") == cold_ids(cold, ids, 16, ignore_eos=True)
         assert answer.usage.completion_tokens == 16
@@ -300,10 +355,17 @@ def test_eight_concurrent_requests_match_their_solo_answers(client, llm, cold):
 
 def _open_stream(live: LiveServer, max_tokens: int) -> tuple[httpx.Client, contextlib.AbstractContextManager]:
     http = httpx.Client(timeout=30)
-    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": max_tokens, "stream": True,
-            "temperature": 0.0, "ignore_eos": True}
-    return http, http.stream("POST", f"{live.url}/v1/completions", json=body,
-                             headers={"Authorization": f"Bearer {KEY}"})
+    body = {
+        "model": MODEL,
+        "prompt": "The quick brown fox",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    return http, http.stream(
+        "POST", f"{live.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    )
 
 
 def _wait_for(cond, timeout: float = 20.0) -> bool:
@@ -321,7 +383,7 @@ def test_disconnect_mid_stream_cancels_the_work(live, client):
     with stream as r:
         assert r.status_code == 200
         lines = r.iter_lines()
-        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+        got = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data: ")]
         assert got and json.loads(got[-1][6:])["choices"][0]["finish_reason"] is None
     http.close()  # drop the connection mid-stream
     assert _wait_for(lambda: live.metrics()["nextn:request_aborted_total"] == aborted + 1)
@@ -331,8 +393,7 @@ def test_disconnect_mid_stream_cancels_the_work(live, client):
 
 def test_disconnect_while_waiting_for_a_full_response_cancels_the_work(live):
     aborted = live.metrics().get("nextn:request_aborted_total", 0)
-    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 400, "temperature": 0.0,
-            "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{live.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
     assert _wait_for(lambda: live.metrics()["nextn:request_aborted_total"] == aborted + 1)
@@ -355,8 +416,11 @@ def test_a_full_queue_answers_503_at_once(dense_ckpt):
                 assert info.value.status_code == 503 and time.monotonic() - t0 < 5
         http_a.close()
         http_b.close()
-        assert _wait_for(lambda: srv.metrics()["nextn:num_requests_running"] == 0
-                         and srv.metrics()["nextn:num_requests_waiting"] == 0)
+        assert _wait_for(
+            lambda: (
+                srv.metrics()["nextn:num_requests_running"] == 0 and srv.metrics()["nextn:num_requests_waiting"] == 0
+            )
+        )
         assert srv.metrics()['nextn:request_rejected_total{reason="queue_full"}'] == 1
 
 

@@ -1,6 +1,7 @@
 """Kept sessions in bf16: with prefill="steps" a resumed or rewound session emits exactly what a
 cold run of the same prompt emits (every token's state comes from the same per-row arithmetic,
 however the conversation was split into requests)."""
+
 from __future__ import annotations
 
 import random

@@ -1,5 +1,6 @@
 """Greedy MTP speculative decoding: token-identical to plain greedy decoding, whatever K, where
 the drafts are rejected (random heads) and where they are accepted (fitted heads)."""
+
 from __future__ import annotations
 
 import json
@@ -111,15 +112,41 @@ def test_cli_generate_spec_json(dense_fitted_ckpt):
     """The issue's command line: --spec-k K emits the --spec-k 0 tokens, with the JSON counters."""
     outs = {}
     for k in (0, 2):
-        cmd = [sys.executable, "-m", "nextn.cli", "generate", "--model", str(dense_fitted_ckpt),
-               "--prompt-ids", ",".join(map(str, FIT_PROMPTS[0])), "--max-tokens", "24", "--temperature", "0",
-               "--ignore-eos", "--spec-k", str(k), "--device", "cpu", "--dtype", "float32", "--json"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "nextn.cli",
+            "generate",
+            "--model",
+            str(dense_fitted_ckpt),
+            "--prompt-ids",
+            ",".join(map(str, FIT_PROMPTS[0])),
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--spec-k",
+            str(k),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--json",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120)
         outs[k] = json.loads(proc.stdout.strip().splitlines()[-1])
         assert "mean acceptance length" in proc.stderr
     assert outs[2]["token_ids"] == outs[0]["token_ids"] and len(outs[0]["token_ids"]) == 24
-    for key in ("text", "num_drafted", "num_accepted", "drafted_per_position", "accepted_per_position",
-                "decode_tokens_per_s", "prefill_tokens_per_s"):
+    for key in (
+        "text",
+        "num_drafted",
+        "num_accepted",
+        "drafted_per_position",
+        "accepted_per_position",
+        "decode_tokens_per_s",
+        "prefill_tokens_per_s",
+    ):
         assert key in outs[2]
     assert outs[2]["num_accepted"] > 0 and outs[0]["num_drafted"] == 0
 
@@ -127,7 +154,9 @@ def test_cli_generate_spec_json(dense_fitted_ckpt):
 def test_bundled_model_spec_equals_plain_with_acceptance():
     """The bundled model (a head that predicts): K = 1..8 emit the plain tokens, and drafts are accepted."""
     plain = nextn.LLM(num_speculative_tokens=0)
-    prompt = plain.tokenizer.encode('import os\n\n\ndef list_python_files(root):\n    """Return the .py files under root."""\n')
+    prompt = plain.tokenizer.encode(
+        'import os\n\n\ndef list_python_files(root):\n    """Return the .py files under root."""\n'
+    )
     ref = _run(plain, prompt, max_tokens=48).token_ids
     for k in range(1, 9):
         out = _run(nextn.LLM(num_speculative_tokens=k), prompt, max_tokens=48)

@@ -6,6 +6,7 @@ On a GPU, rounds replayed as CUDA graphs emit what the same rounds run eagerly e
 
 On CPU the kernels run under Triton's interpreter (see triton_interp.py); on a GPU as CUDA graphs.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,8 +29,15 @@ PROMPT = [7, 81, 3, 199, 42, 5, 260, 11, 90, 17]
 
 @functools.lru_cache(maxsize=6)
 def _engine(ckpt, dtype, kernels="triton", k=3):
-    return nextn.LLM(model=ckpt, device=DEVICE, dtype=dtype, kernels=kernels, num_speculative_tokens=k,
-                     max_model_len=64, max_num_seqs=2).engine
+    return nextn.LLM(
+        model=ckpt,
+        device=DEVICE,
+        dtype=dtype,
+        kernels=kernels,
+        num_speculative_tokens=k,
+        max_model_len=64,
+        max_num_seqs=2,
+    ).engine
 
 
 def _prefilled(engine, slot, prompt=PROMPT):
@@ -59,12 +67,12 @@ def test_triton_step_matches_reference_step(name, request):
     ref, fast = _engine(ckpt, "float32", "torch"), _engine(ckpt, "float32")
     ref_cache, fast_cache = _prefilled(ref, 0), _prefilled(fast, 0)
     ref_out, out = _step(ref, ref_cache, [5, 77, 300]), _step(fast, fast_cache, [5, 77, 300])
-    for x, y in zip(out, ref_out):
+    for x, y in zip(out, ref_out, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
     ref_cache.commit(2)
     fast_cache.commit(2)
     for i in _gdn(ref):
-        for x, y in zip(fast_cache.committed_gdn(i), ref_cache.committed_gdn(i)):
+        for x, y in zip(fast_cache.committed_gdn(i), ref_cache.committed_gdn(i), strict=True):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
 
 
@@ -84,7 +92,7 @@ def test_triton_head_step_matches_reference(dense_ckpt):
         with torch.inference_mode():
             engine.runner.step.head(cache, ids, hidden, pos, torch.tensor(2, device=DEVICE), logits, chained)
         outs.append((logits, chained, cache.draft_kv()[0][6:10].clone()))
-    for x, y in zip(*outs):
+    for x, y in zip(*outs, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
@@ -100,7 +108,7 @@ def test_verify_rows_equal_decode_steps_bitwise(dense_ckpt):
         b.commit(1)
         assert torch.equal(logits[0], verify_logits[t]) and torch.equal(hidden[0], verify_hidden[t]), t
     for i in _gdn(engine):
-        for x, y in zip(a.committed_gdn(i), b.committed_gdn(i)):
+        for x, y in zip(a.committed_gdn(i), b.committed_gdn(i), strict=True):
             assert torch.equal(x, y)
     n = a.seq_len
     for i in (i for i, t in enumerate(engine.model.cfg.layer_types) if t == FULL):
@@ -120,7 +128,7 @@ def test_a_step_not_committed_leaves_the_committed_state(dense_ckpt):
     for cache in (a, b):
         cache.commit(1)
     for i in _gdn(engine):
-        for x, y in zip(a.committed_gdn(i), b.committed_gdn(i)):
+        for x, y in zip(a.committed_gdn(i), b.committed_gdn(i), strict=True):
             assert torch.equal(x, y)
 
 
@@ -129,13 +137,17 @@ def _generate(ckpt, k, prompt, max_tokens, graphs=True):
     engine.runner.use_graphs = graphs and DEVICE == "cuda"
     llm = nextn.LLM.__new__(nextn.LLM)  # the engine above, through the API's loop
     llm.engine, llm.config, llm.tokenizer, llm.model = engine, engine.config, engine.tokenizer, engine.model
-    out = llm.generate(prompt_token_ids=list(prompt),
-                       params=nextn.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    out = llm.generate(
+        prompt_token_ids=list(prompt),
+        params=nextn.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
     return out.token_ids, out.spec
 
 
-@pytest.mark.parametrize("name,k,prompt", [("dense_fitted_ckpt", 1, 1), ("dense_fitted_ckpt", 3, 1),
-                                           ("moe_fitted_ckpt", 2, 0), ("next_ckpt", 2, 0)])
+@pytest.mark.parametrize(
+    "name,k,prompt",
+    [("dense_fitted_ckpt", 1, 1), ("dense_fitted_ckpt", 3, 1), ("moe_fitted_ckpt", 2, 0), ("next_ckpt", 2, 0)],
+)
 def test_greedy_spec_equals_plain_bf16(name, k, prompt, request):
     ckpt = request.getfixturevalue(name)
     plain, _ = _generate(ckpt, 0, FIT_PROMPTS[prompt], 12)

@@ -1,4 +1,5 @@
 """The bundled tokenizer: incremental decoding equals whole decoding; the chat template renders."""
+
 from __future__ import annotations
 
 import random

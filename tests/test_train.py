@@ -2,6 +2,7 @@
 nextn with equal logits, resuming continues the run, the loss falls on repetitive text, head
 distillation trains only mtp.*; and on a GPU, the fla kernel against the torch reference.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,9 +21,19 @@ from nextn.train.data import DataSettings, SequenceOrder, is_heldout, pack
 from nextn.train.report import read_rows
 from nextn.train.tokenizer import ENDOFTEXT, IM_END
 
-TINY = ModelShape(vocab_size=600, hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
-                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+TINY = ModelShape(
+    vocab_size=600,
+    hidden_size=64,
+    num_hidden_layers=4,
+    intermediate_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
 
 SOURCE = '''
 def area(width, height):
@@ -52,9 +63,21 @@ def _corpus(folder: Path, num_files: int = 24) -> Path:
 
 
 def _config(run_dir: Path, data_dir: Path, **overrides) -> TrainConfig:
-    base = dict(run_dir=str(run_dir), data=DataSettings(roots=(str(data_dir),), heldout_percent=25.0, workers=1),
-                shape=TINY, max_steps=4, seq_len=32, batch_size=4, lr=3e-3, warmup_steps=2,
-                log_every=2, eval_every=4, eval_sequences=4, save_every=100, max_shard_mb=0.1)
+    base = dict(
+        run_dir=str(run_dir),
+        data=DataSettings(roots=(str(data_dir),), heldout_percent=25.0, workers=1),
+        shape=TINY,
+        max_steps=4,
+        seq_len=32,
+        batch_size=4,
+        lr=3e-3,
+        warmup_steps=2,
+        log_every=2,
+        eval_every=4,
+        eval_sequences=4,
+        save_every=100,
+        max_shard_mb=0.1,
+    )
     return TrainConfig(**{**base, **overrides})
 
 
@@ -100,8 +123,11 @@ def test_transformers_and_nextn_logits_match(tiny_run):
 def test_chat_template_and_eos(tiny_run):
     transformers = pytest.importorskip("transformers")
     tok = transformers.AutoTokenizer.from_pretrained(tiny_run / "run" / "checkpoint")
-    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
-                                   tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.convert_tokens_to_ids(ENDOFTEXT) in tok.encode("a<|endoftext|>b")
     assert tok.eos_token == IM_END
@@ -123,12 +149,15 @@ def test_head_distillation_trains_only_the_head(tiny_run):
     src = tiny_run / "run" / "checkpoint"
     out = trainer.train(_config(tiny_run / "distill", tiny_run / "src", distill_from=str(src), max_steps=3))
     before, after = load_model(src), load_model(out)
-    for (name, a), (_, b) in zip(before.state_dict().items(), after.state_dict().items()):
+    for (name, a), (_, b) in zip(before.state_dict().items(), after.state_dict().items(), strict=True):
         if name.startswith("mtp."):
             continue
         assert torch.equal(a, b), name
-    assert any(not torch.equal(a, b) for (n, a), (_, b) in
-               zip(before.state_dict().items(), after.state_dict().items()) if n.startswith("mtp."))
+    assert any(
+        not torch.equal(a, b)
+        for (n, a), (_, b) in zip(before.state_dict().items(), after.state_dict().items(), strict=True)
+        if n.startswith("mtp.")
+    )
 
 
 def _chain_loss(model, x, depth: int) -> float:
@@ -173,8 +202,17 @@ def test_chain_objective_is_the_proposers_chain(tiny_run):
 
 def test_chain_depth_distillation_trains_the_chain(tiny_run):
     src = tiny_run / "run" / "checkpoint"
-    cfg = _config(tiny_run / "chain", tiny_run / "src", distill_from=str(src), chain_depth=2, max_steps=40,
-                  log_every=10, eval_every=1000, lr=3e-3, warmup_steps=4)
+    cfg = _config(
+        tiny_run / "chain",
+        tiny_run / "src",
+        distill_from=str(src),
+        chain_depth=2,
+        max_steps=40,
+        log_every=10,
+        eval_every=1000,
+        lr=3e-3,
+        warmup_steps=4,
+    )
     out = trainer.train(cfg)
     before, after = load_model(src), load_model(out)
     a_sd, b_sd = before.state_dict(), after.state_dict()
@@ -206,7 +244,7 @@ def test_split_is_deterministic_and_order_resumes():
     whole = SequenceOrder(10, seed=3)
     a = [whole.next_rows(4) for _ in range(5)]
     resumed = SequenceOrder(10, seed=3, position=8)
-    assert all((x == y).all() for x, y in zip(a[2:], [resumed.next_rows(4) for _ in range(3)]))
+    assert all((x == y).all() for x, y in zip(a[2:], [resumed.next_rows(4) for _ in range(3)], strict=True))
     assert sorted(torch.tensor(list(a[0]) + list(a[1]) + list(a[2][:2])).tolist()) == list(range(10))
     assert pack(torch.arange(20).numpy(), 4).shape == (4, 5)
 
@@ -272,5 +310,5 @@ def test_fla_chunk_rule_matches_reference(T, dtype):
             pytest.skip(f"fla backward unavailable here: {e}")
         raise
     grads_ref = torch.autograd.grad(o_ref.double().pow(2).sum(), inputs)
-    for name, a, b in zip("q k v g beta".split(), grads, grads_ref):
+    for name, a, b in zip("q k v g beta".split(), grads, grads_ref, strict=True):
         assert rel(a, b) < 2 * tol, name

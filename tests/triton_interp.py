@@ -5,6 +5,7 @@ interpreter (TRITON_INTERPRET=1) and fixes one of its roundings: the interpreter
 -> bf16 casts, where the GPU rounds to nearest even (what PyTorch does too), so without the fix a
 kernel that rounds intermediates like its reference drifts from it by a few ulps on CPU only.
 """
+
 from __future__ import annotations
 
 import os

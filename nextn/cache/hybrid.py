@@ -20,6 +20,7 @@ A step never writes where the committed state lives, so a step that is not kept 
 `commit_ctl` keeps tokens by moving the pointers: nothing is copied. Owns the tensors and that
 rule; does not know models, tokens or sampling.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,13 +65,17 @@ def tensor_specs(cfg: ModelConfig, layout: CacheLayout, dtype: torch.dtype) -> d
     for i, kind in enumerate(cfg.layer_types):
         if kind == FULL:
             specs[f"key.{i}"] = specs[f"value.{i}"] = (kv, dtype)
-    specs.update({
-        "conv": (conv, dtype), "recurrent": ((S, n, *state), f32),
-        "window": ((S, n, cfg.conv_dim, 2 * window_cols(cfg)), dtype),
-        "states": ((S, n, 2 * layout.step_states, *state), f32),
-        "ckpt_conv": (conv, dtype), "ckpt_recurrent": ((S, n, *state), f32),
-        "ctl": ((S, NUM_CTL), torch.int32),
-    })
+    specs.update(
+        {
+            "conv": (conv, dtype),
+            "recurrent": ((S, n, *state), f32),
+            "window": ((S, n, cfg.conv_dim, 2 * window_cols(cfg)), dtype),
+            "states": ((S, n, 2 * layout.step_states, *state), f32),
+            "ckpt_conv": (conv, dtype),
+            "ckpt_recurrent": ((S, n, *state), f32),
+            "ctl": ((S, NUM_CTL), torch.int32),
+        }
+    )
     if layout.draft:
         specs["draft_key"] = specs["draft_value"] = (kv, dtype)
     for name, shape, extra_dtype in layout.extra:
@@ -91,8 +96,10 @@ def nbytes_of(specs: dict[str, tuple[tuple, torch.dtype]]) -> int:
 class HybridCache:
     def __init__(self, cfg: ModelConfig, layout: CacheLayout, device, dtype: torch.dtype):
         self.cfg, self.layout = cfg, layout
-        self.tensors = {name: torch.zeros(shape, device=device, dtype=dt)
-                        for name, (shape, dt) in tensor_specs(cfg, layout, dtype).items()}
+        self.tensors = {
+            name: torch.zeros(shape, device=device, dtype=dt)
+            for name, (shape, dt) in tensor_specs(cfg, layout, dtype).items()
+        }
         self.ctl = self.tensors["ctl"]
         reset_ctl(self.ctl, layout.step_states, window_cols(cfg))
         # decoder layer index -> its index among the GDN layers (their stacked buffers)
@@ -196,8 +203,9 @@ class SlotCache:
         self.t("recurrent").zero_()
 
 
-def commit_ctl(ctl: torch.Tensor, kept, rows: int, cols: int, store_all: bool = True,
-               round_: bool = False) -> torch.Tensor:
+def commit_ctl(
+    ctl: torch.Tensor, kept, rows: int, cols: int, store_all: bool = True, round_: bool = False
+) -> torch.Tensor:
     """ctl [NUM_CTL] after keeping `kept` (an int, or a device scalar: no host read) tokens of a
     step that wrote the halves at STATE_WRITE / CONV_WRITE; the next step writes the other halves.
     store_all: the step kept every token's state (a verify), else only its last (a prefill step).
@@ -225,7 +233,9 @@ def _commit_table(rows: int, cols: int, store_all: bool, round_: bool, device) -
             NUM_GEN: (NUM_GEN, 1, SEQ_LEN, 0, int(round_), 0),
             ACCEPTED: (ACCEPTED, 1 - int(round_), SEQ_LEN, 0, int(round_), -int(round_)),
         }
-        cols_ = list(zip(*(rule[f] for f in range(NUM_CTL))))
-        _TABLES[key] = tuple(torch.tensor(col, device=device, dtype=torch.long if i in (0, 2) else torch.int32)
-                             for i, col in enumerate(cols_))
+        cols_ = list(zip(*(rule[f] for f in range(NUM_CTL)), strict=True))
+        _TABLES[key] = tuple(
+            torch.tensor(col, device=device, dtype=torch.long if i in (0, 2) else torch.int32)
+            for i, col in enumerate(cols_)
+        )
     return _TABLES[key]

@@ -1,6 +1,7 @@
 """The sequence slots of the cache, allocated once at start, after a check that they fit the
 device (an error that says what would fit). Which slot a request gets, and which kept
 conversations are evicted, is the scheduler's choice (nextn.engine.scheduler)."""
+
 from __future__ import annotations
 
 import torch
@@ -41,7 +42,8 @@ def check_fits(cfg: ModelConfig, layout: CacheLayout, device: torch.device, dtyp
     raise CacheMemoryError(
         f"the cache for {S} sequence(s) of {L} tokens needs {need / GiB:.2f} GiB ({per_slot / GiB:.3f} GiB each), "
         f"but {free / GiB:.2f} GiB are free on {device} (a tenth kept back): {max(0, int(budget // per_slot))} "
-        f"sequence(s) of {L} tokens fit (--max-num-seqs), or {S} of up to {max(0, max_len)} tokens (--max-model-len)")
+        f"sequence(s) of {L} tokens fit (--max-num-seqs), or {S} of up to {max(0, max_len)} tokens (--max-model-len)"
+    )
 
 
 class SlotPool:

@@ -6,6 +6,7 @@ session when asked).
 
 Owns the model, the runner, the proposer and the aggregated spec counters. One thread calls it.
 """
+
 from __future__ import annotations
 
 import time
@@ -74,8 +75,13 @@ class Engine:
         self.stats = SpecStats()
         self.live: dict[int, _Live] = {}
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, use_sessions: bool = False,
-            checkpoint_at: int | None = None) -> Request:
+    def add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        use_sessions: bool = False,
+        checkpoint_at: int | None = None,
+    ) -> Request:
         # prompt logprobs need the logits of every prompt row: such a request prefills cold
         req = Request(prompt_ids, params, use_sessions and params.prompt_logprobs is None, checkpoint_at)
         self.scheduler.add(req)
@@ -130,12 +136,26 @@ class Engine:
             output = self._output(req, [], "length", SpecStats(), t1 - t0, 0.0, None, entries)
             self.scheduler.finish(req, keep=req.use_sessions)
             return [(req, StreamEvent([], "", output))]
-        rounds = RequestRounds(self.runner, self.proposer, seq, params, self.config.spec,
-                               set() if params.ignore_eos else self.stop_ids | set(params.stop_token_ids),
-                               SpecStats(), want_logits=params.logprobs is not None)
-        self.live[req.request_id] = _Live(rounds, IncrementalDecoder(self.tokenizer), StopStrings(params.stop),
-                                          rounds.stats, t1, t1 - t0, entries,
-                                          logprobs=[] if params.logprobs is not None else None)
+        rounds = RequestRounds(
+            self.runner,
+            self.proposer,
+            seq,
+            params,
+            self.config.spec,
+            set() if params.ignore_eos else self.stop_ids | set(params.stop_token_ids),
+            SpecStats(),
+            want_logits=params.logprobs is not None,
+        )
+        self.live[req.request_id] = _Live(
+            rounds,
+            IncrementalDecoder(self.tokenizer),
+            StopStrings(params.stop),
+            rounds.stats,
+            t1,
+            t1 - t0,
+            entries,
+            logprobs=[] if params.logprobs is not None else None,
+        )
         return []
 
     def _prefill(self, req: Request, split: int) -> list | None:
@@ -195,20 +215,38 @@ class Engine:
         live.rounds.close(len(ids) if live.stops.hit is not None else None)
         _sync(self.runner.device)
         final_text = live.stops.text if live.stops.hit is not None else self.tokenizer.decode(live.token_ids)
-        output = self._output(req, live.token_ids, finish_reason, live.stats, live.prefill_seconds,
-                              time.perf_counter() - live.started, live.logprobs, live.prompt_logprobs, final_text)
+        output = self._output(
+            req,
+            live.token_ids,
+            finish_reason,
+            live.stats,
+            live.prefill_seconds,
+            time.perf_counter() - live.started,
+            live.logprobs,
+            live.prompt_logprobs,
+            final_text,
+        )
         self.stats.merge(live.stats)
         del self.live[req.request_id]
         self.scheduler.finish(req, keep=req.use_sessions)
         # the last delta also carries text held back (a stop-string prefix, split UTF-8)
         return StreamEvent(ids, final_text[live.released :], output, entries)
 
-    def _output(self, req: Request, token_ids, finish_reason, stats, prefill_s, decode_s, logprobs, prompt_lp,
-                text: str = "") -> RequestOutput:
-        return RequestOutput(token_ids=token_ids, text=text, finish_reason=finish_reason,
-                             prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached, spec=stats,
-                             prefill_seconds=prefill_s, decode_seconds=decode_s, logprobs=logprobs,
-                             prompt_logprobs=prompt_lp)
+    def _output(
+        self, req: Request, token_ids, finish_reason, stats, prefill_s, decode_s, logprobs, prompt_lp, text: str = ""
+    ) -> RequestOutput:
+        return RequestOutput(
+            token_ids=token_ids,
+            text=text,
+            finish_reason=finish_reason,
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached,
+            spec=stats,
+            prefill_seconds=prefill_s,
+            decode_seconds=decode_s,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_lp,
+        )
 
 
 def _num_covering(tokenizer, prior_ids: list[int], round_ids: list[int], text_len: int) -> int:
@@ -224,8 +262,8 @@ def logprob_entries(rows: torch.Tensor, ids: list[int], n: int) -> list[dict]:
     chosen = token_logprobs(rows, torch.tensor(ids, device=rows.device)).tolist()
     top = top_logprobs(rows, n) if n > 0 else None
     entries = []
-    for i, (tok, lp) in enumerate(zip(ids, chosen)):
-        tops = list(zip(top.ids[i].tolist(), top.logprobs[i].tolist())) if top is not None else []
+    for i, (tok, lp) in enumerate(zip(ids, chosen, strict=True)):
+        tops = list(zip(top.ids[i].tolist(), top.logprobs[i].tolist(), strict=True)) if top is not None else []
         entries.append({"token_id": tok, "logprob": lp, "top_logprobs": tops})
     return entries
 

@@ -3,11 +3,12 @@
 of one request's events. A thin layer over the engine (nextn.engine.engine): it loads the model
 and tokenizer, validates the configuration once and runs the engine loop for its caller.
 """
+
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from nextn.config import DEFAULT_MODEL_DIR, EngineConfig, SpecConfig
 from nextn.core import RequestOutput, SamplingParams
@@ -63,8 +64,13 @@ class LLM:
     def stats(self):
         return self.engine.stats
 
-    def generate(self, prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
-                 prompt: str | None = None, use_sessions: bool = False) -> RequestOutput:
+    def generate(
+        self,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        prompt: str | None = None,
+        use_sessions: bool = False,
+    ) -> RequestOutput:
         *_, last = self.stream(prompt_token_ids, params, prompt, use_sessions)
         return last.output
 
@@ -80,8 +86,7 @@ class LLM:
                 f"prompt of {len(prompt_token_ids)} tokens does not fit the context of {self.config.max_model_len}"
             )
 
-    def prompt_ids(self, prompt_token_ids: list[int] | None, prompt: str | None,
-                   params: SamplingParams) -> list[int]:
+    def prompt_ids(self, prompt_token_ids: list[int] | None, prompt: str | None, params: SamplingParams) -> list[int]:
         if prompt_token_ids is None:
             if prompt is None:
                 raise RequestError("give prompt_token_ids or prompt")
@@ -90,9 +95,14 @@ class LLM:
         self.check_prompt(prompt_token_ids, params)
         return prompt_token_ids
 
-    def stream(self, prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
-               prompt: str | None = None, use_sessions: bool = False,
-               checkpoint_at: int | None = None) -> Iterator[StreamEvent]:
+    def stream(
+        self,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        prompt: str | None = None,
+        use_sessions: bool = False,
+        checkpoint_at: int | None = None,
+    ) -> Iterator[StreamEvent]:
         """Yields one event per round; the last one carries the RequestOutput.
 
         checkpoint_at (sessions): where the kept rewind checkpoint goes, default the prompt end. A chat

@@ -17,6 +17,7 @@ after it is not kept: `close` recommits round r's columns with the same `commit_
 writes where a committed state lives, so nothing is undone). What is emitted never depends on the
 overlap.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -25,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache import SlotCache, commit_ctl
-from nextn.cache.hybrid import DRAFT_LEN, NUM_CTL, NUM_GEN, SEQ_LEN, window_cols
+from nextn.cache.hybrid import DRAFT_LEN, NUM_CTL, NUM_GEN, SEQ_LEN
 from nextn.config import ModelConfig, SpecConfig
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.sampler import SlotSampler
@@ -38,9 +39,18 @@ _N, _DRAFTED, _TOKENS = 0, 1, 2  # fields of a round's outcome buffer
 def round_buffers(cfg: ModelConfig, k_max: int, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """Per-slot buffers of a round with up to k_max drafts (R = k_max + 1 verify rows)."""
     R, V, H, f32 = k_max + 1, cfg.vocab_size, cfg.hidden_size, torch.float32
-    return [("verify_ids", (R,), torch.long), ("head_ids", (R,), torch.long), ("logits", (R, V), f32), ("hidden", (R, H), dtype),
-            ("prev_logits", (R, V), f32), ("prev_hidden", (R, H), dtype), ("draft_q", (max(k_max, 1), V), f32),
-            ("head_logits", (1, V), f32), ("head_hidden", (1, H), dtype), ("out", (_TOKENS + R + NUM_CTL,), torch.long)]
+    return [
+        ("verify_ids", (R,), torch.long),
+        ("head_ids", (R,), torch.long),
+        ("logits", (R, V), f32),
+        ("hidden", (R, H), dtype),
+        ("prev_logits", (R, V), f32),
+        ("prev_hidden", (R, H), dtype),
+        ("draft_q", (max(k_max, 1), V), f32),
+        ("head_logits", (1, V), f32),
+        ("head_hidden", (1, H), dtype),
+        ("out", (_TOKENS + R + NUM_CTL,), torch.long),
+    ]
 
 
 class Buffers(NamedTuple):
@@ -130,8 +140,18 @@ class RequestRounds:
     reads the oldest; `close(kept)` ends the request after `kept` tokens of the last round read and
     leaves the slot's state as exactly those tokens."""
 
-    def __init__(self, runner, proposer, seq: Sequence, params: SamplingParams, spec: SpecConfig,
-                 stop_ids: set[int], stats: SpecStats, want_logits: bool = False, ahead: bool = True):
+    def __init__(
+        self,
+        runner,
+        proposer,
+        seq: Sequence,
+        params: SamplingParams,
+        spec: SpecConfig,
+        stop_ids: set[int],
+        stats: SpecStats,
+        want_logits: bool = False,
+        ahead: bool = True,
+    ):
         self.runner, self.proposer, self.seq, self.params = runner, proposer, seq, params
         self.cache = runner.slot(seq.slot)
         self.buf = Buffers.of(self.cache)

@@ -6,14 +6,14 @@ captured on its second, replayed after.
 
 Does not choose tokens (nextn.engine.sampler) or decide what a round keeps (nextn.engine.rounds).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from nextn.cache import SlotCache, SlotPool
-from nextn.cache.hybrid import DRAFT_LEN
 from nextn.config import STEP_ROWS, EngineConfig
 from nextn.engine.sequence import Sequence
 from nextn.models.qwen3_5 import CausalLM, ReferenceStep
@@ -71,8 +71,9 @@ class ModelRunner:
     # --- prefill
 
     @torch.inference_mode()
-    def extend(self, seq: Sequence, token_ids: list[int],
-               on_logits: Callable[[int, torch.Tensor], None] | None = None) -> None:
+    def extend(
+        self, seq: Sequence, token_ids: list[int], on_logits: Callable[[int, torch.Tensor], None] | None = None
+    ) -> None:
         """Prefill token_ids after the sequence's committed tokens and commit them.
 
         "chunked": the module forward over up to PREFILL_CHUNK tokens per call (states to the
@@ -109,8 +110,10 @@ class ModelRunner:
         T = len(piece)
         self.scratch_ids[:T].copy_(torch.tensor(piece), non_blocking=True)
         logits, hidden = self.scratch_logits[:T], self.scratch_hidden[:T]
-        self.run(("prefill", cache.slot, T),
-                 lambda: self.step.trunk(cache, self.scratch_ids[:T], logits, hidden, store_all=False))
+        self.run(
+            ("prefill", cache.slot, T),
+            lambda: self.step.trunk(cache, self.scratch_ids[:T], logits, hidden, store_all=False),
+        )
         cache.commit(T, store_all=False)
         return logits, hidden
 
@@ -126,8 +129,9 @@ class ModelRunner:
             piece, rows = torch.tensor(ids[s : s + chunk], device=self.device), hidden[s : s + chunk]
             if chunk == STEP_ROWS:
                 pos = torch.tensor([first + s - 1], dtype=torch.int32, device=self.device)
-                self.step.head(cache, piece, rows, pos, piece.numel() - 1, self.scratch_logits[:1],
-                               self.scratch_hidden[:1])
+                self.step.head(
+                    cache, piece, rows, pos, piece.numel() - 1, self.scratch_logits[:1], self.scratch_hidden[:1]
+                )
             else:
                 self.model.head_rows(cache.draft_kv(), piece, rows, first + s, ops=self.ops)
         seq.draft_len = max(seq.draft_len, len(seq.tokens) - 1)

@@ -6,6 +6,7 @@ verifying are device ops with no host read; the host fills the buffers once per 
 Generated token number i always uses uniform i of its stream (nextn.sampling), so a seeded request
 reproduces whatever K is and however its tokens fall into rounds.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -16,7 +17,14 @@ from nextn.cache import SlotCache
 from nextn.config import STEP_ROWS
 from nextn.core import SamplingParams
 from nextn.sampling import (
-    RequestRng, SamplerKind, Stream, TokenHistory, greedy_ids, penalized_logits, probs_from_logits, sample,
+    RequestRng,
+    SamplerKind,
+    Stream,
+    TokenHistory,
+    greedy_ids,
+    penalized_logits,
+    probs_from_logits,
+    sample,
 )
 from nextn.spec.verifier import VerifyResult, verify_greedy, verify_sampled
 
@@ -26,17 +34,22 @@ VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_pena
 def sampler_buffers(vocab_size: int, max_len: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """Per-slot buffers: values, top_k, uniforms of every stream for any generated index a request
     can reach (a round may draft 2 * STEP_ROWS past the budget), penalty history."""
-    return [("sampling_values", (len(VALUES),), torch.float32), ("sampling_top_k", (1,), torch.long),
-            ("uniforms", (len(Stream), max_len + 2 * STEP_ROWS + 2), torch.float64),
-            ("prompt_mask", (vocab_size,), torch.bool), ("output_counts", (vocab_size,), torch.int32)]
+    return [
+        ("sampling_values", (len(VALUES),), torch.float32),
+        ("sampling_top_k", (1,), torch.long),
+        ("uniforms", (len(Stream), max_len + 2 * STEP_ROWS + 2), torch.float64),
+        ("prompt_mask", (vocab_size,), torch.bool),
+        ("output_counts", (vocab_size,), torch.int32),
+    ]
 
 
 class SlotSampler:
     def __init__(self, cache: SlotCache, p_min: float = 0.0):
         self.p_min = p_min
         values = cache.t("sampling_values")
-        self.values = SimpleNamespace(**{name: values[i] for i, name in enumerate(VALUES)},
-                                      top_k=cache.t("sampling_top_k")[0])
+        self.values = SimpleNamespace(
+            **{name: values[i] for i, name in enumerate(VALUES)}, top_k=cache.t("sampling_top_k")[0]
+        )
         self.uniforms = cache.t("uniforms")  # [streams, U] float64
         self.history = TokenHistory(cache.t("prompt_mask"), cache.t("output_counts"))
         self.kind = SamplerKind(greedy=True)
@@ -64,15 +77,22 @@ class SlotSampler:
     def _history(self):
         return self.history if self.kind.penalties else None
 
-    def draft(self, logits: torch.Tensor, drafts_so_far: torch.Tensor, u: torch.Tensor | None, token: torch.Tensor,
-              q: torch.Tensor):
+    def draft(
+        self,
+        logits: torch.Tensor,
+        drafts_so_far: torch.Tensor,
+        u: torch.Tensor | None,
+        token: torch.Tensor,
+        q: torch.Tensor,
+    ):
         """One draft step from head logits [1, V] into token ([1] long, a slot of the round's ids)
         and, sampled, its law into q ([1, V], a row of the round's buffer); drafts_so_far [j] long;
         u [1]: the draft's DRAFT uniform. Returns the head's probability of its pick [1] when a
         p_min gate is on, else None."""
         if self.kind.greedy:
-            torch.argmax(penalized_logits(logits, self.values, self._history(), drafts_so_far, self.kind), dim=-1,
-                         out=token)
+            torch.argmax(
+                penalized_logits(logits, self.values, self._history(), drafts_so_far, self.kind), dim=-1, out=token
+            )
         else:
             probs_from_logits(logits, self.values, self._history(), drafts_so_far, self.kind, out=q)
             sample(q, u, out=token)
@@ -81,8 +101,14 @@ class SlotSampler:
             confidence = torch.softmax(logits.float(), dim=-1).gather(-1, token[:, None])[:, 0]
         return confidence
 
-    def verify(self, logits: torch.Tensor, draft_ids: torch.Tensor, draft_q: torch.Tensor | None,
-               num_drafts, index: torch.Tensor) -> VerifyResult:
+    def verify(
+        self,
+        logits: torch.Tensor,
+        draft_ids: torch.Tensor,
+        draft_q: torch.Tensor | None,
+        num_drafts,
+        index: torch.Tensor,
+    ) -> VerifyResult:
         """Verify rows logits [k+1, V] (row 0 predicts generated index `index`) against draft_ids
         [k] (q [k, V] or None when greedy), the first num_drafts of which count."""
         if self.kind.greedy:
@@ -90,8 +116,14 @@ class SlotSampler:
             return verify_greedy(target, draft_ids, num_drafts)
         k = draft_ids.numel()
         p = probs_from_logits(logits, self.values, self._history(), draft_ids, self.kind)  # [k+1, V]
-        return verify_sampled(p, draft_q, draft_ids, self.uniforms_at(Stream.ACCEPT, index, k),
-                              self.uniforms_at(Stream.SAMPLE, index, k + 1), num_drafts)
+        return verify_sampled(
+            p,
+            draft_q,
+            draft_ids,
+            self.uniforms_at(Stream.ACCEPT, index, k),
+            self.uniforms_at(Stream.SAMPLE, index, k + 1),
+            num_drafts,
+        )
 
     def record(self, out_ids: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """Count a round's emitted tokens (out_ids [k+1], the first n+1 real) in the penalty history."""

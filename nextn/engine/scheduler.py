@@ -6,6 +6,7 @@ slot, else the least recently used session's slot), fairness (running requests t
 `burst_rounds` rounds while others run; a request alone runs on) and sessions: a finished
 conversation keeps its slot, pinned, until a request continues it or its slot is needed.
 """
+
 from __future__ import annotations
 
 import itertools

@@ -7,6 +7,7 @@ Invariants (N = len(tokens), the committed tokens the slot's cache holds):
 - MTP rows 1..N-1 exist: rows 1..draft_len sit in the draft K/V, the rest are `pending_ids` with
   `pending_hidden` (row p pairs token p with hidden p-1).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -66,9 +67,14 @@ class Sequence:
         return ids, hidden
 
     def make_checkpoint(self) -> None:
-        self.checkpoint = Checkpoint(len(self.tokens), self.last_hidden.clone(), self.last_logits.clone(),
-                                     self.draft_len, list(self.pending_ids),
-                                     None if self.pending_hidden is None else self.pending_hidden.clone())
+        self.checkpoint = Checkpoint(
+            len(self.tokens),
+            self.last_hidden.clone(),
+            self.last_logits.clone(),
+            self.draft_len,
+            list(self.pending_ids),
+            None if self.pending_hidden is None else self.pending_hidden.clone(),
+        )
 
     def rewind_to_checkpoint(self) -> None:
         """Host side of a rewind (the runner restores the device side)."""

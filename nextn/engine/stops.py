@@ -3,6 +3,7 @@ the tail that could still grow into one (so no client ever sees part of a stop s
 
 Pure string work; does not know tokens (LLM._stream maps the cut back to the tokens it covers).
 """
+
 from __future__ import annotations
 
 

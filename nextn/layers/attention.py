@@ -3,6 +3,7 @@ q/k RMSNorm, partial NEOX RoPE, attention over the layer's K/V cache, output * s
 
 A layer's cache is one sequence's (key, value), each [capacity, Hkv, D], position-addressed.
 """
+
 from __future__ import annotations
 
 import torch
@@ -10,11 +11,11 @@ from torch import nn
 
 from nextn.config import STEP_ROWS, ModelConfig
 from nextn.layers.linear import Linear
+from nextn.layers.norm import RMSNorm
+from nextn.layers.rotary import apply_rotary
 
 ATTN_BLOCK = 64  # keys per block of the step attention
 KV = tuple[torch.Tensor, torch.Tensor]  # (key, value) [capacity, Hkv, D]
-from nextn.layers.norm import RMSNorm
-from nextn.layers.rotary import apply_rotary
 
 
 class Attention(nn.Module):

@@ -1,5 +1,6 @@
 """Feed-forward blocks: the dense SwiGLU MLP and the sparse MoE block (softmax top-k router,
 fused 3-D expert weights, sigmoid-gated shared expert)."""
+
 from __future__ import annotations
 
 import torch
@@ -8,8 +9,8 @@ from torch import nn
 
 from nextn.config import ModelConfig
 from nextn.layers.linear import Linear
-from nextn.ops.linear import row_invariant_linear
 from nextn.ops import OPS, Ops
+from nextn.ops.linear import row_invariant_linear
 
 REFERENCE_OPS = OPS["torch"]()
 

@@ -6,6 +6,7 @@ Two projection layouts, one mixer: Qwen3.5 stores `in_proj_qkv` ([q all | k all 
 grouped per key head, which the loader regroups at load time into [q all | k all | v all | z all]
 and [b all | a all] (nextn.models.loader), so both split the same way.
 """
+
 from __future__ import annotations
 
 import torch
@@ -59,8 +60,9 @@ class GatedDeltaNet(nn.Module):
         """x [B, T, H] -> mixed_qkv [B, T, conv_dim], z [B, T, value_dim], b, a [B, T, HV]."""
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
-    def forward(self, x: torch.Tensor, cache: SlotCache | None, num_real: int | None, ops: Ops,
-                store_all: bool = True) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: SlotCache | None, num_real: int | None, ops: Ops, store_all: bool = True
+    ) -> torch.Tensor:
         """x [B, T, H]. num_real None: prefill or training (the Ops table's chunked rule; with a
         cache the final states go home); else a step whose first num_real rows are real (the
         recurrent rule; the window and the state after each token, or the last only if not
@@ -70,7 +72,8 @@ class GatedDeltaNet(nn.Module):
         mixed_qkv, z, b, a = self.project(x)
         conv_state, initial = cache.committed_gdn(i) if cache is not None else (None, None)
         mixed_qkv, window = conv_ops.causal_conv1d(
-            mixed_qkv, self.conv1d.weight.squeeze(1), None if conv_state is None else conv_state[None])
+            mixed_qkv, self.conv1d.weight.squeeze(1), None if conv_state is None else conv_state[None]
+        )
         q, k, v = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.reshape(B, T, self.num_k_heads, self.head_k_dim).float())
         k = l2norm(k.reshape(B, T, self.num_k_heads, self.head_k_dim).float())

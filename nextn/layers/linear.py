@@ -1,4 +1,5 @@
 """nn.Linear computed row-invariantly (nextn.ops.linear), under the checkpoint's parameter names."""
+
 from __future__ import annotations
 
 import torch

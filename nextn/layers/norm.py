@@ -1,4 +1,5 @@
 """RMS norms of the Qwen3.5 family: zero-centred `x_hat * (1 + w)` and the GDN output's gated norm."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Partial NEOX rotary embedding (the text case of Qwen3.5's mrope: all sections see one position)."""
+
 from __future__ import annotations
 
 import torch

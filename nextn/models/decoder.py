@@ -2,6 +2,7 @@
 full-attention mixer, then a dense or sparse-MoE FFN, each behind a zero-centred RMSNorm and a
 residual. Module names are the checkpoint's.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -29,8 +30,18 @@ class DecoderLayer(nn.Module):
             self.linear_attn = gdn_cls(cfg, layer_idx)
         self.mlp = SparseMoeBlock(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, cache: SlotCache | None, start: int, num_real: int | None, ops: Ops,
-                kv: KV | None = None, store_all: bool = True):
+    def forward(
+        self,
+        x,
+        cos,
+        sin,
+        cache: SlotCache | None,
+        start: int,
+        num_real: int | None,
+        ops: Ops,
+        kv: KV | None = None,
+        store_all: bool = True,
+    ):
         """x [B, T, H] at positions start..; num_real None for prefill / training, else the real rows
         of a padded step. kv: the attention cache to use instead of the slot's (the MTP head's)."""
         h = self.input_layernorm(x)

@@ -13,6 +13,7 @@ Packing table:
   (`FUSED`), each module keeping its own name as a view, so the fused Triton step reads them
   with one GEMM (`fused_weight`) and nothing rewrites the model afterwards.
 """
+
 from __future__ import annotations
 
 import json
@@ -134,8 +135,11 @@ def fused_weight(*linears) -> torch.Tensor:
     rows = 0
     for m in linears:
         w = m.weight
-        if (w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                or w.storage_offset() != first.storage_offset() + rows * first.shape[1] or not w.is_contiguous()):
+        if (
+            w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or w.storage_offset() != first.storage_offset() + rows * first.shape[1]
+            or not w.is_contiguous()
+        ):
             raise ValueError("the model's weights are not fused: load it with nextn.models.loader (fuse_weights)")
         rows += w.shape[0]
     return first.as_strided((rows, first.shape[1]), (first.shape[1], 1))
@@ -156,8 +160,11 @@ def load_model(model_dir: str | Path, device: str = "cpu", dtype: str = "float32
     if num_mtp > 1:
         raise CheckpointError(f"checkpoint has {num_mtp} MTP layers; nextn runs one (mtp.layers.0)")
     if num_mtp == 0 and cfg.mtp_num_hidden_layers > 0:
-        print(f"nextn: {model_dir} declares an MTP layer but has no mtp.* tensors "
-              "(dropped by a conversion?); speculative decoding is off", file=sys.stderr)
+        print(
+            f"nextn: {model_dir} declares an MTP layer but has no mtp.* tensors "
+            "(dropped by a conversion?); speculative decoding is off",
+            file=sys.stderr,
+        )
     with torch.device("meta"):
         model = CausalLM(cfg, num_mtp_layers=num_mtp)
     check_tensors(model, tensors)

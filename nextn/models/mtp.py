@@ -4,6 +4,7 @@ fc(cat(norm(embed(token)), norm(hidden))), sharing the trunk's embedding and lm_
 Row convention: row p embeds token x_p, pairs it with the trunk hidden of its predecessor
 h_{p-1}, sits at rope position p and predicts x_{p+1}. Its K/V live in slot p - 1.
 """
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ home) and the reference decode / verify step (every step padded to STEP_ROWS row
 each token to the slot's step buffers). The forward never moves positions: the runner commits.
 The fused Triton step is a sibling forward (nextn.models.qwen3_5_step) over the same weights.
 """
+
 from __future__ import annotations
 
 import torch
@@ -85,8 +86,16 @@ class CausalLM(nn.Module):
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.norm(hidden)
 
-    def head_rows(self, kv: KV, ids: torch.Tensor, hidden: torch.Tensor, first_pos: int, after_norm: bool = True,
-                  last_only: bool = True, ops: Ops | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def head_rows(
+        self,
+        kv: KV,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        first_pos: int,
+        after_norm: bool = True,
+        last_only: bool = True,
+        ops: Ops | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP head over rows of tokens ids [n] with predecessor hiddens [n, H] at positions
         first_pos.. (K/V slots first_pos-1..), any number of rows (a prompt's catch-up, replay,
         training checks). Returns (logits [n or 1, V], the hiddens to chain [n or 1, H])."""
@@ -109,15 +118,24 @@ class ReferenceStep:
     def __init__(self, model: CausalLM, hidden_after_norm: bool = True):
         self.model, self.after_norm = model, hidden_after_norm
 
-    def trunk(self, cache: SlotCache, ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor,
-              store_all: bool = True) -> None:
+    def trunk(
+        self, cache: SlotCache, ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, store_all: bool = True
+    ) -> None:
         h = self.model(ids[None], cache, keep_states=True, store_all=store_all)[0]
         normed = self.model.final_norm(h)
         logits.copy_(self.model.logits(normed))
         hidden.copy_(normed if self.after_norm else h)
 
-    def head(self, cache: SlotCache, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, row,
-             logits: torch.Tensor, chained: torch.Tensor) -> None:
+    def head(
+        self,
+        cache: SlotCache,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        pos: torch.Tensor,
+        row,
+        logits: torch.Tensor,
+        chained: torch.Tensor,
+    ) -> None:
         T, slot = ids.shape[0], int(pos.reshape(-1)[0])
         pad = STEP_ROWS - T  # the head's step, like the trunk's, always runs STEP_ROWS rows
         ids = torch.cat([ids, ids.new_zeros(pad)])

@@ -15,6 +15,7 @@ Brackets are one kernel each. A row's arithmetic does not depend on the number o
 verify row equals the decode of the same token bitwise. Positions and the GDN state locations
 come from the slot's device counters (nextn.cache.hybrid), so one CUDA graph serves every round.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -77,19 +78,35 @@ def _mlp_weights(layer) -> MLPWeights | MoEWeights:
     mlp = layer.mlp
     if hasattr(mlp, "experts"):
         se = mlp.shared_expert
-        return MoEWeights(layer.post_attention_layernorm.weight, mlp.gate.weight, mlp.experts.gate_up_proj,
-                          mlp.experts.down_proj, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
-                          mlp.shared_expert_gate.weight, mlp.gate.top_k, mlp.gate.norm_topk_prob)
-    return MLPWeights(layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
-                      mlp.down_proj.weight)
+        return MoEWeights(
+            layer.post_attention_layernorm.weight,
+            mlp.gate.weight,
+            mlp.experts.gate_up_proj,
+            mlp.experts.down_proj,
+            se.gate_proj.weight,
+            se.up_proj.weight,
+            se.down_proj.weight,
+            mlp.shared_expert_gate.weight,
+            mlp.gate.top_k,
+            mlp.gate.norm_topk_prob,
+        )
+    return MLPWeights(
+        layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+    )
 
 
 def _attn_weights(layer) -> AttnWeights:
     a = layer.self_attn
     if a.q_proj.bias is not None:
         raise NotImplementedError("kernels='triton': attention biases are not supported")
-    return AttnWeights(layer.input_layernorm.weight, fused_weight(a.q_proj, a.k_proj, a.v_proj),
-                       a.q_norm.weight, a.k_norm.weight, a.o_proj.weight, _mlp_weights(layer))
+    return AttnWeights(
+        layer.input_layernorm.weight,
+        fused_weight(a.q_proj, a.k_proj, a.v_proj),
+        a.q_norm.weight,
+        a.k_norm.weight,
+        a.o_proj.weight,
+        _mlp_weights(layer),
+    )
 
 
 def _gdn_weights(layer) -> GDNWeights:
@@ -98,8 +115,16 @@ def _gdn_weights(layer) -> GDNWeights:
         in_proj = fused_weight(g.in_proj_qkvz, g.in_proj_ba)
     else:
         in_proj = fused_weight(g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a)
-    return GDNWeights(layer.input_layernorm.weight, in_proj, g.conv1d.weight.detach().squeeze(1), g.A_log,
-                      g.dt_bias, g.norm.weight, g.out_proj.weight, _mlp_weights(layer))
+    return GDNWeights(
+        layer.input_layernorm.weight,
+        in_proj,
+        g.conv1d.weight.detach().squeeze(1),
+        g.A_log,
+        g.dt_bias,
+        g.norm.weight,
+        g.out_proj.weight,
+        _mlp_weights(layer),
+    )
 
 
 class TritonStep:
@@ -123,8 +148,13 @@ class TritonStep:
         self.head_weights = None
         if model.mtp is not None:
             h = model.mtp
-            self.head_weights = (h.pre_fc_norm_embedding.weight, h.pre_fc_norm_hidden.weight, h.fc.weight,
-                                 _attn_weights(h.layers[0]), h.norm.weight)
+            self.head_weights = (
+                h.pre_fc_norm_embedding.weight,
+                h.pre_fc_norm_hidden.weight,
+                h.fc.weight,
+                _attn_weights(h.layers[0]),
+                h.norm.weight,
+            )
         self._rope: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
     def rope_tables(self, max_pos: int):
@@ -145,8 +175,14 @@ class TritonStep:
 
         def mlp(w):
             if isinstance(w, MoEWeights):
-                uses.extend([(*w.router.shape, False, False), (*w.shared_gate.shape, False, True),
-                             (*w.shared_down.shape, False, False), (*w.shared_expert_gate.shape, False, False)])
+                uses.extend(
+                    [
+                        (*w.router.shape, False, False),
+                        (*w.shared_gate.shape, False, True),
+                        (*w.shared_down.shape, False, False),
+                        (*w.shared_expert_gate.shape, False, False),
+                    ]
+                )
             else:
                 uses.extend([(*w.gate.shape, True, True), (*w.down.shape, False, False)])
 
@@ -172,8 +208,19 @@ class TritonStep:
             from nextn.ops.triton_moe import moe_step
 
             h = self.norm.rms_norm(x, w.norm, self.eps)
-            return moe_step(x, h, w.router, w.gate_up, w.down, w.shared_gate, w.shared_up, w.shared_down,
-                            w.shared_expert_gate, w.top_k, w.renorm)
+            return moe_step(
+                x,
+                h,
+                w.router,
+                w.gate_up,
+                w.down,
+                w.shared_gate,
+                w.shared_up,
+                w.shared_down,
+                w.shared_expert_gate,
+                w.top_k,
+                w.renorm,
+            )
         lin = self.linear.skinny_linear
         act = lin(x, w.gate, norm_weight=w.norm, up_weight=w.up, eps=self.eps)
         return lin(act, w.down, residual=x)
@@ -182,22 +229,35 @@ class TritonStep:
         lin = self.linear.skinny_linear
         qkv = lin(x, w.qkv, norm_weight=w.norm, eps=self.eps)
         cos, sin = self.rope_tables(key.shape[0] + 1)
-        q = self.attn.qk_norm_rope(qkv, w.q_norm, w.k_norm, cos, sin, pos, key, value,
-                                   self.cfg.num_attention_heads, self.eps, rope_offset)
+        q = self.attn.qk_norm_rope(
+            qkv, w.q_norm, w.k_norm, cos, sin, pos, key, value, self.cfg.num_attention_heads, self.eps, rope_offset
+        )
         o = self.attn.attend_step(q, qkv, key, value, pos)
         return self._mlp(lin(o, w.o_proj, residual=x), w.mlp)
 
     def _gdn(self, x, w: GDNWeights, cache: SlotCache, j: int, store_all: bool):
         lin = self.linear.skinny_linear
         proj = lin(x, w.in_proj, norm_weight=w.norm, eps=self.eps)  # [T, conv | z | b | a]
-        o = self.gdn.gdn_step(proj, w.conv, cache.t("conv")[j], cache.t("window")[j], w.A_log, w.dt_bias,
-                              cache.t("recurrent")[j], cache.t("states")[j], w.out_norm,
-                              self.cfg.linear_num_key_heads, self.eps,
-                              slots=cache.ctl[STATE_AT : CONV_WRITE + 1], store_all=store_all)
+        o = self.gdn.gdn_step(
+            proj,
+            w.conv,
+            cache.t("conv")[j],
+            cache.t("window")[j],
+            w.A_log,
+            w.dt_bias,
+            cache.t("recurrent")[j],
+            cache.t("states")[j],
+            w.out_norm,
+            self.cfg.linear_num_key_heads,
+            self.eps,
+            slots=cache.ctl[STATE_AT : CONV_WRITE + 1],
+            store_all=store_all,
+        )
         return self._mlp(lin(o, w.out_proj, residual=x), w.mlp)
 
-    def trunk(self, cache: SlotCache, ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor,
-              store_all: bool = True) -> None:
+    def trunk(
+        self, cache: SlotCache, ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, store_all: bool = True
+    ) -> None:
         """ids [T] at positions SEQ_LEN..: logits [T, V] float32 and head-input hiddens [T, H] into
         the given buffers; K/V and the GDN step buffers written, nothing committed."""
         lin, norm = self.linear.skinny_linear, self.norm.rms_norm
@@ -205,7 +265,7 @@ class TritonStep:
             raise ValueError(f"a step keeping every state takes at most {cache.rows} tokens here, got {ids.shape[0]}")
         pos = cache.ctl[SEQ_LEN : SEQ_LEN + 1]
         x = F.embedding(ids, self.embed)
-        for layer, w in zip(self.model.model.layers, self.layers):
+        for layer, w in zip(self.model.model.layers, self.layers, strict=True):
             if layer.kind == FULL:
                 x = self._attn(x, w, *cache.kv(layer.layer_idx), pos, 0)
             else:
@@ -215,8 +275,16 @@ class TritonStep:
         if not self.after_norm:
             hidden.copy_(x)
 
-    def head(self, cache: SlotCache, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, row,
-             logits: torch.Tensor, chained: torch.Tensor) -> None:
+    def head(
+        self,
+        cache: SlotCache,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        pos: torch.Tensor,
+        row,
+        logits: torch.Tensor,
+        chained: torch.Tensor,
+    ) -> None:
         """MTP rows: ids [T] paired with hidden [T, H]; row 0 in draft K/V slot pos (int32 [1]; rope
         position pos + 1). Row `row` (an int, or a device index) gives logits [1, V] and the hidden
         to chain [1, H]."""

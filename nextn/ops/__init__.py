@@ -6,10 +6,12 @@ imported only when their table is asked for (they need triton, or fla).
 The decode / verify step has its own fused forward (nextn.models.qwen3_5_step); these are the ops
 the reference modules run over many rows: prefill and training.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 
 class Ops(NamedTuple):

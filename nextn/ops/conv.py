@@ -4,6 +4,7 @@ One function serves prefill, 1-token decode and (K+1)-token verify: the input co
 to the carried state and convolved. It returns the whole window so a caller can take the state
 after any token (speculative rollback: the state after token t is window[..., t+1 : t+W]).
 """
+
 from __future__ import annotations
 
 import torch

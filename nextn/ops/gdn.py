@@ -13,6 +13,7 @@ Two forms of one function:
 - `recurrent_gated_delta_rule`: token-by-token form for decode and verify; returns the state
   after every token, which is what speculative rollback restores from.
 """
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ Seen on the H200 image (Triton 3.6, fla-core 0.6.0): the forward runs, but fla's
 "Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated
 chunk_bwd_dqkwg (see #640)" unless tilelang is installed, so training there uses the torch kernel.
 """
+
 from __future__ import annotations
 
 import torch

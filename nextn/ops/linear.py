@@ -8,6 +8,7 @@ verify (K <= STEP_ROWS - 1) and short prefills, in which a row's result does not
 position or its neighbours (tests/test_model.py checks this bitwise). At batch 1 the matmuls are
 bound by reading the weights, so the padded rows cost little.
 """
+
 from __future__ import annotations
 
 import torch

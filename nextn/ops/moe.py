@@ -1,5 +1,6 @@
 """Routed experts of a sparse MoE block: the plain PyTorch reference (CPU path and the oracle of
 the grouped-GEMM kernel, nextn.ops.triton_moe_grouped)."""
+
 from __future__ import annotations
 
 import torch

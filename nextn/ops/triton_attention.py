@@ -12,6 +12,7 @@ graph captured once serves every position:
 Chunk boundaries are absolute positions, so the row at position p is reduced in the same order
 whether it is a decode's only row or a verify's row t: decode and verify agree bitwise.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,14 +27,22 @@ if HAVE_TRITON:
 
     @triton.jit
     def _qk_norm_rope_kernel(
-        qkv_ptr, stride_qkv,  # [T, Hq*2*D + 2*Hkv*D]: per q head [q | gate], then k heads, then v heads
-        q_norm_ptr, k_norm_ptr,  # [D] zero-centred norm weights
-        cos_ptr, sin_ptr,  # [max_pos, R] rotary tables (the reference's values, in the model dtype)
+        qkv_ptr,
+        stride_qkv,  # [T, Hq*2*D + 2*Hkv*D]: per q head [q | gate], then k heads, then v heads
+        q_norm_ptr,
+        k_norm_ptr,  # [D] zero-centred norm weights
+        cos_ptr,
+        sin_ptr,  # [max_pos, R] rotary tables (the reference's values, in the model dtype)
         pos_ptr,  # int32 [1]: cache slot of row 0; its rope position is slot + ROPE_OFFSET
         q_out_ptr,  # [T, Hq, D]
-        key_ptr, value_ptr,  # [max_len, Hkv, D] the layer's cache
+        key_ptr,
+        value_ptr,  # [max_len, Hkv, D] the layer's cache
         eps,
-        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, R: tl.constexpr, ROPE_OFFSET: tl.constexpr,
+        HQ: tl.constexpr,
+        HKV: tl.constexpr,
+        D: tl.constexpr,
+        R: tl.constexpr,
+        ROPE_OFFSET: tl.constexpr,
     ):
         t = tl.program_id(0)
         head = tl.program_id(1)
@@ -76,12 +85,19 @@ if HAVE_TRITON:
     @triton.jit
     def _attend_chunk_kernel(
         q_ptr,  # [T, Hq, D]
-        key_ptr, value_ptr,  # [max_len, Hkv, D]
+        key_ptr,
+        value_ptr,  # [max_len, Hkv, D]
         pos_ptr,  # int32 [1]: cache slot of row 0
-        part_m_ptr, part_l_ptr, part_acc_ptr,  # [T, Hq, NUM_CHUNKS] (, D) float32 out
+        part_m_ptr,
+        part_l_ptr,
+        part_acc_ptr,  # [T, Hq, NUM_CHUNKS] (, D) float32 out
         scale,
-        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-        NUM_CHUNKS: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_S: tl.constexpr,
+        HQ: tl.constexpr,
+        HKV: tl.constexpr,
+        D: tl.constexpr,
+        NUM_CHUNKS: tl.constexpr,
+        CHUNK_SIZE: tl.constexpr,
+        BLOCK_S: tl.constexpr,
     ):
         t = tl.program_id(0)
         head = tl.program_id(1)
@@ -115,12 +131,18 @@ if HAVE_TRITON:
 
     @triton.jit
     def _combine_kernel(
-        part_m_ptr, part_l_ptr, part_acc_ptr,
-        qkv_ptr, stride_qkv,  # the gate: [T, Hq*2*D + ...] columns head*2*D + D ..
+        part_m_ptr,
+        part_l_ptr,
+        part_acc_ptr,
+        qkv_ptr,
+        stride_qkv,  # the gate: [T, Hq*2*D + ...] columns head*2*D + D ..
         pos_ptr,
         o_ptr,  # [T, Hq*D] out: attention * sigmoid(gate)
-        HQ: tl.constexpr, D: tl.constexpr,
-        NUM_CHUNKS: tl.constexpr, CHUNK_SIZE: tl.constexpr, BLOCK_C: tl.constexpr,
+        HQ: tl.constexpr,
+        D: tl.constexpr,
+        NUM_CHUNKS: tl.constexpr,
+        CHUNK_SIZE: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         t = tl.program_id(0)
         head = tl.program_id(1)
@@ -170,8 +192,23 @@ def qk_norm_rope(
     if q_out is None:
         q_out = torch.empty(T, num_heads, D, device=qkv.device, dtype=qkv.dtype)
     _qk_norm_rope_kernel[(T, num_heads + Hkv)](
-        qkv, qkv.stride(0), q_norm, k_norm, cos, sin, pos, q_out, key, value, eps,
-        HQ=num_heads, HKV=Hkv, D=D, R=cos.shape[1], ROPE_OFFSET=rope_offset, num_warps=4,
+        qkv,
+        qkv.stride(0),
+        q_norm,
+        k_norm,
+        cos,
+        sin,
+        pos,
+        q_out,
+        key,
+        value,
+        eps,
+        HQ=num_heads,
+        HKV=Hkv,
+        D=D,
+        R=cos.shape[1],
+        ROPE_OFFSET=rope_offset,
+        num_warps=4,
     )
     return q_out
 
@@ -197,13 +234,35 @@ def attend_step(
         out = torch.empty(T, Hq * D, device=q.device, dtype=q.dtype)
     block_s = min(block_s, chunk)
     _attend_chunk_kernel[(T, Hq, num_chunks)](
-        q, key, value, pos, part_m, part_l, part_acc, D**-0.5,
-        HQ=Hq, HKV=Hkv, D=D, NUM_CHUNKS=num_chunks, CHUNK_SIZE=chunk, BLOCK_S=block_s,
+        q,
+        key,
+        value,
+        pos,
+        part_m,
+        part_l,
+        part_acc,
+        D**-0.5,
+        HQ=Hq,
+        HKV=Hkv,
+        D=D,
+        NUM_CHUNKS=num_chunks,
+        CHUNK_SIZE=chunk,
+        BLOCK_S=block_s,
         num_warps=num_warps or (4 if D <= 128 else 8),
     )
     _combine_kernel[(T, Hq)](
-        part_m, part_l, part_acc, qkv, qkv.stride(0), pos, out,
-        HQ=Hq, D=D, NUM_CHUNKS=num_chunks, CHUNK_SIZE=chunk, BLOCK_C=min(16, next_pow2(num_chunks)),
+        part_m,
+        part_l,
+        part_acc,
+        qkv,
+        qkv.stride(0),
+        pos,
+        out,
+        HQ=Hq,
+        D=D,
+        NUM_CHUNKS=num_chunks,
+        CHUNK_SIZE=chunk,
+        BLOCK_C=min(16, next_pow2(num_chunks)),
         num_warps=4,
     )
     return out

@@ -22,6 +22,7 @@ token t goes to states[state_write + t] (or, with store_all=False, only the last
 states[state_write]); carried conv column j is conv_home[:, j] if conv_at < 0 else
 window[:, conv_at + j]; the step's window goes to window[:, conv_write:conv_write + W-1+T].
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,8 +53,19 @@ if HAVE_TRITON:
         return (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32)
 
     @triton.jit
-    def _keep_window(proj_ptr, stride_p, carried_ptr, stride_c, window_ptr, stride_win, ch, T, mask, W: tl.constexpr,
-                     dtype: tl.constexpr):
+    def _keep_window(
+        proj_ptr,
+        stride_p,
+        carried_ptr,
+        stride_c,
+        window_ptr,
+        stride_win,
+        ch,
+        T,
+        mask,
+        W: tl.constexpr,
+        dtype: tl.constexpr,
+    ):
         """window[ch] (from window_ptr) = the W-1 carried columns, then the step's T inputs."""
         for j in tl.static_range(W - 1):
             col = tl.load(carried_ptr + ch * stride_c + j, mask=mask, other=0.0).to(dtype)
@@ -64,21 +76,34 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["T"])  # one compiled kernel for decode and verify
     def _gdn_step_kernel(
-        proj_ptr, stride_p,  # [T, conv_dim | z (HV*V) | b (HV) | a (HV)]: the in_proj output
+        proj_ptr,
+        stride_p,  # [T, conv_dim | z (HV*V) | b (HV) | a (HV)]: the in_proj output
         conv_w_ptr,  # [conv_dim, W] taps
         conv_home_ptr,  # [conv_dim, W-1] committed conv inputs, when slots[2] < 0
-        window_ptr, stride_win,  # [conv_dim, NW]: carried columns at slots[2] (if >= 0); written at slots[3]
-        a_log_ptr, dt_bias_ptr,  # [HV]
+        window_ptr,
+        stride_win,  # [conv_dim, NW]: carried columns at slots[2] (if >= 0); written at slots[3]
+        a_log_ptr,
+        dt_bias_ptr,  # [HV]
         state_home_ptr,  # [HV, K, V] float32: the state before the step, when slots[0] < 0
-        states_ptr, stride_states,  # [NS, HV, K, V] float32: states[slots[0]] if >= 0; written from slots[1]
+        states_ptr,
+        stride_states,  # [NS, HV, K, V] float32: states[slots[0]] if >= 0; written from slots[1]
         slots_ptr,  # int32 [4]: (state_at, state_write, conv_at, conv_write)
         norm_w_ptr,  # [V] RMSNormGated weight
-        o_ptr, stride_o,  # [T, HV*V] out: RMSNormGated(o) * silu(z)
+        o_ptr,
+        stride_o,  # [T, HV*V] out: RMSNormGated(o) * silu(z)
         sumsq_ptr,  # [T, HV, V // BLOCK_V] float32 scratch: o's partial sums of squares
         count_ptr,  # [>= HV] int32 arrival counters, zero
-        T, scale, eps, norm_eps,
-        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-        BLOCK_V: tl.constexpr, STORE_ALL: tl.constexpr,  # else only the last token's state, at slots[1]
+        T,
+        scale,
+        eps,
+        norm_eps,
+        H: tl.constexpr,
+        HV: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        W: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        STORE_ALL: tl.constexpr,  # else only the last token's state, at slots[1]
     ):
         hv = tl.program_id(0)
         vb = tl.program_id(1)
@@ -191,27 +216,56 @@ def gdn_step(
     HV, K, V = state_home.shape
     W = conv_weight.shape[1]
     if conv_weight.shape[0] != 2 * num_k_heads * K + HV * V:
-        raise ValueError(f"gdn_step: conv weight {tuple(conv_weight.shape)} does not fit H={num_k_heads}, "
-                         f"HV={HV}, K={K}, V={V}")
+        raise ValueError(
+            f"gdn_step: conv weight {tuple(conv_weight.shape)} does not fit H={num_k_heads}, HV={HV}, K={K}, V={V}"
+        )
     if out is None:
         out = torch.empty(T, HV * V, device=proj.device, dtype=proj.dtype)
     if out.dtype != proj.dtype:
         raise ValueError("gdn_step: out must have the input dtype (it holds o before the norm)")
     if conv_home.dtype != window.dtype:
-        raise ValueError(f"gdn_step: conv_home ({conv_home.dtype}) and window ({window.dtype}) must share a dtype "
-                         "(the kernel reads the carried columns from either through one pointer)")
+        raise ValueError(
+            f"gdn_step: conv_home ({conv_home.dtype}) and window ({window.dtype}) must share a dtype "
+            "(the kernel reads the carried columns from either through one pointer)"
+        )
     if slots is None:
         slots = torch.tensor([-1, 0, -1, 0], device=proj.device, dtype=torch.int32)
     if slots.dtype != torch.int32 or slots.numel() != 4:
-        raise ValueError(f"gdn_step: slots must be int32 [4] (state_at, state_write, conv_at, conv_write), "
-                         f"not {slots.dtype} {tuple(slots.shape)}")
+        raise ValueError(
+            f"gdn_step: slots must be int32 [4] (state_at, state_write, conv_at, conv_write), "
+            f"not {slots.dtype} {tuple(slots.shape)}"
+        )
     block_v = min(32, V)
     sumsq = torch.empty(T, HV, V // block_v, device=proj.device, dtype=torch.float32)
     _gdn_step_kernel[(HV, V // block_v)](
-        proj, proj.stride(0), conv_weight, conv_home, window, window.stride(0), A_log, dt_bias, state_home,
-        states, states.stride(0), slots, norm_weight, out, out.stride(0), sumsq,
+        proj,
+        proj.stride(0),
+        conv_weight,
+        conv_home,
+        window,
+        window.stride(0),
+        A_log,
+        dt_bias,
+        state_home,
+        states,
+        states.stride(0),
+        slots,
+        norm_weight,
+        out,
+        out.stride(0),
+        sumsq,
         arrival_counters(proj.device, HV),
-        T, K**-0.5, eps, norm_eps,
-        H=num_k_heads, HV=HV, K=K, V=V, W=W, BLOCK_V=block_v, STORE_ALL=bool(store_all), num_warps=4,
+        T,
+        K**-0.5,
+        eps,
+        norm_eps,
+        H=num_k_heads,
+        HV=HV,
+        K=K,
+        V=V,
+        W=W,
+        BLOCK_V=block_v,
+        STORE_ALL=bool(store_all),
+        num_warps=4,
     )
     return out

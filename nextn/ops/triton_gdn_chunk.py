@@ -19,6 +19,7 @@ states stay within 1e-4 of the reference's, tests/test_kernels.py); the prompt's
 with the reference's closely, since decoding continues from them. Rows past T are loaded
 as zeros with g = 0, exactly as the reference pads, so they change nothing.
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,14 +53,38 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["T"])
     def _chunk_prep_kernel(
-        q_ptr, sq_b, sq_t, sq_h,  # [B, T, H, K]
-        k_ptr, sk_b, sk_t, sk_h,  # [B, T, H, K]
-        v_ptr, sv_b, sv_t, sv_h,  # [B, T, HV, V]
-        g_ptr, beta_ptr, sg_b, sg_t, sb_b, sb_t,  # [B, T, HV] (head stride 1)
-        u_ptr, w_ptr, a_ptr, gc_ptr,  # scratch [B*HV, Tp, V], [.., K], [.., C], [B*HV, Tp] float32
-        T, Tp, scale,
-        HV: tl.constexpr, GROUPS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+        q_ptr,
+        sq_b,
+        sq_t,
+        sq_h,  # [B, T, H, K]
+        k_ptr,
+        sk_b,
+        sk_t,
+        sk_h,  # [B, T, H, K]
+        v_ptr,
+        sv_b,
+        sv_t,
+        sv_h,  # [B, T, HV, V]
+        g_ptr,
+        beta_ptr,
+        sg_b,
+        sg_t,
+        sb_b,
+        sb_t,  # [B, T, HV] (head stride 1)
+        u_ptr,
+        w_ptr,
+        a_ptr,
+        gc_ptr,  # scratch [B*HV, Tp, V], [.., K], [.., C], [B*HV, Tp] float32
+        T,
+        Tp,
+        scale,
+        HV: tl.constexpr,
+        GROUPS: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        C: tl.constexpr,
     ):
         tl.static_assert(C == 64, "the blocked inverse merges 16-row blocks twice: C = 64 exactly")
         ic = tl.program_id(0)
@@ -75,8 +100,11 @@ if HAVE_TRITON:
         qk_mask = tm[:, None] & (kk[None, :] < K)
         k = tl.load(k_ptr + b * sk_b + t[:, None] * sk_t + h * sk_h + kk[None, :], mask=qk_mask, other=0.0)
         k = k.to(tl.float32)
-        v = tl.load(v_ptr + b * sv_b + t[:, None] * sv_t + hv * sv_h + vv[None, :],
-                    mask=tm[:, None] & (vv[None, :] < V), other=0.0).to(tl.float32)
+        v = tl.load(
+            v_ptr + b * sv_b + t[:, None] * sv_t + hv * sv_h + vv[None, :],
+            mask=tm[:, None] & (vv[None, :] < V),
+            other=0.0,
+        ).to(tl.float32)
         g = tl.load(g_ptr + b * sg_b + t * sg_t + hv, mask=tm, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + b * sb_b + t * sb_t + hv, mask=tm, other=0.0).to(tl.float32)
         gc = tl.cumsum(g, axis=0)
@@ -109,15 +137,35 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["T"])
     def _chunk_scan_kernel(
-        q_ptr, sq_b, sq_t, sq_h,  # [B, T, H, K]
-        k_ptr, sk_b, sk_t, sk_h,  # [B, T, H, K]
-        u_ptr, w_ptr, a_ptr, gc_ptr,  # from the prep kernel
+        q_ptr,
+        sq_b,
+        sq_t,
+        sq_h,  # [B, T, H, K]
+        k_ptr,
+        sk_b,
+        sk_t,
+        sk_h,  # [B, T, H, K]
+        u_ptr,
+        w_ptr,
+        a_ptr,
+        gc_ptr,  # from the prep kernel
         h0_ptr,  # [B*HV, K, V] float32, if HAS_H0
-        o_ptr, so_b, so_t, so_h,  # [B, T, HV, V] out
+        o_ptr,
+        so_b,
+        so_t,
+        so_h,  # [B, T, HV, V] out
         ht_ptr,  # [B*HV, K, V] float32 out: the final state
-        T, Tp, scale,
-        HV: tl.constexpr, GROUPS: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        BK: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr, HAS_H0: tl.constexpr,
+        T,
+        Tp,
+        scale,
+        HV: tl.constexpr,
+        GROUPS: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BK: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        C: tl.constexpr,
+        HAS_H0: tl.constexpr,
     ):
         bh = tl.program_id(0)
         vb = tl.program_id(1)
@@ -139,10 +187,17 @@ if HAVE_TRITON:
             t = ic * C + r
             tm = t < T
             rows = bh * Tp + t
-            q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + h * sq_h + kk[None, :],
-                        mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32) * scale
-            k = tl.load(k_ptr + b * sk_b + t[:, None] * sk_t + h * sk_h + kk[None, :],
-                        mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
+            q = (
+                tl.load(
+                    q_ptr + b * sq_b + t[:, None] * sq_t + h * sq_h + kk[None, :],
+                    mask=tm[:, None] & km[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                * scale
+            )
+            k = tl.load(
+                k_ptr + b * sk_b + t[:, None] * sk_t + h * sk_h + kk[None, :], mask=tm[:, None] & km[None, :], other=0.0
+            ).to(tl.float32)
             w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=km[None, :], other=0.0)
             u = tl.load(u_ptr + rows[:, None] * V + vv[None, :], mask=vm[None, :], other=0.0)
             intra = tl.load(a_ptr + rows[:, None] * C + r[None, :])
@@ -150,8 +205,11 @@ if HAVE_TRITON:
             g_last = tl.sum(tl.where(r == C - 1, gc, 0.0), axis=0)
             v_new = u - _dot(w, S)
             o = _dot(q * tl.exp(gc)[:, None], S) + _dot(intra, v_new)
-            tl.store(o_ptr + b * so_b + t[:, None] * so_t + hv * so_h + vv[None, :],
-                     o.to(o_ptr.dtype.element_ty), mask=tm[:, None] & vm[None, :])
+            tl.store(
+                o_ptr + b * so_b + t[:, None] * so_t + hv * so_h + vv[None, :],
+                o.to(o_ptr.dtype.element_ty),
+                mask=tm[:, None] & vm[None, :],
+            )
             k_to_end = k * tl.exp(g_last - gc)[:, None]
             S = S * tl.exp(g_last) + _dot(tl.trans(k_to_end), v_new)
         tl.store(ht_ptr + tile, S, mask=tile_m)
@@ -170,8 +228,10 @@ def chunk_gated_delta_rule(
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if k.shape != q.shape or v.shape[:2] != (B, T) or g.shape != (B, T, HV) or beta.shape != (B, T, HV):
-        raise ValueError(f"chunk_gated_delta_rule: shapes q {tuple(q.shape)} k {tuple(k.shape)} "
-                         f"v {tuple(v.shape)} g {tuple(g.shape)} beta {tuple(beta.shape)} do not fit")
+        raise ValueError(
+            f"chunk_gated_delta_rule: shapes q {tuple(q.shape)} k {tuple(k.shape)} "
+            f"v {tuple(v.shape)} g {tuple(g.shape)} beta {tuple(beta.shape)} do not fit"
+        )
     if HV % H:
         raise ValueError(f"chunk_gated_delta_rule: {HV} value heads are not a multiple of {H} key heads")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -194,18 +254,60 @@ def chunk_gated_delta_rule(
     gc = torch.empty(B * HV, Tp, device=dev, dtype=torch.float32)
     prep_constexprs, scan_constexprs = launch_constexprs(H, HV, K, V, initial_state is not None)
     _chunk_prep_kernel[(n_chunks, B * HV)](
-        q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
-        v, v.stride(0), v.stride(1), v.stride(2),
-        g, beta, g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), u, w, intra, gc, T, Tp, K**-0.5,
-        **prep_constexprs, **PREP_OPTIONS,
+        q,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k,
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v,
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        g,
+        beta,
+        g.stride(0),
+        g.stride(1),
+        beta.stride(0),
+        beta.stride(1),
+        u,
+        w,
+        intra,
+        gc,
+        T,
+        Tp,
+        K**-0.5,
+        **prep_constexprs,
+        **PREP_OPTIONS,
     )
     h0 = None
     if initial_state is not None:
         h0 = initial_state.float().reshape(B * HV, K, V).contiguous()
     _chunk_scan_kernel[(B * HV, triton.cdiv(V, scan_constexprs["BLOCK_V"]))](
-        q, q.stride(0), q.stride(1), q.stride(2), k, k.stride(0), k.stride(1), k.stride(2),
-        u, w, intra, gc, h0 if h0 is not None else final, o, o.stride(0), o.stride(1), o.stride(2), final,
-        T, Tp, K**-0.5,
-        **scan_constexprs, **SCAN_OPTIONS,
+        q,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k,
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        u,
+        w,
+        intra,
+        gc,
+        h0 if h0 is not None else final,
+        o,
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        final,
+        T,
+        Tp,
+        K**-0.5,
+        **scan_constexprs,
+        **SCAN_OPTIONS,
     )
     return o, final.view(B, HV, K, V)

@@ -14,6 +14,7 @@ Fused around the dot, so a decoder layer needs fewer launches:
 - epilogue `silu_mul`: y = silu(x @ w.T) * (x @ w2.T) (the SwiGLU of an MLP, gate and up weights).
 Roundings follow the PyTorch modules they replace, op by op.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,12 +42,30 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(
-        x_ptr, w_ptr, w2_ptr, y_ptr, res_ptr, nw_ptr, part_ptr, count_ptr,
-        M, N, K, K_SPLIT, stride_x, stride_y, stride_res, eps,
+        x_ptr,
+        w_ptr,
+        w2_ptr,
+        y_ptr,
+        res_ptr,
+        nw_ptr,
+        part_ptr,
+        count_ptr,
+        M,
+        N,
+        K,
+        K_SPLIT,
+        stride_x,
+        stride_y,
+        stride_res,
+        eps,
         PROLOGUE: tl.constexpr,  # 0 none, 1 rms (zero-centred)
         EPILOGUE: tl.constexpr,  # 0 none, 1 residual add, 2 silu(x w^T) * (x w2^T)
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        DOT_F32: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         """Program (n, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs, all rows.
         SPLIT > 1: float32 partials [SPLIT, M, N] in part_ptr, arrivals per N block in count_ptr."""
@@ -61,8 +80,11 @@ if HAVE_TRITON:
             sumsq = tl.zeros((BLOCK_M,), tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
-                xk = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
-                             mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0).to(tl.float32)
+                xk = tl.load(
+                    x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
+                    mask=mask_m[:, None] & (offs_k[None, :] < K),
+                    other=0.0,
+                ).to(tl.float32)
                 sumsq += tl.sum(xk * xk, axis=1)
             rstd = 1.0 / tl.sqrt(sumsq / K + eps)
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -110,15 +132,15 @@ if HAVE_TRITON:
             for s in tl.static_range(1, SPLIT):
                 acc += tl.load(part_ptr + s * M * N + at, mask=store_mask, other=0.0, cache_modifier=".cg")
                 if EPILOGUE == 2:
-                    acc2 += tl.load(part_ptr + (SPLIT + s) * M * N + at, mask=store_mask, other=0.0,
-                                    cache_modifier=".cg")
+                    acc2 += tl.load(
+                        part_ptr + (SPLIT + s) * M * N + at, mask=store_mask, other=0.0, cache_modifier=".cg"
+                    )
             tl.store(count_ptr + pid, 0, mask=arrived == SPLIT - 1)
         r = acc
         if EPILOGUE == 1:
             r = tl.load(res_ptr + offs_m[None, :] * stride_res + offs_n[:, None], mask=store_mask, other=0.0)
         out = _epilogue(acc, acc2, r, x_dtype, EPILOGUE)
-        tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], out.to(y_ptr.dtype.element_ty),
-                 mask=store_mask)
+        tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], out.to(y_ptr.dtype.element_ty), mask=store_mask)
 
 
 # (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT). `tune` measures candidates per shape
@@ -184,17 +206,32 @@ def skinny_linear(
         part = torch.empty((2 if epilogue == 2 else 1) * split * M * N, device=x.device, dtype=torch.float32)
         count = arrival_counters(x.device, triton_cdiv(N, block_n))
     _skinny_kernel[(triton_cdiv(N, block_n), split)](
-        x, weight, up_weight if up_weight is not None else dummy, out,
+        x,
+        weight,
+        up_weight if up_weight is not None else dummy,
+        out,
         residual if residual is not None else dummy,
         norm_weight if norm_weight is not None else dummy,
-        part, count,
-        M, N, K, K // split, x.stride(0), out.stride(0),
+        part,
+        count,
+        M,
+        N,
+        K,
+        K // split,
+        x.stride(0),
+        out.stride(0),
         residual.stride(0) if residual is not None else 0,
         eps,
-        PROLOGUE=prologue, EPILOGUE=epilogue,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-        DOT_F32=interpreting() or x.dtype == torch.float32, SPLIT=split,
-        num_warps=warps, num_stages=stages,
+        PROLOGUE=prologue,
+        EPILOGUE=epilogue,
+        BLOCK_M=MAX_ROWS,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=K % block_k == 0,
+        DOT_F32=interpreting() or x.dtype == torch.float32,
+        SPLIT=split,
+        num_warps=warps,
+        num_stages=stages,
     )
     return out
 
@@ -226,11 +263,24 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
     9 rows, in CUDA graphs with the weights out of L2, and keep the best in CONFIGS (the default
     heuristic's config is always a candidate). Run it before any step is captured: a shape's
     config then stays fixed, so rows stay invariant."""
-    candidates = list(candidates or [
-        (128, 128, 4, 4, 1), (64, 128, 4, 4, 1), (32, 256, 4, 4, 1), (16, 256, 4, 3, 1), (32, 256, 4, 3, 1),
-        (64, 128, 4, 4, 2), (64, 128, 4, 4, 4), (32, 256, 4, 4, 4), (64, 128, 4, 4, 8),
-        (64, 128, 8, 3, 1), (128, 128, 8, 3, 2), (64, 128, 4, 3, 4), (64, 128, 8, 3, 4),
-    ])
+    candidates = list(
+        candidates
+        or [
+            (128, 128, 4, 4, 1),
+            (64, 128, 4, 4, 1),
+            (32, 256, 4, 4, 1),
+            (16, 256, 4, 3, 1),
+            (32, 256, 4, 3, 1),
+            (64, 128, 4, 4, 2),
+            (64, 128, 4, 4, 4),
+            (32, 256, 4, 4, 4),
+            (64, 128, 4, 4, 8),
+            (64, 128, 8, 3, 1),
+            (128, 128, 8, 3, 2),
+            (64, 128, 4, 3, 4),
+            (64, 128, 8, 3, 4),
+        ]
+    )
     chosen = {}
     merged: dict[tuple[int, int], tuple[bool, bool]] = {}
     for N, K, norm, dual in shapes:  # one config per (N, K): tune the most demanding use
@@ -257,10 +307,15 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
             times = []
             try:
                 for rows in (1, 9):
-                    times.append(_graph_us(
-                        lambda i, rows=rows: skinny_linear(x[:rows], ws[i], norm_weight=nw,
-                                                           up_weight=w2s[i] if dual else None, config=cfg),
-                        copies, reps))
+                    times.append(
+                        _graph_us(
+                            lambda i, rows=rows, x=x, ws=ws, nw=nw, w2s=w2s, dual=dual, cfg=cfg: skinny_linear(
+                                x[:rows], ws[i], norm_weight=nw, up_weight=w2s[i] if dual else None, config=cfg
+                            ),
+                            copies,
+                            reps,
+                        )
+                    )
             except Exception as e:  # e.g. more shared memory than the chip has: not a candidate
                 torch.cuda.synchronize()
                 if log:
@@ -270,8 +325,13 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
             if best is None or score < best[0]:
                 best = (score, cfg, times[0], times[1])
         CONFIGS[(N, K)] = best[1]
-        chosen[f"{N}x{K}"] = {"config": list(best[1]), "default": list(default), "us_1row": best[2],
-                              "us_9rows": best[3], "GBps_1row": nbytes / (best[2] * 1e-6) / 1e9}
+        chosen[f"{N}x{K}"] = {
+            "config": list(best[1]),
+            "default": list(default),
+            "us_1row": best[2],
+            "us_9rows": best[3],
+            "GBps_1row": nbytes / (best[2] * 1e-6) / 1e9,
+        }
         if log:
             log(f"tune {N}x{K}: {best[1]} {chosen[f'{N}x{K}']['GBps_1row']:.0f} GB/s at 1 row ({best[2]:.1f} us)")
         ws = w2s = None  # free the copies before the next shape's

@@ -11,6 +11,7 @@ expert order with the model dtype's rounding; plus the sigmoid-gated shared expe
   gate) * shared expert, plus the residual.
 The router and shared expert matmuls go through `skinny_linear`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,9 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _route_kernel(logits_ptr, idx_ptr, w_ptr, E: tl.constexpr, TOP_K: tl.constexpr,
-                      BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+    def _route_kernel(
+        logits_ptr, idx_ptr, w_ptr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr
+    ):
         t = tl.program_id(0)
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
@@ -48,8 +50,9 @@ if HAVE_TRITON:
         tl.store(w_ptr + t * TOP_K + slot, weight.to(w_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, act_ptr, H, I,
-                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gate_up_kernel(
+        x_ptr, idx_ptr, w_ptr, act_ptr, H, I, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+    ):
         row = tl.program_id(0)  # t * TOP_K + slot
         t = row // TOP_K
         e = tl.load(idx_ptr + row).to(tl.int64)
@@ -63,8 +66,9 @@ if HAVE_TRITON:
             mk = offs_k < H
             x = tl.load(x_ptr + t * H + offs_k, mask=mk, other=0.0).to(tl.float32)
             wg = tl.load(base + offs_n[:, None] * H + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)
-            wu = tl.load(base + (I + offs_n[:, None]) * H + offs_k[None, :], mask=mask_n[:, None] & mk[None, :],
-                         other=0.0)
+            wu = tl.load(
+                base + (I + offs_n[:, None]) * H + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0
+            )
             gate += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
             up += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
         dtype = act_ptr.dtype.element_ty
@@ -73,8 +77,7 @@ if HAVE_TRITON:
         tl.store(act_ptr + row * I + offs_n, (silu * up.to(dtype).to(tl.float32)).to(dtype), mask=mask_n)
 
     @triton.jit
-    def _down_kernel(act_ptr, idx_ptr, rw_ptr, w_ptr, y_ptr, H, I,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _down_kernel(act_ptr, idx_ptr, rw_ptr, w_ptr, y_ptr, H, I, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """y[row] = (act[row] @ W_down[e]^T) * routing weight, each rounded to the model dtype."""
         row = tl.program_id(0)  # t * TOP_K + slot
         e = tl.load(idx_ptr + row).to(tl.int64)
@@ -85,16 +88,20 @@ if HAVE_TRITON:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mk = offs_k < I
             a = tl.load(act_ptr + row * I + offs_k, mask=mk, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + e * (H * I) + offs_n[:, None] * I + offs_k[None, :],
-                        mask=mask_n[:, None] & mk[None, :], other=0.0)
+            w = tl.load(
+                w_ptr + e * (H * I) + offs_n[:, None] * I + offs_k[None, :],
+                mask=mask_n[:, None] & mk[None, :],
+                other=0.0,
+            )
             acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         dtype = y_ptr.dtype.element_ty
         rw = tl.load(rw_ptr + row).to(tl.float32)
         tl.store(y_ptr + row * H + offs_n, (acc.to(dtype).to(tl.float32) * rw).to(dtype), mask=mask_n)
 
     @triton.jit
-    def _combine_kernel(y_ptr, shared_ptr, shared_gate_ptr, res_ptr, out_ptr, H,
-                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _combine_kernel(
+        y_ptr, shared_ptr, shared_gate_ptr, res_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr
+    ):
         """x + (sum of the slots' outputs in slot order + sigmoid(shared gate) * shared expert)."""
         t = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,10 +144,12 @@ def moe_step(
     _route_kernel[(T,)](logits, idx, weights, E=E, TOP_K=top_k, BLOCK_E=next_pow2(E), RENORM=renorm, num_warps=4)
     act = torch.empty(T * top_k, I, device=h.device, dtype=h.dtype)
     _gate_up_kernel[(T * top_k, triton.cdiv(I, 16))](
-        h, idx, gate_up, act, H, I, TOP_K=top_k, BLOCK_N=16, BLOCK_K=256, num_warps=4)
+        h, idx, gate_up, act, H, I, TOP_K=top_k, BLOCK_N=16, BLOCK_K=256, num_warps=4
+    )
     y = torch.empty(T * top_k, H, device=h.device, dtype=h.dtype)
-    _down_kernel[(T * top_k, triton.cdiv(H, 32))](act, idx, weights, down, y, H, I, BLOCK_N=32, BLOCK_K=256,
-                                                  num_warps=4)
+    _down_kernel[(T * top_k, triton.cdiv(H, 32))](
+        act, idx, weights, down, y, H, I, BLOCK_N=32, BLOCK_K=256, num_warps=4
+    )
     shared = skinny_linear(skinny_linear(h, shared_gate, up_weight=shared_up), shared_down)
     sg = skinny_linear(h, shared_expert_gate)  # [T, 1]
     out = torch.empty_like(x)

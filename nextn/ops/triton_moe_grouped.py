@@ -8,6 +8,7 @@ expert, so each program multiplies a [BLOCK_M, K] tile of gathered rows by one e
 the tensor cores, and an expert's weights are read once per output tile however many of the
 prompt's tokens chose it (the per-row decode kernels of `triton_moe` read them once per row).
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,9 +29,21 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _grouped_gate_up_kernel(x_ptr, pairs_ptr, block_expert_ptr, w_ptr, act_ptr, NK, H, I,
-                                TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    def _grouped_gate_up_kernel(
+        x_ptr,
+        pairs_ptr,
+        block_expert_ptr,
+        w_ptr,
+        act_ptr,
+        NK,
+        H,
+        I,
+        TOP_K: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):
         """act[row] = silu(x[token] W_gate[e]^T) * (x[token] W_up[e]^T) for the block's sorted rows."""
         pid_m = tl.program_id(0)
         e = tl.load(block_expert_ptr + pid_m)
@@ -65,9 +78,21 @@ if HAVE_TRITON:
             tl.store(act_ptr + rows[:, None].to(tl.int64) * I + offs_n[None, :], act, mask=mn[None, :])
 
     @triton.jit
-    def _grouped_down_kernel(act_ptr, pairs_ptr, block_expert_ptr, w_ptr, rw_ptr, y_ptr, NK, H, I,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             DOT_F32: tl.constexpr):
+    def _grouped_down_kernel(
+        act_ptr,
+        pairs_ptr,
+        block_expert_ptr,
+        w_ptr,
+        rw_ptr,
+        y_ptr,
+        NK,
+        H,
+        I,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):
         """y[pair] = (act[row] W_down[e]^T) * the pair's routing weight, each rounded to the dtype."""
         pid_m = tl.program_id(0)
         e = tl.load(block_expert_ptr + pid_m)
@@ -116,8 +141,9 @@ def _align(top_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     return pairs, block_expert
 
 
-def grouped_experts(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def grouped_experts(
+    x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
     """x [N, H]; top_idx, top_w [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H] (x's dtype)."""
     require_triton()
     N, H = x.shape
@@ -134,12 +160,23 @@ def grouped_experts(x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor,
     dot_f32 = interpreting() or x.dtype == torch.float32
     act = torch.empty(pairs.numel(), I, device=x.device, dtype=x.dtype)
     _grouped_gate_up_kernel[(n_blocks, triton.cdiv(I, GATE_UP_BLOCKS["BLOCK_N"]))](
-        x, pairs, block_expert, gate_up, act, N * k, H, I,
-        TOP_K=k, DOT_F32=dot_f32, **GATE_UP_BLOCKS, **GATE_UP_OPTIONS)
+        x, pairs, block_expert, gate_up, act, N * k, H, I, TOP_K=k, DOT_F32=dot_f32, **GATE_UP_BLOCKS, **GATE_UP_OPTIONS
+    )
     y = torch.empty(N * k, H, device=x.device, dtype=x.dtype)
     _grouped_down_kernel[(n_blocks, triton.cdiv(H, DOWN_BLOCKS["BLOCK_N"]))](
-        act, pairs, block_expert, down, top_w.reshape(-1).contiguous(), y, N * k, H, I,
-        DOT_F32=dot_f32, **DOWN_BLOCKS, **DOWN_OPTIONS)
+        act,
+        pairs,
+        block_expert,
+        down,
+        top_w.reshape(-1).contiguous(),
+        y,
+        N * k,
+        H,
+        I,
+        DOT_F32=dot_f32,
+        **DOWN_BLOCKS,
+        **DOWN_OPTIONS,
+    )
     y = y.view(N, k, H)
     out = y[:, 0]
     for s in range(1, k):  # slot order, rounded per add like the reference

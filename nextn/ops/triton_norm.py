@@ -1,6 +1,7 @@
 """Row-wise zero-centred RMSNorm, `x_hat * (1 + w)`, one program per row: a row's result does not
 depend on how many rows the call has. Reference: `nextn.layers.norm.RMSNorm`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,6 +33,7 @@ def rms_norm(
     M, D = x.shape
     if out is None:
         out = torch.empty_like(x)
-    _rms_norm_kernel[(M,)](x, weight, out, D, x.stride(0), out.stride(0), eps,
-                           BLOCK_D=next_pow2(D), num_warps=4 if D <= 4096 else 8)
+    _rms_norm_kernel[(M,)](
+        x, weight, out, D, x.stride(0), out.stride(0), eps, BLOCK_D=next_pow2(D), num_warps=4 if D <= 4096 else 8
+    )
     return out

@@ -4,6 +4,7 @@ Under `TRITON_INTERPRET=1` (CPU tests) Triton's interpreter multiplies bf16 `tl.
 raw 16-bit patterns (triton <= 3.9), so kernels upcast dot operands to float32 there (`DOT_F32`).
 On a GPU the operands stay bf16 and the dot runs on the tensor cores.
 """
+
 from __future__ import annotations
 
 import importlib.util

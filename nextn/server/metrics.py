@@ -4,6 +4,7 @@ Owns the counters and histograms; the engine thread records into them (under one
 /metrics renders them. Session-store numbers are copied in by the engine thread, because the store
 belongs to that thread. Does not know HTTP.
 """
+
 from __future__ import annotations
 
 import threading
@@ -35,7 +36,7 @@ class Histogram:
 
     def lines(self, name: str) -> list[str]:
         out, cum = [], 0
-        for b, c in zip((*self.buckets, float("inf")), self.counts):
+        for b, c in zip((*self.buckets, float("inf")), self.counts, strict=True):
             cum += c
             le = "+Inf" if b == float("inf") else repr(b)
             out.append(f'{name}_bucket{{le="{le}"}} {cum}')
@@ -134,44 +135,72 @@ class Metrics:
 
             gauge("nextn:num_requests_running", "Requests being generated (interleaved).", self.running)
             gauge("nextn:num_requests_waiting", "Requests waiting for a turn.", self.waiting)
-            metric("nextn:request_success_total", "counter", "Finished requests by finish reason.",
-                   [f'nextn:request_success_total{{finished_reason="{k}"}} {v}' for k, v in sorted(self.success.items())])
+            metric(
+                "nextn:request_success_total",
+                "counter",
+                "Finished requests by finish reason.",
+                [f'nextn:request_success_total{{finished_reason="{k}"}} {v}' for k, v in sorted(self.success.items())],
+            )
             counter("nextn:request_aborted_total", "Requests cancelled by a client disconnect.", self.aborted)
             counter("nextn:request_failed_total", "Requests the engine failed on.", self.failed)
-            metric("nextn:request_rejected_total", "counter", "Requests refused before queueing, by reason.",
-                   [f'nextn:request_rejected_total{{reason="{k}"}} {v}' for k, v in sorted(self.rejected.items())])
+            metric(
+                "nextn:request_rejected_total",
+                "counter",
+                "Requests refused before queueing, by reason.",
+                [f'nextn:request_rejected_total{{reason="{k}"}} {v}' for k, v in sorted(self.rejected.items())],
+            )
             counter("nextn:prompt_tokens_total", "Prompt tokens of admitted requests.", self.prompt_tokens)
             counter("nextn:generation_tokens_total", "Generated tokens.", self.generation_tokens)
-            metric("nextn:time_to_first_token_seconds", "histogram", "Time from arrival to the first token.",
-                   self.ttft.lines("nextn:time_to_first_token_seconds"))
-            metric("nextn:inter_token_latency_seconds", "histogram",
-                   "Time per output token after the first (a round's wait split over its tokens).",
-                   self.itl.lines("nextn:inter_token_latency_seconds"))
-            metric("nextn:e2e_request_latency_seconds", "histogram", "Time from arrival to the last token.",
-                   self.e2e.lines("nextn:e2e_request_latency_seconds"))
-            counter("nextn:spec_decode_num_drafts_total", "Verify rounds with at least one draft token.",
-                    self.num_drafts)
+            metric(
+                "nextn:time_to_first_token_seconds",
+                "histogram",
+                "Time from arrival to the first token.",
+                self.ttft.lines("nextn:time_to_first_token_seconds"),
+            )
+            metric(
+                "nextn:inter_token_latency_seconds",
+                "histogram",
+                "Time per output token after the first (a round's wait split over its tokens).",
+                self.itl.lines("nextn:inter_token_latency_seconds"),
+            )
+            metric(
+                "nextn:e2e_request_latency_seconds",
+                "histogram",
+                "Time from arrival to the last token.",
+                self.e2e.lines("nextn:e2e_request_latency_seconds"),
+            )
+            counter(
+                "nextn:spec_decode_num_drafts_total", "Verify rounds with at least one draft token.", self.num_drafts
+            )
             counter("nextn:spec_decode_num_draft_tokens_total", "Draft tokens proposed.", self.num_draft_tokens)
-            counter("nextn:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.",
-                    self.num_accepted_tokens)
+            counter("nextn:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", self.num_accepted_tokens)
             positions = range(self.num_positions)
-            metric("nextn:spec_decode_num_accepted_tokens_per_pos_total", "counter",
-                   "Draft tokens accepted at each draft position.",
-                   [f'nextn:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}} {self.accepted_per_pos[j]}'
-                    for j in positions])
-            metric("nextn:spec_decode_num_draft_tokens_per_pos_total", "counter",
-                   "Draft tokens proposed at each draft position.",
-                   [f'nextn:spec_decode_num_draft_tokens_per_pos_total{{position="{j}"}} {self.drafted_per_pos[j]}'
-                    for j in positions])
+            metric(
+                "nextn:spec_decode_num_accepted_tokens_per_pos_total",
+                "counter",
+                "Draft tokens accepted at each draft position.",
+                [
+                    f'nextn:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}} {self.accepted_per_pos[j]}'
+                    for j in positions
+                ],
+            )
+            metric(
+                "nextn:spec_decode_num_draft_tokens_per_pos_total",
+                "counter",
+                "Draft tokens proposed at each draft position.",
+                [
+                    f'nextn:spec_decode_num_draft_tokens_per_pos_total{{position="{j}"}} {self.drafted_per_pos[j]}'
+                    for j in positions
+                ],
+            )
             s, c = self.sessions, self.sessions.counters
             counter("nextn:session_lookups_total", "Session lookups by prompt prefix.", c.lookups)
             counter("nextn:session_hits_total", "Lookups that found a kept session state.", c.hits)
-            counter("nextn:session_rewinds_total", "Hits that rewound a state to its prompt-end checkpoint.",
-                    c.rewinds)
-            counter("nextn:session_evictions_total", "Session states evicted under the memory budget.",
-                    c.evictions)
-            counter("nextn:prompt_tokens_cached_total", "Prompt tokens served from kept session state.",
-                    self.cached_tokens)
+            counter("nextn:session_rewinds_total", "Hits that rewound a state to its prompt-end checkpoint.", c.rewinds)
+            counter("nextn:session_evictions_total", "Session states evicted under the memory budget.", c.evictions)
+            counter(
+                "nextn:prompt_tokens_cached_total", "Prompt tokens served from kept session state.", self.cached_tokens
+            )
             gauge("nextn:session_states", "Kept session states.", s.num_states)
             gauge("nextn:session_memory_bytes", "Bytes held by kept session states.", s.memory_bytes)
             return "\n".join(lines) + "\n"

@@ -5,6 +5,7 @@ range-checked, so a bad value is a 400 before anything is queued. Responses carr
 (`usage.spec_decode`, vLLM's `top_k`/`min_p`/`repetition_penalty`/`ignore_eos`/`stop_token_ids`/
 `return_token_ids`) beside the standard fields. Does not know the engine.
 """
+
 from __future__ import annotations
 
 import time

@@ -1,6 +1,7 @@
 """Engine outputs -> OpenAI response objects: usage with spec stats, logprobs in the chat and the
 completions shapes, full responses and SSE chunks. Does not know HTTP routing or the queue.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,11 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def _drop_unset_extras(obj, in_delta: bool = False):
     if isinstance(obj, dict):  # a chunk's delta carries only what it sets, as OpenAI's do
-        return {k: _drop_unset_extras(v, k == "delta") for k, v in obj.items()
-                if not (v is None and (in_delta or k in _OPTIONAL_EXTRAS))}
+        return {
+            k: _drop_unset_extras(v, k == "delta")
+            for k, v in obj.items()
+            if not (v is None and (in_delta or k in _OPTIONAL_EXTRAS))
+        }
     if isinstance(obj, list):
         return [_drop_unset_extras(v) for v in obj]
     return obj
@@ -40,10 +44,14 @@ def spec_usage(stats: SpecStats, num_speculative_tokens: int) -> P.SpecDecodeUsa
         return None
     k = min(num_speculative_tokens, len(stats.drafted_per_position))
     return P.SpecDecodeUsage(
-        num_drafts=stats.drafted_per_position[0], num_draft_tokens=stats.num_drafted,
-        num_accepted_tokens=stats.num_accepted, num_rounds=stats.num_rounds,
-        drafted_per_position=stats.drafted_per_position[:k], accepted_per_position=stats.accepted_per_position[:k],
-        acceptance_rate=stats.acceptance_rate, mean_acceptance_length=stats.mean_acceptance_length,
+        num_drafts=stats.drafted_per_position[0],
+        num_draft_tokens=stats.num_drafted,
+        num_accepted_tokens=stats.num_accepted,
+        num_rounds=stats.num_rounds,
+        drafted_per_position=stats.drafted_per_position[:k],
+        accepted_per_position=stats.accepted_per_position[:k],
+        acceptance_rate=stats.acceptance_rate,
+        mean_acceptance_length=stats.mean_acceptance_length,
     )
 
 
@@ -54,7 +62,9 @@ def usage(outputs: list[RequestOutput], num_speculative_tokens: int) -> P.Usage:
     prompt = sum(o.prompt_tokens for o in outputs)
     completion = sum(len(o.token_ids) for o in outputs)
     return P.Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
         prompt_tokens_details=P.PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in outputs)),
         spec_decode=spec_usage(stats, num_speculative_tokens),
     )
@@ -96,8 +106,10 @@ class LogprobFormatter:
             return P.TopLogprob(token=self.token(tid), logprob=lp, bytes=self.token_bytes(tid))
 
         content = [
-            P.TokenLogprob(**top(e["token_id"], e["logprob"]).model_dump(),
-                           top_logprobs=[top(t, lp) for t, lp in e["top_logprobs"]])
+            P.TokenLogprob(
+                **top(e["token_id"], e["logprob"]).model_dump(),
+                top_logprobs=[top(t, lp) for t, lp in e["top_logprobs"]],
+            )
             for e in entries
         ]
         return P.ChoiceLogprobs(content=content)
@@ -105,7 +117,7 @@ class LogprobFormatter:
     def completion(self, entries: list[dict | None], token_ids: list[int], offset: int) -> P.CompletionLogprobs:
         """`entries[i]` is token_ids[i]'s (None for a first prompt token); offsets start at `offset`."""
         out = P.CompletionLogprobs()
-        for tid, e in zip(token_ids, entries):
+        for tid, e in zip(token_ids, entries, strict=True):
             s = self.token(tid)
             out.tokens.append(s)
             out.text_offset.append(offset)
@@ -125,6 +137,8 @@ class LogprobFormatter:
 
 def merge_completion_logprobs(a: P.CompletionLogprobs, b: P.CompletionLogprobs) -> P.CompletionLogprobs:
     return P.CompletionLogprobs(
-        tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
-        top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset,
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
     )

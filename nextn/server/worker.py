@@ -7,6 +7,7 @@ A `Job` is the handle the HTTP side holds: it is fed from the engine thread (thr
 loop's call_soon_threadsafe) and cancelled from the HTTP side (a flag the engine thread reads
 between steps; aborting between rounds keeps the session state). Does not know HTTP or JSON.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,13 @@ class ClientGone(Exception):
 
 
 class Job:
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
-                 checkpoint_at: int | None = None):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        loop: asyncio.AbstractEventLoop,
+        checkpoint_at: int | None = None,
+    ):
         self.prompt_ids = prompt_ids
         self.params = params
         self.checkpoint_at = checkpoint_at  # where the session's rewind checkpoint goes (None: prompt end)
@@ -204,5 +210,10 @@ class EngineWorker:
     def _after_request(self) -> None:
         """Copy the scheduler's session numbers for /metrics (they are this thread's)."""
         sched = self.engine.scheduler
-        self.metrics.set_sessions(SessionSnapshot(dataclasses.replace(sched.counters), len(sched.sessions),
-                                                  len(sched.sessions) * self.engine.pool.slot_nbytes))
+        self.metrics.set_sessions(
+            SessionSnapshot(
+                dataclasses.replace(sched.counters),
+                len(sched.sessions),
+                len(sched.sessions) * self.engine.pool.slot_nbytes,
+            )
+        )

@@ -10,6 +10,7 @@ later); the kept row's output gives draft 1. Drafts 2..K chain the head's own ou
 Tensor-only interface: the runner, the slot's cache and sampler come in as arguments; nothing
 here reads the host, so a round's draft is captured in its CUDA graph.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -47,16 +48,24 @@ class MTPProposer:
         ctl = cache.ctl
         # first pass: the last round's kept tokens, from draft K/V slot DRAFT_LEN; row ACCEPTED (the
         # pending token's) gives draft 1
-        self.runner.step.head(cache, io.head_ids, io.hidden, ctl[DRAFT_LEN : DRAFT_LEN + 1], ctl[ACCEPTED].long(),
-                              io.logits, io.chained)
+        self.runner.step.head(
+            cache, io.head_ids, io.hidden, ctl[DRAFT_LEN : DRAFT_LEN + 1], ctl[ACCEPTED].long(), io.logits, io.chained
+        )
         # the chain: draft j + 1's row sits in draft K/V slot SEQ_LEN + j (the pending token's is SEQ_LEN - 1)
         chain_pos = (ctl[SEQ_LEN] + self.steps[: max(k - 1, 1)]).int()
         u = None if sampler.kind.greedy else sampler.uniforms_at(Stream.DRAFT, ctl[NUM_GEN], k)
         confidence = []
         for j in range(k):
             token = io.verify_ids[1 + j : 2 + j]
-            confidence.append(sampler.draft(io.logits, io.verify_ids[1 : 1 + j], None if u is None else u[j : j + 1],
-                                            token, io.draft_q[j : j + 1]))
+            confidence.append(
+                sampler.draft(
+                    io.logits,
+                    io.verify_ids[1 : 1 + j],
+                    None if u is None else u[j : j + 1],
+                    token,
+                    io.draft_q[j : j + 1],
+                )
+            )
             if j + 1 < k:
                 self.runner.step.head(cache, token, io.chained, chain_pos[j : j + 1], 0, io.logits, io.chained)
         if self.p_min <= 0.0:
@@ -81,9 +90,13 @@ class ProfileProposer:
         if not sampler.kind.greedy:  # a replaced draft is not drawn from its q: sampled rounds would not be exact
             raise ValueError("an acceptance profile drives greedy decoding only")
         num_drafts = self.base.propose(cache, sampler, io, k)
-        index = cache.ctl[NUM_GEN].long() + torch.arange(k, device=io.verify_ids.device)  # generated index of each draft
+        index = cache.ctl[NUM_GEN].long() + torch.arange(
+            k, device=io.verify_ids.device
+        )  # generated index of each draft
         right = self.reference[index.clamp(max=self.reference.numel() - 1)]
-        hit = self.rng.uniforms(index, 0) < self.profile[torch.arange(k, device=index.device).clamp(
-            max=self.profile.numel() - 1)]
+        hit = (
+            self.rng.uniforms(index, 0)
+            < self.profile[torch.arange(k, device=index.device).clamp(max=self.profile.numel() - 1)]
+        )
         io.verify_ids[1 : k + 1] = torch.where(hit, right, (right + 1) % self.base.runner.cfg.vocab_size)
         return num_drafts

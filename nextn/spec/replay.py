@@ -9,6 +9,7 @@ Draft j counts as accepted when drafts 0..j all equal their targets (what a gree
 accept). Also reports the trunk's NLL / perplexity of the text and can dump the head-input hiddens
 (head distillation data).
 """
+
 from __future__ import annotations
 
 import json
@@ -61,12 +62,21 @@ def trunk_pass(model: CausalLM, ids: list[int], after_norm: bool = True):
     return torch.cat(hiddens), torch.cat(picks), nll
 
 
-def replay_rounds(model: CausalLM, ids: list[int], hidden: torch.Tensor, picks: torch.Tensor, k: int,
-                  positions: range, after_norm: bool = True):
+def replay_rounds(
+    model: CausalLM,
+    ids: list[int],
+    hidden: torch.Tensor,
+    picks: torch.Tensor,
+    k: int,
+    positions: range,
+    after_norm: bool = True,
+):
     """Yields (p, drafts [k], targets [k]) per evaluated position p, in order."""
     cfg, param = model.cfg, next(model.parameters())
-    kv = tuple(torch.zeros(len(ids) + k + 1, cfg.num_key_value_heads, cfg.head_dim, device=param.device,
-                           dtype=param.dtype) for _ in range(2))
+    kv = tuple(
+        torch.zeros(len(ids) + k + 1, cfg.num_key_value_heads, cfg.head_dim, device=param.device, dtype=param.dtype)
+        for _ in range(2)
+    )
     tok = torch.tensor(ids, device=param.device)
     draft0, chained0 = [], []
     # every row p >= 1, in chunks: the persistent draft K/V and draft 0 of each position
@@ -87,8 +97,15 @@ def replay_rounds(model: CausalLM, ids: list[int], hidden: torch.Tensor, picks: 
         yield p, torch.stack(drafts), picks[p : p + k]
 
 
-def replay(model: CausalLM, ids: list[int], k: int, stride: int = 1, after_norm: bool = True,
-           progress: bool = True, dump_hidden: str | None = None) -> ReplayResult:
+def replay(
+    model: CausalLM,
+    ids: list[int],
+    k: int,
+    stride: int = 1,
+    after_norm: bool = True,
+    progress: bool = True,
+    dump_hidden: str | None = None,
+) -> ReplayResult:
     if len(ids) < k + 3:
         raise ValueError(f"the text has {len(ids)} tokens; replay needs at least {k + 3}")
     if model.mtp is None:
@@ -103,7 +120,7 @@ def replay(model: CausalLM, ids: list[int], k: int, stride: int = 1, after_norm:
     positions = range(1, len(ids) - k, stride)
     with torch.inference_mode():
         rounds = replay_rounds(model, ids, hidden, picks, k, positions, after_norm)
-        for n_done, (p, drafts, targets) in enumerate(rounds):
+        for n_done, (_, drafts, targets) in enumerate(rounds):
             accepted += (drafts == targets).long().cumprod(0).cpu()
             if progress and (n_done % 64 == 0 or n_done == len(positions) - 1):
                 print(f"\rreplay: {n_done + 1}/{len(positions)} positions", end="", file=sys.stderr, flush=True)
@@ -111,8 +128,17 @@ def replay(model: CausalLM, ids: list[int], k: int, stride: int = 1, after_norm:
         print(file=sys.stderr)
     rates = (accepted.float() / max(1, len(positions))).tolist()
     mean_nll = nll / (len(ids) - 1)
-    return ReplayResult(k, len(ids), len(positions), rates, 1.0 + sum(rates), mean_nll, math.exp(mean_nll),
-                        after_norm, time.perf_counter() - t0)
+    return ReplayResult(
+        k,
+        len(ids),
+        len(positions),
+        rates,
+        1.0 + sum(rates),
+        mean_nll,
+        math.exp(mean_nll),
+        after_norm,
+        time.perf_counter() - t0,
+    )
 
 
 def replay_from_args(args) -> int:

@@ -27,6 +27,7 @@ Exactness contract for q (the draft distribution):
     scatter the draft head's logits onto a [V] row filled with -inf and run the usual
     `probs_from_logits` on it (penalties and filters then use target ids and the target history).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -58,9 +59,14 @@ def verify_greedy(target_argmax: Tensor, draft_ids: Tensor, num_drafts: Tensor |
     return VerifyResult(n, out_ids)
 
 
-def verify_sampled(target_probs: Tensor, draft_probs: Tensor | None, draft_ids: Tensor,
-                   uniforms_accept: Tensor, uniforms_resample: Tensor, num_drafts: Tensor | None = None
-                   ) -> VerifyResult:
+def verify_sampled(
+    target_probs: Tensor,
+    draft_probs: Tensor | None,
+    draft_ids: Tensor,
+    uniforms_accept: Tensor,
+    uniforms_resample: Tensor,
+    num_drafts: Tensor | None = None,
+) -> VerifyResult:
     """Speculative rejection sampling for one round.
 
     target_probs [K+1, V]: filtered target law per verify row (row j: after the first j drafts).
@@ -104,8 +110,7 @@ def _draft_row(draft_probs: Tensor | None, draft_ids: Tensor, n: Tensor, num_dra
     return draft_probs.index_select(0, row)[0].float() * live
 
 
-def draft_probs_on_target_vocab(draft_probs: Tensor, draft_to_target: Tensor,
-                                vocab_size: int) -> Tensor:
+def draft_probs_on_target_vocab(draft_probs: Tensor, draft_to_target: Tensor, vocab_size: int) -> Tensor:
     """Reduced-vocabulary q [K, Vd] -> q over target ids [K, V] (zeros outside the draft vocab).
 
     draft_to_target [Vd] long maps draft-head ids to target ids (distinct). The drafted ids must be

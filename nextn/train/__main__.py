@@ -1,4 +1,5 @@
 """`python -m nextn.train --data DIR --out RUN_DIR ...`: the `nextn train` flags without the CLI."""
+
 import argparse
 import sys
 

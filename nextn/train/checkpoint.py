@@ -5,6 +5,7 @@ resumable training state (fp32 weights, optimizer, step, data position, elapsed 
 A checkpoint is written to a temporary sibling and renamed into place, so a run killed while
 saving leaves the previous checkpoint whole.
 """
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@ into config.json), the data (nextn.train.data.DataSettings) and the run itself.
 
 No environment variables: what is not here is not a setting.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,23 +53,41 @@ class ModelShape:
         # text positions put one value in all three mrope sections; the split only has to add up
         mrope = [half - 2 * (half // 3), half // 3, half // 3]
         return {
-            "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-            "vocab_size": vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
-            "layer_types": self.layer_types(), "full_attention_interval": self.full_attention_interval,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "attention_bias": False, "attention_dropout": 0.0,
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            "vocab_size": vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "layer_types": self.layer_types(),
+            "full_attention_interval": self.full_attention_interval,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
             "linear_num_key_heads": self.linear_num_key_heads,
             "linear_num_value_heads": self.linear_num_value_heads,
             "linear_key_head_dim": self.linear_key_head_dim,
-            "linear_value_head_dim": self.linear_value_head_dim, "linear_conv_kernel_dim": 4,
-            "hidden_act": "silu", "rms_norm_eps": 1e-6, "initializer_range": 0.02,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": 4,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "initializer_range": 0.02,
             "max_position_embeddings": self.max_position_embeddings,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
-                                "partial_rotary_factor": self.partial_rotary_factor,
-                                "mrope_interleaved": True, "mrope_section": mrope},
-            "tie_word_embeddings": True, "mtp_num_hidden_layers": 1, "use_cache": True,
-            "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": None,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+                "mrope_interleaved": True,
+                "mrope_section": mrope,
+            },
+            "tie_word_embeddings": True,
+            "mtp_num_hidden_layers": 1,
+            "use_cache": True,
+            "bos_token_id": None,
+            "eos_token_id": eos_token_id,
+            "pad_token_id": None,
         }
 
 
@@ -145,8 +164,9 @@ class TrainConfig:
 
 
 # settings a resumed run may change; everything else must match the run's saved config
-RESUMABLE_CHANGES = frozenset({"minutes", "max_steps", "wall_minutes", "log_every", "eval_every", "save_every",
-                               "device", "compile", "gdn_kernel"})
+RESUMABLE_CHANGES = frozenset(
+    {"minutes", "max_steps", "wall_minutes", "log_every", "eval_every", "save_every", "device", "compile", "gdn_kernel"}
+)
 # settings the tokenizer and the token arrays of a run depend on
 DATA_FIELDS = ("data", "tokenizer_sample_mb", "distill_from")
 
@@ -156,5 +176,7 @@ def check_resume(saved: TrainConfig, new: TrainConfig) -> None:
     old, cur = dataclasses.asdict(saved), dataclasses.asdict(new)
     changed = sorted(k for k in cur if k not in RESUMABLE_CHANGES and k != "run_dir" and old.get(k) != cur[k])
     if changed:
-        raise ValueError(f"{new.run_dir} holds a run with other settings ({', '.join(changed)}); "
-                         "resume with the same settings or use a new run directory")
+        raise ValueError(
+            f"{new.run_dir} holds a run with other settings ({', '.join(changed)}); "
+            "resume with the same settings or use a new run directory"
+        )

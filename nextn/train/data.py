@@ -5,6 +5,7 @@ stream into fixed-length sequences visited in a seeded random order.
 
 Does not know models: it hands out integer arrays.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -12,9 +13,9 @@ import json
 import multiprocessing
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -109,8 +110,15 @@ def _encode_files(paths: list[Path]) -> list[tuple[bytes, np.ndarray]]:
     return out
 
 
-def tokenize_stream(tok, files: list[SourceFile], eot_id: int, max_tokens: int, workers: int,
-                    max_seconds: float | None = None, files_per_task: int = 64) -> np.ndarray:
+def tokenize_stream(
+    tok,
+    files: list[SourceFile],
+    eot_id: int,
+    max_tokens: int,
+    workers: int,
+    max_seconds: float | None = None,
+    files_per_task: int = 64,
+) -> np.ndarray:
     """Token ids of the files' texts in order, each followed by <|endoftext|>, exact duplicates
     dropped, up to max_tokens (and, if given, what max_seconds of tokenising yields); uint16
     (uint32 past 65,536 tokens). workers 0: the library's own threads in this process; 1: this
@@ -139,8 +147,10 @@ def _encode_files_batched(paths: list[Path]) -> list[tuple[bytes, np.ndarray]]:
     kept = [(raw, text) for raw in raws if (text := _decode(raw)) is not None]
     encodings = _worker["tok"].encode_batch_fast([text for _, text in kept], add_special_tokens=False)
     eot, dtype = _worker["eot_id"], _worker["dtype"]
-    return [(hashlib.sha1(raw).digest(), np.asarray(enc.ids + [eot], dtype=dtype))
-            for (raw, _), enc in zip(kept, encodings)]
+    return [
+        (hashlib.sha1(raw).digest(), np.asarray(enc.ids + [eot], dtype=dtype))
+        for (raw, _), enc in zip(kept, encodings, strict=True)
+    ]
 
 
 def _collect(encoded_tasks, max_tokens: int, dtype, deadline: float | None) -> np.ndarray:
@@ -209,11 +219,17 @@ def prepare(tok, settings: DataSettings, eot_id: int, out_dir: Path) -> dict:
     files = find_files(list(settings.roots), settings.suffixes, settings.max_file_bytes)
     train_files, heldout_files = split_files(files, settings.heldout_percent, settings.seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"roots": list(settings.roots), "files": len(files),
-            "train_files": len(train_files), "heldout_files": len(heldout_files)}
+    meta = {
+        "roots": list(settings.roots),
+        "files": len(files),
+        "train_files": len(train_files),
+        "heldout_files": len(heldout_files),
+    }
     # held-out first: a time limit applies to the train split only
-    for name, subset, cap, seconds in (("heldout", heldout_files, settings.max_heldout_tokens, None),
-                                       ("train", train_files, settings.max_train_tokens, settings.max_prep_seconds)):
+    for name, subset, cap, seconds in (
+        ("heldout", heldout_files, settings.max_heldout_tokens, None),
+        ("train", train_files, settings.max_train_tokens, settings.max_prep_seconds),
+    ):
         t0 = time.monotonic()
         stream = tokenize_stream(tok, subset, eot_id, cap, settings.workers, seconds)
         np.save(out_dir / f"{name}.npy", stream)

@@ -2,6 +2,7 @@
 or an existing checkpoint with a frozen trunk and a trainable head. (The chunked delta rule a run
 uses is an Ops table the trainer passes down: nextn.ops.OPS.)
 """
+
 from __future__ import annotations
 
 import json

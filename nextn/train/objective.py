@@ -11,6 +11,7 @@ depth d row i (base p = i + 1) embeds the true x_{p+d-1} (what an accepted draft
 with depth d-1's output of row i after mtp.norm, sits at position p+d-1 and predicts x_{p+d}; its
 attention sees what the draft K/V holds at that step: depth-1 rows 1..p and row i of depths 2..d.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -91,8 +92,9 @@ def joint_losses(model: CausalLM, x: torch.Tensor, head_weight: float, ops: Ops 
     return Losses(trunk + head_weight * head, trunk, head, acc, agree, 1 + agree)
 
 
-def distill_losses(model: CausalLM, x: torch.Tensor, depth: int = 1, decay: float = 0.7,
-                   ops: Ops | None = None) -> Losses:
+def distill_losses(
+    model: CausalLM, x: torch.Tensor, depth: int = 1, decay: float = 0.7, ops: Ops | None = None
+) -> Losses:
     """Frozen trunk: the head learns the trunk's next-token distribution (soft cross-entropy),
     which is what drafting is judged against; with depth D > 1 also at draft steps 2..D of its
     chain, depth d weighted decay ** (d - 1). Head CE/acc/agree are depth 1's."""
@@ -101,14 +103,17 @@ def distill_losses(model: CausalLM, x: torch.Tensor, depth: int = 1, decay: floa
         trunk_logits = model.logits(hidden)
         teacher = torch.softmax(trunk_logits, dim=-1)
     all_logits = [head_logits(model, x, hidden)] if depth == 1 else chain_logits(model, x, hidden, depth)
-    soft = sum(decay**d * -(teacher[:, d + 1 :] * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-               for d, logits in enumerate(all_logits))
+    soft = sum(
+        decay**d * -(teacher[:, d + 1 :] * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        for d, logits in enumerate(all_logits)
+    )
     logits = all_logits[0]
     head = _ce(logits.detach(), x[:, 2:])
     with torch.no_grad():  # teacher-forced chain acceptance over the rows every depth has
         n = all_logits[-1].shape[1]
-        agree = torch.stack([lg[:, :n].argmax(-1) == trunk_logits[:, d + 1 : d + 1 + n].argmax(-1)
-                             for d, lg in enumerate(all_logits)])
+        agree = torch.stack(
+            [lg[:, :n].argmax(-1) == trunk_logits[:, d + 1 : d + 1 + n].argmax(-1) for d, lg in enumerate(all_logits)]
+        )
         accept_len = 1 + agree.long().cumprod(0).float().mean((1, 2)).sum()
     return Losses(soft, _ce(trunk_logits, x[:, 1:]), head, *_head_metrics(logits, trunk_logits, x), accept_len)
 

@@ -1,12 +1,24 @@
 """What a training run tells its user: progress lines on stderr, the loss CSV (appended as the run
 goes, so a resumed run continues it) and a PNG of the loss curves drawn from that CSV."""
+
 from __future__ import annotations
 
 import csv
 import sys
 from pathlib import Path
 
-COLUMNS = ("step", "tokens", "elapsed_s", "split", "trunk_loss", "head_loss", "head_acc", "head_agree", "accept_len", "lr")
+COLUMNS = (
+    "step",
+    "tokens",
+    "elapsed_s",
+    "split",
+    "trunk_loss",
+    "head_loss",
+    "head_acc",
+    "head_agree",
+    "accept_len",
+    "lr",
+)
 
 
 def log(msg: str) -> None:
@@ -23,9 +35,11 @@ def fmt_duration(seconds: float) -> str:
 def progress_line(step: int, max_steps: int | None, tok_per_s: float, row: dict, eta_s: float | None) -> str:
     total = f"/{max_steps}" if max_steps else ""
     eta = fmt_duration(eta_s) if eta_s is not None else "?"
-    return (f"step {step}{total} | {tok_per_s / 1e3:,.1f}k tok/s | trunk {row['trunk_loss']:.4f} | "
-            f"head {row['head_loss']:.4f} | head acc {row['head_acc']:.3f} | agree {row['head_agree']:.3f} | "
-            f"acc len {row['accept_len']:.3f} | lr {row['lr']:.2e} | ETA {eta}")
+    return (
+        f"step {step}{total} | {tok_per_s / 1e3:,.1f}k tok/s | trunk {row['trunk_loss']:.4f} | "
+        f"head {row['head_loss']:.4f} | head acc {row['head_acc']:.3f} | agree {row['head_agree']:.3f} | "
+        f"acc len {row['accept_len']:.3f} | lr {row['lr']:.2e} | ETA {eta}"
+    )
 
 
 class LossCSV:
@@ -59,7 +73,10 @@ def plot_losses(csv_path: Path, png_path: Path, title: str) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log(f"matplotlib is not installed (pip install 'nextn[train]'): no {png_path.name}; {csv_path.name} has the numbers")
+        log(
+            f"matplotlib is not installed (pip install 'nextn[train]'): no {png_path.name}; "
+            f"{csv_path.name} has the numbers"
+        )
         return False
     rows = read_rows(csv_path)
     fig, ax = plt.subplots(figsize=(8, 5), dpi=100)

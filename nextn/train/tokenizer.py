@@ -5,11 +5,12 @@ generation_config.json (eos ids).
 Layout follows Qwen: NFC normaliser, Qwen's pre-tokenizer split regex, byte-level symbols, the BPE
 vocabulary first and the special tokens appended after it. Does not know models or training.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -32,7 +33,7 @@ CHAT_TEMPLATE = (
     "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
     "{{- '# Tools\\n\\nYou may call one or more functions. Function signatures:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nReturn each call as <tool_call>\\n{\"name\": ..., \"arguments\": ...}\\n</tool_call>"
+    '{{- \'\\n</tools>\\n\\nReturn each call as <tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>'
     "<|im_end|>\\n' }}"
     "{%- elif messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
@@ -45,7 +46,8 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
     "{%- for call in message.tool_calls or [] %}"
     "{%- set fn = call.function or call %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' + (fn.arguments | tojson) + '}\\n</tool_call>' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' + fn.name + \'", "arguments": \' + (fn.arguments | tojson)'  # noqa: E501
+    " + '}\\n</tool_call>' }}"
     "{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
@@ -63,10 +65,12 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int):
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     num_extra = len(SPECIAL_TOKENS) + len(ADDED_TOKENS)
     trainer = trainers.BpeTrainer(
@@ -94,8 +98,14 @@ def write_tokenizer_files(tok, out_dir: str | Path, model_max_length: int = 3276
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     added = {
-        str(token_id(tok, t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                "single_word": False, "special": t in SPECIAL_TOKENS}
+        str(token_id(tok, t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": t in SPECIAL_TOKENS,
+        }
         for t in SPECIAL_TOKENS + ADDED_TOKENS
     }
     tokenizer_config = {

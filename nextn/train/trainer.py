@@ -5,6 +5,7 @@ Run directory: train_config.json, tokenizer/, data/ (token arrays), checkpoint/ 
 checkpoint), state.pt (resumable state), loss.csv, loss.png. Pointing `train` at a directory that
 holds state.pt resumes that run.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,20 +19,29 @@ import numpy as np
 import torch
 
 from nextn.models.qwen3_5 import CausalLM
+from nextn.ops import OPS
 from nextn.train import data as data_mod
 from nextn.train import objective, report
 from nextn.train.checkpoint import load_state, save_state, write_checkpoint
 from nextn.train.config import DATA_FIELDS, TrainConfig, check_resume
-from nextn.ops import OPS
 from nextn.train.model_setup import build_model, distill_model
-from nextn.train.tokenizer import ENDOFTEXT, TOKENIZER_FILES, build_tokenizer, load_tokenizer, token_id, write_tokenizer_files
+from nextn.train.tokenizer import (
+    ENDOFTEXT,
+    TOKENIZER_FILES,
+    build_tokenizer,
+    load_tokenizer,
+    token_id,
+    write_tokenizer_files,
+)
 
 CONFIG_FILE = "train_config.json"
 METRICS = ("trunk_loss", "head_loss", "head_acc", "head_agree", "accept_len")  # logged per step and held out
 
 
 def _metrics(losses: objective.Losses) -> torch.Tensor:
-    return torch.stack([losses.trunk, losses.head, losses.head_acc, losses.head_agree, losses.accept_len]).detach().float()
+    return (
+        torch.stack([losses.trunk, losses.head, losses.head_acc, losses.head_agree, losses.accept_len]).detach().float()
+    )
 
 
 def prepare_tokenizer(cfg: TrainConfig) -> Path:
@@ -50,8 +60,10 @@ def prepare_tokenizer(cfg: TrainConfig) -> Path:
     texts = data_mod.sample_texts(train_files, int(cfg.tokenizer_sample_mb * 1e6))
     tok = build_tokenizer(texts, cfg.shape.vocab_size)
     write_tokenizer_files(tok, out)
-    report.log(f"tokenizer: {tok.get_vocab_size()} tokens from {sum(map(len, texts)) / 1e6:.1f} MB "
-               f"in {time.perf_counter() - t0:.1f}s")
+    report.log(
+        f"tokenizer: {tok.get_vocab_size()} tokens from {sum(map(len, texts)) / 1e6:.1f} MB "
+        f"in {time.perf_counter() - t0:.1f}s"
+    )
     return out
 
 
@@ -61,15 +73,21 @@ def prepare_data(cfg: TrainConfig, tok) -> tuple[np.ndarray, np.ndarray]:
     if not (data_dir / "meta.json").is_file():
         t0 = time.perf_counter()
         meta = data_mod.prepare(tok, cfg.data, token_id(tok, ENDOFTEXT), data_dir)
-        report.log(f"data: {meta['train_files']} train / {meta['heldout_files']} held-out files, "
-                   f"{meta['train_tokens'] / 1e6:.1f}M / {meta['heldout_tokens'] / 1e6:.2f}M tokens "
-                   f"in {time.perf_counter() - t0:.1f}s")
+        report.log(
+            f"data: {meta['train_files']} train / {meta['heldout_files']} held-out files, "
+            f"{meta['train_tokens'] / 1e6:.1f}M / {meta['heldout_tokens'] / 1e6:.2f}M tokens "
+            f"in {time.perf_counter() - t0:.1f}s"
+        )
     train_rows = data_mod.pack(data_mod.load_stream(data_dir, "train"), cfg.seq_len)
     heldout = data_mod.load_stream(data_dir, "heldout")
     if cfg.data.heldout_percent > 0 and len(heldout) <= cfg.seq_len:
-        raise ValueError(f"the held-out split has {len(heldout)} tokens, too few for one sequence of "
-                         f"{cfg.seq_len + 1}: raise heldout_percent, add files, or set it to 0 (no evaluation)")
-    heldout_rows = data_mod.pack(heldout, cfg.seq_len) if cfg.data.heldout_percent > 0 else heldout[:0].reshape(0, cfg.seq_len + 1)
+        raise ValueError(
+            f"the held-out split has {len(heldout)} tokens, too few for one sequence of "
+            f"{cfg.seq_len + 1}: raise heldout_percent, add files, or set it to 0 (no evaluation)"
+        )
+    heldout_rows = (
+        data_mod.pack(heldout, cfg.seq_len) if cfg.data.heldout_percent > 0 else heldout[:0].reshape(0, cfg.seq_len + 1)
+    )
     return train_rows, heldout_rows
 
 
@@ -103,8 +121,10 @@ def plan_seconds(cfg: TrainConfig, elapsed: float, deadline: float | None) -> fl
 def make_optimizer(model: CausalLM, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only (not norms, biases, gates, conv kernels)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim == 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.ndim != 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim == 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim != 2], "weight_decay": 0.0},
+    ]
     fused = cfg.device.startswith("cuda")
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
@@ -133,17 +153,22 @@ class Run:
         if cfg.compile:
             for layer in list(self.model.model.layers) + list(self.model.mtp.layers):
                 layer.compile()
-        self.loss_fn = (lambda m, x: objective.distill_losses(m, x, cfg.chain_depth, cfg.chain_decay, ops)) if (
-            cfg.distill_from) else (lambda m, x: objective.joint_losses(m, x, cfg.head_loss_weight, ops))
+        self.loss_fn = (
+            (lambda m, x: objective.distill_losses(m, x, cfg.chain_depth, cfg.chain_decay, ops))
+            if (cfg.distill_from)
+            else (lambda m, x: objective.joint_losses(m, x, cfg.head_loss_weight, ops))
+        )
 
     def _restore(self, state: dict | None) -> None:
         if state is None:
             return
-        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=True)
         trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
         if unexpected or trained & set(missing):
-            raise ValueError(f"{self.cfg.run_dir}/state.pt does not match the model: "
-                             f"missing {sorted(trained & set(missing))[:4]}, unexpected {unexpected[:4]}")
+            raise ValueError(
+                f"{self.cfg.run_dir}/state.pt does not match the model: "
+                f"missing {sorted(trained & set(missing))[:4]}, unexpected {unexpected[:4]}"
+            )
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.tokens, self.elapsed = state["step"], state["tokens"], state["elapsed"]
         self.order.position = state["position"]
@@ -156,14 +181,25 @@ class Run:
 
     def save(self) -> Path:
         out = self.cfg.run_path / "checkpoint"
-        write_checkpoint(self.model, self.hf_config, self.cfg.run_path / "tokenizer", out,
-                         self.cfg.save_dtype, int(self.cfg.max_shard_mb * 2**20))
-        save_state(self.cfg.run_path, {
-            "model": {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad},
-            "optimizer": self.optimizer.state_dict(),
-            "step": self.step, "tokens": self.tokens, "elapsed": self.elapsed,
-            "position": self.order.position,
-        })
+        write_checkpoint(
+            self.model,
+            self.hf_config,
+            self.cfg.run_path / "tokenizer",
+            out,
+            self.cfg.save_dtype,
+            int(self.cfg.max_shard_mb * 2**20),
+        )
+        save_state(
+            self.cfg.run_path,
+            {
+                "model": {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad},
+                "optimizer": self.optimizer.state_dict(),
+                "step": self.step,
+                "tokens": self.tokens,
+                "elapsed": self.elapsed,
+                "position": self.order.position,
+            },
+        )
         return out
 
     def train_step(self, lr: float) -> objective.Losses:
@@ -174,8 +210,7 @@ class Run:
         with self.autocast():
             losses = self.loss_fn(self.model, x)
         losses.objective.backward()
-        torch.nn.utils.clip_grad_norm_(
-            [p for p in self.model.parameters() if p.requires_grad], self.cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -194,7 +229,7 @@ class Run:
             sums += _metrics(losses) * len(x)
             n += len(x)
         means = (sums / n).tolist()
-        return dict(zip(METRICS, means))
+        return dict(zip(METRICS, means, strict=True))
 
 
 def train(cfg: TrainConfig) -> Path:
@@ -206,7 +241,10 @@ def train(cfg: TrainConfig) -> Path:
         saved = TrainConfig.from_dict(json.loads(config_path.read_text()))
         if (cfg.run_path / "state.pt").is_file():
             check_resume(saved, cfg)
-        elif any(getattr(saved, f) != getattr(cfg, f) for f in DATA_FIELDS) or saved.shape.vocab_size != cfg.shape.vocab_size:
+        elif (
+            any(getattr(saved, f) != getattr(cfg, f) for f in DATA_FIELDS)
+            or saved.shape.vocab_size != cfg.shape.vocab_size
+        ):
             for derived in ("tokenizer", "data"):  # an unstarted run's tokens are stale
                 shutil.rmtree(cfg.run_path / derived, ignore_errors=True)
     config_path.write_text(cfg.to_json())
@@ -216,8 +254,10 @@ def train(cfg: TrainConfig) -> Path:
     run = Run(cfg)
     n_params = sum(p.numel() for p in run.model.parameters())
     n_train = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
-    report.log(f"model: {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trained), "
-               f"{len(run.train_rows)} train rows of {cfg.seq_len + 1} tokens, gdn kernel {cfg.gdn_kernel}")
+    report.log(
+        f"model: {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trained), "
+        f"{len(run.train_rows)} train rows of {cfg.seq_len + 1} tokens, gdn kernel {cfg.gdn_kernel}"
+    )
     csv = report.LossCSV(cfg.run_path / "loss.csv", run.step)
     run.planned_s = plan_seconds(cfg, run.elapsed, deadline)
     if run.planned_s is not None:
@@ -228,8 +268,9 @@ def train(cfg: TrainConfig) -> Path:
 
 def _done(run: Run) -> bool:
     cfg = run.cfg
-    return ((cfg.max_steps is not None and run.step >= cfg.max_steps)
-            or (run.planned_s is not None and run.elapsed >= run.planned_s))
+    return (cfg.max_steps is not None and run.step >= cfg.max_steps) or (
+        run.planned_s is not None and run.elapsed >= run.planned_s
+    )
 
 
 def _eta(run: Run, sec_per_step: float) -> float | None:
@@ -263,9 +304,10 @@ def loop(run: Run, csv: report.LossCSV) -> None:
             if not all(math.isfinite(v) for v in means):
                 raise FloatingPointError(f"non-finite loss at step {run.step}: {means}")
             now = time.perf_counter()
-            row = dict(zip(METRICS, means), lr=lr)
-            csv.append({**row, "step": run.step, "tokens": run.tokens, "elapsed_s": round(run.elapsed, 1),
-                        "split": "train"})
+            row = dict(zip(METRICS, means, strict=True), lr=lr)
+            csv.append(
+                {**row, "step": run.step, "tokens": run.tokens, "elapsed_s": round(run.elapsed, 1), "split": "train"}
+            )
             tok_s = (run.tokens - tokens_mark) / (now - t_mark)
             eta = _eta(run, (now - t_mark) / (run.step - steps_mark))
             report.log(report.progress_line(run.step, cfg.max_steps, tok_s, row, eta))
@@ -286,11 +328,21 @@ def eval_and_log(run: Run, csv: report.LossCSV, lr: float) -> dict | None:
     run.model.eval()
     row = run.evaluate()
     run.model.train()
-    csv.append({**row, "lr": lr, "step": run.step, "tokens": run.tokens, "elapsed_s": round(run.elapsed, 1),
-                "split": "heldout"})
-    report.log(f"held-out at step {run.step}: trunk {row['trunk_loss']:.4f} | head {row['head_loss']:.4f} | "
-               f"head acc {row['head_acc']:.3f} | head agrees with trunk {row['head_agree']:.3f} | "
-               f"teacher-forced acceptance length {row['accept_len']:.3f}")
+    csv.append(
+        {
+            **row,
+            "lr": lr,
+            "step": run.step,
+            "tokens": run.tokens,
+            "elapsed_s": round(run.elapsed, 1),
+            "split": "heldout",
+        }
+    )
+    report.log(
+        f"held-out at step {run.step}: trunk {row['trunk_loss']:.4f} | head {row['head_loss']:.4f} | "
+        f"head acc {row['head_acc']:.3f} | head agrees with trunk {row['head_agree']:.3f} | "
+        f"teacher-forced acceptance length {row['accept_len']:.3f}"
+    )
     return row
 
 
@@ -298,6 +350,8 @@ def finish(run: Run, csv: report.LossCSV) -> Path:
     eval_and_log(run, csv, lr_at(run.cfg, run.step, run.elapsed, run.planned_s))
     out = run.save()
     report.plot_losses(csv.path, run.cfg.run_path / "loss.png", f"nextn train: {run.cfg.run_path.name}")
-    report.log(f"done: step {run.step}, {run.tokens / 1e6:.1f}M tokens, {report.fmt_duration(run.elapsed)} "
-               f"training; checkpoint in {out}")
+    report.log(
+        f"done: step {run.step}, {run.tokens / 1e6:.1f}M tokens, {report.fmt_duration(run.elapsed)} "
+        f"training; checkpoint in {out}"
+    )
     return out
