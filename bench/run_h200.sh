@@ -16,7 +16,7 @@ for stage in "$@"; do
     tests) timeout 150 python3 -m pytest -q -x -m gpu tests/test_kernels.py 2>&1 | tail -25 | tee -a $LOG ;;
     engine) timeout 200 python3 -m pytest -q -x tests/test_step.py tests/test_rounds.py 2>&1 | tail -25 | tee -a $LOG ;;
     profile) for m in "--model nextn/default_model" "--preset qwen3.5-9b"; do timeout 120 python3 bench/profile_round.py \
-               $m --k 3 --out $OUT/profile_round_${m##* }.json 2>&1 | grep -v Warn | head -45 | tee -a $LOG; done ;;
+               $m --k 3 --out $OUT/profile_round_$(basename ${m##* }).json 2>&1 | grep -v Warn | head -45 | tee -a $LOG; done ;;
     prefill) for p in qwen3.5-9b qwen3.5-35b-a3b; do timeout 150 python3 bench/profile_prefill.py --preset $p \
                --out $OUT/prefill_$p.json 2>&1 | grep -v Warn | grep -v '^  *[0-9.]* *us .*nvjet_sm90_tst_64x8' | head -80 | tee -a $LOG; done ;;
     bench9b) timeout 420 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 \
