@@ -245,7 +245,9 @@ class Bench:
         """One generation of gen_len tokens through the engine's rounds (timed after the prefill)."""
         _, runner, proposer = self.core(k)
         if profile is not None:
-            proposer = self.profilers.setdefault(k, ProfileProposer(proposer, *profile))
+            if k not in self.profilers:
+                self.profilers[k] = ProfileProposer(proposer, *profile)
+            proposer = self.profilers[k]
         seq = self.prefilled(k)
         params = SamplingParams(
             max_tokens=self.cfg.gen_len, temperature=temperature, seed=self.cfg.seed + seed, ignore_eos=True

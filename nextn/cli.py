@@ -144,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":
-            from nextn.server.app import serve_from_args
-
-            return serve_from_args(args)
+            return _serve(args)
         if args.command == "replay":
             from nextn.spec.replay import replay_from_args
 
@@ -165,10 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _generate(args) -> int:
-    from nextn import LLM, SamplingParams
+def _llm(args, **engine):
+    """The LLM of generate / serve from their common and spec flags (and `engine` settings)."""
+    from nextn import LLM
 
-    llm = LLM(
+    return LLM(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
@@ -178,7 +177,29 @@ def _generate(args) -> int:
         hidden_after_norm=not args.hidden_before_norm,
         kernels=args.kernels,
         prefill=args.prefill,
+        **engine,
     )
+
+
+def _serve(args) -> int:
+    from nextn.config import ServeConfig
+    from nextn.server.app import serve
+
+    llm = _llm(args, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    cfg = ServeConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_queue=args.max_queue,
+    )
+    return serve(llm, cfg)
+
+
+def _generate(args) -> int:
+    from nextn import SamplingParams
+
+    llm = _llm(args)
     if args.prompt_ids is not None:
         try:
             prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]

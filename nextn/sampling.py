@@ -132,10 +132,6 @@ class SamplerKind:
         return self.repetition or self.frequency or self.presence
 
 
-def has_penalties(params: SamplingParams) -> bool:
-    return SamplerKind.of(params).penalties
-
-
 def penalized_logits(
     logits: Tensor,
     params,

@@ -101,7 +101,7 @@ class HybridCache:
             for name, (shape, dt) in tensor_specs(cfg, layout, dtype).items()
         }
         self.ctl = self.tensors["ctl"]
-        reset_ctl(self.ctl, layout.step_states, window_cols(cfg))
+        reset_ctl(self.ctl)
         # decoder layer index -> its index among the GDN layers (their stacked buffers)
         self.gdn_index = {i: j for j, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t != FULL)}
 
@@ -113,7 +113,7 @@ class HybridCache:
         return SlotCache(self, slot)
 
 
-def reset_ctl(ctl: torch.Tensor, rows: int, cols: int) -> None:
+def reset_ctl(ctl: torch.Tensor) -> None:
     """An empty sequence: nothing committed, home states, halves at 0."""
     ctl.zero_()
     ctl[..., STATE_AT] = -1
@@ -198,7 +198,7 @@ class SlotCache:
 
     def reset(self) -> None:
         """An empty sequence: zero home states (K/V are position-addressed: no need)."""
-        reset_ctl(self.ctl, self.rows, self.cols)
+        reset_ctl(self.ctl)
         self.t("conv").zero_()
         self.t("recurrent").zero_()
 

@@ -105,29 +105,29 @@ class Engine:
         for req in self.scheduler.admit():
             try:
                 events += self._start(req)
-            except Exception as e:  # a request the engine cannot run fails alone; its slot is reset
-                self.live.pop(req.request_id, None)
-                req.use_sessions = False
-                self.scheduler.finish(req, keep=False)
-                events.append((req, e))
+            except Exception as e:
+                events.append(self._fail(req, e))
         turn = self.scheduler.next_turn()
         if turn is not None:
             events += self._run(*turn)
         return events
+
+    def _fail(self, req: Request, e: Exception) -> tuple[Request, Exception]:
+        """A request the engine cannot run fails alone; its slot goes back free (reset when reused)."""
+        self.live.pop(req.request_id, None)
+        req.use_sessions = False
+        self.scheduler.finish(req, keep=False)
+        return req, e
 
     # --- prefill
 
     def _start(self, req: Request) -> list:
         seq, params, prompt = req.seq, req.params, req.prompt_ids
         t0 = time.perf_counter()
-        cache = self.runner.slot(seq.slot)
         if req.cached == 0:  # a fresh slot (or one taken from an evicted session)
-            cache.reset()
-            seq.heads = self.proposer is not None
+            self.runner.reset(seq, heads=self.proposer is not None)
         elif req.rewind:
-            seq.rewind_to_checkpoint()
-            cache.restore_gdn(seq.checkpoint.num_tokens)
-            cache.set(draft_len=seq.draft_len)
+            self.runner.rewind(seq)
         split = len(prompt) if req.checkpoint_at is None else min(max(req.checkpoint_at, req.cached), len(prompt))
         entries = self._prefill(req, split)
         _sync(self.runner.device)
@@ -176,8 +176,7 @@ class Engine:
 
         extend(req.cached, split)
         if req.use_sessions:
-            seq.make_checkpoint()
-            self.runner.slot(seq.slot).snapshot_gdn()
+            self.runner.checkpoint(seq)
         extend(split, len(prompt))
         return entries if num_top is not None else None
 
@@ -189,10 +188,7 @@ class Engine:
             try:
                 r = live.rounds.next()
             except Exception as e:
-                self.live.pop(req.request_id)
-                req.use_sessions = False
-                self.scheduler.finish(req, keep=False)
-                return events + [(req, e)]
+                return events + [self._fail(req, e)]
             ev = self._postprocess(req, live, r)
             events.append((req, ev))
             if ev.output is not None:

@@ -75,7 +75,7 @@ class Buffers(NamedTuple):
 
 def device_round(runner, proposer, cache: SlotCache, sampler: SlotSampler, buf: Buffers, k: int) -> None:
     """One round of k drafts (0: plain decoding), device work only."""
-    ctl, R = cache.ctl, buf.verify_ids.shape[0]
+    ctl = cache.ctl
     before = ctl.clone()
     num_drafts = proposer.propose(cache, sampler, buf.draft_io(), k) if k > 0 else 0
     buf.prev_logits.copy_(buf.logits)  # what a request ending in the last round reads
@@ -88,15 +88,13 @@ def device_round(runner, proposer, cache: SlotCache, sampler: SlotSampler, buf: 
     buf.verify_ids[:1] = out_ids.index_select(0, n.reshape(1))  # the next round's pending token
     if proposer is not None:  # the next head pass writes the rows of what this round kept
         torch.clamp(out_ids, min=0, out=buf.head_ids[: k + 1])
-    drafted = before.new_full((1,), k).long() if isinstance(num_drafts, int) else num_drafts.reshape(1)
-    tokens = torch.cat([out_ids, out_ids.new_full((R - k - 1,), -1)])
-    buf.out.copy_(torch.cat([n.reshape(1), drafted, tokens, before.long()]))
+    _write_outcome(buf, n, n.new_full((1,), k) if isinstance(num_drafts, int) else num_drafts, out_ids, before)
 
 
 def first_token(cache: SlotCache, sampler: SlotSampler, buf: Buffers, seq: Sequence) -> None:
     """The token after the prompt, from the trunk's last logits: the outcome of a round with no
     verify (nothing committed). Sets up the first round's head pass (the pending token's row)."""
-    ctl, R = cache.ctl, buf.verify_ids.shape[0]
+    ctl = cache.ctl
     before = ctl.clone()
     buf.logits[:1] = seq.last_logits
     buf.hidden[:1] = seq.last_hidden
@@ -105,7 +103,13 @@ def first_token(cache: SlotCache, sampler: SlotSampler, buf: Buffers, seq: Seque
     buf.verify_ids[:1] = out_ids
     buf.head_ids[:1] = out_ids
     ctl[NUM_GEN] += 1
-    buf.out.copy_(torch.cat([n.reshape(1), n.reshape(1), out_ids, out_ids.new_full((R - 1,), -1), before.long()]))
+    _write_outcome(buf, n, n, out_ids, before)
+
+
+def _write_outcome(buf: Buffers, n, drafted, out_ids, before) -> None:
+    """buf.out = [accepted, drafts counted, tokens (-1 padded to R), counters before the round]."""
+    pad = out_ids.new_full((buf.verify_ids.shape[0] - out_ids.numel(),), -1)
+    buf.out.copy_(torch.cat([n.reshape(1), drafted.reshape(1), out_ids, pad, before.long()]))
 
 
 class AdaptiveK:
@@ -131,7 +135,7 @@ class _Read(NamedTuple):
     index: int  # 0: the first token; r >= 1: a verify round
     n: int
     tokens: list[int]  # emitted, uncut
-    before: torch.Tensor  # ctl before the round (host)
+    before: list[int]  # ctl before the round
 
 
 class RequestRounds:
@@ -162,6 +166,9 @@ class RequestRounds:
         self.max_len = self.cache.max_len
         self.inflight: deque[tuple[int, torch.Tensor, torch.cuda.Event | None]] = deque()
         self.launched = 0  # rounds queued (round 0 included)
+        if runner.device.type == "cuda":  # round r's outcome lands in host[r % 2]: one round is read while one runs
+            self.host = [torch.empty_like(self.buf.out, device="cpu", pin_memory=True) for _ in range(2)]
+            self.events = [torch.cuda.Event(), torch.cuda.Event()]
         self.reads: list[_Read] = []  # the last two rounds read
         self.emitted: list[int] = []  # tokens handed out
         self.handed = 0  # of them, from the last round read
@@ -176,14 +183,14 @@ class RequestRounds:
             self.runner.catch_up(self.seq)
         self.sampler.start(self.params, self.seq.tokens)
         self.cache.set(num_gen=0, accepted=0)
-        self._launch(lambda: first_token(self.cache, self.sampler, self.buf, self.seq))
+        first_token(self.cache, self.sampler, self.buf, self.seq)
+        self._queue_read()
 
-    def _launch(self, fn) -> None:
-        fn()
+    def _queue_read(self) -> None:
+        """Start the copy of the round just queued's outcome to the host (read in `next`)."""
         if self.runner.device.type == "cuda":
-            host = torch.empty_like(self.buf.out, device="cpu", pin_memory=True)
+            host, event = self.host[self.launched % 2], self.events[self.launched % 2]
             host.copy_(self.buf.out, non_blocking=True)
-            event = torch.cuda.Event()
             event.record()
         else:
             host, event = self.buf.out.clone(), None
@@ -194,7 +201,7 @@ class RequestRounds:
         k = self.k_ctl.k
         key = ("round", self.seq.slot, k, self.sampler.kind, id(self.proposer))
         self.runner.run(key, lambda: device_round(self.runner, self.proposer, self.cache, self.sampler, self.buf, k))
-        self._launch(lambda: None)
+        self._queue_read()
 
     @torch.inference_mode()
     def next(self) -> Round:
@@ -212,12 +219,12 @@ class RequestRounds:
             event.synchronize()
         out = host.tolist()
         R = self.buf.verify_ids.shape[0]
-        n, tokens, before = out[_N], out[_TOKENS : _TOKENS + out[_N] + 1], torch.tensor(out[_TOKENS + R :])
+        n, tokens, before = out[_N], out[_TOKENS : _TOKENS + out[_N] + 1], out[_TOKENS + R :]
         self.reads = (self.reads + [_Read(index, n, tokens, before)])[-2:]
         room = 1  # the first token commits nothing
         if index > 0:
-            room = self.max_len - int(before[SEQ_LEN])  # a round commits what it emits but the last
-            self.next_start = int(before[SEQ_LEN]) + n + 1
+            room = self.max_len - before[SEQ_LEN]  # a round commits what it emits but the last
+            self.next_start = before[SEQ_LEN] + n + 1
             if room > 0:  # (a round queued ahead into a full context counts for nothing)
                 self.stats.record_round(out[_DRAFTED], n)
                 self.k_ctl.update(out[_DRAFTED], n)
@@ -262,14 +269,13 @@ class RequestRounds:
             last, kept, ahead = self.reads[-2], len(self.reads[-2].tokens), True
         seq, cache, buf = self.seq, self.cache, self.buf
         seq.tokens[self.prompt_len :] = self.emitted[:-1]
-        if last.index == 0:  # the first token commits nothing
-            ctl = last.before
-        else:
-            ctl = commit_ctl(last.before, kept, cache.rows, cache.cols, round_=True)
+        ctl = torch.tensor(last.before, dtype=torch.int32)
+        if last.index > 0:  # (the first token commits nothing)
+            ctl = commit_ctl(ctl, kept, cache.rows, cache.cols, round_=True)
             hidden, logits = (buf.prev_hidden, buf.prev_logits) if ahead else (buf.hidden, buf.logits)
             seq.last_hidden, seq.last_logits = hidden[kept - 1].clone(), logits[kept - 1].clone()
         if seq.heads:  # rows of the round's kept drafts are pending (the next head pass rewrites them)
             seq.draft_len, seq.pending_ids, seq.pending_hidden = int(ctl[DRAFT_LEN]), [], None
             if last.index > 0:
                 seq.queue_rows(last.tokens[: kept - 1], hidden[: kept - 1].clone())
-        cache.ctl.copy_(ctl.to(cache.ctl.device), non_blocking=True)
+        cache.ctl.copy_(ctl.to(cache.ctl.device))

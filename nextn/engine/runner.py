@@ -65,8 +65,24 @@ class ModelRunner:
             self.graphs[key] = graph
         graph.replay()
 
-    def drop_graphs(self) -> None:
-        self.graphs.clear()
+    # --- a slot's state, host record and device counters together
+
+    def reset(self, seq: Sequence, heads: bool) -> None:
+        """A fresh sequence in seq's slot."""
+        self.slot(seq.slot).reset()
+        seq.heads = heads
+
+    def checkpoint(self, seq: Sequence) -> None:
+        """Keep where the sequence stands, for a later request that rewrites what follows."""
+        seq.make_checkpoint()
+        self.slot(seq.slot).snapshot_gdn()
+
+    def rewind(self, seq: Sequence) -> None:
+        """Back to the sequence's checkpoint (K/V need nothing: positions past it are rewritten)."""
+        seq.rewind_to_checkpoint()
+        cache = self.slot(seq.slot)
+        cache.restore_gdn(seq.checkpoint.num_tokens)
+        cache.set(draft_len=seq.draft_len)
 
     # --- prefill
 

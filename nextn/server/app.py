@@ -532,29 +532,10 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
     return app
 
 
-def serve_from_args(args) -> int:
+def serve(llm: LLM, cfg: ServeConfig) -> int:
+    """Serve until interrupted (`nextn serve`: nextn.cli builds the LLM and the config)."""
     import uvicorn
 
-    llm = LLM(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        num_speculative_tokens=args.spec_k,
-        p_min=args.p_min,
-        adaptive_k=args.adaptive_k,
-        hidden_after_norm=not args.hidden_before_norm,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        kernels=args.kernels,
-        prefill=args.prefill,
-    )
-    cfg = ServeConfig(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        max_queue=args.max_queue,
-    )
     print(
         f"nextn: serving {cfg.served_model_name or llm.model_name} on http://{cfg.host}:{cfg.port} "
         f"(spec K={llm.num_speculative_tokens}, context {llm.config.max_model_len})",

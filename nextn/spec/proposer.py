@@ -39,7 +39,7 @@ class MTPProposer:
         if runner.model.mtp is None:
             raise ValueError("the checkpoint has no MTP head (mtp.* tensors)")
         self.runner, self.p_min = runner, p_min
-        self.steps = torch.arange(STEP_ROWS, device=runner.device)  # [STEP_ROWS] long
+        self.steps = torch.arange(STEP_ROWS, device=runner.device, dtype=torch.int32)  # [STEP_ROWS]
 
     def propose(self, cache: SlotCache, sampler, io: DraftIO, k: int):
         """Draft k >= 1 tokens into io.verify_ids[1:k+1] (and their q into io.draft_q[:k] when
@@ -52,7 +52,7 @@ class MTPProposer:
             cache, io.head_ids, io.hidden, ctl[DRAFT_LEN : DRAFT_LEN + 1], ctl[ACCEPTED].long(), io.logits, io.chained
         )
         # the chain: draft j + 1's row sits in draft K/V slot SEQ_LEN + j (the pending token's is SEQ_LEN - 1)
-        chain_pos = (ctl[SEQ_LEN] + self.steps[: max(k - 1, 1)]).int()
+        chain_pos = ctl[SEQ_LEN] + self.steps[: max(k - 1, 1)]
         u = None if sampler.kind.greedy else sampler.uniforms_at(Stream.DRAFT, ctl[NUM_GEN], k)
         confidence = []
         for j in range(k):
