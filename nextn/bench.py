@@ -296,17 +296,20 @@ class Bench:
             for T in range(1, k_max + 2):  # steps at the next free positions, never committed
                 ids = torch.randint(0, cfg.vocab_size, (T,), device=self.device, generator=gen)
 
-                def trunk(T=T, ids=ids):
-                    runner.run(("bench", T), lambda: runner.step.trunk(cache, ids, logits[:T], hidden[:T]))
+                batch = runner.batch([cache], [T])
+
+                def trunk(T=T, ids=ids, batch=batch):
+                    runner.run(("bench", T), lambda: runner.step.trunk(batch, ids, logits[:T], hidden[:T]))
 
                 out["step_ms"][T] = time_ms(trunk, self.device, iters=self.cfg.iters)
             if proposer is not None:
                 ids, pos = ids[:1], torch.tensor([len(seq.tokens)], dtype=torch.int32, device=self.device)
+                batch = runner.batch([cache], [1])
 
                 def head():
                     runner.run(
                         ("bench", "head"),
-                        lambda: runner.step.head(cache, ids, hidden[:1], pos, 0, logits[:1], hidden[1:2]),
+                        lambda: runner.step.head(batch, ids, hidden[:1], pos, None, logits[:1], hidden[1:2]),
                     )
 
                 out["head_step_ms"] = time_ms(head, self.device, iters=self.cfg.iters)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nextn.cache import CacheLayout, CacheMemoryError, HybridCache, commit_ctl
+from nextn.cache import CacheLayout, CacheMemoryError, HybridCache, StepBatch, commit_ctl
 from nextn.cache import pool as pool_mod
 from nextn.cache.hybrid import CONV_AT, CONV_WRITE, NUM_CTL, SEQ_LEN, STATE_AT, STATE_WRITE, nbytes_of, tensor_specs
 from nextn.config import ModelConfig
@@ -90,6 +90,6 @@ def test_prefilled_states_are_where_ctl_says(dense_ckpt):
         model(torch.tensor([[5, 6, 7]]), cache)
         cache.commit_home(3)
         assert cache.get(STATE_AT) == -1 and cache.get(CONV_AT) == -1
-        model(torch.tensor([[8, 9]]), cache, keep_states=True)
+        model(torch.tensor([[8, 9]]), StepBatch([cache], [2]))
         cache.commit(2)
     assert cache.get(STATE_AT) == 1 and cache.get(CONV_AT) == 2 and cache.seq_len == 5

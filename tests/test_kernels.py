@@ -165,24 +165,26 @@ def _gdn_buffers(c, H, HV, K, V, W, T_max):
 
 
 def _run_gdn_step(c, H, HV, K, V, W, norm_eps, T_max=8, slots=None, store_all=True, window=None, states=None):
-    """The step into `window` / `states` (fresh NaN-poisoned ones by default); slots as a list."""
+    """The step of one sequence (a batch of one, slot 0) into `window` / `states` (fresh NaN-poisoned
+    ones by default); slots as a list."""
     if window is None:
         window, states = _gdn_buffers(c, H, HV, K, V, W, T_max)
-    if slots is not None:
-        slots = torch.tensor(slots, device=DEVICE, dtype=torch.int32)
+    slots = torch.tensor([slots or [-1, 0, -1, 0]], device=DEVICE, dtype=torch.int32)
+    seqs = torch.tensor([[0], [0], [c["proj"].shape[0]]], device=DEVICE, dtype=torch.int32)
     out = gdn_step(
         c["proj"],
         c["conv_weight"],
-        c["conv_home"],
-        window,
+        c["conv_home"][None],
+        window[None],
         c["A_log"],
         c["dt_bias"],
-        c["state_home"],
-        states,
+        c["state_home"][None],
+        states[None],
         c["norm_weight"],
         num_k_heads=H,
         norm_eps=norm_eps,
         slots=slots,
+        seqs=seqs,
         store_all=store_all,
     )
     return out, states, window
@@ -448,10 +450,16 @@ def _attn_reference(qkv, key, value, q_norm, k_norm, start, Hq, Hkv, D, rotary, 
     return (o.reshape(T, -1) * torch.sigmoid(gate.reshape(T, -1)))[None], keys[0], values[0]
 
 
-def _attn_run(qkv, key, value, q_norm, k_norm, start, Hq, cos, sin, chunk):
-    pos = torch.tensor([start], device=DEVICE, dtype=torch.int32)
-    q = qk_norm_rope(qkv, q_norm, k_norm, cos, sin, pos, key, value, Hq, 1e-6)
-    return attend_step(q, qkv, key, value, pos, chunk=chunk)
+def _attn_run(qkv, key, value, q_norm, k_norm, start, Hq, cos, sin, chunk, slot=None):
+    """One sequence's rows at positions start..: key / value [cap, Hkv, D] (a cache of one slot), or
+    [S, cap, Hkv, D] with the rows in `slot`."""
+    T = qkv.shape[0]
+    if slot is None:
+        key, value, slot = key[None], value[None], 0
+    row_slot = torch.full((T,), slot, device=DEVICE, dtype=torch.int32)
+    row_pos = torch.arange(start, start + T, device=DEVICE, dtype=torch.int32)
+    q = qk_norm_rope(qkv, q_norm, k_norm, cos, sin, row_slot, row_pos, key, value, Hq, 1e-6)
+    return attend_step(q, qkv, key, value, row_slot, row_pos, chunk=chunk)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -482,6 +490,89 @@ def test_step_attention_rows_do_not_depend_on_row_count():
         one = _attn_run(qkv[t : t + 1], key1, value1, q_norm, k_norm, start + t, Hq, cos, sin, chunk=16)
         assert torch.equal(one[0], full[t]), t
     assert torch.equal(key1[: start + T], key[: start + T])
+
+
+def test_step_attention_batch_equals_each_sequence_alone():
+    """Three sequences' rows in one launch, each in its own slot at its own position (rows packed),
+    give bitwise what each sequence's rows give alone, and write K/V only into their own slots."""
+    Hq, Hkv, D, max_len, dtype = 4, 2, 32, 48, torch.bfloat16
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    rotary = RotaryEmbedding(D // 4, 10000.0).to(DEVICE)
+    cos, sin = rotary.cos_sin(torch.arange(max_len, device=DEVICE), dtype)
+    seqs = [(3, 14, 2), (1, 0, 0), (4, 30, 1)]  # (rows, start, slot)
+    cases = [_attn_case(T, start, Hq, Hkv, D, max_len, dtype, g) for T, start, _ in seqs]
+    keys = torch.full((3, max_len, Hkv, D), float("nan"), device=DEVICE, dtype=dtype)
+    values = keys.clone()
+    for (_, _, slot), case in zip(seqs, cases, strict=True):
+        keys[slot], values[slot] = case[1], case[2]
+    qkv = torch.cat([case[0] for case in cases])
+    row_slot = torch.tensor([s for T, _, s in seqs for _ in range(T)], device=DEVICE, dtype=torch.int32)
+    row_pos = torch.tensor([p + t for T, p, _ in seqs for t in range(T)], device=DEVICE, dtype=torch.int32)
+    q = qk_norm_rope(qkv, cases[0][3], cases[0][4], cos, sin, row_slot, row_pos, keys, values, Hq, 1e-6)
+    batched = attend_step(q, qkv, keys, values, row_slot, row_pos, chunk=16)
+    row = 0
+    for (T, start, slot), (qkv1, key1, value1, _, _) in zip(seqs, cases, strict=True):
+        alone = _attn_run(qkv1, key1, value1, cases[0][3], cases[0][4], start, Hq, cos, sin, chunk=16)
+        assert torch.equal(alone, batched[row : row + T]), slot
+        assert torch.equal(_bits(keys[slot]), _bits(key1)) and torch.equal(_bits(values[slot]), _bits(value1))
+        row += T
+
+
+def test_gdn_step_batch_equals_each_sequence_alone():
+    """Three sequences in one launch (rows packed, each from its own slot's state and window,
+    different states locations) give bitwise each one's step alone: outputs, states, windows."""
+    H, HV, K, V, W, eps, T_max = 2, 4, 16, 32, 4, 1e-6, 8
+    dtype = torch.bfloat16
+    g = torch.Generator(device=DEVICE).manual_seed(31)
+    rows = [2, 1, 5]
+    cases = [_gdn_case(T, H, HV, K, V, W, dtype, g) for T in rows]
+    weights = ("conv_weight", "A_log", "dt_bias", "norm_weight")  # one layer's: the first case's
+    cases = [dict(c, **{k: cases[0][k] for k in weights}) for c in cases]
+    alone = [_run_gdn_step(c, H, HV, K, V, W, eps, T_max) for c in cases]
+    S = 4  # slot 3 holds the first sequence, slot 0 the second, slot 1 the third
+    slot_of = [3, 0, 1]
+    bufs = [_gdn_buffers(cases[0], H, HV, K, V, W, T_max) for _ in range(S)]
+    window, states = torch.stack([b[0] for b in bufs]), torch.stack([b[1] for b in bufs])
+    conv_home = torch.zeros(S, *cases[0]["conv_home"].shape, device=DEVICE, dtype=dtype)
+    state_home = torch.zeros(S, *cases[0]["state_home"].shape, device=DEVICE)
+    for c, s in zip(cases, slot_of, strict=True):
+        conv_home[s], state_home[s] = c["conv_home"], c["state_home"]
+    slots = torch.tensor([[-1, 0, -1, 0]] * S, device=DEVICE, dtype=torch.int32)
+    seqs = torch.tensor([slot_of, [0, 2, 3], rows], device=DEVICE, dtype=torch.int32)
+    out = gdn_step(
+        torch.cat([c["proj"] for c in cases]),
+        cases[0]["conv_weight"],
+        conv_home,
+        window,
+        cases[0]["A_log"],
+        cases[0]["dt_bias"],
+        state_home,
+        states,
+        cases[0]["norm_weight"],
+        num_k_heads=H,
+        norm_eps=eps,
+        slots=slots,
+        seqs=seqs,
+    )
+    row = 0
+    for T, s, (one_out, one_states, one_window) in zip(rows, slot_of, alone, strict=True):
+        assert torch.equal(out[row : row + T], one_out), s
+        assert torch.equal(_bits(states[s]), _bits(one_states)) and torch.equal(_bits(window[s]), _bits(one_window))
+        row += T
+    assert window[2].isnan().all() and states[2].isnan().all()  # the slot outside the batch untouched
+    assert not triton_utils._COUNTERS[out.device].any()
+
+
+def test_skinny_linear_rows_past_one_tile():
+    """More than 16 rows (a batch's) run as 16-row tiles: each row bitwise what it gives alone."""
+    g = torch.Generator(device=DEVICE).manual_seed(12)
+    x, w, w2, res, nw = _linear_case(37, 48, 64, torch.bfloat16, g)
+    for name, (kw, ref) in _linear_variants(x, w, w2, res, nw).items():
+        out = skinny_linear(x, w, **kw)
+        _close(out, ref, torch.bfloat16)
+        for m in (0, 17, 36):
+            one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
+            assert torch.equal(skinny_linear(x[m : m + 1], w, **one)[0], out[m]), (name, m)
 
 
 # ---------------------------------------------------------------------------------------------

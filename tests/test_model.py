@@ -11,7 +11,7 @@ from hf_fixtures import hf_greedy, hf_logits
 from safetensors.torch import load_file, save_file
 
 import nextn
-from nextn.cache import CacheLayout, HybridCache
+from nextn.cache import CacheLayout, HybridCache, StepBatch
 from nextn.cache.hybrid import CONV_WRITE, STATE_WRITE
 from nextn.config import FULL, ConfigError, ModelConfig
 from nextn.models.loader import CheckpointError, load_model
@@ -61,6 +61,11 @@ def _slots(model, num_slots=2, rows=5):
     return [cache.slot(s) for s in range(num_slots)]
 
 
+def _step(model, ids, cache):
+    """A keep-states step of one sequence: a batch of one."""
+    return model(ids, StepBatch([cache], [ids.shape[1]]))
+
+
 def _gdn_layers(model):
     return [i for i, t in enumerate(model.cfg.layer_types) if t != FULL]
 
@@ -76,11 +81,11 @@ def test_multi_token_step_equals_single_steps(name, request):
         for cache in (multi, single):
             model(ids[:, :15], cache)
             cache.commit_home(15)
-        h_multi = model(ids[:, 15:], multi, keep_states=True)
+        h_multi = _step(model, ids[:, 15:], multi)
         w, cw = multi.get(STATE_WRITE), multi.get(CONV_WRITE)  # where the step wrote its states
         states, windows = multi.t("states").clone(), multi.t("window").clone()
         for t in range(5):
-            h1 = model(ids[:, 15 + t : 16 + t], single, keep_states=True)
+            h1 = _step(model, ids[:, 15 + t : 16 + t], single)
             single.commit(1)
             # bitwise: decode and verify rows share one arithmetic (the fixed-shape step)
             assert torch.equal(h1[0, 0], h_multi[0, t])
@@ -88,6 +93,36 @@ def test_multi_token_step_equals_single_steps(name, request):
                 conv, rec = single.committed_gdn(i)
                 assert torch.equal(states[j][w + t], rec)
                 assert torch.equal(windows[j][:, cw + t + 1 : cw + t + W], conv)
+
+
+@pytest.mark.parametrize("name", ["dense_ckpt", "moe_ckpt", "next_ckpt"])
+def test_batched_step_equals_each_sequence_alone(name, request):
+    """A step over three sequences (different lengths and row counts, rows packed) == each one's
+    step alone, bitwise: hiddens, K/V and every state written."""
+    model = load_model(request.getfixturevalue(name))
+    ids = _ids(40, seed=3)
+    caches = _slots(model, num_slots=6)
+    batched, alone = caches[:3], caches[3:]
+    lengths, rows = (9, 17, 4), (1, 5, 3)
+    with torch.no_grad():
+        for b, n in enumerate(lengths):
+            for cache in (batched[b], alone[b]):
+                model(ids[:, :n] + b, cache)
+                cache.commit_home(n)
+        step_ids = [ids[:, 20 + b : 20 + b + r] for b, r in enumerate(rows)]
+        h_batch = model(torch.cat(step_ids, dim=1), StepBatch(batched, list(rows)))[0]
+        offsets = [0, 1, 6, 9]
+        for b, cache in enumerate(alone):
+            h = _step(model, step_ids[b], cache)[0]
+            assert torch.equal(h, h_batch[offsets[b] : offsets[b + 1]]), b
+            batched[b].commit(rows[b])
+            cache.commit(rows[b])
+            for i in _gdn_layers(model):
+                for x, y in zip(batched[b].committed_gdn(i), cache.committed_gdn(i), strict=True):
+                    assert torch.equal(x, y)
+            for i in (i for i, t in enumerate(model.cfg.layer_types) if t == FULL):
+                n = cache.seq_len
+                assert torch.equal(batched[b].kv(i)[0][:n], cache.kv(i)[0][:n])
 
 
 @pytest.mark.parametrize("name", ["dense_ckpt", "next_ckpt"])
@@ -101,10 +136,10 @@ def test_commit_rolls_back_to_the_kept_prefix(name, n_keep, request):
         for cache in (a, b):
             model(ids[:, :10], cache)
             cache.commit_home(10)
-        model(ids[:, 10:15], a, keep_states=True)
+        _step(model, ids[:, 10:15], a)
         a.commit(n_keep)
         for t in range(n_keep):
-            model(ids[:, 10 + t : 11 + t], b, keep_states=True)
+            _step(model, ids[:, 10 + t : 11 + t], b)
             b.commit(1)
         assert a.seq_len == b.seq_len == 10 + n_keep
         for i in _gdn_layers(model):
@@ -115,7 +150,7 @@ def test_commit_rolls_back_to_the_kept_prefix(name, n_keep, request):
             assert torch.equal(a.kv(i)[0][:n], b.kv(i)[0][:n])
         # the next token sees identical states
         nxt = ids[:, 14:15]
-        ha, hb = model(nxt, a, keep_states=True), model(nxt, b, keep_states=True)
+        ha, hb = _step(model, nxt, a), _step(model, nxt, b)
         assert torch.equal(ha, hb)
 
 

@@ -11,7 +11,7 @@ from hf_fixtures import FIT_PROMPTS
 
 import nextn
 from nextn.cache.hybrid import ACCEPTED, NUM_GEN
-from nextn.engine.rounds import Buffers
+from nextn.engine.rounds import Buffers, Member
 from nextn.engine.sampler import SlotSampler
 from nextn.engine.scheduler import Request
 from nextn.spec.replay import replay_rounds, trunk_pass
@@ -34,7 +34,7 @@ def _live_drafts(llm, context: list[int], pending: int, k: int) -> list[int]:
         buf.verify_ids[0] = buf.head_ids[0] = pending
         buf.hidden[0] = seq.last_hidden
         cache.set(accepted=0, num_gen=1)
-        engine.proposer.propose(cache, sampler, buf.draft_io(), k)
+        engine.proposer.propose([Member(cache, sampler, buf, k)])
     engine.scheduler.finish(req, keep=False)
     assert cache.get(ACCEPTED) == 0 and cache.get(NUM_GEN) == 1
     return buf.verify_ids[1 : k + 1].tolist()

@@ -53,7 +53,7 @@ def _step(engine, cache, ids):
     logits = torch.empty(T, cfg.vocab_size, device=DEVICE)
     hidden = torch.empty(T, cfg.hidden_size, device=DEVICE, dtype=engine.runner.dtype)
     with torch.inference_mode():
-        engine.runner.step.trunk(cache, torch.tensor(ids, device=DEVICE), logits, hidden)
+        engine.runner.step.trunk(engine.runner.batch([cache], [T]), torch.tensor(ids, device=DEVICE), logits, hidden)
     return logits, hidden
 
 
@@ -90,7 +90,8 @@ def test_triton_head_step_matches_reference(dense_ckpt):
         logits, chained = torch.empty(1, V, device=DEVICE), torch.empty(1, H, device=DEVICE)
         pos = torch.tensor([6], dtype=torch.int32, device=DEVICE)
         with torch.inference_mode():
-            engine.runner.step.head(cache, ids, hidden, pos, torch.tensor(2, device=DEVICE), logits, chained)
+            batch, row = engine.runner.batch([cache], [4]), torch.tensor([2], device=DEVICE)
+            engine.runner.step.head(batch, ids, hidden, pos, row, logits, chained)
         outs.append((logits, chained, cache.draft_kv()[0][6:10].clone()))
     for x, y in zip(*outs, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)

@@ -23,6 +23,7 @@ rule; does not know models, tokens or sampling.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -201,6 +202,48 @@ class SlotCache:
         reset_ctl(self.ctl)
         self.t("conv").zero_()
         self.t("recurrent").zero_()
+
+
+class StepBatch:
+    """The sequences of one step, their rows packed in order: sequence b owns rows offsets[b] ..
+    offsets[b+1] of the step's ids, logits and hiddens. Host tuples for the reference modules;
+    int32 device tensors for the kernels, made once (a CUDA graph holds them)."""
+
+    def __init__(self, caches: list[SlotCache], rows: list[int]):
+        if not caches or len(caches) != len(rows) or min(rows) < 1:
+            raise ValueError(f"a step batch needs one row count >= 1 per sequence, got {list(rows)}")
+        self.caches, self.rows = tuple(caches), tuple(rows)
+        self.cache = caches[0].cache
+        self.offsets = tuple(itertools.accumulate(rows, initial=0))
+        self.num_rows = self.offsets[-1]
+        device = self.cache.ctl.device
+        slots = [c.slot for c in caches]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a step batch holds each slot once, got {slots}")
+        self.seqs = torch.tensor([slots, self.offsets[:-1], rows], dtype=torch.int32, device=device)  # [3, B]
+        self.slot_index = self.seqs[0].long()  # [B]
+        self.row_seq = torch.tensor([b for b, r in enumerate(rows) for _ in range(r)], device=device)  # [M]
+        self.row_idx = torch.tensor([i for r in rows for i in range(r)], dtype=torch.int32, device=device)
+        self.row_slot = self.seqs[0][self.row_seq]  # [M] int32
+        self._flat: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.caches)
+
+    def field(self, f: int) -> torch.Tensor:
+        """ctl field f of every sequence [B] int32 (a device gather)."""
+        return self.cache.ctl[self.slot_index, f]
+
+    def row_positions(self, first: torch.Tensor) -> torch.Tensor:
+        """[M] int32 positions of every row, from each sequence's first position first [B]."""
+        return first[self.row_seq] + self.row_idx
+
+    def flat_rows(self, R: int) -> torch.Tensor:
+        """[M] long: where each row sits in a per-slot buffer [S, R, ...] flattened to [S * R, ...]
+        (sequence b's row i at slot * R + i)."""
+        if R not in self._flat:
+            self._flat[R] = self.slot_index[self.row_seq] * R + self.row_idx.long()
+        return self._flat[R]
 
 
 def commit_ctl(

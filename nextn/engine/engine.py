@@ -1,8 +1,8 @@
 """The engine loop: `step()` = schedule -> run -> postprocess. The scheduler admits waiting
-requests into cache slots (the engine prefills them) and picks whose turn it is; that request runs
-a few rounds (nextn.engine.rounds); each round's tokens become text (stop strings cut on the host),
-logprobs and events, and a finished request hands its slot back to the scheduler (kept as a
-session when asked).
+requests into cache slots (the engine prefills them); every running request then takes part in
+one batched round (nextn.engine.rounds: one forward for all of them); each request's tokens
+become text (stop strings cut on the host), logprobs and events, and a finished request hands its
+slot back to the scheduler (kept as a session when asked).
 
 Owns the model, the runner, the proposer and the aggregated spec counters. One thread calls it.
 """
@@ -10,6 +10,7 @@ Owns the model, the runner, the proposer and the aggregated spec counters. One t
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from nextn.cache import CacheLayout, SlotPool
 from nextn.config import EngineConfig
 from nextn.core import RequestOutput, SamplingParams, SpecStats
-from nextn.engine.rounds import RequestRounds, Round, round_buffers
+from nextn.engine.rounds import RequestRounds, Round, launch, round_buffers
 from nextn.engine.runner import ModelRunner
 from nextn.engine.sampler import sampler_buffers
 from nextn.engine.scheduler import Request, Scheduler
@@ -74,6 +75,7 @@ class Engine:
             self.stop_ids.add(tokenizer.eos_token_id)
         self.stats = SpecStats()
         self.live: dict[int, _Live] = {}
+        self.batch_sizes: Counter[int] = Counter()  # requests per batched round -> rounds launched
 
     def add(
         self,
@@ -81,9 +83,15 @@ class Engine:
         params: SamplingParams,
         use_sessions: bool = False,
         checkpoint_at: int | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> Request:
+        """Queue a request. num_speculative_tokens: its K (0..the engine's; default the engine's)."""
+        k_max = self.config.spec.num_speculative_tokens
+        if num_speculative_tokens is not None and not 0 <= num_speculative_tokens <= k_max:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} is outside 0..{k_max} (the engine's K)")
         # prompt logprobs need the logits of every prompt row: such a request prefills cold
         req = Request(prompt_ids, params, use_sessions and params.prompt_logprobs is None, checkpoint_at)
+        req.num_speculative_tokens = num_speculative_tokens
         self.scheduler.add(req)
         return req
 
@@ -107,9 +115,9 @@ class Engine:
                 events += self._start(req)
             except Exception as e:
                 events.append(self._fail(req, e))
-        turn = self.scheduler.next_turn()
-        if turn is not None:
-            events += self._run(*turn)
+        running = [req for req in self.scheduler.running if req.request_id in self.live]
+        if running:
+            events += self._run(running)
         return events
 
     def _fail(self, req: Request, e: Exception) -> tuple[Request, Exception]:
@@ -145,6 +153,7 @@ class Engine:
             set() if params.ignore_eos else self.stop_ids | set(params.stop_token_ids),
             SpecStats(),
             want_logits=params.logprobs is not None,
+            num_speculative_tokens=req.num_speculative_tokens,
         )
         self.live[req.request_id] = _Live(
             rounds,
@@ -182,17 +191,27 @@ class Engine:
 
     # --- rounds and their tokens
 
-    def _run(self, req: Request, num_rounds: int) -> list:
-        live, events = self.live[req.request_id], []
-        for _ in range(num_rounds):
+    def _run(self, reqs: list[Request]) -> list:
+        """One batched round for the requests with none in flight, one queued ahead for those that
+        can, then each request's oldest round read and turned into its event."""
+        events: list = []
+        for wanted in (RequestRounds.needs_round, RequestRounds.wants_ahead):
+            group = [req for req in reqs if wanted(self.live[req.request_id].rounds)]
+            if group:
+                try:
+                    launch(self.runner, self.proposer, [self.live[req.request_id].rounds for req in group])
+                    self.batch_sizes[len(group)] += 1
+                except Exception as e:  # a round that cannot run fails its requests (the engine serves on)
+                    events += [self._fail(req, e) for req in group]
+                    reqs = [req for req in reqs if req not in group]
+        for req in reqs:
+            live = self.live[req.request_id]
             try:
-                r = live.rounds.next()
+                r = live.rounds.read()
             except Exception as e:
-                return events + [self._fail(req, e)]
-            ev = self._postprocess(req, live, r)
-            events.append((req, ev))
-            if ev.output is not None:
-                break
+                events.append(self._fail(req, e))
+                continue
+            events.append((req, self._postprocess(req, live, r)))
         return events
 
     def _postprocess(self, req: Request, live: _Live, r: Round) -> StreamEvent:

@@ -1,14 +1,17 @@
-"""The rounds of one request: draft -> verify -> accept -> commit on the device, and the host loop
-that queues them one ahead and reads each round's tokens once.
+"""Rounds: draft -> verify -> accept -> commit on the device for a batch of requests at once, and
+the host side of each request, which queues its rounds one ahead and reads each round's tokens
+once.
 
-A round (`device_round`) is device work only, one CUDA graph per (slot, K, sampler kind): the
-proposer drafts K tokens after the pending token; the trunk verifies [pending, drafts] in one
-step; the sampler accepts the longest matching prefix (greedy) or rejection-samples, and picks the
-bonus / recovered token, which becomes the next round's pending token (it enters the trunk only as
-column 0 of the next verify: no round spends a forward on it alone); `commit_ctl` keeps the
-accepted columns by moving the slot's pointers. Plain decoding is the same round with K = 0. The
-outcome goes to a small buffer, [accepted, drafts counted, tokens..., counters before the round],
-copied to pinned host memory.
+A round (`device_round`) is device work only, one CUDA graph per batch of (slot, K, sampler kind):
+the proposer drafts each request's K tokens after its pending token (K may differ, 0 for plain
+decoding); one trunk step verifies every request's [pending, drafts] rows; per request, the
+sampler accepts the longest matching prefix (greedy) or rejection-samples, and picks the bonus /
+recovered token, which becomes the next round's pending token (it enters the trunk only as column
+0 of the next verify: no round spends a forward on it alone); `commit_ctl` keeps the accepted
+columns by moving the slot's pointers. Each request's outcome goes to a small buffer, [accepted,
+drafts counted, tokens..., counters before the round], copied to pinned host memory. A request's
+rows are computed with the same arithmetic alone or batched, so its output does not depend on
+what runs beside it.
 
 The host (`RequestRounds`) queues round r+1 before it reads round r, so its bookkeeping overlaps a
 running round. EOS, stop ids, the token budget and the context end cut the tokens read (stop
@@ -31,7 +34,6 @@ from nextn.config import ModelConfig, SpecConfig
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.sampler import SlotSampler
 from nextn.engine.sequence import Sequence
-from nextn.spec.proposer import DraftIO
 
 _N, _DRAFTED, _TOKENS = 0, 1, 2  # fields of a round's outcome buffer
 
@@ -69,26 +71,57 @@ class Buffers(NamedTuple):
     def of(cls, cache: SlotCache) -> Buffers:
         return cls(*(cache.t(name) for name in cls._fields))
 
-    def draft_io(self) -> DraftIO:
-        return DraftIO(self.verify_ids, self.head_ids, self.hidden, self.draft_q, self.head_logits, self.head_hidden)
+
+class Member(NamedTuple):
+    """One request's part of a batched round."""
+
+    cache: SlotCache
+    sampler: SlotSampler
+    buf: Buffers
+    k: int  # drafts this round (0: plain decoding)
 
 
-def device_round(runner, proposer, cache: SlotCache, sampler: SlotSampler, buf: Buffers, k: int) -> None:
-    """One round of k drafts (0: plain decoding), device work only."""
-    ctl = cache.ctl
-    before = ctl.clone()
-    num_drafts = proposer.propose(cache, sampler, buf.draft_io(), k) if k > 0 else 0
-    buf.prev_logits.copy_(buf.logits)  # what a request ending in the last round reads
-    buf.prev_hidden.copy_(buf.hidden)
-    runner.step.trunk(cache, buf.verify_ids[: k + 1], buf.logits[: k + 1], buf.hidden[: k + 1])
+def device_round(runner, proposer, members: list[Member]) -> None:
+    """One round of every member, device work only."""
+    befores = [m.cache.ctl.clone() for m in members]
+    drafting = [m for m in members if m.k > 0]
+    drafted = iter(proposer.propose(drafting) if drafting else ())
+    num_drafts = [next(drafted) if m.k > 0 else 0 for m in members]
+    for m in members:  # what a request ending in the last round reads
+        m.buf.prev_logits.copy_(m.buf.logits)
+        m.buf.prev_hidden.copy_(m.buf.hidden)
+    # one trunk step over every member's [pending, drafts] rows, out of and into the slots' buffers
+    batch = runner.batch([m.cache for m in members], [m.k + 1 for m in members])
+    flat, tensors = batch.flat_rows(members[0].buf.verify_ids.shape[0]), members[0].cache.cache.tensors
+    logits, hidden = runner.step_logits[: batch.num_rows], runner.step_hidden[: batch.num_rows]
+    runner.step.trunk(batch, tensors["verify_ids"].view(-1).index_select(0, flat), logits, hidden)
+    tensors["logits"].flatten(0, 1).index_copy_(0, flat, logits)
+    tensors["hidden"].flatten(0, 1).index_copy_(0, flat, hidden)
+    for m, before, drafts in zip(members, befores, num_drafts, strict=True):
+        _accept(m, before, drafts, proposer is not None)
+
+
+def _accept(m: Member, before: torch.Tensor, num_drafts, heads: bool) -> None:
+    """Verify a member's drafts, commit what it keeps and write its outcome."""
+    cache, sampler, buf, k = m
     q = None if sampler.kind.greedy else buf.draft_q[:k]
     n, out_ids = sampler.verify(buf.logits[: k + 1], buf.verify_ids[1 : k + 1], q, num_drafts, before[NUM_GEN])
     sampler.record(out_ids, n)
-    ctl.copy_(commit_ctl(before, n + 1, cache.rows, cache.cols, round_=True))
+    cache.ctl.copy_(commit_ctl(before, n + 1, cache.rows, cache.cols, round_=True))
     buf.verify_ids[:1] = out_ids.index_select(0, n.reshape(1))  # the next round's pending token
-    if proposer is not None:  # the next head pass writes the rows of what this round kept
+    if heads:  # the next head pass writes the rows of what this round kept
         torch.clamp(out_ids, min=0, out=buf.head_ids[: k + 1])
     _write_outcome(buf, n, n.new_full((1,), k) if isinstance(num_drafts, int) else num_drafts, out_ids, before)
+
+
+def launch(runner, proposer, rounds: list[RequestRounds]) -> None:
+    """One batched round of these requests (one CUDA graph per batch of (slot, K, sampler kind));
+    each queues the read of its outcome."""
+    members = [r.member() for r in rounds]
+    key = ("round", tuple((m.cache.slot, m.k, m.sampler.kind) for m in members), id(proposer))
+    runner.run(key, lambda: device_round(runner, proposer, members))
+    for r in rounds:
+        r.queue_read()
 
 
 def first_token(cache: SlotCache, sampler: SlotSampler, buf: Buffers, seq: Sequence) -> None:
@@ -139,10 +172,12 @@ class _Read(NamedTuple):
 
 
 class RequestRounds:
-    """The rounds of one request on one slot. `next()` queues the following round (one ahead,
-    unless the request wants logits, which the next round would overwrite, or `ahead` is off) and
-    reads the oldest; `close(kept)` ends the request after `kept` tokens of the last round read and
-    leaves the slot's state as exactly those tokens."""
+    """The rounds of one request on one slot. Rounds are launched in batches (`launch`): one when
+    the request has none in flight (`needs_round`), and one ahead (`wants_ahead`, unless the
+    request wants logits, which the next round would overwrite, or `ahead` is off); `read()` reads
+    the oldest; `next()` does all three for a request running alone. `close(kept)` ends the request
+    after `kept` tokens of the last round read and leaves the slot's state as exactly those
+    tokens."""
 
     def __init__(
         self,
@@ -155,6 +190,7 @@ class RequestRounds:
         stats: SpecStats,
         want_logits: bool = False,
         ahead: bool = True,
+        num_speculative_tokens: int | None = None,  # this request's K (<= the engine's; default: the engine's)
     ):
         self.runner, self.proposer, self.seq, self.params = runner, proposer, seq, params
         self.cache = runner.slot(seq.slot)
@@ -162,7 +198,8 @@ class RequestRounds:
         self.sampler = SlotSampler(self.cache, spec.p_min)
         self.stop_ids, self.stats, self.want_logits = stop_ids, stats, want_logits
         self.ahead = ahead and not want_logits
-        self.k_ctl = AdaptiveK(spec.num_speculative_tokens if proposer is not None else 0, spec.adaptive)
+        k_max = spec.num_speculative_tokens if proposer is not None else 0
+        self.k_ctl = AdaptiveK(k_max if num_speculative_tokens is None else num_speculative_tokens, spec.adaptive)
         self.max_len = self.cache.max_len
         self.inflight: deque[tuple[int, torch.Tensor, torch.cuda.Event | None]] = deque()
         self.launched = 0  # rounds queued (round 0 included)
@@ -184,9 +221,18 @@ class RequestRounds:
         self.sampler.start(self.params, self.seq.tokens)
         self.cache.set(num_gen=0, accepted=0)
         first_token(self.cache, self.sampler, self.buf, self.seq)
-        self._queue_read()
+        self.queue_read()
 
-    def _queue_read(self) -> None:
+    def member(self) -> Member:
+        return Member(self.cache, self.sampler, self.buf, self.k_ctl.k)
+
+    def needs_round(self) -> bool:
+        return not self.closed and not self.inflight and self.next_start < self.max_len
+
+    def wants_ahead(self) -> bool:
+        return not self.closed and len(self.inflight) == 1 and self.ahead and self.next_start < self.max_len
+
+    def queue_read(self) -> None:
         """Start the copy of the round just queued's outcome to the host (read in `next`)."""
         if self.runner.device.type == "cuda":
             host, event = self.host[self.launched % 2], self.events[self.launched % 2]
@@ -197,23 +243,21 @@ class RequestRounds:
         self.inflight.append((self.launched, host, event))
         self.launched += 1
 
-    def _launch_round(self) -> None:
-        k = self.k_ctl.k
-        key = ("round", self.seq.slot, k, self.sampler.kind, id(self.proposer))
-        self.runner.run(key, lambda: device_round(self.runner, self.proposer, self.cache, self.sampler, self.buf, k))
-        self._queue_read()
-
     @torch.inference_mode()
     def next(self) -> Round:
+        """Run alone: launch this request's round if none is in flight, one ahead, read the oldest."""
         if self.closed:
             raise RuntimeError("the request's rounds are closed")
-        if not self.inflight:
-            if self.next_start >= self.max_len:  # the context is full: no round can run (nothing read)
-                return Round([], None, "length")
-            self._launch_round()
-        # queue the next round before reading this one (the oldest in flight starts at next_start)
-        if len(self.inflight) == 1 and self.ahead and self.next_start < self.max_len:
-            self._launch_round()
+        for wanted in (self.needs_round, self.wants_ahead):
+            if wanted():
+                launch(self.runner, self.proposer, [self])
+        return self.read()
+
+    @torch.inference_mode()
+    def read(self) -> Round:
+        """The oldest round in flight, as read on the host."""
+        if not self.inflight:  # the context is full: no round can run (nothing read)
+            return Round([], None, "length")
         index, host, event = self.inflight.popleft()
         if event is not None:
             event.synchronize()
@@ -253,7 +297,7 @@ class RequestRounds:
         if self.closed:
             return
         if not self.reads:  # nothing read yet: the first token's outcome tells where things stand
-            self.next()
+            self.read()
             kept = 0
         kept = self.handed if kept is None else kept
         if kept > self.handed:

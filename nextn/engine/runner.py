@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from nextn.cache import SlotCache, SlotPool
+from nextn.cache import SlotCache, SlotPool, StepBatch
 from nextn.config import STEP_ROWS, EngineConfig
 from nextn.engine.sequence import Sequence
 from nextn.models.qwen3_5 import CausalLM, ReferenceStep
@@ -39,14 +39,33 @@ class ModelRunner:
         self.graphs: dict = {}  # key -> None (ran eagerly once) or a captured CUDAGraph
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.slots = [pool.cache.slot(s) for s in range(pool.num_slots)]
-        V, H = self.cfg.vocab_size, self.cfg.hidden_size
-        # outputs of prefill steps and catch-up head passes (one at a time)
-        self.scratch_ids = torch.zeros(STEP_ROWS, dtype=torch.long, device=self.device)
-        self.scratch_logits = torch.zeros(STEP_ROWS, V, dtype=torch.float32, device=self.device)
-        self.scratch_hidden = torch.zeros(STEP_ROWS, H, dtype=self.dtype, device=self.device)
+        V, H, S = self.cfg.vocab_size, self.cfg.hidden_size, pool.num_slots
+        # outputs of a step (every slot's verify rows, or a prefill step) and of a head pass
+        rows = max(S * pool.cache.layout.step_states, STEP_ROWS)
+        self.step_ids = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.step_logits = torch.zeros(rows, V, dtype=torch.float32, device=self.device)
+        self.step_hidden = torch.zeros(rows, H, dtype=self.dtype, device=self.device)
+        self.head_logits = torch.zeros(2 * S, V, dtype=torch.float32, device=self.device)
+        self.head_hidden = torch.zeros(2 * S, H, dtype=self.dtype, device=self.device)
+        self._batches: dict = {}
+        self._indices: dict = {}
 
     def slot(self, slot: int) -> SlotCache:
         return self.slots[slot]
+
+    def batch(self, caches: list[SlotCache], rows: list[int]) -> StepBatch:
+        """The step batch of these slots and row counts (made once: graphs hold its tensors)."""
+        key = (tuple(c.slot for c in caches), tuple(rows))
+        if key not in self._batches:
+            self._batches[key] = StepBatch(caches, rows)
+        return self._batches[key]
+
+    def index(self, values: list[int]) -> torch.Tensor:
+        """A long device tensor of these values (made once)."""
+        key = tuple(values)
+        if key not in self._indices:
+            self._indices[key] = torch.tensor(values, dtype=torch.long, device=self.device)
+        return self._indices[key]
 
     def run(self, key, fn: Callable[[], None]) -> None:
         """fn (device work on static buffers, no host reads) eagerly on the key's first call (Triton
@@ -124,11 +143,11 @@ class ModelRunner:
 
     def _prefill_steps(self, cache: SlotCache, piece: list[int]):
         T = len(piece)
-        self.scratch_ids[:T].copy_(torch.tensor(piece), non_blocking=True)
-        logits, hidden = self.scratch_logits[:T], self.scratch_hidden[:T]
+        self.step_ids[:T].copy_(torch.tensor(piece), non_blocking=True)
+        logits, hidden, batch = self.step_logits[:T], self.step_hidden[:T], self.batch([cache], [T])
         self.run(
             ("prefill", cache.slot, T),
-            lambda: self.step.trunk(cache, self.scratch_ids[:T], logits, hidden, store_all=False),
+            lambda: self.step.trunk(batch, self.step_ids[:T], logits, hidden, store_all=False),
         )
         cache.commit(T, store_all=False)
         return logits, hidden
@@ -145,9 +164,8 @@ class ModelRunner:
             piece, rows = torch.tensor(ids[s : s + chunk], device=self.device), hidden[s : s + chunk]
             if chunk == STEP_ROWS:
                 pos = torch.tensor([first + s - 1], dtype=torch.int32, device=self.device)
-                self.step.head(
-                    cache, piece, rows, pos, piece.numel() - 1, self.scratch_logits[:1], self.scratch_hidden[:1]
-                )
+                batch, last = self.batch([cache], [piece.numel()]), self.index([piece.numel() - 1])
+                self.step.head(batch, piece, rows, pos, last, self.head_logits[:1], self.head_hidden[:1])
             else:
                 self.model.head_rows(cache.draft_kv(), piece, rows, first + s, ops=self.ops)
         seq.draft_len = max(seq.draft_len, len(seq.tokens) - 1)

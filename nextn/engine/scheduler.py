@@ -1,10 +1,10 @@
-"""The scheduler: which request runs next, and in which cache slot. No tensors.
+"""The scheduler: which requests run, and in which cache slots. No tensors.
 
-Owns the waiting queue (FIFO, bounded), the running requests (each holding a slot), admission
-(a waiting request gets the kept session serving the longest prefix of its prompt, else a free
-slot, else the least recently used session's slot), fairness (running requests take turns of
-`burst_rounds` rounds while others run; a request alone runs on) and sessions: a finished
-conversation keeps its slot, pinned, until a request continues it or its slot is needed.
+Owns the waiting queue (FIFO, bounded), the running requests (each holding a slot; all of them
+take part in every batched round), admission (a waiting request gets the kept session serving the
+longest prefix of its prompt, else a free slot, else the least recently used session's slot) and
+sessions: a finished conversation keeps its slot, pinned, until a request continues it or its
+slot is needed.
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ from dataclasses import dataclass, field
 
 from nextn.core import SamplingParams
 from nextn.engine.sequence import Sequence
-
-BURST_ROUNDS = 4  # rounds a request runs per turn while others run too
-SOLO_ROUNDS = 64  # rounds per turn for a request running alone
 
 
 class QueueFull(Exception):
@@ -45,6 +42,7 @@ class Request:
     seq: Sequence | None = None  # the slot's record, once admitted
     cached: int = 0  # prompt tokens its slot already held
     rewind: bool = False  # the slot must rewind to its checkpoint first
+    num_speculative_tokens: int | None = None  # its K (None: the engine's)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -118,15 +116,6 @@ class Scheduler:
             self.counters.evictions += 1
             return slot
         return None
-
-    def next_turn(self) -> tuple[Request, int] | None:
-        """The running request whose turn it is, and how many rounds it may run."""
-        if not self.running:
-            return None
-        req = self.running[0]
-        self.running.rotate(-1)
-        alone = len(self.running) == 1 and not self.waiting
-        return req, SOLO_ROUNDS if alone else BURST_ROUNDS
 
     def finish(self, req: Request, keep: bool) -> None:
         """The request is over: its slot becomes a kept session (keep) or free."""

@@ -1,7 +1,9 @@
 """Gated full attention (Qwen3.5 / Qwen3-Next): q_proj emits [query | gate] per head, per-head
 q/k RMSNorm, partial NEOX RoPE, attention over the layer's K/V cache, output * sigmoid(gate).
 
-A layer's cache is one sequence's (key, value), each [capacity, Hkv, D], position-addressed.
+A layer's cache is one sequence's (key, value), each [capacity, Hkv, D], position-addressed. A
+step (decode / verify) runs a batch of sequences with their rows packed (nextn.cache.StepBatch):
+projections over all rows, attention per sequence over its own cache.
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nextn.cache import StepBatch
 from nextn.config import STEP_ROWS, ModelConfig
 from nextn.layers.linear import Linear
 from nextn.layers.norm import RMSNorm
 from nextn.layers.rotary import apply_rotary
+from nextn.ops.linear import pad_dim1
 
 ATTN_BLOCK = 64  # keys per block of the step attention
 KV = tuple[torch.Tensor, torch.Tensor]  # (key, value) [capacity, Hkv, D]
@@ -37,9 +41,9 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [B, T, H]
         cos: torch.Tensor,  # [T, rotary_dim]
         sin: torch.Tensor,
-        kv: KV | None,  # one sequence's cache (then B = 1)
-        start: int,  # position of x's first token
-        num_real: int | None = None,  # a padded step's real rows (None: prefill / training)
+        kv: KV | list[KV] | None,  # one sequence's cache (then B = 1), or a step's: one per sequence
+        start: int | list[int],  # position of x's first token (a step: of each sequence's first row)
+        step: StepBatch | None = None,  # a step: x [1, M, H] holds its sequences' rows
     ) -> torch.Tensor:
         B, T, _ = x.shape
         qg = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim)
@@ -49,9 +53,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if kv is None:  # whole-sequence forward (training): plain causal attention
             o = attend(q, k, v, None, True)
-        elif num_real is not None:
-            write_kv(kv, start, k[0, :num_real], v[0, :num_real])
-            o = attend_step(q, kv, start, num_real)
+        elif step is not None:
+            parts = []
+            for b, (layer_kv, first) in enumerate(zip(kv, start, strict=True)):
+                rows = slice(step.offsets[b], step.offsets[b + 1])
+                write_kv(layer_kv, first, k[0, rows], v[0, rows])
+                parts.append(attend_step(q[:, rows], layer_kv, first))
+            o = pad_dim1(torch.cat(parts, dim=1), T)  # the batch's pad rows stay zero
         else:
             write_kv(kv, start, k[0], v[0])
             keys, values = kv[0][None, : start + T], kv[1][None, : start + T]
@@ -72,13 +80,17 @@ def write_kv(kv: KV, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
     kv[1][start:end] = v
 
 
-def attend_step(q: torch.Tensor, kv: KV, start: int, num_real: int) -> torch.Tensor:
-    """Attention of a padded step: q [B, R, Hq, D] at positions start.. over the cache.
+def attend_step(q: torch.Tensor, kv: KV, start: int) -> torch.Tensor:
+    """Attention of one sequence's step rows: q [B, n <= STEP_ROWS, Hq, D] at positions start..
+    over the cache.
 
-    Keys are visited in fixed blocks of ATTN_BLOCK with an online softmax, always at the same
-    shapes, so a row's result does not depend on how many rows (or later blocks) the step has:
-    a block a row may not see contributes exact zeros. Pad rows see what the last real row sees.
+    The rows are padded to STEP_ROWS and keys visited in fixed blocks of ATTN_BLOCK with an
+    online softmax, always at the same shapes, so a row's result does not depend on how many rows
+    (or later blocks) the step has: a block a row may not see contributes exact zeros. Pad rows
+    see what the last real row sees.
     """
+    num_real, R = q.shape[1], STEP_ROWS
+    q = torch.cat([q, q.new_zeros(q.shape[0], R - num_real, *q.shape[2:])], dim=1)
     B, R, Hq, D = q.shape
     key, value = kv[0][None], kv[1][None]
     groups = Hq // key.shape[2]
@@ -100,7 +112,7 @@ def attend_step(q: torch.Tensor, kv: KV, start: int, num_real: int) -> torch.Ten
         denom = denom * scale + p.sum(-1, keepdim=True)
         acc = acc * scale + p @ v
         m = m_new
-    return (acc / denom).to(value.dtype).transpose(1, 2)
+    return (acc / denom).to(value.dtype).transpose(1, 2)[:, :num_real]
 
 
 def attend(q, k, v, mask, is_causal):

@@ -22,7 +22,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, num_real: int | None = None, ops: Ops | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Ops | None = None) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -63,14 +63,11 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, num_real: int | None = None, ops: Ops | None = None) -> torch.Tensor:
-        """x [B, T, H]; with num_real (a padded step, B = 1) only the real rows are routed."""
+    def forward(self, x: torch.Tensor, ops: Ops | None = None) -> torch.Tensor:
+        """x [B, T, H]."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        n = x.shape[0] if num_real is None else num_real
         top_idx, top_w = self.gate(x)
-        routed = self.experts(x[:n], top_idx[:n], top_w[:n], ops or REFERENCE_OPS)
-        if n < x.shape[0]:
-            routed = torch.cat([routed, routed.new_zeros(x.shape[0] - n, x.shape[1])])
+        routed = self.experts(x, top_idx, top_w, ops or REFERENCE_OPS)
         out = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)

@@ -13,13 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nextn.cache import SlotCache
-from nextn.config import ModelConfig
+from nextn.cache import SlotCache, StepBatch
+from nextn.config import STEP_ROWS, ModelConfig
 from nextn.layers.linear import Linear
 from nextn.layers.norm import RMSNormGated
 from nextn.ops import Ops
 from nextn.ops import conv as conv_ops
 from nextn.ops import gdn as gdn_ops
+from nextn.ops.linear import pad_dim1
 
 
 class _ConvWeight(nn.Module):
@@ -61,15 +62,34 @@ class GatedDeltaNet(nn.Module):
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def forward(
-        self, x: torch.Tensor, cache: SlotCache | None, num_real: int | None, ops: Ops, store_all: bool = True
+        self, x: torch.Tensor, cache: SlotCache | StepBatch | None, ops: Ops, store_all: bool = True
     ) -> torch.Tensor:
-        """x [B, T, H]. num_real None: prefill or training (the Ops table's chunked rule; with a
-        cache the final states go home); else a step whose first num_real rows are real (the
-        recurrent rule; the window and the state after each token, or the last only if not
-        store_all, go to the slot's step buffers)."""
+        """x [B, T, H]. A SlotCache or None: prefill or training (the Ops table's chunked rule; with
+        a cache the final states go home). A StepBatch: a step, x [1, M, H] holding its sequences'
+        rows; each runs the recurrent rule from its slot's committed states, and its window and
+        the state after each token (or the last only if not store_all) go to its step buffers."""
         B, T, _ = x.shape
-        i = self.layer_idx
         mixed_qkv, z, b, a = self.project(x)
+        if isinstance(cache, StepBatch):  # each sequence's rows padded to STEP_ROWS, like a step alone
+            parts = []
+            for s, slot in enumerate(cache.caches):
+                rows, n = slice(cache.offsets[s], cache.offsets[s + 1]), cache.rows[s]
+                mixed = [pad_dim1(t[:, rows], STEP_ROWS) for t in (mixed_qkv, b, a)]
+                parts.append(self._mix(*mixed, slot, None, store_all, n)[:, :n])
+            o = pad_dim1(torch.cat(parts, dim=1), T)  # the batch's pad rows stay zero
+        else:
+            o = self._mix(mixed_qkv, b, a, cache, ops, store_all)
+        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(o.reshape(B, T, self.value_dim).to(x.dtype))
+
+    def _mix(
+        self, mixed_qkv, b, a, cache: SlotCache | None, ops: Ops | None, store_all: bool, n: int = 0
+    ) -> torch.Tensor:
+        """Conv, gates and the delta rule of one sequence (or a training batch) -> o [B, T, HV, V].
+        ops None: a step whose first n rows are real (the recurrent rule, states to the step
+        buffers); else the chunked rule."""
+        B, T, _ = mixed_qkv.shape
+        i = self.layer_idx
         conv_state, initial = cache.committed_gdn(i) if cache is not None else (None, None)
         mixed_qkv, window = conv_ops.causal_conv1d(
             mixed_qkv, self.conv1d.weight.squeeze(1), None if conv_state is None else conv_state[None]
@@ -82,17 +102,14 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         initial = None if initial is None else initial[None]
         W = self.conv1d.weight.shape[-1]
-        if num_real is not None:
-            n = num_real
+        if ops is None:
             o, states = gdn_ops.recurrent_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], initial)
-            o = torch.cat([o, o.new_zeros(B, T - n, *o.shape[2:])], dim=1)  # pad rows stay zero
             cache.write_step(i, window[0, :, : W - 1 + n], states[0] if store_all else states[0, -1:])
         else:
             o, final = ops.chunk_rule(q, k, v, g, beta, initial)
             if cache is not None:
                 cache.write_home(i, window[0, :, window.shape[-1] - (W - 1) :], final[0])
-        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(o.reshape(B, T, self.value_dim).to(x.dtype))
+        return o
 
 
 class GatedDeltaNetNext(GatedDeltaNet):

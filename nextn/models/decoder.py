@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from nextn.cache import SlotCache
+from nextn.cache import SlotCache, StepBatch
 from nextn.config import FULL, ModelConfig
 from nextn.layers.attention import KV, Attention
 from nextn.layers.ffn import MLP, SparseMoeBlock
@@ -35,20 +35,24 @@ class DecoderLayer(nn.Module):
         x,
         cos,
         sin,
-        cache: SlotCache | None,
-        start: int,
-        num_real: int | None,
+        cache: SlotCache | StepBatch | None,
+        start: int | list[int],
         ops: Ops,
-        kv: KV | None = None,
+        kv: KV | list[KV] | None = None,
         store_all: bool = True,
     ):
-        """x [B, T, H] at positions start..; num_real None for prefill / training, else the real rows
-        of a padded step. kv: the attention cache to use instead of the slot's (the MTP head's)."""
+        """x [B, T, H] at positions start.. (prefill with a SlotCache, training without), or a step's
+        packed rows [1, M, H] (a StepBatch; start: each sequence's first position). kv: the
+        attention cache(s) to use instead of the slots' (the MTP head's)."""
         h = self.input_layernorm(x)
+        step = cache if isinstance(cache, StepBatch) else None
         if self.kind == FULL:
-            layer_kv = kv if kv is not None else (cache.kv(self.layer_idx) if cache is not None else None)
-            h = self.self_attn(h, cos, sin, layer_kv, start, num_real)
+            if kv is None and step is not None:
+                kv = [c.kv(self.layer_idx) for c in step.caches]
+            elif kv is None and cache is not None:
+                kv = cache.kv(self.layer_idx)
+            h = self.self_attn(h, cos, sin, kv, start, step)
         else:
-            h = self.linear_attn(h, cache, num_real, ops, store_all)
+            h = self.linear_attn(h, cache, ops, store_all)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), num_real, ops)
+        return x + self.mlp(self.post_attention_layernorm(x), ops)

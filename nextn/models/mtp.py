@@ -34,11 +34,11 @@ class MTPHead(nn.Module):
         hidden: torch.Tensor,  # [B, T, H] trunk (or previous draft step) hiddens h_{p-1}
         cos: torch.Tensor,  # [T, rotary_dim] at positions p
         sin: torch.Tensor,
-        kv: KV | None,
-        slot: int,  # K/V slot of the first row (= its position - 1)
-        num_real: int | None = None,  # a step-sized pass (<= STEP_ROWS rows): the step attention
+        kv: KV | list[KV] | None,
+        slot: int | list[int],  # K/V slot of the first row (= its position - 1); a step: per sequence
+        step=None,  # a StepBatch: embeds / hidden [1, M, H] hold its sequences' rows (the step attention)
         ops: Ops | None = None,
     ) -> torch.Tensor:
         """Returns the layer output before mtp.norm [B, T, H]."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        return self.layers[0](x, cos, sin, None, slot, num_real, ops or OPS["torch"](), kv=kv)
+        return self.layers[0](x, cos, sin, step, slot, ops or OPS["torch"](), kv=kv)

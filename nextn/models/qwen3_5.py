@@ -2,8 +2,9 @@
 so `state_dict()` keys are the text-only export's keys (`model.*`, `lm_head.*`, `mtp.*`).
 
 One module forward serves prefill (the Ops table's chunked delta rule, final states to the slot's
-home) and the reference decode / verify step (every step padded to STEP_ROWS rows, states after
-each token to the slot's step buffers). The forward never moves positions: the runner commits.
+home) and the reference decode / verify step of a batch of sequences (their rows packed, states
+after each token to each slot's step buffers). The forward never moves positions: the runner
+commits.
 The fused Triton step is a sibling forward (nextn.models.qwen3_5_step) over the same weights.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nextn.cache import SlotCache
+from nextn.cache import SlotCache, StepBatch
 from nextn.config import STEP_ROWS, ModelConfig
 from nextn.layers.attention import KV
 from nextn.layers.linear import Linear
@@ -21,7 +22,7 @@ from nextn.layers.rotary import RotaryEmbedding
 from nextn.models.decoder import DecoderLayer
 from nextn.models.mtp import MTPHead
 from nextn.ops import OPS, Ops
-from nextn.ops.linear import row_invariant_linear
+from nextn.ops.linear import pad_dim1, row_invariant_linear
 
 
 class TextModel(nn.Module):
@@ -51,36 +52,39 @@ class CausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T]
-        cache: SlotCache | None = None,
-        keep_states: bool = False,
+        cache: SlotCache | StepBatch | None = None,
         ops: Ops | None = None,
         store_all: bool = True,
     ) -> torch.Tensor:
         """Returns the last layer's hidden states before the final norm [B, T, H].
 
-        With a cache (B = 1), tokens sit at positions cache.seq_len + [0, T). keep_states=False
-        (prefill) writes the GDN states home; keep_states=True (the reference step) leaves them in
-        the step buffers (the state after every token, or the last only when not store_all) for
-        the caller's commit. ops: the kernels of prefill / training (default: the references).
+        With a SlotCache (prefill, B = 1), tokens sit at positions cache.seq_len + [0, T) and the
+        GDN states go home. With a StepBatch (the reference step), input_ids [1, M] are its
+        sequences' rows, each sequence's at its slot's positions; the GDN states stay in the step
+        buffers (the state after every token, or the last only when not store_all) for the
+        caller's commit. ops: the kernels of prefill / training (default: the references).
         """
         T = input_ids.shape[1]
-        start = cache.seq_len if cache is not None else 0
-        if cache is not None and start + T > cache.max_len + (STEP_ROWS if keep_states else 0):
-            raise ValueError(f"sequence of {start + T} tokens exceeds the cache capacity {cache.max_len}")
-        num_real = None
-        if keep_states:
-            # every step runs STEP_ROWS rows whatever T is: decode and verify share one shape,
-            # so each row's arithmetic is the same in both
-            if T > STEP_ROWS:
-                raise ValueError(f"a step takes at most {STEP_ROWS} tokens, got {T}")
-            num_real = T
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], STEP_ROWS - T)], dim=1)
+        if isinstance(cache, StepBatch):
+            start = [c.seq_len for c in cache.caches]
+            for first, rows in zip(start, cache.rows, strict=True):
+                if rows > STEP_ROWS or first + rows > cache.cache.layout.capacity:
+                    raise ValueError(f"a step of {rows} rows at position {first} does not fit the cache")
+            positions = [first + i for first, rows in zip(start, cache.rows, strict=True) for i in range(rows)]
+            # whole tiles of STEP_ROWS rows: every op's shape is a multiple of the step's, so a
+            # row's arithmetic (SIMD tails included) does not depend on the batch
+            input_ids = pad_dim1(input_ids, -(-T // STEP_ROWS) * STEP_ROWS)
+            positions += [positions[-1]] * (input_ids.shape[1] - T)
+        else:
+            start = cache.seq_len if cache is not None else 0
+            if cache is not None and start + T > cache.max_len:
+                raise ValueError(f"sequence of {start + T} tokens exceeds the cache capacity {cache.max_len}")
+            positions = range(start, start + T)
         ops = ops or OPS["torch"]()
         x = self.model.embed_tokens(input_ids)
-        positions = torch.arange(start, start + x.shape[1], device=input_ids.device)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(torch.tensor(positions, device=input_ids.device), x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, start, num_real, ops, store_all=store_all)
+            x = layer(x, cos, sin, cache, start, ops, store_all=store_all)
         return x[:, :T]
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -119,32 +123,38 @@ class ReferenceStep:
         self.model, self.after_norm = model, hidden_after_norm
 
     def trunk(
-        self, cache: SlotCache, ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, store_all: bool = True
+        self, batch: StepBatch, ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, store_all: bool = True
     ) -> None:
-        h = self.model(ids[None], cache, keep_states=True, store_all=store_all)[0]
+        """ids [M]: the batch's rows; logits [M, V] float32 and head-input hiddens [M, H] written."""
+        h = self.model(ids[None], batch, store_all=store_all)[0]
         normed = self.model.final_norm(h)
         logits.copy_(self.model.logits(normed))
         hidden.copy_(normed if self.after_norm else h)
 
     def head(
         self,
-        cache: SlotCache,
+        batch: StepBatch,
         ids: torch.Tensor,
         hidden: torch.Tensor,
-        pos: torch.Tensor,
-        row,
+        first: torch.Tensor,
+        rows: torch.Tensor | None,
         logits: torch.Tensor,
         chained: torch.Tensor,
     ) -> None:
-        T, slot = ids.shape[0], int(pos.reshape(-1)[0])
-        pad = STEP_ROWS - T  # the head's step, like the trunk's, always runs STEP_ROWS rows
-        ids = torch.cat([ids, ids.new_zeros(pad)])
-        embeds = self.model.model.embed_tokens(ids)[None]
-        hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])[None]
-        positions = torch.arange(slot + 1, slot + 1 + STEP_ROWS, device=ids.device)
-        cos, sin = self.model.rotary.cos_sin(positions, embeds.dtype)
-        out = self.model.mtp(embeds, hidden, cos, sin, cache.draft_kv(), slot, num_real=T)[0]
-        out = out.index_select(0, torch.as_tensor(row, device=ids.device).reshape(1))
+        """MTP rows of a batch: ids [M] paired with hidden [M, H]; sequence b's first row in draft
+        K/V slot first[b] (int32 [B]; rope position first[b] + 1). rows [B] (packed row indices; None:
+        every row) give logits [B or M, V] and the hiddens to chain."""
+        slots = [int(p) for p in first.tolist()]
+        positions = [s + 1 + i for s, n in zip(slots, batch.rows, strict=True) for i in range(n)]
+        M = len(positions)
+        padded = -(-M // STEP_ROWS) * STEP_ROWS  # whole tiles, like the trunk's step
+        positions += [positions[-1]] * (padded - M)
+        embeds = self.model.model.embed_tokens(pad_dim1(ids[None], padded))
+        cos, sin = self.model.rotary.cos_sin(torch.tensor(positions, device=ids.device), embeds.dtype)
+        kv = [c.draft_kv() for c in batch.caches]
+        out = self.model.mtp(embeds, pad_dim1(hidden[None], padded), cos, sin, kv, slots, step=batch)[0, :M]
+        if rows is not None:
+            out = out.index_select(0, rows)
         normed = self.model.mtp.norm(out)
         logits.copy_(self.model.logits(normed))
         chained.copy_(normed if self.after_norm else out)

@@ -3,7 +3,9 @@
 cross module boundaries (a norm inside the next projection, a residual inside the previous one),
 so it is written once here and held to the reference by bitwise tests (tests/test_step.py).
 
-Per decoder layer (T <= STEP_ROWS rows; the projections fused at load by nextn.models.loader):
+A step runs a batch of sequences (nextn.cache.StepBatch), their rows packed: projections over all
+rows, attention and the delta rule per sequence over its own slot. Per decoder layer (the
+projections fused at load by nextn.models.loader):
 - Gated DeltaNet: [RMSNorm -> in_proj_{qkv,z,b,a}] -> [causal conv -> recurrent delta rule
   (writes the state after every token) -> gated RMSNorm] -> [out_proj + residual];
 - attention: [RMSNorm -> q/k/v] -> q/k norm + RoPE + K/V write -> chunked attention * gate
@@ -11,9 +13,10 @@ Per decoder layer (T <= STEP_ROWS rows; the projections fused at load by nextn.m
 - MLP: [RMSNorm -> gate/up -> silu * up] -> [down + residual];
 - MoE: RMSNorm -> router -> [top-k] -> [experts' silu(gate) * up] -> shared expert
   -> [experts' down, weighted sum, + gated shared expert + residual] (nextn.ops.triton_moe).
-Brackets are one kernel each. A row's arithmetic does not depend on the number of rows, so a
-verify row equals the decode of the same token bitwise. Positions and the GDN state locations
-come from the slot's device counters (nextn.cache.hybrid), so one CUDA graph serves every round.
+Brackets are one kernel each. A row's arithmetic does not depend on the number of rows or on the
+other sequences, so a verify row equals the decode of the same token bitwise, alone or batched.
+Positions and the GDN state locations come from the slots' device counters (nextn.cache.hybrid),
+so one CUDA graph serves every round of a batch.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nextn.cache.hybrid import CONV_WRITE, SEQ_LEN, STATE_AT, SlotCache
+from nextn.cache.hybrid import SEQ_LEN, STATE_AT, StepBatch
 from nextn.config import FULL
 from nextn.models.loader import fused_weight
 from nextn.models.qwen3_5 import CausalLM
@@ -225,51 +228,55 @@ class TritonStep:
         act = lin(x, w.gate, norm_weight=w.norm, up_weight=w.up, eps=self.eps)
         return lin(act, w.down, residual=x)
 
-    def _attn(self, x, w: AttnWeights, key, value, pos, rope_offset: int):
+    def _attn(self, x, w: AttnWeights, key, value, row_slot, row_pos, rope_offset: int):
         lin = self.linear.skinny_linear
         qkv = lin(x, w.qkv, norm_weight=w.norm, eps=self.eps)
-        cos, sin = self.rope_tables(key.shape[0] + 1)
+        cos, sin = self.rope_tables(key.shape[1] + 1)
+        heads = self.cfg.num_attention_heads
         q = self.attn.qk_norm_rope(
-            qkv, w.q_norm, w.k_norm, cos, sin, pos, key, value, self.cfg.num_attention_heads, self.eps, rope_offset
+            qkv, w.q_norm, w.k_norm, cos, sin, row_slot, row_pos, key, value, heads, self.eps, rope_offset
         )
-        o = self.attn.attend_step(q, qkv, key, value, pos)
+        o = self.attn.attend_step(q, qkv, key, value, row_slot, row_pos)
         return self._mlp(lin(o, w.o_proj, residual=x), w.mlp)
 
-    def _gdn(self, x, w: GDNWeights, cache: SlotCache, j: int, store_all: bool):
-        lin = self.linear.skinny_linear
-        proj = lin(x, w.in_proj, norm_weight=w.norm, eps=self.eps)  # [T, conv | z | b | a]
+    def _gdn(self, x, w: GDNWeights, batch: StepBatch, j: int, store_all: bool):
+        lin, t = self.linear.skinny_linear, batch.cache.tensors
+        proj = lin(x, w.in_proj, norm_weight=w.norm, eps=self.eps)  # [M, conv | z | b | a]
         o = self.gdn.gdn_step(
             proj,
             w.conv,
-            cache.t("conv")[j],
-            cache.t("window")[j],
+            t["conv"][:, j],
+            t["window"][:, j],
             w.A_log,
             w.dt_bias,
-            cache.t("recurrent")[j],
-            cache.t("states")[j],
+            t["recurrent"][:, j],
+            t["states"][:, j],
             w.out_norm,
             self.cfg.linear_num_key_heads,
             self.eps,
-            slots=cache.ctl[STATE_AT : CONV_WRITE + 1],
+            slots=batch.cache.ctl[:, STATE_AT:],
+            seqs=batch.seqs,
             store_all=store_all,
         )
         return self._mlp(lin(o, w.out_proj, residual=x), w.mlp)
 
     def trunk(
-        self, cache: SlotCache, ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, store_all: bool = True
+        self, batch: StepBatch, ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, store_all: bool = True
     ) -> None:
-        """ids [T] at positions SEQ_LEN..: logits [T, V] float32 and head-input hiddens [T, H] into
-        the given buffers; K/V and the GDN step buffers written, nothing committed."""
-        lin, norm = self.linear.skinny_linear, self.norm.rms_norm
-        if store_all and ids.shape[0] > cache.rows:  # the kernel would write past the slot's state buffers
-            raise ValueError(f"a step keeping every state takes at most {cache.rows} tokens here, got {ids.shape[0]}")
-        pos = cache.ctl[SEQ_LEN : SEQ_LEN + 1]
+        """ids [M]: each sequence's rows at its positions SEQ_LEN..: logits [M, V] float32 and
+        head-input hiddens [M, H] into the given buffers; K/V and the GDN step buffers written,
+        nothing committed."""
+        lin, norm, tensors = self.linear.skinny_linear, self.norm.rms_norm, batch.cache.tensors
+        if store_all and max(batch.rows) > batch.caches[0].rows:  # past the slots' state buffers
+            raise ValueError(f"a step keeping every state takes at most {batch.caches[0].rows} rows per sequence")
+        pos = batch.row_positions(batch.field(SEQ_LEN))
         x = F.embedding(ids, self.embed)
         for layer, w in zip(self.model.model.layers, self.layers, strict=True):
+            i = layer.layer_idx
             if layer.kind == FULL:
-                x = self._attn(x, w, *cache.kv(layer.layer_idx), pos, 0)
+                x = self._attn(x, w, tensors[f"key.{i}"], tensors[f"value.{i}"], batch.row_slot, pos, 0)
             else:
-                x = self._gdn(x, w, cache, cache.cache.gdn_index[layer.layer_idx], store_all)
+                x = self._gdn(x, w, batch, batch.cache.gdn_index[i], store_all)
         normed = norm(x, self.final_norm, self.eps, out=hidden if self.after_norm else None)
         lin(normed, self.lm_head, out=logits)
         if not self.after_norm:
@@ -277,25 +284,26 @@ class TritonStep:
 
     def head(
         self,
-        cache: SlotCache,
+        batch: StepBatch,
         ids: torch.Tensor,
         hidden: torch.Tensor,
-        pos: torch.Tensor,
-        row,
+        first: torch.Tensor,
+        rows: torch.Tensor | None,
         logits: torch.Tensor,
         chained: torch.Tensor,
     ) -> None:
-        """MTP rows: ids [T] paired with hidden [T, H]; row 0 in draft K/V slot pos (int32 [1]; rope
-        position pos + 1). Row `row` (an int, or a device index) gives logits [1, V] and the hidden
-        to chain [1, H]."""
-        lin, norm = self.linear.skinny_linear, self.norm.rms_norm
+        """MTP rows of a batch: ids [M] paired with hidden [M, H]; sequence b's first row in draft
+        K/V slot first[b] (int32 [B]; rope position first[b] + 1). rows [B] (packed row indices, a
+        device tensor; None: every row) give logits [B or M, V] and the hiddens to chain."""
+        lin, norm, tensors = self.linear.skinny_linear, self.norm.rms_norm, batch.cache.tensors
         norm_embed, norm_hidden, fc, layer, final = self.head_weights
-        H, T = self.cfg.hidden_size, ids.shape[0]
-        cat = torch.empty(T, 2 * H, device=ids.device, dtype=self.embed.dtype)
+        H, M = self.cfg.hidden_size, ids.shape[0]
+        cat = torch.empty(M, 2 * H, device=ids.device, dtype=self.embed.dtype)
         norm(F.embedding(ids, self.embed), norm_embed, self.eps, out=cat[:, :H])
         norm(hidden, norm_hidden, self.eps, out=cat[:, H:])
-        x = self._attn(lin(cat, fc), layer, *cache.draft_kv(), pos, 1)
-        out = x[row : row + 1] if isinstance(row, int) else x.index_select(0, row.reshape(1))
+        pos = batch.row_positions(first)
+        x = self._attn(lin(cat, fc), layer, tensors["draft_key"], tensors["draft_value"], batch.row_slot, pos, 1)
+        out = x if rows is None else x.index_select(0, rows)
         normed = norm(out, final, self.eps, out=chained if self.after_norm else None)
         lin(normed, self.lm_head, out=logits)
         if not self.after_norm:

@@ -1,16 +1,16 @@
-"""Gated full attention for decode / verify steps (T <= 16 query rows), batch-invariant.
+"""Gated full attention for decode / verify steps of a batch of sequences, batch-invariant.
 
 Reference: `nextn.layers.attention.Attention` (per-head zero-centred q/k RMSNorm, partial NEOX
 RoPE, causal attention over the layer's K/V cache, output * sigmoid(gate)).
 
-Three launches, all reading the step's start position from a device scalar (`pos`), so a CUDA
-graph captured once serves every position:
-- `qk_norm_rope`: normalises and rotates q and k, writes k and v into the cache at pos + t;
+Three launches, all reading each row's sequence slot and position from device tensors
+(`row_slot`, `row_pos`), so a CUDA graph captured once serves every position:
+- `qk_norm_rope`: normalises and rotates q and k, writes k and v into the row's slot at its position;
 - `_attend_chunk_kernel`: flash-decoding over fixed chunks of CHUNK absolute positions: program
   (t, head, c) reduces keys [c*CHUNK, (c+1)*CHUNK) of row t into (max, sum, acc) partials;
 - `_combine_kernel`: merges row t's chunk partials in chunk order, applies the gate.
 Chunk boundaries are absolute positions, so the row at position p is reduced in the same order
-whether it is a decode's only row or a verify's row t: decode and verify agree bitwise.
+whether it is a decode's only row, a verify's row t or a row of a batch: they agree bitwise.
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ if HAVE_TRITON:
         k_norm_ptr,  # [D] zero-centred norm weights
         cos_ptr,
         sin_ptr,  # [max_pos, R] rotary tables (the reference's values, in the model dtype)
-        pos_ptr,  # int32 [1]: cache slot of row 0; its rope position is slot + ROPE_OFFSET
+        row_slot_ptr,  # int32 [T]: each row's sequence slot
+        row_pos_ptr,  # int32 [T]: each row's cache position; its rope position is that + ROPE_OFFSET
         q_out_ptr,  # [T, Hq, D]
         key_ptr,
-        value_ptr,  # [max_len, Hkv, D] the layer's cache
+        value_ptr,  # [S, cap, Hkv, D] the layer's cache
+        stride_kv_slot,
         eps,
         HQ: tl.constexpr,
         HKV: tl.constexpr,
@@ -46,8 +48,9 @@ if HAVE_TRITON:
     ):
         t = tl.program_id(0)
         head = tl.program_id(1)
-        slot = tl.load(pos_ptr) + t
+        slot = tl.load(row_pos_ptr + t)
         rope_pos = slot + ROPE_OFFSET
+        kv_base = tl.load(row_slot_ptr + t).to(tl.int64) * stride_kv_slot
         offs = tl.arange(0, D)
         is_q = head < HQ
         kv_head = head - HQ
@@ -77,7 +80,7 @@ if HAVE_TRITON:
         if is_q:
             tl.store(q_out_ptr + (t * HQ + head) * D + offs, out)
         else:
-            dst = (slot * HKV + kv_head) * D + offs
+            dst = kv_base + (slot * HKV + kv_head) * D + offs
             tl.store(key_ptr + dst, out)
             v = tl.load(row + HQ * 2 * D + HKV * D + kv_head * D + offs)
             tl.store(value_ptr + dst, v)
@@ -86,8 +89,10 @@ if HAVE_TRITON:
     def _attend_chunk_kernel(
         q_ptr,  # [T, Hq, D]
         key_ptr,
-        value_ptr,  # [max_len, Hkv, D]
-        pos_ptr,  # int32 [1]: cache slot of row 0
+        value_ptr,  # [S, cap, Hkv, D]
+        stride_kv_slot,
+        row_slot_ptr,
+        row_pos_ptr,  # int32 [T]: each row's slot and position
         part_m_ptr,
         part_l_ptr,
         part_acc_ptr,  # [T, Hq, NUM_CHUNKS] (, D) float32 out
@@ -102,8 +107,11 @@ if HAVE_TRITON:
         t = tl.program_id(0)
         head = tl.program_id(1)
         c = tl.program_id(2)
-        length = tl.load(pos_ptr) + t + 1  # row t sees slots [0, length)
+        length = tl.load(row_pos_ptr + t) + 1  # row t sees positions [0, length) of its slot
         if c * CHUNK_SIZE < length:
+            kv_base = tl.load(row_slot_ptr + t).to(tl.int64) * stride_kv_slot
+            key_ptr += kv_base
+            value_ptr += kv_base
             kv_head = head // (HQ // HKV)
             offs_d = tl.arange(0, D)
             q = tl.load(q_ptr + (t * HQ + head) * D + offs_d).to(tl.float32)
@@ -136,7 +144,7 @@ if HAVE_TRITON:
         part_acc_ptr,
         qkv_ptr,
         stride_qkv,  # the gate: [T, Hq*2*D + ...] columns head*2*D + D ..
-        pos_ptr,
+        row_pos_ptr,
         o_ptr,  # [T, Hq*D] out: attention * sigmoid(gate)
         HQ: tl.constexpr,
         D: tl.constexpr,
@@ -146,7 +154,7 @@ if HAVE_TRITON:
     ):
         t = tl.program_id(0)
         head = tl.program_id(1)
-        length = tl.load(pos_ptr) + t + 1
+        length = tl.load(row_pos_ptr + t) + 1
         num_chunks = (length + CHUNK_SIZE - 1) // CHUNK_SIZE
         base = (t * HQ + head) * NUM_CHUNKS
         offs_d = tl.arange(0, D)
@@ -179,8 +187,9 @@ def qk_norm_rope(
     k_norm: torch.Tensor,  # [D]
     cos: torch.Tensor,  # [max_pos, R]
     sin: torch.Tensor,
-    pos: torch.Tensor,  # int32 [1] cache slot of row 0
-    key: torch.Tensor,  # [max_len, Hkv, D] (written at pos + t)
+    row_slot: torch.Tensor,  # int32 [T] each row's sequence slot
+    row_pos: torch.Tensor,  # int32 [T] each row's position (K/V written there)
+    key: torch.Tensor,  # [S, cap, Hkv, D]
     value: torch.Tensor,
     num_heads: int,
     eps: float,
@@ -198,10 +207,12 @@ def qk_norm_rope(
         k_norm,
         cos,
         sin,
-        pos,
+        row_slot,
+        row_pos,
         q_out,
         key,
         value,
+        key.stride(0),
         eps,
         HQ=num_heads,
         HKV=Hkv,
@@ -216,16 +227,17 @@ def qk_norm_rope(
 def attend_step(
     q: torch.Tensor,  # [T, Hq, D] normed and rotated
     qkv: torch.Tensor,  # [T, ...] the projection output holding the gate
-    key: torch.Tensor,  # [max_len, Hkv, D]
+    key: torch.Tensor,  # [S, cap, Hkv, D]
     value: torch.Tensor,
-    pos: torch.Tensor,  # int32 [1] cache slot of row 0
+    row_slot: torch.Tensor,  # int32 [T] each row's sequence slot
+    row_pos: torch.Tensor,  # int32 [T] each row's position: it sees positions 0..row_pos of its slot
     out: torch.Tensor | None = None,  # [T, Hq*D]
     chunk: int = CHUNK,
     block_s: int = CHUNK,  # keys per inner iteration (fixed: it sets the reduction order)
     num_warps: int | None = None,
 ) -> torch.Tensor:
     T, Hq, D = q.shape
-    max_len, Hkv = key.shape[0], key.shape[1]
+    max_len, Hkv = key.shape[1], key.shape[2]
     num_chunks = triton.cdiv(max_len, chunk)
     part_m = torch.empty(T, Hq, num_chunks, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
@@ -237,7 +249,9 @@ def attend_step(
         q,
         key,
         value,
-        pos,
+        key.stride(0),
+        row_slot,
+        row_pos,
         part_m,
         part_l,
         part_acc,
@@ -256,7 +270,7 @@ def attend_step(
         part_acc,
         qkv,
         qkv.stride(0),
-        pos,
+        row_pos,
         out,
         HQ=Hq,
         D=D,

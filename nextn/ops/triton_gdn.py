@@ -15,8 +15,10 @@ Per token, in a fixed order, so row t's result does not depend on T. The carried
 step's inputs after the committed columns) is written for rollback too: v channels by their
 program, q/k channels by block 0 of the first value head of each key head.
 
-Where the step reads and writes is one int32 device tensor, `slots` = (state_at, state_write,
-conv_at, conv_write), read by the kernel itself (no host read: one CUDA graph serves every round):
+A step runs a batch of sequences (program axis 2), each over its own rows of `proj` and its own
+cache slot. Where a sequence's step reads and writes is four int32 device values of its slot,
+`slots[slot]` = (state_at, state_write, conv_at, conv_write), read by the kernel itself (no host
+read: one CUDA graph serves every round):
 the state before the step is `state_home` if state_at < 0 else states[state_at]; the state after
 token t goes to states[state_write + t] (or, with store_all=False, only the last token's to
 states[state_write]); carried conv column j is conv_home[:, j] if conv_at < 0 else
@@ -74,26 +76,33 @@ if HAVE_TRITON:
             col = tl.load(proj_ptr + t * stride_p + ch, mask=mask, other=0.0)
             tl.store(window_ptr + ch * stride_win + (W - 1 + t), col, mask=mask)
 
-    @triton.jit(do_not_specialize=["T"])  # one compiled kernel for decode and verify
+    @triton.jit
     def _gdn_step_kernel(
         proj_ptr,
         stride_p,  # [T, conv_dim | z (HV*V) | b (HV) | a (HV)]: the in_proj output
         conv_w_ptr,  # [conv_dim, W] taps
-        conv_home_ptr,  # [conv_dim, W-1] committed conv inputs, when slots[2] < 0
-        window_ptr,
-        stride_win,  # [conv_dim, NW]: carried columns at slots[2] (if >= 0); written at slots[3]
+        conv_home_ptr,  # [S, conv_dim, W-1] committed conv inputs, when slots[2] < 0
+        stride_home_slot,
+        window_ptr,  # [S, conv_dim, NW]: carried columns at slots[2] (if >= 0); written at slots[3]
+        stride_win_slot,
+        stride_win,
         a_log_ptr,
         dt_bias_ptr,  # [HV]
-        state_home_ptr,  # [HV, K, V] float32: the state before the step, when slots[0] < 0
-        states_ptr,
-        stride_states,  # [NS, HV, K, V] float32: states[slots[0]] if >= 0; written from slots[1]
-        slots_ptr,  # int32 [4]: (state_at, state_write, conv_at, conv_write)
+        state_home_ptr,  # [S, HV, K, V] float32: the state before the step, when slots[0] < 0
+        stride_state_home_slot,
+        states_ptr,  # [S, NS, HV, K, V] float32: states[slots[0]] if >= 0; written from slots[1]
+        stride_states_slot,
+        stride_states,
+        slots_ptr,  # int32 [S, >= 4] (row stride stride_slots): (state_at, state_write, conv_at, conv_write)
+        stride_slots,
+        seq_slot_ptr,
+        seq_start_ptr,
+        seq_rows_ptr,  # int32 [B]: each sequence's slot, first row and number of rows
         norm_w_ptr,  # [V] RMSNormGated weight
         o_ptr,
-        stride_o,  # [T, HV*V] out: RMSNormGated(o) * silu(z)
-        sumsq_ptr,  # [T, HV, V // BLOCK_V] float32 scratch: o's partial sums of squares
-        count_ptr,  # [>= HV] int32 arrival counters, zero
-        T,
+        stride_o,  # [M, HV*V] out: RMSNormGated(o) * silu(z)
+        sumsq_ptr,  # [M, HV, V // BLOCK_V] float32 scratch: o's partial sums of squares
+        count_ptr,  # [>= B*HV] int32 arrival counters, zero
         scale,
         eps,
         norm_eps,
@@ -107,7 +116,20 @@ if HAVE_TRITON:
     ):
         hv = tl.program_id(0)
         vb = tl.program_id(1)
+        b = tl.program_id(2)
         NB: tl.constexpr = V // BLOCK_V
+        slot = tl.load(seq_slot_ptr + b).to(tl.int64)
+        row0 = tl.load(seq_start_ptr + b)
+        T = tl.load(seq_rows_ptr + b)
+        proj_ptr += row0 * stride_p
+        o_ptr += row0 * stride_o
+        sumsq_ptr += row0 * HV * NB
+        count_ptr += b * HV
+        conv_home_ptr += slot * stride_home_slot
+        window_ptr += slot * stride_win_slot
+        state_home_ptr += slot * stride_state_home_slot
+        states_ptr += slot * stride_states_slot
+        slots_ptr += slot * stride_slots
         h = hv // (HV // H)
         dtype = proj_ptr.dtype.element_ty
         conv_dim = 2 * H * K + HV * V
@@ -185,25 +207,27 @@ if HAVE_TRITON:
 
 
 def gdn_step(
-    proj: torch.Tensor,  # [T, conv_dim + HV*V + 2*HV] (last dim contiguous)
+    proj: torch.Tensor,  # [M, conv_dim + HV*V + 2*HV] (last dim contiguous): every sequence's rows
     conv_weight: torch.Tensor,  # [conv_dim, W]
-    conv_home: torch.Tensor,  # [conv_dim, W-1] contiguous: the carried conv columns when slots[2] < 0
-    window: torch.Tensor,  # [conv_dim, NW] (last dim contiguous): read at slots[2] (if >= 0), written at slots[3]
+    conv_home: torch.Tensor,  # [S, conv_dim, W-1] (contiguous per slot): carried conv columns when slots[2] < 0
+    window: torch.Tensor,  # [S, conv_dim, NW] (last dim contiguous): read at slots[2] (if >= 0), written at slots[3]
     A_log: torch.Tensor,  # [HV]
     dt_bias: torch.Tensor,  # [HV]
-    state_home: torch.Tensor,  # [HV, K, V] float32 contiguous: the state before the step when slots[0] < 0
-    states: torch.Tensor,  # [NS, HV, K, V] float32 (contiguous per token): see `slots`
+    state_home: torch.Tensor,  # [S, HV, K, V] float32 (contiguous per slot): the state before when slots[0] < 0
+    states: torch.Tensor,  # [S, NS, HV, K, V] float32 (contiguous per token): see `slots`
     norm_weight: torch.Tensor,  # [V]
     num_k_heads: int,
     norm_eps: float,
+    slots: torch.Tensor,  # int32 [S, >= 4] on the device (a view of the cache's ctl), read by the kernel
+    seqs: torch.Tensor,  # int32 [3, B]: each sequence's slot, first row in proj and number of rows (<= NS)
     eps: float = 1e-6,  # of the q / k l2norm
-    out: torch.Tensor | None = None,  # [T, HV*V]
-    slots: torch.Tensor | None = None,  # int32 [4] on the device, read by the kernel: see below
+    out: torch.Tensor | None = None,  # [M, HV*V]
     store_all: bool = True,
 ) -> torch.Tensor:
-    """One GDN decode / verify step (T <= 16 tokens); returns `out` [T, HV*V].
+    """One GDN decode / verify step of B sequences; returns `out` [M, HV*V].
 
-    slots = (state_at, state_write, conv_at, conv_write), default (-1, 0, -1, 0):
+    Per sequence, with slots[slot] = (state_at, state_write, conv_at, conv_write) (an empty
+    sequence: (-1, 0, -1, 0)):
     - the state before the step is `state_home` if state_at < 0, else states[state_at];
     - the state after token t goes to states[state_write + t]; with store_all=False only the last
       token's, to states[state_write] (the same values: only the stores differ);
@@ -212,15 +236,16 @@ def gdn_step(
     The caller keeps the regions read (window[:, conv_at:conv_at+W-1], states[state_at]) apart from
     those written (window[:, conv_write:conv_write+W-1+T], the states slots written).
     """
-    T = proj.shape[0]
-    HV, K, V = state_home.shape
+    M = proj.shape[0]
+    HV, K, V = state_home.shape[1:]
     W = conv_weight.shape[1]
+    B = seqs.shape[1]
     if conv_weight.shape[0] != 2 * num_k_heads * K + HV * V:
         raise ValueError(
             f"gdn_step: conv weight {tuple(conv_weight.shape)} does not fit H={num_k_heads}, HV={HV}, K={K}, V={V}"
         )
     if out is None:
-        out = torch.empty(T, HV * V, device=proj.device, dtype=proj.dtype)
+        out = torch.empty(M, HV * V, device=proj.device, dtype=proj.dtype)
     if out.dtype != proj.dtype:
         raise ValueError("gdn_step: out must have the input dtype (it holds o before the norm)")
     if conv_home.dtype != window.dtype:
@@ -228,34 +253,41 @@ def gdn_step(
             f"gdn_step: conv_home ({conv_home.dtype}) and window ({window.dtype}) must share a dtype "
             "(the kernel reads the carried columns from either through one pointer)"
         )
-    if slots is None:
-        slots = torch.tensor([-1, 0, -1, 0], device=proj.device, dtype=torch.int32)
-    if slots.dtype != torch.int32 or slots.numel() != 4:
+    if slots.dtype != torch.int32 or slots.dim() != 2 or slots.shape[1] < 4 or slots.stride(1) != 1:
         raise ValueError(
-            f"gdn_step: slots must be int32 [4] (state_at, state_write, conv_at, conv_write), "
+            f"gdn_step: slots must be int32 [S, >= 4] (state_at, state_write, conv_at, conv_write per slot), "
             f"not {slots.dtype} {tuple(slots.shape)}"
         )
+    if seqs.dtype != torch.int32 or seqs.shape[0] != 3 or seqs.stride(1) != 1:
+        raise ValueError(f"gdn_step: seqs must be int32 [3, B] (slot, first row, rows), not {tuple(seqs.shape)}")
     block_v = min(32, V)
-    sumsq = torch.empty(T, HV, V // block_v, device=proj.device, dtype=torch.float32)
-    _gdn_step_kernel[(HV, V // block_v)](
+    sumsq = torch.empty(M, HV, V // block_v, device=proj.device, dtype=torch.float32)
+    _gdn_step_kernel[(HV, V // block_v, B)](
         proj,
         proj.stride(0),
         conv_weight,
         conv_home,
+        conv_home.stride(0),
         window,
         window.stride(0),
+        window.stride(1),
         A_log,
         dt_bias,
         state_home,
+        state_home.stride(0),
         states,
         states.stride(0),
+        states.stride(1),
         slots,
+        slots.stride(0),
+        seqs[0],
+        seqs[1],
+        seqs[2],
         norm_weight,
         out,
         out.stride(0),
         sumsq,
-        arrival_counters(proj.device, HV),
-        T,
+        arrival_counters(proj.device, B * HV),
         K**-0.5,
         eps,
         norm_eps,

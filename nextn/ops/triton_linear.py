@@ -1,4 +1,4 @@
-"""Batch-invariant skinny matmul for the step path: y = x @ w.T for x [M <= 16, K], w [N, K].
+"""Batch-invariant skinny matmul for the step path: y = x @ w.T for x [M, K], w [N, K], M small.
 
 The reference is `F.linear`. Decode (1 row) and verify (K+1 rows) must compute each row with the
 same arithmetic, or greedy speculative output drifts from plain output in bf16. Here each program
@@ -6,7 +6,8 @@ owns BLOCK_N output columns for every row: it streams its weight rows once (so a
 each weight byte exactly once) and multiplies each [BLOCK_N, BLOCK_K] weight tile with all rows
 padded to 16 in one tensor-core dot (weights as the 16+-row operand: "swap AB"). Block sizes are
 chosen from (N, K) alone and M is never specialised, so the reduction order of a row does not
-depend on M.
+depend on M. More than 16 rows (a batch of sequences) run as tiles of 16, each computed exactly
+as a 16-row call; a weight block's tiles are neighbouring programs, so they share its L2 reads.
 
 Fused around the dot, so a decoder layer needs fewer launches:
 - prologue `rms`: x -> RMSNorm(x) * (1 + w) (the zero-centred norm before a projection);
@@ -21,7 +22,7 @@ import torch
 
 from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2
 
-MAX_ROWS = 16  # rows of one step: decode 1, verify K + 1 <= 16
+TILE_ROWS = 16  # rows of one tensor-core tile: a decode's 1, a verify's K + 1 <= 16, or a batch's share
 
 if HAVE_TRITON:
     import triton
@@ -67,12 +68,15 @@ if HAVE_TRITON:
         DOT_F32: tl.constexpr,
         SPLIT: tl.constexpr,
     ):
-        """Program (n, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs, all rows.
-        SPLIT > 1: float32 partials [SPLIT, M, N] in part_ptr, arrivals per N block in count_ptr."""
+        """Program (n * M_TILES + m, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs
+        for rows [m*BLOCK_M, (m+1)*BLOCK_M). SPLIT > 1: float32 partials [SPLIT, M, N] in part_ptr,
+        arrivals per (N block, row tile) in count_ptr."""
         pid = tl.program_id(0)
+        m_tiles = tl.cdiv(M, BLOCK_M)
         k_start = tl.program_id(1) * K_SPLIT
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = (pid % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_block = pid // m_tiles
+        offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
         mask_n = offs_n < N
         x_dtype = x_ptr.dtype.element_ty
@@ -176,7 +180,7 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def skinny_linear(
-    x: torch.Tensor,  # [M, K], M <= 16, last dim contiguous
+    x: torch.Tensor,  # [M, K], last dim contiguous
     weight: torch.Tensor,  # [N, K] contiguous
     *,
     out: torch.Tensor | None = None,  # [M, N]
@@ -189,8 +193,8 @@ def skinny_linear(
 ) -> torch.Tensor:
     M, K = x.shape
     N = weight.shape[0]
-    if not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"skinny_linear takes 1..{MAX_ROWS} rows, got {M}")
+    if M < 1:
+        raise ValueError("skinny_linear takes at least one row")
     if weight.shape[1] != K or not weight.is_contiguous() or x.stride(1) != 1:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} / weight {tuple(weight.shape)} layout")
     if out is None:
@@ -204,8 +208,8 @@ def skinny_linear(
     part = count = dummy
     if split > 1:
         part = torch.empty((2 if epilogue == 2 else 1) * split * M * N, device=x.device, dtype=torch.float32)
-        count = arrival_counters(x.device, triton_cdiv(N, block_n))
-    _skinny_kernel[(triton_cdiv(N, block_n), split)](
+        count = arrival_counters(x.device, triton_cdiv(N, block_n) * triton_cdiv(M, TILE_ROWS))
+    _skinny_kernel[(triton_cdiv(N, block_n) * triton_cdiv(M, TILE_ROWS), split)](
         x,
         weight,
         up_weight if up_weight is not None else dummy,
@@ -224,7 +228,7 @@ def skinny_linear(
         eps,
         PROLOGUE=prologue,
         EPILOGUE=epilogue,
-        BLOCK_M=MAX_ROWS,
+        BLOCK_M=TILE_ROWS,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=K % block_k == 0,

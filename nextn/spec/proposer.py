@@ -1,37 +1,24 @@
-"""Proposers: draft K tokens for a round, on the device, through the runner's head step.
+"""Proposers: draft K tokens for each sequence of a batched round, on the device, through the
+runner's head step.
 
-`MTPProposer` drafts with the model's NextN head. Its first pass writes the head rows of the
-tokens the last round kept (its accepted drafts, paired with their true trunk hiddens, and the
-new pending token with the hidden of its predecessor) into the draft K/V, at a fixed shape of
-K_max + 1 rows whatever was accepted (rows past the kept ones land beyond and are overwritten
-later); the kept row's output gives draft 1. Drafts 2..K chain the head's own output hidden.
+`MTPProposer` drafts with the model's NextN head. Its first pass writes, for every sequence, the
+head rows of the tokens its last round kept (its accepted drafts, paired with their true trunk
+hiddens, and the new pending token with the hidden of its predecessor) into its draft K/V, at a
+fixed shape of K_max + 1 rows whatever was accepted (rows past the kept ones land beyond and are
+overwritten later); each sequence's kept row gives its draft 1. Drafts 2..K chain the head's own
+output hidden, one row per sequence still drafting (K may differ per sequence).
 `ProfileProposer` replaces the head's drafts with tokens of a chosen acceptance (benchmarks).
 
-Tensor-only interface: the runner, the slot's cache and sampler come in as arguments; nothing
-here reads the host, so a round's draft is captured in its CUDA graph.
+Tensor-only interface: the members (slot cache, sampler, round buffers, K) come in as arguments;
+nothing here reads the host, so a round's drafts are captured in its CUDA graph.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from nextn.cache import SlotCache
 from nextn.cache.hybrid import ACCEPTED, DRAFT_LEN, NUM_GEN, SEQ_LEN
-from nextn.config import STEP_ROWS
 from nextn.sampling import RequestRng, Stream
-
-
-class DraftIO(NamedTuple):
-    """A slot's round buffers the proposer reads and writes."""
-
-    verify_ids: torch.Tensor  # [R] long: [pending token, drafts...]; the proposer writes 1..K
-    head_ids: torch.Tensor  # [R] long: the last round's kept tokens (accepted drafts, then the pending token)
-    hidden: torch.Tensor  # [R, H] the last verify's head-input hiddens (row 0 at its first position)
-    draft_q: torch.Tensor  # [R - 1, V] float32: the law of each sampled draft
-    logits: torch.Tensor  # [1, V] float32 scratch: the head's logits
-    chained: torch.Tensor  # [1, H] scratch: the head's hidden to chain
 
 
 class MTPProposer:
@@ -39,38 +26,63 @@ class MTPProposer:
         if runner.model.mtp is None:
             raise ValueError("the checkpoint has no MTP head (mtp.* tensors)")
         self.runner, self.p_min = runner, p_min
-        self.steps = torch.arange(STEP_ROWS, device=runner.device, dtype=torch.int32)  # [STEP_ROWS]
 
-    def propose(self, cache: SlotCache, sampler, io: DraftIO, k: int):
-        """Draft k >= 1 tokens into io.verify_ids[1:k+1] (and their q into io.draft_q[:k] when
-        sampled). Returns how many count: k, or the drafts before the first whose head probability
-        is below p_min (a device scalar)."""
-        ctl = cache.ctl
-        # first pass: the last round's kept tokens, from draft K/V slot DRAFT_LEN; row ACCEPTED (the
-        # pending token's) gives draft 1
-        self.runner.step.head(
-            cache, io.head_ids, io.hidden, ctl[DRAFT_LEN : DRAFT_LEN + 1], ctl[ACCEPTED].long(), io.logits, io.chained
-        )
-        # the chain: draft j + 1's row sits in draft K/V slot SEQ_LEN + j (the pending token's is SEQ_LEN - 1)
-        chain_pos = ctl[SEQ_LEN] + self.steps[: max(k - 1, 1)]
-        u = None if sampler.kind.greedy else sampler.uniforms_at(Stream.DRAFT, ctl[NUM_GEN], k)
-        confidence = []
-        for j in range(k):
-            token = io.verify_ids[1 + j : 2 + j]
-            confidence.append(
-                sampler.draft(
-                    io.logits,
-                    io.verify_ids[1 : 1 + j],
-                    None if u is None else u[j : j + 1],
-                    token,
-                    io.draft_q[j : j + 1],
-                )
-            )
-            if j + 1 < k:
-                self.runner.step.head(cache, token, io.chained, chain_pos[j : j + 1], 0, io.logits, io.chained)
+    def propose(self, members: list) -> list:
+        """Draft members[b].k >= 1 tokens into each member's buf.verify_ids[1:k+1] (and their q into
+        buf.draft_q[:k] when sampled). Returns per member how many count: k, or the drafts before
+        the first whose head probability is below p_min (a device scalar)."""
+        runner, B = self.runner, len(members)
+        R = members[0].buf.verify_ids.shape[0]
+        tensors = members[0].cache.cache.tensors
+        # first pass: each sequence's last kept tokens from its draft K/V slot DRAFT_LEN; its row
+        # ACCEPTED (the pending token's) gives draft 1
+        batch = runner.batch([m.cache for m in members], [R] * B)
+        flat = batch.flat_rows(R)
+        ids = tensors["head_ids"].view(-1).index_select(0, flat)
+        hidden = tensors["hidden"].flatten(0, 1).index_select(0, flat)
+        rows = batch.seqs[1] + batch.field(ACCEPTED)
+        logits, chained = runner.head_logits[:B], runner.head_hidden[:B]
+        runner.step.head(batch, ids, hidden, batch.field(DRAFT_LEN), rows.long(), logits, chained)
+        uniforms = [
+            None if m.sampler.kind.greedy else m.sampler.uniforms_at(Stream.DRAFT, m.cache.ctl[NUM_GEN], m.k)
+            for m in members
+        ]
+        confidence: list[list] = [[] for _ in members]
+        for j in range(max(m.k for m in members)):
+            for b, m in enumerate(members):
+                if m.k > j:
+                    u = uniforms[b]
+                    confidence[b].append(
+                        m.sampler.draft(
+                            logits[b : b + 1],
+                            m.buf.verify_ids[1 : 1 + j],
+                            None if u is None else u[j : j + 1],
+                            m.buf.verify_ids[1 + j : 2 + j],
+                            m.buf.draft_q[j : j + 1],
+                        )
+                    )
+            # the chain: draft j + 1's row sits in draft K/V slot SEQ_LEN + j (the pending token's is SEQ_LEN - 1)
+            chain = [b for b, m in enumerate(members) if m.k > j + 1]
+            if chain:
+                self._chain(batch if len(chain) == B else None, [members[b] for b in chain], chain, j, logits, chained)
         if self.p_min <= 0.0:
-            return k
-        return (torch.cat(confidence) >= self.p_min).long().cumprod(0).sum()
+            return [m.k for m in members]
+        return [(torch.cat(c) >= self.p_min).long().cumprod(0).sum() for c in confidence]
+
+    def _chain(self, full, members: list, index: list[int], j: int, logits, chained) -> None:
+        """One head step for members (at positions index of the batch) with their drafts j."""
+        runner = self.runner
+        batch = runner.batch([m.cache for m in members], [1] * len(members))
+        ids = torch.cat([m.buf.verify_ids[1 + j : 2 + j] for m in members])
+        first = batch.field(SEQ_LEN) + j
+        if full is not None:  # every sequence chains: in place
+            runner.step.head(batch, ids, chained, first, None, logits, chained)
+            return
+        at = runner.index(index)
+        out_logits, out_hidden = runner.head_logits[-len(members) :], runner.head_hidden[-len(members) :]
+        runner.step.head(batch, ids, chained.index_select(0, at), first, None, out_logits, out_hidden)
+        logits.index_copy_(0, at, out_logits)
+        chained.index_copy_(0, at, out_hidden)
 
 
 class ProfileProposer:
@@ -86,17 +98,15 @@ class ProfileProposer:
         self.reference = torch.tensor(reference_ids, dtype=torch.long, device=device)
         self.rng = RequestRng(seed)
 
-    def propose(self, cache: SlotCache, sampler, io: DraftIO, k: int):
-        if not sampler.kind.greedy:  # a replaced draft is not drawn from its q: sampled rounds would not be exact
+    def propose(self, members: list) -> list:
+        if any(not m.sampler.kind.greedy for m in members):  # a replaced draft is not drawn from its q
             raise ValueError("an acceptance profile drives greedy decoding only")
-        num_drafts = self.base.propose(cache, sampler, io, k)
-        index = cache.ctl[NUM_GEN].long() + torch.arange(
-            k, device=io.verify_ids.device
-        )  # generated index of each draft
-        right = self.reference[index.clamp(max=self.reference.numel() - 1)]
-        hit = (
-            self.rng.uniforms(index, 0)
-            < self.profile[torch.arange(k, device=index.device).clamp(max=self.profile.numel() - 1)]
-        )
-        io.verify_ids[1 : k + 1] = torch.where(hit, right, (right + 1) % self.base.runner.cfg.vocab_size)
+        num_drafts = self.base.propose(members)
+        vocab = self.base.runner.cfg.vocab_size
+        for m in members:
+            steps = torch.arange(m.k, device=self.reference.device)
+            index = m.cache.ctl[NUM_GEN].long() + steps  # generated index of each draft
+            right = self.reference[index.clamp(max=self.reference.numel() - 1)]
+            hit = self.rng.uniforms(index, 0) < self.profile[steps.clamp(max=self.profile.numel() - 1)]
+            m.buf.verify_ids[1 : m.k + 1] = torch.where(hit, right, (right + 1) % vocab)
         return num_drafts

@@ -1,0 +1,71 @@
+"""Continuous batching: every running request takes part in one batched round per engine step,
+and a request's output is bitwise what it is alone, whatever runs beside it: greedy and seeded
+sampled, K = 0, 1 or 3, prompts of different lengths admitted at different times. On the CPU the
+reference modules in float32; on a GPU the Triton step in bfloat16, rounds as CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_fixtures import FIT_PROMPTS
+
+import nextn
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = "bfloat16" if DEVICE == "cuda" else "float32"
+
+_P = [list(p) for p in FIT_PROMPTS]
+_SAMPLED = dict(temperature=0.8, top_k=20)
+# (prompt, sampling, K, engine step at which it arrives)
+CASES = [
+    (_P[0], dict(temperature=0.0), 3, 0),
+    (_P[1], dict(_SAMPLED, seed=1), 3, 0),
+    (_P[2], dict(temperature=0.0), 0, 1),
+    (_P[0][:7], dict(_SAMPLED, seed=2), 1, 2),
+    (_P[1] + _P[2], dict(temperature=0.0), 1, 4),
+    ([17], dict(_SAMPLED, seed=3), 0, 5),
+    (_P[2] + _P[0], dict(temperature=0.0, repetition_penalty=1.3), 3, 7),
+    (_P[1][:4], dict(temperature=0.7, top_p=0.9, seed=4), 3, 9),
+]
+
+
+@pytest.fixture(scope="module")
+def engine(dense_fitted_ckpt):
+    llm = nextn.LLM(
+        model=dense_fitted_ckpt, device=DEVICE, dtype=DTYPE, num_speculative_tokens=3, max_model_len=96, max_num_seqs=8
+    )
+    return llm.engine
+
+
+def _run(engine, items: list[tuple[int, int]]) -> dict[int, tuple[list[int], int]]:
+    """Run CASES[i] for each (i, arrival step): i -> (tokens, drafts counted)."""
+    reqs, outputs, step = {}, {}, 0
+    while len(outputs) < len(items):
+        for i, arrival in items:
+            if arrival <= step and i not in reqs:
+                prompt, sampling, k, _ = CASES[i]
+                params = nextn.SamplingParams(max_tokens=14 + 2 * i, ignore_eos=True, **sampling)
+                reqs[i] = engine.add(prompt, params, num_speculative_tokens=k)
+        for req, ev in engine.step():
+            if isinstance(ev, BaseException):
+                raise ev
+            if ev.output is not None:
+                i = next(i for i, r in reqs.items() if r is req)
+                outputs[i] = (ev.output.token_ids, ev.output.spec.num_drafted)
+        step += 1
+    return outputs
+
+
+def test_each_request_equals_itself_alone(engine):
+    alone = {i: _run(engine, [(i, 0)])[i] for i in range(len(CASES))}
+    engine.batch_sizes.clear()
+    together = _run(engine, [(i, case[3]) for i, case in enumerate(CASES)])
+    for i, case in enumerate(CASES):
+        assert alone[i][0] == together[i][0], f"request {i}: batched output differs from its output alone"
+        assert (together[i][1] > 0) == (case[2] > 0)  # K per request: plain requests draft nothing
+    assert max(engine.batch_sizes) >= 6, engine.batch_sizes  # the requests did share rounds
+
+
+def test_a_request_asking_for_more_drafts_than_the_engine_is_refused(engine):
+    with pytest.raises(ValueError, match="num_speculative_tokens=4"):
+        engine.add([1, 2], nextn.SamplingParams(max_tokens=2), num_speculative_tokens=4)
