@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import nextn
-from nextn.cli import main
+from nextn.cli import build_parser, main
 from nextn.config import DEFAULT_MODEL_DIR, ConfigError, resolve_device, resolve_dtype
 from nextn.core import SamplingParams
 from nextn.engine.llm import RequestError
@@ -83,6 +83,31 @@ def test_cli_takes_a_positional_model_and_the_checkpoints_sampling_defaults(ckpt
     )
     assert main(["generate", str(ckpt), "--model", str(ckpt) + "x", "--prompt-ids", ids]) == 2
     assert "two models" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--prompt", "x"],
+        ["serve"],
+        ["replay", "--file", "f.py"],
+        ["bench", "--spec-k", "1"],
+        ["train", "--out", "run"],
+    ],
+    ids=lambda a: a[0],
+)
+def test_every_command_takes_a_positional_model(argv):
+    args = build_parser().parse_args([argv[0], "org/model", *argv[1:]])
+    assert args.model_pos == "org/model" and args.model is None
+    assert build_parser().parse_args([*argv, "--model", "org/model"]).model == "org/model"
+
+
+def test_replay_resolves_its_positional_model(ckpt, tmp_path, capsys):
+    text = tmp_path / "text.py"
+    text.write_text("def add(a, b):\n    return a + b\n\n" * 8)
+    assert main(["replay", str(ckpt), "--file", str(text), "--k", "2", "--max-tokens", "24", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["model"] == str(ckpt) and out["num_tokens"] == 24
 
 
 def test_cli_speculative_config_sets_k(ckpt, capsys):

@@ -232,9 +232,10 @@ def count_mtp_layers(names) -> int:
     return max(layers) + 1 if layers else 0
 
 
-def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto") -> CausalLM:
-    """The checkpoint's model on `device` in `dtype` ("auto": see nextn.config.resolve_device and
-    resolve_dtype), every tensor checked against the config before any is read."""
+def load_model(model_dir: str | Path, device: str = "cpu", dtype: str = "float32") -> CausalLM:
+    """The checkpoint's model on `device` in `dtype` (either may be "auto": see
+    nextn.config.resolve_device and resolve_dtype), every tensor checked against the config before
+    any is read."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_hf(model_dir)
     device = resolve_device(device)
