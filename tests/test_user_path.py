@@ -344,6 +344,7 @@ def test_a_broken_file_is_a_one_line_error_naming_it(corrupt, vlm_ckpt, tmp_path
     message = corrupt(ckpt)
     with pytest.raises((CheckpointError, TokenizerError, ConfigError), match=message):
         nextn.LLM(ckpt, max_model_len=256)
+    capsys.readouterr()  # the load's progress bar, where a test left nextn's log level at info
     assert main(["generate", str(ckpt), "--prompt-ids", "1,2,3", "--log-level", "warning"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(message, err) and str(ckpt) in err
