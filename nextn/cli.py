@@ -1,20 +1,29 @@
-"""Every command-line flag of nextn is parsed here: generate, serve, bench, replay, train."""
+"""Every command-line flag of nextn is parsed here: generate, serve, bench, replay, train; the one
+logging setup; errors a user can fix printed as one line."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
+from nextn import __version__
+from nextn.config import DTYPE_NAMES
 
-def _common(p: argparse.ArgumentParser, dtype_default: str | None = "float32") -> None:
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: the bundled model)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _common(p: argparse.ArgumentParser, model_help: str = "default: the bundled model") -> None:
+    help = f"checkpoint directory or Hugging Face hub id ({model_help})"
+    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help=help)
+    p.add_argument("--model", default=None, help="the same as MODEL")
+    p.add_argument("--device", default="auto", help="auto (default: cuda when available), cpu or cuda[:N]")
     p.add_argument(
         "--dtype",
-        default=dtype_default,
-        choices=["float32", "bfloat16", "float16"],
-        help=f"default {dtype_default or 'bfloat16 autocast on CUDA, float32 on CPU'}",
+        default="auto",
+        choices=["auto", *DTYPE_NAMES],
+        help="auto (default): the checkpoint's dtype on CUDA, float32 on CPU",
     )
     p.add_argument(
         "--kernels",
@@ -23,6 +32,7 @@ def _common(p: argparse.ArgumentParser, dtype_default: str | None = "float32") -
         help="decode/verify/draft step: reference PyTorch modules, or batch-invariant Triton "
         "kernels in CUDA graphs (an error if they cannot run); auto: triton on CUDA, torch on CPU",
     )
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="debug also shows tracebacks")
 
 
 def _spec(p: argparse.ArgumentParser) -> None:
@@ -39,10 +49,17 @@ def _spec(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="feed the MTP head the trunk hidden before the final norm (default: after)",
     )
+    p.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='vLLM\'s form of --spec-k: \'{"method": "mtp", "num_speculative_tokens": 3}\'',
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nextn", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"nextn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a continuation of one prompt")
@@ -52,16 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     g.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn with the chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    sampling = g.add_argument_group(
+        "sampling", "defaults: the checkpoint's generation_config.json, else SamplingParams' own (temperature 1)"
+    )
+    sampling.add_argument("--max-tokens", type=int, default=None)
+    sampling.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    sampling.add_argument("--top-k", type=int, default=None)
+    sampling.add_argument("--top-p", type=float, default=None)
+    sampling.add_argument("--min-p", type=float, default=None)
+    sampling.add_argument("--repetition-penalty", type=float, default=None)
+    sampling.add_argument("--frequency-penalty", type=float, default=None)
+    sampling.add_argument("--presence-penalty", type=float, default=None)
+    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("--ignore-eos", action="store_true", default=None)
     g.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     g.add_argument(
         "--prefill",
@@ -104,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true")
 
     b = sub.add_parser("bench", help="speed and exactness measurements")
-    _common(b)
+    _common(b, model_help="or --random-weights")
     b.add_argument("--random-weights", default=None, help="preset of a released config with random weights")
     b.add_argument("--spec-k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
     b.add_argument("--prompt-len", type=int, default=512)
@@ -131,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
 
     t = sub.add_parser("train", help="train a Qwen3.5-layout model with its MTP head, or distill a head")
-    _common(t, dtype_default=None)  # train picks bf16 autocast on CUDA itself
+    _common(t, model_help="with --distill-from omitted: the checkpoint whose MTP head to train")
     from nextn.train import add_train_args
 
     add_train_args(t)
@@ -140,27 +160,79 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
     try:
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "replay":
-            from nextn.spec.replay import replay_from_args
-
-            return replay_from_args(args)
-        if args.command == "bench":
-            from nextn.bench import bench_from_args
-
-            return bench_from_args(args)
-        if args.command == "train":
-            from nextn.train import run_from_args
-
-            return run_from_args(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"nextn: error: {e}", file=sys.stderr)
+        if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
+            raise ValueError(f"two models given: {args.model_pos} and --model {args.model}")
+        args.model = args.model or args.model_pos
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except _user_errors() as e:
+        if args.log_level == "debug":
+            raise
+        print(f"nextn: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
         return 2
-    return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """What a user can fix (a flag, a path, a file, the install, a memory budget): one line, no traceback."""
+    import torch
+
+    return (ValueError, OSError, ImportError, torch.OutOfMemoryError)
+
+
+def setup_logging(level: str) -> None:
+    """The one logging setup: nextn's loggers at `level`, everything else at warning, on stderr."""
+    logging.basicConfig(format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("nextn").setLevel(level.upper())
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
+def _local(args, default_model: bool = True) -> None:
+    """Resolve the model to a directory, and device / dtype "auto", for the commands that load the
+    model themselves (replay, bench, train). generate and serve leave that to LLM."""
+    from nextn.config import ModelConfig, resolve_device, resolve_dtype
+    from nextn.hub import resolve_model
+
+    args.device = resolve_device(args.device)
+    if args.model is not None or default_model:
+        args.model = str(resolve_model(args.model))
+    if args.dtype == "auto":
+        checkpoint_dtype = ModelConfig.from_hf(args.model).dtype if args.model is not None else None
+        args.dtype = resolve_dtype("auto", args.device, checkpoint_dtype)
+
+
+def _replay(args) -> int:
+    from nextn.spec.replay import replay_from_args
+
+    _local(args)
+    return replay_from_args(args)
+
+
+def _bench(args) -> int:
+    from nextn.bench import bench_from_args
+
+    _local(args, default_model=False)  # bench runs --model or --random-weights
+    return bench_from_args(args)
+
+
+def _train(args) -> int:
+    from nextn.train import run_from_args
+
+    if args.dtype == "auto":
+        args.dtype = None  # train picks its autocast dtype itself: bfloat16 on CUDA, float32 on CPU
+    _local(args, default_model=False)  # without a model train starts a new one
+    return run_from_args(args)
 
 
 def _llm(args, **engine):
@@ -177,6 +249,7 @@ def _llm(args, **engine):
         hidden_after_norm=not args.hidden_before_norm,
         kernels=args.kernels,
         prefill=args.prefill,
+        speculative_config=args.speculative_config,
         **engine,
     )
 
@@ -197,8 +270,6 @@ def _serve(args) -> int:
 
 
 def _generate(args) -> int:
-    from nextn import SamplingParams
-
     llm = _llm(args)
     if args.prompt_ids is not None:
         try:
@@ -210,7 +281,7 @@ def _generate(args) -> int:
         if args.chat:
             text = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
         prompt_ids = llm.tokenizer.encode(text)
-    params = SamplingParams(
+    params = llm.default_sampling_params(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -261,6 +332,9 @@ def _generate(args) -> int:
             )
         )
     return 0
+
+
+_COMMANDS = {"generate": _generate, "serve": _serve, "replay": _replay, "bench": _bench, "train": _train}
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ class ModelConfig:
     mtp_num_hidden_layers: int = 0
     # where the trunk's weights live in the checkpoint
     weight_prefix: str = "model."
+    # the checkpoint's own dtype (config.json `dtype` / `torch_dtype`), what dtype "auto" picks on CUDA
+    dtype: str | None = None
 
     def __post_init__(self):
         if len(self.layer_types) != self.num_hidden_layers:
@@ -109,8 +111,7 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{model_dir}: no config.json")
-        raw = json.loads(path.read_text())
-        return cls.from_dict(raw, generation_config=_read_generation_config(Path(model_dir)))
+        return cls.from_dict(_read_json(path), generation_config=read_generation_config(Path(model_dir)))
 
     @classmethod
     def from_dict(cls, raw: dict, generation_config: dict | None = None) -> ModelConfig:
@@ -172,6 +173,7 @@ class ModelConfig:
             eos_token_ids=eos,
             mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
             weight_prefix=prefix,
+            dtype=raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype"),
         )
 
 
@@ -183,9 +185,54 @@ def _eos_ids(value) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _read_generation_config(model_dir: Path) -> dict | None:
+def _read_json(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def read_generation_config(model_dir: Path) -> dict | None:
+    """The checkpoint's generation_config.json (eos ids, the publisher's sampling defaults), if any."""
     path = model_dir / "generation_config.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return _read_json(path) if path.is_file() else None
+
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def resolve_device(device: str) -> str:
+    """Device "auto": cuda when torch sees a GPU, else cpu. A CUDA device torch cannot use is an error
+    that says why (a CPU-only build of torch, no visible GPU, an index past the GPU count)."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.backends.cuda.is_built():
+            raise ValueError(
+                f"device {device!r}: this torch ({torch.__version__}) is a CPU-only build; "
+                "install a CUDA build of torch, or use device cpu"
+            )
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES?)")
+        index = device.partition(":")[2]
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None) -> str:
+    """Dtype "auto": float32 on the CPU (its bfloat16 matmuls are slow and inexact), the checkpoint's own
+    dtype on CUDA (bfloat16 when it names none nextn runs: released Qwen3.5 checkpoints are bf16)."""
+    if dtype != "auto":
+        return dtype
+    if not device.startswith("cuda"):
+        return "float32"
+    return checkpoint_dtype if checkpoint_dtype in DTYPE_NAMES else "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -233,7 +280,7 @@ class EngineConfig:
             object.__setattr__(self, "kernels", "triton" if self.device.startswith("cuda") else "torch")
         if self.prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")

@@ -1,11 +1,12 @@
-"""Pure data shared by the engine, the CLI and the server: sampling settings, outputs, spec stats.
+"""Pure data shared by the engine, the CLI and the server: sampling settings (and the defaults a
+checkpoint's generation_config.json recommends), outputs, spec stats.
 
 Nothing here touches tensors or devices.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 MAX_TRACKED_POSITIONS = 8  # per-position spec counters kept for draft positions 0..7
 
@@ -15,6 +16,7 @@ class SamplingParams:
     """How one request picks its tokens. temperature 0 means greedy."""
 
     max_tokens: int = 256
+    min_tokens: int = 0  # EOS and stop tokens are not taken before this many tokens
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
@@ -32,6 +34,8 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if not (0.0 <= self.temperature <= 100.0):
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if self.top_k < 0:
@@ -54,6 +58,40 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# generation_config.json key -> SamplingParams field: the keys vLLM reads as a model's defaults
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def sampling_defaults(generation_config: dict | None) -> dict:
+    """The SamplingParams fields a checkpoint's generation_config.json recommends (its publisher's
+    temperature, top_p, top_k, ...). `do_sample: false` means greedy, as in transformers; a top_k of
+    0 or below means off, as 0 does here."""
+    gen = generation_config or {}
+    defaults = {name: gen[key] for key, name in GENERATION_CONFIG_KEYS.items() if gen.get(key) is not None}
+    if gen.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    if defaults.get("top_k", 0) < 0:
+        defaults["top_k"] = 0
+    SamplingParams(**defaults)  # a bad value fails here, where the caller can name the file
+    return defaults
+
+
+def with_defaults(defaults: dict, **request) -> SamplingParams:
+    """SamplingParams from a request's own values (None = not given) over `defaults` over ours."""
+    known = {f.name for f in fields(SamplingParams)}
+    unknown = sorted(set(request) - known)
+    if unknown:
+        raise ValueError(f"unknown sampling parameter(s): {unknown}")
+    return SamplingParams(**{**defaults, **{k: v for k, v in request.items() if v is not None}})
 
 
 @dataclass
@@ -93,9 +131,21 @@ class SpecStats:
         return 1.0 + self.num_accepted / self.num_rounds if self.num_rounds else 0.0
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a prompt, as vLLM's `RequestOutput.outputs[i]`."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[dict] | None = None
+
+
 @dataclass
 class RequestOutput:
-    """The result of one generate call."""
+    """The result of one generate call. vLLM's shape is there too: `.outputs[0].text`,
+    `.outputs[0].token_ids`, `.prompt`, `.prompt_token_ids`."""
 
     token_ids: list[int]
     text: str
@@ -107,6 +157,12 @@ class RequestOutput:
     decode_seconds: float
     logprobs: list[dict] | None = None
     prompt_logprobs: list[dict | None] | None = None  # one per prompt token; the first is None
+    prompt: str | None = None  # the prompt text, when it was given as text
+    prompt_token_ids: list[int] | None = None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
 
     @property
     def num_drafted(self) -> int:

@@ -20,9 +20,15 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"{model_dir}: no tokenizer.json")
-        self._tok = _HFTokenizer.from_file(str(path))
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+            raise TokenizerError(f"{path}: not a tokenizer the tokenizers library reads ({e})") from None
         cfg_path = model_dir / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        try:
+            self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except (ValueError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{cfg_path}: not valid JSON ({e})") from None
         template = self.config.get("chat_template")
         jinja_path = model_dir / "chat_template.jinja"
         if template is None and jinja_path.is_file():

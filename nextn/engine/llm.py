@@ -1,22 +1,34 @@
-"""The Python API: `LLM(model=..., device=..., dtype=..., num_speculative_tokens=K)`,
-`LLM.generate(prompt_token_ids=[...], params=SamplingParams(...))` and `LLM.stream`, a generator
-of one request's events. A thin layer over the engine (nextn.engine.engine): it loads the model
-and tokenizer, validates the configuration once and runs the engine loop for its caller.
+"""The Python API, shaped like vLLM's: `LLM(model, speculative_config={"method": "mtp",
+"num_speculative_tokens": K})`, `LLM.generate(prompts, sampling_params)` (one output per prompt,
+each with `.outputs[0].text` / `.outputs[0].token_ids`), `LLM.chat(messages)`; and nextn's own
+single-request forms, `LLM.generate(prompt_token_ids=[...], params=SamplingParams(...))` and
+`LLM.stream`, a generator of one request's events.
+
+A thin layer over the engine (nextn.engine.engine): it finds the model (a directory or a hub id),
+loads it and its tokenizer, resolves device and dtype "auto", reads the checkpoint's sampling
+defaults (generation_config.json), validates the configuration once and runs the engine loop for
+its caller. It does not schedule: a batch of prompts goes to the engine at once, and the engine
+decides how they share it.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from nextn.config import DEFAULT_MODEL_DIR, EngineConfig, SpecConfig
-from nextn.core import RequestOutput, SamplingParams
+from nextn.config import EngineConfig, SpecConfig, read_generation_config, resolve_device, resolve_dtype
+from nextn.core import RequestOutput, SamplingParams, sampling_defaults, with_defaults
 from nextn.engine.engine import Engine, StreamEvent
+from nextn.hub import resolve_model
 from nextn.models.loader import load_model
 from nextn.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 DEFAULT_K_WITH_HEAD = 3
+# speculative_config "method" values that mean the checkpoint's own MTP head (vLLM's names)
+MTP_METHODS = ("mtp", "qwen3_next_mtp")
 
 __all__ = ["LLM", "RequestError", "StreamEvent"]
 
@@ -29,8 +41,8 @@ class LLM:
     def __init__(
         self,
         model: str | Path | None = None,
-        device: str = "cpu",
-        dtype: str = "float32",
+        device: str = "auto",
+        dtype: str = "auto",
         num_speculative_tokens: int | None = None,
         p_min: float = 0.0,
         adaptive_k: bool = False,
@@ -39,20 +51,29 @@ class LLM:
         max_num_seqs: int = 8,
         kernels: str = "auto",
         prefill: str = "chunked",
+        speculative_config: dict | None = None,
     ):
-        model_dir = Path(model) if model is not None else DEFAULT_MODEL_DIR
+        """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
+        device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
+        speculative_config (vLLM's): {"method": "mtp", "num_speculative_tokens": K}, the same as
+        num_speculative_tokens=K; without either, K is 3 with an MTP head and 0 without one."""
+        k = _speculative_tokens(num_speculative_tokens, speculative_config)
+        device = resolve_device(device)  # before a download: a CUDA request on a CPU torch fails at once
+        model_dir = resolve_model(model)
         self.model = load_model(model_dir, device=device, dtype=dtype)
         self.tokenizer = Tokenizer(model_dir)
-        self.model_name = model_dir.name
+        self.model_name = str(model) if model is not None and not Path(model).is_dir() else model_dir.name
+        self.sampling_defaults = _read_sampling_defaults(model_dir)
         has_head = self.model.mtp is not None
-        if num_speculative_tokens is None:
-            num_speculative_tokens = DEFAULT_K_WITH_HEAD if has_head else 0
+        if k is None:
+            k = DEFAULT_K_WITH_HEAD if has_head else 0
             if not has_head:
-                print(f"nextn: {model_dir} has no MTP head; plain decoding (spec K=0)", file=sys.stderr)
-        if num_speculative_tokens > 0 and not has_head:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} needs an MTP head; {model_dir} has none")
-        spec = SpecConfig(num_speculative_tokens, p_min, adaptive_k, hidden_after_norm)
+                log.warning("%s has no MTP head; plain decoding (spec K=0)", model_dir)
+        if k > 0 and not has_head:
+            raise ValueError(f"num_speculative_tokens={k} needs an MTP head; {model_dir} has none")
+        spec = SpecConfig(k, p_min, adaptive_k, hidden_after_norm)
         max_len = min(max_model_len, self.model.cfg.max_position_embeddings)
+        dtype = resolve_dtype(dtype, device, self.model.cfg.dtype)  # what load_model resolved it to
         self.config = EngineConfig(str(model_dir), device, dtype, spec, max_len, max_num_seqs, kernels, prefill)
         self.engine = Engine(self.model, self.tokenizer, self.config)
 
@@ -64,15 +85,66 @@ class LLM:
     def stats(self):
         return self.engine.stats
 
+    def default_sampling_params(self, **request) -> SamplingParams:
+        """SamplingParams of a request: its own values (None = not given) over the checkpoint's
+        generation_config.json defaults over SamplingParams' own."""
+        return with_defaults(self.sampling_defaults, **request)
+
+    # --- vLLM's API
+
     def generate(
         self,
+        prompts=None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
         prompt_token_ids: list[int] | None = None,
         params: SamplingParams | None = None,
         prompt: str | None = None,
         use_sessions: bool = False,
-    ) -> RequestOutput:
-        *_, last = self.stream(prompt_token_ids, params, prompt, use_sessions)
-        return last.output
+    ) -> list[RequestOutput] | RequestOutput:
+        """vLLM's form: `prompts` a str, a list of str, or a list of token-id lists (or vLLM's
+        {"prompt": ...} / {"prompt_token_ids": ...} dicts); `sampling_params` one for all or one
+        per prompt (default: the checkpoint's defaults). Returns one RequestOutput per prompt, in
+        prompt order.
+
+        nextn's single-request form: `prompt_token_ids=[...]` (or a flat list of ids as `prompts`)
+        or `prompt="..."`, with `params=` or `sampling_params=`; returns that one RequestOutput."""
+        if params is not None:
+            if sampling_params is not None:
+                raise TypeError("give sampling_params or params, not both")
+            sampling_params = params
+        single = prompts is None or _is_token_ids(prompts)
+        if single:
+            if prompts is not None:
+                if prompt_token_ids is not None:
+                    raise TypeError("give the prompt token ids once")
+                prompt_token_ids = prompts
+            if isinstance(sampling_params, Sequence):
+                raise TypeError("one prompt takes one SamplingParams")
+            *_, last = self.stream(prompt_token_ids, sampling_params, prompt, use_sessions)
+            return last.output
+        if prompt_token_ids is not None or prompt is not None:
+            raise TypeError("give prompts, or prompt_token_ids / prompt, not both")
+        texts, ids = self._prompts(prompts)
+        return self._generate_all(texts, ids, self._params_per_prompt(sampling_params, len(ids)), use_sessions)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `chat`: one conversation (a list of {"role", "content"} messages) or a list of
+        them, rendered with the checkpoint's chat template; one RequestOutput per conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]
+        return self.generate(texts, sampling_params)
+
+    # --- one request
 
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
@@ -105,16 +177,17 @@ class LLM:
     ) -> Iterator[StreamEvent]:
         """Yields one event per round; the last one carries the RequestOutput.
 
+        params None: the checkpoint's defaults (`default_sampling_params()`).
         checkpoint_at (sessions): where the kept rewind checkpoint goes, default the prompt end. A chat
         server passes the end of the conversation before the generation prompt: the next request
         re-renders the reply after it, and may tokenize the boundary differently (a newline merges
         with a reply that starts with one) or drop a "<think>" the generation prompt opened.
         """
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         ids = self.prompt_ids(prompt_token_ids, prompt, params)
-        return self._run(self.engine.add(ids, params, use_sessions, checkpoint_at))
+        return self._run(self.engine.add(ids, params, use_sessions, checkpoint_at), prompt, ids)
 
-    def _run(self, req) -> Iterator[StreamEvent]:
+    def _run(self, req, prompt: str | None, ids: list[int]) -> Iterator[StreamEvent]:
         done = False
         try:
             while not done:
@@ -124,8 +197,107 @@ class LLM:
                     if isinstance(ev, BaseException):
                         done = True
                         raise ev
-                    done = ev.output is not None
+                    if ev.output is not None:
+                        done = True
+                        ev.output.prompt, ev.output.prompt_token_ids = prompt, ids
                     yield ev
         finally:
             if not done:  # the consumer stopped early: rounds are atomic, the slot stays consistent
                 self.engine.abort(req)
+
+    # --- many requests
+
+    def _prompts(self, prompts) -> tuple[list[str | None], list[list[int]]]:
+        """vLLM's prompt forms -> (texts, token ids) per prompt."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        texts, ids = [], []
+        for p in prompts:
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    p = p["prompt_token_ids"]
+                elif "prompt" in p:
+                    p = p["prompt"]
+                else:
+                    raise RequestError(f"a prompt dict holds 'prompt' or 'prompt_token_ids', got {sorted(p)}")
+            if isinstance(p, str):
+                texts.append(p)
+                ids.append(self.tokenizer.encode(p))
+            elif _is_token_ids(p) or p == []:  # an empty prompt is refused by check_prompt, by name
+                texts.append(None)
+                ids.append(list(p))
+            else:
+                raise RequestError(f"a prompt is a str or a list of token ids, got {type(p).__name__}")
+        return texts, ids
+
+    def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.default_sampling_params()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != n:
+            raise ValueError(f"{len(sampling_params)} sampling_params for {n} prompts")
+        return sampling_params
+
+    def _generate_all(self, texts, ids, params, use_sessions: bool) -> list[RequestOutput]:
+        """Every request is added before the first step, so the engine runs them together."""
+        for p, sp in zip(ids, params, strict=True):
+            self.check_prompt(p, sp)
+        reqs = [self.engine.add(p, sp, use_sessions) for p, sp in zip(ids, params, strict=True)]
+        order = {req.request_id: i for i, req in enumerate(reqs)}
+        outputs: list[RequestOutput | None] = [None] * len(reqs)
+        try:
+            while any(o is None for o in outputs):
+                for req, ev in self.engine.step():
+                    i = order.get(req.request_id)
+                    if i is None:
+                        continue
+                    if isinstance(ev, BaseException):
+                        raise ev
+                    if ev.output is not None:
+                        outputs[i] = ev.output
+                        ev.output.prompt, ev.output.prompt_token_ids = texts[i], ids[i]
+        finally:
+            for req, out in zip(reqs, outputs, strict=True):
+                if out is None:
+                    self.engine.abort(req)
+        return outputs
+
+
+def _is_token_ids(x) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0 and all(isinstance(t, int) for t in x)
+
+
+def _speculative_tokens(num_speculative_tokens: int | None, speculative_config: dict | None) -> int | None:
+    """K from nextn's argument or vLLM's speculative_config (None: the default for the checkpoint)."""
+    if speculative_config is None:
+        return num_speculative_tokens
+    cfg = dict(speculative_config)
+    unknown = sorted(set(cfg) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise ValueError(
+            f"speculative_config keys {unknown} are not supported: nextn takes 'method' and "
+            "'num_speculative_tokens' (its own draft settings are LLM arguments: p_min, adaptive_k)"
+        )
+    method = cfg.get("method", "mtp")
+    if method not in MTP_METHODS:
+        raise ValueError(f"speculative_config method {method!r}: nextn drafts with the MTP head ({MTP_METHODS})")
+    k = cfg.get("num_speculative_tokens")
+    if k is not None and not isinstance(k, int):
+        raise ValueError(f"speculative_config num_speculative_tokens must be an integer, got {k!r}")
+    if num_speculative_tokens is not None and k is not None and k != num_speculative_tokens:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens} and speculative_config's {k} disagree")
+    return k if k is not None else num_speculative_tokens
+
+
+def _read_sampling_defaults(model_dir: Path) -> dict:
+    """The checkpoint's recommended sampling values, logged once (a request's own values win)."""
+    try:
+        defaults = sampling_defaults(read_generation_config(model_dir))
+    except ValueError as e:
+        raise ValueError(f"{model_dir / 'generation_config.json'}: {e}") from None
+    if defaults:
+        shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
+        log.info("sampling defaults from generation_config.json: %s (a request's own values win)", shown)
+    return defaults

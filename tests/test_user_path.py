@@ -1,0 +1,487 @@
+"""The user path (issue 17): install, find a model (directory, hub id, cache, offline), load it
+(streamed, checked, with clear errors), the defaults (device, dtype, generation_config sampling),
+the vLLM-shaped Python API and the CLI around it (positional MODEL, --speculative-config,
+--version, --log-level, one-line errors). Tiny random checkpoints from tests/hf_fixtures.py; the
+hub is huggingface_hub's own code over a local cache, or a local fake: no network."""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import weakref
+from importlib import metadata
+from pathlib import Path
+
+import hf_fixtures
+import pytest
+import torch
+
+import nextn
+from nextn.cli import build_parser, main
+from nextn.config import DEFAULT_MODEL_DIR, ConfigError, resolve_device, resolve_dtype
+from nextn.core import SamplingParams
+from nextn.engine.llm import RequestError
+from nextn.hub import ModelNotFoundError, is_hub_id, resolve_model
+from nextn.models import loader
+from nextn.models.loader import CheckpointError, load_model
+from nextn.tokenizer import TokenizerError
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ([5, 17, 42, 8, 99], [3, 1, 4, 1, 5, 9, 2, 6], [200, 201])
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+CPU_TORCH = not torch.backends.cuda.is_built()
+
+
+@pytest.fixture
+def ckpt(dense_ckpt, tmp_path) -> Path:
+    """A copy of dense_ckpt this test may edit."""
+    return Path(shutil.copytree(dense_ckpt, tmp_path / "ckpt"))
+
+
+@pytest.fixture(autouse=True)
+def _nextn_log_level():
+    """main() sets the nextn logger's level; put it back."""
+    level = logging.getLogger("nextn").level
+    yield
+    logging.getLogger("nextn").setLevel(level)
+
+
+def _with_generation_config(ckpt: Path, **values) -> Path:
+    path = ckpt / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+    return ckpt
+
+
+def _cli_json(capsys, *argv) -> dict:
+    assert main(["generate", *argv, "--json", "--log-level", "warning"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+# --- the CLI
+
+
+def test_cli_takes_a_positional_model_and_the_checkpoints_sampling_defaults(ckpt, capsys):
+    _with_generation_config(ckpt, temperature=0.0, max_new_tokens=6)
+    ids = ",".join(map(str, PROMPTS[0]))
+    out = _cli_json(capsys, str(ckpt), "--prompt-ids", ids, "--ignore-eos")
+    greedy6 = nextn.LLM(ckpt, max_model_len=256).generate(
+        prompt_token_ids=list(PROMPTS[0]), params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    )
+    assert out["token_ids"] == greedy6.token_ids  # greedy and 6 tokens: generation_config's, not T=1 and 256
+    assert _cli_json(capsys, "--model", str(ckpt), "--prompt-ids", ids, "--ignore-eos")["token_ids"] == out["token_ids"]
+    assert (
+        _cli_json(capsys, str(ckpt), "--prompt-ids", ids, "--ignore-eos", "--max-tokens", "3")["token_ids"]
+        == (
+            out["token_ids"][:3]  # the request's own value wins
+        )
+    )
+    assert main(["generate", str(ckpt), "--model", str(ckpt) + "x", "--prompt-ids", ids]) == 2
+    assert "two models" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--prompt", "x"],
+        ["serve"],
+        ["replay", "--file", "f.py"],
+        ["bench", "--spec-k", "1"],
+        ["train", "--out", "run"],
+    ],
+    ids=lambda a: a[0],
+)
+def test_every_command_takes_a_positional_model(argv):
+    args = build_parser().parse_args([argv[0], "org/model", *argv[1:]])
+    assert args.model_pos == "org/model" and args.model is None
+    assert build_parser().parse_args([*argv, "--model", "org/model"]).model == "org/model"
+
+
+def test_replay_resolves_its_positional_model(ckpt, tmp_path, capsys):
+    text = tmp_path / "text.py"
+    text.write_text("def add(a, b):\n    return a + b\n\n" * 8)
+    assert main(["replay", str(ckpt), "--file", str(text), "--k", "2", "--max-tokens", "24", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["model"] == str(ckpt) and out["num_tokens"] == 24
+
+
+def test_cli_speculative_config_sets_k(ckpt, capsys):
+    ids = ",".join(map(str, PROMPTS[1]))
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
+    out = _cli_json(capsys, str(ckpt), "--prompt-ids", ids, "--speculative-config", spec, "--max-tokens", "4")
+    assert out["num_speculative_tokens"] == 2
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(ckpt), "--prompt-ids", ids, "--speculative-config", "{not json"])
+    assert e.value.code == 2 and "not JSON" in capsys.readouterr().err
+
+
+def test_version_is_the_installed_packages(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"nextn {nextn.__version__}"
+    assert metadata.version("nextn") == nextn.__version__  # pyproject.toml reads it from nextn/__init__.py
+
+
+def test_log_level_gates_nextns_messages(ckpt, caplog, capsys):
+    caplog.set_level(logging.DEBUG)
+    ids = ",".join(map(str, PROMPTS[2]))
+    _cli_json(capsys, str(ckpt), "--prompt-ids", ids, "--max-tokens", "2")  # --log-level warning
+    assert not [r for r in caplog.records if r.name.startswith("nextn") and r.levelno < logging.WARNING]
+    assert main(["generate", str(ckpt), "--prompt-ids", ids, "--max-tokens", "2", "--log-level", "info"]) == 0
+    assert any(r.name == "nextn.models.loader" and "loaded" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.skipif(not CPU_TORCH, reason="needs a CPU-only build of torch")
+def test_cuda_on_a_cpu_only_torch_is_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "nextn.cli", "generate", "--device", "cuda", "--prompt", "def f():"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("nextn: error: device 'cuda'") and "CPU-only" in proc.stderr
+    with pytest.raises(ValueError, match="CPU-only"):
+        nextn.LLM(device="cuda")
+
+
+def test_device_and_dtype_auto(ckpt):
+    assert resolve_dtype("auto", "cpu", "bfloat16") == "float32"
+    assert resolve_dtype("auto", "cuda", "bfloat16") == "bfloat16"
+    assert resolve_dtype("auto", "cuda:1", "float16") == "float16"
+    assert resolve_dtype("auto", "cuda", None) == "bfloat16"
+    assert resolve_dtype("float16", "cpu", "bfloat16") == "float16"
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto") == expected
+    llm = nextn.LLM(ckpt, max_model_len=256)
+    assert llm.config.device == expected
+    assert next(llm.model.parameters()).dtype == getattr(torch, llm.config.dtype)
+    if expected == "cpu":
+        assert llm.config.dtype == "float32" and llm.config.kernels == "torch"
+
+
+# --- finding the model: directories, hub ids, the cache, offline
+
+
+def test_hub_ids_and_paths():
+    assert is_hub_id("Qwen/Qwen3.5-9B") and is_hub_id("org/name.v2_x")
+    assert not any(map(is_hub_id, ["./a/b", "../a", "/abs/path", "~/m", "a/b/c", "single", "a/../b"]))
+    with pytest.raises(ModelNotFoundError, match="no such directory"):
+        resolve_model("./missing/dir")
+    assert resolve_model(None) == DEFAULT_MODEL_DIR
+    with pytest.raises(ModelNotFoundError, match="not a directory"):
+        resolve_model(DEFAULT_MODEL_DIR / "config.json")
+
+
+def test_a_hub_id_fetches_config_tokenizer_template_and_safetensors_only(ckpt, tmp_path, monkeypatch):
+    """A fake snapshot_download over a repository that also holds what nextn never reads."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    repo = tmp_path / "repo"
+    shutil.copytree(ckpt, repo)
+    (repo / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    for extra in ("pytorch_model.bin", "README.md", "original/consolidated.pth", "onnx/model.onnx"):
+        (repo / extra).parent.mkdir(exist_ok=True)
+        (repo / extra).write_bytes(b"x")
+    calls = []
+
+    def fake_snapshot_download(repo_id, *, allow_patterns=None, **kw):
+        calls.append(repo_id)
+        out = tmp_path / "snapshot"
+        files = [str(p.relative_to(repo)) for p in repo.rglob("*") if p.is_file()]
+        for f in filter_repo_objects(files, allow_patterns=allow_patterns):
+            (out / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(repo / f, out / f)
+        return str(out)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    llm = nextn.LLM("org/tiny", max_model_len=256)
+    assert calls == ["org/tiny"] and llm.model_name == "org/tiny"
+    fetched = sorted(p.name for p in (tmp_path / "snapshot").rglob("*") if p.is_file())
+    assert "pytorch_model.bin" not in fetched and "README.md" not in fetched and "model.onnx" not in fetched
+    assert {"config.json", "tokenizer.json", "chat_template.jinja", "generation_config.json"} <= set(fetched)
+    assert any(f.endswith(".safetensors") for f in fetched)
+    out = llm.generate(prompt_token_ids=list(PROMPTS[0]), params=GREEDY)
+    assert out.token_ids == nextn.LLM(ckpt, max_model_len=256).generate(list(PROMPTS[0]), GREEDY).token_ids
+
+
+def test_offline_hub_ids_use_huggingface_hubs_cache(ckpt, tmp_path, monkeypatch, capsys):
+    """huggingface_hub's real snapshot_download, offline, over an empty cache and then a filled one."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache .* HF_HUB_OFFLINE"):
+        resolve_model("org/tiny")
+    assert main(["generate", "org/tiny", "--prompt", "x", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "org/tiny" in err and "HF_HUB_OFFLINE" in err
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(ckpt, cache / "models--org--tiny" / "snapshots" / commit)
+    (cache / "models--org--tiny" / "refs").mkdir()
+    (cache / "models--org--tiny" / "refs" / "main").write_text(commit)
+    assert resolve_model("org/tiny") == cache / "models--org--tiny" / "snapshots" / commit
+    assert nextn.LLM("org/tiny", max_model_len=256).generate(list(PROMPTS[0]), GREEDY).token_ids
+
+
+# --- loading
+
+
+def test_tensors_stream_one_at_a_time_and_are_checked_before_any_is_read(
+    moe_perexpert_ckpt, moe_ckpt, tmp_path, monkeypatch
+):
+    """Host memory holds one checkpoint tensor at a time: each read tensor is dead (cast, moved,
+    packed into its expert slot) before the next is read."""
+    live, max_live, reads = [], [0], [0]
+    real_safe_open = loader.safe_open
+
+    class Watched:
+        def __init__(self, *a, **kw):
+            self.f = real_safe_open(*a, **kw)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, key):
+            t = self.f.get_tensor(key)
+            live.append(weakref.ref(t))
+            reads[0] += 1
+            max_live[0] = max(max_live[0], sum(r() is not None for r in live))
+            return t
+
+    monkeypatch.setattr(loader, "safe_open", Watched)
+    streamed = load_model(moe_perexpert_ckpt, device="cpu", dtype="bfloat16")
+    assert reads[0] == len(hf_fixtures.read_tensors(moe_perexpert_ckpt)) and max_live[0] == 1
+    monkeypatch.setattr(loader, "safe_open", real_safe_open)
+    fused = load_model(moe_ckpt, device="cpu", dtype="bfloat16").state_dict()
+    for name, t in streamed.state_dict().items():  # the per-expert tensors packed into the same bits
+        assert torch.equal(t, fused[name]), name
+
+    bad = Path(shutil.copytree(moe_perexpert_ckpt, tmp_path / "bad"))
+    _rewrite_header(next(bad.glob("*.safetensors")), lambda h: h["mtp.fc.weight"]["shape"].reverse())
+    monkeypatch.setattr(loader, "safe_open", Watched)
+    reads[0] = 0
+    with pytest.raises(CheckpointError):
+        load_model(bad, device="cpu")
+    assert reads[0] == 0
+
+
+def test_a_progress_bar_counts_the_shards(vlm_ckpt, caplog, capsys):
+    shards = len(loader.safetensor_files(vlm_ckpt))
+    assert shards > 1
+    caplog.set_level(logging.INFO, logger="nextn")
+    load_model(vlm_ckpt, device="cpu")
+    assert f"{shards}/{shards}" in capsys.readouterr().err
+    caplog.set_level(logging.WARNING, logger="nextn")
+    load_model(vlm_ckpt, device="cpu")
+    assert "shard" not in capsys.readouterr().err
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    """Rewrite a safetensors file's JSON header through `edit`, keeping its data bytes."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+
+
+def _truncate_second_shard(ckpt: Path) -> str:
+    shard = loader.safetensor_files(ckpt)[1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size - 100])
+    return f"{shard.name}: truncated"
+
+
+def _header_disagrees(ckpt: Path) -> str:
+    shard = loader.safetensor_files(ckpt)[0]
+    name = {}
+
+    def edit(header):
+        name["key"] = key = next(k for k, v in header.items() if k != "__metadata__" and len(v["shape"]) == 2)
+        header[key]["shape"][0] += 1
+
+    _rewrite_header(shard, edit)
+    return f"{shard.name}: corrupt header: tensor {re.escape(name['key'])}"
+
+
+def _garbage_tokenizer(ckpt: Path) -> str:
+    (ckpt / "tokenizer.json").write_text('{"version": "1.0", "model": garbage')
+    return "tokenizer.json: not a tokenizer"
+
+
+def _corrupt_config(ckpt: Path) -> str:
+    (ckpt / "config.json").write_text('{"model_type": "qwen3_5_text", ')
+    return "config.json: not valid JSON"
+
+
+def _corrupt_generation_config(ckpt: Path) -> str:
+    (ckpt / "generation_config.json").write_bytes(b"\xff\xfe garbage")
+    return "generation_config.json: not valid JSON"
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [_truncate_second_shard, _header_disagrees, _garbage_tokenizer, _corrupt_config, _corrupt_generation_config],
+)
+def test_a_broken_file_is_a_one_line_error_naming_it(corrupt, vlm_ckpt, tmp_path, capsys):
+    ckpt = Path(shutil.copytree(vlm_ckpt, tmp_path / "broken"))
+    message = corrupt(ckpt)
+    with pytest.raises((CheckpointError, TokenizerError, ConfigError), match=message):
+        nextn.LLM(ckpt, max_model_len=256)
+    capsys.readouterr()  # the load's progress bar, where a test left nextn's log level at info
+    assert main(["generate", str(ckpt), "--prompt-ids", "1,2,3", "--log-level", "warning"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err) and str(ckpt) in err
+
+
+# --- the Python API
+
+
+def test_generate_takes_vllms_prompt_forms_and_returns_one_output_per_prompt(dense_ckpt):
+    llm = nextn.LLM(dense_ckpt, max_model_len=256)
+    solo = [llm.generate(prompt_token_ids=list(p), params=GREEDY) for p in PROMPTS]  # nextn's single form
+    batch = llm.generate([list(p) for p in PROMPTS], GREEDY)  # all in the engine at once
+    assert [o.outputs[0].token_ids for o in batch] == [o.token_ids for o in solo]
+    assert [o.prompt_token_ids for o in batch] == [list(p) for p in PROMPTS]
+    assert all(o.outputs[0].text == llm.tokenizer.decode(o.token_ids) for o in batch)
+
+    text = llm.tokenizer.decode(list(PROMPTS[1]))
+    (one,) = llm.generate(text, sampling_params=GREEDY)
+    assert one.prompt == text and one.outputs[0].token_ids == llm.generate(prompt=text, params=GREEDY).token_ids
+    many = llm.generate([{"prompt": text}, {"prompt_token_ids": list(PROMPTS[0])}, text], GREEDY)
+    assert [o.token_ids for o in many] == [one.token_ids, solo[0].token_ids, one.token_ids]
+
+    lengths = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (2, 7, 4)]
+    assert [len(o.outputs[0].token_ids) for o in llm.generate([list(p) for p in PROMPTS], lengths)] == [2, 7, 4]
+    legacy = llm.generate(list(PROMPTS[0]), GREEDY)  # a flat list of ids: nextn's single-request form
+    assert isinstance(legacy, nextn.RequestOutput) and legacy.token_ids == solo[0].token_ids
+
+    with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
+        llm.generate([list(p) for p in PROMPTS], lengths[:2])
+    with pytest.raises(RequestError, match="empty"):
+        llm.generate([list(PROMPTS[0]), []], GREEDY)
+    with pytest.raises(RequestError, match="str or a list of token ids"):
+        llm.generate([list(PROMPTS[0]), 3.5], GREEDY)
+    assert not llm.engine.has_work  # a refused batch leaves nothing queued
+
+
+def test_chat_renders_the_template(dense_ckpt):
+    llm = nextn.LLM(dense_ckpt, max_model_len=256)
+    conv = [{"role": "user", "content": "def add(a, b):"}]
+    (out,) = llm.chat(conv, GREEDY)
+    text = llm.tokenizer.apply_chat_template(conv)
+    assert out.prompt == text and out.token_ids == llm.generate(prompt=text, params=GREEDY).token_ids
+    other = [{"role": "user", "content": "class Stack:"}]
+    assert [o.token_ids for o in llm.chat([conv, other], GREEDY)] == [
+        out.token_ids,
+        llm.generate(prompt=llm.tokenizer.apply_chat_template(other), params=GREEDY).token_ids,
+    ]
+
+
+def test_speculative_config(dense_ckpt):
+    llm = nextn.LLM(dense_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, max_model_len=256)
+    assert llm.num_speculative_tokens == 2
+    assert (
+        nextn.LLM(dense_ckpt, speculative_config={"num_speculative_tokens": 0}, max_model_len=256).engine.proposer
+        is None
+    )
+    for bad, message in [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle'"),
+        ({"method": "mtp", "num_speculative_tokens": 2, "model": "x"}, "keys \\['model'\\]"),
+        ({"num_speculative_tokens": "2"}, "integer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            nextn.LLM(dense_ckpt, speculative_config=bad)
+    with pytest.raises(ValueError, match="disagree"):
+        nextn.LLM(dense_ckpt, num_speculative_tokens=1, speculative_config={"num_speculative_tokens": 2})
+
+
+def test_generation_config_sampling_defaults(ckpt, caplog):
+    caplog.set_level(logging.INFO, logger="nextn")
+    _with_generation_config(ckpt, temperature=0.0, top_k=-1, top_p=0.9, max_new_tokens=4, do_sample=True)
+    llm = nextn.LLM(ckpt, max_model_len=256)
+    params = llm.default_sampling_params()
+    assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.0, 0, 0.9, 4)
+    mine = llm.default_sampling_params(temperature=0.5, top_p=None, max_tokens=9)  # None: not given
+    assert (mine.temperature, mine.top_p, mine.max_tokens) == (0.5, 0.9, 9)
+    (out,) = llm.generate(list(map(list, PROMPTS[:1])))  # no sampling_params: the checkpoint's
+    assert (
+        len(out.token_ids) <= 4
+        and out.token_ids
+        == llm.generate(list(PROMPTS[0]), SamplingParams(max_tokens=4, temperature=0.0)).token_ids[: len(out.token_ids)]
+    )
+    logged = [r for r in caplog.records if "sampling defaults" in r.getMessage()]
+    assert len(logged) == 1 and "top_p=0.9" in logged[0].getMessage()
+
+    _with_generation_config(ckpt, do_sample=False, temperature=0.8)
+    assert nextn.LLM(ckpt, max_model_len=256).default_sampling_params().temperature == 0.0  # transformers' rule
+    _with_generation_config(ckpt, do_sample=True, top_p=2.0)
+    with pytest.raises(ValueError, match="generation_config.json: top_p"):
+        nextn.LLM(ckpt, max_model_len=256)
+    with pytest.raises(ValueError, match="unknown sampling parameter"):
+        nextn.core.with_defaults({}, temprature=0.5)
+
+
+def test_bundled_model_ships_sampling_defaults():
+    llm_defaults = nextn.core.sampling_defaults(
+        json.loads((ROOT / "nextn/default_model/generation_config.json").read_text())
+    )
+    assert llm_defaults["temperature"] > 0 and llm_defaults["top_p"] < 1 and llm_defaults["top_k"] > 0
+
+
+def test_min_tokens_is_validated():
+    assert SamplingParams(max_tokens=8, min_tokens=8).min_tokens == 8
+    for bad in ({"min_tokens": -1}, {"max_tokens": 4, "min_tokens": 5}):
+        with pytest.raises(ValueError, match="min_tokens"):
+            SamplingParams(**bad)
+
+
+# --- the install
+
+
+# imported only where their feature runs: Triton kernels (on CUDA, with torch's CUDA builds), plots
+# (the train extra), flash-linear-attention (train --gdn-kernel fla)
+OPTIONAL_IMPORTS = {"triton", "matplotlib", "fla"}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_base_dependencies_cover_what_nextn_imports():
+    """`pip install nextn` (no extras) runs generate and serve: every third-party module nextn
+    imports outside OPTIONAL_IMPORTS comes from a base dependency (or one of theirs)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {_norm(re.split(r"[<>=!~;\[ ]", d)[0]) for d in project["dependencies"]}
+    assert {"fastapi", "uvicorn", "pydantic", "huggingface-hub", "tqdm"} <= base
+    covered = set(base)
+    for dist in base:
+        covered |= {_norm(re.split(r"[<>=!~;\[ ]", r)[0]) for r in metadata.requires(dist) or [] if "extra ==" not in r}
+    modules = set()
+    for path in (ROOT / "nextn").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+    dists = metadata.packages_distributions()
+    third_party = {m for m in modules if m in dists and m != "nextn"} - OPTIONAL_IMPORTS
+    assert {"fastapi", "uvicorn", "huggingface_hub", "torch"} <= third_party
+    missing = {m: dists[m] for m in third_party if not {_norm(d) for d in dists[m]} & covered}
+    assert not missing
