@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call on the H200: tune the skinny GEMM, kernel tests at real shapes, the benches.
 # Usage (device tool): bash bench/run_h200.sh [stages...]
-#   stages: tune tests engine profile prefill bench9b benchdefault bench35b
+#   stages: tune tests engine profile prefill prefill4k bench9b batch9b benchdefault bench35b
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p /tmp/triton_cache
@@ -14,11 +14,17 @@ for stage in "$@"; do
   case $stage in
     tune) timeout 90 python3 bench/tune_linear.py --out $OUT/tune.json 2>&1 | grep -E "BEST|Error|error" | tee -a $LOG ;;
     tests) timeout 150 python3 -m pytest -q -x -m gpu tests/test_kernels.py 2>&1 | tail -25 | tee -a $LOG ;;
-    engine) timeout 200 python3 -m pytest -q -x tests/test_step.py tests/test_rounds.py 2>&1 | tail -25 | tee -a $LOG ;;
+    engine) timeout 200 python3 -m pytest -q -x tests/test_step.py tests/test_rounds.py tests/test_batching.py 2>&1 \
+               | tail -25 | tee -a $LOG ;;
     profile) for m in "--model nextn/default_model" "--preset qwen3.5-9b"; do timeout 120 python3 bench/profile_round.py \
                $m --k 3 --out $OUT/profile_round_$(basename ${m##* }).json 2>&1 | grep -v Warn | head -45 | tee -a $LOG; done ;;
     prefill) for p in qwen3.5-9b qwen3.5-35b-a3b; do timeout 150 python3 bench/profile_prefill.py --preset $p \
                --out $OUT/prefill_$p.json 2>&1 | grep -v Warn | grep -v '^  *[0-9.]* *us .*nvjet_sm90_tst_64x8' | head -80 | tee -a $LOG; done ;;
+    prefill4k) timeout 100 python3 bench/profile_prefill.py --preset qwen3.5-9b --prompt-len 4096 \
+               --out $OUT/prefill4k_qwen3.5-9b.json 2>&1 | grep -v Warn | head -40 | tee -a $LOG ;;
+    batch9b) timeout 300 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 \
+               --spec-k 3 --repeats 1 --batch 1 2 4 8 16 32 --prefill-len 4096 --acceptance-profile 0.85,0.75,0.65 \
+               --json $OUT/batch_qwen3.5-9b.json 2>&1 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
     bench9b) timeout 420 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 \
                --acceptance-profile 0.85,0.75,0.65 --json $OUT/bench_qwen3.5-9b.json 2>&1 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
     benchdefault) timeout 200 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \

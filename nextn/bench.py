@@ -14,7 +14,11 @@ but rarely guesses right). One run measures, with CUDA events around warmed-up w
 - acceptance and `spec_speedup[K]` (meaningful for a checkpoint whose head predicts); with
   `--temperature T`, `sampled_spec_speedup[K]` at T (seeded, against plain decoding at T); with
   `--acceptance-profile p1,p2,..`, `profile_spec_speedup[K]`: drafts replaced, with probability p_j
-  at position j, by the token plain decoding emits there (nextn.spec.proposer.ProfileProposer).
+  at position j, by the token plain decoding emits there (nextn.spec.proposer.ProfileProposer);
+- with `--batch B ...`, `batch_tokens_per_s["plain"|"spec"][B]`: B sequences decoding together
+  (continuous batching: one batched round per step), plain and spec at the largest K (through the
+  acceptance profile when one is given), and whether every sequence's output equals the plain
+  single-sequence output; with `--prefill-len N`, prefill tokens/s of an N-token prompt.
 Writes a JSON file and two PNG plots beside it.
 """
 
@@ -34,7 +38,7 @@ import torch
 from nextn.config import STEP_ROWS, EngineConfig, ModelConfig, SpecConfig
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.engine import build_core
-from nextn.engine.rounds import RequestRounds
+from nextn.engine.rounds import RequestRounds, advance
 from nextn.engine.sequence import Sequence
 from nextn.models.loader import DTYPES, fuse_weights, load_model
 from nextn.models.qwen3_5 import CausalLM
@@ -197,6 +201,8 @@ class BenchConfig:
     temperatures: list[float] = field(default_factory=list)  # sampled runs besides the greedy ones
     acceptance_profile: list[float] | None = None
     prompt_file: str | None = None
+    batch_sizes: list[int] = field(default_factory=list)  # B values of the batched runs
+    prefill_len: int | None = None  # the prompt length of the prefill measurement (default: the prompt's)
 
 
 @dataclass
@@ -213,12 +219,12 @@ class Bench:
         self.model, self.prompt, self.cfg = model, prompt, cfg
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.max_len = len(prompt) + cfg.gen_len + 2 * STEP_ROWS
-        self.cores: dict[int, tuple] = {}
+        self.max_len = max(len(prompt), cfg.prefill_len or 0) + cfg.gen_len + 2 * STEP_ROWS
+        self.cores: dict[tuple[int, int], tuple] = {}
         self.profilers: dict[int, ProfileProposer] = {}  # one per core: its graphs key on it
 
-    def core(self, k: int):
-        if k not in self.cores:
+    def core(self, k: int, slots: int = 1):
+        if (k, slots) not in self.cores:
             self.cores.clear()  # one engine's cache at a time
             self.profilers.clear()
             gc.collect()
@@ -228,18 +234,43 @@ class Bench:
                 str(self.dtype).replace("torch.", ""),
                 SpecConfig(num_speculative_tokens=k),
                 self.max_len,
-                1,
+                slots,
                 self.cfg.kernels,
             )
-            self.cores[k] = build_core(self.model, config)
-        return self.cores[k]
+            self.cores[(k, slots)] = build_core(self.model, config)
+        return self.cores[(k, slots)]
 
-    def prefilled(self, k: int) -> Sequence:
-        _, runner, proposer = self.core(k)
-        seq = Sequence(0, heads=proposer is not None)
-        runner.slot(0).reset()
-        runner.extend(seq, self.prompt)
+    def prefilled(self, k: int, slot: int = 0, slots: int = 1, prompt: list[int] | None = None) -> Sequence:
+        _, runner, proposer = self.core(k, slots)
+        seq = Sequence(slot, heads=proposer is not None)
+        runner.slot(slot).reset()
+        runner.extend(seq, self.prompt if prompt is None else prompt)
         return seq
+
+    def generate_batch(self, k: int, B: int, profile=None) -> tuple[list[list[int]], float]:
+        """B sequences of the prompt decoding gen_len greedy tokens together (timed after the
+        prefills): (each one's tokens, seconds)."""
+        _, runner, proposer = self.core(k, B)
+        if profile is not None:
+            if k not in self.profilers:
+                self.profilers[k] = ProfileProposer(proposer, *profile)
+            proposer = self.profilers[k]
+        seqs = [self.prefilled(k, b, B) for b in range(B)]
+        params = SamplingParams(max_tokens=self.cfg.gen_len, temperature=0.0, ignore_eos=True)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        rounds = [RequestRounds(runner, proposer, s, params, runner.config.spec, set(), SpecStats()) for s in seqs]
+        ids: list[list[int]] = [[] for _ in seqs]
+        live = list(range(B))
+        while live:
+            reads, _ = advance(runner, proposer, [rounds[b] for b in live])
+            for b, r in zip(list(live), reads, strict=True):
+                ids[b] += r.token_ids
+                if r.finish_reason is not None:
+                    rounds[b].close()
+                    live.remove(b)
+        _sync(self.device)
+        return ids, time.perf_counter() - t0
 
     def generate(self, k: int, temperature: float = 0.0, profile=None, seed: int = 0) -> RunResult:
         """One generation of gen_len tokens through the engine's rounds (timed after the prefill)."""
@@ -315,9 +346,13 @@ class Bench:
                 out["head_step_ms"] = time_ms(head, self.device, iters=self.cfg.iters)
         return out
 
-    def prefill_tokens_per_s(self) -> float:
-        ms = time_ms(lambda: self.prefilled(0), self.device, warmup=1, iters=3)
-        return len(self.prompt) / (ms * 1e-3)
+    def prefill_tokens_per_s(self) -> tuple[float, int]:
+        """(tokens/s, prompt length) of prefilling prefill_len tokens (default: the prompt)."""
+        prompt = self.prompt
+        if self.cfg.prefill_len:
+            prompt = (self.prompt * (self.cfg.prefill_len // len(self.prompt) + 1))[: self.cfg.prefill_len]
+        ms = time_ms(lambda: self.prefilled(0, prompt=prompt), self.device, warmup=1, iters=3)
+        return len(prompt) / (ms * 1e-3), len(prompt)
 
 
 def _spread(runs: list[RunResult]) -> str:
@@ -375,8 +410,8 @@ def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print, prompt: l
         f"prompt {len(prompt)} tokens"
     )
 
-    res["prefill_tokens_per_s"] = bench.prefill_tokens_per_s()
-    log(f"bench: prefill {res['prefill_tokens_per_s']:.0f} tok/s")
+    res["prefill_tokens_per_s"], res["prefill_len"] = bench.prefill_tokens_per_s()
+    log(f"bench: prefill {res['prefill_tokens_per_s']:.0f} tok/s at {res['prefill_len']} tokens")
     ks = cfg.spec_ks if model.mtp is not None else []
     costs = bench.step_costs(ks or [0])
     t1 = costs["step_ms"][1]
@@ -435,8 +470,26 @@ def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print, prompt: l
         _sampled(bench, res, ks, temperature, log)
     if cfg.acceptance_profile and ks:
         _profiled(bench, res, ks, cfg.acceptance_profile, plain.token_ids, log)
+    if cfg.batch_sizes:
+        _batched(bench, res, max(ks, default=0), plain.token_ids, log)
     res["plain_token_ids_head"] = plain.token_ids[:32]
     return res
+
+
+def _batched(bench: Bench, res: dict, k: int, reference: list[int], log) -> None:
+    """B sequences decoding together, plain and at K = k (through the acceptance profile if set)."""
+    profile = (bench.cfg.acceptance_profile, reference, bench.cfg.seed) if bench.cfg.acceptance_profile else None
+    out = res["batch_tokens_per_s"] = {"plain": {}, "spec": {}, "spec_k": k, "spec_profile": profile is not None}
+    equal = res["batch_outputs_equal_plain"] = {"plain": {}, "spec": {}}
+    for B in bench.cfg.batch_sizes:
+        for key, kk in (("plain", 0), ("spec", k)) if k > 0 else (("plain", 0),):
+            bench.generate_batch(kk, B, profile if kk else None)  # warm-up: compiles, captures the graphs
+            ids, seconds = bench.generate_batch(kk, B, profile if kk else None)
+            out[key][B] = B * bench.cfg.gen_len / seconds
+            equal[key][B] = all(x == reference for x in ids)
+        spec = f", spec K={k} {out['spec'][B]:.1f} tok/s (equal {equal['spec'][B]})" if k > 0 else ""
+        log(f"bench: batch {B}: plain {out['plain'][B]:.1f} tok/s (equal {equal['plain'][B]}){spec}")
+    bench.cores.clear()
 
 
 def _sampled(bench: Bench, res: dict, ks: list[int], temperature: float, log) -> None:
@@ -587,6 +640,8 @@ def bench_from_args(args) -> int:
             ) from None
         if not profile or not all(0.0 <= p <= 1.0 for p in profile):
             raise ValueError(f"--acceptance-profile probabilities must be in [0, 1], got {args.acceptance_profile!r}")
+    if any(b < 1 for b in args.batch) or (args.prefill_len is not None and args.prefill_len < 1):
+        raise ValueError(f"--batch and --prefill-len take positive sizes, got {args.batch} / {args.prefill_len}")
     if any(not 0.0 < t <= 100.0 for t in args.temperature):
         raise ValueError(f"--temperature takes values in (0, 100] (greedy always runs), got {args.temperature}")
     prompt_text = None
@@ -610,6 +665,8 @@ def bench_from_args(args) -> int:
         temperatures=list(args.temperature),
         acceptance_profile=profile,
         prompt_file=args.prompt_file,
+        batch_sizes=list(args.batch),
+        prefill_len=args.prefill_len,
     )
     prompt = None
     if args.model is not None:

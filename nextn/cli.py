@@ -148,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="p1,p2,...: also run greedy spec with drafts that are right with probability p_j at "
         "position j (the head still runs), for models whose head guesses nothing",
     )
+    b.add_argument(
+        "--batch",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also decode B sequences together for each B (plain, and spec at the largest --spec-k)",
+    )
+    b.add_argument("--prefill-len", type=int, default=None, help="measure prefill on a prompt of N tokens")
     b.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
 
     t = sub.add_parser("train", help="train a Qwen3.5-layout model with its MTP head, or distill a head")

@@ -18,7 +18,7 @@ import torch
 from nextn.cache import CacheLayout, SlotPool
 from nextn.config import EngineConfig
 from nextn.core import RequestOutput, SamplingParams, SpecStats
-from nextn.engine.rounds import RequestRounds, Round, launch, round_buffers
+from nextn.engine.rounds import RequestRounds, Round, advance, round_buffers
 from nextn.engine.runner import ModelRunner
 from nextn.engine.sampler import sampler_buffers
 from nextn.engine.scheduler import Request, Scheduler
@@ -192,27 +192,15 @@ class Engine:
     # --- rounds and their tokens
 
     def _run(self, reqs: list[Request]) -> list:
-        """One batched round for the requests with none in flight, one queued ahead for those that
-        can, then each request's oldest round read and turned into its event."""
-        events: list = []
-        for wanted in (RequestRounds.needs_round, RequestRounds.wants_ahead):
-            group = [req for req in reqs if wanted(self.live[req.request_id].rounds)]
-            if group:
-                try:
-                    launch(self.runner, self.proposer, [self.live[req.request_id].rounds for req in group])
-                    self.batch_sizes[len(group)] += 1
-                except Exception as e:  # a round that cannot run fails its requests (the engine serves on)
-                    events += [self._fail(req, e) for req in group]
-                    reqs = [req for req in reqs if req not in group]
-        for req in reqs:
-            live = self.live[req.request_id]
-            try:
-                r = live.rounds.read()
-            except Exception as e:
-                events.append(self._fail(req, e))
-                continue
-            events.append((req, self._postprocess(req, live, r)))
-        return events
+        """One engine step of the running requests (nextn.engine.rounds.advance), each request's
+        round turned into its event."""
+        lives = [self.live[req.request_id] for req in reqs]
+        try:
+            rounds, sizes = advance(self.runner, self.proposer, [live.rounds for live in lives])
+        except Exception as e:  # a round that cannot run fails its requests (the engine serves on)
+            return [self._fail(req, e) for req in reqs]
+        self.batch_sizes.update(sizes)
+        return [(req, self._postprocess(req, live, r)) for req, live, r in zip(reqs, lives, rounds, strict=True)]
 
     def _postprocess(self, req: Request, live: _Live, r: Round) -> StreamEvent:
         ids, finish_reason = r.token_ids, r.finish_reason

@@ -114,6 +114,21 @@ def _accept(m: Member, before: torch.Tensor, num_drafts, heads: bool) -> None:
     _write_outcome(buf, n, n.new_full((1,), k) if isinstance(num_drafts, int) else num_drafts, out_ids, before)
 
 
+@torch.inference_mode()
+def advance(runner, proposer, rounds: list[RequestRounds]) -> tuple[list[Round], list[int]]:
+    """One engine step of these requests: a batched round for those with none in flight, one
+    queued ahead for those that can, then each one's oldest round read. Returns the rounds read
+    and the sizes of the batches launched."""
+    sizes = []
+    for wanted in (RequestRounds.needs_round, RequestRounds.wants_ahead):
+        group = [r for r in rounds if wanted(r)]
+        if group:
+            launch(runner, proposer, group)
+            sizes.append(len(group))
+    return [r.read() for r in rounds], sizes
+
+
+@torch.inference_mode()
 def launch(runner, proposer, rounds: list[RequestRounds]) -> None:
     """One batched round of these requests (one CUDA graph per batch of (slot, K, sampler kind));
     each queues the read of its outcome."""
@@ -248,10 +263,7 @@ class RequestRounds:
         """Run alone: launch this request's round if none is in flight, one ahead, read the oldest."""
         if self.closed:
             raise RuntimeError("the request's rounds are closed")
-        for wanted in (self.needs_round, self.wants_ahead):
-            if wanted():
-                launch(self.runner, self.proposer, [self])
-        return self.read()
+        return advance(self.runner, self.proposer, [self])[0][0]
 
     @torch.inference_mode()
     def read(self) -> Round:
