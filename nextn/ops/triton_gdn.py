@@ -116,15 +116,15 @@ if HAVE_TRITON:
     ):
         hv = tl.program_id(0)
         vb = tl.program_id(1)
-        b = tl.program_id(2)
+        seq = tl.program_id(2)
         NB: tl.constexpr = V // BLOCK_V
-        slot = tl.load(seq_slot_ptr + b).to(tl.int64)
-        row0 = tl.load(seq_start_ptr + b)
-        T = tl.load(seq_rows_ptr + b)
+        slot = tl.load(seq_slot_ptr + seq).to(tl.int64)
+        row0 = tl.load(seq_start_ptr + seq)
+        T = tl.load(seq_rows_ptr + seq)
         proj_ptr += row0 * stride_p
         o_ptr += row0 * stride_o
         sumsq_ptr += row0 * HV * NB
-        count_ptr += b * HV
+        count_ptr += seq * HV
         conv_home_ptr += slot * stride_home_slot
         window_ptr += slot * stride_win_slot
         state_home_ptr += slot * stride_state_home_slot
