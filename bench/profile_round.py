@@ -1,7 +1,9 @@
 """Where a round's time goes on the GPU: GPU time per kernel name over eager rounds of the engine
 (torch.profiler), for plain decoding and for K drafts, and the replayed round against its steps.
 
-python bench/profile_round.py (--model DIR | --preset qwen3.5-9b) [--k 3] [--out profile.json]
+python bench/profile_round.py (--model DIR | --preset qwen3.5-9b) [--k 3] [--batch B] [--out profile.json]
+
+--batch B: B requests decoding together (one batched round per step), as continuous batching runs them.
 """
 
 from __future__ import annotations
@@ -15,25 +17,31 @@ from torch.profiler import ProfilerActivity, profile
 
 from nextn.bench import Bench, BenchConfig, random_model
 from nextn.core import SamplingParams, SpecStats
-from nextn.engine.rounds import RequestRounds
+from nextn.engine.rounds import RequestRounds, advance
 from nextn.models.loader import load_model
 
 
-def kernels_per_round(bench: Bench, k: int, temperature: float, rounds: int = 8) -> tuple[list, float]:
-    """(rows of (us per round, launches per round, kernel name), GPU ms per round) over eager rounds."""
-    _, runner, proposer = bench.core(k)
+def kernels_per_round(bench: Bench, k: int, temperature: float, rounds: int = 8, B: int = 1) -> tuple[list, float]:
+    """(rows of (us per round, launches per round, kernel name), GPU ms per round) over eager rounds
+    of B requests together."""
+    _, runner, proposer = bench.core(k, B)
     runner.use_graphs = False
-    seq = bench.prefilled(k)
-    params = SamplingParams(max_tokens=4 * rounds, temperature=temperature, seed=0, ignore_eos=True)
-    loop = RequestRounds(runner, proposer, seq, params, runner.config.spec, set(), SpecStats(), ahead=False)
-    loop.next()  # the first token
-    loop.next()  # a warm round: kernels compiled
+    params = SamplingParams(max_tokens=4 * rounds + 8, temperature=temperature, seed=0, ignore_eos=True)
+    loops = [
+        RequestRounds(
+            runner, proposer, bench.prefilled(k, b, B), params, runner.config.spec, set(), SpecStats(), ahead=False
+        )
+        for b in range(B)
+    ]
+    for _ in range(2):  # the first token, then a warm round: kernels compiled
+        advance(runner, proposer, loops)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds):
-            loop.next()
+            advance(runner, proposer, loops)
         torch.cuda.synchronize()
-    loop.close()
+    for loop in loops:
+        loop.close()
     runner.use_graphs = True
     per_kernel = defaultdict(lambda: [0.0, 0])
     for ev in prof.events():
@@ -49,6 +57,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--preset", default=None)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = load_model(args.model, "cuda", "bfloat16") if args.model else random_model(args.preset, "cuda", "bfloat16")
@@ -56,11 +65,11 @@ def main() -> None:
     bench = Bench(model, prompt, BenchConfig(spec_ks=[args.k], gen_len=64, kernels="triton"))
     report = {}
     for k, temperature in ((0, 0.0), (args.k, 0.0), (args.k, 0.7)):
-        rows, ms = kernels_per_round(bench, k, temperature)
+        rows, ms = kernels_per_round(bench, k, temperature, B=args.batch)
         launches = sum(r[1] for r in rows)
         small = [r for r in rows if r[0] < 5.0]  # the round's bookkeeping kernels (< 5 us each)
         print(
-            f"K={k} T={temperature}: {ms:.3f} ms of kernels per round, {launches:.0f} launches; "
+            f"B={args.batch} K={k} T={temperature}: {ms:.3f} ms of kernels per round, {launches:.0f} launches; "
             f"{sum(r[1] for r in small):.0f} of them under 5 us ({sum(r[0] for r in small) / 1e3:.3f} ms)"
         )
         for us, n, name in rows[:12]:
