@@ -249,13 +249,14 @@ class StepBatch:
 def commit_ctl(
     ctl: torch.Tensor, kept, rows: int, cols: int, store_all: bool = True, round_: bool = False
 ) -> torch.Tensor:
-    """ctl [NUM_CTL] after keeping `kept` (an int, or a device scalar: no host read) tokens of a
-    step that wrote the halves at STATE_WRITE / CONV_WRITE; the next step writes the other halves.
+    """ctl [NUM_CTL] (or [B, NUM_CTL], kept [B, 1]) after keeping `kept` (an int, or a device
+    tensor: no host read) tokens of a step that wrote the halves at STATE_WRITE / CONV_WRITE; the
+    next step writes the other halves.
     store_all: the step kept every token's state (a verify), else only its last (a prefill step).
     round_: the step was a round's verify: also DRAFT_LEN += ACCEPTED + 1 (the rows the round's
     head pass wrote), NUM_GEN += kept, ACCEPTED = kept - 1. The one commit rule of the engine."""
     a_idx, a, b_idx, b, k, c = _commit_table(rows, cols, store_all, round_, ctl.device)
-    return ctl[a_idx] * a + ctl[b_idx] * b + kept * k + c
+    return ctl[..., a_idx] * a + ctl[..., b_idx] * b + kept * k + c
 
 
 _TABLES: dict = {}

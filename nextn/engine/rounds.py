@@ -83,7 +83,8 @@ class Member(NamedTuple):
 
 def device_round(runner, proposer, members: list[Member]) -> None:
     """One round of every member, device work only."""
-    befores = [m.cache.ctl.clone() for m in members]
+    tensors = members[0].cache.cache.tensors
+    befores = tensors["ctl"].index_select(0, runner.index([m.cache.slot for m in members]))
     drafting = [m for m in members if m.k > 0]
     drafted = iter(proposer.propose(drafting) if drafting else ())
     num_drafts = [next(drafted) if m.k > 0 else 0 for m in members]
@@ -92,13 +93,50 @@ def device_round(runner, proposer, members: list[Member]) -> None:
         m.buf.prev_hidden.copy_(m.buf.hidden)
     # one trunk step over every member's [pending, drafts] rows, out of and into the slots' buffers
     batch = runner.batch([m.cache for m in members], [m.k + 1 for m in members])
-    flat, tensors = batch.flat_rows(members[0].buf.verify_ids.shape[0]), members[0].cache.cache.tensors
+    flat = batch.flat_rows(members[0].buf.verify_ids.shape[0])
     logits, hidden = runner.step_logits[: batch.num_rows], runner.step_hidden[: batch.num_rows]
     runner.step.trunk(batch, tensors["verify_ids"].view(-1).index_select(0, flat), logits, hidden)
     tensors["logits"].flatten(0, 1).index_copy_(0, flat, logits)
     tensors["hidden"].flatten(0, 1).index_copy_(0, flat, hidden)
-    for m, before, drafts in zip(members, befores, num_drafts, strict=True):
-        _accept(m, before, drafts, proposer is not None)
+    # greedy members without penalties or a confidence gate: verified and committed together
+    plain = [b for b, m in enumerate(members) if _plain_greedy(m) and isinstance(num_drafts[b], int)]
+    if plain:
+        _accept_greedy(runner, batch, [members[b] for b in plain], plain, befores, logits, proposer is not None)
+    for b, (m, drafts) in enumerate(zip(members, num_drafts, strict=True)):
+        if b not in plain:
+            _accept(m, befores[b], drafts, proposer is not None)
+
+
+def _plain_greedy(m: Member) -> bool:
+    return m.sampler.kind.greedy and not m.sampler.kind.penalties
+
+
+def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores, logits, heads: bool) -> None:
+    """`_accept` for greedy members without penalties, all at once (the same integer results):
+    each row's argmax, the longest prefix of drafts matching it, the commit and the outcomes."""
+    R, tensors, G = group[0].buf.verify_ids.shape[0], group[0].cache.cache.tensors, len(group)
+    slots = runner.index([m.cache.slot for m in group])
+    ks = runner.index([m.k for m in group])
+    rows = runner.index([batch.offsets[b] + i for b, m in zip(index, group, strict=True) for i in range(m.k + 1)])
+    cells = runner.index([g * R + i for g, m in enumerate(group) for i in range(m.k + 1)])
+    target = torch.full((G * R,), -1, dtype=torch.long, device=logits.device)
+    target = target.index_copy_(0, cells, logits.argmax(-1).index_select(0, rows)).view(G, R)
+    cols = torch.arange(R, device=logits.device)
+    ids = tensors["verify_ids"].index_select(0, slots)  # [G, R]: pending, drafts
+    match = (ids[:, 1:] == target[:, :-1]) & (cols[None, :-1] < ks[:, None])
+    n = match.long().cumprod(1).sum(1)  # [G] drafts before the first mismatch
+    out_ids = torch.where(cols[None] <= n[:, None], target, -1)  # accepted drafts, then the bonus
+    ids[:, 0] = out_ids.gather(1, n[:, None])[:, 0]  # the next round's pending token
+    tensors["verify_ids"].index_copy_(0, slots, ids)
+    if heads:  # the next head pass writes the rows of what this round kept
+        kept = cols[None] <= ks[:, None]
+        head_ids = torch.where(kept, out_ids.clamp(min=0), tensors["head_ids"].index_select(0, slots))
+        tensors["head_ids"].index_copy_(0, slots, head_ids)
+    before = befores.index_select(0, runner.index(index))
+    cache = group[0].cache
+    ctl = commit_ctl(before, (n + 1)[:, None], cache.rows, cache.cols, round_=True)
+    tensors["ctl"].index_copy_(0, slots, ctl.to(torch.int32))
+    tensors["out"].index_copy_(0, slots, torch.cat([n[:, None], ks[:, None], out_ids, before.long()], dim=1))
 
 
 def _accept(m: Member, before: torch.Tensor, num_drafts, heads: bool) -> None:

@@ -102,11 +102,17 @@ class ProfileProposer:
         if any(not m.sampler.kind.greedy for m in members):  # a replaced draft is not drawn from its q
             raise ValueError("an acceptance profile drives greedy decoding only")
         num_drafts = self.base.propose(members)
-        vocab = self.base.runner.cfg.vocab_size
-        for m in members:
-            steps = torch.arange(m.k, device=self.reference.device)
-            index = m.cache.ctl[NUM_GEN].long() + steps  # generated index of each draft
-            right = self.reference[index.clamp(max=self.reference.numel() - 1)]
-            hit = self.rng.uniforms(index, 0) < self.profile[steps.clamp(max=self.profile.numel() - 1)]
-            m.buf.verify_ids[1 : m.k + 1] = torch.where(hit, right, (right + 1) % vocab)
+        runner, k_max = self.base.runner, max(m.k for m in members)
+        verify_ids = members[0].cache.cache.tensors["verify_ids"]  # [S, R]
+        slots = runner.index([m.cache.slot for m in members])
+        steps = torch.arange(k_max, device=self.reference.device)
+        index = members[0].cache.cache.ctl[slots, NUM_GEN].long()[:, None] + steps  # generated index of each draft
+        right = self.reference[index.clamp(max=self.reference.numel() - 1)]  # [B, k_max] per draft's index
+        hit = self.rng.uniforms(index, 0) < self.profile[steps.clamp(max=self.profile.numel() - 1)]
+        ids = verify_ids.index_select(0, slots)
+        replace = steps[None] < runner.index([m.k for m in members])[:, None]  # each member's own k drafts
+        ids[:, 1 : k_max + 1] = torch.where(
+            replace, torch.where(hit, right, (right + 1) % runner.cfg.vocab_size), ids[:, 1 : k_max + 1]
+        )
+        verify_ids.index_copy_(0, slots, ids)
         return num_drafts
