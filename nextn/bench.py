@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from nextn.config import STEP_ROWS, EngineConfig, ModelConfig, SpecConfig
+from nextn.config import STEP_ROWS, EngineConfig, ModelConfig, SpecConfig, resolve_device, resolve_dtype
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.engine import build_core
 from nextn.engine.rounds import RequestRounds, advance
@@ -650,11 +650,13 @@ def bench_from_args(args) -> int:
             raise ValueError("--prompt-file needs --model (a checkpoint with a tokenizer)")
         prompt_text = Path(args.prompt_file).read_text(errors="replace")
     t0 = time.perf_counter()
-    if args.random_weights is not None:
-        model, name = random_model(args.random_weights, args.device, args.dtype), args.random_weights
+    if args.random_weights is not None:  # released presets are bfloat16 checkpoints
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device, "bfloat16")
+        model, name = random_model(args.random_weights, device, dtype), args.random_weights
     else:
         model, name = load_model(args.model, device=args.device, dtype=args.dtype), Path(args.model).name
-    _sync(args.device)
+    _sync(next(model.parameters()).device)
     print(f"bench: model ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     cfg = BenchConfig(
         spec_ks=list(args.spec_k),
