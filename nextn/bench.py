@@ -219,12 +219,13 @@ class Bench:
         self.model, self.prompt, self.cfg = model, prompt, cfg
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.max_len = max(len(prompt), cfg.prefill_len or 0) + cfg.gen_len + 2 * STEP_ROWS
+        self.max_len = len(prompt) + cfg.gen_len + 2 * STEP_ROWS
         self.cores: dict[tuple[int, int], tuple] = {}
         self.profilers: dict[int, ProfileProposer] = {}  # one per core: its graphs key on it
 
-    def core(self, k: int, slots: int = 1):
-        if (k, slots) not in self.cores:
+    def core(self, k: int, slots: int = 1, max_len: int | None = None):
+        max_len = max_len or self.max_len
+        if (k, slots, max_len) not in self.cores:
             self.cores.clear()  # one engine's cache at a time
             self.profilers.clear()
             gc.collect()
@@ -233,15 +234,16 @@ class Bench:
                 str(self.device),
                 str(self.dtype).replace("torch.", ""),
                 SpecConfig(num_speculative_tokens=k),
-                self.max_len,
+                max_len,
                 slots,
                 self.cfg.kernels,
             )
-            self.cores[(k, slots)] = build_core(self.model, config)
-        return self.cores[(k, slots)]
+            self.cores[(k, slots, max_len)] = build_core(self.model, config)
+        return self.cores[(k, slots, max_len)]
 
     def prefilled(self, k: int, slot: int = 0, slots: int = 1, prompt: list[int] | None = None) -> Sequence:
-        _, runner, proposer = self.core(k, slots)
+        max_len = None if prompt is None else len(prompt) + 2 * STEP_ROWS
+        _, runner, proposer = self.core(k, slots, max_len)
         seq = Sequence(slot, heads=proposer is not None)
         runner.slot(slot).reset()
         runner.extend(seq, self.prompt if prompt is None else prompt)
@@ -249,7 +251,7 @@ class Bench:
 
     def generate_batch(self, k: int, B: int, profile=None) -> tuple[list[list[int]], float]:
         """B sequences of the prompt decoding gen_len greedy tokens together (timed after the
-        prefills): (each one's tokens, seconds)."""
+        prefills and the head's catch-up over the prompts): (each one's tokens, seconds)."""
         _, runner, proposer = self.core(k, B)
         if profile is not None:
             if k not in self.profilers:
@@ -257,9 +259,9 @@ class Bench:
             proposer = self.profilers[k]
         seqs = [self.prefilled(k, b, B) for b in range(B)]
         params = SamplingParams(max_tokens=self.cfg.gen_len, temperature=0.0, ignore_eos=True)
+        rounds = [RequestRounds(runner, proposer, s, params, runner.config.spec, set(), SpecStats()) for s in seqs]
         _sync(self.device)
         t0 = time.perf_counter()
-        rounds = [RequestRounds(runner, proposer, s, params, runner.config.spec, set(), SpecStats()) for s in seqs]
         ids: list[list[int]] = [[] for _ in seqs]
         live = list(range(B))
         while live:
