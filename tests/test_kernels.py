@@ -27,15 +27,18 @@ from nextn.layers.gdn import l2norm  # noqa: E402
 from nextn.layers.norm import RMSNorm, RMSNormGated  # noqa: E402
 from nextn.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from nextn.ops import triton_utils  # noqa: E402
+from nextn.ops.attention import prefill_attention  # noqa: E402
 from nextn.ops.conv import causal_conv1d  # noqa: E402
 from nextn.ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: E402
 from nextn.ops.moe import routed_experts  # noqa: E402
+from nextn.ops.norm import rms_norm as reference_rms_norm  # noqa: E402
 from nextn.ops.triton_attention import attend_step, qk_norm_rope  # noqa: E402
+from nextn.ops.triton_attention import prefill_attention as fused_prefill_attention  # noqa: E402
 from nextn.ops.triton_gdn import gdn_step  # noqa: E402
 from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule as triton_chunk_rule  # noqa: E402
 from nextn.ops.triton_linear import skinny_linear  # noqa: E402
 from nextn.ops.triton_moe_grouped import grouped_experts  # noqa: E402
-from nextn.ops.triton_norm import rms_norm  # noqa: E402
+from nextn.ops.triton_norm import rms_norm, rms_norm_rows  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -490,6 +493,25 @@ def test_step_attention_rows_do_not_depend_on_row_count():
         one = _attn_run(qkv[t : t + 1], key1, value1, q_norm, k_norm, start + t, Hq, cos, sin, chunk=16)
         assert torch.equal(one[0], full[t]), t
     assert torch.equal(key1[: start + T], key[: start + T])
+
+
+@pytest.mark.parametrize("start", [0, 37])
+def test_prefill_attention_matches_reference(start):
+    """The prefill's fused attention (PyTorch's flash / memory-efficient kernels, the causal mask
+    aligned to the last key, GQA) against the materialised reference, a first chunk and a later one."""
+    g = torch.Generator(device=DEVICE).manual_seed(start)
+    T, Hq, Hkv, D = 50, 8, 2, 64
+    q = _rand(1, T, Hq, D, dtype=torch.bfloat16, gen=g)
+    keys = _rand(1, start + T, Hkv, D, dtype=torch.bfloat16, gen=g)
+    values = _rand(1, start + T, Hkv, D, dtype=torch.bfloat16, gen=g)
+    _close(fused_prefill_attention(q, keys, values, start), prefill_attention(q, keys, values, start), torch.bfloat16)
+
+
+def test_prefill_rms_norm_matches_reference():
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    x = _rand(3, 7, 5, 96, dtype=torch.bfloat16, gen=g)[:, :, 1:]  # a strided view, as q heads are
+    w = _rand(96, scale=0.1, dtype=torch.bfloat16, gen=g)
+    _close(rms_norm_rows(x, w, 1e-6), reference_rms_norm(x, w, 1e-6), torch.bfloat16)
 
 
 def test_step_attention_batch_equals_each_sequence_alone():

@@ -16,6 +16,7 @@ from nextn.config import STEP_ROWS, ModelConfig
 from nextn.layers.linear import Linear
 from nextn.layers.norm import RMSNorm
 from nextn.layers.rotary import apply_rotary
+from nextn.ops.attention import attend, prefill_attention
 from nextn.ops.linear import pad_dim1
 
 ATTN_BLOCK = 64  # keys per block of the step attention
@@ -44,12 +45,14 @@ class Attention(nn.Module):
         kv: KV | list[KV] | None,  # one sequence's cache (then B = 1), or a step's: one per sequence
         start: int | list[int],  # position of x's first token (a step: of each sequence's first row)
         step: StepBatch | None = None,  # a step: x [1, M, H] holds its sequences' rows
+        ops=None,  # the Ops table (nextn.ops) of a prefill: its norm and attention kernels
     ) -> torch.Tensor:
         B, T, _ = x.shape
         qg = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)), cos, sin)
+        q_norm, k_norm = (self.q_norm, self.k_norm) if ops is None else (self.q_norm.using(ops), self.k_norm.using(ops))
+        q = apply_rotary(q_norm(q), cos, sin)  # (the ops' kernels: a prefill's fast norms)
+        k = apply_rotary(k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)), cos, sin)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if kv is None:  # whole-sequence forward (training): plain causal attention
             o = attend(q, k, v, None, True)
@@ -63,10 +66,7 @@ class Attention(nn.Module):
         else:
             write_kv(kv, start, k[0], v[0])
             keys, values = kv[0][None, : start + T], kv[1][None, : start + T]
-            # query t (position start+t) sees positions <= start+t
-            rows = torch.arange(T, device=x.device)[:, None] + start
-            mask = torch.arange(start + T, device=x.device)[None, :] <= rows
-            o = attend(q, keys, values, mask, False)
+            o = (prefill_attention if ops is None else ops.attention)(q, keys, values, start)
         o = o.reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(o)
 
@@ -113,27 +113,3 @@ def attend_step(q: torch.Tensor, kv: KV, start: int) -> torch.Tensor:
         acc = acc * scale + p @ v
         m = m_new
     return (acc / denom).to(value.dtype).transpose(1, 2)[:, :num_real]
-
-
-def attend(q, k, v, mask, is_causal):
-    """q [B, T, Hq, D], k/v [B, S, Hkv, D] -> [B, T, Hq, D] (GQA by repeating kv heads).
-
-    Fewer than STEP_ROWS query rows are padded to STEP_ROWS (masked like the last real row) so
-    each row's matmuls do not depend on the row count: decode and verify agree bitwise.
-    """
-    B, T = q.shape[:2]
-    groups = q.shape[2] // k.shape[2]
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    S = k.shape[2]
-    if is_causal:
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-    if T < STEP_ROWS:
-        q = torch.cat([q, q.new_zeros(B, q.shape[1], STEP_ROWS - T, q.shape[3])], dim=2)
-        mask = torch.cat([mask, mask[-1:].expand(STEP_ROWS - T, S)])
-    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, Hq, rows, S]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return (probs @ v)[:, :, :T].transpose(1, 2)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nextn.ops.norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -16,9 +20,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float().contiguous()  # a reduction's order can depend on strides: fix them
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def using(self, ops):
+        """This norm through an Ops table's kernel (nextn.ops: a prefill's)."""
+        return functools.partial(ops.rms_norm, weight=self.weight, eps=self.eps)
 
 
 class RMSNormGated(nn.Module):

@@ -44,15 +44,15 @@ class DecoderLayer(nn.Module):
         """x [B, T, H] at positions start.. (prefill with a SlotCache, training without), or a step's
         packed rows [1, M, H] (a StepBatch; start: each sequence's first position). kv: the
         attention cache(s) to use instead of the slots' (the MTP head's)."""
-        h = self.input_layernorm(x)
+        h = self.input_layernorm.using(ops)(x)
         step = cache if isinstance(cache, StepBatch) else None
         if self.kind == FULL:
             if kv is None and step is not None:
                 kv = [c.kv(self.layer_idx) for c in step.caches]
             elif kv is None and cache is not None:
                 kv = cache.kv(self.layer_idx)
-            h = self.self_attn(h, cos, sin, kv, start, step)
+            h = self.self_attn(h, cos, sin, kv, start, step, ops)
         else:
             h = self.linear_attn(h, cache, ops, store_all)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), ops)
+        return x + self.mlp(self.post_attention_layernorm.using(ops)(x), ops)

@@ -280,3 +280,18 @@ def attend_step(
         num_warps=4,
     )
     return out
+
+
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+    """A prefill's causal attention, nextn.ops.attention.prefill_attention through PyTorch's fused
+    attention (flash / memory-efficient kernels, no score matrix): q [1, T, Hq, D] at positions
+    start.. over keys / values [1, start+T, Hkv, D]; the causal mask aligned to the last key."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    T, Hq, S = q.shape[1], q.shape[2], keys.shape[1]
+    groups = Hq // keys.shape[2]
+    q = q.transpose(1, 2)
+    k = keys.transpose(1, 2).repeat_interleave(groups, dim=1)
+    v = values.transpose(1, 2).repeat_interleave(groups, dim=1)
+    mask = causal_lower_right(T, S)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)

@@ -24,6 +24,14 @@ if HAVE_TRITON:
         tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` over the last dim of x [..., D] (any leading shape): a prefill's norms."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    return rms_norm(flat, weight, eps).view(x.shape)
+
+
 def rms_norm(
     x: torch.Tensor,  # [M, D], last dim contiguous
     weight: torch.Tensor,  # [D]
