@@ -22,6 +22,7 @@ from nextn.ops import OPS
 from nextn.ops.triton_utils import interpreting
 
 PREFILL_CHUNK = 2048  # tokens per chunked prefill forward: bounds attention score memory
+MAX_GRAPHS = 128  # captured graphs kept (one per batch composition); past it they are dropped and recaptured
 STEPS = {"torch": ReferenceStep, "triton": TritonStep}
 
 
@@ -74,6 +75,8 @@ class ModelRunner:
         if not self.use_graphs:
             return fn()
         if key not in self.graphs:
+            if len(self.graphs) >= MAX_GRAPHS:  # batches come and go: start over rather than grow
+                self.drop_graphs()
             self.graphs[key] = None
             return fn()
         graph = self.graphs[key]
@@ -83,6 +86,13 @@ class ModelRunner:
                 fn()
             self.graphs[key] = graph
         graph.replay()
+
+    def drop_graphs(self) -> None:
+        """Forget every captured graph and the step batches and indices they read."""
+        torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        self._batches.clear()
+        self._indices.clear()
 
     # --- a slot's state, host record and device counters together
 
