@@ -101,8 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-num-seqs",
         type=int,
-        default=8,
-        help="cache slots, allocated at start: requests running at once plus conversations kept",
+        default=None,
+        help="cache slots, allocated at start: requests running at once (one batched forward) plus "
+        "conversations kept (default 16 on a GPU, 8 on the CPU)",
+    )
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens per engine step: the running requests' rows, then chunks of prompts being prefilled",
     )
     s.add_argument("--max-queue", type=int, default=64)
     s.add_argument(
@@ -266,7 +273,12 @@ def _serve(args) -> int:
     from nextn.config import ServeConfig
     from nextn.server.app import serve
 
-    llm = _llm(args, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+    llm = _llm(
+        args,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     cfg = ServeConfig(
         host=args.host,
         port=args.port,

@@ -266,12 +266,16 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     max_model_len: int = 8192
     # cache slots, allocated up front: requests running at once plus conversations kept between turns
-    max_num_seqs: int = 8
+    # (None: 16 on a GPU, 8 on the CPU)
+    max_num_seqs: int | None = None
     # step path: "torch" (the reference modules), "triton" (the fused step in CUDA graphs) or "auto":
     # triton on CUDA, torch on the CPU (stored resolved)
     kernels: str = "auto"
     # prompt prefill: "chunked" (fast) or "steps" (the decode step's arithmetic: resumed == cold bitwise)
     prefill: str = "chunked"
+    # tokens one engine step computes: the running requests' round rows, then prompt tokens of
+    # requests being prefilled (a long prompt is prefilled over several steps while streams run)
+    max_num_batched_tokens: int = 2048
 
     def __post_init__(self):
         if self.kernels not in KERNELS:
@@ -286,8 +290,12 @@ class EngineConfig:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.max_num_seqs is None:
+            object.__setattr__(self, "max_num_seqs", 16 if self.device.startswith("cuda") else 8)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < STEP_ROWS:
+            raise ValueError(f"max_num_batched_tokens must be >= {STEP_ROWS}, got {self.max_num_batched_tokens}")
 
 
 # the checkpoint bundled with the package: the default model of every command

@@ -69,3 +69,47 @@ def test_each_request_equals_itself_alone(engine):
 def test_a_request_asking_for_more_drafts_than_the_engine_is_refused(engine):
     with pytest.raises(ValueError, match="num_speculative_tokens=4"):
         engine.add([1, 2], nextn.SamplingParams(max_tokens=2), num_speculative_tokens=4)
+
+
+def test_a_long_prompt_is_prefilled_over_steps_while_a_stream_runs(dense_fitted_ckpt):
+    """With a small token budget a long prompt is prefilled a chunk per step; the running stream
+    gets a round every step meanwhile; both outputs equal their outputs alone."""
+    llm = nextn.LLM(
+        model=dense_fitted_ckpt,
+        device=DEVICE,
+        dtype=DTYPE,
+        num_speculative_tokens=3,
+        max_model_len=160,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+    )
+    engine = llm.engine
+    short, long = _P[1], (_P[0] + _P[1] + _P[2]) * 2 + _P[0]  # 11 and 88 tokens
+    params = nextn.SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+
+    def alone(prompt):
+        req = engine.add(prompt, params)
+        while True:
+            for r, ev in engine.step():
+                if r is req and ev.output is not None:
+                    return ev.output.token_ids
+
+    expected = [alone(short), alone(long)]
+    stream = engine.add(short, params)
+    outputs: dict = {}
+    while not engine.live:  # the stream is running
+        engine.step()
+    late = engine.add(long, params)
+    prefill_steps = 0
+    while len(outputs) < 2:
+        prefilling = late.request_id in engine.prefilling or late in engine.scheduler.waiting
+        events = engine.step()
+        stream_events = [ev for r, ev in events if r is stream]
+        if prefilling and stream.request_id not in outputs:
+            prefill_steps += 1
+            assert stream_events, "the stream stalled while a prompt was prefilled"
+        for r, ev in events:
+            if ev.output is not None:
+                outputs[r.request_id] = ev.output.token_ids
+    assert prefill_steps >= 3  # 88 tokens at most 28 a step (the stream's 4 rows take the rest)
+    assert [outputs[stream.request_id], outputs[late.request_id]] == expected

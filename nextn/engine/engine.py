@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nextn.cache import CacheLayout, SlotPool
-from nextn.config import EngineConfig
+from nextn.config import STEP_ROWS, EngineConfig
 from nextn.core import RequestOutput, SamplingParams, SpecStats
 from nextn.engine.rounds import RequestRounds, Round, advance, round_buffers
 from nextn.engine.runner import ModelRunner
@@ -53,6 +53,17 @@ class _Live:
     released: int = 0  # characters handed out
 
 
+@dataclass
+class _Prefill:
+    """A request whose prompt is being prefilled, a chunk per engine step."""
+
+    done: int  # prompt tokens in the slot
+    split: int  # the session checkpoint goes after prompt[:split]
+    entries: list | None  # prompt logprobs so far (when asked)
+    seconds: float = 0.0
+    checkpointed: bool = False
+
+
 def build_core(model: CausalLM, config: EngineConfig) -> tuple[SlotPool, ModelRunner, MTPProposer | None]:
     """The cache slots (checked against the device's memory first), the runner and the proposer."""
     cfg, k_max = model.cfg, config.spec.num_speculative_tokens
@@ -75,6 +86,7 @@ class Engine:
             self.stop_ids.add(tokenizer.eos_token_id)
         self.stats = SpecStats()
         self.live: dict[int, _Live] = {}
+        self.prefilling: dict[int, _Prefill] = {}
         self.batch_sizes: Counter[int] = Counter()  # requests per batched round -> rounds launched
 
     def add(
@@ -99,6 +111,9 @@ class Engine:
         """Stop a request (its slot stays consistent: rounds are atomic)."""
         if self.scheduler.cancel_waiting(req):
             return
+        if self.prefilling.pop(req.request_id, None) is not None:  # the slot holds a prefix of the prompt
+            self.scheduler.finish(req, keep=req.use_sessions)
+            return
         live = self.live.pop(req.request_id, None)
         if live is not None:
             live.rounds.close()
@@ -109,10 +124,24 @@ class Engine:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     def step(self) -> list[tuple[Request, StreamEvent | BaseException]]:
+        """Admit what fits, prefill the next chunks of the prompts in progress within the step's
+        token budget (what the running requests' rounds leave of max_num_batched_tokens, at least
+        STEP_ROWS), then one batched round of every running request."""
         events: list = []
         for req in self.scheduler.admit():
             try:
-                events += self._start(req)
+                events += self._begin(req)
+            except Exception as e:
+                events.append(self._fail(req, e))
+        rows = sum(live.rounds.k_ctl.k + 1 for live in self.live.values())
+        budget = max(self.config.max_num_batched_tokens - rows, STEP_ROWS)
+        for req in [r for r in self.scheduler.running if r.request_id in self.prefilling]:
+            if budget <= 0:
+                break
+            try:
+                used, started = self._prefill_some(req, budget)
+                events += started
+                budget -= used
             except Exception as e:
                 events.append(self._fail(req, e))
         running = [req for req in self.scheduler.running if req.request_id in self.live]
@@ -123,25 +152,66 @@ class Engine:
     def _fail(self, req: Request, e: Exception) -> tuple[Request, Exception]:
         """A request the engine cannot run fails alone; its slot goes back free (reset when reused)."""
         self.live.pop(req.request_id, None)
+        self.prefilling.pop(req.request_id, None)
         req.use_sessions = False
         self.scheduler.finish(req, keep=False)
         return req, e
 
-    # --- prefill
+    # --- prefill, a chunk per step
 
-    def _start(self, req: Request) -> list:
-        seq, params, prompt = req.seq, req.params, req.prompt_ids
-        t0 = time.perf_counter()
+    def _begin(self, req: Request) -> list:
+        """An admitted request: its slot reset (or rewound to a kept session's checkpoint); its
+        prompt past the cached tokens is prefilled by the next steps."""
+        seq, prompt = req.seq, req.prompt_ids
         if req.cached == 0:  # a fresh slot (or one taken from an evicted session)
             self.runner.reset(seq, heads=self.proposer is not None)
         elif req.rewind:
             self.runner.rewind(seq)
         split = len(prompt) if req.checkpoint_at is None else min(max(req.checkpoint_at, req.cached), len(prompt))
-        entries = self._prefill(req, split)
+        entries = [None] if req.params.prompt_logprobs is not None else None  # the first token has no prediction
+        self.prefilling[req.request_id] = _Prefill(req.cached, split, entries)
+        return []
+
+    def _prefill_some(self, req: Request, budget: int) -> tuple[int, list]:
+        """Prefill up to `budget` more prompt tokens (stopping at the session checkpoint, taken
+        after prompt[:split]); the request starts its rounds once its prompt is in. Returns
+        (tokens prefilled, events)."""
+        state, prompt, seq = self.prefilling[req.request_id], req.prompt_ids, req.seq
+        t0 = time.perf_counter()
+        lo = state.done
+        hi = min(len(prompt), lo + budget, state.split if lo < state.split else len(prompt))
+        if hi > lo:
+            self.runner.extend(seq, prompt[lo:hi], on_logits=self._prompt_logprobs(req, state, lo))
+            state.done = hi
+        if req.use_sessions and state.done == state.split and not state.checkpointed:
+            self.runner.checkpoint(seq)
+            state.checkpointed = True
         _sync(self.runner.device)
-        t1 = time.perf_counter()
+        state.seconds += time.perf_counter() - t0
+        if state.done < len(prompt):
+            return hi - lo, []
+        del self.prefilling[req.request_id]
+        return hi - lo, self._start(req, state)
+
+    def _prompt_logprobs(self, req: Request, state: _Prefill, lo: int):
+        """The on_logits callback of runner.extend that collects prompt logprobs (None: not asked)."""
+        if state.entries is None:
+            return None
+        prompt, num_top = req.prompt_ids, req.params.prompt_logprobs
+
+        def take(start: int, rows: torch.Tensor) -> None:  # rows[i] predicts prompt[lo + start + i + 1]
+            targets = prompt[lo + start + 1 : lo + start + 1 + rows.shape[0]]
+            if targets:
+                state.entries.extend(logprob_entries(rows, targets, num_top))
+
+        return take
+
+    def _start(self, req: Request, state: _Prefill) -> list:
+        """The prompt is in: the request's rounds begin (or it ends at once: max_tokens 0)."""
+        seq, params = req.seq, req.params
+        now = time.perf_counter()
         if params.max_tokens == 0:
-            output = self._output(req, [], "length", SpecStats(), t1 - t0, 0.0, None, entries)
+            output = self._output(req, [], "length", SpecStats(), state.seconds, 0.0, None, state.entries)
             self.scheduler.finish(req, keep=req.use_sessions)
             return [(req, StreamEvent([], "", output))]
         rounds = RequestRounds(
@@ -160,34 +230,12 @@ class Engine:
             IncrementalDecoder(self.tokenizer),
             StopStrings(params.stop),
             rounds.stats,
-            t1,
-            t1 - t0,
-            entries,
+            now,
+            state.seconds,
+            state.entries,
             logprobs=[] if params.logprobs is not None else None,
         )
         return []
-
-    def _prefill(self, req: Request, split: int) -> list | None:
-        """Prefill the prompt past the cached tokens, with a checkpoint after prompt[:split] (sessions).
-        Returns the prompt logprobs when asked (then nothing was cached): None for the first token."""
-        prompt, num_top, seq = req.prompt_ids, req.params.prompt_logprobs, req.seq
-        entries: list = [None]  # the first prompt token has no prediction
-
-        def take(start: int, rows: torch.Tensor) -> None:  # rows[i] predicts prompt[start + i + 1]
-            targets = prompt[start + 1 : start + 1 + rows.shape[0]]
-            if targets:
-                entries.extend(logprob_entries(rows, targets, num_top))
-
-        def extend(lo: int, hi: int) -> None:
-            if hi > lo:
-                on_logits = None if num_top is None else (lambda start, rows: take(lo + start, rows))
-                self.runner.extend(seq, prompt[lo:hi], on_logits=on_logits)
-
-        extend(req.cached, split)
-        if req.use_sessions:
-            self.runner.checkpoint(seq)
-        extend(split, len(prompt))
-        return entries if num_top is not None else None
 
     # --- rounds and their tokens
 

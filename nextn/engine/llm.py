@@ -48,9 +48,10 @@ class LLM:
         adaptive_k: bool = False,
         hidden_after_norm: bool = True,
         max_model_len: int = 8192,
-        max_num_seqs: int = 8,
+        max_num_seqs: int | None = None,
         kernels: str = "auto",
         prefill: str = "chunked",
+        max_num_batched_tokens: int = 2048,
         speculative_config: dict | None = None,
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
@@ -74,7 +75,9 @@ class LLM:
         spec = SpecConfig(k, p_min, adaptive_k, hidden_after_norm)
         max_len = min(max_model_len, self.model.cfg.max_position_embeddings)
         dtype = resolve_dtype(dtype, device, self.model.cfg.dtype)  # what load_model resolved it to
-        self.config = EngineConfig(str(model_dir), device, dtype, spec, max_len, max_num_seqs, kernels, prefill)
+        self.config = EngineConfig(
+            str(model_dir), device, dtype, spec, max_len, max_num_seqs, kernels, prefill, max_num_batched_tokens
+        )
         self.engine = Engine(self.model, self.tokenizer, self.config)
 
     @property
