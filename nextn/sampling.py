@@ -114,6 +114,7 @@ class SamplerKind:
     top_k: bool = False
     top_p: bool = False
     min_p: bool = False
+    min_tokens: bool = False  # stop tokens banned before min_tokens tokens (the engine's sampler masks them)
 
     @classmethod
     def of(cls, params: SamplingParams) -> SamplerKind:
@@ -125,6 +126,7 @@ class SamplerKind:
             params.top_k > 0,
             params.top_p < 1.0,
             params.min_p > 0.0,
+            params.min_tokens > 0,
         )
 
     @property

@@ -113,3 +113,29 @@ def test_a_long_prompt_is_prefilled_over_steps_while_a_stream_runs(dense_fitted_
                 outputs[r.request_id] = ev.output.token_ids
     assert prefill_steps >= 3  # 88 tokens at most 28 a step (the stream's 4 rows take the rest)
     assert [outputs[stream.request_id], outputs[late.request_id]] == expected
+
+
+def test_min_tokens_bans_stop_tokens_until_reached(engine):
+    """min_tokens: a stop token plain greedy emits early is not taken before min_tokens tokens,
+    on both sides of speculation (spec == plain under the ban)."""
+    prompt = _P[0]
+    free = engine_output(engine, prompt, dict(temperature=0.0), k=0, max_tokens=24)
+    stop = free[2]  # plain greedy emits it third
+    outs = []
+    for k in (0, 3):
+        params = dict(temperature=0.0, min_tokens=10)
+        outs.append(engine_output(engine, prompt, params, k=k, max_tokens=24, stop_token_ids=[stop]))
+    assert outs[0] == outs[1]
+    assert len(outs[0]) > 10 and stop not in outs[0][:10]
+    assert outs[0][:2] == free[:2]  # the ban changes nothing before the stop token's first chance
+
+
+def engine_output(engine, prompt, sampling, k, max_tokens, **kw) -> list[int]:
+    params = nextn.SamplingParams(max_tokens=max_tokens, **sampling, **kw)
+    req = engine.add(prompt, params, num_speculative_tokens=k)
+    while True:
+        for r, ev in engine.step():
+            if isinstance(ev, BaseException):
+                raise ev
+            if r is req and ev.output is not None:
+                return ev.output.token_ids

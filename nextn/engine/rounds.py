@@ -108,7 +108,8 @@ def device_round(runner, proposer, members: list[Member]) -> None:
 
 
 def _plain_greedy(m: Member) -> bool:
-    return m.sampler.kind.greedy and not m.sampler.kind.penalties
+    kind = m.sampler.kind
+    return kind.greedy and not kind.penalties and not kind.min_tokens
 
 
 def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores, logits, heads: bool) -> None:
@@ -271,7 +272,7 @@ class RequestRounds:
     def _start(self) -> None:
         if self.proposer is not None:
             self.runner.catch_up(self.seq)
-        self.sampler.start(self.params, self.seq.tokens)
+        self.sampler.start(self.params, self.seq.tokens, self.stop_ids)
         self.cache.set(num_gen=0, accepted=0)
         first_token(self.cache, self.sampler, self.buf, self.seq)
         self.queue_read()

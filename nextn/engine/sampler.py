@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from nextn.cache import SlotCache
+from nextn.cache.hybrid import NUM_GEN
 from nextn.config import STEP_ROWS
 from nextn.core import SamplingParams
 from nextn.sampling import (
@@ -28,7 +29,7 @@ from nextn.sampling import (
 )
 from nextn.spec.verifier import VerifyResult, verify_greedy, verify_sampled
 
-VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens")
 
 
 def sampler_buffers(vocab_size: int, max_len: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -40,6 +41,7 @@ def sampler_buffers(vocab_size: int, max_len: int) -> list[tuple[str, tuple[int,
         ("uniforms", (len(Stream), max_len + 2 * STEP_ROWS + 2), torch.float64),
         ("prompt_mask", (vocab_size,), torch.bool),
         ("output_counts", (vocab_size,), torch.int32),
+        ("stop_mask", (vocab_size,), torch.bool),  # the tokens min_tokens bans
     ]
 
 
@@ -52,10 +54,13 @@ class SlotSampler:
         )
         self.uniforms = cache.t("uniforms")  # [streams, U] float64
         self.history = TokenHistory(cache.t("prompt_mask"), cache.t("output_counts"))
+        self.stop_mask = cache.t("stop_mask")
+        self.ctl = cache.ctl
         self.kind = SamplerKind(greedy=True)
 
-    def start(self, params: SamplingParams, prompt_ids: list[int]) -> None:
-        """Load a request's values, uniforms and history (host -> device, once per request)."""
+    def start(self, params: SamplingParams, prompt_ids: list[int], stop_ids: set[int] = frozenset()) -> None:
+        """Load a request's values, uniforms and history (host -> device, once per request);
+        stop_ids: the tokens min_tokens bans (EOS and the request's stop ids)."""
         self.kind = SamplerKind.of(params)
         device = self.uniforms.device
         for name in VALUES:
@@ -64,6 +69,10 @@ class SlotSampler:
         if not self.kind.greedy:
             count = min(self.uniforms.shape[1], params.max_tokens + 2 * STEP_ROWS + 2)
             self.uniforms[:, :count].copy_(RequestRng(params.seed).table(0, count, device))
+        if self.kind.min_tokens:
+            self.stop_mask.zero_()
+            if stop_ids:
+                self.stop_mask[torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)] = True
         if self.kind.penalties:
             self.history.prompt_mask.zero_()
             self.history.prompt_mask[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
@@ -77,6 +86,15 @@ class SlotSampler:
     def _history(self):
         return self.history if self.kind.penalties else None
 
+    def _banned(self, logits: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """logits [N, V] of generated indices first.. with the stop tokens masked out where the
+        index is below min_tokens (draft and target alike: the same law on both sides)."""
+        if not self.kind.min_tokens:
+            return logits
+        index = first.long() + torch.arange(logits.shape[0], device=logits.device)
+        ban = (index < self.values.min_tokens)[:, None] & self.stop_mask[None]
+        return logits.float().masked_fill(ban, float("-inf"))
+
     def draft(
         self,
         logits: torch.Tensor,
@@ -89,6 +107,7 @@ class SlotSampler:
         and, sampled, its law into q ([1, V], a row of the round's buffer); drafts_so_far [j] long;
         u [1]: the draft's DRAFT uniform. Returns the head's probability of its pick [1] when a
         p_min gate is on, else None."""
+        logits = self._banned(logits, self.ctl[NUM_GEN] + drafts_so_far.numel())  # draft j: index NUM_GEN + j
         if self.kind.greedy:
             torch.argmax(
                 penalized_logits(logits, self.values, self._history(), drafts_so_far, self.kind), dim=-1, out=token
@@ -111,6 +130,7 @@ class SlotSampler:
     ) -> VerifyResult:
         """Verify rows logits [k+1, V] (row 0 predicts generated index `index`) against draft_ids
         [k] (q [k, V] or None when greedy), the first num_drafts of which count."""
+        logits = self._banned(logits, index)
         if self.kind.greedy:
             target = greedy_ids(logits, self.values, self._history(), draft_ids, self.kind)  # [k+1]
             return verify_greedy(target, draft_ids, num_drafts)
