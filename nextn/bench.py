@@ -52,6 +52,7 @@ from nextn.engine.rounds import RequestRounds, advance
 from nextn.engine.sequence import Sequence
 from nextn.models.loader import DTYPES, fuse_weights, load_model, quantize_model
 from nextn.models.qwen3_5 import CausalLM
+from nextn.ops.fp8 import compact
 from nextn.spec.proposer import ProfileProposer
 
 _COMMON = dict(
@@ -145,13 +146,16 @@ def random_model(preset: str, device: str, dtype: str, seed: int = 0, quantizati
 
 def weight_bytes_per_token(model: CausalLM) -> int:
     """Bytes of weights one decoded token reads: every trunk weight but the embedding table (one
-    row), the lm_head, and for MoE layers only the experts a token routes to."""
+    row), the lm_head, and for MoE layers only the experts a token routes to; FP8 weights at a byte
+    per weight plus their scales as the step reads them (one per 128x128 block where exact)."""
     cfg = model.cfg
     total = 0
     for name, p in model.named_parameters():
         if name.startswith("mtp.") or name == "model.embed_tokens.weight":
             continue
         nbytes = p.numel() * p.element_size()
+        if name.endswith("_scale") and p.dim() == 2 and (scale := compact(p)) is not None:
+            nbytes = scale.numel() * scale.element_size()  # FP8 scales as the step reads them
         if ".experts." in name:
             nbytes = nbytes * cfg.num_experts_per_tok // cfg.num_experts
         total += nbytes

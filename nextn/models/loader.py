@@ -364,7 +364,8 @@ def quantize_model(model: CausalLM) -> CausalLM:
     fp8 = fp8_at_load(model)
     weights = {name: model.get_parameter(name) for name in fp8}
     use_fp8_modules(model, fp8)
-    for name, w in weights.items():
+    for name in sorted(fp8):
+        w = weights.pop(name)  # the last reference: each bf16 weight is freed once quantized
         q = quantize_weight(name, w)
         prefix, _, attr = name.rpartition(".")
         module = model.get_submodule(prefix)

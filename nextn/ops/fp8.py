@@ -77,16 +77,20 @@ def channel_scale(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return scale.float().reshape(1, -1).expand(scale_shape(n, k)).contiguous()
 
 
+def compact(scale: torch.Tensor, rows: int = BLOCK) -> torch.Tensor | None:
+    """Scales [K blocks, N] with one column per `rows` columns, if every aligned group of `rows`
+    columns holds one value (else None)."""
+    kb, n = scale.shape
+    if n % rows:
+        return None
+    grouped = scale.view(kb, n // rows, rows)
+    return grouped[..., 0].contiguous() if torch.equal(grouped, grouped[..., :1].expand_as(grouped)) else None
+
+
 def compact_scales(w: FP8Weight, rows: int = BLOCK) -> FP8Weight:
-    """w with one scale per `rows` rows if its scales are the same over every aligned group of
-    `rows` rows (exactly the same weight then), else w."""
-    kb, n = w.scale.shape
-    if w.rows != 1 or n % rows:
-        return w
-    grouped = w.scale.view(kb, n // rows, rows)
-    if not torch.equal(grouped, grouped[..., :1].expand_as(grouped)):
-        return w
-    return FP8Weight(w.weight, grouped[..., 0].contiguous(), rows)
+    """w with one scale per `rows` rows where that is the same weight, else w."""
+    scale = compact(w.scale, rows) if w.rows == 1 else None
+    return w if scale is None else FP8Weight(w.weight, scale, rows)
 
 
 def quantize(w: torch.Tensor) -> FP8Weight:
