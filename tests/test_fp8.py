@@ -182,6 +182,35 @@ def test_fp8_compact_scales_compute_the_same_bits():
     assert compact_scales(FP8Weight(q, channel_scale(scale, 256, 64))).rows == 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "N,K,kind",
+    [
+        (12288, 4096, "rms"),
+        (10240, 4096, "rms"),
+        (12288, 4096, "silu_mul"),
+        (4096, 4096, "residual"),
+        (4096, 12288, "residual"),
+    ],
+)
+def test_fp8_skinny_linear_9b_shapes_gpu(N, K, kind):
+    """Qwen3.5-9B's FP8 projections (GDN qkv|z, attention q|k|v, gate|up, o/out, down) with the scales
+    the step reads (one per 128x128 block), compiled: the reference, and 9 rows == each row alone."""
+    from nextn.ops.triton_linear import skinny_linear
+
+    x, w8, w28, res, nw = _fp8_case(9, N, K, torch.bfloat16, seed=N + K)
+    kw, ref = _fp8_variants(x, w8, w28, res, nw)[kind]
+    w8 = compact_scales(w8)
+    kw = dict(kw, up_weight=compact_scales(w28)) if "up_weight" in kw else kw
+    assert w8.rows == 128
+    out = skinny_linear(x, w8, **kw)
+    _close(out, ref, torch.bfloat16)
+    for m in (0, 3, 8):
+        one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
+        assert torch.equal(skinny_linear(x[m : m + 1], w8, **one)[0], out[m]), m
+
+
 # ---------------------------------------------------------------------------------------------
 # loading
 
