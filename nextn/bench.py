@@ -2,7 +2,9 @@
 
 A model comes from a checkpoint directory or from a released config with random weights made on
 the device (`--random-weights qwen3.5-9b | qwen3.5-35b-a3b`: a random MTP head too, so it drafts
-but rarely guesses right). One run measures, with CUDA events around warmed-up work, medians:
+but rarely guesses right); `--quantization fp8` quantizes its bf16 weights into 128x128 FP8 blocks
+as it loads (an FP8 checkpoint is FP8 without it), and the report records `quantization`.
+One run measures, with CUDA events around warmed-up work, medians:
 - the device copy bandwidth, the weight bytes a decoded token reads, the roofline tokens/s they
   imply, and the fraction of it that plain decoding reaches (`roofline_fraction`, engine loop;
   `step_roofline_fraction`, the step alone);
@@ -35,13 +37,22 @@ from pathlib import Path
 
 import torch
 
-from nextn.config import STEP_ROWS, EngineConfig, ModelConfig, SpecConfig, resolve_device, resolve_dtype
+from nextn.config import (
+    STEP_ROWS,
+    EngineConfig,
+    ModelConfig,
+    SpecConfig,
+    check_quantization,
+    resolve_device,
+    resolve_dtype,
+)
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.engine import build_core
 from nextn.engine.rounds import RequestRounds, advance
 from nextn.engine.sequence import Sequence
-from nextn.models.loader import DTYPES, fuse_weights, load_model
+from nextn.models.loader import DTYPES, fuse_weights, load_model, quantize_model
 from nextn.models.qwen3_5 import CausalLM
+from nextn.ops.fp8 import compact
 from nextn.spec.proposer import ProfileProposer
 
 _COMMON = dict(
@@ -89,9 +100,11 @@ PRESETS = {
 
 
 @torch.no_grad()
-def random_model(preset: str, device: str, dtype: str, seed: int = 0) -> CausalLM:
+def random_model(preset: str, device: str, dtype: str, seed: int = 0, quantization: str | None = None) -> CausalLM:
     """A preset's model with random weights drawn on `device` (seconds, even for 35B), scaled so
-    activations stay O(1): projections ~ N(0, 1/fan_in), residual outputs shrunk by the depth."""
+    activations stay O(1): projections ~ N(0, 1/fan_in), residual outputs shrunk by the depth.
+    quantization "fp8": then quantized as a checkpoint loaded with it would be (128x128 blocks)."""
+    check_quantization(quantization)
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     cfg = ModelConfig.from_dict(PRESETS[preset])
@@ -126,18 +139,23 @@ def random_model(preset: str, device: str, dtype: str, seed: int = 0) -> CausalL
                 std *= depth_scale
             p.normal_(0.0, std, generator=gen)
     model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta).to(device)
+    if quantization == "fp8":
+        quantize_model(model)
     return fuse_weights(model.eval())
 
 
 def weight_bytes_per_token(model: CausalLM) -> int:
     """Bytes of weights one decoded token reads: every trunk weight but the embedding table (one
-    row), the lm_head, and for MoE layers only the experts a token routes to."""
+    row), the lm_head, and for MoE layers only the experts a token routes to; FP8 weights at a byte
+    per weight plus their scales as the step reads them (one per 128x128 block where exact)."""
     cfg = model.cfg
     total = 0
     for name, p in model.named_parameters():
         if name.startswith("mtp.") or name == "model.embed_tokens.weight":
             continue
         nbytes = p.numel() * p.element_size()
+        if name.endswith("_scale") and p.dim() == 2 and (scale := compact(p)) is not None:
+            nbytes = scale.numel() * scale.element_size()  # FP8 scales as the step reads them
         if ".experts." in name:
             nbytes = nbytes * cfg.num_experts_per_tok // cfg.num_experts
         total += nbytes
@@ -394,6 +412,9 @@ def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print, prompt: l
         "prompt_tokens": len(prompt),
         "torch": torch.__version__,
         "has_mtp_head": model.mtp is not None,
+        # FP8 weights: "fp8" (block-wise, from the checkpoint or quantized at load) or "compressed-tensors"
+        "quantization": quant.method if (quant := model.cfg.quantization) else None,
+        "quantization_config": asdict(quant) if quant else None,
     }
     if kernels == "triton" and device.type == "cuda" and cfg.tune:
         t0 = time.perf_counter()
@@ -401,14 +422,19 @@ def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print, prompt: l
         res["linear_configs"], res["tune_seconds"] = step.tune(log=log), time.perf_counter() - t0
         # what the step's matmuls alone would take, from the tuning measurements (graph, L2 cold)
         res["step_matmul_ms_estimate"] = (
-            sum(res["linear_configs"][f"{n}x{k}"]["us_1row"] for n, k, _, _ in step.linear_uses(head=False)) / 1e3
+            sum(
+                res["linear_configs"][step.linear.config_key(n, k, fp8)]["us_1row"]
+                for n, k, _, _, fp8 in step.linear_uses(head=False)
+            )
+            / 1e3
         )
     res["weight_bytes_per_token"] = weight_bytes_per_token(model)
     if device.type == "cuda":
         res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
         res["roofline_tokens_per_s"] = res["copy_bandwidth_GBps"] * 1e9 / res["weight_bytes_per_token"]
     log(
-        f"bench: {name} {res['dtype']} kernels={kernels}: {res['weight_bytes_per_token'] / 1e9:.2f} GB/token, "
+        f"bench: {name} {res['dtype']} quantization={res['quantization']} kernels={kernels}: "
+        f"{res['weight_bytes_per_token'] / 1e9:.2f} GB/token, "
         f"prompt {len(prompt)} tokens"
     )
 
@@ -655,9 +681,11 @@ def bench_from_args(args) -> int:
     if args.random_weights is not None:  # released presets are bfloat16 checkpoints
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device, "bfloat16")
-        model, name = random_model(args.random_weights, device, dtype), args.random_weights
+        model = random_model(args.random_weights, device, dtype, quantization=args.quantization)
+        name = args.random_weights
     else:
-        model, name = load_model(args.model, device=args.device, dtype=args.dtype), Path(args.model).name
+        model = load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization)
+        name = Path(args.model).name
     _sync(next(model.parameters()).device)
     print(f"bench: model ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     cfg = BenchConfig(

@@ -9,7 +9,7 @@ import logging
 import sys
 
 from nextn import __version__
-from nextn.config import DTYPE_NAMES
+from nextn.config import DTYPE_NAMES, QUANTIZATIONS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -33,6 +33,16 @@ def _common(p: argparse.ArgumentParser, model_help: str = "default: the bundled 
         "kernels in CUDA graphs (an error if they cannot run); auto: triton on CUDA, torch on CPU",
     )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="debug also shows tracebacks")
+
+
+def _quantization(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="fp8: quantize a bf16 checkpoint's weights at load (128x128 blocks of e4m3); "
+        "FP8 checkpoints load as they are without it",
+    )
 
 
 def _spec(p: argparse.ArgumentParser) -> None:
@@ -64,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate a continuation of one prompt")
     _common(g)
+    _quantization(g)
     _spec(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
@@ -92,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _common(s)
+    _quantization(s)
     _spec(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -132,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="speed and exactness measurements")
     _common(b, model_help="or --random-weights")
+    _quantization(b)
     b.add_argument("--random-weights", default=None, help="preset of a released config with random weights")
     b.add_argument("--spec-k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
     b.add_argument("--prompt-len", type=int, default=512)
@@ -265,6 +278,7 @@ def _llm(args, **engine):
         kernels=args.kernels,
         prefill=args.prefill,
         speculative_config=args.speculative_config,
+        quantization=args.quantization,
         **engine,
     )
 

@@ -16,6 +16,8 @@ FULL = "full_attention"
 STEP_ROWS = 16
 KERNELS = ("auto", "torch", "triton")
 PREFILL_MODES = ("chunked", "steps")
+# what `quantization=` makes of a checkpoint's bf16 weights at load
+QUANTIZATIONS = ("fp8",)
 
 # model_type -> family. The VLM wrappers keep their text keys under `text_config`.
 _FAMILIES = {
@@ -29,6 +31,104 @@ _FAMILIES = {
 
 class ConfigError(ValueError):
     """A checkpoint's config.json cannot describe a model nextn runs."""
+
+
+_LOADABLE = "nextn loads FP8 checkpoints: quant_method 'fp8' (block-wise e4m3) or 'compressed-tensors' FP8"
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """FP8 weights (e4m3 with float32 scales, nextn.ops.fp8): how a checkpoint stores them (its
+    config.json `quantization_config`), or `quantization="fp8"` applied at load (`at_load`).
+
+    method "fp8": the publisher's block-wise layout, a `*.weight_scale_inv` per weight_block_size
+    block (rows x 128 columns); "compressed-tensors": llm-compressor's FP8, a `*.weight_scale` per
+    output channel (or per tensor). Either way activations stay in the model's dtype: the weights
+    are dequantized (the reference path) or read by the step kernels, never the activations
+    quantized ("dynamic" activation schemes only, which then cost nothing).
+    """
+
+    method: str
+    weight_block_size: tuple[int, int] | None = None  # method "fp8": (rows, columns) per scale
+    at_load: bool = False
+
+    @property
+    def scale_suffix(self) -> str:
+        """The checkpoint's name of a weight's scale tensor, beside `weight`."""
+        return "weight_scale_inv" if self.method == "fp8" else "weight_scale"
+
+    @classmethod
+    def from_hf(cls, raw: dict) -> QuantConfig:
+        """config.json's `quantization_config`, validated: an error names what nextn does not load."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"quantization_config must be a JSON object, got {raw!r}")
+        method = raw.get("quant_method")
+        if method == "fp8":
+            return cls._block_wise(raw)
+        if method == "compressed-tensors":
+            return cls._compressed_tensors(raw)
+        raise ConfigError(
+            f"quantization method {method!r} (config.json quantization_config) is not supported; {_LOADABLE}"
+        )
+
+    @classmethod
+    def _block_wise(cls, raw: dict) -> QuantConfig:
+        if raw.get("fmt", "e4m3") != "e4m3":
+            raise ConfigError(f"quant_method 'fp8' with fmt {raw['fmt']!r} is not supported; nextn reads e4m3")
+        if raw.get("activation_scheme", "dynamic") != "dynamic":
+            raise ConfigError(
+                f"quant_method 'fp8' with activation_scheme {raw['activation_scheme']!r} (static activation "
+                "scales) is not supported; nextn loads activation_scheme 'dynamic'"
+            )
+        block = raw.get("weight_block_size")
+        if block is None:
+            raise ConfigError("quant_method 'fp8' without weight_block_size (per-tensor scales) is not supported")
+        if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) for b in block)):
+            raise ConfigError(f"quant_method 'fp8': weight_block_size must be two integers, got {block!r}")
+        if block[0] < 1 or block[1] != 128:
+            raise ConfigError(
+                f"quant_method 'fp8' with weight_block_size {list(block)}: nextn reads blocks of 128 columns"
+            )
+        return cls("fp8", (block[0], block[1]))
+
+    @classmethod
+    def _compressed_tensors(cls, raw: dict) -> QuantConfig:
+        what = "compressed-tensors"
+        if raw.get("format") not in ("float-quantized", "naive-quantized"):
+            raise ConfigError(f"{what} format {raw.get('format')!r} is not supported; {_LOADABLE}")
+        if raw.get("kv_cache_scheme"):
+            raise ConfigError(f"{what} kv_cache_scheme (a quantized KV cache) is not supported")
+        groups = raw.get("config_groups") or {}
+        if not isinstance(groups, dict) or not groups:
+            raise ConfigError(f"{what} quantization_config has no config_groups")
+        for name, group in groups.items():
+            w = group.get("weights") or {}
+            if (w.get("num_bits"), w.get("type")) != (8, "float"):
+                raise ConfigError(
+                    f"{what} group {name!r}: {w.get('num_bits')}-bit {w.get('type')} weights are not supported; "
+                    f"{_LOADABLE}"
+                )
+            if w.get("strategy") not in ("channel", "tensor") or w.get("dynamic"):
+                raise ConfigError(
+                    f"{what} group {name!r}: weight strategy {w.get('strategy')!r} is not supported "
+                    "(nextn reads per-channel or per-tensor FP8 scales)"
+                )
+            act = group.get("input_activations")
+            if act and not act.get("dynamic"):
+                raise ConfigError(
+                    f"{what} group {name!r}: static input activation scales are not supported "
+                    "(nextn loads FP8 W8A8 dynamic, or weight-only FP8)"
+                )
+        return cls("compressed-tensors")
+
+
+def check_quantization(quantization: str | None) -> None:
+    """The `quantization=` setting (what to make of bf16 weights at load): None or one of QUANTIZATIONS."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization {quantization!r} is not supported; nextn quantizes at load to {' or '.join(QUANTIZATIONS)} "
+            "(and loads FP8 checkpoints as they are)"
+        )
 
 
 @dataclass(frozen=True)
@@ -70,6 +170,8 @@ class ModelConfig:
     weight_prefix: str = "model."
     # the checkpoint's own dtype (config.json `dtype` / `torch_dtype`), what dtype "auto" picks on CUDA
     dtype: str | None = None
+    # FP8 weights: the checkpoint's quantization_config, or quantization="fp8" at load
+    quantization: QuantConfig | None = None
 
     def __post_init__(self):
         if len(self.layer_types) != self.num_hidden_layers:
@@ -142,6 +244,7 @@ class ModelConfig:
         if generation_config:
             eos = tuple(dict.fromkeys(eos + _eos_ids(generation_config.get("eos_token_id"))))
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        quant = raw.get("quantization_config", text.get("quantization_config"))
         return cls(
             family=family,
             vocab_size=need("vocab_size"),
@@ -174,6 +277,7 @@ class ModelConfig:
             mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
             weight_prefix=prefix,
             dtype=raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype"),
+            quantization=None if quant is None else QuantConfig.from_hf(quant),
         )
 
 
@@ -276,8 +380,11 @@ class EngineConfig:
     # tokens one engine step computes: the running requests' round rows, then prompt tokens of
     # requests being prefilled (a long prompt is prefilled over several steps while streams run)
     max_num_batched_tokens: int = 2048
+    # "fp8": the checkpoint's bf16 weights quantized at load (an FP8 checkpoint loads as it is either way)
+    quantization: str | None = None
 
     def __post_init__(self):
+        check_quantization(self.quantization)
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.kernels == "auto":

@@ -4,7 +4,8 @@ layouts by transformers itself, and transformers-based reference functions (the 
 Owns: the fixture tokenizer (a byte-level BPE trained on a built-in text), the tiny configs, the
 random weights (seeded, deliberately far from transformers' near-zero init so greedy output is not
 constant), the MTP tensors released checkpoints carry and transformers does not write, the expert
-storage formats, the released VLM layout, and the oracles `hf_logits`, `hf_greedy`,
+storage formats, the released VLM layout, the two published FP8 layouts (and their dequantized
+twin, the model an FP8 checkpoint stands for), and the oracles `hf_logits`, `hf_greedy`,
 `hf_hidden_states`, `hf_mtp_logits` (plus `torch_mtp_logits`, a plain-torch cross-check).
 Does not know nextn: nothing here imports the engine.
 """
@@ -15,6 +16,7 @@ import copy
 import functools
 import json
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -514,6 +516,158 @@ def _visual_tensors(vlm_cfg, seed: int) -> dict[str, torch.Tensor]:
 
 def is_vlm_layout(model_dir: str | Path) -> bool:
     return "text_config" in json.loads((Path(model_dir) / "config.json").read_text())
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 checkpoints: the publisher's block-wise layout (quant_method "fp8": e4m3 `*.weight` and a
+# float32 `*.weight_scale_inv` per block) and llm-compressor's compressed-tensors FP8 W8A8 dynamic
+# (e4m3 `*.weight` and a bf16 `*.weight_scale` [N, 1] per output channel); written from a
+# checkpoint's weights by this file's own quantizer (rounded to nearest, scale = amax / 448).
+# --------------------------------------------------------------------------------------------
+
+FP8_LAYOUTS = ("block", "channel")
+E4M3_MAX = 448.0
+# weights the published FP8 checkpoints keep in bf16 besides lm_head: embeddings, norms, the GDN
+# conv and its a/b gate projections, router gates, shared-expert gates
+_FP8_KEPT = re.compile(
+    r"(embed_tokens|norm|conv1d|in_proj_a|in_proj_b|in_proj_ba|mlp\.gate|shared_expert_gate)\.weight$"
+)
+
+
+def is_fp8_target(name: str, t: torch.Tensor, quantize_mtp: bool) -> bool:
+    """Whether an FP8 checkpoint stores weight `name` in e4m3: the decoder layers' 2-D projection
+    weights (experts per expert); `mtp.*` (fc and its layer) only if quantize_mtp."""
+    if t.dim() != 2 or not name.endswith(".weight") or _FP8_KEPT.search(name):
+        return False
+    return quantize_mtp if name.startswith("mtp.") else ".layers." in name
+
+
+def _fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], float32 scale [ceil(N/bn), ceil(K/bk)]), block by block."""
+    bn, bk = block
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(-(-w.shape[0] // bn), -(-w.shape[1] // bk))
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+            amax = w[rows, cols].float().abs().max()
+            if amax > 0:
+                scale[i, j] = amax / E4M3_MAX
+            q[rows, cols] = (w[rows, cols].float() / scale[i, j]).clamp(-E4M3_MAX, E4M3_MAX).to(q.dtype)
+    return q, scale
+
+
+def _fp8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], bf16 scale [N, 1]), row by row (the scale rounded to bf16 first)."""
+    scale = (w.float().abs().amax(dim=1, keepdim=True) / E4M3_MAX).to(torch.bfloat16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (w.float() / scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def _fp8_config(layout: str, block: tuple[int, int]) -> dict:
+    if layout == "block":
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(block),
+            "modules_to_not_convert": ["lm_head", "embed_tokens", "in_proj_a", "in_proj_b", "mlp.gate"],
+        }
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "block_structure": None}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": dict(fp8, strategy="channel", dynamic=False, observer="minmax"),
+                "input_activations": dict(fp8, strategy="token", dynamic=True, observer=None),
+                "output_activations": None,
+            }
+        },
+        "ignore": ["lm_head", "re:.*linear_attn.in_proj_[ab]$", "re:.*mlp.gate$", "re:.*shared_expert_gate$"],
+        "kv_cache_scheme": None,
+    }
+
+
+@_one_thread
+def fp8_checkpoint(
+    src: str | Path, out_dir: str | Path, layout: str = "block", *, block=(128, 128), quantize_mtp: bool = False
+) -> Path:
+    """`src`'s weights in an FP8 layout ("block" | "channel", see above) in `out_dir`, experts per
+    expert (as FP8 releases store them), one file; config.json gains the quantization_config, the
+    other files are copied. block: weight_block_size of the block layout."""
+    if layout not in FP8_LAYOUTS:
+        raise ValueError(f"layout must be in {FP8_LAYOUTS}, got {layout!r}")
+    cfg = _copy_besides_weights(Path(src), Path(out_dir))
+    cfg["quantization_config"] = _fp8_config(layout, tuple(block))
+    (Path(out_dir) / "config.json").write_text(json.dumps(cfg, indent=2))
+    tensors = _to_fp8(split_experts(read_tensors(src)), cfg["quantization_config"], quantize_mtp)
+    write_tensors(tensors, Path(out_dir), None)
+    return Path(out_dir)
+
+
+def _copy_besides_weights(src: Path, out_dir: Path) -> dict:
+    """Copy a checkpoint's files but its weights (tokenizer, configs) into out_dir; its config.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("model"):
+            shutil.copy(f, out_dir / f.name)
+    return json.loads((src / "config.json").read_text())
+
+
+def _to_fp8(tensors: dict[str, torch.Tensor], quant: dict, quantize_mtp: bool) -> dict[str, torch.Tensor]:
+    """The FP8 targets among `tensors` quantized (with their scales) as `quant` (a
+    quantization_config of _fp8_config) says; the rest unchanged."""
+    out = {}
+    for name, t in tensors.items():
+        if not is_fp8_target(name, t, quantize_mtp):
+            out[name] = t
+        elif quant["quant_method"] == "fp8":
+            out[name], out[name + "_scale_inv"] = _fp8_block(t, tuple(quant["weight_block_size"]))
+        else:
+            out[name], out[name + "_scale"] = _fp8_channel(t)
+    return out
+
+
+def fit_fp8_mtp_head(model_dir: str | Path, prompts: list[list[int]], work_dir: str | Path, *, quantize_mtp: bool):
+    """fit_mtp_head for an FP8 checkpoint (whose greedy continuations differ from its bf16
+    source's): the head is fitted on its dequantized model (which the transformers oracles load,
+    in `work_dir`) and written back, in e4m3 if quantize_mtp. Returns the fit's accuracy."""
+    model_dir = Path(model_dir)
+    fitted = dequantized_checkpoint(model_dir, work_dir)
+    accuracy = fit_mtp_head(fitted, prompts)
+    quant = json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    tensors = {k: v for k, v in read_tensors(model_dir).items() if not k.startswith("mtp.")}
+    head = {k: v for k, v in split_experts(read_tensors(fitted)).items() if k.startswith("mtp.")}
+    write_tensors({**tensors, **_to_fp8(head, quant, quantize_mtp)}, model_dir, None)
+    return accuracy
+
+
+@_one_thread
+def dequantized_checkpoint(src: str | Path, out_dir: str | Path) -> Path:
+    """An FP8 checkpoint's model in float32: each e4m3 weight times its scale (products in
+    float32), the scales and the quantization_config dropped."""
+    src, out_dir = Path(src), Path(out_dir)
+    cfg = _copy_besides_weights(src, out_dir)
+    quant = cfg.pop("quantization_config")
+    tensors = read_tensors(src)
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(("_scale", "_scale_inv")):
+            continue
+        if t.dtype != torch.float8_e4m3fn:
+            out[name] = t
+        elif quant["quant_method"] == "fp8":
+            bn, bk = quant["weight_block_size"]
+            s = tensors[name + "_scale_inv"].float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+            out[name] = t.float() * s[: t.shape[0], : t.shape[1]]
+        else:
+            out[name] = t.float() * tensors[name + "_scale"].float()
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_tensors(out, out_dir, None)
+    return out_dir
 
 
 # --------------------------------------------------------------------------------------------

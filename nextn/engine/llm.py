@@ -17,7 +17,14 @@ import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from nextn.config import EngineConfig, SpecConfig, read_generation_config, resolve_device, resolve_dtype
+from nextn.config import (
+    EngineConfig,
+    SpecConfig,
+    check_quantization,
+    read_generation_config,
+    resolve_device,
+    resolve_dtype,
+)
 from nextn.core import RequestOutput, SamplingParams, sampling_defaults, with_defaults
 from nextn.engine.engine import Engine, StreamEvent
 from nextn.hub import resolve_model
@@ -53,15 +60,19 @@ class LLM:
         prefill: str = "chunked",
         max_num_batched_tokens: int = 2048,
         speculative_config: dict | None = None,
+        quantization: str | None = None,
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
         speculative_config (vLLM's): {"method": "mtp", "num_speculative_tokens": K}, the same as
-        num_speculative_tokens=K; without either, K is 3 with an MTP head and 0 without one."""
+        num_speculative_tokens=K; without either, K is 3 with an MTP head and 0 without one.
+        quantization "fp8": a bf16 checkpoint's weights quantized at load (FP8 checkpoints load as
+        they are)."""
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
+        check_quantization(quantization)
         device = resolve_device(device)  # before a download: a CUDA request on a CPU torch fails at once
         model_dir = resolve_model(model)
-        self.model = load_model(model_dir, device=device, dtype=dtype)
+        self.model = load_model(model_dir, device=device, dtype=dtype, quantization=quantization)
         self.tokenizer = Tokenizer(model_dir)
         self.model_name = str(model) if model is not None and not Path(model).is_dir() else model_dir.name
         self.sampling_defaults = _read_sampling_defaults(model_dir)
@@ -76,7 +87,16 @@ class LLM:
         max_len = min(max_model_len, self.model.cfg.max_position_embeddings)
         dtype = resolve_dtype(dtype, device, self.model.cfg.dtype)  # what load_model resolved it to
         self.config = EngineConfig(
-            str(model_dir), device, dtype, spec, max_len, max_num_seqs, kernels, prefill, max_num_batched_tokens
+            str(model_dir),
+            device,
+            dtype,
+            spec,
+            max_len,
+            max_num_seqs,
+            kernels,
+            prefill,
+            max_num_batched_tokens,
+            quantization=quantization,
         )
         self.engine = Engine(self.model, self.tokenizer, self.config)
 

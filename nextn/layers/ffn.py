@@ -1,5 +1,5 @@
 """Feed-forward blocks: the dense SwiGLU MLP and the sparse MoE block (softmax top-k router,
-fused 3-D expert weights, sigmoid-gated shared expert)."""
+fused 3-D expert weights, in the model's dtype or FP8, sigmoid-gated shared expert)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 from nextn.config import ModelConfig
 from nextn.layers.linear import Linear
 from nextn.ops import OPS, Ops
+from nextn.ops.fp8 import E4M3, dequantize, scale_shape
 from nextn.ops.linear import row_invariant_linear
 
 REFERENCE_OPS = OPS["torch"]()
@@ -38,6 +39,27 @@ class Experts(nn.Module):
     def forward(self, x, top_idx, top_w, ops: Ops):
         """x [N, H]; top_idx, top_w [N, k] -> [N, H]."""
         return ops.routed_experts(x, top_idx, top_w, self.gate_up_proj, self.down_proj)
+
+
+class FP8Experts(nn.Module):
+    """Experts whose fused weights are e4m3, each with `*_scale` [E, ceil(in / 128), out] in nextn's
+    layout (nextn.ops.fp8). The forward (the reference path) dequantizes every expert to the
+    input's dtype and computes like Experts: a transient copy of one layer's experts."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        shapes = {"gate_up_proj": (2 * intermediate_size, hidden_size), "down_proj": (hidden_size, intermediate_size)}
+        for name, (n, k) in shapes.items():
+            weight = torch.empty(num_experts, n, k, dtype=E4M3)
+            scale = torch.empty(num_experts, *scale_shape(n, k), dtype=torch.float32)
+            self.register_parameter(name, nn.Parameter(weight, requires_grad=False))
+            self.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+
+    def forward(self, x, top_idx, top_w, ops: Ops):
+        """x [N, H]; top_idx, top_w [N, k] -> [N, H]."""
+        gate_up = dequantize(self.gate_up_proj, self.gate_up_proj_scale, x.dtype)
+        down = dequantize(self.down_proj, self.down_proj_scale, x.dtype)
+        return ops.routed_experts(x, top_idx, top_w, gate_up, down)
 
 
 class Router(nn.Module):

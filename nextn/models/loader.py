@@ -16,6 +16,14 @@ packing table below). Packing table:
 - at load, once: the projections one step kernel reads together become row blocks of one tensor
   (`FUSED`), each module keeping its own name as a view, so the fused Triton step reads them
   with one GEMM (`fused_weight`) and nothing rewrites the model afterwards.
+
+FP8 weights (nextn.ops.fp8): a checkpoint with a `quantization_config` (nextn.config.QuantConfig)
+stores some weights as e4m3 beside a scale tensor (`*.weight_scale_inv` per block, or
+`*.weight_scale` per channel); those modules become FP8Linear / FP8Experts and their scales are
+converted to nextn's layout as they stream in; the modules a checkpoint keeps in bf16 stay so. With
+`quantization="fp8"` a bf16 checkpoint's decoder-layer projections are quantized as they stream in
+(128x128 blocks), except the few a published FP8 checkpoint keeps (`KEEP_BF16`); lm_head, the
+embeddings and the MTP head stay in the checkpoint's dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import logging
 import math
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -32,8 +41,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from nextn.config import ModelConfig, resolve_device, resolve_dtype
+from nextn.config import ModelConfig, QuantConfig, check_quantization, resolve_device, resolve_dtype
+from nextn.layers.ffn import Experts, FP8Experts
+from nextn.layers.linear import FP8Linear, Linear
 from nextn.models.qwen3_5 import CausalLM
+from nextn.ops.fp8 import E4M3, FP8Weight, block_scale, channel_scale, quantize, scale_shape
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +58,9 @@ FUSED = (
     ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # Qwen3.5 GDN
     ("in_proj_qkvz", "in_proj_ba"),  # Qwen3-Next GDN
 )
+# Linear modules of the decoder layers that quantization="fp8" leaves in bf16, as the published FP8
+# checkpoints do: the GDN gate projections (one row per value head) and the shared-expert gate
+KEEP_BF16 = ("in_proj_a", "in_proj_b", "in_proj_ba", "shared_expert_gate")
 # bytes per element of the safetensors dtypes
 _ITEMSIZE = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
@@ -75,9 +90,14 @@ def safetensor_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_header(path: Path) -> dict[str, tuple[int, ...]]:
-    """A shard's tensor names and shapes, its header checked against the file: every tensor's byte
-    range must hold its shape and dtype, and the file must hold every byte range."""
+class TensorInfo(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name: "BF16", "F8_E4M3", ...
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """A shard's tensor names, shapes and dtypes, its header checked against the file: every
+    tensor's byte range must hold its shape and dtype, and the file must hold every byte range."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little") if size >= 8 else size
@@ -105,7 +125,7 @@ def read_header(path: Path) -> dict[str, tuple[int, ...]]:
                 f"{path}: corrupt header: tensor {name} of shape {list(shape)} {dtype} needs {nbytes} bytes, "
                 f"its offsets give {end - begin}"
             )
-        shapes[name], data_end = shape, max(data_end, end)
+        shapes[name], data_end = TensorInfo(shape, dtype), max(data_end, end)
     if data_end > size - 8 - n:
         raise CheckpointError(
             f"{path}: truncated (its tensors need {data_end} bytes of data, the file holds {size - 8 - n}); "
@@ -123,46 +143,128 @@ def _module_key(ckpt_key: str, cfg: ModelConfig) -> str | None:
     return ckpt_key  # lm_head.*, mtp.*, or unknown (caught by the name check)
 
 
-class _Expert(NamedTuple):
-    """Where a per-expert tensor goes in its packed 3-D tensor: rows [row, row + rows) of expert e."""
+class _Slot(NamedTuple):
+    """Where a checkpoint tensor goes: module tensor `name`, or for a per-expert tensor expert e's
+    rows [row, row + n) of the packed tensor `name` (for its scales: those columns). `scale`
+    (kind "block" | "channel", rows per block, the weight's N, K): a checkpoint scale, converted to
+    nextn's layout; `quantize`: a bf16 weight quantized as it arrives (quantization="fp8")."""
 
-    packed: str
-    e: int
-    row: int
+    name: str
+    e: int | None = None
+    row: int = 0
+    scale: tuple[str, int, int, int] | None = None
+    quantize: bool = False
 
 
 class CheckpointPlan(NamedTuple):
-    """What the shards hold, read from their headers: the module tensors' shapes (experts packed)
-    and, per shard, each checkpoint key's module name or packed-expert slot."""
+    """What the shards hold, read from their headers: the module tensors' shapes (experts packed,
+    FP8 scales in nextn's layout), per shard each checkpoint key's slot, and the module weights
+    held in FP8 (a module's `weight` or a packed expert tensor; its scales are `name + "_scale"`)."""
 
     shapes: dict[str, tuple[int, ...]]
-    keys: dict[Path, dict[str, str | _Expert]]
+    keys: dict[Path, dict[str, _Slot]]
+    fp8: frozenset[str] = frozenset()
 
 
 def plan_checkpoint(files: list[Path], cfg: ModelConfig) -> CheckpointPlan:
+    found = {key: (path, info) for path in files for key, info in read_header(path).items()}
+    quant = cfg.quantization if cfg.quantization is not None and not cfg.quantization.at_load else None
+    scales = _scale_keys(found, quant)  # scale key -> its weight's key
     shapes: dict[str, tuple[int, ...]] = {}
-    keys: dict[Path, dict[str, str | _Expert]] = {}
+    keys: dict[Path, dict[str, _Slot]] = {path: {} for path in files}
     experts: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {}  # pre -> proj -> e -> shape
     per_expert: list[tuple[Path, str, re.Match]] = []
-    for path in files:
-        keys[path] = {}
-        for key, shape in read_header(path).items():
-            name = _module_key(key, cfg)
-            if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                continue  # the vision tower; the copy of the embeddings some tied exports store
-            m = _PER_EXPERT.match(name)
-            if m:
-                experts.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = shape
-                per_expert.append((path, key, m))
-            else:
-                keys[path][key], shapes[name] = name, shape
+    fp8 = set()
+    for key, (path, info) in found.items():
+        name = _module_key(scales.get(key, key), cfg)  # a scale goes where its weight goes
+        if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue  # the vision tower; the copy of the embeddings some tied exports store
+        m = _PER_EXPERT.match(name)
+        if m:
+            if key not in scales:
+                experts.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = info.shape
+            per_expert.append((path, key, m))
+        elif key in scales:
+            n, k = found[scales[key]][1].shape
+            keys[path][key], shapes[name + "_scale"] = (
+                _Slot(name + "_scale", scale=_scale_kind(quant, n, k)),
+                scale_shape(n, k),
+            )
+        else:
+            keys[path][key], shapes[name] = _Slot(name), info.shape
+            if info.dtype == "F8_E4M3":
+                fp8.add(name)
     for pre, projs in experts.items():
         shapes.update(_pack_experts(pre, projs))
+    packed_dtypes: dict[str, set[str]] = {}
     for path, key, m in per_expert:
         packed = f"{m['pre']}.down_proj" if m["proj"] == "down_proj" else f"{m['pre']}.gate_up_proj"
         row = experts[m["pre"]]["gate_proj"][0][0] if m["proj"] == "up_proj" else 0
-        keys[path][key] = _Expert(packed, int(m["e"]), row)
-    return CheckpointPlan(shapes, keys)
+        if key in scales:
+            n, k = found[scales[key]][1].shape
+            keys[path][key] = _Slot(packed + "_scale", int(m["e"]), row, _scale_kind(quant, n, k))
+        else:
+            keys[path][key] = _Slot(packed, int(m["e"]), row)
+            packed_dtypes.setdefault(packed, set()).add(found[key][1].dtype)
+    for packed, dtypes in packed_dtypes.items():
+        if "F8_E4M3" in dtypes:
+            if len(dtypes) > 1:
+                raise CheckpointError(f"the experts of {packed} mix dtypes {sorted(dtypes)}")
+            *lead, n, k = shapes[packed]
+            shapes[packed + "_scale"] = (*lead, *scale_shape(n, k))
+            fp8.add(packed)
+    return CheckpointPlan(shapes, keys, frozenset(fp8))
+
+
+def _scale_keys(found: dict[str, tuple[Path, TensorInfo]], quant: QuantConfig | None) -> dict[str, str]:
+    """The checkpoint's FP8 scale tensors -> their weights' keys, checked: each scale has an e4m3
+    weight and the shape its method gives that weight; each e4m3 weight has its scale."""
+    if quant is None:
+        odd = sorted(k for k, (_, info) in found.items() if info.dtype == "F8_E4M3" or k.endswith(_SCALE_NAMES))
+        if odd:
+            raise CheckpointError(
+                f"tensor {odd[0]} is FP8 (e4m3 or a scale) but config.json has no quantization_config"
+            )
+        return {}
+    suffix = "." + quant.scale_suffix
+    out = {}
+    for key, (_, info) in found.items():
+        if not key.endswith(suffix):
+            continue
+        weight_key = key.removesuffix(suffix) + ".weight"
+        if weight_key not in found:
+            raise CheckpointError(f"scale tensor {key} has no weight {weight_key}")
+        weight = found[weight_key][1]
+        if weight.dtype != "F8_E4M3":
+            raise CheckpointError(f"scale tensor {key}: its weight {weight_key} is {weight.dtype}, not F8_E4M3")
+        expected = _scale_shapes(weight.shape, quant)
+        if len(weight.shape) != 2 or info.shape not in expected:
+            raise CheckpointError(
+                f"tensor {key} has shape {list(info.shape)}, expected {list(expected[0])} "
+                f"(the {quant.method} scales of the e4m3 weight {weight_key} {list(weight.shape)})"
+            )
+        out[key] = weight_key
+    for key, (_, info) in found.items():
+        if info.dtype == "F8_E4M3" and key.removesuffix(".weight") + suffix not in out:
+            scale = key.removesuffix(".weight") + suffix
+            raise CheckpointError(f"missing tensor {scale}: the {quant.method} scales of the e4m3 weight {key}")
+    return out
+
+
+_SCALE_NAMES = (".weight_scale_inv", ".weight_scale")
+
+
+def _scale_shapes(weight_shape: tuple[int, ...], quant: QuantConfig) -> list[tuple[int, ...]]:
+    """The checkpoint shapes a weight's scales may have (the first is the usual one)."""
+    n, k = weight_shape[-2:]
+    if quant.method == "fp8":
+        rows, cols = quant.weight_block_size
+        return [(-(-n // rows), -(-k // cols))]
+    return [(n, 1), (n,), (1,), ()]  # per channel, or per tensor
+
+
+def _scale_kind(quant: QuantConfig, n: int, k: int) -> tuple[str, int, int, int]:
+    return ("block", quant.weight_block_size[0], n, k) if quant.method == "fp8" else ("channel", 0, n, k)
 
 
 def _pack_experts(pre: str, projs: dict[str, dict[int, tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
@@ -181,50 +283,168 @@ def _pack_experts(pre: str, projs: dict[str, dict[int, tuple[int, ...]]]) -> dic
     return {f"{pre}.gate_up_proj": (num, gate[0] + up[0], *gate[1:]), f"{pre}.down_proj": (num, *down)}
 
 
-def _regroup_next(name: str, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Qwen3-Next's GDN projections, grouped per key head in the checkpoint, in the Qwen3.5 row order."""
+def _regroup_next(name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Qwen3-Next's GDN projections, grouped per key head in the checkpoint, in the Qwen3.5 row order
+    (a weight's rows; the columns of its scales in nextn's layout)."""
+    base = name.removesuffix("_scale")
     nk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     r = cfg.linear_num_value_heads // max(1, nk)
-    if name.endswith("linear_attn.in_proj_qkvz.weight"):
-        parts = w.view(nk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
-    elif name.endswith("linear_attn.in_proj_ba.weight"):
-        parts = w.view(nk, 2 * r, -1).split([r, r], dim=1)
+    if base.endswith("linear_attn.in_proj_qkvz.weight"):
+        sizes = [dk, dk, r * dv, r * dv]
+    elif base.endswith("linear_attn.in_proj_ba.weight"):
+        sizes = [r, r]
     else:
-        return w
-    return torch.cat([p.reshape(-1, w.shape[-1]) for p in parts])
+        return t
+    parts = torch.arange(nk * sum(sizes)).view(nk, -1).split(sizes, dim=1)
+    return t.index_select(-1 if name.endswith("_scale") else 0, torch.cat([p.reshape(-1) for p in parts]))
+
+
+def fp8_at_load(model: CausalLM) -> frozenset[str]:
+    """The module weights quantization="fp8" quantizes: the decoder layers' Linear weights and
+    experts, but KEEP_BF16 (lm_head, the embeddings, norms, routers and mtp.* are not among them)."""
+    out = set()
+    for name, m in model.named_modules():
+        if not name.startswith("model.layers."):
+            continue
+        if isinstance(m, Experts):
+            out |= {f"{name}.gate_up_proj", f"{name}.down_proj"}
+        elif isinstance(m, Linear) and not name.endswith(KEEP_BF16):
+            out.add(f"{name}.weight")
+    return frozenset(out)
+
+
+def quantize_at_load(plan: CheckpointPlan, model: CausalLM) -> CheckpointPlan:
+    """The plan of a bf16 checkpoint loaded with quantization="fp8": fp8_at_load's weights
+    quantized as they stream in, their scales beside them."""
+    fp8 = fp8_at_load(model) & plan.shapes.keys()
+    shapes = dict(plan.shapes)
+    for name in fp8:
+        *lead, n, k = shapes[name]
+        shapes[name + "_scale"] = (*lead, *scale_shape(n, k))
+    keys = {
+        path: {key: slot._replace(quantize=slot.name in fp8) for key, slot in slots.items()}
+        for path, slots in plan.keys.items()
+    }
+    return CheckpointPlan(shapes, keys, fp8)
+
+
+def use_fp8_modules(model: CausalLM, fp8: frozenset[str]) -> None:
+    """Swap the modules whose weights are FP8 for FP8Linear / FP8Experts (on the meta device; a
+    bias is kept). lm_head, embeddings, norms and routers stay in the model's dtype."""
+    for prefix in sorted({name.rpartition(".")[0] for name in fp8}):
+        module = model.get_submodule(prefix)
+        with torch.device("meta"):
+            if isinstance(module, Linear) and prefix != "lm_head":
+                new = FP8Linear(module.in_features, module.out_features)
+                new.bias = module.bias
+            elif isinstance(module, Experts) and {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"} <= fp8:
+                num, rows, hidden = module.gate_up_proj.shape
+                new = FP8Experts(num, hidden, rows // 2)
+            else:
+                raise CheckpointError(f"the checkpoint quantizes {prefix}, which nextn keeps in the model's dtype")
+        parent, _, child = prefix.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+
+
+def quantize_weight(name: str, w: torch.Tensor) -> FP8Weight:
+    """Module weight `name` ([N, K], or packed experts [E, N, K]) quantized in 128x128 blocks as a
+    published checkpoint stores it: expert by expert, gate and up rows of gate_up_proj apart."""
+    if w.dim() == 2:
+        return quantize(w)
+    parts = w.chunk(2, dim=1) if name.endswith("gate_up_proj") else (w,)
+    qs = [[quantize(expert) for expert in part] for part in parts]  # [part][expert]
+    weight = torch.cat([torch.stack([q.weight for q in part]) for part in qs], dim=1)
+    return FP8Weight(weight, torch.cat([torch.stack([q.scale for q in part]) for part in qs], dim=2))
+
+
+@torch.no_grad()
+def quantize_model(model: CausalLM) -> CausalLM:
+    """quantization="fp8" applied to a model in memory (the bench's random weights): what loading
+    its checkpoint with quantization="fp8" gives. Before fuse_weights."""
+    fp8 = fp8_at_load(model)
+    weights = {name: model.get_parameter(name) for name in fp8}
+    use_fp8_modules(model, fp8)
+    for name in sorted(fp8):
+        w = weights.pop(name)  # the last reference: each bf16 weight is freed once quantized
+        q = quantize_weight(name, w)
+        prefix, _, attr = name.rpartition(".")
+        module = model.get_submodule(prefix)
+        setattr(module, attr, torch.nn.Parameter(q.weight, requires_grad=False))
+        setattr(module, attr + "_scale", torch.nn.Parameter(q.scale, requires_grad=False))
+        del w
+    model.cfg = replace(model.cfg, quantization=QuantConfig("fp8", (128, 128), at_load=True))
+    return model
 
 
 def fuse_weights(model: CausalLM) -> CausalLM:
-    """Make each FUSED group's weights row blocks of one tensor (the modules keep views of it)."""
+    """Make each FUSED group's weights row blocks of one tensor (the modules keep views of it): one
+    tensor per run of modules of one kind, bf16 or FP8 (whose scales are fused as column blocks)."""
     with torch.no_grad():
         for module in model.modules():
             for names in FUSED:
                 if not all(hasattr(module, n) for n in names):
                     continue
-                linears = [getattr(module, n) for n in names]
-                fused = torch.cat([m.weight.detach() for m in linears]).contiguous()
-                start = 0
-                for m in linears:
-                    n = m.weight.shape[0]
-                    m.weight = torch.nn.Parameter(fused[start : start + n], requires_grad=False)
-                    start += n
+                for run in _runs([getattr(module, n) for n in names]):
+                    fused = torch.cat([m.weight.detach() for m in run]).contiguous()
+                    scales = None
+                    if isinstance(run[0], FP8Linear):
+                        scales = torch.cat([m.weight_scale.detach() for m in run], dim=1).contiguous()
+                    start = 0
+                    for m in run:
+                        n = m.weight.shape[0]
+                        m.weight = torch.nn.Parameter(fused[start : start + n], requires_grad=False)
+                        if scales is not None:
+                            m.weight_scale = torch.nn.Parameter(scales[:, start : start + n], requires_grad=False)
+                        start += n
     return model
 
 
-def fused_weight(*linears) -> torch.Tensor:
-    """The tensor whose consecutive row blocks the linears' weights are (`fuse_weights` made it)."""
-    first = linears[0].weight
-    rows = 0
+def _runs(linears: list) -> list[list]:
+    """Consecutive linears of one kind (Linear or FP8Linear)."""
+    runs: list[list] = []
     for m in linears:
-        w = m.weight
+        if runs and isinstance(m, FP8Linear) == isinstance(runs[-1][0], FP8Linear):
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    return runs
+
+
+def fused_runs(*linears) -> list[torch.Tensor | FP8Weight]:
+    """The tensors whose consecutive row blocks the linears' weights are (`fuse_weights` made them),
+    one per run of one kind: a tensor for Linear modules, an FP8Weight (scales as column blocks)
+    for FP8Linear ones."""
+    out: list[torch.Tensor | FP8Weight] = []
+    for run in _runs(list(linears)):
+        weight = _joined([m.weight for m in run], dim=0)
+        fp8 = isinstance(run[0], FP8Linear)
+        out.append(FP8Weight(weight, _joined([m.weight_scale for m in run], dim=1)) if fp8 else weight)
+    return out
+
+
+def fused_weight(*linears) -> torch.Tensor | FP8Weight:
+    """fused_runs of linears of one kind: the one tensor (or FP8Weight) they are row blocks of."""
+    runs = fused_runs(*linears)
+    if len(runs) > 1:
+        raise ValueError("a fused group holds both FP8 and unquantized weights: take fused_runs")
+    return runs[0]
+
+
+def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The tensor whose consecutive blocks along `dim` the parts are (one storage, same strides)."""
+    first, size = parts[0], 0
+    for t in parts:
         if (
-            w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-            or w.storage_offset() != first.storage_offset() + rows * first.shape[1]
-            or not w.is_contiguous()
+            t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+            or t.storage_offset() != first.storage_offset() + size * first.stride(dim)
+            or t.stride() != first.stride()
+            or t.stride(-1) != 1
         ):
             raise ValueError("the model's weights are not fused: load it with nextn.models.loader (fuse_weights)")
-        rows += w.shape[0]
-    return first.as_strided((rows, first.shape[1]), (first.shape[1], 1))
+        size += t.shape[dim]
+    shape = list(first.shape)
+    shape[dim] = size
+    return first.as_strided(shape, first.stride())
 
 
 def count_mtp_layers(names) -> int:
@@ -232,12 +452,18 @@ def count_mtp_layers(names) -> int:
     return max(layers) + 1 if layers else 0
 
 
-def load_model(model_dir: str | Path, device: str = "cpu", dtype: str = "float32") -> CausalLM:
+def load_model(
+    model_dir: str | Path, device: str = "cpu", dtype: str = "float32", quantization: str | None = None
+) -> CausalLM:
     """The checkpoint's model on `device` in `dtype` (either may be "auto": see
     nextn.config.resolve_device and resolve_dtype), every tensor checked against the config before
-    any is read."""
+    any is read. FP8 weights of an FP8 checkpoint stay FP8; quantization "fp8" quantizes a bf16
+    checkpoint's at load (an FP8 checkpoint loads as it is)."""
+    check_quantization(quantization)
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_hf(model_dir)
+    if quantization == "fp8" and cfg.quantization is None:
+        cfg = replace(cfg, quantization=QuantConfig("fp8", (128, 128), at_load=True))
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device, cfg.dtype)
     files = safetensor_files(model_dir)
@@ -252,23 +478,25 @@ def load_model(model_dir: str | Path, device: str = "cpu", dtype: str = "float32
         )
     with torch.device("meta"):
         model = CausalLM(cfg, num_mtp_layers=num_mtp)
+    if cfg.quantization is not None and cfg.quantization.at_load:
+        plan = quantize_at_load(plan, model)
+    use_fp8_modules(model, plan.fp8)
     check_tensors(model, plan.shapes)
     t0 = time.perf_counter()
     state = stream_tensors(plan, cfg, torch.device(device), DTYPES[dtype])
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta).to(device)
-    log.info("loaded %s on %s as %s in %.1f s", model_dir, device, dtype, time.perf_counter() - t0)
+    fp8 = f", {len(plan.fp8)} weights in FP8 ({cfg.quantization.method})" if plan.fp8 else ""
+    log.info("loaded %s on %s as %s%s in %.1f s", model_dir, device, dtype, fp8, time.perf_counter() - t0)
     return fuse_weights(model.eval())
 
 
 def stream_tensors(plan: CheckpointPlan, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict:
-    """The module tensors on `device` in `dtype`, read one at a time: host memory holds one tensor
-    (and its cast) while the device fills up."""
-    state = {
-        name: torch.empty(plan.shapes[name], device=device, dtype=dtype)
-        for k in plan.keys.values()
-        for name in {slot.packed for slot in k.values() if isinstance(slot, _Expert)}
-    }
+    """The module tensors on `device` in `dtype` (FP8 weights in e4m3, their scales in float32),
+    read one at a time: host memory holds one tensor (and its cast) while the device fills up."""
+    packed = {slot.name for k in plan.keys.values() for slot in k.values() if slot.e is not None}
+    packed |= {name + "_scale" for name in packed & plan.fp8}
+    state = {name: torch.empty(plan.shapes[name], device=device, dtype=_dtype(name, plan, dtype)) for name in packed}
     for path in tqdm(plan.keys, desc="loading", unit="shard", disable=not log.isEnabledFor(logging.INFO)):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -279,12 +507,35 @@ def stream_tensors(plan: CheckpointPlan, cfg: ModelConfig, device: torch.device,
     return state
 
 
-def _place(state: dict, slot: str | _Expert, t: torch.Tensor, cfg: ModelConfig, device, dtype) -> None:
-    """One checkpoint tensor into the state: cast and moved, or copied into its expert's rows."""
-    if isinstance(slot, _Expert):
-        state[slot.packed][slot.e, slot.row : slot.row + t.shape[0]].copy_(t)
+def _dtype(name: str, plan: CheckpointPlan, dtype: torch.dtype) -> torch.dtype:
+    if name in plan.fp8:
+        return E4M3
+    return torch.float32 if name.removesuffix("_scale") in plan.fp8 else dtype
+
+
+def _place(state: dict, slot: _Slot, t: torch.Tensor, cfg: ModelConfig, device, dtype) -> None:
+    """One checkpoint tensor into the state: cast (FP8 weights kept e4m3, scales converted to
+    nextn's layout, quantized if asked) and moved, or copied into its expert's rows."""
+    if slot.quantize:  # from the checkpoint's own values (quantize computes in float32)
+        q = quantize_weight(slot.name, _regroup_next(slot.name, t, cfg).to(device))
+        _put(state, slot, q.weight)
+        _put(state, slot._replace(name=slot.name + "_scale"), q.scale, columns=True)
+        return
+    target = E4M3 if t.dtype == E4M3 else dtype
+    if slot.scale is not None:
+        kind, rows, n, k = slot.scale
+        t, target = block_scale(t, n, rows) if kind == "block" else channel_scale(t, n, k), torch.float32
+    t = _regroup_next(slot.name, t, cfg)
+    _put(state, slot, t.to(device=device, dtype=target), columns=slot.scale is not None)
+
+
+def _put(state: dict, slot: _Slot, t: torch.Tensor, columns: bool = False) -> None:
+    if slot.e is None:
+        state[slot.name] = t
+    elif columns:  # scales [K blocks, rows]: the expert's rows are columns
+        state[slot.name][slot.e, :, slot.row : slot.row + t.shape[-1]].copy_(t)
     else:
-        state[slot] = _regroup_next(slot, t, cfg).to(device=device, dtype=dtype)
+        state[slot.name][slot.e, slot.row : slot.row + t.shape[0]].copy_(t)
 
 
 def check_tensors(model: CausalLM, shapes: dict[str, tuple[int, ...]]) -> None:

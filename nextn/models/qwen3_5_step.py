@@ -17,6 +17,11 @@ Brackets are one kernel each. A row's arithmetic does not depend on the number o
 other sequences, so a verify row equals the decode of the same token bitwise, alone or batched.
 Positions and the GDN state locations come from the slots' device counters (nextn.cache.hybrid),
 so one CUDA graph serves every round of a batch.
+
+FP8 weights (nextn.ops.fp8) reach the skinny GEMM as FP8Weight pairs in place of tensors. A fused
+projection whose members differ in kind (FP8 q/k/v/z beside the bf16 GDN gates b/a) runs one GEMM
+per run of one kind, each into its columns of the projection. MoE layers with FP8 weights are not
+run here (their kernels read bf16 experts): an error says so.
 """
 
 from __future__ import annotations
@@ -28,17 +33,22 @@ import torch.nn.functional as F
 
 from nextn.cache.hybrid import SEQ_LEN, STATE_AT, StepBatch
 from nextn.config import FULL
-from nextn.models.loader import fused_weight
+from nextn.layers.ffn import FP8Experts
+from nextn.layers.linear import FP8Linear
+from nextn.models.loader import fused_runs, fused_weight
 from nextn.models.qwen3_5 import CausalLM
+from nextn.ops.fp8 import FP8Weight, compact_scales
 from nextn.ops.triton_utils import require_triton
+
+Weight = torch.Tensor | FP8Weight  # what the skinny GEMM reads: a tensor, or e4m3 with its scales
 
 
 @dataclass
 class MLPWeights:
     norm: torch.Tensor  # [H] post_attention_layernorm (zero-centred)
-    gate: torch.Tensor  # [I, H]
-    up: torch.Tensor  # [I, H]
-    down: torch.Tensor  # [H, I]
+    gate: Weight  # [I, H]
+    up: Weight  # [I, H]
+    down: Weight  # [H, I]
 
 
 @dataclass
@@ -58,28 +68,43 @@ class MoEWeights:
 @dataclass
 class GDNWeights:
     norm: torch.Tensor  # [H] input_layernorm
-    in_proj: torch.Tensor  # [conv_dim + value_dim + 2 HV, H]: qkv | z | b | a
+    in_proj: list[Weight]  # row blocks of [conv_dim + value_dim + 2 HV, H]: qkv | z | b | a, one per kind
     conv: torch.Tensor  # [conv_dim, W]
     A_log: torch.Tensor
     dt_bias: torch.Tensor
     out_norm: torch.Tensor  # [V] RMSNormGated weight
-    out_proj: torch.Tensor  # [H, value_dim]
+    out_proj: Weight  # [H, value_dim]
     mlp: MLPWeights | MoEWeights
 
 
 @dataclass
 class AttnWeights:
     norm: torch.Tensor  # [H] input_layernorm
-    qkv: torch.Tensor  # [Hq*2*D + 2*Hkv*D, H]
+    qkv: Weight  # [Hq*2*D + 2*Hkv*D, H]
     q_norm: torch.Tensor
     k_norm: torch.Tensor
-    o_proj: torch.Tensor
+    o_proj: Weight
     mlp: MLPWeights | MoEWeights
+
+
+def _weight(linear) -> Weight:
+    """A linear's weight as the skinny GEMM reads it."""
+    return _compact(linear.fp8) if isinstance(linear, FP8Linear) else linear.weight
+
+
+def _compact(w: Weight) -> Weight:
+    """FP8 weights with one scale per 128 rows where that is the same weight (fewer bytes per step)."""
+    return compact_scales(w) if isinstance(w, FP8Weight) else w
 
 
 def _mlp_weights(layer) -> MLPWeights | MoEWeights:
     mlp = layer.mlp
     if hasattr(mlp, "experts"):
+        if any(isinstance(m, FP8Linear | FP8Experts) for m in mlp.modules()):
+            raise ValueError(
+                "kernels='triton' does not run FP8 MoE layers yet (nextn.ops.triton_moe reads bf16 weights); "
+                "use kernels='torch'"
+            )
         se = mlp.shared_expert
         return MoEWeights(
             layer.post_attention_layernorm.weight,
@@ -94,7 +119,7 @@ def _mlp_weights(layer) -> MLPWeights | MoEWeights:
             mlp.gate.norm_topk_prob,
         )
     return MLPWeights(
-        layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        layer.post_attention_layernorm.weight, _weight(mlp.gate_proj), _weight(mlp.up_proj), _weight(mlp.down_proj)
     )
 
 
@@ -104,10 +129,10 @@ def _attn_weights(layer) -> AttnWeights:
         raise NotImplementedError("kernels='triton': attention biases are not supported")
     return AttnWeights(
         layer.input_layernorm.weight,
-        fused_weight(a.q_proj, a.k_proj, a.v_proj),
+        _compact(fused_weight(a.q_proj, a.k_proj, a.v_proj)),
         a.q_norm.weight,
         a.k_norm.weight,
-        a.o_proj.weight,
+        _weight(a.o_proj),
         _mlp_weights(layer),
     )
 
@@ -115,9 +140,10 @@ def _attn_weights(layer) -> AttnWeights:
 def _gdn_weights(layer) -> GDNWeights:
     g = layer.linear_attn
     if hasattr(g, "in_proj_qkvz"):  # Qwen3-Next: the loader regrouped the rows to the same order
-        in_proj = fused_weight(g.in_proj_qkvz, g.in_proj_ba)
+        in_proj = fused_runs(g.in_proj_qkvz, g.in_proj_ba)
     else:
-        in_proj = fused_weight(g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a)
+        in_proj = fused_runs(g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a)
+    in_proj = [_compact(w) for w in in_proj]
     return GDNWeights(
         layer.input_layernorm.weight,
         in_proj,
@@ -125,7 +151,7 @@ def _gdn_weights(layer) -> GDNWeights:
         g.A_log,
         g.dt_bias,
         g.norm.weight,
-        g.out_proj.weight,
+        _weight(g.out_proj),
         _mlp_weights(layer),
     )
 
@@ -154,7 +180,7 @@ class TritonStep:
             self.head_weights = (
                 h.pre_fc_norm_embedding.weight,
                 h.pre_fc_norm_hidden.weight,
-                h.fc.weight,
+                _weight(h.fc),
                 _attn_weights(h.layers[0]),
                 h.norm.weight,
             )
@@ -171,34 +197,36 @@ class TritonStep:
             self._rope.append((n, *self.model.rotary.cos_sin(positions, self.embed.dtype)))
         return self._rope[-1][1], self._rope[-1][2]
 
-    def linear_uses(self, head: bool = True) -> list[tuple[int, int, bool, bool]]:
-        """(N, K, full-row norm prologue, second weight) of each skinny_linear one trunk step runs
-        (and the MTP head's step, with head=True), repeats included."""
+    def linear_uses(self, head: bool = True) -> list[tuple[int, int, bool, bool, bool]]:
+        """(N, K, full-row norm prologue, second weight, FP8) of each skinny_linear one trunk step
+        runs (and the MTP head's step, with head=True), repeats included."""
         uses = []
+
+        def use(w: Weight, norm: bool = False, dual: bool = False):
+            uses.append((*w.shape, norm, dual, isinstance(w, FP8Weight)))
 
         def mlp(w):
             if isinstance(w, MoEWeights):
-                uses.extend(
-                    [
-                        (*w.router.shape, False, False),
-                        (*w.shared_gate.shape, False, True),
-                        (*w.shared_down.shape, False, False),
-                        (*w.shared_expert_gate.shape, False, False),
-                    ]
-                )
+                use(w.router)
+                use(w.shared_gate, dual=True)
+                use(w.shared_down)
+                use(w.shared_expert_gate)
             else:
-                uses.extend([(*w.gate.shape, True, True), (*w.down.shape, False, False)])
+                use(w.gate, norm=True, dual=True)
+                use(w.down)
 
         def layer(w):
-            proj, out = (w.qkv, w.o_proj) if isinstance(w, AttnWeights) else (w.in_proj, w.out_proj)
-            uses.extend([(*proj.shape, True, False), (*out.shape, False, False)])
+            attn = isinstance(w, AttnWeights)
+            for proj in [w.qkv] if attn else w.in_proj:
+                use(proj, norm=True)
+            use(w.o_proj if attn else w.out_proj)
             mlp(w.mlp)
 
         for w in self.layers:
             layer(w)
-        uses.append((*self.lm_head.shape, False, False))
+        use(self.lm_head)
         if head and self.head_weights is not None:
-            uses.append((*self.head_weights[2].shape, False, False))
+            use(self.head_weights[2])
             layer(self.head_weights[3])
         return uses
 
@@ -241,7 +269,14 @@ class TritonStep:
 
     def _gdn(self, x, w: GDNWeights, batch: StepBatch, j: int, store_all: bool):
         lin, t = self.linear.skinny_linear, batch.cache.tensors
-        proj = lin(x, w.in_proj, norm_weight=w.norm, eps=self.eps)  # [M, conv | z | b | a]
+        if len(w.in_proj) == 1:
+            proj = lin(x, w.in_proj[0], norm_weight=w.norm, eps=self.eps)  # [M, conv | z | b | a]
+        else:  # runs of one kind (FP8 qkv | z, bf16 b | a), each into its columns
+            proj = x.new_empty(x.shape[0], sum(p.shape[0] for p in w.in_proj))
+            col = 0
+            for part in w.in_proj:
+                lin(x, part, norm_weight=w.norm, eps=self.eps, out=proj[:, col : col + part.shape[0]])
+                col += part.shape[0]
         o = self.gdn.gdn_step(
             proj,
             w.conv,

@@ -14,12 +14,20 @@ Fused around the dot, so a decoder layer needs fewer launches:
 - epilogue `residual`: y = residual + x @ w.T (each rounded to x's dtype first, like `x + f(x)`);
 - epilogue `silu_mul`: y = silu(x @ w.T) * (x @ w2.T) (the SwiGLU of an MLP, gate and up weights).
 Roundings follow the PyTorch modules they replace, op by op.
+
+FP8 weights (nextn.ops.fp8.FP8Weight: e4m3 with float32 scales, per row or per 128 rows, per 128
+columns): the weight tile is widened to x's dtype (exact: every e4m3 value is a bf16 / fp16 value),
+multiplied with the rows in a dot of its own, and the product scaled by the tile's row scales before
+it is added to the accumulator (k-tiles of at most 128 columns, so one scale per row covers a tile).
+The activations stay in their dtype. The scales depend on the weight alone, so rows stay invariant.
 """
 
 from __future__ import annotations
 
 import torch
 
+from nextn.ops.fp8 import BLOCK as FP8_BLOCK
+from nextn.ops.fp8 import FP8Weight, quantize
 from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2
 
 TILE_ROWS = 16  # rows of one tensor-core tile: a decode's 1, a verify's K + 1 <= 16, or a batch's share
@@ -41,11 +49,25 @@ if HAVE_TRITON:
             out = acc
         return out
 
+    @triton.jit
+    def _fp8_tile(w, x, s_ptrs, mask_n, x_dtype: tl.constexpr, DOT_F32: tl.constexpr):
+        """An e4m3 weight tile w [BLOCK_N, BLOCK_K] times the rows x [BLOCK_M, BLOCK_K], scaled by the
+        tile's per-row scales (at s_ptrs [BLOCK_N], repeated where rows share one): [BLOCK_N, BLOCK_M]
+        float32."""
+        scale = tl.load(s_ptrs, mask=mask_n, other=0.0)
+        if DOT_F32:
+            part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(w.to(x_dtype), tl.trans(x))
+        return part * scale[:, None]
+
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(
         x_ptr,
         w_ptr,
         w2_ptr,
+        s_ptr,
+        s2_ptr,
         y_ptr,
         res_ptr,
         nw_ptr,
@@ -58,6 +80,8 @@ if HAVE_TRITON:
         stride_x,
         stride_y,
         stride_res,
+        stride_s,
+        stride_s2,
         eps,
         PROLOGUE: tl.constexpr,  # 0 none, 1 rms (zero-centred)
         EPILOGUE: tl.constexpr,  # 0 none, 1 residual add, 2 silu(x w^T) * (x w2^T)
@@ -67,6 +91,9 @@ if HAVE_TRITON:
         EVEN_K: tl.constexpr,
         DOT_F32: tl.constexpr,
         SPLIT: tl.constexpr,
+        FP8: tl.constexpr,  # w (and w2) e4m3, float32 scales [K / 128, N / SCALE_ROWS] (row stride stride_s)
+        SCALE_ROWS: tl.constexpr,  # weight rows per scale: 1 or 128
+        SCALE_ROWS2: tl.constexpr,
     ):
         """Program (n * M_TILES + m, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs
         for rows [m*BLOCK_M, (m+1)*BLOCK_M). SPLIT > 1: float32 partials [SPLIT, M, N] in part_ptr,
@@ -106,13 +133,19 @@ if HAVE_TRITON:
                 nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
                 x = (x.to(tl.float32) * rstd[:, None] * (1.0 + nw[None, :])).to(x_dtype)
             w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-            if DOT_F32:
+            if FP8:  # the scales of this tile's 128-column block (nextn.ops.fp8.BLOCK)
+                s_row = s_ptr + (k0 // 128) * stride_s
+                acc += _fp8_tile(w, x, s_row + offs_n // SCALE_ROWS, mask_n, x_dtype, DOT_F32)
+            elif DOT_F32:
                 acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, tl.trans(x), acc)
             if EPILOGUE == 2:
                 w2 = tl.load(w2_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-                if DOT_F32:
+                if FP8:
+                    s2_row = s2_ptr + (k0 // 128) * stride_s2
+                    acc2 += _fp8_tile(w2, x, s2_row + offs_n // SCALE_ROWS2, mask_n, x_dtype, DOT_F32)
+                elif DOT_F32:
                     acc2 = tl.dot(w2.to(tl.float32), tl.trans(x.to(tl.float32)), acc2, input_precision="ieee")
                 else:
                     acc2 = tl.dot(w2, tl.trans(x), acc2)
@@ -159,11 +192,21 @@ CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
     (12352, 4096): (128, 128, 8, 3, 2),  # GDN in_proj fused
     (248320, 4096): (128, 128, 4, 4, 1),  # lm_head
 }
+# the same for FP8 weights (BLOCK_K <= 128); a shape without an entry takes its bf16 config
+# with BLOCK_K capped at 128. `tune` fills it for the shapes a model runs in FP8.
+FP8_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
 NUM_SMS = 132  # H200; only sets how many programs a launch aims for
 
 
-def pick_config(N: int, K: int) -> tuple[int, int, int, int, int]:
-    """Block sizes from the weight's shape alone (never the row count: that keeps rows invariant)."""
+def pick_config(N: int, K: int, fp8: bool = False) -> tuple[int, int, int, int, int]:
+    """Block sizes from the weight's shape (and kind) alone (never the row count: that keeps rows
+    invariant)."""
+    if fp8:
+        cfg = FP8_CONFIGS.get((N, K))
+        if cfg is None:
+            block_n, block_k, warps, stages, split = pick_config(N, K)
+            cfg = (block_n, min(block_k, FP8_BLOCK), warps, stages, split)
+        return cfg
     cfg = CONFIGS.get((N, K))
     if cfg is None:
         block_k = min(256, max(16, next_pow2(K)))
@@ -181,29 +224,43 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def skinny_linear(
     x: torch.Tensor,  # [M, K], last dim contiguous
-    weight: torch.Tensor,  # [N, K] contiguous
+    weight: torch.Tensor | FP8Weight,  # [N, K] contiguous
     *,
     out: torch.Tensor | None = None,  # [M, N]
     out_dtype: torch.dtype | None = None,
     norm_weight: torch.Tensor | None = None,  # [K]: prologue RMSNorm(x) * (1 + w)
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,  # [M, N]: epilogue residual + y
-    up_weight: torch.Tensor | None = None,  # [N, K]: epilogue silu(y) * (x @ up_weight.T)
+    up_weight: torch.Tensor | FP8Weight | None = None,  # [N, K]: epilogue silu(y) * (x @ up_weight.T)
     config: tuple[int, int, int, int, int] | None = None,  # override (tuning)
 ) -> torch.Tensor:
+    fp8 = isinstance(weight, FP8Weight)
+    if up_weight is not None and isinstance(up_weight, FP8Weight) != fp8:
+        raise ValueError("skinny_linear: weight and up_weight must both be FP8 or neither")
+    scale = scale2 = None
+    rows = rows2 = 1
+    if fp8:
+        weight, scale, rows = weight
+        if up_weight is not None:
+            up_weight, scale2, rows2 = up_weight
     M, K = x.shape
     N = weight.shape[0]
     if M < 1:
         raise ValueError("skinny_linear takes at least one row")
     if weight.shape[1] != K or not weight.is_contiguous() or x.stride(1) != 1:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} / weight {tuple(weight.shape)} layout")
+    for s, r in ((scale, rows), (scale2, rows2)):
+        if s is not None and (s.shape != (-(-K // FP8_BLOCK), -(-N // r)) or (s.stride(1) != 1 and s.shape[1] > 1)):
+            raise ValueError(f"skinny_linear: FP8 scales {tuple(s.shape)} ({r} rows each) for weight {(N, K)}")
     if out is None:
         out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     prologue = 0 if norm_weight is None else 1
     epilogue = 1 if residual is not None else (2 if up_weight is not None else 0)
-    block_n, block_k, warps, stages, split = config or pick_config(N, K)
+    block_n, block_k, warps, stages, split = config or pick_config(N, K, fp8)
     if split > 1 and K % (split * block_k):
         raise ValueError(f"split {split} does not fit K={K}, BLOCK_K={block_k}")
+    if fp8 and FP8_BLOCK % block_k:
+        raise ValueError(f"FP8 weights take BLOCK_K dividing {FP8_BLOCK}, got {block_k}")
     dummy = weight
     part = count = dummy
     if split > 1:
@@ -213,6 +270,8 @@ def skinny_linear(
         x,
         weight,
         up_weight if up_weight is not None else dummy,
+        scale if scale is not None else dummy,
+        scale2 if scale2 is not None else dummy,
         out,
         residual if residual is not None else dummy,
         norm_weight if norm_weight is not None else dummy,
@@ -225,6 +284,8 @@ def skinny_linear(
         x.stride(0),
         out.stride(0),
         residual.stride(0) if residual is not None else 0,
+        scale.stride(0) if scale is not None else 0,
+        scale2.stride(0) if scale2 is not None else 0,
         eps,
         PROLOGUE=prologue,
         EPILOGUE=epilogue,
@@ -234,6 +295,9 @@ def skinny_linear(
         EVEN_K=K % block_k == 0,
         DOT_F32=interpreting() or x.dtype == torch.float32,
         SPLIT=split,
+        FP8=fp8,
+        SCALE_ROWS=rows,
+        SCALE_ROWS2=rows2,
         num_warps=warps,
         num_stages=stages,
     )
@@ -262,11 +326,20 @@ def _graph_us(launch, num_copies: int, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log=None) -> dict:
-    """Time block configs per weight shape (N, K, full-row norm prologue?, second weight?) at 1 and
-    9 rows, in CUDA graphs with the weights out of L2, and keep the best in CONFIGS (the default
-    heuristic's config is always a candidate). Run it before any step is captured: a shape's
-    config then stays fixed, so rows stay invariant."""
+# more candidates for FP8 weights: a [256, 128] e4m3 tile reads the bytes of a [128, 128] bf16 one
+FP8_CANDIDATES = [(256, 128, 8, 3, 1), (256, 128, 8, 3, 2), (128, 128, 8, 4, 1), (128, 128, 8, 3, 4)]
+
+
+def config_key(N: int, K: int, fp8: bool = False) -> str:
+    """The name of a weight shape (and kind) in tune's report."""
+    return f"{N}x{K}" + ("_fp8" if fp8 else "")
+
+
+def tune(shapes: list[tuple[int, int, bool, bool, bool]], device, candidates=None, log=None) -> dict:
+    """Time block configs per weight shape (N, K, full-row norm prologue?, second weight?, FP8?) at 1
+    and 9 rows, in CUDA graphs with the weights out of L2, and keep the best in CONFIGS (FP8_CONFIGS)
+    (the default heuristic's config is always a candidate). Run it before any step is captured: a
+    shape's config then stays fixed, so rows stay invariant."""
     candidates = list(
         candidates
         or [
@@ -286,27 +359,27 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
         ]
     )
     chosen = {}
-    merged: dict[tuple[int, int], tuple[bool, bool]] = {}
-    for N, K, norm, dual in shapes:  # one config per (N, K): tune the most demanding use
-        a, b = merged.get((N, K), (False, False))
-        merged[(N, K)] = (a or norm, b or dual)
+    merged: dict[tuple[int, int, bool], tuple[bool, bool]] = {}
+    for N, K, norm, dual, fp8 in shapes:  # one config per (N, K, kind): tune the most demanding use
+        a, b = merged.get((N, K, fp8), (False, False))
+        merged[(N, K, fp8)] = (a or norm, b or dual)
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
-    for (N, K), (norm, dual) in sorted(merged.items()):
-        table = CONFIGS.pop((N, K), None)
-        default = pick_config(N, K)
+    for (N, K, fp8), (norm, dual) in sorted(merged.items()):
+        table = (FP8_CONFIGS if fp8 else CONFIGS).pop((N, K), None)
+        default = pick_config(N, K, fp8)
         if table is not None and table not in candidates:
             candidates.append(table)
-        nbytes = N * K * 2 * (2 if dual else 1)
+        nbytes = N * K * (1 if fp8 else 2) * (2 if dual else 1)
         copies = max(1, min(8, -(-4 * l2_bytes // nbytes)))
-        ws = [torch.randn(N, K, device=device, dtype=torch.bfloat16) for _ in range(copies)]
-        w2s = [torch.randn(N, K, device=device, dtype=torch.bfloat16) for _ in range(copies)] if dual else None
+        ws = [_tune_weight(N, K, fp8, device) for _ in range(copies)]
+        w2s = [_tune_weight(N, K, fp8, device) for _ in range(copies)] if dual else None
         x = torch.randn(9, K, device=device, dtype=torch.bfloat16)
         nw = torch.zeros(K, device=device, dtype=torch.bfloat16) if norm else None
         reps = max(copies, min(200, int(2e11 // nbytes)))
         best = None
-        for cfg in [default] + [c for c in candidates if c != default]:
+        for cfg in [default] + [c for c in candidates + (FP8_CANDIDATES if fp8 else []) if c != default]:
             bn, bk, _, _, split = cfg
-            if (split > 1 and K % (split * bk)) or bk > K:
+            if (split > 1 and K % (split * bk)) or bk > K or (fp8 and FP8_BLOCK % bk):
                 continue
             times = []
             try:
@@ -323,13 +396,14 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
             except Exception as e:  # e.g. more shared memory than the chip has: not a candidate
                 torch.cuda.synchronize()
                 if log:
-                    log(f"tune {N}x{K} {cfg}: {type(e).__name__}")
+                    log(f"tune {config_key(N, K, fp8)} {cfg}: {type(e).__name__}")
                 continue
             score = times[0] + 0.25 * times[1]
             if best is None or score < best[0]:
                 best = (score, cfg, times[0], times[1])
-        CONFIGS[(N, K)] = best[1]
-        chosen[f"{N}x{K}"] = {
+        (FP8_CONFIGS if fp8 else CONFIGS)[(N, K)] = best[1]
+        key = config_key(N, K, fp8)
+        chosen[key] = {
             "config": list(best[1]),
             "default": list(default),
             "us_1row": best[2],
@@ -337,6 +411,11 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
             "GBps_1row": nbytes / (best[2] * 1e-6) / 1e9,
         }
         if log:
-            log(f"tune {N}x{K}: {best[1]} {chosen[f'{N}x{K}']['GBps_1row']:.0f} GB/s at 1 row ({best[2]:.1f} us)")
+            log(f"tune {key}: {best[1]} {chosen[key]['GBps_1row']:.0f} GB/s at 1 row ({best[2]:.1f} us)")
         ws = w2s = None  # free the copies before the next shape's
     return chosen
+
+
+def _tune_weight(N: int, K: int, fp8: bool, device) -> torch.Tensor | FP8Weight:
+    w = torch.randn(N, K, device=device, dtype=torch.bfloat16)
+    return quantize(w) if fp8 else w

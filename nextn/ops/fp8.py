@@ -1,0 +1,99 @@
+"""FP8 (e4m3) weights: nextn's layout of them, quantization into it, and the reference dequantization.
+
+nextn holds a quantized weight [N, K] as `weight` float8_e4m3fn [N, K] and `scale` float32
+[ceil(K / 128), N], the weight's value being weight[n, k] * scale[k // 128, n]: every row has its
+own scale per 128 columns. Both published layouts map onto it exactly (a 128x128 block's scale is
+repeated over the block's rows; a per-channel scale over the row's column blocks), and row blocks
+of several weights stay valid when concatenated, whatever their sizes (the fused projections, an
+expert's gate | up rows, Qwen3-Next's regrouped rows). The scales of a 128-column block are
+contiguous, so the skinny GEMM (nextn.ops.triton_linear) reads them as one vector per k-tile.
+The scales cost 4 bytes per 128 weights (3% over the e4m3 bytes).
+
+The reference path (the modules' forward: the CPU, prefill) dequantizes to the activations' dtype
+through float32 (`dequantize`); the step kernels read the e4m3 bytes, and where a weight's scales
+are the same over every aligned group of 128 rows (the block layouts, 128-row aligned projections)
+they read one scale per group (`compact_scales`: 4 bytes per 128x128 weights, not per 128).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 128  # columns per scale
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # the largest finite e4m3fn value
+
+
+class FP8Weight(NamedTuple):
+    """A quantized weight in nextn's layout, what the step kernels take in place of a tensor:
+    weight[n, k] * scale[k // 128, n // rows]."""
+
+    weight: torch.Tensor  # [N, K] float8_e4m3fn
+    scale: torch.Tensor  # [ceil(K / 128), ceil(N / rows)] float32, last dim contiguous
+    rows: int = 1  # rows per scale: 1 (nextn's layout), or 128 (compact_scales)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+
+def scale_shape(n: int, k: int) -> tuple[int, int]:
+    """The shape of nextn's scales for a weight [n, k]."""
+    return (-(-k // BLOCK), n)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight [..., N, K] e4m3, scale [..., ceil(K/128), N] -> [..., N, K] in dtype (products in float32)."""
+    *lead, n, k = weight.shape
+    kb = scale.shape[-2]
+    w = F.pad(weight.float(), (0, kb * BLOCK - k)).view(*lead, n, kb, BLOCK)
+    return (w * scale.transpose(-1, -2)[..., None]).view(*lead, n, kb * BLOCK)[..., :k].to(dtype)
+
+
+def quantize_blocks(w: torch.Tensor, block_n: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The publisher's block-wise FP8 of w [N, K]: (e4m3 [N, K], float32 scale [ceil(N/block_n),
+    ceil(K/128)]) with each block's scale amax / 448 (1 for an all-zero block), values w / scale
+    rounded to nearest."""
+    n, k = w.shape
+    nb, kb = -(-n // block_n), -(-k // BLOCK)
+    blocks = F.pad(w.float(), (0, kb * BLOCK - k, 0, nb * block_n - n)).view(nb, block_n, kb, BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))  # [nb, kb]
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q.view(nb * block_n, kb * BLOCK)[:n, :k].contiguous(), scale
+
+
+def block_scale(scale_inv: torch.Tensor, n: int, block_n: int) -> torch.Tensor:
+    """A block-wise checkpoint's `weight_scale_inv` [ceil(N/block_n), ceil(K/128)] -> nextn's scales."""
+    return scale_inv.float().repeat_interleave(block_n, dim=0)[:n].T.contiguous()
+
+
+def channel_scale(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """A compressed-tensors `weight_scale` per output channel [N, 1] (or per tensor, [1] / []) ->
+    nextn's scales."""
+    return scale.float().reshape(1, -1).expand(scale_shape(n, k)).contiguous()
+
+
+def compact(scale: torch.Tensor, rows: int = BLOCK) -> torch.Tensor | None:
+    """Scales [K blocks, N] with one column per `rows` columns, if every aligned group of `rows`
+    columns holds one value (else None)."""
+    kb, n = scale.shape
+    if n % rows:
+        return None
+    grouped = scale.view(kb, n // rows, rows)
+    return grouped[..., 0].contiguous() if torch.equal(grouped, grouped[..., :1].expand_as(grouped)) else None
+
+
+def compact_scales(w: FP8Weight, rows: int = BLOCK) -> FP8Weight:
+    """w with one scale per `rows` rows where that is the same weight, else w."""
+    scale = compact(w.scale, rows) if w.rows == 1 else None
+    return w if scale is None else FP8Weight(w.weight, scale, rows)
+
+
+def quantize(w: torch.Tensor) -> FP8Weight:
+    """w [N, K] -> its 128x128 block-wise FP8 in nextn's layout (what `quantization="fp8"` makes)."""
+    q, scale_inv = quantize_blocks(w)
+    return FP8Weight(q, block_scale(scale_inv, w.shape[0], BLOCK))

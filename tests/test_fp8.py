@@ -1,0 +1,468 @@
+"""FP8 weights: both published layouts load (the publisher's block-wise `quant_method: fp8` and
+compressed-tensors FP8 per channel), `quantization="fp8"` quantizes a bf16 checkpoint at load
+into the block layout, the reference path computes exactly what the dequantized model computes,
+the skinny GEMM reads e4m3 with its scales and keeps rows invariant, speculative output equals
+plain output, and what nextn does not load is an error that names it.
+
+Checkpoints are written by tests/hf_fixtures.py's own quantizer from the session's tiny
+checkpoints; "dequantized" is the float32 model an FP8 checkpoint stands for (each e4m3 value
+times its scale). On CPU the Triton kernels run under Triton's interpreter (triton_interp.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+
+import hf_fixtures as hf
+import pytest
+import torch
+import triton_interp  # noqa: F401  (before triton)
+from test_step import PROMPT, _prefilled, _step  # a prompt, a prefilled slot, an uncommitted trunk step
+
+import nextn
+from nextn import bench
+from nextn.cli import main
+from nextn.config import ConfigError, EngineConfig, QuantConfig
+from nextn.layers.ffn import FP8Experts
+from nextn.layers.linear import FP8Linear, Linear
+from nextn.models.loader import CheckpointError, fuse_weights, load_model, quantize_model
+from nextn.ops.fp8 import FP8Weight, block_scale, channel_scale, compact_scales, dequantize, quantize_blocks
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory, request):
+    """(source fixture, layout, quantize_mtp) -> that checkpoint in that FP8 layout (made once). A
+    "fitted" source's head is fitted again to the FP8 trunk (hf_fixtures.fit_fp8_mtp_head): FP8
+    changes the greedy continuations the bf16 fit memorised."""
+    made = {}
+
+    def make(src: str, layout: str, quantize_mtp: bool = False):
+        key = (src, layout, quantize_mtp)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"{src}_{layout}")
+            made[key] = hf.fp8_checkpoint(request.getfixturevalue(src), out, layout, quantize_mtp=quantize_mtp)
+            if "fitted" in src:
+                prompts = [list(p) for p in hf.FIT_PROMPTS]
+                hf.fit_fp8_mtp_head(made[key], prompts, tmp_path_factory.mktemp("fit"), quantize_mtp=quantize_mtp)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def dequantized(tmp_path_factory):
+    made = {}
+
+    def make(ckpt):
+        if ckpt not in made:
+            made[ckpt] = hf.dequantized_checkpoint(ckpt, tmp_path_factory.mktemp("dequantized"))
+        return made[ckpt]
+
+    return make
+
+
+def _fp8_weights(model) -> dict[str, torch.Tensor]:
+    """Every FP8 weight of the model, dequantized to float32, by module weight name."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FP8Linear):
+            out[f"{name}.weight"] = dequantize(m.weight, m.weight_scale, torch.float32)
+        elif isinstance(m, FP8Experts):
+            for p in ("gate_up_proj", "down_proj"):
+                out[f"{name}.{p}"] = dequantize(getattr(m, p), getattr(m, f"{p}_scale"), torch.float32)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# nextn's layout against the published ones
+
+
+def test_block_and_channel_scales_dequantize_like_their_layouts():
+    """Scales converted to nextn's layout dequantize to exactly what the publisher's formula gives
+    (blocks of 32 rows x 128 columns here, partial at both edges), and nextn's block quantizer
+    writes the bytes the fixtures' independent one writes."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(80, 300, generator=g) * torch.rand(80, 1, generator=g) * 3
+    q, scale_inv = hf._fp8_block(w, (32, 128))
+    expanded = scale_inv.repeat_interleave(32, 0).repeat_interleave(128, 1)[:80, :300]
+    assert torch.equal(dequantize(q, block_scale(scale_inv, 80, 32), torch.float32), q.float() * expanded)
+    ours_q, ours_scale = quantize_blocks(w, 32)
+    assert torch.equal(ours_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(ours_scale, scale_inv)
+    # e4m3 keeps 3 mantissa bits: within half an ulp (2^-4 relative), or half the smallest subnormal
+    err = (dequantize(q, block_scale(scale_inv, 80, 32), torch.float32) - w).abs()
+    assert (err <= 2**-4 * w.abs() + 2**-10 * expanded).all()
+    q, scale = hf._fp8_channel(w)
+    assert torch.equal(dequantize(q, channel_scale(scale, 80, 300), torch.float32), q.float() * scale.float())
+
+
+# ---------------------------------------------------------------------------------------------
+# the skinny GEMM over e4m3
+
+
+def _fp8_case(M, N, K, dtype, seed):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    w, w2 = (torch.randn(N, K, generator=g, device=DEVICE) * K**-0.5 for _ in range(2))
+    fp8 = [FP8Weight(q, block_scale(s, N, 128)) for q, s in (quantize_blocks(w), quantize_blocks(w2))]
+    x = torch.randn(M, K, generator=g, device=DEVICE).to(dtype)
+    res = torch.randn(M, N, generator=g, device=DEVICE).to(dtype)
+    nw = (torch.randn(K, generator=g, device=DEVICE) * 0.1).to(dtype)
+    return x, fp8[0], fp8[1], res, nw
+
+
+def _fp8_variants(x, w8, w28, res, nw):
+    """skinny_linear's kwargs and the reference (the weights dequantized, then F.linear) per fusion."""
+    from nextn.layers.norm import RMSNorm
+
+    F = torch.nn.functional
+    w, w2 = (dequantize(p.weight, p.scale, x.dtype) for p in (w8, w28))
+    norm = RMSNorm(x.shape[1]).to(DEVICE)
+    norm.weight.data = nw.float()
+    return {
+        "plain": (dict(), F.linear(x, w)),
+        "rms": (dict(norm_weight=nw), F.linear(norm.to(x.dtype)(x), w)),
+        "residual": (dict(residual=res), res + F.linear(x, w)),
+        "silu_mul": (dict(up_weight=w28), F.silu(F.linear(x, w)) * F.linear(x, w2)),
+    }
+
+
+def _close(out, ref, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:  # the reference rounds each dequantized weight to bf16, the kernel scales exact products
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err <= 4 * 2**-8 * max(1.0, ref.float().abs().max().item()), err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K", [(3, 40, 64), (2, 48, 256), (5, 24, 200)])
+def test_fp8_skinny_linear_matches_dequantized_reference(M, N, K, dtype):
+    """K = 256: two scale blocks per row; K = 200: a partial second block (masked k-tail)."""
+    from nextn.ops.triton_linear import skinny_linear
+
+    args = _fp8_case(M, N, K, dtype, seed=M * 100 + K)
+    for name, (kw, ref) in _fp8_variants(*args).items():
+        out = skinny_linear(args[0], args[1], **kw)
+        assert out.dtype == dtype, name
+        _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_fp8_skinny_linear_rows_do_not_depend_on_the_batch(split):
+    """A row of 37 (three 16-row tiles) equals that row alone, bitwise, in every fusion; split-K too."""
+    from nextn.ops.triton_linear import skinny_linear
+
+    x, w8, w28, res, nw = _fp8_case(37, 40, 256, torch.bfloat16, seed=split)
+    config = None if split == 1 else (16, 64, 4, 2, split)
+    for name, (kw, _) in _fp8_variants(x, w8, w28, res, nw).items():
+        full = skinny_linear(x, w8, config=config, **kw)
+        for m in (0, 5, 17, 36):
+            one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
+            assert torch.equal(skinny_linear(x[m : m + 1], w8, config=config, **one)[0], full[m]), (name, m)
+    with pytest.raises(ValueError, match="both be FP8"):
+        skinny_linear(x, w8, up_weight=dequantize(w28.weight, w28.scale, x.dtype))
+
+
+def test_fp8_compact_scales_compute_the_same_bits():
+    """One scale per 128 rows (what the step reads for 128-row blocks) gives the per-row layout's
+    results bitwise, in every fusion; per-channel scales do not compact."""
+    from nextn.ops.triton_linear import skinny_linear
+
+    x, w8, w28, res, nw = _fp8_case(5, 256, 200, torch.bfloat16, seed=3)
+    compact, compact2 = compact_scales(w8), compact_scales(w28)
+    assert compact.rows == 128 and compact.scale.shape == (2, 2)
+    for name, (kw, _) in _fp8_variants(x, w8, w28, res, nw).items():
+        kw_compact = dict(kw, up_weight=compact2) if "up_weight" in kw else kw
+        assert torch.equal(skinny_linear(x, compact, **kw_compact), skinny_linear(x, w8, **kw)), name
+    q, scale = hf._fp8_channel(torch.randn(256, 64))
+    assert compact_scales(FP8Weight(q, channel_scale(scale, 256, 64))).rows == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "N,K,kind",
+    [
+        (12288, 4096, "rms"),
+        (10240, 4096, "rms"),
+        (12288, 4096, "silu_mul"),
+        (4096, 4096, "residual"),
+        (4096, 12288, "residual"),
+    ],
+)
+def test_fp8_skinny_linear_9b_shapes_gpu(N, K, kind):
+    """Qwen3.5-9B's FP8 projections (GDN qkv|z, attention q|k|v, gate|up, o/out, down) with the scales
+    the step reads (one per 128x128 block), compiled: the reference, and 9 rows == each row alone."""
+    from nextn.ops.triton_linear import skinny_linear
+
+    x, w8, w28, res, nw = _fp8_case(9, N, K, torch.bfloat16, seed=N + K)
+    kw, ref = _fp8_variants(x, w8, w28, res, nw)[kind]
+    w8 = compact_scales(w8)
+    kw = dict(kw, up_weight=compact_scales(w28)) if "up_weight" in kw else kw
+    assert w8.rows == 128
+    out = skinny_linear(x, w8, **kw)
+    _close(out, ref, torch.bfloat16)
+    for m in (0, 3, 8):
+        one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
+        assert torch.equal(skinny_linear(x[m : m + 1], w8, **one)[0], out[m]), m
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+CASES = [
+    ("dense_fitted_ckpt", "block", True),
+    ("dense_fitted_ckpt", "channel", False),
+    ("moe_ckpt", "block", False),
+    ("moe_ckpt", "channel", False),
+    ("next_ckpt", "block", True),
+]
+
+
+@pytest.mark.parametrize("src,layout,quantize_mtp", CASES)
+def test_fp8_checkpoints_load(src, layout, quantize_mtp, fp8_ckpt, dequantized):
+    """The checkpoint's e4m3 weights load as FP8 modules whose dequantized weights are exactly the
+    dequantized checkpoint's (experts packed, Qwen3-Next rows regrouped, scales converted); what
+    it keeps unquantized stays in the model's dtype, equal too."""
+    ckpt = fp8_ckpt(src, layout, quantize_mtp)
+    model, ref = load_model(ckpt), load_model(dequantized(ckpt))
+    assert model.cfg.quantization.method == {"block": "fp8", "channel": "compressed-tensors"}[layout]
+    fp8 = _fp8_weights(model)
+    ref_state = ref.state_dict()
+    for name, w in fp8.items():
+        assert torch.equal(w, ref_state[name]), name
+    kept = {k: v for k, v in model.state_dict().items() if k not in fp8 and not k.endswith("_scale")}
+    assert kept.keys() == ref_state.keys() - fp8.keys()
+    for name, t in kept.items():
+        assert t.dtype == torch.float32 and torch.equal(t, ref_state[name]), name
+    layer0 = model.model.layers[0]
+    assert isinstance(
+        layer0.mlp.experts if src != "dense_fitted_ckpt" else layer0.mlp.gate_proj, FP8Linear | FP8Experts
+    )
+    gdn = layer0.linear_attn
+    assert isinstance(gdn.in_proj_qkvz if src == "next_ckpt" else gdn.in_proj_qkv, FP8Linear)
+    assert type(gdn.in_proj_ba if src == "next_ckpt" else gdn.in_proj_a) is Linear
+    assert isinstance(model.mtp.fc, FP8Linear) == quantize_mtp and type(model.lm_head_weight) is torch.nn.Parameter
+    assert model.lm_head_weight.dtype == torch.float32
+
+
+def _llm(ckpt, kernels="torch", dtype="float32", k=0, **kw):
+    return nextn.LLM(
+        model=ckpt, device=DEVICE, dtype=dtype, kernels=kernels, num_speculative_tokens=k, max_model_len=64, **kw
+    )
+
+
+def _greedy(llm, prompt=PROMPT, n=12):
+    params = nextn.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return llm.generate(prompt_token_ids=list(prompt), params=params)
+
+
+@pytest.mark.parametrize(
+    "src,layout,quantize_mtp",
+    [("dense_fitted_ckpt", "block", True), ("moe_ckpt", "channel", False), ("next_ckpt", "block", True)],
+)
+def test_greedy_equals_the_dequantized_model(src, layout, quantize_mtp, fp8_ckpt, dequantized):
+    """The reference path dequantizes: logits bitwise the float32 dequantized model's, greedy too."""
+    ckpt = fp8_ckpt(src, layout, quantize_mtp)
+    fp8, ref = _llm(ckpt), _llm(dequantized(ckpt))
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        logits = [m.logits(m.final_norm(m(ids))) for m in (fp8.model, ref.model)]
+    assert torch.equal(*logits)
+    assert _greedy(fp8).token_ids == _greedy(ref).token_ids
+
+
+@pytest.mark.parametrize(
+    "src,layout,quantize_mtp",
+    [("dense_fitted_ckpt", "block", True), ("dense_fitted_ckpt", "channel", False), ("moe_fitted_ckpt", "block", True)],
+)
+def test_greedy_spec_equals_plain_under_fp8(src, layout, quantize_mtp, fp8_ckpt):
+    """Reference path: K = 3 drafts (an FP8 or bf16 head) verified by the FP8 trunk emit plain greedy's
+    tokens; the fitted heads still get drafts accepted."""
+    ckpt = fp8_ckpt(src, layout, quantize_mtp)
+    plain = _greedy(_llm(ckpt, k=0), hf.FIT_PROMPTS[1])
+    spec = _greedy(_llm(ckpt, k=3), hf.FIT_PROMPTS[1])
+    assert spec.token_ids == plain.token_ids
+    assert spec.spec.num_drafted > 0 and spec.spec.num_accepted > 0
+
+
+@pytest.mark.parametrize("src", ["dense_ckpt", "moe_ckpt"])
+def test_quantization_fp8_at_load_is_the_block_layout(src, fp8_ckpt, request):
+    """quantization="fp8" on a bf16 checkpoint gives, bit for bit, the model of its 128x128 block
+    checkpoint (what the published FP8 checkpoints quantize: not lm_head, embeddings, norms, GDN
+    a/b, routers, shared-expert gates; mtp.* kept); quantize_model (the bench's random weights)
+    gives the same. An FP8 checkpoint loads as it is with or without the flag."""
+    at_load = load_model(request.getfixturevalue(src), quantization="fp8")
+    assert at_load.cfg.quantization == QuantConfig("fp8", (128, 128), at_load=True)
+    published = load_model(fp8_ckpt(src, "block")).state_dict()
+    in_memory = fuse_weights(quantize_model(load_model(request.getfixturevalue(src)))).state_dict()
+    state = at_load.state_dict()
+    assert state.keys() == published.keys() == in_memory.keys()
+    assert any(t.dtype == torch.float8_e4m3fn for t in state.values())
+    for name, t in state.items():
+        for other in (published, in_memory):
+            assert t.dtype == other[name].dtype and torch.equal(t.view(torch.uint8), other[name].view(torch.uint8)), (
+                name
+            )
+    channel = load_model(fp8_ckpt(src, "channel"), quantization="fp8")
+    assert channel.cfg.quantization.method == "compressed-tensors"
+
+
+# ---------------------------------------------------------------------------------------------
+# what nextn does not load
+
+
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "'gptq'"),
+        ({"quant_method": "awq", "bits": 4}, "'awq'"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'"),
+        ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
+        ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "e5m2"),
+        ({"quant_method": "fp8", "weight_block_size": [64, 64]}, r"\[64, 64\]"),
+        ({"quant_method": "fp8"}, "weight_block_size"),
+    ],
+)
+def test_unsupported_quantization_is_an_error_naming_it(config, match, dense_ckpt, tmp_path):
+    ckpt = tmp_path / "q"
+    shutil.copytree(dense_ckpt, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(dict(cfg, quantization_config=config)))
+    with pytest.raises(ConfigError, match=match):
+        load_model(ckpt)
+
+
+def test_unsupported_compressed_tensors_schemes_are_named():
+    base = hf._fp8_config("channel", (128, 128))
+    assert QuantConfig.from_hf(base) == QuantConfig("compressed-tensors")
+    group = base["config_groups"]["group_0"]
+    int4 = dict(group, weights=dict(group["weights"], num_bits=4, type="int"))
+    static = dict(group, input_activations=dict(group["input_activations"], dynamic=False))
+    for groups, match in ((int4, "4-bit int"), (static, "static input activation")):
+        with pytest.raises(ConfigError, match=match):
+            QuantConfig.from_hf(dict(base, config_groups={"group_0": groups}))
+    with pytest.raises(ConfigError, match="pack-quantized"):
+        QuantConfig.from_hf(dict(base, format="pack-quantized"))
+
+
+def test_unsupported_quantization_flag_is_named(dense_ckpt):
+    with pytest.raises(ValueError, match="'awq'"):
+        load_model(dense_ckpt, quantization="awq")
+    with pytest.raises(ValueError, match="'gptq'"):
+        nextn.LLM(model=dense_ckpt, device="cpu", quantization="gptq")
+    with pytest.raises(ValueError, match="'int8'"):
+        EngineConfig("m", quantization="int8")
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--quantization", "awq"])
+
+
+def _rewrite(src, dst, edit):
+    """A copy of checkpoint src with its tensors edited (edit(tensors) in place)."""
+    shutil.copytree(src, dst)
+    tensors = hf.read_tensors(dst)
+    edit(tensors)
+    hf.write_tensors(tensors, dst, None)
+    return dst
+
+
+def test_missing_or_misshaped_scales_are_errors_naming_them(fp8_ckpt, tmp_path):
+    ckpt = fp8_ckpt("dense_fitted_ckpt", "block", True)
+    key = "model.layers.0.linear_attn.in_proj_qkv.weight_scale_inv"
+    missing = _rewrite(ckpt, tmp_path / "missing", lambda t: t.pop(key))
+    with pytest.raises(CheckpointError, match=f"missing tensor {key}"):
+        load_model(missing)
+    shape = lambda t: t.update({key: torch.ones(3, 1)})  # noqa: E731
+    with pytest.raises(CheckpointError, match=rf"{key} has shape \[3, 1\], expected \[1, 1\]"):
+        load_model(_rewrite(ckpt, tmp_path / "shape", shape))
+    orphan = lambda t: t.update({"model.layers.0.input_layernorm.weight_scale_inv": torch.ones(1, 1)})  # noqa: E731
+    with pytest.raises(CheckpointError, match="is BF16|is F32"):
+        load_model(_rewrite(ckpt, tmp_path / "orphan", orphan))
+    head = fp8_ckpt("moe_ckpt", "block")  # an untied lm_head
+
+    def lm_head(t):
+        t["lm_head.weight"], t["lm_head.weight_scale_inv"] = hf._fp8_block(t["lm_head.weight"], (128, 128))
+
+    with pytest.raises(CheckpointError, match="quantizes lm_head"):
+        load_model(_rewrite(head, tmp_path / "head", lm_head))
+    no_config = tmp_path / "no_config"
+    shutil.copytree(ckpt, no_config)
+    cfg = json.loads((no_config / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (no_config / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="no quantization_config"):
+        load_model(no_config)
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused Triton step over FP8 weights
+
+
+@functools.lru_cache(maxsize=4)
+def _engine(ckpt, dtype, kernels="triton", k=3):
+    return _llm(ckpt, kernels=kernels, dtype=dtype, k=k, max_num_seqs=2).engine
+
+
+def test_triton_step_reads_fp8_and_matches_the_reference_step(fp8_ckpt):
+    ckpt = fp8_ckpt("dense_fitted_ckpt", "block", True)
+    ref, fast = _engine(ckpt, "float32", "torch"), _engine(ckpt, "float32")
+    gdn = fast.runner.step.layers[0]
+    assert [type(p) for p in gdn.in_proj] == [FP8Weight, torch.Tensor]  # FP8 qkv | z, bf16 b | a
+    assert isinstance(gdn.out_proj, FP8Weight) and isinstance(fast.runner.step.head_weights[2], FP8Weight)
+    assert gdn.mlp.gate.rows == 128 and gdn.in_proj[0].rows == 1  # 128-row blocks compact, 192 rows do not
+    outs = [_step(e, _prefilled(e, 0), [5, 77, 300]) for e in (ref, fast)]
+    for x, y in zip(*outs, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_step_fp8_verify_rows_equal_decode_rows_bitwise(fp8_ckpt):
+    """bf16: a verify of 4 tokens committing 3 == 3 single-token decodes (logits and hiddens)."""
+    engine = _engine(fp8_ckpt("dense_fitted_ckpt", "block", True), "bfloat16")
+    ids = [5, 77, 300, 12]
+    a, b = _prefilled(engine, 0), _prefilled(engine, 1)
+    verify_logits, verify_hidden = _step(engine, a, ids)
+    a.commit(3)
+    for t in range(3):
+        logits, hidden = _step(engine, b, ids[t : t + 1])
+        b.commit(1)
+        assert torch.equal(logits[0], verify_logits[t]) and torch.equal(hidden[0], verify_hidden[t]), t
+
+
+def test_triton_greedy_spec_equals_plain_under_fp8_bf16(fp8_ckpt):
+    """The fused step in bf16 with an FP8 trunk and head: K = 3 emits plain greedy's tokens."""
+    ckpt = fp8_ckpt("dense_fitted_ckpt", "block", True)
+    plain = _greedy(_llm(ckpt, "triton", "bfloat16", k=0), hf.FIT_PROMPTS[1], n=8)
+    spec = _greedy(_llm(ckpt, "triton", "bfloat16", k=3), hf.FIT_PROMPTS[1], n=8)
+    assert spec.token_ids == plain.token_ids and spec.spec.num_accepted > 0  # a partial accept among them
+
+
+def test_triton_step_refuses_fp8_moe(fp8_ckpt):
+    with pytest.raises(ValueError, match="FP8 MoE"):
+        _llm(fp8_ckpt("moe_ckpt", "block"), "triton")
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+
+
+def test_bench_random_preset_quantized_at_load(monkeypatch, tmp_path):
+    """`nextn bench --random-weights P --quantization fp8`: the random bf16 weights quantized into
+    the block layout, fewer weight bytes per token, spec == plain, `quantization` recorded."""
+    monkeypatch.setitem(bench.PRESETS, "tiny", hf.text_config("dense").to_dict())
+    plain, fp8 = (
+        bench.random_model("tiny", "cpu", "float32"),
+        bench.random_model("tiny", "cpu", "float32", quantization="fp8"),
+    )
+    assert isinstance(fp8.model.layers[0].linear_attn.in_proj_qkv, FP8Linear)
+    assert bench.weight_bytes_per_token(fp8) < 0.5 * bench.weight_bytes_per_token(plain)
+    out = tmp_path / "res.json"
+    argv = ["bench", "--random-weights", "tiny", "--quantization", "fp8", "--spec-k", "1", "--prompt-len", "8"]
+    assert main([*argv, "--gen-len", "6", "--repeats", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["quantization"] == "fp8" and res["quantization_config"]["weight_block_size"] == [128, 128]
+    assert res["spec_equals_plain"] == {"1": True}
