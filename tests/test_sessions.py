@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 import nextn
 
@@ -38,3 +39,23 @@ def test_resumed_and_rewound_sessions_equal_cold_runs_bf16(name, request):
 def test_prefill_mode_is_validated(dense_ckpt):
     with pytest.raises(ValueError, match="prefill"):
         nextn.LLM(model=dense_ckpt, prefill="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton step in CUDA graphs")
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_k=20, seed=7)])
+def test_resumed_equals_cold_on_the_gpu(dense_fitted_ckpt, sampling):
+    """The Triton path, greedy and seeded sampled: a 6-turn conversation (each turn the previous
+    prompt, the reply and new text) resumed from kept sessions emits what a cold engine emits,
+    drafts included (the head's catch-up runs the step's per-row arithmetic whatever the split)."""
+    kw = dict(model=dense_fitted_ckpt, device="cuda", dtype="bfloat16", num_speculative_tokens=3, prefill="steps")
+    warm, cold = nextn.LLM(**kw), nextn.LLM(**kw)
+    params = nextn.SamplingParams(max_tokens=24, ignore_eos=True, **sampling)
+    rng = random.Random(1)
+    prompt: list[int] = []
+    for _ in range(6):
+        prompt = prompt + [rng.randrange(340) for _ in range(rng.randrange(5, 40))]
+        resumed = warm.generate(prompt_token_ids=prompt, params=params, use_sessions=True)
+        assert resumed.token_ids == cold.generate(prompt_token_ids=prompt, params=params).token_ids
+        prompt = prompt + resumed.token_ids
+    assert resumed.cached_tokens > 0
