@@ -24,11 +24,11 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import hf_fixtures  # noqa: E402
-import uvicorn  # noqa: E402
 
 from nextn import LLM, SamplingParams  # noqa: E402
 from nextn.config import ServeConfig  # noqa: E402
-from nextn.server.app import create_app  # noqa: E402
+from nextn.server.app import GracefulServer, create_app  # noqa: E402
+from nextn.server.options import ServerOptions  # noqa: E402
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -37,12 +37,13 @@ GREEDY = {"temperature": 0.0}
 
 
 class LiveServer:
-    def __init__(self, llm: LLM, cfg: ServeConfig):
+    def __init__(self, llm: LLM, cfg: ServeConfig, opts: ServerOptions | None = None):
         self.llm = llm
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(llm, cfg), log_level="warning"))
+        self.app = create_app(llm, cfg, opts)
+        self.server = GracefulServer(self.app, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:
@@ -60,8 +61,15 @@ class LiveServer:
     def client(self, api_key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
 
+    def post(self, path: str, body, key: str = KEY, timeout: float = 30) -> httpx.Response:
+        """A raw POST: `body` as bytes as they are, or as JSON with non-ASCII escaped (so a lone
+        surrogate travels as the \\udXXX escape a client's encoder would write)."""
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        return httpx.post(f"{self.url}{path}", content=content, headers=headers, timeout=timeout)
+
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
         return {
             line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
@@ -368,7 +376,7 @@ def _open_stream(live: LiveServer, max_tokens: int) -> tuple[httpx.Client, conte
     )
 
 
-def _wait_for(cond, timeout: float = 20.0) -> bool:
+def wait_for(cond, timeout: float = 20.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
@@ -386,8 +394,8 @@ def test_disconnect_mid_stream_cancels_the_work(live, client):
         got = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data: ")]
         assert got and json.loads(got[-1][6:])["choices"][0]["finish_reason"] is None
     http.close()  # drop the connection mid-stream
-    assert _wait_for(lambda: live.metrics()["nextn:request_aborted_total"] == aborted + 1)
-    assert _wait_for(lambda: live.metrics()["nextn:num_requests_running"] == 0)
+    assert wait_for(lambda: live.metrics()["nextn:request_aborted_total"] == aborted + 1)
+    assert wait_for(lambda: live.metrics()["nextn:num_requests_running"] == 0)
     assert client.completions.create(model=MODEL, prompt="still there?", max_tokens=3, **GREEDY).choices
 
 
@@ -396,8 +404,8 @@ def test_disconnect_while_waiting_for_a_full_response_cancels_the_work(live):
     body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{live.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
-    assert _wait_for(lambda: live.metrics()["nextn:request_aborted_total"] == aborted + 1)
-    assert _wait_for(lambda: live.metrics()["nextn:num_requests_running"] == 0)
+    assert wait_for(lambda: live.metrics()["nextn:request_aborted_total"] == aborted + 1)
+    assert wait_for(lambda: live.metrics()["nextn:num_requests_running"] == 0)
 
 
 def test_a_full_queue_answers_503_at_once(dense_ckpt):
@@ -409,14 +417,14 @@ def test_a_full_queue_answers_503_at_once(dense_ckpt):
             lines_a = a.iter_lines()  # held: dropping the iterator would close the connection
             next(line for line in lines_a if line.startswith("data: "))  # A is running
             with stream_b:  # B is answered 200 at once and waits in the queue for its first token
-                assert _wait_for(lambda: srv.metrics()["nextn:num_requests_waiting"] == 1)
+                assert wait_for(lambda: srv.metrics()["nextn:num_requests_waiting"] == 1)
                 t0 = time.monotonic()
                 with pytest.raises(openai.InternalServerError) as info:
                     srv.client().completions.create(model=MODEL, prompt="C", max_tokens=2)
                 assert info.value.status_code == 503 and time.monotonic() - t0 < 5
         http_a.close()
         http_b.close()
-        assert _wait_for(
+        assert wait_for(
             lambda: (
                 srv.metrics()["nextn:num_requests_running"] == 0 and srv.metrics()["nextn:num_requests_waiting"] == 0
             )

@@ -1,23 +1,25 @@
 """`nextn serve`: the OpenAI-compatible HTTP routes on FastAPI + uvicorn.
 
-Owns request validation (every bad input is an OpenAI-shaped 400 before anything is queued),
-prompt building (the checkpoint's chat template), auth, error bodies, SSE streaming and the
-app's lifetime. Generation itself happens on the engine thread (worker.py); this module only
-submits jobs and formats what comes back.
+Owns the routes, error bodies, SSE streaming and the app's lifetime: the guard in front (API key
+and body size, before any parsing), a periodic throughput log line, and a graceful shutdown (on
+SIGTERM admission stops, open requests get `shutdown_timeout` seconds, then the rest are ended
+with a final error event). Every error is an OpenAI-shaped body; a 500 never carries internal
+exception text. Requests become prompts in prepare.py; generation happens on the engine thread
+(worker.py); this module only submits jobs and formats what comes back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import secrets
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
-import jinja2
-from fastapi import APIRouter, Depends, FastAPI, Request
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -26,37 +28,49 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nextn.config import ServeConfig
 from nextn.core import RequestOutput, SamplingParams
 from nextn.engine.llm import LLM, RequestError
-from nextn.engine.scheduler import QueueFull, common_prefix
+from nextn.engine.scheduler import QueueFull
 from nextn.server import protocol as P
-from nextn.server.metrics import Metrics
-from nextn.server.responses import SSE_DONE, LogprobFormatter, merge_completion_logprobs, sse, to_json, usage
-from nextn.server.worker import ClientGone, EngineWorker, Job
-from nextn.tokenizer import TokenizerError
+from nextn.server.guard import Guard
+from nextn.server.metrics import Metrics, ThroughputLog
+from nextn.server.options import ServerOptions
+from nextn.server.prepare import APIError, Prompts
+from nextn.server.responses import (
+    SSE_DONE,
+    LogprobFormatter,
+    merge_completion_logprobs,
+    sse,
+    stop_string_tail,
+    to_json,
+    usage,
+    validation_error,
+)
+from nextn.server.worker import ClientGone, EngineWorker, Job, Unavailable
 
 log = logging.getLogger("nextn.server")
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_BATCH = 64  # prompts in one (non-streamed) /v1/completions request
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+RETRY_AFTER_S = 1  # what a 503 for a full queue asks a client to wait
+# documented on every route instead of FastAPI's 422 (the server answers 400 for a bad body)
+ERROR_RESPONSES = {
+    status: {"model": P.ErrorResponse, "description": what}
+    for status, what in (
+        (400, "Invalid request: the message and `param` name the field"),
+        (401, "Missing or wrong API key"),
+        (413, "Request body larger than the server's limit"),
+        (503, "Engine full (with Retry-After), shutting down, or the engine stopped"),
+    )
+}
 
 
 def error_response(
-    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     body = P.ErrorResponse(error=P.ErrorInfo(message=message, type=type_, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 @dataclass
@@ -65,27 +79,13 @@ class Server:
 
     llm: LLM
     cfg: ServeConfig
+    opts: ServerOptions
     worker: EngineWorker
     metrics: Metrics
+    prompts: Prompts
     model_name: str
     created: int
     logprobs: LogprobFormatter
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, self.llm.model_name):
-            raise APIError(
-                400,
-                f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
-                param="model",
-                code="model_not_found",
-            )
-
-    def prompt_checks(self, prompt_ids: list[int], params: SamplingParams, param: str) -> None:
-        try:
-            self.llm.check_prompt(prompt_ids, params)
-        except RequestError as e:
-            too_long = len(prompt_ids) >= self.llm.config.max_model_len
-            raise APIError(400, str(e), param=param, code="context_length_exceeded" if too_long else None) from None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, checkpoint_at: int | None = None) -> Job:
         job = Job(prompt_ids, params, asyncio.get_running_loop(), checkpoint_at)
@@ -94,155 +94,32 @@ class Server:
         except QueueFull as e:
             self.metrics.rejected_request("queue_full")
             raise APIError(
-                503, f"The server is overloaded ({e}); retry later.", type_="server_error", code="server_overloaded"
+                503,
+                f"The server is overloaded ({e}); retry later.",
+                type_="server_error",
+                code="server_overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
             ) from None
+        except Unavailable as e:
+            self.metrics.rejected_request("unavailable")
+            raise unavailable(e) from None
         return job
 
 
-# ---------------------------------------------------------------------------------------------
-# Request -> prompt ids and sampling params
+def unavailable(e: Unavailable) -> APIError:
+    return APIError(503, f"{e}.", type_="server_error", code="service_unavailable")
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_len: int, param: str) -> int:
-    room = max_len - prompt_len
-    if requested is None:
-        return room
-    if requested > room:
-        raise APIError(
-            400,
-            f"'{param}' is too large: {requested}. This model's maximum context length is {max_len} tokens "
-            f"and your request has {prompt_len} input tokens ({requested} > {max_len} - {prompt_len}).",
-            param=param,
-            code="context_length_exceeded",
-        )
-    return requested
-
-
-def sampling_params(
-    req: P.SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
-) -> SamplingParams:
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=_or(req.temperature, 1.0),
-            top_k=max(0, _or(req.top_k, 0)),
-            top_p=_or(req.top_p, 1.0),
-            min_p=_or(req.min_p, 0.0),
-            repetition_penalty=_or(req.repetition_penalty, 1.0),
-            frequency_penalty=_or(req.frequency_penalty, 0.0),
-            presence_penalty=_or(req.presence_penalty, 0.0),
-            seed=req.seed,
-            ignore_eos=req.ignore_eos,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            stop=req.stop_list,
-        )
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-
-
-def _or(value, default):
-    return default if value is None else value
-
-
-def template_messages(messages: list[P.ChatMessage]) -> list[dict]:
-    out = []
-    for i, m in enumerate(messages):
-        if m.role not in CHAT_ROLES:
-            raise APIError(
-                400,
-                f"messages[{i}]: unknown role {m.role!r}; expected one of {', '.join(CHAT_ROLES)}",
-                param=f"messages[{i}].role",
-            )
-        d = m.model_dump(exclude_none=True)  # keeps name, tool_calls, tool_call_id, reasoning_content, ...
-        d["role"] = "system" if m.role == "developer" else m.role
-        d["content"] = _text_content(m.content, i)
-        out.append(d)
-    return out
-
-
-def _text_content(content, i: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type")
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise APIError(
-                400,
-                f"messages[{i}].content[{j}]: content type {kind!r} is not supported "
-                f"(this server takes text parts only)",
-                param=f"messages[{i}].content",
-            )
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def prepare_chat(srv: Server, req: P.ChatCompletionRequest) -> tuple[list[int], SamplingParams, int | None]:
-    """(prompt ids, params, session checkpoint position). Blocking (template rendering,
-    tokenizing): run it in a worker thread."""
-    srv.check_model(req.model)
-    if req.tool_choice not in (None, "auto", "none"):
-        raise APIError(400, "only tool_choice 'auto' or 'none' is supported", param="tool_choice")
-    if req.response_format and req.response_format.get("type") != "text":
-        raise APIError(400, "response_format other than 'text' is not supported yet", param="response_format")
-    kwargs = {
-        k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in ("messages", "add_generation_prompt")
-    }
-    if req.tools:
-        kwargs["tools"] = req.tools
-    messages = template_messages(req.messages)
-    tok = srv.llm.tokenizer
-    try:
-        prompt_ids = tok.encode(tok.apply_chat_template(messages, req.add_generation_prompt, **kwargs))
-        # the session checkpoint goes where the conversation ends and the generation prompt starts:
-        # the next turn re-renders this reply after that point, tokenized as the template pleases
-        checkpoint_at = None
-        if req.add_generation_prompt:
-            history_ids = tok.encode(tok.apply_chat_template(messages, False, **kwargs))
-            checkpoint_at = common_prefix(history_ids, prompt_ids)
-    except (TokenizerError, jinja2.TemplateError) as e:
-        raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-    srv.prompt_checks(prompt_ids, SamplingParams(), "messages")
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = resolve_max_tokens(requested, len(prompt_ids), srv.llm.config.max_model_len, param)
-    top = (req.top_logprobs or 0) if req.logprobs else None
-    return prompt_ids, sampling_params(req, max_tokens, top), checkpoint_at
-
-
-def prepare_completion(srv: Server, req: P.CompletionRequest) -> list[tuple[list[int], str | None, SamplingParams]]:
-    """(prompt ids, prompt text if given as text, params) per prompt of the batch."""
-    srv.check_model(req.model)
-    if req.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
-    p = req.prompt
-    prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
-    if len(prompts) > 1 and req.stream:
-        raise APIError(400, "a batch of prompts cannot be streamed", param="prompt")
-    if len(prompts) > MAX_BATCH:
-        raise APIError(400, f"at most {MAX_BATCH} prompts per request", param="prompt")
-    if req.echo and req.stream and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs cannot be streamed", param="echo")
-    out = []
-    for prompt in prompts:
-        ids = srv.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        srv.prompt_checks(ids, SamplingParams(), "prompt")
-        max_tokens = resolve_max_tokens(
-            req.max_tokens if req.max_tokens is not None else 16, len(ids), srv.llm.config.max_model_len, "max_tokens"
-        )
-        prompt_lp = req.logprobs if req.echo and req.logprobs is not None else None
-        out.append(
-            (
-                ids,
-                prompt if isinstance(prompt, str) else None,
-                sampling_params(req, max_tokens, req.logprobs, prompt_lp),
-            )
-        )
-    return out
+def stream_error(e: Exception) -> str:
+    """The final event of a stream that cannot finish (then [DONE], as vLLM does)."""
+    if isinstance(e, Unavailable):
+        info = P.ErrorInfo(message=f"{e}.", type="server_error", code="service_unavailable")
+    elif isinstance(e, RequestError):
+        info = P.ErrorInfo(message=str(e), type="invalid_request_error")
+    else:
+        log.error("stream failed", exc_info=e)
+        info = P.ErrorInfo(message="The server failed on this request.", type="server_error")
+    return f"data: {to_json(P.ErrorResponse(error=info))}\n\n{SSE_DONE}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,6 +135,8 @@ async def run_to_end(job: Job, request: Request | None) -> RequestOutput:
         raise RuntimeError("the engine ended a request without an output")
     except RequestError as e:  # the engine refused the prompt after all
         raise APIError(400, str(e)) from None
+    except Unavailable as e:
+        raise unavailable(e) from None
     finally:
         job.cancel()  # a no-op once the job is over; stops the work if this coroutine was cancelled
 
@@ -276,15 +155,24 @@ async def run_all(jobs: list[Job], request: Request) -> list[RequestOutput]:
     return [t.result() for t in tasks]
 
 
+def echo_prefix(req: P.ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the reply continues the last message when it is the assistant's."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant" or last.content is None:
+        return ""
+    return last.content if isinstance(last.content, str) else "".join(p.text or "" for p in last.content)
+
+
 async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Request) -> Response:
-    prompt_ids, params, checkpoint_at = await run_in_threadpool(prepare_chat, srv, req)
+    prompt_ids, params, checkpoint_at = await run_in_threadpool(srv.prompts.chat, req)
     job = srv.submit(prompt_ids, params, checkpoint_at)
     rid, created = P.new_id("chatcmpl"), P.now()
     if req.stream:
         return StreamingResponse(chat_stream(srv, req, job, rid, created), media_type="text/event-stream")
     out = await run_to_end(job, request)
+    text = echo_prefix(req) + out.text + _stop_tail(srv, req, out)
     choice = P.ChatChoice(
-        message=P.AssistantMessage(content=out.text),
+        message=P.AssistantMessage(content=text),
         finish_reason=out.finish_reason,
         logprobs=srv.logprobs.chat(out.logprobs) if out.logprobs is not None else None,
         token_ids=out.token_ids if req.return_token_ids else None,
@@ -296,8 +184,19 @@ async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Re
         choices=[choice],
         usage=usage([out], srv.llm.num_speculative_tokens),
         prompt_token_ids=prompt_ids if req.return_token_ids else None,
+        prompt_logprobs=_prompt_logprobs(srv, req, out),
     )
     return Response(to_json(resp), media_type="application/json")
+
+
+def _stop_tail(srv: Server, req: P.SamplingRequest, out: RequestOutput) -> str:
+    return stop_string_tail(srv.llm.tokenizer, out, req.stop_list) if req.include_stop_str_in_output else ""
+
+
+def _prompt_logprobs(srv: Server, req: P.SamplingRequest, out: RequestOutput):
+    if req.prompt_logprobs is None or out.prompt_logprobs is None:
+        return None
+    return srv.logprobs.prompt(out.prompt_logprobs, req.prompt_logprobs)
 
 
 async def chat_stream(
@@ -308,11 +207,12 @@ async def chat_stream(
         return sse(P.ChatCompletionChunk(id=rid, created=created, model=srv.model_name, choices=[choice]))
 
     try:
-        yield chunk(P.DeltaMessage(role="assistant", content=""))
+        yield chunk(P.DeltaMessage(role="assistant", content=echo_prefix(req)))
         async for ev in job.events():
-            if ev.text or ev.logprobs:
+            text = ev.text + (_stop_tail(srv, req, ev.output) if ev.output is not None else "")
+            if text or ev.logprobs:
                 yield chunk(
-                    P.DeltaMessage(content=ev.text),
+                    P.DeltaMessage(content=text),
                     logprobs=srv.logprobs.chat(ev.logprobs) if ev.logprobs is not None else None,
                     token_ids=ev.token_ids if req.return_token_ids else None,
                 )
@@ -330,14 +230,13 @@ async def chat_stream(
                     )
         yield SSE_DONE
     except Exception as e:  # the response has started: report in the stream
-        log.exception("stream failed")
-        yield f"data: {to_json(P.ErrorResponse(error=P.ErrorInfo(message=str(e), type='server_error')))}\n\n"
+        yield stream_error(e)
     finally:
         job.cancel()
 
 
 async def completion(srv: Server, req: P.CompletionRequest, request: Request) -> Response:
-    prepared = await run_in_threadpool(prepare_completion, srv, req)
+    prepared = await run_in_threadpool(srv.prompts.completion, req)
     jobs = []
     try:
         for ids, _, params in prepared:
@@ -382,14 +281,16 @@ def completion_choice(
     if req.logprobs is not None:
         logprobs = srv.logprobs.completion(out.logprobs, out.token_ids, len(prefix))
         if req.echo:
-            logprobs = merge_completion_logprobs(srv.logprobs.completion(out.prompt_logprobs, prompt_ids, 0), logprobs)
+            echoed = srv.logprobs.completion(out.prompt_logprobs, prompt_ids, 0, req.logprobs)
+            logprobs = merge_completion_logprobs(echoed, logprobs)
     return P.CompletionChoice(
         index=index,
-        text=prefix + out.text,
+        text=prefix + out.text + _stop_tail(srv, req, out),
         logprobs=logprobs,
         finish_reason=out.finish_reason,
         token_ids=out.token_ids if req.return_token_ids else None,
         prompt_token_ids=prompt_ids if req.return_token_ids else None,
+        prompt_logprobs=_prompt_logprobs(srv, req, out),
     )
 
 
@@ -413,12 +314,13 @@ async def completion_stream(
             offset = len(prefix)
             yield chunk(prefix, prompt_token_ids=prompt_ids if req.return_token_ids else None)
         async for ev in job.events():
-            if ev.text or ev.logprobs:
+            text = ev.text + (_stop_tail(srv, req, ev.output) if ev.output is not None else "")
+            if text or ev.logprobs:
                 lp = None
                 if ev.logprobs is not None:
                     lp = srv.logprobs.completion(ev.logprobs, ev.token_ids, offset)
-                offset += len(ev.text)
-                yield chunk(ev.text, logprobs=lp, token_ids=ev.token_ids if req.return_token_ids else None)
+                offset += len(text)
+                yield chunk(text, logprobs=lp, token_ids=ev.token_ids if req.return_token_ids else None)
             if ev.output is not None:
                 yield chunk("", finish_reason=ev.output.finish_reason)
                 if req.include_usage:
@@ -433,8 +335,7 @@ async def completion_stream(
                     )
         yield SSE_DONE
     except Exception as e:
-        log.exception("stream failed")
-        yield f"data: {to_json(P.ErrorResponse(error=P.ErrorInfo(message=str(e), type='server_error')))}\n\n"
+        yield stream_error(e)
     finally:
         job.cancel()
 
@@ -443,33 +344,53 @@ async def completion_stream(
 # The app
 
 
-def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
+def create_app(llm: LLM, cfg: ServeConfig, opts: ServerOptions | None = None) -> FastAPI:
+    opts = opts or ServerOptions()
     metrics = Metrics(llm.num_speculative_tokens)
     worker = EngineWorker(llm, cfg, metrics)
+    model_name = cfg.served_model_name or llm.model_name
     srv = Server(
-        llm, cfg, worker, metrics, cfg.served_model_name or llm.model_name, P.now(), LogprobFormatter(llm.tokenizer)
+        llm,
+        cfg,
+        opts,
+        worker,
+        metrics,
+        Prompts(llm, model_name),
+        model_name,
+        P.now(),
+        LogprobFormatter(llm.tokenizer),
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         worker.start()
+        ticker = asyncio.create_task(log_throughput(srv)) if opts.log_interval > 0 else None
         try:
             yield
         finally:
+            if ticker is not None:
+                ticker.cancel()
             await run_in_threadpool(worker.stop)
 
-    app = FastAPI(title="nextn", lifespan=lifespan)
+    app = FastAPI(title="nextn", lifespan=lifespan, version=nextn_version())
     app.state.server = srv
+    open_paths = {"/health"} | ({"/metrics"} if opts.metrics_open else set())
+    app.add_middleware(
+        Guard,
+        api_key=cfg.api_key,
+        max_request_bytes=opts.max_request_bytes,
+        open_paths=frozenset(open_paths),
+        on_reject=metrics.rejected_request,
+    )
+    add_routes(app, srv)
+    add_error_handlers(app, metrics)
+    document_errors(app)
+    return app
 
-    async def check_auth(request: Request) -> None:
-        if cfg.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        if not secrets.compare_digest(header.encode(), f"Bearer {cfg.api_key}".encode()):
-            metrics.rejected_request("unauthorized")
-            raise APIError(401, "Incorrect API key provided.", type_="authentication_error", code="invalid_api_key")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_auth)])
+def add_routes(app: FastAPI, srv: Server) -> None:
+    llm, worker, metrics = srv.llm, srv.worker, srv.metrics
+    v1 = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
     @v1.get("/models")
     async def models() -> P.ModelList:
@@ -487,10 +408,29 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
 
     app.include_router(v1)
 
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    async def tokenize(req: P.TokenizeRequest) -> P.TokenizeResponse:
+        ids = await run_in_threadpool(srv.prompts.tokenize, req)
+        strs = [llm.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
+        return P.TokenizeResponse(count=len(ids), max_model_len=llm.config.max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
+    async def detokenize(req: P.DetokenizeRequest) -> P.DetokenizeResponse:
+        srv.prompts.check_model(req.model)
+        vocab = llm.tokenizer.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
+        return P.DetokenizeResponse(prompt=llm.tokenizer.decode(req.tokens))
+
+    @app.get("/version")
+    async def version_route() -> dict[str, str]:
+        return {"version": nextn_version()}
+
     @app.get("/health")
     async def health() -> Response:
         if not worker.alive:
-            return error_response(503, "the engine thread is not running", "server_error")
+            return error_response(503, "The engine is not running.", "server_error", code="service_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -498,26 +438,27 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
         metrics.set_queue(worker.num_running, worker.num_waiting)
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+
+def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> Response:
         if e.status == 400:
             metrics.rejected_request("bad_request")
-        return error_response(e.status, e.message, e.type, e.param, e.code)
+        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> Response:
+    async def invalid_body(_: Request, e: RequestValidationError) -> Response:
         metrics.rejected_request("bad_request")
-        errors = e.errors()
-
-        def where(err) -> str:
-            return ".".join(str(x) for x in err["loc"] if x != "body")
-
-        parts = [f"{where(err)}: {err['msg']}" if where(err) else err["msg"] for err in errors]
-        param = (where(errors[0]) if errors else "") or None
-        return error_response(400, "; ".join(parts) or "invalid request", "invalid_request_error", param)
+        found = [validation_error(err) for err in e.errors()]
+        message = "; ".join(dict.fromkeys(f"{p}: {m}" if p else m for p, m in found)) or "invalid request"
+        param = max((p for p, _ in found), key=len, default="")  # the deepest: a union's matching member
+        return error_response(400, message, "invalid_request_error", param or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> Response:
+        if e.status_code >= 500:
+            log.error("HTTP %d: %s", e.status_code, e.detail)
+            return error_response(e.status_code, "The server failed on this request.", "server_error")
         return error_response(e.status_code, str(e.detail), "invalid_request_error")
 
     @app.exception_handler(ClientGone)
@@ -526,20 +467,78 @@ def create_app(llm: LLM, cfg: ServeConfig) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, e: Exception) -> Response:
-        log.exception("request failed")
-        return error_response(500, f"{type(e).__name__}: {e}", "server_error")
-
-    return app
+        log.error("request failed", exc_info=e)
+        return error_response(500, "The server failed on this request.", "server_error")
 
 
-def serve(llm: LLM, cfg: ServeConfig) -> int:
-    """Serve until interrupted (`nextn serve`: nextn.cli builds the LLM and the config)."""
-    import uvicorn
+def document_errors(app: FastAPI) -> None:
+    """The OpenAPI schema lists the 400 the server answers for a bad body, not FastAPI's 422."""
+    build = app.openapi
 
-    print(
-        f"nextn: serving {cfg.served_model_name or llm.model_name} on http://{cfg.host}:{cfg.port} "
-        f"(spec K={llm.num_speculative_tokens}, context {llm.config.max_model_len})",
-        file=sys.stderr,
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for route in schema.get("paths", {}).values():
+                for op in route.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def nextn_version() -> str:
+    try:
+        return version("nextn")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+async def log_throughput(srv: Server) -> None:
+    """One log line per interval while there is traffic: throughput, queue, draft acceptance."""
+    meter = ThroughputLog(srv.metrics)
+    while True:
+        await asyncio.sleep(srv.opts.log_interval)
+        line = meter.line(srv.worker.num_running, srv.worker.num_waiting)
+        if line is not None:
+            log.info(line)
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, with the worker drained first when it shuts down (SIGTERM/SIGINT or should_exit):
+    open requests get `shutdown_timeout` seconds, then end with an error (a stream: a final error
+    event), so the connections close and uvicorn's own wait returns."""
+
+    def __init__(self, app: FastAPI, **config):
+        self.srv: Server = app.state.server
+        timeout = self.srv.opts.shutdown_timeout
+        # uvicorn's own limit is a backstop: the worker ends every open request at `timeout`
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=int(timeout) + 3, **config))
+
+    async def shutdown(self, sockets=None) -> None:
+        self.srv.worker.drain(self.srv.opts.shutdown_timeout)
+        await super().shutdown(sockets)
+
+
+def serve(llm: LLM, cfg: ServeConfig, opts: ServerOptions | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (`nextn serve`: nextn.cli builds the LLM and the configs)."""
+    if not logging.getLogger().handlers:  # the caller set up no logging: INFO lines to stderr
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.info(
+        "serving %s on http://%s:%d (spec K=%d, context %d)",
+        cfg.served_model_name or llm.model_name,
+        cfg.host,
+        cfg.port,
+        llm.num_speculative_tokens,
+        llm.config.max_model_len,
     )
-    uvicorn.run(create_app(llm, cfg), host=cfg.host, port=cfg.port, log_level="info")
+    server = GracefulServer(create_app(llm, cfg, opts), host=cfg.host, port=cfg.port, log_level="info")
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
     return 0

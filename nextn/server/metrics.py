@@ -1,4 +1,5 @@
-"""Server metrics in the Prometheus text format (vLLM's names under the `nextn:` prefix).
+"""Server metrics in the Prometheus text format (vLLM's names under the `nextn:` prefix), and the
+periodic throughput/acceptance log line made from them.
 
 Owns the counters and histograms; the engine thread records into them (under one lock) and
 /metrics renders them. Session-store numbers are copied in by the engine thread, because the store
@@ -8,7 +9,8 @@ belongs to that thread. Does not know HTTP.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import astuple, dataclass, field
 
 from nextn.core import MAX_TRACKED_POSITIONS, RequestOutput
 from nextn.engine.scheduler import SessionCounters
@@ -48,6 +50,38 @@ class SessionSnapshot:
     counters: SessionCounters = field(default_factory=SessionCounters)  # a copy of the store's
     num_states: int = 0
     memory_bytes: int = 0
+
+
+@dataclass
+class Totals:
+    prompt_tokens: int
+    generation_tokens: int
+    num_drafts: int
+    num_accepted_tokens: int
+
+
+class ThroughputLog:
+    """The log line of an interval: tokens per second and draft acceptance since the last line."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self.last, self.t = metrics.totals(), time.monotonic()
+
+    def line(self, running: int, waiting: int) -> str | None:
+        """None when nothing ran and nothing waits (an idle server logs nothing)."""
+        now, cur = time.monotonic(), self.metrics.totals()
+        d = Totals(*(a - b for a, b in zip(astuple(cur), astuple(self.last), strict=True)))
+        dt = max(now - self.t, 1e-9)
+        self.last, self.t = cur, now
+        if not any(astuple(d)) and not running and not waiting:
+            return None
+        line = (
+            f"running {running}, waiting {waiting}; prompt {d.prompt_tokens / dt:.1f} tok/s, "
+            f"generation {d.generation_tokens / dt:.1f} tok/s"
+        )
+        if d.num_drafts:
+            line += f"; mean acceptance length {1 + d.num_accepted_tokens / d.num_drafts:.2f}"
+        return line
 
 
 class Metrics:
@@ -114,6 +148,10 @@ class Metrics:
     def set_sessions(self, snap: SessionSnapshot) -> None:
         with self._lock:
             self.sessions = snap
+
+    def totals(self) -> Totals:
+        with self._lock:
+            return Totals(self.prompt_tokens, self.generation_tokens, self.num_drafts, self.num_accepted_tokens)
 
     def set_queue(self, running: int, waiting: int) -> None:
         with self._lock:

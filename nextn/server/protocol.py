@@ -1,20 +1,55 @@
 """The OpenAI wire format: pydantic models of the requests nextn accepts and the responses it sends.
 
 Requests are permissive (unknown fields are kept, not refused: OpenAI clients send many) but
-range-checked, so a bad value is a 400 before anything is queued. Responses carry nextn's extras
-(`usage.spec_decode`, vLLM's `top_k`/`min_p`/`repetition_penalty`/`ignore_eos`/`stop_token_ids`/
-`return_token_ids`) beside the standard fields. Does not know the engine.
+typed and range-checked wherever a value reaches the chat template, the tokenizer or the engine,
+so a bad value is a 400 naming its field before anything is queued. Text with a lone UTF-16
+surrogate (JSON allows "\ud800"; no tokenizer or UTF-8 encoder does) is refused, not replaced.
+Responses carry nextn's extras (`usage.spec_decode`, vLLM's `top_k`/`min_p`/`repetition_penalty`/
+`ignore_eos`/`stop_token_ids`/`return_token_ids`/`prompt_logprobs`) beside the standard fields.
+Does not know the engine.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 MAX_LOGPROBS = 20
+INT32_MAX = 2**31 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class FieldError(ValueError):
+    """A validation error that knows the request field it is about (the 400's `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param, self.message = param, message  # param: relative to where pydantic raised it
+
+
+def lone_surrogate_path(body: Any) -> str | None:
+    """The path of the first string (value or key) in a parsed JSON body that holds a lone UTF-16
+    surrogate, or None. Iterative: a deeply nested body must not exhaust the stack here."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, obj = stack.pop()
+        if isinstance(obj, str):
+            if _SURROGATE.search(obj):
+                return path or "body"
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                name = k.encode("utf-8", "backslashreplace").decode() if isinstance(k, str) else str(k)
+                key = f"{path}.{name}" if path else name
+                if isinstance(k, str) and _SURROGATE.search(k):
+                    return key
+                stack.append((key, v))
+        elif isinstance(obj, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    return None
 
 
 class OpenAIModel(BaseModel):
@@ -25,16 +60,57 @@ class OpenAIModel(BaseModel):
 # Requests
 
 
+class RequestModel(OpenAIModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, body):
+        path = lone_surrogate_path(body)
+        if path is not None:
+            raise FieldError(path, "text holds a lone UTF-16 surrogate (not valid Unicode); send UTF-8 text")
+        return body
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; some clients an object
+
+
+class ToolCall(OpenAIModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ContentPart(OpenAIModel):
+    type: str  # only "text" is rendered (app.py names the part otherwise)
+    text: str | None = None
+
+
 class ChatMessage(OpenAIModel):
     role: str  # checked against the roles nextn renders (app.py), so the error names the message
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestModel):
     """Fields /v1/chat/completions and /v1/completions share."""
 
     model: str | None = None
@@ -42,20 +118,26 @@ class SamplingRequest(OpenAIModel):
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # vLLM's extra; 0 or -1 = off
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # vLLM's extra; 0 or -1 = off
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     ignore_eos: bool = False
     n: int | None = Field(None, ge=1, le=1)  # one choice per request
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False  # vLLM's extra: the prompt's and the output's token ids
+    # vLLM's extras nextn implements (the server, on the engine's output)
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's extras nextn accepts only at their defaults (app.py answers 400 naming the field)
+    skip_special_tokens: bool = True
+    min_tokens: int = Field(0, ge=0)
 
     @field_validator("stop")
     @classmethod
@@ -76,16 +158,41 @@ class SamplingRequest(OpenAIModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateFields(RequestModel):
+    """What the chat template is rendered with, besides the messages (chat completions and /tokenize)."""
+
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        """The server sets `messages` and `add_generation_prompt`; `tools` must be typed as the field is."""
+        for key in ("messages", "add_generation_prompt"):
+            if v and key in v:
+                raise FieldError(key, "is set by the server; use the request field")
+        if v and "tools" in v:
+            try:
+                v = {**v, "tools": [t.model_dump(exclude_none=True) for t in _TOOLS.validate_python(v["tools"])]}
+            except ValidationError as e:
+                err = e.errors()[0]
+                where = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in err["loc"])
+                raise FieldError(f"tools{where}", err["msg"]) from None
+        return v
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    echo: bool = False  # vLLM's: the reply starts with the last message's content when it is the assistant's
+
+
+_TOOLS = TypeAdapter(list[Tool])
 
 
 class CompletionRequest(SamplingRequest):
@@ -95,6 +202,26 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=1)
     suffix: str | None = None
+
+
+class TokenizeRequest(ChatTemplateFields):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise FieldError("prompt", "give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,6 +296,7 @@ class ChatCompletionResponse(OpenAIModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class DeltaMessage(OpenAIModel):
@@ -207,6 +335,7 @@ class CompletionChoice(OpenAIModel):
     finish_reason: str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -216,6 +345,25 @@ class CompletionResponse(OpenAIModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str
+
+
+class PromptLogprob(OpenAIModel):
+    """vLLM's prompt_logprobs entry (one per listed token id)."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely; None when outside the top listed
+    decoded_token: str
 
 
 class ModelCard(OpenAIModel):

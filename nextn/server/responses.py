@@ -5,6 +5,7 @@ completions shapes, full responses and SSE chunks. Does not know HTTP routing or
 from __future__ import annotations
 
 import json
+import re
 
 from pydantic import BaseModel
 
@@ -37,6 +38,33 @@ def _drop_unset_extras(obj, in_delta: bool = False):
     if isinstance(obj, list):
         return [_drop_unset_extras(v) for v in obj]
     return obj
+
+
+def stop_string_tail(tokenizer: Tokenizer, out: RequestOutput, stops: tuple[str, ...]) -> str:
+    """The stop string that ended `out` (vLLM's include_stop_str_in_output), or "". The engine cuts
+    the text before the first stop string and keeps the tokens up to the one completing it, so the
+    stop string starts the rest of their decoded text (the shortest one, when several start there)."""
+    if out.finish_reason != "stop" or not stops:
+        return ""
+    rest = tokenizer.decode(out.token_ids)[len(out.text) :]
+    return min((s for s in stops if rest.startswith(s)), key=len, default="")
+
+
+# pydantic's loc entries that name a member of a union type, not a field ("str", "list[int]", ...)
+_UNION_MEMBER = re.compile(r"(str|int|float|bool|none|list|dict)|[\w-]+\[.*\]")
+
+
+def validation_error(err: dict) -> tuple[str, str]:
+    """(the request field a pydantic error is about, as "messages[0].content"; its message)."""
+    loc = _path([x for x in err["loc"] if x != "body" and not (isinstance(x, str) and _UNION_MEMBER.fullmatch(x))])
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, P.FieldError):
+        return (f"{loc}.{cause.param}" if loc else cause.param), cause.message
+    return loc, err["msg"]
+
+
+def _path(loc: list) -> str:
+    return "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).removeprefix(".")
 
 
 def spec_usage(stats: SpecStats, num_speculative_tokens: int) -> P.SpecDecodeUsage | None:
@@ -83,10 +111,13 @@ def _byte_level_alphabet() -> dict[str, int]:
     return chars
 
 
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+
+
 class LogprobFormatter:
     """Token logprob entries ({"token_id", "logprob", "top_logprobs": [(id, lp)]}) as OpenAI JSON."""
 
-    _alphabet = _byte_level_alphabet()
+    _alphabet = BYTE_LEVEL_ALPHABET
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -114,8 +145,29 @@ class LogprobFormatter:
         ]
         return P.ChoiceLogprobs(content=content)
 
-    def completion(self, entries: list[dict | None], token_ids: list[int], offset: int) -> P.CompletionLogprobs:
-        """`entries[i]` is token_ids[i]'s (None for a first prompt token); offsets start at `offset`."""
+    def prompt(self, entries: list[dict | None], n: int) -> list[dict[int, P.PromptLogprob] | None]:
+        """vLLM's prompt_logprobs: per prompt token, {token id: entry} for the token and the top `n`."""
+        out: list[dict[int, P.PromptLogprob] | None] = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            tops = e["top_logprobs"][:n]
+            ranked = {
+                tid: P.PromptLogprob(logprob=lp, rank=r, decoded_token=self.token(tid))
+                for r, (tid, lp) in enumerate(tops, 1)
+            }
+            chosen = e["token_id"]
+            if chosen not in ranked:
+                ranked = {chosen: P.PromptLogprob(logprob=e["logprob"], decoded_token=self.token(chosen)), **ranked}
+            out.append(ranked)
+        return out
+
+    def completion(
+        self, entries: list[dict | None], token_ids: list[int], offset: int, n: int | None = None
+    ) -> P.CompletionLogprobs:
+        """`entries[i]` is token_ids[i]'s (None for a first prompt token); offsets start at `offset`;
+        at most `n` top entries each (all given when None)."""
         out = P.CompletionLogprobs()
         for tid, e in zip(token_ids, entries, strict=True):
             s = self.token(tid)
@@ -128,7 +180,7 @@ class LogprobFormatter:
                 continue
             out.token_logprobs.append(e["logprob"])
             tops: dict[str, float] = {}
-            for t, lp in e["top_logprobs"]:  # most likely first: tokens sharing a text keep the best
+            for t, lp in e["top_logprobs"][:n]:  # most likely first: tokens sharing a text keep the best
                 tops.setdefault(self.token(t), lp)
             tops.setdefault(s, e["logprob"])  # the chosen token is always listed (vLLM does the same)
             out.top_logprobs.append(tops)

@@ -1,0 +1,22 @@
+"""Settings of the HTTP layer's limits and lifetime (`nextn serve` flags beside nextn.config.ServeConfig,
+which holds the address, the key, the model name and the queue)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    max_request_bytes: int = 16 * 2**20  # a larger body is answered 413 before it is read
+    shutdown_timeout: float = 10.0  # seconds open requests get after SIGTERM before they are ended
+    metrics_open: bool = False  # /metrics answers without the API key (for scrapers)
+    log_interval: float = 10.0  # seconds between throughput/acceptance log lines while serving; 0 = none
+
+    def __post_init__(self):
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.log_interval < 0:
+            raise ValueError(f"log_interval must be >= 0, got {self.log_interval}")

@@ -1,0 +1,288 @@
+"""Requests -> prompt token ids and engine sampling params: model name, chat template rendering,
+tokenizing, length and field checks. Every refusal is an `APIError` (a 4xx naming the field);
+template and tokenizer failures are refused with a fixed message, never their internal text.
+
+A prompt too long for the context is refused on its characters before it is tokenized: a token
+covers at most `max_chars_per_token` characters of (NFC-normalised) text, a bound read from the
+vocabulary once. Blocking (rendering, tokenizing): the routes run these in a worker thread. Does
+not know HTTP or the engine thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import unicodedata
+
+from nextn.core import SamplingParams
+from nextn.engine.llm import LLM, RequestError
+from nextn.engine.scheduler import common_prefix
+from nextn.server import protocol as P
+from nextn.server.responses import BYTE_LEVEL_ALPHABET
+from nextn.tokenizer import Tokenizer, TokenizerError
+
+log = logging.getLogger("nextn.server")
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_BATCH = 64  # prompts in one (non-streamed) /v1/completions request
+# vLLM request fields nextn does not implement: set to anything but these values, they are a 400
+UNSUPPORTED_EXTRAS = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "truncate_prompt_tokens": None,
+    "bad_words": None,
+    "allowed_token_ids": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "structured_outputs": None,
+    "continue_final_message": False,
+    "documents": None,
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+
+def max_chars_per_token(tok: Tokenizer) -> int:
+    """The most characters one token can cover: a byte-level piece covers at most its lead
+    (non-continuation) bytes; any other piece (added tokens) at most its length."""
+    most = 1
+    for i in range(tok.vocab_size):
+        piece = tok.id_to_token(i) or ""
+        if all(c in BYTE_LEVEL_ALPHABET for c in piece):
+            n = sum(BYTE_LEVEL_ALPHABET[c] & 0xC0 != 0x80 for c in piece)
+        else:
+            n = len(piece)
+        most = max(most, n)
+    return most
+
+
+class Prompts:
+    def __init__(self, llm: LLM, model_name: str):
+        self.llm, self.tok, self.model_name = llm, llm.tokenizer, model_name
+        self.max_len = llm.config.max_model_len
+        self.max_chars = self.max_len * max_chars_per_token(self.tok)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.model_name, self.llm.model_name):
+            raise APIError(
+                400,
+                f"The model `{name[:100]}` does not exist; this server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def encode(self, text: str, param: str) -> list[int]:
+        """Tokenize, after the character bound says the text may fit the context."""
+        if len(text) > self.max_chars and len(unicodedata.normalize("NFC", text)) > self.max_chars:
+            raise APIError(
+                400,
+                f"'{param}' has {len(text)} characters: more than this model's context of {self.max_len} tokens "
+                f"can hold ({self.max_chars} characters at most).",
+                param=param,
+                code="context_length_exceeded",
+            )
+        try:
+            return self.tok.encode(text)
+        except Exception:
+            log.info("tokenizer failed on %s", param, exc_info=True)
+            raise APIError(400, f"'{param}' cannot be tokenized", param=param) from None
+
+    def check(self, prompt_ids: list[int], param: str) -> None:
+        try:
+            self.llm.check_prompt(prompt_ids, SamplingParams())
+        except RequestError as e:
+            too_long = len(prompt_ids) >= self.max_len
+            raise APIError(400, str(e), param=param, code="context_length_exceeded" if too_long else None) from None
+
+    # --- chat
+
+    def render(self, messages: list[P.ChatMessage], req: P.ChatTemplateFields, add_generation_prompt: bool) -> str:
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        try:
+            return self.tok.apply_chat_template(template_messages(messages), add_generation_prompt, **kwargs)
+        except APIError:
+            raise
+        except TokenizerError as e:  # the template's own raise_exception: written for users
+            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+        except Exception:
+            log.info("chat template failed", exc_info=True)
+            raise APIError(
+                400,
+                "the chat template cannot render these messages (check the types in messages, tools and "
+                "chat_template_kwargs)",
+                param="messages",
+            ) from None
+
+    def chat_ids(self, req: P.ChatTemplateFields, messages: list[P.ChatMessage]) -> tuple[list[int], int | None]:
+        """(prompt ids, session checkpoint position): the checkpoint goes where the conversation ends
+        and the generation prompt starts, since the next turn re-renders this reply after that point."""
+        prompt_ids = self.encode(self.render(messages, req, req.add_generation_prompt), "messages")
+        checkpoint_at = None
+        if req.add_generation_prompt:
+            history_ids = self.encode(self.render(messages, req, False), "messages")
+            checkpoint_at = common_prefix(history_ids, prompt_ids)
+        return prompt_ids, checkpoint_at
+
+    def chat(self, req: P.ChatCompletionRequest) -> tuple[list[int], SamplingParams, int | None]:
+        """(prompt ids, params, session checkpoint position)."""
+        self.check_model(req.model)
+        check_extras(req)
+        if req.tool_choice not in (None, "auto", "none"):
+            raise APIError(400, "only tool_choice 'auto' or 'none' is supported", param="tool_choice")
+        if req.response_format and req.response_format.get("type") != "text":
+            raise APIError(400, "response_format other than 'text' is not supported yet", param="response_format")
+        prompt_ids, checkpoint_at = self.chat_ids(req, req.messages)
+        self.check(prompt_ids, "messages")
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = resolve_max_tokens(requested, len(prompt_ids), self.max_len, param)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        return prompt_ids, sampling_params(req, max_tokens, top, req.prompt_logprobs), checkpoint_at
+
+    # --- completions
+
+    def completion(self, req: P.CompletionRequest) -> list[tuple[list[int], str | None, SamplingParams]]:
+        """(prompt ids, prompt text if given as text, params) per prompt of the batch."""
+        self.check_model(req.model)
+        check_extras(req)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        p = req.prompt
+        prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
+        if len(prompts) > 1 and req.stream:
+            raise APIError(400, "a batch of prompts cannot be streamed", param="prompt")
+        if len(prompts) > MAX_BATCH:
+            raise APIError(400, f"at most {MAX_BATCH} prompts per request", param="prompt")
+        if req.echo and req.stream and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs cannot be streamed", param="echo")
+        # echo with logprobs lists the prompt's logprobs too: the engine computes the larger top count
+        echo_lp = req.logprobs if req.echo else None
+        wanted = [n for n in (req.prompt_logprobs, echo_lp) if n is not None]
+        prompt_lp = max(wanted) if wanted else None
+        out = []
+        for prompt in prompts:
+            ids = self.encode(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
+            self.check(ids, "prompt")
+            requested = req.max_tokens if req.max_tokens is not None else 16
+            max_tokens = resolve_max_tokens(requested, len(ids), self.max_len, "max_tokens")
+            params = sampling_params(req, max_tokens, req.logprobs, prompt_lp)
+            out.append((ids, prompt if isinstance(prompt, str) else None, params))
+        return out
+
+    # --- /tokenize
+
+    def tokenize(self, req: P.TokenizeRequest) -> list[int]:
+        self.check_model(req.model)
+        if req.messages is not None:
+            return self.encode(self.render(req.messages, req, req.add_generation_prompt), "messages")
+        return self.encode(req.prompt, "prompt")
+
+
+def check_extras(req: P.SamplingRequest) -> None:
+    """vLLM fields nextn does not implement are refused, not silently ignored."""
+    extras = req.model_extra or {}
+    for name, default in UNSUPPORTED_EXTRAS.items():
+        if extras.get(name) not in (default, None, [], {}):
+            raise APIError(400, f"'{name}' is not supported by this server", param=name)
+    if not req.skip_special_tokens:
+        raise APIError(
+            400, "skip_special_tokens=false is not supported: output text skips them", param="skip_special_tokens"
+        )
+    if req.min_tokens and "min_tokens" not in {f.name for f in dataclasses.fields(SamplingParams)}:
+        raise APIError(400, "min_tokens is not supported by this server", param="min_tokens")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs cannot be streamed", param="prompt_logprobs")
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_len: int, param: str) -> int:
+    room = max_len - prompt_len
+    if requested is None:
+        return room
+    if requested > room:
+        raise APIError(
+            400,
+            f"'{param}' is too large: {requested}. This model's maximum context length is {max_len} tokens "
+            f"and your request has {prompt_len} input tokens ({requested} > {max_len} - {prompt_len}).",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def sampling_params(
+    req: P.SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_or(req.temperature, 1.0),
+            top_k=max(0, _or(req.top_k, 0)),
+            top_p=_or(req.top_p, 1.0),
+            min_p=_or(req.min_p, 0.0),
+            repetition_penalty=_or(req.repetition_penalty, 1.0),
+            frequency_penalty=_or(req.frequency_penalty, 0.0),
+            presence_penalty=_or(req.presence_penalty, 0.0),
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            stop=req.stop_list,
+        )
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def template_messages(messages: list[P.ChatMessage]) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise APIError(
+                400,
+                f"messages[{i}]: unknown role {m.role[:50]!r}; expected one of {', '.join(CHAT_ROLES)}",
+                param=f"messages[{i}].role",
+            )
+        d = m.model_dump(exclude_none=True)  # keeps name, tool_calls, tool_call_id, reasoning_content, ...
+        d["role"] = "system" if m.role == "developer" else m.role
+        d["content"] = _text_content(m.content, i)
+        out.append(d)
+    return out
+
+
+def _text_content(content: str | list[P.ContentPart] | None, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise APIError(
+                400,
+                f"messages[{i}].content[{j}]: content type {part.type[:50]!r} is not supported "
+                f"(this server takes text parts only)",
+                param=f"messages[{i}].content[{j}]",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)

@@ -1,0 +1,146 @@
+"""vLLM's server habits in `nextn serve`: /tokenize, /detokenize, /version, and the vLLM request
+fields, each implemented (include_stop_str_in_output, chat echo, prompt_logprobs) or refused with
+a 400 naming it (never silently ignored). A real uvicorn server on loopback over the tiny dense
+checkpoint, driven by raw httpx; greedy throughout.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from test_server import KEY, MODEL, LiveServer, user  # noqa: E402
+
+from nextn import LLM  # noqa: E402
+from nextn.config import ServeConfig  # noqa: E402
+from nextn.server.app import nextn_version  # noqa: E402
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+CFG = ServeConfig(api_key=KEY, served_model_name=MODEL)
+
+
+@pytest.fixture(scope="module")
+def llm(dense_ckpt) -> LLM:
+    return LLM(model=dense_ckpt, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def live(llm):
+    with LiveServer(llm, CFG) as srv:
+        yield srv
+
+
+def ok(r: httpx.Response) -> dict:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sse_events(r: httpx.Response) -> list[dict]:
+    assert r.status_code == 200, r.text
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_tokenize_detokenize_version(live, llm):
+    tok = llm.tokenizer
+    text = "Hello, world! How are you today?"
+    r = ok(live.post("/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True}))
+    assert r["tokens"] == tok.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 512
+    assert r["token_strs"] == [tok.id_to_token(t) for t in r["tokens"]]
+    chat = ok(live.post("/tokenize", {"messages": [user("Hi")]}))
+    assert chat["tokens"] == tok.encode(tok.apply_chat_template([user("Hi")])) and chat.get("token_strs") is None
+    assert ok(live.post("/detokenize", {"tokens": r["tokens"]})) == {"prompt": text}
+    bad = live.post("/detokenize", {"tokens": [1, 10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = live.post("/tokenize", {"prompt": "x", "messages": [user("x")]})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+    version = httpx.get(f"{live.url}/version", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    assert version == {"version": nextn_version()} and version["version"] != "unknown"
+
+
+def test_include_stop_str_in_output(live):
+    body = {"prompt": "Hello, world! How are you today?", "max_tokens": 24, **GREEDY}
+    full = ok(live.post("/v1/completions", body))["choices"][0]["text"]
+    stop = next(full[i : i + 2] for i in range(4, len(full) - 2) if full[i : i + 2].strip())
+    cut = full[: full.find(stop)]
+    plain = ok(live.post("/v1/completions", {**body, "stop": [stop]}))["choices"][0]
+    assert plain["text"] == cut and plain["finish_reason"] == "stop"
+    kept = ok(live.post("/v1/completions", {**body, "stop": [stop], "include_stop_str_in_output": True}))
+    assert kept["choices"][0]["text"] == cut + stop
+    streamed = sse_events(
+        live.post("/v1/completions", {**body, "stop": stop, "include_stop_str_in_output": True, "stream": True})
+    )
+    assert "".join(e["choices"][0]["text"] for e in streamed) == cut + stop
+    # a request that ends on length keeps its text as it is
+    no_hit = ok(live.post("/v1/completions", {**body, "stop": ["\x00"], "include_stop_str_in_output": True}))
+    assert no_hit["choices"][0]["text"] == full
+
+
+def test_chat_echo_continues_the_assistant_message(live):
+    messages = [user("Write a function."), {"role": "assistant", "content": "def fibonacci(n):"}]
+    body = {"messages": messages, "add_generation_prompt": False, "max_tokens": 8, **GREEDY}
+    plain = ok(live.post("/v1/chat/completions", body))["choices"][0]["message"]["content"]
+    echoed = ok(live.post("/v1/chat/completions", {**body, "echo": True}))["choices"][0]["message"]["content"]
+    assert echoed == "def fibonacci(n):" + plain
+    streamed = sse_events(live.post("/v1/chat/completions", {**body, "echo": True, "stream": True}))
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in streamed if e["choices"]) == echoed
+    # echo only repeats an assistant message
+    user_last = {**body, "messages": [user("Hi")], "add_generation_prompt": True, "echo": True}
+    assert not ok(live.post("/v1/chat/completions", user_last))["choices"][0]["message"]["content"].startswith("Hi")
+
+
+def test_prompt_logprobs(live, llm):
+    prompt = "The cache keeps the keys and values"
+    ids = llm.tokenizer.encode(prompt)
+    body = {"prompt": prompt, "max_tokens": 1, **GREEDY}
+    choice = ok(live.post("/v1/completions", {**body, "prompt_logprobs": 2}))["choices"][0]
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    for tid, entry in zip(ids[1:], entries[1:], strict=True):
+        assert str(tid) in entry and 2 <= len(entry) <= 3  # the top 2, and the prompt token when outside them
+        ranks = sorted(e["rank"] for e in entry.values() if e["rank"] is not None)
+        assert ranks == [1, 2] and all(
+            e["logprob"] <= 0 and isinstance(e["decoded_token"], str) for e in entry.values()
+        )
+    # the same numbers as the echo path's prompt logprobs
+    echo = ok(live.post("/v1/completions", {**body, "echo": True, "logprobs": 2}))["choices"][0]["logprobs"]
+    assert echo["token_logprobs"][1 : len(ids)] == pytest.approx(
+        [entry[str(tid)]["logprob"] for tid, entry in zip(ids[1:], entries[1:], strict=True)]
+    )
+    assert all(len(t) <= 3 for t in echo["top_logprobs"][1 : len(ids)])  # logprobs=2 (+ the prompt token)
+    chat = ok(live.post("/v1/chat/completions", {"messages": [user("Hi")], "max_tokens": 1, "prompt_logprobs": 0}))
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("skip_special_tokens", False),
+        ("min_tokens", 3),
+        ("use_beam_search", True),
+        ("guided_json", {"type": "object"}),
+        ("allowed_token_ids", [1, 2]),
+        ("continue_final_message", True),
+    ],
+)
+def test_unsupported_vllm_fields_are_a_400_naming_them(live, field, value):
+    for path, body in (
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [user("x")], "max_tokens": 2}),
+    ):
+        r = live.post(path, {**body, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    # at their defaults they are accepted
+    default = {"skip_special_tokens": True, "min_tokens": 0, "use_beam_search": False}.get(field)
+    if default is not None:
+        ok(live.post("/v1/completions", {"prompt": "x", "max_tokens": 2, field: default}))
+
+
+def test_streamed_prompt_logprobs_are_a_400(live):
+    r = live.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
