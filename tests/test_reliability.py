@@ -10,6 +10,7 @@ step waits on an Event) makes the admission and failure tests deterministic. Eve
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import logging
@@ -28,13 +29,13 @@ httpx = pytest.importorskip("httpx")
 
 from test_server import KEY, MODEL, LiveServer, user, wait_for  # noqa: E402
 
-from nextn import LLM  # noqa: E402
+from nextn import LLM, SamplingParams  # noqa: E402
 from nextn.config import DEFAULT_MODEL_DIR, ServeConfig  # noqa: E402
 from nextn.server.app import stream_error  # noqa: E402
 from nextn.server.metrics import Metrics, ThroughputLog  # noqa: E402
 from nextn.server.options import ServerOptions  # noqa: E402
 from nextn.server.prepare import max_chars_per_token  # noqa: E402
-from nextn.server.worker import Job  # noqa: E402
+from nextn.server.worker import Job, Unavailable  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CFG = ServeConfig(api_key=KEY, served_model_name=MODEL)
@@ -206,7 +207,7 @@ def test_admission_counts_queued_plus_running_against_the_slots(dense_ckpt, num_
     with LiveServer(llm, cfg) as srv, concurrent.futures.ThreadPoolExecutor(num_requests) as pool:
         body = {"prompt": "The quick brown fox", "max_tokens": 4}
         futures = [pool.submit(srv.post, "/v1/completions", body) for _ in range(num_requests)]
-        assert wait_for(lambda: srv.app.state.server.worker._num_open == admitted)
+        assert wait_for(lambda: srv.app.state.server.worker.num_open == admitted)
         assert wait_for(lambda: sum(f.done() for f in futures) == num_requests - admitted)
         refused = [f.result() for f in futures if f.done()]
         assert all(r.status_code == 503 and r.headers["retry-after"] == "1" for r in refused)
@@ -258,7 +259,7 @@ def test_engine_thread_death_fails_open_and_new_requests_with_503(dense_ckpt, ca
         body = {"prompt": "The quick brown fox", "max_tokens": 4}
         waiting = [pool.submit(srv.post, "/v1/completions", body) for _ in range(2)]
         streamed = pool.submit(srv.post, "/v1/completions", {**body, "stream": True})
-        assert wait_for(lambda: srv.app.state.server.worker._num_open == 3)
+        assert wait_for(lambda: srv.app.state.server.worker.num_open == 3)
         with caplog.at_level(logging.CRITICAL, logger="nextn.server"):
             gate.set()
             for f in waiting:
@@ -290,6 +291,10 @@ def test_shutdown_ends_open_streams_with_an_error_event(dense_ckpt):
         assert wait_for(lambda: srv.metrics()["nextn:num_requests_running"] == 3)
         t0 = time.monotonic()
         srv.server.should_exit = True
+        worker = srv.app.state.server.worker
+        assert wait_for(lambda: worker.draining)  # new connections are refused by now; a late job too
+        with pytest.raises(Unavailable):
+            worker.submit(Job([1, 2], SamplingParams(max_tokens=2), asyncio.new_event_loop()))
         for f in streams:
             events = [line for line in f.result(timeout=10).text.splitlines() if line.startswith("data: ")]
             assert len(events) > 3 and events[-1] == "data: [DONE]"
@@ -484,7 +489,7 @@ def test_fuzzed_requests_never_get_a_5xx(live):
     seen: dict[int, int] = {}
 
     @settings(
-        max_examples=400,
+        max_examples=700,
         deadline=None,
         derandomize=True,
         database=None,

@@ -429,8 +429,9 @@ def add_routes(app: FastAPI, srv: Server) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        if not worker.alive:
-            return error_response(503, "The engine is not running.", "server_error", code="service_unavailable")
+        if not worker.alive or worker.draining:
+            why = "The server is shutting down." if worker.draining else "The engine is not running."
+            return error_response(503, why, "server_error", code="service_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -115,6 +115,10 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive() and self._closed is None
 
+    @property
+    def draining(self) -> bool:
+        return self._deadline is not None
+
     def start(self) -> None:
         self._thread.start()
 
@@ -132,6 +136,11 @@ class EngineWorker:
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    @property
+    def num_open(self) -> int:
+        """Jobs submitted and not yet over: what admission counts."""
+        return self._num_open
 
     @property
     def num_running(self) -> int:
