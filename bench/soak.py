@@ -5,10 +5,11 @@ bad inputs (malformed JSON, lone surrogates, template type errors, unknown field
 over the size limit, a wrong key). Everything stays on loopback; every request has a deadline.
 
 Writes one JSON (default bench/results/soak_<date>.json): duration_s, requests, errors_5xx, hangs
-(requests past --request-timeout, and clients still busy after the end), rss_mb_after_warmup
+(requests past --request-timeout, and clients still busy after the end), transport_errors
+(connections the server broke), rss_mb_after_warmup
 (the server's resident memory `--warmup` seconds in), rss_mb_end, p99_latency_s (of requests that
 ran to their end), counts by kind and status, an RSS series, and the command that made it.
-Exits 1 unless 0 5xx, 0 hangs and rss_mb_end <= 1.25 x rss_mb_after_warmup.
+Exits 1 unless 0 5xx, 0 hangs, 0 transport errors and rss_mb_end <= 1.25 x rss_mb_after_warmup.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Soak:
         self.statuses: Counter[int] = Counter()
         self.latencies: list[float] = []
         self.errors_5xx: list[str] = []
+        self.transport_errors: list[str] = []
         self.hangs = 0
 
     def record(self, kind: str, status: int, seconds: float | None, detail: str = "") -> None:
@@ -95,6 +97,8 @@ class Soak:
             except TimeoutError:
                 self.hangs += 1
                 self.record(scenario.__name__, 0, None, "timed out")
+            except httpx.TransportError as e:  # a connection the server broke (counted, never expected)
+                self.transport_errors.append(f"{scenario.__name__}: {e!r}")
 
     async def post(self, http, kind: str, path: str, body, expect_ok: bool = True) -> httpx.Response:
         t0 = time.monotonic()
@@ -276,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": sum(soak.kinds.values()),
         "errors_5xx": len(soak.errors_5xx),
         "hangs": soak.hangs,
+        "transport_errors": len(soak.transport_errors),
         "rss_mb_after_warmup": measured["rss_mb_after_warmup"],
         "rss_mb_end": measured["rss_mb_end"],
         "p99_latency_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
@@ -285,12 +290,14 @@ def main(argv: list[str] | None = None) -> int:
         "requests_by_kind": dict(sorted(soak.kinds.items())),
         "requests_by_status": {str(k): v for k, v in sorted(soak.statuses.items())},
         "first_5xx": soak.errors_5xx[:5],
+        "first_transport_errors": soak.transport_errors[:5],
         "rss_mb_series": measured["rss_mb_series"],
     }
     out.write_text(json.dumps(result, indent=2) + "\n")
     held = (
         result["errors_5xx"] == 0
         and result["hangs"] == 0
+        and result["transport_errors"] == 0
         and result["rss_mb_end"] <= 1.25 * result["rss_mb_after_warmup"]
     )
     print(json.dumps({k: v for k, v in result.items() if k != "rss_mb_series"}, indent=2))

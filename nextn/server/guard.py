@@ -1,17 +1,24 @@
 """The gate in front of the routes (plain ASGI, outside FastAPI): the API key, then the body-size
 limit, both decided before a byte of the body is parsed. A body announced larger than the limit is
-answered 413 from its headers alone; a chunked one is read only up to the limit. The body read
-here is handed on whole, and the client's later messages (a disconnect) pass through untouched.
-Does not know the engine or the routes.
+refused from its headers alone; a chunked one is read only up to the limit. Before a 401 or 413
+goes out, what the client is still sending is read and dropped for up to DRAIN_S seconds: a server that
+closes on unread data makes the client's kernel see a reset, and most clients then report a broken
+connection instead of the 413 (a client that asked `Expect: 100-continue` sends nothing, so nothing
+is drained). The body read here is handed on whole, and the client's later messages (a
+disconnect) pass through untouched. Does not know the engine or the routes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
+import time
 from collections.abc import Callable
 
 from nextn.server import protocol as P
+
+DRAIN_S = 2.0  # at most this long spent dropping a refused body before answering
 
 
 class Guard:
@@ -30,13 +37,22 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        # a client that asked `Expect: 100-continue` sends no body unless the server reads it
+        unsent = headers.get(b"expect", b"").lower() != b"100-continue"
+
+        async def too_large(pending: bool) -> None:
+            message = f"The request body exceeds the server's limit of {self.max_bytes} bytes."
+            await self._refuse(receive, send, pending, 413, message, "invalid_request_error", "request_too_large")
+
         if self.expected is not None and scope["path"] not in self.open_paths:
             if not secrets.compare_digest(headers.get(b"authorization", b""), self.expected):
-                self.on_reject("unauthorized")
-                return await _error(send, 401, "Incorrect API key provided.", "authentication_error", "invalid_api_key")
+                message = "Incorrect API key provided."
+                return await self._refuse(
+                    receive, send, unsent, 401, message, "authentication_error", "invalid_api_key"
+                )
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_bytes:
-            return await self._too_large(send)
+            return await too_large(unsent)
         body, more = bytearray(), True
         while more:
             message = await receive()
@@ -45,7 +61,7 @@ class Guard:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_bytes:
-                return await self._too_large(send)
+                return await too_large(more)
         replayed = False
 
         async def replay():
@@ -57,16 +73,27 @@ class Guard:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, send) -> None:
-        self.on_reject("too_large")
-        message = f"The request body exceeds the server's limit of {self.max_bytes} bytes."
-        await _error(send, 413, message, "invalid_request_error", "request_too_large", close=True)
+    async def _refuse(self, receive, send, pending: bool, status: int, message: str, type_: str, code: str) -> None:
+        """Answer an error before the app sees the request; first drop what the client still sends."""
+        self.on_reject("unauthorized" if status == 401 else "too_large")
+        if pending:
+            await _drain(receive)
+        body = P.ErrorResponse(error=P.ErrorInfo(message=message, type=type_, code=code)).model_dump()
+        content = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
+        if status == 413:  # a body past the drain's bound may still be arriving: the connection is done
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": content})
 
 
-async def _error(send, status: int, message: str, type_: str, code: str, close: bool = False) -> None:
-    body = json.dumps(P.ErrorResponse(error=P.ErrorInfo(message=message, type=type_, code=code)).model_dump()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if close:  # the unread rest of the body makes the connection unusable
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+async def _drain(receive) -> None:
+    """Read and drop the rest of a request body, for at most DRAIN_S seconds."""
+    deadline = time.monotonic() + DRAIN_S
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            message = await asyncio.wait_for(receive(), left)
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                return
+    except TimeoutError:
+        return

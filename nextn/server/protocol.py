@@ -97,12 +97,12 @@ class Tool(OpenAIModel):
 
 
 class ContentPart(OpenAIModel):
-    type: str  # only "text" is rendered (app.py names the part otherwise)
+    type: str  # only "text" is rendered (prepare.py names the part otherwise)
     text: str | None = None
 
 
 class ChatMessage(OpenAIModel):
-    role: str  # checked against the roles nextn renders (app.py), so the error names the message
+    role: str  # checked against the roles nextn renders (prepare.py), so the error names the message
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -135,7 +135,7 @@ class SamplingRequest(RequestModel):
     # vLLM's extras nextn implements (the server, on the engine's output)
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # vLLM's extras nextn accepts only at their defaults (app.py answers 400 naming the field)
+    # vLLM's extras nextn accepts only at their defaults (prepare.py answers 400 naming the field)
     skip_special_tokens: bool = True
     min_tokens: int = Field(0, ge=0)
 
