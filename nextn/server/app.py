@@ -33,7 +33,7 @@ from nextn.server import protocol as P
 from nextn.server.guard import Guard
 from nextn.server.metrics import Metrics, ThroughputLog
 from nextn.server.options import ServerOptions
-from nextn.server.prepare import APIError, Prompts
+from nextn.server.prepare import APIError, Prompts, text_content
 from nextn.server.responses import (
     SSE_DONE,
     LogprobFormatter,
@@ -78,7 +78,6 @@ class Server:
     """What the routes share."""
 
     llm: LLM
-    cfg: ServeConfig
     opts: ServerOptions
     worker: EngineWorker
     metrics: Metrics
@@ -158,9 +157,9 @@ async def run_all(jobs: list[Job], request: Request) -> list[RequestOutput]:
 def echo_prefix(req: P.ChatCompletionRequest) -> str:
     """vLLM's chat echo: the reply continues the last message when it is the assistant's."""
     last = req.messages[-1]
-    if not req.echo or last.role != "assistant" or last.content is None:
+    if not req.echo or last.role != "assistant":
         return ""
-    return last.content if isinstance(last.content, str) else "".join(p.text or "" for p in last.content)
+    return text_content(last.content, len(req.messages) - 1)
 
 
 async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Request) -> Response:
@@ -351,7 +350,6 @@ def create_app(llm: LLM, cfg: ServeConfig, opts: ServerOptions | None = None) ->
     model_name = cfg.served_model_name or llm.model_name
     srv = Server(
         llm,
-        cfg,
         opts,
         worker,
         metrics,

@@ -267,12 +267,12 @@ def template_messages(messages: list[P.ChatMessage]) -> list[dict]:
             )
         d = m.model_dump(exclude_none=True)  # keeps name, tool_calls, tool_call_id, reasoning_content, ...
         d["role"] = "system" if m.role == "developer" else m.role
-        d["content"] = _text_content(m.content, i)
+        d["content"] = text_content(m.content, i)
         out.append(d)
     return out
 
 
-def _text_content(content: str | list[P.ContentPart] | None, i: int) -> str:
+def text_content(content: str | list[P.ContentPart] | None, i: int) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
