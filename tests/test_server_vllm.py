@@ -7,6 +7,7 @@ checkpoint, driven by raw httpx; greedy throughout.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -121,7 +122,6 @@ def test_prompt_logprobs(live, llm):
     "field, value",
     [
         ("skip_special_tokens", False),
-        ("min_tokens", 3),
         ("use_beam_search", True),
         ("guided_json", {"type": "object"}),
         ("allowed_token_ids", [1, 2]),
@@ -136,7 +136,7 @@ def test_unsupported_vllm_fields_are_a_400_naming_them(live, field, value):
         r = live.post(path, {**body, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     # at their defaults they are accepted
-    default = {"skip_special_tokens": True, "min_tokens": 0, "use_beam_search": False}.get(field)
+    default = {"skip_special_tokens": True, "use_beam_search": False}.get(field)
     if default is not None:
         ok(live.post("/v1/completions", {"prompt": "x", "max_tokens": 2, field: default}))
 
@@ -144,3 +144,32 @@ def test_unsupported_vllm_fields_are_a_400_naming_them(live, field, value):
 def test_streamed_prompt_logprobs_are_a_400(live):
     r = live.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "prompt_logprobs": 1, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_min_tokens_reaches_the_engine(live, monkeypatch):
+    """min_tokens is passed through (the engine enforces it); one past max_tokens is a 400 naming it."""
+    worker, submitted = live.app.state.server.worker, []
+    submit = worker.submit
+    monkeypatch.setattr(worker, "submit", lambda job: submitted.append(job.params) or submit(job))
+    ok(live.post("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 3}))
+    ok(live.post("/v1/chat/completions", {"messages": [user("x")], "max_tokens": 4, "min_tokens": 2}))
+    assert [p.min_tokens for p in submitted] == [3, 2]
+    r = live.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+
+
+def test_generation_config_defaults_apply_and_a_request_wins(dense_ckpt, tmp_path):
+    """A checkpoint whose generation_config.json says do_sample false serves greedy by default; a
+    request's own temperature wins over it."""
+    model_dir = tmp_path / "greedy_default"
+    shutil.copytree(dense_ckpt, model_dir)
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**gen, "do_sample": False, "top_k": 5}))
+    with LiveServer(LLM(model=model_dir, max_model_len=512), CFG) as srv:
+        worker, submitted = srv.app.state.server.worker, []
+        submit = worker.submit
+        worker.submit = lambda job: submitted.append(job.params) or submit(job)
+        body = {"prompt": "The quick brown fox", "max_tokens": 8, "ignore_eos": True}
+        ok(srv.post("/v1/completions", body))
+        ok(srv.post("/v1/completions", {**body, "temperature": 0.7, "top_k": 50}))
+    assert [(p.temperature, p.top_k) for p in submitted] == [(0.0, 5), (0.7, 50)]

@@ -10,7 +10,6 @@ not know HTTP or the engine thread.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import unicodedata
 
@@ -154,7 +153,7 @@ class Prompts:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(requested, len(prompt_ids), self.max_len, param)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        return prompt_ids, sampling_params(req, max_tokens, top, req.prompt_logprobs), checkpoint_at
+        return prompt_ids, self.params(req, max_tokens, top, req.prompt_logprobs), checkpoint_at
 
     # --- completions
 
@@ -182,9 +181,37 @@ class Prompts:
             self.check(ids, "prompt")
             requested = req.max_tokens if req.max_tokens is not None else 16
             max_tokens = resolve_max_tokens(requested, len(ids), self.max_len, "max_tokens")
-            params = sampling_params(req, max_tokens, req.logprobs, prompt_lp)
+            params = self.params(req, max_tokens, req.logprobs, prompt_lp)
             out.append((ids, prompt if isinstance(prompt, str) else None, params))
         return out
+
+    def params(
+        self, req: P.SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
+        """The request's own values over the checkpoint's generation_config defaults over ours."""
+        if req.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        try:
+            return self.llm.default_sampling_params(
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                temperature=req.temperature,
+                top_k=None if req.top_k is None else max(0, req.top_k),
+                top_p=req.top_p,
+                min_p=req.min_p,
+                repetition_penalty=req.repetition_penalty,
+                frequency_penalty=req.frequency_penalty,
+                presence_penalty=req.presence_penalty,
+                seed=req.seed,
+                ignore_eos=req.ignore_eos,
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                stop=req.stop_list,
+            )
+        except ValueError as e:
+            name = str(e).split()[0]  # SamplingParams' messages start with the field's name
+            raise APIError(400, str(e), param=name if name in type(req).model_fields else None) from None
 
     # --- /tokenize
 
@@ -205,8 +232,6 @@ def check_extras(req: P.SamplingRequest) -> None:
         raise APIError(
             400, "skip_special_tokens=false is not supported: output text skips them", param="skip_special_tokens"
         )
-    if req.min_tokens and "min_tokens" not in {f.name for f in dataclasses.fields(SamplingParams)}:
-        raise APIError(400, "min_tokens is not supported by this server", param="min_tokens")
     if req.prompt_logprobs is not None and req.stream:
         raise APIError(400, "prompt_logprobs cannot be streamed", param="prompt_logprobs")
 
@@ -224,36 +249,6 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_len: int, par
             code="context_length_exceeded",
         )
     return requested
-
-
-def sampling_params(
-    req: P.SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
-) -> SamplingParams:
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=_or(req.temperature, 1.0),
-            top_k=max(0, _or(req.top_k, 0)),
-            top_p=_or(req.top_p, 1.0),
-            min_p=_or(req.min_p, 0.0),
-            repetition_penalty=_or(req.repetition_penalty, 1.0),
-            frequency_penalty=_or(req.frequency_penalty, 0.0),
-            presence_penalty=_or(req.presence_penalty, 0.0),
-            seed=req.seed,
-            ignore_eos=req.ignore_eos,
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            stop=req.stop_list,
-        )
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
-
-
-def _or(value, default):
-    return default if value is None else value
 
 
 def template_messages(messages: list[P.ChatMessage]) -> list[dict]:

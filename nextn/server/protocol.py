@@ -132,12 +132,12 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False  # vLLM's extra: the prompt's and the output's token ids
-    # vLLM's extras nextn implements (the server, on the engine's output)
+    # vLLM's extras nextn implements
+    min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # vLLM's extras nextn accepts only at their defaults (prepare.py answers 400 naming the field)
+    # a vLLM extra nextn accepts only at its default (prepare.py answers 400 naming the field)
     skip_special_tokens: bool = True
-    min_tokens: int = Field(0, ge=0)
 
     @field_validator("stop")
     @classmethod
