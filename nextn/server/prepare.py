@@ -118,8 +118,8 @@ class Prompts:
             return self.tok.apply_chat_template(template_messages(messages), add_generation_prompt, **kwargs)
         except APIError:
             raise
-        except TokenizerError as e:  # the template's own raise_exception: written for users
-            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+        except TokenizerError as e:  # the template's own raise_exception (or no template): written for users
+            raise APIError(400, str(e), param="messages") from None
         except Exception:
             log.info("chat template failed", exc_info=True)
             raise APIError(
