@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--max-queue", type=int, default=64)
     s.add_argument(
+        "--max-request-bytes", type=int, default=16 * 2**20, help="a larger request body is answered 413 unread"
+    )
+    s.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds open requests get after SIGTERM")
+    s.add_argument("--metrics-open", action="store_true", help="/metrics without the API key (for scrapers)")
+    s.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines (0: none)")
+    s.add_argument(
         "--prefill",
         default="steps",
         choices=["chunked", "steps"],
@@ -286,6 +292,7 @@ def _llm(args, **engine):
 def _serve(args) -> int:
     from nextn.config import ServeConfig
     from nextn.server.app import serve
+    from nextn.server.options import ServerOptions
 
     llm = _llm(
         args,
@@ -300,7 +307,13 @@ def _serve(args) -> int:
         served_model_name=args.served_model_name,
         max_queue=args.max_queue,
     )
-    return serve(llm, cfg)
+    opts = ServerOptions(
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        metrics_open=args.metrics_open,
+        log_interval=args.log_interval,
+    )
+    return serve(llm, cfg, opts)
 
 
 def _generate(args) -> int:

@@ -447,5 +447,23 @@ def test_metrics_expose_spec_and_session_counters(live, llm):
     assert m['nextn:request_rejected_total{reason="bad_request"}'] >= 4
 
 
+def test_metrics_show_batched_rounds(live, client):
+    """Concurrent requests share batched rounds: the batch-size histogram shows rounds of several."""
+    before = live.metrics()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(
+            pool.map(
+                lambda i: client.completions.create(model=MODEL, prompt=[5 + i, 9, 11], max_tokens=24, **GREEDY),
+                range(4),
+            )
+        )
+    m = live.metrics()
+    rounds = m["nextn:batch_size_count"] - before["nextn:batch_size_count"]
+    alone = m['nextn:batch_size_bucket{le="1"}'] - before['nextn:batch_size_bucket{le="1"}']
+    assert rounds > alone  # some rounds held several requests
+    assert m["nextn:batch_size_sum"] - before["nextn:batch_size_sum"] > rounds
+    assert m["nextn:num_requests_running"] == 0 and m["nextn:num_requests_waiting"] == 0
+
+
 def test_health_after_everything(live):
     assert httpx.get(f"{live.url}/health", timeout=10).json() == {"status": "ok"}

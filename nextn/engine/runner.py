@@ -58,6 +58,8 @@ class ModelRunner:
         """The step batch of these slots and row counts (made once: graphs hold its tensors)."""
         key = (tuple(c.slot for c in caches), tuple(rows))
         if key not in self._batches:
+            if not self.use_graphs and len(self._batches) >= MAX_GRAPHS:  # (graphs bound them otherwise)
+                self._batches.clear()
             self._batches[key] = StepBatch(caches, rows)
         return self._batches[key]
 
@@ -65,6 +67,8 @@ class ModelRunner:
         """A long device tensor of these values (made once)."""
         key = tuple(values)
         if key not in self._indices:
+            if not self.use_graphs and len(self._indices) >= 8 * MAX_GRAPHS:
+                self._indices.clear()
             self._indices[key] = torch.tensor(values, dtype=torch.long, device=self.device)
         return self._indices[key]
 

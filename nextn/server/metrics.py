@@ -105,6 +105,7 @@ class Metrics:
         self.e2e = Histogram(E2E_BUCKETS)
         self.sessions = SessionSnapshot()
         self.running = 0
+        self.batch_sizes: dict[int, int] = {}  # batched rounds by requests held
         self.waiting = 0
 
     def observe_first_token(self, seconds: float) -> None:
@@ -153,6 +154,11 @@ class Metrics:
         with self._lock:
             return Totals(self.prompt_tokens, self.generation_tokens, self.num_drafts, self.num_accepted_tokens)
 
+    def set_batch_sizes(self, sizes: dict[int, int]) -> None:
+        """Batched rounds launched so far by the number of requests they held (the engine's)."""
+        with self._lock:
+            self.batch_sizes = sizes
+
     def set_queue(self, running: int, waiting: int) -> None:
         with self._lock:
             self.running, self.waiting = running, waiting
@@ -171,8 +177,18 @@ class Metrics:
             def gauge(name: str, help_: str, value) -> None:
                 metric(name, "gauge", help_, [f"{name} {value}"])
 
-            gauge("nextn:num_requests_running", "Requests being generated (interleaved).", self.running)
-            gauge("nextn:num_requests_waiting", "Requests waiting for a turn.", self.waiting)
+            gauge("nextn:num_requests_running", "Requests being generated (one batched forward).", self.running)
+            gauge("nextn:num_requests_waiting", "Requests waiting for a cache slot.", self.waiting)
+            sizes, bounds, samples = self.batch_sizes, (1, 2, 4, 8, 16, 32, 64, 128), []
+            for le in bounds:
+                samples.append(f'nextn:batch_size_bucket{{le="{le}"}} {sum(n for b, n in sizes.items() if b <= le)}')
+            total = sum(sizes.values())
+            samples += [
+                f'nextn:batch_size_bucket{{le="+Inf"}} {total}',
+                f"nextn:batch_size_sum {sum(b * n for b, n in sizes.items())}",
+                f"nextn:batch_size_count {total}",
+            ]
+            metric("nextn:batch_size", "histogram", "Requests per batched round launched.", samples)
             metric(
                 "nextn:request_success_total",
                 "counter",

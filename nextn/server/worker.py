@@ -263,6 +263,7 @@ class EngineWorker:
     def _snapshot_sessions(self) -> None:
         """Copy the scheduler's session numbers for /metrics (they are this thread's)."""
         sched = self.engine.scheduler
+        self.metrics.set_batch_sizes(dict(self.engine.batch_sizes))
         self.metrics.set_sessions(
             SessionSnapshot(
                 dataclasses.replace(sched.counters),
