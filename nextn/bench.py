@@ -21,6 +21,9 @@ One run measures, with CUDA events around warmed-up work, medians:
   (continuous batching: one batched round per step), plain and spec at the largest K (through the
   acceptance profile when one is given), and whether every sequence's output equals the plain
   single-sequence output; with `--prefill-len N`, prefill tokens/s of an N-token prompt.
+With `--draft-vocab FILE` or `--draft-vocab-size N` (the first N ids, for random weights) the head
+drafts over that reduced vocabulary (`draft_vocab_size`): draft_cost_ratio and every speed-up
+then measure the reduced head.
 Writes a JSON file and two PNG plots beside it.
 """
 
@@ -53,6 +56,7 @@ from nextn.engine.sequence import Sequence
 from nextn.models.loader import DTYPES, fuse_weights, load_model, quantize_model
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.fp8 import compact
+from nextn.spec.draft_vocab import DraftVocab, load_draft_vocab
 from nextn.spec.proposer import ProfileProposer
 
 _COMMON = dict(
@@ -231,10 +235,11 @@ class RunResult:
 
 
 class Bench:
-    """The model's engines (one per K, sharing the weights) on a single cache slot."""
+    """The model's engines (one per K, sharing the weights) on a single cache slot; K > 0 drafts
+    over draft_vocab when one is given."""
 
-    def __init__(self, model: CausalLM, prompt: list[int], cfg: BenchConfig):
-        self.model, self.prompt, self.cfg = model, prompt, cfg
+    def __init__(self, model: CausalLM, prompt: list[int], cfg: BenchConfig, draft_vocab: DraftVocab | None = None):
+        self.model, self.prompt, self.cfg, self.draft_vocab = model, prompt, cfg, draft_vocab
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_len = len(prompt) + cfg.gen_len + 2 * STEP_ROWS
@@ -251,7 +256,7 @@ class Bench:
                 "bench",
                 str(self.device),
                 str(self.dtype).replace("torch.", ""),
-                SpecConfig(num_speculative_tokens=k),
+                SpecConfig(num_speculative_tokens=k, draft_vocab=self.draft_vocab if k > 0 else None),
                 max_len,
                 slots,
                 self.cfg.kernels,
@@ -355,12 +360,14 @@ class Bench:
                 out["step_ms"][T] = time_ms(trunk, self.device, iters=self.cfg.iters)
             if proposer is not None:
                 ids, pos = ids[:1], torch.tensor([len(seq.tokens)], dtype=torch.int32, device=self.device)
-                batch = runner.batch([cache], [1])
+                batch, head_logits = runner.batch([cache], [1]), proposer.logits[:1]  # [1, V or Vd]
 
                 def head():
                     runner.run(
                         ("bench", "head"),
-                        lambda: runner.step.head(batch, ids, hidden[:1], pos, None, logits[:1], hidden[1:2]),
+                        lambda: runner.step.head(
+                            batch, ids, hidden[:1], pos, None, head_logits, hidden[1:2], proposer.lm_head
+                        ),
                     )
 
                 out["head_step_ms"] = time_ms(head, self.device, iters=self.cfg.iters)
@@ -394,14 +401,22 @@ def _round_overhead(res: dict, key: str, k: int, runs: list[RunResult]) -> None:
     res.setdefault(f"{key}round_overhead", {})[k] = ratio - res["verify_cost_ratio"][k] - k * res["draft_cost_ratio"]
 
 
-def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print, prompt: list[int] | None = None) -> dict:
-    """prompt: token ids (default: prompt_len random ids, all a random-weight model can use)."""
+def run_bench(
+    model: CausalLM,
+    name: str,
+    cfg: BenchConfig,
+    log=print,
+    prompt: list[int] | None = None,
+    draft_vocab: DraftVocab | None = None,
+) -> dict:
+    """prompt: token ids (default: prompt_len random ids, all a random-weight model can use);
+    draft_vocab: the head drafts over it (FR-Spec)."""
     device = next(model.parameters()).device
     if prompt is None:
         g = torch.Generator().manual_seed(cfg.seed)
         prompt = torch.randint(0, model.cfg.vocab_size, (cfg.prompt_len,), generator=g).tolist()
     kernels = EngineConfig("bench", str(device), kernels=cfg.kernels).kernels
-    bench = Bench(model, prompt, cfg)
+    bench = Bench(model, prompt, cfg, draft_vocab)
     res: dict = {
         "model": name,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -415,11 +430,14 @@ def run_bench(model: CausalLM, name: str, cfg: BenchConfig, log=print, prompt: l
         # FP8 weights: "fp8" (block-wise, from the checkpoint or quantized at load) or "compressed-tensors"
         "quantization": quant.method if (quant := model.cfg.quantization) else None,
         "quantization_config": asdict(quant) if quant else None,
+        "draft_vocab_size": None if draft_vocab is None else draft_vocab.size,
     }
     if kernels == "triton" and device.type == "cuda" and cfg.tune:
         t0 = time.perf_counter()
         step = bench.core(0)[1].step
-        res["linear_configs"], res["tune_seconds"] = step.tune(log=log), time.perf_counter() - t0
+        head_vocab = None if draft_vocab is None else draft_vocab.size
+        res["linear_configs"] = step.tune(log=log, head_vocab=head_vocab)
+        res["tune_seconds"] = time.perf_counter() - t0
         # what the step's matmuls alone would take, from the tuning measurements (graph, L2 cold)
         res["step_matmul_ms_estimate"] = (
             sum(
@@ -668,6 +686,8 @@ def bench_from_args(args) -> int:
             ) from None
         if not profile or not all(0.0 <= p <= 1.0 for p in profile):
             raise ValueError(f"--acceptance-profile probabilities must be in [0, 1], got {args.acceptance_profile!r}")
+    if args.draft_vocab is not None and args.model is None:
+        raise ValueError("--draft-vocab needs --model (a file is checked against the checkpoint's tokenizer)")
     if any(b < 1 for b in args.batch) or (args.prefill_len is not None and args.prefill_len < 1):
         raise ValueError(f"--batch and --prefill-len take positive sizes, got {args.batch} / {args.prefill_len}")
     if any(not 0.0 < t <= 100.0 for t in args.temperature):
@@ -688,6 +708,13 @@ def bench_from_args(args) -> int:
         name = Path(args.model).name
     _sync(next(model.parameters()).device)
     print(f"bench: model ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    draft_vocab = None
+    if args.draft_vocab_size is not None:
+        draft_vocab = DraftVocab.first(args.draft_vocab_size, model.cfg.vocab_size)
+    elif args.draft_vocab is not None:
+        from nextn.tokenizer import Tokenizer
+
+        draft_vocab = load_draft_vocab(args.draft_vocab, model.cfg.vocab_size, Tokenizer(args.model))
     cfg = BenchConfig(
         spec_ks=list(args.spec_k),
         prompt_len=args.prompt_len,
@@ -705,8 +732,15 @@ def bench_from_args(args) -> int:
         prompt = text_prompt(args.model, args.prompt_len, prompt_text or PROMPT_TEXT)
         if prompt_text is not None and prompt is None:
             raise ValueError(f"{args.prompt_file}: the checkpoint has no tokenizer to encode it with")
-    res = run_bench(model, name, cfg, log=lambda s: print(s, file=sys.stderr, flush=True), prompt=prompt)
-    res["prompt_file"] = args.prompt_file
+    res = run_bench(
+        model,
+        name,
+        cfg,
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+        prompt=prompt,
+        draft_vocab=draft_vocab,
+    )
+    res["prompt_file"], res["draft_vocab"] = args.prompt_file, args.draft_vocab
     text = json.dumps(res, indent=1)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
-"""Every command-line flag of nextn is parsed here: generate, serve, bench, replay, train; the one
-logging setup; errors a user can fix printed as one line."""
+"""Every command-line flag of nextn is parsed here: generate, serve, bench, replay, draft-vocab,
+train; the one logging setup; errors a user can fix printed as one line."""
 
 from __future__ import annotations
 
@@ -14,10 +14,15 @@ from nextn.config import DTYPE_NAMES, QUANTIZATIONS
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _common(p: argparse.ArgumentParser, model_help: str = "default: the bundled model") -> None:
+def _model(p: argparse.ArgumentParser, model_help: str = "default: the bundled model") -> None:
     help = f"checkpoint directory or Hugging Face hub id ({model_help})"
     p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help=help)
     p.add_argument("--model", default=None, help="the same as MODEL")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="debug also shows tracebacks")
+
+
+def _common(p: argparse.ArgumentParser, model_help: str = "default: the bundled model") -> None:
+    _model(p, model_help)
     p.add_argument("--device", default="auto", help="auto (default: cuda when available), cpu or cuda[:N]")
     p.add_argument(
         "--dtype",
@@ -32,7 +37,15 @@ def _common(p: argparse.ArgumentParser, model_help: str = "default: the bundled 
         help="decode/verify/draft step: reference PyTorch modules, or batch-invariant Triton "
         "kernels in CUDA graphs (an error if they cannot run); auto: triton on CUDA, torch on CPU",
     )
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="debug also shows tracebacks")
+
+
+def _draft_vocab_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--draft-vocab",
+        default=None,
+        metavar="FILE",
+        help="draft over this reduced vocabulary (a file from `nextn draft-vocab`; exactness is unchanged)",
+    )
 
 
 def _quantization(p: argparse.ArgumentParser) -> None:
@@ -65,6 +78,7 @@ def _spec(p: argparse.ArgumentParser) -> None:
         default=None,
         help='vLLM\'s form of --spec-k: \'{"method": "mtp", "num_speculative_tokens": 3}\'',
     )
+    _draft_vocab_flag(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,7 +160,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-tokens", type=int, default=None, help="evaluate at most N tokens of the file")
     r.add_argument("--hidden-before-norm", action="store_true")
     r.add_argument("--dump-hidden", default=None, help="write trunk hidden states to this .safetensors file")
+    _draft_vocab_flag(r)
     r.add_argument("--json", action="store_true")
+
+    d = sub.add_parser(
+        "draft-vocab", help="rank token frequencies over a corpus into a reduced draft vocabulary (FR-Spec)"
+    )
+    _model(d)
+    d.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        help='text files, folders (walked for --glob) or .jsonl files of chats ({"messages": [...]}, '
+        'rendered with the checkpoint\'s chat template) or texts ({"text": ...})',
+    )
+    d.add_argument("--size", type=int, required=True, help="tokens in the draft vocabulary (e.g. 32768)")
+    d.add_argument("--out", required=True, help="the draft vocabulary file to write (JSON)")
+    d.add_argument("--glob", default="*", help="file names to read in folders (default: every file)")
 
     b = sub.add_parser("bench", help="speed and exactness measurements")
     _common(b, model_help="or --random-weights")
@@ -182,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also decode B sequences together for each B (plain, and spec at the largest --spec-k)",
     )
     b.add_argument("--prefill-len", type=int, default=None, help="measure prefill on a prompt of N tokens")
+    vocab = b.add_mutually_exclusive_group()
+    _draft_vocab_flag(vocab)
+    vocab.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="draft over the first N token ids (random-weight presets, where no token is more frequent)",
+    )
     b.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
 
     t = sub.add_parser("train", help="train a Qwen3.5-layout model with its MTP head, or distill a head")
@@ -260,6 +298,29 @@ def _bench(args) -> int:
     return bench_from_args(args)
 
 
+def _draft_vocab(args) -> int:
+    from nextn.config import ModelConfig
+    from nextn.hub import resolve_model
+    from nextn.spec.draft_vocab import build_draft_vocab
+    from nextn.tokenizer import Tokenizer
+
+    model_dir = resolve_model(args.model)
+    cfg, tokenizer = ModelConfig.from_hf(model_dir), Tokenizer(model_dir)
+    # a draft vocabulary that can end a reply
+    eos = {t for t in (*cfg.eos_token_ids, tokenizer.eos_token_id) if t is not None and t < cfg.vocab_size}
+    vocab = build_draft_vocab(
+        tokenizer, args.data, args.size, cfg.vocab_size, args.glob, eos, settings={"model": str(model_dir)}
+    )
+    vocab.save(args.out)
+    s = vocab.settings
+    print(
+        f"draft-vocab: {vocab.size} of {cfg.vocab_size} ids hold {s['coverage']:.2%} of the {s['tokens']} tokens "
+        f"({s['files']} files, {s['distinct_tokens']} distinct tokens) -> {args.out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _train(args) -> int:
     from nextn.train import run_from_args
 
@@ -285,6 +346,7 @@ def _llm(args, **engine):
         prefill=args.prefill,
         speculative_config=args.speculative_config,
         quantization=args.quantization,
+        draft_vocab=args.draft_vocab,
         **engine,
     )
 
@@ -381,7 +443,14 @@ def _generate(args) -> int:
     return 0
 
 
-_COMMANDS = {"generate": _generate, "serve": _serve, "replay": _replay, "bench": _bench, "train": _train}
+_COMMANDS = {
+    "generate": _generate,
+    "serve": _serve,
+    "replay": _replay,
+    "bench": _bench,
+    "draft-vocab": _draft_vocab,
+    "train": _train,
+}
 
 
 if __name__ == "__main__":

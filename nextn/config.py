@@ -7,6 +7,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nextn.spec.draft_vocab import DraftVocab
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -351,6 +355,8 @@ class SpecConfig:
     # feed the MTP head the trunk's hidden after the final norm (vLLM/SGLang/llama.cpp
     # convention for released Qwen heads) or before it (the reference design's)
     hidden_after_norm: bool = True
+    # the MTP head drafts over these target ids only (FR-Spec; nextn.spec.draft_vocab); None: all
+    draft_vocab: DraftVocab | None = None
 
     def __post_init__(self):
         # a verify step holds the pending token and the drafts in STEP_ROWS rows
@@ -358,6 +364,13 @@ class SpecConfig:
             raise ValueError(f"num_speculative_tokens must be in 0..{STEP_ROWS - 1}, got {self.num_speculative_tokens}")
         if not 0.0 <= self.p_min < 1.0:
             raise ValueError(f"p_min must be in [0, 1), got {self.p_min}")
+        if self.draft_vocab is not None:
+            from nextn.spec.draft_vocab import DraftVocab
+
+            if not isinstance(self.draft_vocab, DraftVocab):
+                raise ValueError(f"draft_vocab must be a DraftVocab (load_draft_vocab), got {self.draft_vocab!r}")
+            if self.num_speculative_tokens == 0:
+                raise ValueError("a draft vocabulary needs speculative decoding (num_speculative_tokens > 0)")
 
 
 @dataclass(frozen=True)

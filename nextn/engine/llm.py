@@ -19,6 +19,7 @@ from pathlib import Path
 
 from nextn.config import (
     EngineConfig,
+    ModelConfig,
     SpecConfig,
     check_quantization,
     read_generation_config,
@@ -29,6 +30,7 @@ from nextn.core import RequestOutput, SamplingParams, sampling_defaults, with_de
 from nextn.engine.engine import Engine, StreamEvent
 from nextn.hub import resolve_model
 from nextn.models.loader import load_model
+from nextn.spec.draft_vocab import DraftVocab, load_draft_vocab
 from nextn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -61,19 +63,23 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         speculative_config: dict | None = None,
         quantization: str | None = None,
+        draft_vocab: str | Path | DraftVocab | None = None,
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
         speculative_config (vLLM's): {"method": "mtp", "num_speculative_tokens": K}, the same as
         num_speculative_tokens=K; without either, K is 3 with an MTP head and 0 without one.
         quantization "fp8": a bf16 checkpoint's weights quantized at load (FP8 checkpoints load as
-        they are)."""
+        they are). draft_vocab: a file from `nextn draft-vocab` (or a DraftVocab): the head drafts
+        over those tokens only (checked against this checkpoint's vocabulary and tokenizer)."""
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
         device = resolve_device(device)  # before a download: a CUDA request on a CPU torch fails at once
         model_dir = resolve_model(model)
-        self.model = load_model(model_dir, device=device, dtype=dtype, quantization=quantization)
         self.tokenizer = Tokenizer(model_dir)
+        if draft_vocab is not None:  # checked before the weights load
+            draft_vocab = _draft_vocab(draft_vocab, ModelConfig.from_hf(model_dir).vocab_size, self.tokenizer)
+        self.model = load_model(model_dir, device=device, dtype=dtype, quantization=quantization)
         self.model_name = str(model) if model is not None and not Path(model).is_dir() else model_dir.name
         self.sampling_defaults = _read_sampling_defaults(model_dir)
         has_head = self.model.mtp is not None
@@ -83,7 +89,7 @@ class LLM:
                 log.warning("%s has no MTP head; plain decoding (spec K=0)", model_dir)
         if k > 0 and not has_head:
             raise ValueError(f"num_speculative_tokens={k} needs an MTP head; {model_dir} has none")
-        spec = SpecConfig(k, p_min, adaptive_k, hidden_after_norm)
+        spec = SpecConfig(k, p_min, adaptive_k, hidden_after_norm, draft_vocab)
         max_len = min(max_model_len, self.model.cfg.max_position_embeddings)
         dtype = resolve_dtype(dtype, device, self.model.cfg.dtype)  # what load_model resolved it to
         self.config = EngineConfig(
@@ -312,6 +318,14 @@ def _speculative_tokens(num_speculative_tokens: int | None, speculative_config: 
     if num_speculative_tokens is not None and k is not None and k != num_speculative_tokens:
         raise ValueError(f"num_speculative_tokens={num_speculative_tokens} and speculative_config's {k} disagree")
     return k if k is not None else num_speculative_tokens
+
+
+def _draft_vocab(draft_vocab: str | Path | DraftVocab, vocab_size: int, tokenizer: Tokenizer) -> DraftVocab:
+    """A draft vocabulary file loaded (or a DraftVocab), checked against the checkpoint."""
+    if isinstance(draft_vocab, str | Path):
+        return load_draft_vocab(draft_vocab, vocab_size, tokenizer)
+    draft_vocab.check(vocab_size, tokenizer)
+    return draft_vocab
 
 
 def _read_sampling_defaults(model_dir: Path) -> dict:

@@ -27,6 +27,7 @@ from nextn.sampling import (
     probs_from_logits,
     sample,
 )
+from nextn.spec.draft_vocab import DraftHead
 from nextn.spec.verifier import VerifyResult, verify_greedy, verify_sampled
 
 VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens")
@@ -86,13 +87,15 @@ class SlotSampler:
     def _history(self):
         return self.history if self.kind.penalties else None
 
-    def _banned(self, logits: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    def _banned(self, logits: torch.Tensor, first: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
         """logits [N, V] of generated indices first.. with the stop tokens masked out where the
-        index is below min_tokens (draft and target alike: the same law on both sides)."""
+        index is below min_tokens (draft and target alike: the same law on both sides). columns
+        [Vd]: the target ids of the logits' columns (a draft vocabulary's d2t; default all V)."""
         if not self.kind.min_tokens:
             return logits
         index = first.long() + torch.arange(logits.shape[0], device=logits.device)
-        ban = (index < self.values.min_tokens)[:, None] & self.stop_mask[None]
+        stop = self.stop_mask if columns is None else self.stop_mask[columns]
+        ban = (index < self.values.min_tokens)[:, None] & stop[None]
         return logits.float().masked_fill(ban, float("-inf"))
 
     def draft(
@@ -102,22 +105,32 @@ class SlotSampler:
         u: torch.Tensor | None,
         token: torch.Tensor,
         q: torch.Tensor,
+        vocab: DraftHead | None = None,
     ):
         """One draft step from head logits [1, V] into token ([1] long, a slot of the round's ids)
         and, sampled, its law into q ([1, V], a row of the round's buffer); drafts_so_far [j] long;
-        u [1]: the draft's DRAFT uniform. Returns the head's probability of its pick [1] when a
-        p_min gate is on, else None."""
-        logits = self._banned(logits, self.ctl[NUM_GEN] + drafts_so_far.numel())  # draft j: index NUM_GEN + j
+        u [1]: the draft's DRAFT uniform. With a draft vocabulary `vocab`, logits are [1, Vd] over
+        its rows: the pick maps through d2t, q is the subset's law scattered onto the target ids
+        (zero elsewhere), penalties and the min_tokens ban read target ids projected onto the subset.
+        Returns the head's probability of its pick [1] (over the subset, with a draft vocabulary)
+        when a p_min gate is on, else None."""
+        history, so_far, pick, columns = self._history(), drafts_so_far, token, None
+        if vocab is not None:
+            history, so_far = vocab.project(history, drafts_so_far)
+            pick, columns = torch.empty_like(token), vocab.d2t  # the draft row, mapped to its target id below
+        logits = self._banned(logits, self.ctl[NUM_GEN] + drafts_so_far.numel(), columns)  # draft j: NUM_GEN + j
         if self.kind.greedy:
-            torch.argmax(
-                penalized_logits(logits, self.values, self._history(), drafts_so_far, self.kind), dim=-1, out=token
-            )
+            torch.argmax(penalized_logits(logits, self.values, history, so_far, self.kind), dim=-1, out=pick)
         else:
-            probs_from_logits(logits, self.values, self._history(), drafts_so_far, self.kind, out=q)
-            sample(q, u, out=token)
+            probs = probs_from_logits(logits, self.values, history, so_far, self.kind, out=q if vocab is None else None)
+            sample(probs, u, out=pick)
+            if vocab is not None:
+                vocab.scatter(probs, out=q)
+        if vocab is not None:
+            vocab.to_target(pick, out=token)
         confidence = None
         if self.p_min > 0.0:
-            confidence = torch.softmax(logits.float(), dim=-1).gather(-1, token[:, None])[:, 0]
+            confidence = torch.softmax(logits.float(), dim=-1).gather(-1, pick[:, None])[:, 0]
         return confidence
 
     def verify(

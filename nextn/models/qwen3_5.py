@@ -99,20 +99,23 @@ class CausalLM(nn.Module):
         after_norm: bool = True,
         last_only: bool = True,
         ops: Ops | None = None,
+        lm_head: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP head over rows of tokens ids [n] with predecessor hiddens [n, H] at positions
         first_pos.. (K/V slots first_pos-1..), any number of rows (a prompt's catch-up, replay,
-        training checks). Returns (logits [n or 1, V], the hiddens to chain [n or 1, H])."""
+        training checks). Returns (logits [n or 1, V], the hiddens to chain [n or 1, H]).
+        lm_head [Vd, H]: the rows to score (a draft vocabulary's, nextn.spec.draft_vocab); default all."""
         embeds = self.model.embed_tokens(ids)[None]
         positions = torch.arange(first_pos, first_pos + ids.numel(), device=ids.device)
         cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
         out = self.mtp(embeds, hidden[None], cos, sin, kv, first_pos - 1, ops=ops)[0]
         out = out[-1:] if last_only else out
         normed = self.mtp.norm(out)
-        return self.logits(normed), normed if after_norm else out
+        return self.logits(normed, lm_head), normed if after_norm else out
 
-    def logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
-        return row_invariant_linear(normed_hidden, self.lm_head_weight).float()
+    def logits(self, normed_hidden: torch.Tensor, lm_head: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits over the lm_head's rows, or over the given rows [Vd, H]."""
+        return row_invariant_linear(normed_hidden, self.lm_head_weight if lm_head is None else lm_head).float()
 
 
 class ReferenceStep:
@@ -140,10 +143,12 @@ class ReferenceStep:
         rows: torch.Tensor | None,
         logits: torch.Tensor,
         chained: torch.Tensor,
+        lm_head: torch.Tensor | None = None,
     ) -> None:
         """MTP rows of a batch: ids [M] paired with hidden [M, H]; sequence b's first row in draft
         K/V slot first[b] (int32 [B]; rope position first[b] + 1). rows [B] (packed row indices; None:
-        every row) give logits [B or M, V] and the hiddens to chain."""
+        every row) give logits [B or M, V] and the hiddens to chain. lm_head [Vd, H]: score these
+        rows only (a draft vocabulary's copy; logits [B or M, Vd]); default the full lm_head."""
         slots = [int(p) for p in first.tolist()]
         positions = [s + 1 + i for s, n in zip(slots, batch.rows, strict=True) for i in range(n)]
         M = len(positions)
@@ -156,5 +161,5 @@ class ReferenceStep:
         if rows is not None:
             out = out.index_select(0, rows)
         normed = self.model.mtp.norm(out)
-        logits.copy_(self.model.logits(normed))
+        logits.copy_(self.model.logits(normed, lm_head))
         chained.copy_(normed if self.after_norm else out)

@@ -197,9 +197,10 @@ class TritonStep:
             self._rope.append((n, *self.model.rotary.cos_sin(positions, self.embed.dtype)))
         return self._rope[-1][1], self._rope[-1][2]
 
-    def linear_uses(self, head: bool = True) -> list[tuple[int, int, bool, bool, bool]]:
+    def linear_uses(self, head: bool = True, head_vocab: int | None = None) -> list[tuple[int, int, bool, bool, bool]]:
         """(N, K, full-row norm prologue, second weight, FP8) of each skinny_linear one trunk step
-        runs (and the MTP head's step, with head=True), repeats included."""
+        runs (and the MTP head's step, with head=True, its logits over head_vocab rows: a draft
+        vocabulary's; default the full lm_head's), repeats included."""
         uses = []
 
         def use(w: Weight, norm: bool = False, dual: bool = False):
@@ -228,11 +229,14 @@ class TritonStep:
         if head and self.head_weights is not None:
             use(self.head_weights[2])
             layer(self.head_weights[3])
+            if head_vocab is not None:
+                uses.append((head_vocab, self.lm_head.shape[1], False, False, False))  # a bf16 copy
         return uses
 
-    def tune(self, log=None) -> dict:
-        """Measure the skinny GEMM's block configs for this model's weight shapes (before capture)."""
-        return self.linear.tune(sorted(set(self.linear_uses())), self.embed.device, log=log)
+    def tune(self, log=None, head_vocab: int | None = None) -> dict:
+        """Measure the skinny GEMM's block configs for this model's weight shapes (before capture);
+        head_vocab: the rows of a draft vocabulary's lm_head copy, when the head drafts over one."""
+        return self.linear.tune(sorted(set(self.linear_uses(head_vocab=head_vocab))), self.embed.device, log=log)
 
     def _mlp(self, x, w: MLPWeights | MoEWeights):
         if isinstance(w, MoEWeights):
@@ -326,10 +330,13 @@ class TritonStep:
         rows: torch.Tensor | None,
         logits: torch.Tensor,
         chained: torch.Tensor,
+        lm_head: torch.Tensor | None = None,
     ) -> None:
         """MTP rows of a batch: ids [M] paired with hidden [M, H]; sequence b's first row in draft
         K/V slot first[b] (int32 [B]; rope position first[b] + 1). rows [B] (packed row indices, a
-        device tensor; None: every row) give logits [B or M, V] and the hiddens to chain."""
+        device tensor; None: every row) give logits [B or M, V] and the hiddens to chain.
+        lm_head [Vd, H] contiguous: score these rows only (a draft vocabulary's copy of the selected
+        rows, made at load by nextn.spec.draft_vocab.DraftHead; logits [B or M, Vd]); default all."""
         lin, norm, tensors = self.linear.skinny_linear, self.norm.rms_norm, batch.cache.tensors
         norm_embed, norm_hidden, fc, layer, final = self.head_weights
         H, M = self.cfg.hidden_size, ids.shape[0]
@@ -340,6 +347,6 @@ class TritonStep:
         x = self._attn(lin(cat, fc), layer, tensors["draft_key"], tensors["draft_value"], batch.row_slot, pos, 1)
         out = x if rows is None else x.index_select(0, rows)
         normed = norm(out, final, self.eps, out=chained if self.after_norm else None)
-        lin(normed, self.lm_head, out=logits)
+        lin(normed, self.lm_head if lm_head is None else lm_head, out=logits)
         if not self.after_norm:
             chained.copy_(out)

@@ -7,6 +7,9 @@ hiddens, and the new pending token with the hidden of its predecessor) into its 
 fixed shape of K_max + 1 rows whatever was accepted (rows past the kept ones land beyond and are
 overwritten later); each sequence's kept row gives its draft 1. Drafts 2..K chain the head's own
 output hidden, one row per sequence still drafting (K may differ per sequence).
+With a draft vocabulary (SpecConfig.draft_vocab, FR-Spec) the head scores its rows only, from a
+copy of them made here at load (nextn.spec.draft_vocab.DraftHead), into the proposer's own
+[rows, Vd] logits; the sampler maps each draft through d2t and scatters its q onto target ids.
 `ProfileProposer` replaces the head's drafts with tokens of a chosen acceptance (benchmarks).
 
 Tensor-only interface: the members (slot cache, sampler, round buffers, K) come in as arguments;
@@ -19,6 +22,7 @@ import torch
 
 from nextn.cache.hybrid import ACCEPTED, DRAFT_LEN, NUM_GEN, SEQ_LEN
 from nextn.sampling import RequestRng, Stream
+from nextn.spec.draft_vocab import DraftHead
 
 
 class MTPProposer:
@@ -26,6 +30,13 @@ class MTPProposer:
         if runner.model.mtp is None:
             raise ValueError("the checkpoint has no MTP head (mtp.* tensors)")
         self.runner, self.p_min = runner, p_min
+        vocab = runner.config.spec.draft_vocab
+        self.draft = None if vocab is None else DraftHead(vocab, runner.model.lm_head_weight)
+        # the head's rows to score (None: the step's full lm_head) and its logits [rows, V or Vd]
+        self.lm_head = None if self.draft is None else self.draft.lm_head
+        self.logits = runner.head_logits
+        if self.draft is not None:
+            self.logits = runner.head_logits.new_zeros(runner.head_logits.shape[0], self.draft.size)
 
     def propose(self, members: list) -> list:
         """Draft members[b].k >= 1 tokens into each member's buf.verify_ids[1:k+1] (and their q into
@@ -41,8 +52,8 @@ class MTPProposer:
         ids = tensors["head_ids"].view(-1).index_select(0, flat)
         hidden = tensors["hidden"].flatten(0, 1).index_select(0, flat)
         rows = batch.seqs[1] + batch.field(ACCEPTED)
-        logits, chained = runner.head_logits[:B], runner.head_hidden[:B]
-        runner.step.head(batch, ids, hidden, batch.field(DRAFT_LEN), rows.long(), logits, chained)
+        logits, chained = self.logits[:B], runner.head_hidden[:B]
+        runner.step.head(batch, ids, hidden, batch.field(DRAFT_LEN), rows.long(), logits, chained, self.lm_head)
         uniforms = [
             None if m.sampler.kind.greedy else m.sampler.uniforms_at(Stream.DRAFT, m.cache.ctl[NUM_GEN], m.k)
             for m in members
@@ -59,6 +70,7 @@ class MTPProposer:
                             None if u is None else u[j : j + 1],
                             m.buf.verify_ids[1 + j : 2 + j],
                             m.buf.draft_q[j : j + 1],
+                            self.draft,
                         )
                     )
             # the chain: draft j + 1's row sits in draft K/V slot SEQ_LEN + j (the pending token's is SEQ_LEN - 1)
@@ -76,11 +88,11 @@ class MTPProposer:
         ids = torch.cat([m.buf.verify_ids[1 + j : 2 + j] for m in members])
         first = batch.field(SEQ_LEN) + j
         if full is not None:  # every sequence chains: in place
-            runner.step.head(batch, ids, chained, first, None, logits, chained)
+            runner.step.head(batch, ids, chained, first, None, logits, chained, self.lm_head)
             return
         at = runner.index(index)
-        out_logits, out_hidden = runner.head_logits[-len(members) :], runner.head_hidden[-len(members) :]
-        runner.step.head(batch, ids, chained.index_select(0, at), first, None, out_logits, out_hidden)
+        out_logits, out_hidden = self.logits[-len(members) :], runner.head_hidden[-len(members) :]
+        runner.step.head(batch, ids, chained.index_select(0, at), first, None, out_logits, out_hidden, self.lm_head)
         logits.index_copy_(0, at, out_logits)
         chained.index_copy_(0, at, out_hidden)
 

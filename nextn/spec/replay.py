@@ -6,8 +6,9 @@ Per evaluated position p (context = the text's tokens 0..p, predecessor pairing 
              spec-decode chain (same rows, positions and persistent draft K/V);
   target_j = the trunk's greedy pick for position p+1+j under the forced context.
 Draft j counts as accepted when drafts 0..j all equal their targets (what a greedy verify would
-accept). Also reports the trunk's NLL / perplexity of the text and can dump the head-input hiddens
-(head distillation data).
+accept). With a draft vocabulary the head scores its rows only and each draft maps through d2t,
+as the live proposer drafts (nextn.spec.draft_vocab). Also reports the trunk's NLL / perplexity
+of the text and can dump the head-input hiddens (head distillation data).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from nextn.cache import CacheLayout, HybridCache
 from nextn.models.loader import load_model
 from nextn.models.qwen3_5 import CausalLM
+from nextn.spec.draft_vocab import DraftHead, DraftVocab, load_draft_vocab
 from nextn.tokenizer import Tokenizer
 
 CHUNK = 2048  # tokens per forward: bounds attention score memory
@@ -40,6 +42,7 @@ class ReplayResult:
     ppl: float
     hidden_after_norm: bool
     seconds: float
+    draft_vocab_size: int | None = None  # the draft vocabulary's rows (None: the full vocabulary)
 
 
 def trunk_pass(model: CausalLM, ids: list[int], after_norm: bool = True):
@@ -70,20 +73,30 @@ def replay_rounds(
     k: int,
     positions: range,
     after_norm: bool = True,
+    draft: DraftHead | None = None,
 ):
-    """Yields (p, drafts [k], targets [k]) per evaluated position p, in order."""
+    """Yields (p, drafts [k], targets [k]) per evaluated position p, in order (drafts over the
+    draft vocabulary `draft` when given)."""
     cfg, param = model.cfg, next(model.parameters())
     kv = tuple(
         torch.zeros(len(ids) + k + 1, cfg.num_key_value_heads, cfg.head_dim, device=param.device, dtype=param.dtype)
         for _ in range(2)
     )
     tok = torch.tensor(ids, device=param.device)
+    lm_head = None if draft is None else draft.lm_head
+
+    def pick(logits):  # [n, V or Vd] -> target ids [n]
+        best = logits.argmax(-1)
+        return best if draft is None else draft.to_target(best)
+
     draft0, chained0 = [], []
     # every row p >= 1, in chunks: the persistent draft K/V and draft 0 of each position
     for s in range(1, len(ids), CHUNK):
         e = min(s + CHUNK, len(ids))
-        logits, chained = model.head_rows(kv, tok[s:e], hidden[s - 1 : e - 1], s, after_norm, last_only=False)
-        draft0.append(logits.argmax(-1))
+        logits, chained = model.head_rows(
+            kv, tok[s:e], hidden[s - 1 : e - 1], s, after_norm, last_only=False, lm_head=lm_head
+        )
+        draft0.append(pick(logits))
         chained0.append(chained)
     draft0, chained0 = torch.cat(draft0), torch.cat(chained0)  # row p at index p-1
     for p in positions:
@@ -91,8 +104,8 @@ def replay_rounds(
         chained = chained0[p - 1 : p]
         saved = (kv[0][p : p + k].clone(), kv[1][p : p + k].clone())
         for j in range(1, k):
-            logits, chained = model.head_rows(kv, drafts[-1].reshape(1), chained, p + j, after_norm)
-            drafts.append(logits[0].argmax())
+            logits, chained = model.head_rows(kv, drafts[-1].reshape(1), chained, p + j, after_norm, lm_head=lm_head)
+            drafts.append(pick(logits)[0])
         kv[0][p : p + k], kv[1][p : p + k] = saved  # chain rows -> true rows again
         yield p, torch.stack(drafts), picks[p : p + k]
 
@@ -105,12 +118,14 @@ def replay(
     after_norm: bool = True,
     progress: bool = True,
     dump_hidden: str | None = None,
+    draft_vocab: DraftVocab | None = None,
 ) -> ReplayResult:
     if len(ids) < k + 3:
         raise ValueError(f"the text has {len(ids)} tokens; replay needs at least {k + 3}")
     if model.mtp is None:
         raise ValueError("the checkpoint has no MTP head (mtp.* tensors): nothing to replay")
     t0 = time.perf_counter()
+    draft = None if draft_vocab is None else DraftHead(draft_vocab, model.lm_head_weight)
     hidden, picks, nll = trunk_pass(model, ids, after_norm)
     if dump_hidden:
         from safetensors.torch import save_file
@@ -119,7 +134,7 @@ def replay(
     accepted = torch.zeros(k, dtype=torch.long)
     positions = range(1, len(ids) - k, stride)
     with torch.inference_mode():
-        rounds = replay_rounds(model, ids, hidden, picks, k, positions, after_norm)
+        rounds = replay_rounds(model, ids, hidden, picks, k, positions, after_norm, draft)
         for n_done, (_, drafts, targets) in enumerate(rounds):
             accepted += (drafts == targets).long().cumprod(0).cpu()
             if progress and (n_done % 64 == 0 or n_done == len(positions) - 1):
@@ -138,6 +153,7 @@ def replay(
         math.exp(mean_nll),
         after_norm,
         time.perf_counter() - t0,
+        None if draft is None else draft.size,
     )
 
 
@@ -148,16 +164,27 @@ def replay_from_args(args) -> int:
 
     model_dir = Path(args.model) if args.model else DEFAULT_MODEL_DIR
     model = load_model(model_dir, device=args.device, dtype=args.dtype)
-    ids = Tokenizer(model_dir).encode(Path(args.file).read_text(errors="replace"))
+    tokenizer = Tokenizer(model_dir)
+    vocab = None
+    if args.draft_vocab is not None:
+        vocab = load_draft_vocab(args.draft_vocab, model.cfg.vocab_size, tokenizer)
+    ids = tokenizer.encode(Path(args.file).read_text(errors="replace"))
     if args.max_tokens is not None:
         ids = ids[: args.max_tokens]
-    result = replay(model, ids, args.k, args.stride, not args.hidden_before_norm, dump_hidden=args.dump_hidden)
+    result = replay(
+        model, ids, args.k, args.stride, not args.hidden_before_norm, dump_hidden=args.dump_hidden, draft_vocab=vocab
+    )
+    heads = "" if vocab is None else f" (draft vocabulary of {vocab.size})"
     print(
-        f"replay: {result.num_positions} positions over {result.num_tokens} tokens, K={result.k}: "
+        f"replay: {result.num_positions} positions over {result.num_tokens} tokens, K={result.k}{heads}: "
         f"acceptance per position {[round(r, 3) for r in result.acceptance_per_position]}, "
         f"mean acceptance length {result.mean_acceptance_length:.3f}, nll {result.nll:.3f}, ppl {result.ppl:.2f}",
         file=sys.stderr,
     )
     if args.json:
-        print(json.dumps({"model": str(model_dir), "file": str(args.file), **asdict(result)}))
+        print(
+            json.dumps(
+                {"model": str(model_dir), "file": str(args.file), "draft_vocab": args.draft_vocab, **asdict(result)}
+            )
+        )
     return 0

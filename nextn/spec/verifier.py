@@ -110,12 +110,15 @@ def _draft_row(draft_probs: Tensor | None, draft_ids: Tensor, n: Tensor, num_dra
     return draft_probs.index_select(0, row)[0].float() * live
 
 
-def draft_probs_on_target_vocab(draft_probs: Tensor, draft_to_target: Tensor, vocab_size: int) -> Tensor:
-    """Reduced-vocabulary q [K, Vd] -> q over target ids [K, V] (zeros outside the draft vocab).
+def draft_probs_on_target_vocab(
+    draft_probs: Tensor, draft_to_target: Tensor, vocab_size: int, out: Tensor | None = None
+) -> Tensor:
+    """Reduced-vocabulary q [K, Vd] -> q over target ids [K, V] (zeros outside the draft vocab),
+    written into out [K, V] when given.
 
     draft_to_target [Vd] long maps draft-head ids to target ids (distinct). The drafted ids must be
     mapped the same way: `draft_to_target[draft_local_ids]`.
     """
-    out = draft_probs.new_zeros(draft_probs.shape[0], vocab_size)  # [K, V]
+    out = draft_probs.new_zeros(draft_probs.shape[0], vocab_size) if out is None else out.zero_()  # [K, V]
     index = draft_to_target.long().expand(draft_probs.shape[0], -1)  # [K, Vd]
     return out.scatter_(1, index, draft_probs)
