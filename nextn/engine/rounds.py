@@ -49,8 +49,6 @@ def round_buffers(cfg: ModelConfig, k_max: int, dtype: torch.dtype) -> list[tupl
         ("prev_logits", (R, V), f32),
         ("prev_hidden", (R, H), dtype),
         ("draft_q", (max(k_max, 1), V), f32),
-        ("head_logits", (1, V), f32),
-        ("head_hidden", (1, H), dtype),
         ("out", (_TOKENS + R + NUM_CTL,), torch.long),
     ]
 
@@ -63,8 +61,6 @@ class Buffers(NamedTuple):
     prev_logits: torch.Tensor  # the verify before it (copied as a round starts)
     prev_hidden: torch.Tensor
     draft_q: torch.Tensor
-    head_logits: torch.Tensor
-    head_hidden: torch.Tensor
     out: torch.Tensor  # [2 + R + NUM_CTL] the round's outcome
 
     @classmethod

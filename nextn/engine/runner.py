@@ -57,20 +57,21 @@ class ModelRunner:
     def batch(self, caches: list[SlotCache], rows: list[int]) -> StepBatch:
         """The step batch of these slots and row counts (made once: graphs hold its tensors)."""
         key = (tuple(c.slot for c in caches), tuple(rows))
-        if key not in self._batches:
-            if not self.use_graphs and len(self._batches) >= MAX_GRAPHS:  # (graphs bound them otherwise)
-                self._batches.clear()
-            self._batches[key] = StepBatch(caches, rows)
-        return self._batches[key]
+        return self._made_once(self._batches, key, lambda: StepBatch(caches, rows))
 
     def index(self, values: list[int]) -> torch.Tensor:
         """A long device tensor of these values (made once)."""
         key = tuple(values)
-        if key not in self._indices:
-            if not self.use_graphs and len(self._indices) >= 8 * MAX_GRAPHS:
-                self._indices.clear()
-            self._indices[key] = torch.tensor(values, dtype=torch.long, device=self.device)
-        return self._indices[key]
+        return self._made_once(self._indices, key, lambda: torch.tensor(key, dtype=torch.long, device=self.device))
+
+    def _made_once(self, table: dict, key, make):
+        """table[key], made on first use. Graphs bound the tables (drop_graphs clears them with the
+        graphs that read them); without graphs a full table starts over."""
+        if key not in table:
+            if not self.use_graphs and len(table) >= 8 * MAX_GRAPHS:
+                table.clear()
+            table[key] = make()
+        return table[key]
 
     def run(self, key, fn: Callable[[], None]) -> None:
         """fn (device work on static buffers, no host reads) eagerly on the key's first call (Triton
