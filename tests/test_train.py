@@ -160,6 +160,18 @@ def test_head_distillation_trains_only_the_head(tiny_run):
     )
 
 
+def test_finetuning_trains_every_weight_with_the_checkpoints_tokenizer(tiny_run):
+    src = tiny_run / "run" / "checkpoint"
+    out = trainer.train(_config(tiny_run / "finetune", tiny_run / "src", finetune_from=str(src), max_steps=2))
+    before, after = load_model(src), load_model(out)
+    old, new = before.state_dict(), after.state_dict()
+    changed = {n for n in old if not torch.equal(old[n], new[n])}
+    assert any(n.startswith("mtp.") for n in changed) and any(n.startswith("model.layers.") for n in changed)
+    assert (out / "tokenizer.json").read_text() == (src / "tokenizer.json").read_text()
+    with pytest.raises(ValueError, match="exclude each other"):
+        _config(tiny_run / "both", tiny_run / "src", finetune_from=str(src), distill_from=str(src))
+
+
 def _chain_loss(model, x, depth: int) -> float:
     """KL(trunk's next-token distribution || chain depth `depth`'s), mean over rows."""
     from nextn.train.objective import chain_logits, trunk_hidden

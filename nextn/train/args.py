@@ -36,6 +36,9 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory; an existing run there is resumed")
     g.add_argument("--distill-from", metavar="CKPT", help="train only the MTP head of this checkpoint")
     g.add_argument(
+        "--finetune-from", metavar="CKPT", help="train every weight of this checkpoint (trunk and head) on --data"
+    )
+    g.add_argument(
         "--chain-depth",
         type=int,
         default=1,
@@ -105,7 +108,7 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
-    distill = ns.distill_from or ns.model
+    distill = ns.distill_from or (None if ns.finetune_from else ns.model)
     if ns.distill_from and ns.model and ns.distill_from != ns.model:
         raise SystemExit("nextn train: --model and --distill-from name different checkpoints")
     dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
@@ -127,6 +130,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         data=data,
         shape=shape,
         distill_from=distill,
+        finetune_from=ns.finetune_from,
         chain_depth=ns.chain_depth,
         chain_decay=ns.chain_decay,
         minutes=ns.minutes,

@@ -98,6 +98,8 @@ class TrainConfig:
     shape: ModelShape = field(default_factory=ModelShape)
     # head distillation: train only mtp.* of this checkpoint, from its trunk's hidden states
     distill_from: str | None = None
+    # fine-tuning: every weight of this checkpoint (trunk and MTP head) trains on the data, with its tokenizer
+    finetune_from: str | None = None
     # head distillation: also train draft steps 2..chain_depth of the head's own chain (its
     # output hidden fed back, as the proposer drafts), depth d's loss weighted chain_decay ** (d - 1)
     chain_depth: int = 1
@@ -145,8 +147,15 @@ class TrainConfig:
             raise ValueError("chain_depth must be >= 1, and above 1 only with head distillation (distill_from)")
         if self.chain_depth >= self.seq_len:
             raise ValueError("chain_depth must be below seq_len")
+        if self.distill_from is not None and self.finetune_from is not None:
+            raise ValueError("distill_from and finetune_from exclude each other")
         if self.distill_from is None and not self.data.roots:
             raise ValueError("give at least one data folder")
+
+    @property
+    def source(self) -> str | None:
+        """The checkpoint a run starts from (distillation or fine-tuning), None for a fresh model."""
+        return self.distill_from or self.finetune_from
 
     @property
     def run_path(self) -> Path:
@@ -168,7 +177,7 @@ RESUMABLE_CHANGES = frozenset(
     {"minutes", "max_steps", "wall_minutes", "log_every", "eval_every", "save_every", "device", "compile", "gdn_kernel"}
 )
 # settings the tokenizer and the token arrays of a run depend on
-DATA_FIELDS = ("data", "tokenizer_sample_mb", "distill_from")
+DATA_FIELDS = ("data", "tokenizer_sample_mb", "distill_from", "finetune_from")
 
 
 def check_resume(saved: TrainConfig, new: TrainConfig) -> None:

@@ -1,5 +1,6 @@
 """The model a run trains: a fresh Qwen3.5-layout CausalLM with its MTP head (initialised here),
-or an existing checkpoint with a frozen trunk and a trainable head. (The chunked delta rule a run
+an existing checkpoint with a frozen trunk and a trainable head (distillation), or an existing
+checkpoint trained whole (fine-tuning). (The chunked delta rule a run
 uses is an Ops table the trainer passes down: nextn.ops.OPS.)
 """
 
@@ -61,18 +62,20 @@ def build_model(cfg: TrainConfig, tok, device: torch.device) -> tuple[CausalLM, 
     return model.to(device), hf_config
 
 
-def distill_model(cfg: TrainConfig, device: torch.device) -> tuple[CausalLM, dict]:
-    """The checkpoint's model with its trunk frozen and its MTP head (the checkpoint's own, or a
-    fresh one where it has none) trainable in float32 -> (model, config.json of the result)."""
-    src = Path(cfg.distill_from)
-    model = load_model(src, device=str(device), dtype=cfg.dtype)
+def checkpoint_model(cfg: TrainConfig, device: torch.device) -> tuple[CausalLM, dict]:
+    """The checkpoint's model with its MTP head (its own, or a fresh one where it has none)
+    trainable in float32 and its trunk frozen (distillation) or trainable in float32 too
+    (fine-tuning) -> (model, config.json of the result)."""
+    src = Path(cfg.source)
+    finetune = cfg.finetune_from is not None
+    model = load_model(src, device=str(device), dtype="float32" if finetune else cfg.dtype)
     if model.mtp is None:
         head = MTPHead(model.cfg)
         init_weights_(head, model.cfg.num_hidden_layers, cfg.seed)
         model.mtp = head
     model.mtp.to(device=device, dtype=torch.float32)
     for name, p in model.named_parameters():
-        p.requires_grad_(name.startswith("mtp."))
+        p.requires_grad_(finetune or name.startswith("mtp."))
     return model, text_config(src)
 
 

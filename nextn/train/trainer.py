@@ -24,7 +24,7 @@ from nextn.train import data as data_mod
 from nextn.train import objective, report
 from nextn.train.checkpoint import load_state, save_state, write_checkpoint
 from nextn.train.config import DATA_FIELDS, TrainConfig, check_resume
-from nextn.train.model_setup import build_model, distill_model
+from nextn.train.model_setup import build_model, checkpoint_model
 from nextn.train.tokenizer import (
     ENDOFTEXT,
     TOKENIZER_FILES,
@@ -45,14 +45,14 @@ def _metrics(losses: objective.Losses) -> torch.Tensor:
 
 
 def prepare_tokenizer(cfg: TrainConfig) -> Path:
-    """run_dir/tokenizer: copied from the distilled checkpoint, or trained on a train-split sample."""
+    """run_dir/tokenizer: copied from the checkpoint the run starts from, or trained on a train-split sample."""
     out = cfg.run_path / "tokenizer"
     if (out / "tokenizer.json").is_file():
         return out
-    if cfg.distill_from:
+    if cfg.source:
         out.mkdir(parents=True)
         for name in TOKENIZER_FILES:
-            shutil.copy(Path(cfg.distill_from) / name, out / name)
+            shutil.copy(Path(cfg.source) / name, out / name)
         return out
     t0 = time.perf_counter()
     files = data_mod.find_files(list(cfg.data.roots), cfg.data.suffixes, cfg.data.max_file_bytes)
@@ -139,8 +139,8 @@ class Run:
         train_rows, heldout_rows = prepare_data(cfg, tok)
         self.train_rows = torch.from_numpy(train_rows.astype(np.int32)).to(self.device)
         self.heldout_rows = torch.from_numpy(heldout_rows.astype(np.int32)).to(self.device)
-        if cfg.distill_from:
-            self.model, self.hf_config = distill_model(cfg, self.device)
+        if cfg.source:
+            self.model, self.hf_config = checkpoint_model(cfg, self.device)
         else:
             self.model, self.hf_config = build_model(cfg, tok, self.device)
         ops = OPS[cfg.gdn_kernel]()  # the chunked delta rule's kernel: torch (any device) or fla (CUDA)
