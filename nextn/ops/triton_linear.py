@@ -15,13 +15,6 @@ Fused around the dot, so a decoder layer needs fewer launches:
 - epilogue `silu_mul`: y = silu(x @ w.T) * (x @ w2.T) (the SwiGLU of an MLP, gate and up weights).
 Roundings follow the PyTorch modules they replace, op by op.
 
-Programmatic dependent launch (Hopper, `pdl`): a launch may start while the kernel before it
-finishes. Before anything else a program asks L2 for the first PREFETCH_LINES cache lines of each of
-its weight rows (weights are never written by a step), then waits for the kernel before it to
-complete (`gdc_wait`) before it reads or writes anything else; after its k-loop it lets the next
-launch start (`gdc_launch_dependents`), so that launch's weight prefetch overlaps this one's
-reduction, epilogue and last wave. Arithmetic and results are the same with it off.
-
 FP8 weights (nextn.ops.fp8.FP8Weight: e4m3 with float32 scales, per row or per 128 rows, per 128
 columns): the weight tile is widened to x's dtype (exact: every e4m3 value is a bf16 / fp16 value),
 multiplied with the rows in a dot of its own, and the product scaled by the tile's row scales before
@@ -38,7 +31,6 @@ from nextn.ops.fp8 import FP8Weight, quantize
 from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2
 
 TILE_ROWS = 16  # rows of one tensor-core tile: a decode's 1, a verify's K + 1 <= 16, or a batch's share
-PREFETCH_LINES = 8  # 128-byte lines of each weight row asked for before the kernel before ends (pdl)
 
 if HAVE_TRITON:
     import triton
@@ -68,15 +60,6 @@ if HAVE_TRITON:
         else:
             part = tl.dot(w.to(x_dtype), tl.trans(x))
         return part * scale[:, None]
-
-    @triton.jit
-    def _prefetch_rows(w_ptr, offs_n, N, K, k_start, LINES: tl.constexpr, LINE: tl.constexpr):
-        """Ask L2 for LINES lines (LINE elements each) of each weight row offs_n from column k_start."""
-        cols = tl.minimum(k_start + tl.arange(0, LINES) * LINE, K - 1)
-        ptrs = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * K + cols[None, :]
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-        )
 
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(
@@ -111,9 +94,6 @@ if HAVE_TRITON:
         FP8: tl.constexpr,  # w (and w2) e4m3, float32 scales [K / 128, N / SCALE_ROWS] (row stride stride_s)
         SCALE_ROWS: tl.constexpr,  # weight rows per scale: 1 or 128
         SCALE_ROWS2: tl.constexpr,
-        PDL: tl.constexpr,  # launched as a programmatic dependent launch: prefetch, then wait
-        PREFETCH: tl.constexpr,  # lines of each weight row to prefetch
-        LINE: tl.constexpr,  # weight elements per 128-byte line
     ):
         """Program (n * M_TILES + m, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs
         for rows [m*BLOCK_M, (m+1)*BLOCK_M). SPLIT > 1: float32 partials [SPLIT, M, N] in part_ptr,
@@ -127,11 +107,6 @@ if HAVE_TRITON:
         mask_m = offs_m < M
         mask_n = offs_n < N
         x_dtype = x_ptr.dtype.element_ty
-        if PDL:  # weights only before the wait: nothing a kernel before this one writes
-            _prefetch_rows(w_ptr, offs_n, N, K, k_start, PREFETCH, LINE)
-            if EPILOGUE == 2:
-                _prefetch_rows(w2_ptr, offs_n, N, K, k_start, PREFETCH, LINE)
-            tl.extra.cuda.gdc_wait()
         if PROLOGUE == 1:  # per-row 1/rms over all of K in a fixed block order (every split does it)
             sumsq = tl.zeros((BLOCK_M,), tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -174,8 +149,6 @@ if HAVE_TRITON:
                     acc2 = tl.dot(w2.to(tl.float32), tl.trans(x.to(tl.float32)), acc2, input_precision="ieee")
                 else:
                     acc2 = tl.dot(w2, tl.trans(x), acc2)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
         out_mask = mask_n[:, None] & mask_m[None, :]
         store_mask = out_mask
         if SPLIT > 1:
@@ -260,7 +233,6 @@ def skinny_linear(
     residual: torch.Tensor | None = None,  # [M, N]: epilogue residual + y
     up_weight: torch.Tensor | FP8Weight | None = None,  # [N, K]: epilogue silu(y) * (x @ up_weight.T)
     config: tuple[int, int, int, int, int] | None = None,  # override (tuning)
-    pdl: bool = True,  # programmatic dependent launch where the GPU has it (same results either way)
 ) -> torch.Tensor:
     fp8 = isinstance(weight, FP8Weight)
     if up_weight is not None and isinstance(up_weight, FP8Weight) != fp8:
@@ -282,7 +254,6 @@ def skinny_linear(
             raise ValueError(f"skinny_linear: FP8 scales {tuple(s.shape)} ({r} rows each) for weight {(N, K)}")
     if out is None:
         out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
-    pdl = pdl and x.is_cuda and not interpreting() and torch.cuda.get_device_capability(x.device)[0] >= 9
     prologue = 0 if norm_weight is None else 1
     epilogue = 1 if residual is not None else (2 if up_weight is not None else 0)
     block_n, block_k, warps, stages, split = config or pick_config(N, K, fp8)
@@ -327,12 +298,8 @@ def skinny_linear(
         FP8=fp8,
         SCALE_ROWS=rows,
         SCALE_ROWS2=rows2,
-        PDL=pdl,
-        PREFETCH=PREFETCH_LINES,
-        LINE=128 // weight.element_size(),
         num_warps=warps,
         num_stages=stages,
-        launch_pdl=pdl,
     )
     return out
 
