@@ -117,7 +117,7 @@ def test_a_vocabulary_that_cannot_serve_the_model_is_refused(dense_ckpt, tmp_pat
 def test_greedy_drafts_are_the_subset_argmax(dense_fitted_ckpt):
     """Live drafts == replay's drafts over the subset == d2t[argmax of the full head's logits on
     the subset], and where the subset lacks the full head's pick, the drafts differ from it."""
-    full = nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=3)
+    full = nextn.LLM(model=dense_fitted_ckpt, device="cpu", num_speculative_tokens=3)  # replay runs on the CPU
     text = list(FIT_PROMPTS[0]) + _greedy(full, FIT_PROMPTS[0], 20).token_ids
     model = full.model
     hidden, picks, _ = trunk_pass(model, text)
@@ -126,7 +126,7 @@ def test_greedy_drafts_are_the_subset_argmax(dense_fitted_ckpt):
         full_drafts = {p: d for p, d, _ in replay_rounds(model, text, hidden, picks, 3, positions)}
     # every token but the full head's first drafts
     vocab = _vocab(dense_fitted_ckpt, set(range(VOCAB_SIZE)) - {int(d[0]) for d in full_drafts.values()})
-    reduced = nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=3, draft_vocab=vocab)
+    reduced = nextn.LLM(model=dense_fitted_ckpt, device="cpu", num_speculative_tokens=3, draft_vocab=vocab)
     head = reduced.engine.proposer.draft
     assert head.lm_head.is_contiguous() and torch.equal(head.lm_head, model.lm_head_weight[head.d2t])
     with torch.inference_mode():
@@ -174,7 +174,7 @@ def test_sampled_drafts_put_their_law_on_the_subset(dense_fitted_ckpt):
     """One sampled draft step: q is the subset's filtered, penalized law on target ids (zero off
     the subset) and the draft is a subset token."""
     vocab = _vocab(dense_fitted_ckpt, range(0, VOCAB_SIZE, 2))
-    llm = nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=2, draft_vocab=vocab)
+    llm = nextn.LLM(model=dense_fitted_ckpt, device="cpu", num_speculative_tokens=2, draft_vocab=vocab)
     params = nextn.SamplingParams(temperature=0.9, top_k=5, repetition_penalty=1.5, seed=3)
     context = list(FIT_PROMPTS[0])
     engine = llm.engine
@@ -292,11 +292,12 @@ def test_triton_head_scores_the_subset_rows(dense_ckpt):
     """The fused step's head over a draft vocabulary's rows == the reference step's, and both
     equal the full head's logits at those rows; greedy spec == plain on the Triton path."""
     pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (the interpreter runs Triton on the CPU)
     vocab = _vocab(dense_ckpt, range(3, VOCAB_SIZE, 3))
     engines = {
         kernels: nextn.LLM(
             model=dense_ckpt,
-            device="cpu",
+            device=device,
             dtype="float32",
             kernels=kernels,
             num_speculative_tokens=2,
@@ -307,15 +308,16 @@ def test_triton_head_scores_the_subset_rows(dense_ckpt):
         for kernels in ("torch", "triton")
     }
     H = engines["torch"].model.cfg.hidden_size
-    ids, hidden = torch.tensor([5, 77, 300, 9]), torch.randn(4, H, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([5, 77, 300, 9], device=device)
+    hidden = torch.randn(4, H, generator=torch.Generator().manual_seed(0)).to(device)
     outs = []
     for engine in engines.values():
         cache, proposer = engine.runner.slot(0), engine.proposer
         for t in cache.draft_kv():
             t.zero_()
-        full, sub = torch.empty(1, VOCAB_SIZE), torch.empty(1, vocab.size)
-        chained = torch.empty(1, H)
-        pos, row = torch.tensor([6], dtype=torch.int32), torch.tensor([2])
+        full, sub = torch.empty(1, VOCAB_SIZE, device=device), torch.empty(1, vocab.size, device=device)
+        chained = torch.empty(1, H, device=device)
+        pos, row = torch.tensor([6], dtype=torch.int32, device=device), torch.tensor([2], device=device)
         with torch.inference_mode():
             batch = engine.runner.batch([cache], [4])
             engine.runner.step.head(batch, ids, hidden, pos, row, sub, chained, proposer.lm_head)

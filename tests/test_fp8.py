@@ -270,7 +270,7 @@ def test_greedy_equals_the_dequantized_model(src, layout, quantize_mtp, fp8_ckpt
     """The reference path dequantizes: logits bitwise the float32 dequantized model's, greedy too."""
     ckpt = fp8_ckpt(src, layout, quantize_mtp)
     fp8, ref = _llm(ckpt), _llm(dequantized(ckpt))
-    ids = torch.tensor([PROMPT])
+    ids = torch.tensor([PROMPT], device=DEVICE)
     with torch.no_grad():
         logits = [m.logits(m.final_norm(m(ids))) for m in (fp8.model, ref.model)]
     assert torch.equal(*logits)
