@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import random
 import textwrap
 from pathlib import Path
 
-import jinja2
+from nextn.tokenizer import Tokenizer
 
 ASK = [
     "Write a Python function `{sig}` that {summary}",
@@ -129,8 +128,7 @@ def main() -> None:
     ap.add_argument("--per-file", type=int, default=200, help="transcripts per .chat file")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    template = json.loads((Path(args.template_from) / "tokenizer_config.json").read_text())["chat_template"]
-    render = jinja2.Environment().from_string(template).render
+    tokenizer = Tokenizer(Path(args.template_from))  # the engine's own template rendering
     rng = random.Random(args.seed)
     paths = [p for root in args.src for p in sorted(Path(root).rglob("*.py")) if p.stat().st_size < 200_000]
     fns = [fn for path in paths for fn in functions(path)]
@@ -145,7 +143,8 @@ def main() -> None:
             tools_made += 1
         else:
             messages, tools = coding_chat(rng, fn), None
-        texts.append(render(messages=messages, tools=tools, add_generation_prompt=False))
+        extra = {"tools": tools} if tools else {}
+        texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=False, **extra))
     for i in range(0, len(texts), args.per_file):
         (out / f"chat_{i // args.per_file:05d}.chat").write_text("<|endoftext|>".join(texts[i : i + args.per_file]))
     size = sum(map(len, texts))
