@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Fine-tune the bundled model into a coding assistant on one CUDA GPU (issue 17), then retrain its
 # MTP head's chain as bench/distill_chain_head.sh did, and ask it ten coding requests.
-#   bench/finetune_chat.sh OUT CHAT_TGZ FINETUNE_MINUTES CHAIN_MINUTES
+#   bench/finetune_chat.sh OUT CHAT_TGZ FINETUNE_STEPS CHAIN_MINUTES
 # CHAT_TGZ: the .chat files of bench/chat_data.py (made on the CPU machine, carried here).
 # Mixed with the machine's Python standard library, as the pretraining data was.
 set -euo pipefail
-out=$1 chat=$2 ft_min=$3 chain_min=$4
+out=$1 chat=$2 ft_steps=$3 chain_min=$4
 mkdir -p "$out" /tmp/chat
 tar xzf "$chat" -C /tmp/chat
 export PYTHONUNBUFFERED=1
 stdlib=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
 python3 -m nextn.train --finetune-from nextn/default_model --data /tmp/chat --data "$stdlib" \
-  --suffix .chat --suffix .py --device cuda --out runs/chat --gdn-kernel torch --wall-minutes "$ft_min" \
+  --suffix .chat --suffix .py --device cuda --out runs/chat --gdn-kernel torch --max-steps "$ft_steps" \
   --lr 6e-4 --warmup-steps 30 --eval-every 100 --eval-sequences 128 --save-every 100000 --max-prep-seconds 30 \
   2>&1 | grep -v "^ " | tee "$out/finetune_log.txt"
 python3 -m nextn.train --distill-from runs/chat/checkpoint --data "$stdlib" --device cuda --out runs/chat_chain \
@@ -19,6 +19,10 @@ python3 -m nextn.train --distill-from runs/chat/checkpoint --data "$stdlib" --de
   --eval-every 200 --eval-sequences 128 --save-every 100000 2>&1 | grep -v "^ " | tee "$out/chain_log.txt"
 python3 bench/chat_eval.py --model runs/chat_chain/checkpoint --device cuda --out "$out/chat_eval.json" \
   2>&1 | tail -60 | tee "$out/chat_eval_log.txt"
-tar czf "$out/checkpoint.tgz" -C runs/chat_chain checkpoint
+# what comes back: the shards one by one (each under the device tool's 16 MiB), the rest in one tarball
 cp runs/chat/train_config.json "$out/finetune_config.json"
 cp runs/chat_chain/train_config.json "$out/chain_config.json"
+cp runs/chat_chain/checkpoint/*.safetensors "$out/"
+tar czf "$out/rest.tgz" -C runs/chat_chain/checkpoint --exclude '*.safetensors' . \
+  -C "$out" finetune_log.txt chain_log.txt chat_eval_log.txt finetune_config.json chain_config.json
+rm "$out"/finetune_log.txt "$out"/chain_log.txt "$out"/chat_eval_log.txt "$out"/finetune_config.json "$out"/chain_config.json
