@@ -147,7 +147,10 @@ def test_resume_continues_the_run(tiny_run):
 
 def test_head_distillation_trains_only_the_head(tiny_run):
     src = tiny_run / "run" / "checkpoint"
+    out = trainer.train(_config(tiny_run / "distill", tiny_run / "src", distill_from=str(src), max_steps=2))
+    # resumed: its state holds the head alone, the trunk comes from the checkpoint again
     out = trainer.train(_config(tiny_run / "distill", tiny_run / "src", distill_from=str(src), max_steps=3))
+    assert load_state(tiny_run / "distill")["step"] == 3
     before, after = load_model(src), load_model(out)
     for (name, a), (_, b) in zip(before.state_dict().items(), after.state_dict().items(), strict=True):
         if name.startswith("mtp."):

@@ -162,7 +162,8 @@ class Run:
     def _restore(self, state: dict | None) -> None:
         if state is None:
             return
-        missing, unexpected = self.model.load_state_dict(state["model"], strict=True)
+        # the state holds the trained tensors only (a distillation's frozen trunk comes from its checkpoint)
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
         trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
         if unexpected or trained & set(missing):
             raise ValueError(
