@@ -20,6 +20,7 @@ from test_sampled_spec import _filtered, _tv_limit
 import nextn
 from nextn.grammar import GrammarState, compile_grammar
 from nextn.hub import resolve_model
+from nextn.spec.draft_vocab import DraftVocab
 from nextn.tokenizer import Tokenizer
 
 PERSON = {
@@ -192,6 +193,14 @@ def test_constrained_greedy_spec_equals_constrained_plain_on_the_bundled_model(b
     assert run_together(bundled, [greedy[3]])[0].token_ids == outs[3].token_ids
 
 
+def test_a_bad_grammar_fails_before_anything_runs(bundled):
+    good = nextn.SamplingParams(max_tokens=4, structured_outputs={"regex": "[a-z]+"})
+    bad = nextn.SamplingParams(max_tokens=4, structured_outputs={"regex": "[a-z"})
+    with pytest.raises(ValueError, match="regex"):
+        bundled.generate(["x = ", "y = "], [good, bad])
+    assert not bundled.engine.has_work  # the good request was aborted with it
+
+
 def test_draft_masking_raises_acceptance_and_changes_no_token(bundled):
     unmasked = nextn.LLM(num_speculative_tokens=3, grammar_draft_mask=False)
     tok = bundled.tokenizer
@@ -215,11 +224,23 @@ TINY_GRAMMARS = [
 ]
 
 
-@pytest.mark.parametrize("ckpt,draft_mask", [("dense_ckpt", True), ("dense_ckpt", False), ("moe_ckpt", True)])
-def test_constrained_greedy_spec_equals_constrained_plain_on_random_heads(request, ckpt, draft_mask):
+@pytest.mark.parametrize(
+    "ckpt,draft_mask,draft_vocab",
+    [("dense_ckpt", True, None), ("dense_ckpt", False, None), ("moe_ckpt", True, None), ("dense_ckpt", True, 160)],
+)
+def test_constrained_greedy_spec_equals_constrained_plain_on_random_heads(request, ckpt, draft_mask, draft_vocab):
+    """draft_vocab: the head drafts over the first ids only (where none is legal, it drafts unmasked)."""
     model_dir = request.getfixturevalue(ckpt)
     plain = nextn.LLM(model=model_dir, num_speculative_tokens=0, max_num_seqs=12)
-    spec = nextn.LLM(model=model_dir, num_speculative_tokens=4, grammar_draft_mask=draft_mask, max_num_seqs=12)
+    if draft_vocab is not None:
+        draft_vocab = DraftVocab.first(draft_vocab, plain.model.cfg.vocab_size)
+    spec = nextn.LLM(
+        model=model_dir,
+        num_speculative_tokens=4,
+        grammar_draft_mask=draft_mask,
+        max_num_seqs=12,
+        draft_vocab=draft_vocab,
+    )
     requests = [
         (list(prompt), nextn.SamplingParams(max_tokens=16, temperature=0, structured_outputs=so))
         for prompt in FIT_PROMPTS
