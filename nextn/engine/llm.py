@@ -64,6 +64,7 @@ class LLM:
         speculative_config: dict | None = None,
         quantization: str | None = None,
         draft_vocab: str | Path | DraftVocab | None = None,
+        grammar_draft_mask: bool = True,
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
@@ -71,7 +72,9 @@ class LLM:
         num_speculative_tokens=K; without either, K is 3 with an MTP head and 0 without one.
         quantization "fp8": a bf16 checkpoint's weights quantized at load (FP8 checkpoints load as
         they are). draft_vocab: a file from `nextn draft-vocab` (or a DraftVocab): the head drafts
-        over those tokens only (checked against this checkpoint's vocabulary and tokenizer)."""
+        over those tokens only (checked against this checkpoint's vocabulary and tokenizer).
+        grammar_draft_mask: under structured outputs, the head drafts from grammar-masked logits
+        (off: only the verify is masked; the output is the same, the acceptance lower)."""
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
         device = resolve_device(device)  # before a download: a CUDA request on a CPU torch fails at once
@@ -89,7 +92,7 @@ class LLM:
                 log.warning("%s has no MTP head; plain decoding (spec K=0)", model_dir)
         if k > 0 and not has_head:
             raise ValueError(f"num_speculative_tokens={k} needs an MTP head; {model_dir} has none")
-        spec = SpecConfig(k, p_min, adaptive_k, hidden_after_norm, draft_vocab)
+        spec = SpecConfig(k, p_min, adaptive_k, hidden_after_norm, draft_vocab, grammar_draft_mask)
         max_len = min(max_model_len, self.model.cfg.max_position_embeddings)
         dtype = resolve_dtype(dtype, device, self.model.cfg.dtype)  # what load_model resolved it to
         self.config = EngineConfig(
@@ -137,7 +140,10 @@ class LLM:
         prompt order.
 
         nextn's single-request form: `prompt_token_ids=[...]` (or a flat list of ids as `prompts`)
-        or `prompt="..."`, with `params=` or `sampling_params=`; returns that one RequestOutput."""
+        or `prompt="..."`, with `params=` or `sampling_params=`; returns that one RequestOutput.
+
+        `SamplingParams(structured_outputs=...)` constrains a request to a grammar (nextn.grammar);
+        one that does not compile is a ValueError naming the reason, before anything runs."""
         if params is not None:
             if sampling_params is not None:
                 raise TypeError("give sampling_params or params, not both")
@@ -273,10 +279,11 @@ class LLM:
         """Every request is added before the first step, so the engine runs them together."""
         for p, sp in zip(ids, params, strict=True):
             self.check_prompt(p, sp)
-        reqs = [self.engine.add(p, sp, use_sessions) for p, sp in zip(ids, params, strict=True)]
-        order = {req.request_id: i for i, req in enumerate(reqs)}
-        outputs: list[RequestOutput | None] = [None] * len(reqs)
+        reqs, outputs = [], [None] * len(ids)
         try:
+            for p, sp in zip(ids, params, strict=True):  # a bad grammar raises here: the ones added are aborted
+                reqs.append(self.engine.add(p, sp, use_sessions))
+            order = {req.request_id: i for i, req in enumerate(reqs)}
             while any(o is None for o in outputs):
                 for req, ev in self.engine.step():
                     i = order.get(req.request_id)
@@ -288,7 +295,7 @@ class LLM:
                         outputs[i] = ev.output
                         ev.output.prompt, ev.output.prompt_token_ids = texts[i], ids[i]
         finally:
-            for req, out in zip(reqs, outputs, strict=True):
+            for req, out in zip(reqs, outputs, strict=False):
                 if out is None:
                     self.engine.abort(req)
         return outputs
