@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 MAX_TRACKED_POSITIONS = 8  # per-position spec counters kept for draft positions 0..7
+# the grammar forms of SamplingParams.structured_outputs (vLLM's names), compiled by nextn.grammar
+STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token (None = off)
     prompt_logprobs: int | None = None  # the same for every prompt token (prefills cold: no session reuse)
     stop: tuple[str, ...] = ()  # stop strings: the output text ends before the first one
+    # a grammar the output must match, one of STRUCTURED_OUTPUT_KEYS: {"json": schema (dict or str)},
+    # {"regex": r}, {"choice": [str, ...]}, {"grammar": Lark or GBNF}, {"json_object": True}
+    structured_outputs: dict | None = None
 
     def __post_init__(self):
         if self.max_tokens < 0:
@@ -54,6 +59,9 @@ class SamplingParams:
             raise ValueError("logprobs and prompt_logprobs must be >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        so = self.structured_outputs
+        if so is not None and not (isinstance(so, dict) and len(so) == 1 and next(iter(so)) in STRUCTURED_OUTPUT_KEYS):
+            raise ValueError(f"structured_outputs must hold exactly one of {STRUCTURED_OUTPUT_KEYS}, got {so!r}")
 
     @property
     def greedy(self) -> bool:

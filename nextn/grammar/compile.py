@@ -1,0 +1,86 @@
+"""A request's `structured_outputs` -> a compiled llguidance grammar, or a ValueError saying why not.
+
+The llguidance tokenizer is made once per nextn Tokenizer (from its tokenizer.json, with its EOS);
+ids the model's vocabulary has beyond the tokenizer's (padding rows of the embedding) are never
+allowed by a mask (nextn.grammar.state).
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from typing import NamedTuple
+
+import llguidance as llg
+
+from nextn.core import STRUCTURED_OUTPUT_KEYS
+from nextn.tokenizer import Tokenizer
+
+_LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class CompiledGrammar(NamedTuple):
+    grammar: str  # llguidance's grammar definition (validated)
+    tokenizer: llg.LLTokenizer
+
+    def matcher(self) -> llg.LLMatcher:
+        return llg.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+
+
+def ll_tokenizer(tokenizer: Tokenizer) -> llg.LLTokenizer:
+    """llguidance's view of this tokenizer (made once per Tokenizer)."""
+    if tokenizer not in _LL_TOKENIZERS:
+        _LL_TOKENIZERS[tokenizer] = llg.LLTokenizer(tokenizer.to_str(), eos_token=tokenizer.eos_token_id)
+    return _LL_TOKENIZERS[tokenizer]
+
+
+def compile_grammar(structured_outputs: dict, tokenizer: Tokenizer) -> CompiledGrammar:
+    """The grammar of one request's structured_outputs (exactly one key of STRUCTURED_OUTPUT_KEYS).
+    Raises ValueError with the reason: an unknown key, a schema that is not JSON or not valid, a
+    regex that does not compile, a grammar that does not parse, an empty choice."""
+    if not isinstance(structured_outputs, dict) or len(structured_outputs) != 1:
+        raise ValueError(
+            f"structured_outputs must hold exactly one of {STRUCTURED_OUTPUT_KEYS}, got {structured_outputs!r}"
+        )
+    ((key, value),) = structured_outputs.items()
+    grammar = _grammar_of(key, value)
+    lt = ll_tokenizer(tokenizer)
+    error = llg.LLMatcher.validate_grammar(grammar, lt)
+    if error:
+        raise ValueError(f"structured_outputs {key!r}: {error.strip()}")
+    return CompiledGrammar(grammar, lt)
+
+
+def _grammar_of(key: str, value) -> str:
+    """llguidance's grammar definition for one structured_outputs entry (not yet validated)."""
+    if key == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs 'json': the schema is not valid JSON ({e})") from None
+        if not isinstance(value, dict | bool):
+            raise ValueError(f"structured_outputs 'json': a schema is a JSON object, got {type(value).__name__}")
+        return llg.LLMatcher.grammar_from_json_schema(value)
+    if key == "json_object":
+        if value is not True:
+            raise ValueError(f"structured_outputs 'json_object' must be true, got {value!r}")
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+    if key == "regex":
+        if not isinstance(value, str):
+            raise ValueError(f"structured_outputs 'regex' must be a string, got {type(value).__name__}")
+        return llg.LLMatcher.grammar_from_regex(value)
+    if key == "choice":
+        if not (isinstance(value, list | tuple) and value and all(isinstance(c, str) and c for c in value)):
+            raise ValueError(
+                f"structured_outputs 'choice' must be a non-empty list of non-empty strings, got {value!r}"
+            )
+        return llg.grammar_from("choice", list(value))
+    if key == "grammar":
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError("structured_outputs 'grammar' must be a non-empty Lark (or GBNF) grammar string")
+        try:
+            return llg.grammar_from("grammar", value)  # Lark as it is; GBNF converted to Lark
+        except ValueError as e:
+            raise ValueError(f"structured_outputs 'grammar': {e}") from None
+    raise ValueError(f"structured_outputs key {key!r} is not one of {STRUCTURED_OUTPUT_KEYS}")
