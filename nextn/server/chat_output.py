@@ -44,7 +44,9 @@ class Parts:
             out.append(P.DeltaMessage(reasoning_content=self.reasoning or None, content=self.content or None))
         for i, call in enumerate(self.tool_calls, first_index):
             head = P.DeltaFunctionCall(name=call.function.name, arguments="")
-            out.append(P.DeltaMessage(tool_calls=[P.DeltaToolCall(index=i, id=call.id, type="function", function=head)]))
+            out.append(
+                P.DeltaMessage(tool_calls=[P.DeltaToolCall(index=i, id=call.id, type="function", function=head)])
+            )
             args = P.DeltaFunctionCall(arguments=call.function.arguments)
             out.append(P.DeltaMessage(tool_calls=[P.DeltaToolCall(index=i, function=args)]))
         return out
@@ -174,7 +176,8 @@ def parse_tool_call(body: str, schemas: dict[str, dict]) -> tuple[str, dict[str,
     if m:
         props = schemas.get(m.group(1), {}).get("properties") or {}
         return m.group(1), {
-            p: _xml_value(v.removeprefix("\n").removesuffix("\n"), props.get(p)) for p, v in _PARAMETER.findall(m.group(2))
+            p: _xml_value(v.removeprefix("\n").removesuffix("\n"), props.get(p))
+            for p, v in _PARAMETER.findall(m.group(2))
         }
     try:
         obj = json.loads(body)

@@ -21,7 +21,7 @@ from nextn.engine.llm import LLM, RequestError
 from nextn.engine.scheduler import common_prefix
 from nextn.server import protocol as P
 from nextn.server import structured
-from nextn.server.chat_output import ReasoningStart, reasoning_start
+from nextn.server.chat_output import THINK_END, THINK_START, ReasoningStart, reasoning_start
 from nextn.server.responses import BYTE_LEVEL_ALPHABET
 from nextn.tokenizer import Tokenizer, TokenizerError
 
@@ -74,6 +74,10 @@ class Prompts:
     def __init__(self, llm: LLM, model_name: str, reasoning_parser: str | None = None):
         self.llm, self.tok, self.model_name = llm, llm.tokenizer, model_name
         self.reasoning_parser = reasoning_parser
+        if reasoning_parser and None in (self.tok.token_to_id(THINK_START), self.tok.token_to_id(THINK_END)):
+            raise ValueError(
+                f"--reasoning-parser {reasoning_parser}: the tokenizer has no {THINK_START} and {THINK_END} tokens"
+            )
         self.max_len = llm.config.max_model_len
         self.max_chars = self.max_len * max_chars_per_token(self.tok)
 
@@ -121,18 +125,16 @@ class Prompts:
             raise
         except TokenizerError as e:  # the template's own raise_exception (or no template): written for users
             raise APIError(400, str(e), param="messages") from None
-        except Exception as e:  # the template's own error, about these messages: named, never a 500
+        except Exception:
             log.info("chat template failed", exc_info=True)
             raise APIError(
                 400,
-                f"the chat template cannot render these messages ({type(e).__name__}: {str(e)[:200]}); check "
-                "the types in messages, tools and chat_template_kwargs",
+                "the chat template cannot render these messages (check the types in messages, tools and "
+                "chat_template_kwargs)",
                 param="messages",
             ) from None
 
-    def chat_ids(
-        self, req: P.ChatTemplateFields, messages: list[P.ChatMessage]
-    ) -> tuple[list[int], int | None, str]:
+    def chat_ids(self, req: P.ChatTemplateFields, messages: list[P.ChatMessage]) -> tuple[list[int], int | None, str]:
         """(prompt ids, session checkpoint position, prompt text): the checkpoint goes where the
         conversation ends and the generation prompt starts, since the next turn re-renders this
         reply after that point."""
@@ -144,9 +146,7 @@ class Prompts:
             checkpoint_at = common_prefix(history_ids, prompt_ids)
         return prompt_ids, checkpoint_at, text
 
-    def chat(
-        self, req: P.ChatCompletionRequest
-    ) -> tuple[list[int], SamplingParams, int | None, ReasoningStart | None]:
+    def chat(self, req: P.ChatCompletionRequest) -> tuple[list[int], SamplingParams, int | None, ReasoningStart | None]:
         """(prompt ids, params, session checkpoint position, where the reply starts with respect to
         the reasoning: None without a reasoning parser)."""
         self.check_model(req.model)

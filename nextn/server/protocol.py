@@ -223,6 +223,13 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v):
+        if isinstance(v, str) and v not in ("none", "auto", "required"):
+            raise ValueError(f"must be 'none', 'auto', 'required' or a named function, got {v[:50]!r}")
+        return v
     echo: bool = False  # vLLM's: the reply starts with the last message's content when it is the assistant's
 
 

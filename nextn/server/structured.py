@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
 
 from nextn.grammar import compile_grammar
 from nextn.server import protocol as P
@@ -77,7 +78,7 @@ def tool_grammar(req: P.ChatCompletionRequest, tok: Tokenizer) -> str | None:
     xml = "<function=" in (tok.chat_template or "")
     body = _xml_calls(tools) if xml else _json_calls(tools)
     calls = "call" if isinstance(choice, P.NamedToolChoice) or not req.parallel_tool_calls else 'call ("\\n" call)*'
-    return f"start: {calls}\ncall: {_marker(CALL_START, tok)} \"\\n\" fn \"\\n\" {_marker(CALL_END, tok)}\n{body}"
+    return f'start: "\\n"? {calls}\ncall: {_marker(CALL_START, tok)} "\\n" fn "\\n" {_marker(CALL_END, tok)}\n{body}'
 
 
 def _json_calls(tools: list[P.Tool]) -> str:
@@ -85,7 +86,10 @@ def _json_calls(tools: list[P.Tool]) -> str:
     schemas = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters or {"type": "object"}},
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
@@ -118,7 +122,7 @@ def _xml_calls(tools: list[P.Tool]) -> str:
 def _marker(text: str, tok: Tokenizer) -> str:
     """`text` in a Lark rule: its added token when the vocabulary has one (llguidance matches an
     added token only by its id), else the literal string."""
-    return f"<{text}>" if tok.token_to_id(text) is not None else json.dumps(text)
+    return text if tok.token_to_id(text) is not None else json.dumps(text)  # "<x>" is Lark for token <x>
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,7 +144,7 @@ def reasoning_grammar(constraint: dict[str, Any], start: ReasoningStart) -> dict
     elif kind == "choice":
         body = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
     else:
-        body = f"%lark {{\n{value}\n}}"
-    think = rf'/(?s:.*)/ <{THINK_END}> /[ \t\r\n]*/'
-    head = think if start == "inside" else f"(<{THINK_START}> {think})?"
+        body = f"%lark {{\n{any_to_lark(value)}\n}}"  # GBNF given as Lark
+    think = rf"/(?s:.*)/ {THINK_END} /[ \t\r\n]*/"  # "<x>" is Lark for the token <x>
+    head = think if start == "inside" else f"({THINK_START} {think})?"
     return {"grammar": f"start: {head} body\nbody: {body}\n"}
