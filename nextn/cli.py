@@ -78,6 +78,12 @@ def _spec(p: argparse.ArgumentParser) -> None:
         default=None,
         help='vLLM\'s form of --spec-k: \'{"method": "mtp", "num_speculative_tokens": 3}\'',
     )
+    p.add_argument(
+        "--no-grammar-draft-mask",
+        action="store_true",
+        help="under structured outputs, draft from the head's unmasked logits (default: grammar-masked; "
+        "the output is the same either way, the acceptance is not)",
+    )
     _draft_vocab_flag(p)
 
 
@@ -107,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--presence-penalty", type=float, default=None)
     sampling.add_argument("--seed", type=int, default=None)
     sampling.add_argument("--ignore-eos", action="store_true", default=None)
+    sampling.add_argument(
+        "--structured-outputs",
+        type=_json_object,
+        default=None,
+        help='a grammar the output must match: \'{"json": SCHEMA}\', \'{"regex": "..."}\', \'{"choice": [...]}\', '
+        '\'{"grammar": "LARK"}\' or \'{"json_object": true}\'',
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     g.add_argument(
         "--prefill",
@@ -348,6 +361,7 @@ def _llm(args, **engine):
         p_min=args.p_min,
         adaptive_k=args.adaptive_k,
         hidden_after_norm=not args.hidden_before_norm,
+        grammar_draft_mask=not args.no_grammar_draft_mask,
         kernels=args.kernels,
         prefill=args.prefill,
         speculative_config=args.speculative_config,
@@ -408,6 +422,7 @@ def _generate(args) -> int:
         presence_penalty=args.presence_penalty,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        structured_outputs=args.structured_outputs,
     )
     streamed = not args.json
     out = None

@@ -357,6 +357,9 @@ class SpecConfig:
     hidden_after_norm: bool = True
     # the MTP head drafts over these target ids only (FR-Spec; nextn.spec.draft_vocab); None: all
     draft_vocab: DraftVocab | None = None
+    # under structured outputs, the head drafts from grammar-masked logits (legal drafts by
+    # construction; one host read per draft step); off: only the verify is masked
+    grammar_draft_mask: bool = True
 
     def __post_init__(self):
         # a verify step holds the pending token and the drafts in STEP_ROWS rows

@@ -115,6 +115,7 @@ class SamplerKind:
     top_p: bool = False
     min_p: bool = False
     min_tokens: bool = False  # stop tokens banned before min_tokens tokens (the engine's sampler masks them)
+    grammar: bool = False  # structured outputs: the engine's sampler masks each row to the grammar's tokens
 
     @classmethod
     def of(cls, params: SamplingParams) -> SamplerKind:
@@ -127,6 +128,7 @@ class SamplerKind:
             params.top_p < 1.0,
             params.min_p > 0.0,
             params.min_tokens > 0,
+            params.structured_outputs is not None,
         )
 
     @property

@@ -23,6 +23,7 @@ from nextn.engine.runner import ModelRunner
 from nextn.engine.sampler import sampler_buffers
 from nextn.engine.scheduler import Request, Scheduler
 from nextn.engine.stops import StopStrings
+from nextn.grammar import GrammarState, compile_grammar
 from nextn.models.qwen3_5 import CausalLM
 from nextn.sampling import token_logprobs, top_logprobs
 from nextn.spec.proposer import MTPProposer
@@ -97,13 +98,17 @@ class Engine:
         checkpoint_at: int | None = None,
         num_speculative_tokens: int | None = None,
     ) -> Request:
-        """Queue a request. num_speculative_tokens: its K (0..the engine's; default the engine's)."""
+        """Queue a request. num_speculative_tokens: its K (0..the engine's; default the engine's).
+        A bad structured_outputs grammar raises ValueError here."""
         k_max = self.config.spec.num_speculative_tokens
         if num_speculative_tokens is not None and not 0 <= num_speculative_tokens <= k_max:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} is outside 0..{k_max} (the engine's K)")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = compile_grammar(params.structured_outputs, self.tokenizer)
         # prompt logprobs need the logits of every prompt row: such a request prefills cold
         req = Request(prompt_ids, params, use_sessions and params.prompt_logprobs is None, checkpoint_at)
-        req.num_speculative_tokens = num_speculative_tokens
+        req.num_speculative_tokens, req.grammar = num_speculative_tokens, grammar
         self.scheduler.add(req)
         return req
 
@@ -224,6 +229,7 @@ class Engine:
             SpecStats(),
             want_logits=params.logprobs is not None,
             num_speculative_tokens=req.num_speculative_tokens,
+            grammar=self._grammar_state(req),
         )
         self.live[req.request_id] = _Live(
             rounds,
@@ -236,6 +242,13 @@ class Engine:
             logprobs=[] if params.logprobs is not None else None,
         )
         return []
+
+    def _grammar_state(self, req: Request) -> GrammarState | None:
+        """A constrained request's matcher, writing into its slot's mask rows."""
+        if req.grammar is None:
+            return None
+        masks = self.runner.slot(req.seq.slot).t("grammar_mask")
+        return GrammarState(req.grammar, masks, self.stop_ids, self.config.spec.grammar_draft_mask)
 
     # --- rounds and their tokens
 

@@ -64,6 +64,7 @@ class LLM:
         speculative_config: dict | None = None,
         quantization: str | None = None,
         draft_vocab: str | Path | DraftVocab | None = None,
+        grammar_draft_mask: bool = True,
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
@@ -71,7 +72,9 @@ class LLM:
         num_speculative_tokens=K; without either, K is 3 with an MTP head and 0 without one.
         quantization "fp8": a bf16 checkpoint's weights quantized at load (FP8 checkpoints load as
         they are). draft_vocab: a file from `nextn draft-vocab` (or a DraftVocab): the head drafts
-        over those tokens only (checked against this checkpoint's vocabulary and tokenizer)."""
+        over those tokens only (checked against this checkpoint's vocabulary and tokenizer).
+        grammar_draft_mask: under structured outputs, the head drafts from grammar-masked logits
+        (off: only the verify is masked; the output is the same, the acceptance lower)."""
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
         device = resolve_device(device)  # before a download: a CUDA request on a CPU torch fails at once
@@ -89,7 +92,7 @@ class LLM:
                 log.warning("%s has no MTP head; plain decoding (spec K=0)", model_dir)
         if k > 0 and not has_head:
             raise ValueError(f"num_speculative_tokens={k} needs an MTP head; {model_dir} has none")
-        spec = SpecConfig(k, p_min, adaptive_k, hidden_after_norm, draft_vocab)
+        spec = SpecConfig(k, p_min, adaptive_k, hidden_after_norm, draft_vocab, grammar_draft_mask)
         max_len = min(max_model_len, self.model.cfg.max_position_embeddings)
         dtype = resolve_dtype(dtype, device, self.model.cfg.dtype)  # what load_model resolved it to
         self.config = EngineConfig(

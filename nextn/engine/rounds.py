@@ -19,6 +19,16 @@ strings are the caller's, through `close`); when a request ends inside round r, 
 after it is not kept: `close` recommits round r's columns with the same `commit_ctl` (no round
 writes where a committed state lives, so nothing is undone). What is emitted never depends on the
 overlap.
+
+Structured outputs: a request with a grammar needs host work inside its round (its matcher walks
+the drafts to mask the verify rows, and each draft step when the chain is grammar-masked; see
+nextn.grammar.state). So its rounds run eagerly, never captured, in a batch of the constrained
+requests only, launched after the graphed batch of the others (whose graphs and batch compositions
+are unchanged by it); and it never runs ahead: its round r+1 is launched only after round r was
+read and the matcher advanced over what it emitted (that read writes row 0's mask of round r+1).
+The rows are the same arithmetic as in any batch, so the output does not depend on what runs
+beside it either way. A constrained request ends ("stop") at an EOS, which its grammar allows only
+where it is complete, ignore_eos or not.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from nextn.config import ModelConfig, SpecConfig
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.sampler import SlotSampler
 from nextn.engine.sequence import Sequence
+from nextn.grammar import GrammarState
 
 _N, _DRAFTED, _TOKENS = 0, 1, 2  # fields of a round's outcome buffer
 
@@ -49,6 +60,7 @@ def round_buffers(cfg: ModelConfig, k_max: int, dtype: torch.dtype) -> list[tupl
         ("prev_logits", (R, V), f32),
         ("prev_hidden", (R, H), dtype),
         ("draft_q", (max(k_max, 1), V), f32),
+        ("grammar_mask", (R, V), torch.bool),  # a constrained request's allowed tokens per row
         ("out", (_TOKENS + R + NUM_CTL,), torch.long),
     ]
 
@@ -105,7 +117,7 @@ def device_round(runner, proposer, members: list[Member]) -> None:
 
 def _plain_greedy(m: Member) -> bool:
     kind = m.sampler.kind
-    return kind.greedy and not kind.penalties and not kind.min_tokens
+    return kind.greedy and not kind.penalties and not kind.min_tokens and not kind.grammar
 
 
 def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores, logits, heads: bool) -> None:
@@ -152,11 +164,13 @@ def _accept(m: Member, before: torch.Tensor, num_drafts, heads: bool) -> None:
 @torch.inference_mode()
 def advance(runner, proposer, rounds: list[RequestRounds]) -> tuple[list[Round], list[int]]:
     """One engine step of these requests: a batched round for those with none in flight, one
-    queued ahead for those that can, then each one's oldest round read. Returns the rounds read
-    and the sizes of the batches launched."""
-    sizes = []
-    for wanted in (RequestRounds.needs_round, RequestRounds.wants_ahead):
-        group = [r for r in rounds if wanted(r)]
+    queued ahead for those that can, then (eagerly, apart) a round of the constrained requests
+    with none in flight, then each one's oldest round read. Returns the rounds read and the sizes
+    of the batches launched."""
+    sizes, needs, ahead = [], RequestRounds.needs_round, RequestRounds.wants_ahead
+    free, constrained = [r for r in rounds if r.grammar is None], [r for r in rounds if r.grammar is not None]
+    for wanted, among in ((needs, free), (ahead, free), (needs, constrained)):
+        group = [r for r in among if wanted(r)]
         if group:
             launch(runner, proposer, group)
             sizes.append(len(group))
@@ -165,11 +179,14 @@ def advance(runner, proposer, rounds: list[RequestRounds]) -> tuple[list[Round],
 
 @torch.inference_mode()
 def launch(runner, proposer, rounds: list[RequestRounds]) -> None:
-    """One batched round of these requests (one CUDA graph per batch of (slot, K, sampler kind));
-    each queues the read of its outcome."""
+    """One batched round of these requests (one CUDA graph per batch of (slot, K, sampler kind);
+    eagerly when they are constrained: all or none); each queues the read of its outcome."""
     members = [r.member() for r in rounds]
-    key = ("round", tuple((m.cache.slot, m.k, m.sampler.kind) for m in members), id(proposer))
-    runner.run(key, lambda: device_round(runner, proposer, members))
+    if rounds[0].grammar is not None:  # host masks inside the round: never captured
+        device_round(runner, proposer, members)
+    else:
+        key = ("round", tuple((m.cache.slot, m.k, m.sampler.kind) for m in members), id(proposer))
+        runner.run(key, lambda: device_round(runner, proposer, members))
     for r in rounds:
         r.queue_read()
 
@@ -224,10 +241,10 @@ class _Read(NamedTuple):
 class RequestRounds:
     """The rounds of one request on one slot. Rounds are launched in batches (`launch`): one when
     the request has none in flight (`needs_round`), and one ahead (`wants_ahead`, unless the
-    request wants logits, which the next round would overwrite, or `ahead` is off); `read()` reads
-    the oldest; `next()` does all three for a request running alone. `close(kept)` ends the request
-    after `kept` tokens of the last round read and leaves the slot's state as exactly those
-    tokens."""
+    request wants logits, which the next round would overwrite, has a grammar, or `ahead` is off);
+    `read()` reads the oldest; `next()` does all three for a request running alone. `close(kept)`
+    ends the request after `kept` tokens of the last round read and leaves the slot's state as
+    exactly those tokens. `grammar`: the request's matcher (structured outputs), advanced by `read`."""
 
     def __init__(
         self,
@@ -241,13 +258,17 @@ class RequestRounds:
         want_logits: bool = False,
         ahead: bool = True,
         num_speculative_tokens: int | None = None,  # this request's K (<= the engine's; default: the engine's)
+        grammar: GrammarState | None = None,
     ):
         self.runner, self.proposer, self.seq, self.params = runner, proposer, seq, params
         self.cache = runner.slot(seq.slot)
         self.buf = Buffers.of(self.cache)
         self.sampler = SlotSampler(self.cache, spec.p_min)
+        self.grammar = grammar
+        if grammar is not None:  # the grammar's end is the request's
+            stop_ids = set(stop_ids) | set(grammar.eos_ids)
         self.stop_ids, self.stats, self.want_logits = stop_ids, stats, want_logits
-        self.ahead = ahead and not want_logits
+        self.ahead = ahead and not want_logits and grammar is None
         k_max = spec.num_speculative_tokens if proposer is not None else 0
         self.k_ctl = AdaptiveK(k_max if num_speculative_tokens is None else num_speculative_tokens, spec.adaptive)
         self.max_len = self.cache.max_len
@@ -268,7 +289,7 @@ class RequestRounds:
     def _start(self) -> None:
         if self.proposer is not None:
             self.runner.catch_up(self.seq)
-        self.sampler.start(self.params, self.seq.tokens, self.stop_ids)
+        self.sampler.start(self.params, self.seq.tokens, self.stop_ids, self.grammar)
         self.cache.set(num_gen=0, accepted=0)
         first_token(self.cache, self.sampler, self.buf, self.seq)
         self.queue_read()
@@ -319,7 +340,10 @@ class RequestRounds:
             if room > 0:  # (a round queued ahead into a full context counts for nothing)
                 self.stats.record_round(out[_DRAFTED], n)
                 self.k_ctl.update(out[_DRAFTED], n)
-        return self._cut(index, tokens, room)
+        read = self._cut(index, tokens, room)
+        if self.grammar is not None and read.finish_reason is None:  # masks row 0 of the next round
+            self.grammar.commit(read.token_ids)
+        return read
 
     def _cut(self, index: int, tokens: list[int], room: int) -> Round:
         budget, done = self.params.max_tokens, None

@@ -5,6 +5,13 @@ verifying are device ops with no host read; the host fills the buffers once per 
 
 Generated token number i always uses uniform i of its stream (nextn.sampling), so a seeded request
 reproduces whatever K is and however its tokens fall into rounds.
+
+A request with a grammar (`SamplerKind.grammar`) has a host-side `GrammarState` (nextn.grammar)
+that writes the allowed tokens of each round row into the slot's mask buffer; its rounds run
+eagerly (nextn.engine.rounds), so `draft` and `verify` call its hooks, which read the drafts to the
+host. The masks apply to the logits before every other transform, on both sides (the target's
+rows in `verify`, and the head's when drafts are grammar-masked), so p and q are the masked,
+renormalised laws and rejection sampling stays exact against constrained plain sampling.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from nextn.cache import SlotCache
 from nextn.cache.hybrid import NUM_GEN
 from nextn.config import STEP_ROWS
 from nextn.core import SamplingParams
+from nextn.grammar import GrammarState
 from nextn.sampling import (
     RequestRng,
     SamplerKind,
@@ -58,11 +66,22 @@ class SlotSampler:
         self.stop_mask = cache.t("stop_mask")
         self.ctl = cache.ctl
         self.kind = SamplerKind(greedy=True)
+        self.grammar: GrammarState | None = None
 
-    def start(self, params: SamplingParams, prompt_ids: list[int], stop_ids: set[int] = frozenset()) -> None:
+    def start(
+        self,
+        params: SamplingParams,
+        prompt_ids: list[int],
+        stop_ids: set[int] = frozenset(),
+        grammar: GrammarState | None = None,
+    ) -> None:
         """Load a request's values, uniforms and history (host -> device, once per request);
-        stop_ids: the tokens min_tokens bans (EOS and the request's stop ids)."""
+        stop_ids: the tokens min_tokens bans (EOS and the request's stop ids); grammar: the
+        request's matcher, when it has structured outputs."""
         self.kind = SamplerKind.of(params)
+        if self.kind.grammar != (grammar is not None):
+            raise ValueError("a request with structured_outputs takes its GrammarState (and only such a request)")
+        self.grammar = grammar
         device = self.uniforms.device
         for name in VALUES:
             getattr(self.values, name).fill_(getattr(params, name))
@@ -87,16 +106,31 @@ class SlotSampler:
     def _history(self):
         return self.history if self.kind.penalties else None
 
-    def _banned(self, logits: torch.Tensor, first: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+    def _banned(
+        self,
+        logits: torch.Tensor,
+        first: torch.Tensor,
+        columns: torch.Tensor | None = None,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """logits [N, V] of generated indices first.. with the stop tokens masked out where the
-        index is below min_tokens (draft and target alike: the same law on both sides). columns
-        [Vd]: the target ids of the logits' columns (a draft vocabulary's d2t; default all V)."""
-        if not self.kind.min_tokens:
+        index is below min_tokens, and with the tokens outside allowed [N, V] bool (the grammar's,
+        None: no grammar) masked out (draft and target alike: the same law on both sides). A row
+        the ban would empty keeps the grammar's tokens; a row with no allowed column (a draft
+        vocabulary with no legal token) stays unmasked: its draft is rejected by the verify.
+        columns [Vd]: the target ids of the logits' columns (a draft vocabulary's d2t; default all V)."""
+        if allowed is not None and columns is not None:
+            allowed = allowed[:, columns]
+        if self.kind.min_tokens:
+            index = first.long() + torch.arange(logits.shape[0], device=logits.device)
+            stop = self.stop_mask if columns is None else self.stop_mask[columns]
+            ban = (index < self.values.min_tokens)[:, None] & stop[None]
+            if allowed is None:
+                return logits.float().masked_fill(ban, float("-inf"))
+            allowed = _unless_empty(allowed & ~ban, allowed)
+        if allowed is None:
             return logits
-        index = first.long() + torch.arange(logits.shape[0], device=logits.device)
-        stop = self.stop_mask if columns is None else self.stop_mask[columns]
-        ban = (index < self.values.min_tokens)[:, None] & stop[None]
-        return logits.float().masked_fill(ban, float("-inf"))
+        return logits.float().masked_fill(~_unless_empty(allowed, torch.ones_like(allowed)), float("-inf"))
 
     def draft(
         self,
@@ -118,7 +152,9 @@ class SlotSampler:
         if vocab is not None:
             history, so_far = vocab.project(history, drafts_so_far)
             pick, columns = torch.empty_like(token), vocab.d2t  # the draft row, mapped to its target id below
-        logits = self._banned(logits, self.ctl[NUM_GEN] + drafts_so_far.numel(), columns)  # draft j: NUM_GEN + j
+        j, masked = drafts_so_far.numel(), self.grammar is not None and self.grammar.draft_mask
+        allowed = self.grammar.masks[j : j + 1] if masked else None
+        logits = self._banned(logits, self.ctl[NUM_GEN] + j, columns, allowed)  # draft j: NUM_GEN + j
         if self.kind.greedy:
             torch.argmax(penalized_logits(logits, self.values, history, so_far, self.kind), dim=-1, out=pick)
         else:
@@ -128,6 +164,8 @@ class SlotSampler:
                 vocab.scatter(probs, out=q)
         if vocab is not None:
             vocab.to_target(pick, out=token)
+        if masked:  # the grammar walks the draft (a host read) to mask the next one
+            self.grammar.drafted(j, token)
         confidence = None
         if self.p_min > 0.0:
             confidence = torch.softmax(logits.float(), dim=-1).gather(-1, pick[:, None])[:, 0]
@@ -142,8 +180,13 @@ class SlotSampler:
         index: torch.Tensor,
     ) -> VerifyResult:
         """Verify rows logits [k+1, V] (row 0 predicts generated index `index`) against draft_ids
-        [k] (q [k, V] or None when greedy), the first num_drafts of which count."""
-        logits = self._banned(logits, index)
+        [k] (q [k, V] or None when greedy), the first num_drafts of which count. Under a grammar
+        each row is masked by the grammar state after its drafts (the walk is a host read)."""
+        allowed = None
+        if self.grammar is not None:
+            self.grammar.walk(draft_ids)
+            allowed = self.grammar.masks[: draft_ids.numel() + 1]
+        logits = self._banned(logits, index, None, allowed)
         if self.kind.greedy:
             target = greedy_ids(logits, self.values, self._history(), draft_ids, self.kind)  # [k+1]
             return verify_greedy(target, draft_ids, num_drafts)
@@ -163,3 +206,8 @@ class SlotSampler:
         if self.kind.penalties:
             kept = (torch.arange(out_ids.numel(), device=out_ids.device) <= num_accepted).int()
             self.history.output_counts.index_add_(0, out_ids.clamp(min=0), kept)
+
+
+def _unless_empty(mask: torch.Tensor, otherwise: torch.Tensor) -> torch.Tensor:
+    """mask [N, V] bool, with its rows that allow nothing taken from otherwise."""
+    return torch.where(mask.any(-1, keepdim=True), mask, otherwise)

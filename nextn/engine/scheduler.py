@@ -43,6 +43,7 @@ class Request:
     cached: int = 0  # prompt tokens its slot already held
     rewind: bool = False  # the slot must rewind to its checkpoint first
     num_speculative_tokens: int | None = None  # its K (None: the engine's)
+    grammar: object | None = None  # its compiled structured_outputs (nextn.grammar.CompiledGrammar)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -17,6 +17,9 @@ from nextn.core import STRUCTURED_OUTPUT_KEYS
 from nextn.tokenizer import Tokenizer
 
 _LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# JSON is written as json.dumps writes it, on one line: free whitespace lets a small model fill
+# its budget with spaces (a schema's own "x-guidance" options override these)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class CompiledGrammar(NamedTuple):
@@ -61,11 +64,11 @@ def _grammar_of(key: str, value) -> str:
                 raise ValueError(f"structured_outputs 'json': the schema is not valid JSON ({e})") from None
         if not isinstance(value, dict | bool):
             raise ValueError(f"structured_outputs 'json': a schema is a JSON object, got {type(value).__name__}")
-        return llg.LLMatcher.grammar_from_json_schema(value)
+        return llg.LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
     if key == "json_object":
         if value is not True:
             raise ValueError(f"structured_outputs 'json_object' must be true, got {value!r}")
-        return llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if key == "regex":
         if not isinstance(value, str):
             raise ValueError(f"structured_outputs 'regex' must be a string, got {type(value).__name__}")
