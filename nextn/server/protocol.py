@@ -230,6 +230,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
         if isinstance(v, str) and v not in ("none", "auto", "required"):
             raise ValueError(f"must be 'none', 'auto', 'required' or a named function, got {v[:50]!r}")
         return v
+
     echo: bool = False  # vLLM's: the reply starts with the last message's content when it is the assistant's
 
 
