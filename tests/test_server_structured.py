@@ -515,3 +515,22 @@ def test_with_thinking_closed_the_reply_is_content_and_constrained(thinking):
     assert r.status_code == 200, r.text
     message = r.json()["choices"][0]["message"]
     assert message["content"] in ("alpha", "beta") and "reasoning_content" not in message
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [{"properties": [1]}, {"properties": {"a": {"type": {"x": 1}}}, "required": 5}, {"required": [{"a": 1}]}, {}],
+)
+def test_odd_parameter_schemas_never_fail_inside(xml_model_dir, parameters):
+    """Whatever a client puts in a tool's parameters: a grammar, or a 400 (FieldError), in both forms;
+    and the parser reads a call of such a tool."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    for model_dir in (DEFAULT_MODEL_DIR, xml_model_dir):
+        tok = Tokenizer(model_dir)
+        req = P.ChatCompletionRequest(messages=[user("x")], tools=[tool], tool_choice="required")
+        try:
+            structured.checked("tool_choice", {"grammar": structured.tool_grammar(req, tok)}, tok)
+        except P.FieldError:
+            pass
+    call = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
+    assert parse(call, tools=[P.Tool.model_validate(tool)])[2] == [("f", '{"a": "1"}')]

@@ -174,7 +174,7 @@ def parse_tool_call(body: str, schemas: dict[str, dict]) -> tuple[str, dict[str,
     """(name, arguments) of one `<tool_call>` body, JSON or XML; None if it is neither."""
     m = _FUNCTION.fullmatch(body)
     if m:
-        props = schemas.get(m.group(1), {}).get("properties") or {}
+        props, _ = schema_properties(schemas.get(m.group(1)))
         return m.group(1), {
             p: _xml_value(v.removeprefix("\n").removesuffix("\n"), props.get(p))
             for p, v in _PARAMETER.findall(m.group(2))
@@ -190,11 +190,22 @@ def parse_tool_call(body: str, schemas: dict[str, dict]) -> tuple[str, dict[str,
     return obj["name"], args
 
 
+def schema_properties(parameters: dict | None) -> tuple[dict, set[str]]:
+    """A tool's parameters schema's (properties, required names), whatever the client sent."""
+    props, required = (parameters or {}).get("properties"), (parameters or {}).get("required")
+    required = required if isinstance(required, list) else []
+    return (props if isinstance(props, dict) else {}), {r for r in required if isinstance(r, str)}
+
+
 def _xml_value(text: str, schema: Any) -> Any:
     """An XML parameter's text as its schema's type: strings as written (the templates write them
     raw), booleans as the templates write them (Python's True/False) or JSON, the rest as JSON."""
     types = schema.get("type") if isinstance(schema, dict) else None
-    types = set(types) if isinstance(types, list) else {types}
+    types = (
+        {t for t in types if isinstance(t, str)}
+        if isinstance(types, list)
+        else {types if isinstance(types, str) else None}
+    )
     if not types - {None, "string"}:
         return text
     if "boolean" in types and text.strip().lower() in ("true", "false"):

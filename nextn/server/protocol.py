@@ -223,6 +223,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    echo: bool = False  # vLLM's: the reply starts with the last message's content when it is the assistant's
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -230,8 +231,6 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
         if isinstance(v, str) and v not in ("none", "auto", "required"):
             raise ValueError(f"must be 'none', 'auto', 'required' or a named function, got {v[:50]!r}")
         return v
-
-    echo: bool = False  # vLLM's: the reply starts with the last message's content when it is the assistant's
 
 
 _TOOLS = TypeAdapter(list[Tool])

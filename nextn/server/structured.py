@@ -16,13 +16,13 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
+from nextn.core import STRUCTURED_OUTPUT_KEYS
 from nextn.grammar import compile_grammar
 from nextn.server import protocol as P
-from nextn.server.chat_output import CALL_END, CALL_START, THINK_END, THINK_START, ReasoningStart
+from nextn.server.chat_output import CALL_END, CALL_START, THINK_END, THINK_START, ReasoningStart, schema_properties
 from nextn.server.protocol import FieldError
 from nextn.tokenizer import Tokenizer
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # an XML tool-call string value: lines, none starting with "<" (so "</parameter>" ends it)
 _XML_STRING = r"/(([^<\n][^\n]*)?\n)*/"
@@ -40,8 +40,9 @@ def request_constraint(req: P.SamplingRequest) -> tuple[str, dict[str, Any]] | N
     if req.structured_outputs:
         given = {k: v for k, v in req.structured_outputs.items() if v not in (None, False)}
         for key in given:
-            if key not in KINDS:
-                raise FieldError(f"structured_outputs.{key}", f"is not supported (give one of {', '.join(KINDS)})")
+            if key not in STRUCTURED_OUTPUT_KEYS:
+                keys = ", ".join(STRUCTURED_OUTPUT_KEYS)
+                raise FieldError(f"structured_outputs.{key}", f"is not supported (give one of {keys})")
         found += [(f"structured_outputs.{k}", {k: v}) for k, v in given.items()]
     found += [(name, {kind: getattr(req, name)}) for name, kind in _GUIDED.items() if getattr(req, name) is not None]
     if len(found) > 1:
@@ -50,6 +51,7 @@ def request_constraint(req: P.SamplingRequest) -> tuple[str, dict[str, Any]] | N
 
 
 def checked(field: str, constraint: dict[str, Any], tok: Tokenizer) -> dict[str, Any]:
+    """`constraint`, once it compiles (the reason it does not, named after `field`)."""
     try:
         compile_grammar(constraint, tok)
     except ValueError as e:
@@ -65,10 +67,10 @@ def tool_grammar(req: P.ChatCompletionRequest, tok: Tokenizer) -> str | None:
     """The Lark grammar that enforces `tool_choice` ("required" or a named function) in the chat
     template's `<tool_call>` form; None when the choice leaves the model free."""
     choice = req.tool_choice
-    if choice is not None and not req.tools:
-        raise FieldError("tool_choice", "is only allowed when tools are given")
     if choice is None or choice in ("auto", "none"):
         return None
+    if not req.tools:
+        raise FieldError("tool_choice", "calls a tool: give tools")
     tools = req.tools
     if isinstance(choice, P.NamedToolChoice):
         tools = [t for t in req.tools if t.function.name == choice.function.name]
@@ -103,10 +105,9 @@ def _xml_calls(tools: list[P.Tool]) -> str:
     required ones always): strings as lines, other types as JSON."""
     rules = [f"fn: {' | '.join(f'f{i}' for i in range(len(tools)))}", f"xstr: {_XML_STRING}"]
     for i, t in enumerate(tools):
-        params = t.function.parameters or {}
-        required = set(params.get("required") or ())
+        props, required = schema_properties(t.function.parameters)
         items = []
-        for j, (name, schema) in enumerate((params.get("properties") or {}).items()):
+        for j, (name, schema) in enumerate(props.items()):
             is_str = isinstance(schema, dict) and schema.get("type") == "string"
             value = "xstr" if is_str else f'v{i}_{j} "\\n"'
             if not is_str:
