@@ -534,3 +534,11 @@ def test_odd_parameter_schemas_never_fail_inside(xml_model_dir, parameters):
             pass
     call = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
     assert parse(call, tools=[P.Tool.model_validate(tool)])[2] == [("f", '{"a": "1"}')]
+
+
+def test_the_reasoning_parser_needs_the_think_tokens(dense_ckpt):
+    """The fixture tokenizer has no <think> / </think>: serving it with the parser is a one-line error."""
+    from nextn.server.app import create_app
+
+    with pytest.raises(ValueError, match="no <think> and </think> tokens"):
+        create_app(LLM(model=dense_ckpt, max_model_len=256), CFG, ServerOptions(reasoning_parser="qwen3"))

@@ -5,7 +5,8 @@ and body size, before any parsing), a periodic throughput log line, and a gracef
 SIGTERM admission stops, open requests get `shutdown_timeout` seconds, then the rest are ended
 with a final error event). Every error is an OpenAI-shaped body; a 500 never carries internal
 exception text. Requests become prompts in prepare.py; generation happens on the engine thread
-(worker.py); this module only submits jobs and formats what comes back.
+(worker.py); a chat reply is split into reasoning, content and tool calls by chat_output.py; this
+module only submits jobs and formats what comes back.
 """
 
 from __future__ import annotations

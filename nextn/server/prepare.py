@@ -1,6 +1,8 @@
-"""Requests -> prompt token ids and engine sampling params: model name, chat template rendering,
-tokenizing, length and field checks. Every refusal is an `APIError` (a 4xx naming the field);
-template and tokenizer failures are refused with a fixed message, never their internal text.
+"""Requests -> prompt token ids and engine sampling params: model name, chat template rendering
+(replayed tool-call arguments given as JSON text become objects first), tokenizing, length and
+field checks, the structured-output constraint (built in structured.py). Every refusal is an
+`APIError` (a 4xx naming the field); template and tokenizer failures are refused with a fixed
+message, never their internal text.
 
 A prompt too long for the context is refused on its characters before it is tokenized: a token
 covers at most `max_chars_per_token` characters of (NFC-normalised) text, a bound read from the
