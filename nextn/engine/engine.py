@@ -5,6 +5,8 @@ become text (stop strings cut on the host), logprobs and events, and a finished 
 slot back to the scheduler (kept as a session when asked).
 
 Owns the model, the runner, the proposer and the aggregated spec counters. One thread calls it.
+A request's structured_outputs compile when it is added (a ValueError names what is wrong); its
+matcher (nextn.grammar.GrammarState) is made with its rounds, on its slot's mask rows.
 """
 
 from __future__ import annotations

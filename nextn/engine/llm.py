@@ -140,7 +140,10 @@ class LLM:
         prompt order.
 
         nextn's single-request form: `prompt_token_ids=[...]` (or a flat list of ids as `prompts`)
-        or `prompt="..."`, with `params=` or `sampling_params=`; returns that one RequestOutput."""
+        or `prompt="..."`, with `params=` or `sampling_params=`; returns that one RequestOutput.
+
+        `SamplingParams(structured_outputs=...)` constrains a request to a grammar (nextn.grammar);
+        one that does not compile is a ValueError naming the reason, before anything runs."""
         if params is not None:
             if sampling_params is not None:
                 raise TypeError("give sampling_params or params, not both")
@@ -276,10 +279,11 @@ class LLM:
         """Every request is added before the first step, so the engine runs them together."""
         for p, sp in zip(ids, params, strict=True):
             self.check_prompt(p, sp)
-        reqs = [self.engine.add(p, sp, use_sessions) for p, sp in zip(ids, params, strict=True)]
-        order = {req.request_id: i for i, req in enumerate(reqs)}
-        outputs: list[RequestOutput | None] = [None] * len(reqs)
+        reqs, outputs = [], [None] * len(ids)
         try:
+            for p, sp in zip(ids, params, strict=True):  # a bad grammar raises here: the ones added are aborted
+                reqs.append(self.engine.add(p, sp, use_sessions))
+            order = {req.request_id: i for i, req in enumerate(reqs)}
             while any(o is None for o in outputs):
                 for req, ev in self.engine.step():
                     i = order.get(req.request_id)
@@ -291,7 +295,7 @@ class LLM:
                         outputs[i] = ev.output
                         ev.output.prompt, ev.output.prompt_token_ids = texts[i], ids[i]
         finally:
-            for req, out in zip(reqs, outputs, strict=True):
+            for req, out in zip(reqs, outputs, strict=False):
                 if out is None:
                     self.engine.abort(req)
         return outputs

@@ -40,7 +40,7 @@ class GrammarState:
         """masks[row] = the tokens the matcher allows next."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         allowed = torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab].astype(bool))
-        if allowed[self.ll_eos]:
+        if self.ll_eos < self.vocab and allowed[self.ll_eos]:
             allowed[self.eos_ids] = True
         self.host[: self.vocab] = allowed
         self.masks[row].copy_(self.host)
