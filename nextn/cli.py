@@ -158,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-open", action="store_true", help="/metrics without the API key (for scrapers)")
     s.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines (0: none)")
     s.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["qwen3"],
+        help="qwen3: a reply's <think>...</think> goes to reasoning_content; structured outputs apply after it",
+    )
+    s.add_argument(
         "--prefill",
         default="steps",
         choices=["chunked", "steps"],
@@ -388,6 +394,7 @@ def _serve(args) -> int:
         shutdown_timeout=args.shutdown_timeout,
         metrics_open=args.metrics_open,
         log_interval=args.log_interval,
+        reasoning_parser=args.reasoning_parser,
     )
     return serve(llm, cfg, opts)
 

@@ -123,7 +123,7 @@ def test_prompt_logprobs(live, llm):
     [
         ("skip_special_tokens", False),
         ("use_beam_search", True),
-        ("guided_json", {"type": "object"}),
+        ("bad_words", ["x"]),
         ("allowed_token_ids", [1, 2]),
         ("continue_final_message", True),
     ],

@@ -5,7 +5,8 @@ and body size, before any parsing), a periodic throughput log line, and a gracef
 SIGTERM admission stops, open requests get `shutdown_timeout` seconds, then the rest are ended
 with a final error event). Every error is an OpenAI-shaped body; a 500 never carries internal
 exception text. Requests become prompts in prepare.py; generation happens on the engine thread
-(worker.py); this module only submits jobs and formats what comes back.
+(worker.py); a chat reply is split into reasoning, content and tool calls by chat_output.py; this
+module only submits jobs and formats what comes back.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from nextn.core import RequestOutput, SamplingParams
 from nextn.engine.llm import LLM, RequestError
 from nextn.engine.scheduler import QueueFull
 from nextn.server import protocol as P
+from nextn.server.chat_output import ChatOutputParser, Parts, ReasoningStart
 from nextn.server.guard import Guard
 from nextn.server.metrics import Metrics, ThroughputLog
 from nextn.server.options import ServerOptions
@@ -162,17 +164,35 @@ def echo_prefix(req: P.ChatCompletionRequest) -> str:
     return text_content(last.content, len(req.messages) - 1)
 
 
+def output_parser(req: P.ChatCompletionRequest, reasoning: ReasoningStart | None) -> ChatOutputParser:
+    """The reply's parser: tool calls are parsed when the request gives tools and allows calls."""
+    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    return ChatOutputParser(reasoning, tools)
+
+
+def finish_reason(out: RequestOutput, num_calls: int) -> str | None:
+    return "tool_calls" if num_calls and out.finish_reason == "stop" else out.finish_reason
+
+
 async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Request) -> Response:
-    prompt_ids, params, checkpoint_at = await run_in_threadpool(srv.prompts.chat, req)
+    prompt_ids, params, checkpoint_at, reasoning = await run_in_threadpool(srv.prompts.chat, req)
     job = srv.submit(prompt_ids, params, checkpoint_at)
     rid, created = P.new_id("chatcmpl"), P.now()
+    parser = output_parser(req, reasoning)
     if req.stream:
-        return StreamingResponse(chat_stream(srv, req, job, rid, created), media_type="text/event-stream")
+        return StreamingResponse(chat_stream(srv, req, job, parser, rid, created), media_type="text/event-stream")
     out = await run_to_end(job, request)
-    text = echo_prefix(req) + out.text + _stop_tail(srv, req, out)
+    parts = parser.push(echo_prefix(req) + out.text + _stop_tail(srv, req, out))
+    rest = parser.finish()
+    calls = parts.tool_calls + rest.tool_calls
+    message = P.AssistantMessage(
+        content=(parts.content + rest.content) or (None if calls else ""),
+        reasoning_content=(parts.reasoning + rest.reasoning) or None,
+        tool_calls=calls or None,
+    )
     choice = P.ChatChoice(
-        message=P.AssistantMessage(content=text),
-        finish_reason=out.finish_reason,
+        message=message,
+        finish_reason=finish_reason(out, len(calls)),
         logprobs=srv.logprobs.chat(out.logprobs) if out.logprobs is not None else None,
         token_ids=out.token_ids if req.return_token_ids else None,
     )
@@ -199,24 +219,35 @@ def _prompt_logprobs(srv: Server, req: P.SamplingRequest, out: RequestOutput):
 
 
 async def chat_stream(
-    srv: Server, req: P.ChatCompletionRequest, job: Job, rid: str, created: int
+    srv: Server, req: P.ChatCompletionRequest, job: Job, parser: ChatOutputParser, rid: str, created: int
 ) -> AsyncIterator[str]:
     def chunk(delta: P.DeltaMessage, **fields) -> str:
         choice = P.ChatChunkChoice(delta=delta, **fields)
         return sse(P.ChatCompletionChunk(id=rid, created=created, model=srv.model_name, choices=[choice]))
 
+    def deltas(parts: Parts, **fields) -> list[str]:
+        """The parts as chunks; the event's logprobs and token ids ride on the first (on an empty
+        delta when the parser holds all of its text back)."""
+        out = parts.delta(parser.num_calls - len(parts.tool_calls)) or ([P.DeltaMessage()] if fields else [])
+        return [chunk(d, **(fields if i == 0 else {})) for i, d in enumerate(out)]
+
     try:
-        yield chunk(P.DeltaMessage(role="assistant", content=echo_prefix(req)))
+        yield chunk(P.DeltaMessage(role="assistant", content=""))
+        for c in deltas(parser.push(echo_prefix(req))):
+            yield c
         async for ev in job.events():
             text = ev.text + (_stop_tail(srv, req, ev.output) if ev.output is not None else "")
-            if text or ev.logprobs:
-                yield chunk(
-                    P.DeltaMessage(content=text),
-                    logprobs=srv.logprobs.chat(ev.logprobs) if ev.logprobs is not None else None,
-                    token_ids=ev.token_ids if req.return_token_ids else None,
-                )
+            fields = {}
+            if ev.logprobs:
+                fields["logprobs"] = srv.logprobs.chat(ev.logprobs)
+            if req.return_token_ids and ev.token_ids:
+                fields["token_ids"] = ev.token_ids
+            for c in deltas(parser.push(text), **fields):
+                yield c
             if ev.output is not None:
-                yield chunk(P.DeltaMessage(), finish_reason=ev.output.finish_reason)
+                for c in deltas(parser.finish()):
+                    yield c
+                yield chunk(P.DeltaMessage(), finish_reason=finish_reason(ev.output, parser.num_calls))
                 if req.include_usage:
                     yield sse(
                         P.ChatCompletionChunk(
@@ -353,7 +384,7 @@ def create_app(llm: LLM, cfg: ServeConfig, opts: ServerOptions | None = None) ->
         opts,
         worker,
         metrics,
-        Prompts(llm, model_name),
+        Prompts(llm, model_name, opts.reasoning_parser),
         model_name,
         P.now(),
         LogprobFormatter(llm.tokenizer),

@@ -12,6 +12,7 @@ class ServerOptions:
     shutdown_timeout: float = 10.0  # seconds open requests get after SIGTERM before they are ended
     metrics_open: bool = False  # /metrics answers without the API key (for scrapers)
     log_interval: float = 10.0  # seconds between throughput/acceptance log lines while serving; 0 = none
+    reasoning_parser: str | None = None  # "qwen3": <think>...</think> -> reasoning_content
 
     def __post_init__(self):
         if self.max_request_bytes < 1024:
@@ -20,3 +21,5 @@ class ServerOptions:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0, got {self.log_interval}")
+        if self.reasoning_parser not in (None, "qwen3"):
+            raise ValueError(f"reasoning_parser must be 'qwen3' or None, got {self.reasoning_parser!r}")

@@ -1,6 +1,8 @@
-"""Requests -> prompt token ids and engine sampling params: model name, chat template rendering,
-tokenizing, length and field checks. Every refusal is an `APIError` (a 4xx naming the field);
-template and tokenizer failures are refused with a fixed message, never their internal text.
+"""Requests -> prompt token ids and engine sampling params: model name, chat template rendering
+(replayed tool-call arguments given as JSON text become objects first), tokenizing, length and
+field checks, the structured-output constraint (built in structured.py). Every refusal is an
+`APIError` (a 4xx naming the field); template and tokenizer failures are refused with a fixed
+message, never their internal text.
 
 A prompt too long for the context is refused on its characters before it is tokenized: a token
 covers at most `max_chars_per_token` characters of (NFC-normalised) text, a bound read from the
@@ -10,13 +12,18 @@ not know HTTP or the engine thread.
 
 from __future__ import annotations
 
+import json
 import logging
 import unicodedata
+from contextlib import contextmanager
+from typing import Any
 
 from nextn.core import SamplingParams
 from nextn.engine.llm import LLM, RequestError
 from nextn.engine.scheduler import common_prefix
 from nextn.server import protocol as P
+from nextn.server import structured
+from nextn.server.chat_output import THINK_END, THINK_START, ReasoningStart, reasoning_start
 from nextn.server.responses import BYTE_LEVEL_ALPHABET
 from nextn.tokenizer import Tokenizer, TokenizerError
 
@@ -31,11 +38,6 @@ UNSUPPORTED_EXTRAS = {
     "truncate_prompt_tokens": None,
     "bad_words": None,
     "allowed_token_ids": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
-    "structured_outputs": None,
     "continue_final_message": False,
     "documents": None,
 }
@@ -71,8 +73,13 @@ def max_chars_per_token(tok: Tokenizer) -> int:
 
 
 class Prompts:
-    def __init__(self, llm: LLM, model_name: str):
+    def __init__(self, llm: LLM, model_name: str, reasoning_parser: str | None = None):
         self.llm, self.tok, self.model_name = llm, llm.tokenizer, model_name
+        self.reasoning_parser = reasoning_parser
+        if reasoning_parser and None in (self.tok.token_to_id(THINK_START), self.tok.token_to_id(THINK_END)):
+            raise ValueError(
+                f"--reasoning-parser {reasoning_parser}: the tokenizer has no {THINK_START} and {THINK_END} tokens"
+            )
         self.max_len = llm.config.max_model_len
         self.max_chars = self.max_len * max_chars_per_token(self.tok)
 
@@ -112,7 +119,7 @@ class Prompts:
 
     def render(self, messages: list[P.ChatMessage], req: P.ChatTemplateFields, add_generation_prompt: bool) -> str:
         kwargs = dict(req.chat_template_kwargs or {})
-        if req.tools:
+        if req.tools and getattr(req, "tool_choice", None) != "none":
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
             return self.tok.apply_chat_template(template_messages(messages), add_generation_prompt, **kwargs)
@@ -129,31 +136,43 @@ class Prompts:
                 param="messages",
             ) from None
 
-    def chat_ids(self, req: P.ChatTemplateFields, messages: list[P.ChatMessage]) -> tuple[list[int], int | None]:
-        """(prompt ids, session checkpoint position): the checkpoint goes where the conversation ends
-        and the generation prompt starts, since the next turn re-renders this reply after that point."""
-        prompt_ids = self.encode(self.render(messages, req, req.add_generation_prompt), "messages")
+    def chat_ids(self, req: P.ChatTemplateFields, messages: list[P.ChatMessage]) -> tuple[list[int], int | None, str]:
+        """(prompt ids, session checkpoint position, prompt text): the checkpoint goes where the
+        conversation ends and the generation prompt starts, since the next turn re-renders this
+        reply after that point."""
+        text = self.render(messages, req, req.add_generation_prompt)
+        prompt_ids = self.encode(text, "messages")
         checkpoint_at = None
         if req.add_generation_prompt:
             history_ids = self.encode(self.render(messages, req, False), "messages")
             checkpoint_at = common_prefix(history_ids, prompt_ids)
-        return prompt_ids, checkpoint_at
+        return prompt_ids, checkpoint_at, text
 
-    def chat(self, req: P.ChatCompletionRequest) -> tuple[list[int], SamplingParams, int | None]:
-        """(prompt ids, params, session checkpoint position)."""
+    def chat(self, req: P.ChatCompletionRequest) -> tuple[list[int], SamplingParams, int | None, ReasoningStart | None]:
+        """(prompt ids, params, session checkpoint position, where the reply starts with respect to
+        the reasoning: None without a reasoning parser)."""
         self.check_model(req.model)
         check_extras(req)
-        if req.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "only tool_choice 'auto' or 'none' is supported", param="tool_choice")
-        if req.response_format and req.response_format.get("type") != "text":
-            raise APIError(400, "response_format other than 'text' is not supported yet", param="response_format")
-        prompt_ids, checkpoint_at = self.chat_ids(req, req.messages)
+        with field_errors():
+            tools = structured.tool_grammar(req, self.tok)
+            found = structured.request_constraint(req)
+            if tools is not None and found is not None:
+                raise P.FieldError("tool_choice", f"cannot be combined with {found[0]}")
+            if tools is not None:
+                found = ("tool_choice", {"grammar": tools})
+            constraint = structured.checked(*found, self.tok) if found else None
+        prompt_ids, checkpoint_at, text = self.chat_ids(req, req.messages)
         self.check(prompt_ids, "messages")
+        start = reasoning_start(text) if self.reasoning_parser else None
+        if constraint is not None and start is not None:
+            with field_errors():
+                constraint = structured.checked(found[0], structured.reasoning_grammar(constraint, start), self.tok)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(requested, len(prompt_ids), self.max_len, param)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        return prompt_ids, self.params(req, max_tokens, top, req.prompt_logprobs), checkpoint_at
+        params = self.params(req, max_tokens, top, req.prompt_logprobs, constraint)
+        return prompt_ids, params, checkpoint_at, start
 
     # --- completions
 
@@ -171,6 +190,9 @@ class Prompts:
             raise APIError(400, f"at most {MAX_BATCH} prompts per request", param="prompt")
         if req.echo and req.stream and req.logprobs is not None:
             raise APIError(400, "echo with logprobs cannot be streamed", param="echo")
+        with field_errors():
+            found = structured.request_constraint(req)
+            constraint = structured.checked(*found, self.tok) if found else None
         # echo with logprobs lists the prompt's logprobs too: the engine computes the larger top count
         echo_lp = req.logprobs if req.echo else None
         wanted = [n for n in (req.prompt_logprobs, echo_lp) if n is not None]
@@ -181,12 +203,17 @@ class Prompts:
             self.check(ids, "prompt")
             requested = req.max_tokens if req.max_tokens is not None else 16
             max_tokens = resolve_max_tokens(requested, len(ids), self.max_len, "max_tokens")
-            params = self.params(req, max_tokens, req.logprobs, prompt_lp)
+            params = self.params(req, max_tokens, req.logprobs, prompt_lp, constraint)
             out.append((ids, prompt if isinstance(prompt, str) else None, params))
         return out
 
     def params(
-        self, req: P.SamplingRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        req: P.SamplingRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        structured_outputs: dict[str, Any] | None = None,
     ) -> SamplingParams:
         """The request's own values over the checkpoint's generation_config defaults over ours."""
         if req.logit_bias:
@@ -208,6 +235,7 @@ class Prompts:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 stop=req.stop_list,
+                structured_outputs=structured_outputs,
             )
         except ValueError as e:
             name = str(e).split()[0]  # SamplingParams' messages start with the field's name
@@ -220,6 +248,15 @@ class Prompts:
         if req.messages is not None:
             return self.encode(self.render(req.messages, req, req.add_generation_prompt), "messages")
         return self.encode(req.prompt, "prompt")
+
+
+@contextmanager
+def field_errors():
+    """A FieldError raised inside (a request field that cannot be used) becomes a 400 naming it."""
+    try:
+        yield
+    except P.FieldError as e:
+        raise APIError(400, f"{e.param}: {e.message}", param=e.param) from None
 
 
 def check_extras(req: P.SamplingRequest) -> None:
@@ -263,8 +300,28 @@ def template_messages(messages: list[P.ChatMessage]) -> list[dict]:
         d = m.model_dump(exclude_none=True)  # keeps name, tool_calls, tool_call_id, reasoning_content, ...
         d["role"] = "system" if m.role == "developer" else m.role
         d["content"] = text_content(m.content, i)
+        for j, call in enumerate(d.get("tool_calls") or ()):
+            call["function"]["arguments"] = tool_arguments(call["function"]["arguments"], i, j)
         out.append(d)
     return out
+
+
+def tool_arguments(arguments: str | dict, i: int, j: int) -> dict:
+    """A replayed tool call's arguments as the object templates iterate over: OpenAI clients send
+    the JSON text the server gave them."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError as e:
+        value = e
+    if not isinstance(value, dict):
+        raise APIError(
+            400,
+            f"messages[{i}].tool_calls[{j}].function.arguments: not a JSON object",
+            param=f"messages[{i}].tool_calls[{j}].function.arguments",
+        )
+    return value
 
 
 def text_content(content: str | list[P.ContentPart] | None, i: int) -> str:

@@ -96,6 +96,33 @@ class Tool(OpenAIModel):
     function: FunctionDefinition
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise FieldError("json_schema.schema", "is required when type is 'json_schema'")
+        return self
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ContentPart(OpenAIModel):
     type: str  # only "text" is rendered (prepare.py names the part otherwise)
     text: str | None = None
@@ -138,6 +165,13 @@ class SamplingRequest(RequestModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # a vLLM extra nextn accepts only at its default (prepare.py answers 400 naming the field)
     skip_special_tokens: bool = True
+    # structured outputs: at most one of these per request (structured.py maps them, 400 for two)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json" | "regex" | "choice" | "grammar" | ...}
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names of the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -187,9 +221,16 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     echo: bool = False  # vLLM's: the reply starts with the last message's content when it is the assistant's
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v):
+        if isinstance(v, str) and v not in ("none", "auto", "required"):
+            raise ValueError(f"must be 'none', 'auto', 'required' or a named function, got {v[:50]!r}")
+        return v
 
 
 _TOOLS = TypeAdapter(list[Tool])
@@ -275,9 +316,22 @@ class ChoiceLogprobs(OpenAIModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(OpenAIModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallOut(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the text inside <think>...</think>
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(OpenAIModel):
@@ -299,9 +353,26 @@ class ChatCompletionResponse(OpenAIModel):
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIModel):
+    """A streamed tool call: the first delta of a call has its id, type and name; the next ones
+    fragments of its arguments, to be appended in order."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(OpenAIModel):

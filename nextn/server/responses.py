@@ -14,7 +14,10 @@ from nextn.server import protocol as P
 from nextn.tokenizer import Tokenizer
 
 # nextn/vLLM extras left out of a response when unset, so plain OpenAI payloads stay plain
-_OPTIONAL_EXTRAS = {"token_ids", "prompt_token_ids", "prompt_logprobs", "spec_decode", "prompt_tokens_details", "bytes"}
+_OPTIONAL_EXTRAS = {
+    *("token_ids", "prompt_token_ids", "prompt_logprobs", "spec_decode", "prompt_tokens_details", "bytes"),
+    *("reasoning_content", "tool_calls"),
+}
 
 
 def to_json(model: BaseModel) -> str:

@@ -1,0 +1,216 @@
+"""The assistant's text -> the chat message's parts: reasoning (`<think>...</think>`, with
+`--reasoning-parser qwen3`), content, and the Qwen family's `<tool_call>` blocks as OpenAI tool
+calls: the JSON body of the bundled / Qwen3 templates (`{"name": ..., "arguments": {...}}`) and the
+XML body of the Qwen3.5 / Qwen3-Coder templates (`<function=NAME>` with `<parameter=P>` lines).
+
+One state machine serves both modes: a stream pushes each text delta and sends back the parts it
+gets; a full reply pushes its whole text once. So streamed parts always reassemble into the
+non-streamed message. A marker split across deltas is held back until it is whole. Whitespace
+right after `</think>`, before `<tool_call>` and after `</tool_call>` is dropped; a block whose
+body does not parse stays in the content as it was written. Does not know HTTP or the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from nextn.server import protocol as P
+
+THINK_START, THINK_END = "<think>", "</think>"
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+# where the reply starts: inside <think> (the prompt opened it), maybe opening one, or past it
+ReasoningStart = Literal["inside", "maybe", "after"]
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n?(.*?)</function>\s*", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+@dataclass
+class Parts:
+    """What one push adds to the message."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[P.ToolCallOut] = field(default_factory=list)
+
+    def delta(self, first_index: int) -> list[P.DeltaMessage]:
+        """As stream deltas: text first, then each call as its header and its arguments."""
+        out = []
+        if self.reasoning or self.content:
+            out.append(P.DeltaMessage(reasoning_content=self.reasoning or None, content=self.content or None))
+        for i, call in enumerate(self.tool_calls, first_index):
+            head = P.DeltaFunctionCall(name=call.function.name, arguments="")
+            out.append(
+                P.DeltaMessage(tool_calls=[P.DeltaToolCall(index=i, id=call.id, type="function", function=head)])
+            )
+            args = P.DeltaFunctionCall(arguments=call.function.arguments)
+            out.append(P.DeltaMessage(tool_calls=[P.DeltaToolCall(index=i, function=args)]))
+        return out
+
+
+def reasoning_start(prompt: str) -> ReasoningStart:
+    """Where a Qwen reply to `prompt` starts, read from its generation prompt (the text after the
+    last `<|im_start|>`): past the reasoning when that closed a think block (enable_thinking off),
+    inside one when it opened one (Qwen3.5), else the model may open one itself (Qwen3)."""
+    tail = prompt[prompt.rfind("<|im_start|>") :]
+    if THINK_END in tail:
+        return "after"
+    return "inside" if THINK_START in tail else "maybe"
+
+
+class ChatOutputParser:
+    """Splits a reply into reasoning, content and tool calls, delta by delta.
+
+    `reasoning`: None without a reasoning parser (all text is content), else where the reply starts.
+    `tools`: the request's tools when their calls are parsed (None: `<tool_call>` is plain content).
+    """
+
+    def __init__(self, reasoning: ReasoningStart | None, tools: list[P.Tool] | None):
+        self.state = {None: "text", "after": "text", "inside": "think", "maybe": "maybe"}[reasoning]
+        self.schemas = {t.function.name: t.function.parameters or {} for t in tools} if tools is not None else None
+        self.buf = ""  # text received and not yet given out
+        self.pending_ws = ""  # trailing content whitespace, held: dropped if a tool call follows
+        self.strip_lead = False  # drop the content's leading whitespace (after </think> or a call)
+        self.ws_before_call = ""  # pending_ws when a block opened: given back if it is no call
+        self.num_calls = 0
+
+    def push(self, text: str) -> Parts:
+        self.buf += text
+        parts = Parts()
+        while self._step(parts, final=False):
+            pass
+        return parts
+
+    def finish(self) -> Parts:
+        """The rest, at the end of the reply: held-back text, an unterminated block."""
+        parts = Parts()
+        while self._step(parts, final=True):
+            pass
+        if self.state == "think":
+            parts.reasoning += self.buf
+        elif self.state == "call":  # cut short (or </tool_call> left out): a call if it parses
+            self._end_call(self.buf, parts, closed=False)
+        else:
+            self._content(self.buf, parts)
+        self.buf = ""
+        parts.content += self.pending_ws
+        self.pending_ws = ""
+        return parts
+
+    def _step(self, parts: Parts, final: bool) -> bool:
+        """Move past one marker if the buffer holds it; False when it needs more text."""
+        if self.state == "maybe":
+            if self.buf.startswith(THINK_START):
+                self.buf, self.state = self.buf[len(THINK_START) :], "think"
+                return True
+            if THINK_START.startswith(self.buf) and not final:
+                return False
+            self.state = "text"
+            return True
+        if self.state == "think":
+            head, found, self.buf = _split(self.buf, THINK_END, final)
+            parts.reasoning += head
+            if found:
+                self.state, self.strip_lead = "text", True
+            return found
+        if self.state == "text":
+            if self.schemas is None:
+                self._content(self.buf, parts)
+                self.buf = ""
+                return False
+            head, found, self.buf = _split(self.buf, CALL_START, final)
+            self._content(head, parts)
+            if found:
+                self.state, self.ws_before_call, self.pending_ws = "call", self.pending_ws, ""
+            return found
+        body, found, rest = self.buf.partition(CALL_END)
+        if found:
+            self.buf = rest
+            self._end_call(body, parts, closed=True)
+        return bool(found)
+
+    def _content(self, text: str, parts: Parts) -> None:
+        if self.strip_lead:
+            text = text.lstrip()
+            if not text:
+                return
+            self.strip_lead = False
+        if self.schemas is None:
+            parts.content += text
+            return
+        text = self.pending_ws + text
+        body = text.rstrip()
+        self.pending_ws = text[len(body) :]
+        parts.content += body
+
+    def _end_call(self, body: str, parts: Parts, closed: bool) -> None:
+        call = parse_tool_call(body, self.schemas or {})
+        self.state, self.strip_lead = "text", call is not None
+        if call is None:  # not a call after all: the block stays in the content as written
+            self.pending_ws = self.ws_before_call
+            self._content(CALL_START + body + (CALL_END if closed else ""), parts)
+            return
+        name, args = call
+        self.num_calls += 1
+        fn = P.FunctionCallOut(name=name, arguments=json.dumps(args, ensure_ascii=False))
+        parts.tool_calls.append(P.ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}", function=fn))
+
+
+def _split(buf: str, marker: str, final: bool) -> tuple[str, bool, str]:
+    """(text before `marker`, found, text after it); without it, the text that cannot be the
+    start of a split marker, and that start held back (unless `final`)."""
+    head, found, rest = buf.partition(marker)
+    if found:
+        return head, True, rest
+    keep = 0 if final else next((n for n in range(len(marker) - 1, 0, -1) if buf.endswith(marker[:n])), 0)
+    return buf[: len(buf) - keep], False, buf[len(buf) - keep :]
+
+
+def parse_tool_call(body: str, schemas: dict[str, dict]) -> tuple[str, dict[str, Any]] | None:
+    """(name, arguments) of one `<tool_call>` body, JSON or XML; None if it is neither."""
+    m = _FUNCTION.fullmatch(body)
+    if m:
+        props, _ = schema_properties(schemas.get(m.group(1)))
+        return m.group(1), {
+            p: _xml_value(v.removeprefix("\n").removesuffix("\n"), props.get(p))
+            for p, v in _PARAMETER.findall(m.group(2))
+        }
+    try:
+        obj = json.loads(body)
+        args = obj.get("arguments", obj.get("parameters", {}))
+        args = json.loads(args) if isinstance(args, str) else args
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+        return None
+    return obj["name"], args
+
+
+def schema_properties(parameters: dict | None) -> tuple[dict, set[str]]:
+    """A tool's parameters schema's (properties, required names), whatever the client sent."""
+    props, required = (parameters or {}).get("properties"), (parameters or {}).get("required")
+    required = required if isinstance(required, list) else []
+    return (props if isinstance(props, dict) else {}), {r for r in required if isinstance(r, str)}
+
+
+def _xml_value(text: str, schema: Any) -> Any:
+    """An XML parameter's text as its schema's type: strings as written (the templates write them
+    raw), booleans as the templates write them (Python's True/False) or JSON, the rest as JSON."""
+    types = schema.get("type") if isinstance(schema, dict) else None
+    types = (
+        {t for t in types if isinstance(t, str)}
+        if isinstance(types, list)
+        else {types if isinstance(types, str) else None}
+    )
+    if not types - {None, "string"}:
+        return text
+    if "boolean" in types and text.strip().lower() in ("true", "false"):
+        return text.strip().lower() == "true"
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

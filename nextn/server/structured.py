@@ -1,0 +1,151 @@
+"""Request fields -> `SamplingParams.structured_outputs`: the one constraint a request sets, from
+`response_format`, vLLM's `structured_outputs` or its older `guided_*` fields, or `tool_choice`
+"required" / a named function (a Lark grammar of the chat template's own `<tool_call>` form), checked
+by compiling it (a 400 naming the field when it does not compile).
+
+With a reasoning parser the constraint applies after the reasoning: it is wrapped in a Lark grammar
+that lets `<think>`'s text through first (`reasoning_grammar`). The grammars use llguidance's Lark
+(`%json`, `%lark`, `<token>` for an added token). Does not know HTTP or the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
+
+from nextn.core import STRUCTURED_OUTPUT_KEYS
+from nextn.grammar import compile_grammar
+from nextn.server import protocol as P
+from nextn.server.chat_output import CALL_END, CALL_START, THINK_END, THINK_START, ReasoningStart, schema_properties
+from nextn.server.protocol import FieldError
+from nextn.tokenizer import Tokenizer
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# an XML tool-call string value: lines, none starting with "<" (so "</parameter>" ends it)
+_XML_STRING = r"/(([^<\n][^\n]*)?\n)*/"
+
+
+def request_constraint(req: P.SamplingRequest) -> tuple[str, dict[str, Any]] | None:
+    """(the field it came from, the constraint) of the structured-output field the request sets.
+    Refusals (here and below) are FieldErrors: prepare.py answers them 400 naming the field."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        found.append(("response_format.json_schema.schema", {"json": fmt.json_schema.schema_}))
+    if req.structured_outputs:
+        given = {k: v for k, v in req.structured_outputs.items() if v not in (None, False)}
+        for key in given:
+            if key not in STRUCTURED_OUTPUT_KEYS:
+                keys = ", ".join(STRUCTURED_OUTPUT_KEYS)
+                raise FieldError(f"structured_outputs.{key}", f"is not supported (give one of {keys})")
+        found += [(f"structured_outputs.{k}", {k: v}) for k, v in given.items()]
+    found += [(name, {kind: getattr(req, name)}) for name, kind in _GUIDED.items() if getattr(req, name) is not None]
+    if len(found) > 1:
+        raise FieldError(found[1][0], f"give one structured output constraint, not {found[0][0]} and this")
+    return found[0] if found else None
+
+
+def checked(field: str, constraint: dict[str, Any], tok: Tokenizer) -> dict[str, Any]:
+    """`constraint`, once it compiles (the reason it does not, named after `field`)."""
+    try:
+        compile_grammar(constraint, tok)
+    except ValueError as e:
+        raise FieldError(field, str(e)) from None
+    return constraint
+
+
+# ---------------------------------------------------------------------------------------------
+# tool_choice
+
+
+def tool_grammar(req: P.ChatCompletionRequest, tok: Tokenizer) -> str | None:
+    """The Lark grammar that enforces `tool_choice` ("required" or a named function) in the chat
+    template's `<tool_call>` form; None when the choice leaves the model free."""
+    choice = req.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if not req.tools:
+        raise FieldError("tool_choice", "calls a tool: give tools")
+    tools = req.tools
+    if isinstance(choice, P.NamedToolChoice):
+        tools = [t for t in req.tools if t.function.name == choice.function.name]
+        if not tools:
+            names = ", ".join(t.function.name for t in req.tools)
+            raise FieldError("tool_choice.function.name", f"{choice.function.name!r} is not in tools ({names})")
+    xml = "<function=" in (tok.chat_template or "")
+    body = _xml_calls(tools) if xml else _json_calls(tools)
+    calls = "call" if isinstance(choice, P.NamedToolChoice) or not req.parallel_tool_calls else 'call ("\\n" call)*'
+    return f'start: "\\n"? {calls}\ncall: {_marker(CALL_START, tok)} "\\n" fn "\\n" {_marker(CALL_END, tok)}\n{body}'
+
+
+def _json_calls(tools: list[P.Tool]) -> str:
+    """`{"name": ..., "arguments": {...}}`: one JSON schema for the tools' calls."""
+    schemas = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return f"fn: %json {json.dumps(schemas[0] if len(schemas) == 1 else {'anyOf': schemas})}"
+
+
+def _xml_calls(tools: list[P.Tool]) -> str:
+    """`<function=NAME>` with a `<parameter=P>` block per argument, in the schema's order (the
+    required ones always): strings as lines, other types as JSON."""
+    rules = [f"fn: {' | '.join(f'f{i}' for i in range(len(tools)))}", f"xstr: {_XML_STRING}"]
+    for i, t in enumerate(tools):
+        props, required = schema_properties(t.function.parameters)
+        items = []
+        for j, (name, schema) in enumerate(props.items()):
+            is_str = isinstance(schema, dict) and schema.get("type") == "string"
+            value = "xstr" if is_str else f'v{i}_{j} "\\n"'
+            if not is_str:
+                rules.append(f"v{i}_{j}: %json {json.dumps(schema)}")
+            head = json.dumps(f"<parameter={name}>\n")
+            rules.append(f'p{i}_{j}: {head} {value} "</parameter>\\n"')
+            items.append(f"p{i}_{j}" + ("" if name in required else "?"))
+        head = json.dumps(f"<function={t.function.name}>\n")
+        rules.append(f'f{i}: {head} {" ".join(items)} "</function>"')
+    return "\n".join(rules)
+
+
+def _marker(text: str, tok: Tokenizer) -> str:
+    """`text` in a Lark rule: its added token when the vocabulary has one (llguidance matches an
+    added token only by its id), else the literal string."""
+    return text if tok.token_to_id(text) is not None else json.dumps(text)  # "<x>" is Lark for token <x>
+
+
+# ---------------------------------------------------------------------------------------------
+# reasoning
+
+
+def reasoning_grammar(constraint: dict[str, Any], start: ReasoningStart) -> dict[str, Any]:
+    """`constraint`, applied after the reply's `<think>...</think>` (Qwen's added tokens): inside
+    one, the text up to `</think>` is free; when the model may open one, it is optional."""
+    if start == "after":
+        return constraint
+    ((kind, value),) = constraint.items()
+    if kind == "json_object":
+        body = '%json {"type": "object"}'
+    elif kind == "json":
+        body = f"%json {value if isinstance(value, str) else json.dumps(value)}"
+    elif kind == "regex":
+        body = f"/{llguidance.regex_to_lark(value, '')}/"
+    elif kind == "choice":
+        body = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+    else:
+        body = f"%lark {{\n{any_to_lark(value)}\n}}"  # GBNF given as Lark
+    think = rf"/(?s:.*)/ {THINK_END} /[ \t\r\n]*/"  # "<x>" is Lark for the token <x>
+    head = think if start == "inside" else f"({THINK_START} {think})?"
+    return {"grammar": f"start: {head} body\nbody: {body}\n"}

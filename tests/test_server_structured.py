@@ -1,0 +1,544 @@
+"""Structured outputs, tool calls and reasoning on `nextn serve` (issue 14's API side).
+
+The output parser (nextn.server.chat_output) is checked on its own: every way of cutting a reply
+into stream deltas gives the parts the whole reply gives. The tool_choice grammars are checked
+against the chat templates' own rendering of a call (what the template writes, the grammar takes).
+End to end, a real uvicorn server over the bundled model (greedy, fast on the CPU) driven by the
+openai client and raw httpx: each request field constrains the output as it says, each bad value
+is a 400 naming its field, a tool call round-trips, streamed tool calls and reasoning reassemble to
+the non-streamed reply.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+llguidance = pytest.importorskip("llguidance")
+
+from test_server import KEY, LiveServer, user  # noqa: E402
+
+from nextn import LLM  # noqa: E402
+from nextn.config import DEFAULT_MODEL_DIR, ServeConfig  # noqa: E402
+from nextn.grammar import compile_grammar  # noqa: E402
+from nextn.server import protocol as P  # noqa: E402
+from nextn.server import structured  # noqa: E402
+from nextn.server.chat_output import ChatOutputParser, Parts, reasoning_start  # noqa: E402
+from nextn.server.options import ServerOptions  # noqa: E402
+from nextn.tokenizer import Tokenizer  # noqa: E402
+
+MODEL = "bundled"
+CFG = ServeConfig(api_key=KEY, served_model_name=MODEL)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}},
+            "required": ["city", "days"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
+    },
+}
+TOOLS = [P.Tool.model_validate(WEATHER), P.Tool.model_validate(TIME)]
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The output parser
+
+
+def parse(text: str, reasoning=None, tools=TOOLS, cut: int | None = None) -> tuple[str, str, list[tuple[str, str]]]:
+    """(reasoning, content, [(name, arguments)]) of `text` pushed whole, or in pieces of `cut` chars."""
+    parser = ChatOutputParser(reasoning, tools)
+    pieces = [text] if cut is None else [text[i : i + cut] for i in range(0, len(text), cut)]
+    got = Parts()
+    for parts in [parser.push(p) for p in pieces] + [parser.finish()]:
+        got.reasoning += parts.reasoning
+        got.content += parts.content
+        got.tool_calls += parts.tool_calls
+    return got.reasoning, got.content, [(c.function.name, c.function.arguments) for c in got.tool_calls]
+
+
+JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+XML_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
+    "</parameter>\n<parameter=metric>\nTrue\n</parameter>\n</function>\n</tool_call>"
+)
+REPLIES = [
+    # (text, reasoning start, expected (reasoning, content, calls))
+    ("Hello there.\n", None, ("", "Hello there.\n", [])),
+    (f"Let me look.\n\n{JSON_CALL}\n", None, ("", "Let me look.", [("get_weather", '{"city": "Paris", "days": 2}')])),
+    (
+        f"{XML_CALL}\n{JSON_CALL}",
+        None,
+        (
+            "",
+            "",
+            [
+                ("get_weather", '{"city": "New York", "days": 3, "metric": true}'),
+                ("get_weather", '{"city": "Paris", "days": 2}'),
+            ],
+        ),
+    ),
+    ("a <tool_call>not json</tool_call> b <tool_c", None, ("", "a <tool_call>not json</tool_call> b <tool_c", [])),
+    (f"{JSON_CALL[:-12]}", None, ("", "", [("get_weather", '{"city": "Paris", "days": 2}')])),  # cut before the end
+    ("<think>\nhm, rain?\n</think>\n\nIt rains.", "maybe", ("\nhm, rain?\n", "It rains.", [])),
+    ("No think.", "maybe", ("", "No think.", [])),
+    ("<thi", "maybe", ("", "<thi", [])),
+    (
+        f"the user wants weather\n</think>\n\n{JSON_CALL}",
+        "inside",
+        ("the user wants weather\n", "", [("get_weather", '{"city": "Paris", "days": 2}')]),
+    ),
+    ("still thinking </thi", "inside", ("still thinking </thi", "", [])),
+    ("<think>x</think>y", "after", ("", "<think>x</think>y", [])),
+]
+
+
+@pytest.mark.parametrize("text, start, expected", REPLIES)
+def test_the_parser_splits_a_reply_the_same_at_every_cut(text, start, expected):
+    assert parse(text, start) == expected
+    for cut in range(1, len(text) + 1):
+        assert parse(text, start, cut=cut) == expected, cut
+
+
+def test_without_tools_a_tool_call_is_content():
+    assert parse(JSON_CALL, tools=None) == ("", JSON_CALL, [])
+
+
+def test_xml_values_follow_the_schema_types():
+    schema = {"properties": {"s": {"type": "string"}, "n": {"type": "number"}, "o": {"type": "object"}}}
+    tool = P.Tool(function=P.FunctionDefinition(name="f", parameters=schema))
+    body = "<function=f>\n" + "".join(
+        f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in {"s": "42", "n": "4.5", "o": '{"a": [1]}', "x": "7"}.items()
+    )
+    _, _, calls = parse(f"<tool_call>\n{body}</function>\n</tool_call>", tools=[tool])
+    assert json.loads(calls[0][1]) == {"s": "42", "n": 4.5, "o": {"a": [1]}, "x": "7"}
+
+
+def test_streamed_deltas_carry_each_call_as_header_then_arguments():
+    parser = ChatOutputParser(None, TOOLS)
+    deltas = parser.push(JSON_CALL + JSON_CALL).delta(0) + parser.finish().delta(2)
+    heads = [d.tool_calls[0] for d in deltas if d.tool_calls[0].id is not None]
+    assert [(h.index, h.function.name, h.function.arguments) for h in heads] == [(0, "get_weather", "")] * 0 + [
+        (0, "get_weather", ""),
+        (1, "get_weather", ""),
+    ]
+    args = [d.tool_calls[0] for d in deltas if d.tool_calls[0].id is None]
+    assert [(a.index, json.loads(a.function.arguments)) for a in args] == [(0, {"city": "Paris", "days": 2})] + [
+        (1, {"city": "Paris", "days": 2})
+    ]
+
+
+def test_reasoning_start_reads_the_generation_prompt():
+    history = "<|im_start|>assistant\n<think>\nold\n</think>\n\nhi<|im_end|>\n<|im_start|>user\nq<|im_end|>\n"
+    assert reasoning_start(history + "<|im_start|>assistant\n<think>\n") == "inside"
+    assert reasoning_start(history + "<|im_start|>assistant\n<think>\n\n</think>\n\n") == "after"
+    assert reasoning_start(history + "<|im_start|>assistant\n") == "maybe"
+
+
+# ---------------------------------------------------------------------------------------------
+# Request fields -> constraints, and the grammars
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(DEFAULT_MODEL_DIR)
+
+
+@pytest.mark.parametrize(
+    "fields, expected",
+    [
+        ({"response_format": {"type": "json_object"}}, ("response_format", {"json_object": True})),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": PERSON, "strict": True},
+                }
+            },
+            ("response_format.json_schema.schema", {"json": PERSON}),
+        ),
+        ({"structured_outputs": {"regex": "a+"}}, ("structured_outputs.regex", {"regex": "a+"})),
+        (
+            {"structured_outputs": {"choice": ["x"], "disable_any_whitespace": False}},
+            ("structured_outputs.choice", {"choice": ["x"]}),
+        ),
+        ({"guided_json": PERSON}, ("guided_json", {"json": PERSON})),
+        ({"guided_regex": "[0-9]+"}, ("guided_regex", {"regex": "[0-9]+"})),
+        ({"guided_choice": ["yes", "no"]}, ("guided_choice", {"choice": ["yes", "no"]})),
+        ({"guided_grammar": 'start: "a"'}, ("guided_grammar", {"grammar": 'start: "a"'})),
+        ({"response_format": {"type": "text"}}, None),
+        ({}, None),
+    ],
+)
+def test_each_field_maps_to_its_constraint(fields, expected):
+    for req in (P.CompletionRequest(prompt="x", **fields), P.ChatCompletionRequest(messages=[user("x")], **fields)):
+        assert structured.request_constraint(req) == expected
+
+
+def rendered_call(template_dir, tools: list[dict], call: dict) -> str:
+    """What the chat template writes for an assistant turn holding `call` (after its header)."""
+    tok = Tokenizer(template_dir)
+    msgs = [user("x"), {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=False, tools=tools)
+    return text[text.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n") : text.rindex("<|im_end|>")]
+
+
+@pytest.fixture(scope="module")
+def xml_model_dir(tmp_path_factory):
+    """The bundled model with a Qwen3.5-style template: XML tool calls, thinking opened by the prompt."""
+    out = tmp_path_factory.mktemp("xml_model")
+    for f in DEFAULT_MODEL_DIR.iterdir():
+        (out / f.name).symlink_to(f)
+    (out / "tokenizer_config.json").unlink()
+    cfg = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = XML_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return out
+
+
+XML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
+    "{%- for tool_call in message.tool_calls or [] %}{%- set tool_call = tool_call.function %}"
+    "{{- ('\\n' if not loop.first else '') + '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}"
+    "{%- for args_name, args_value in tool_call.arguments|items %}"
+    "{{- '<parameter=' + args_name + '>\\n' }}"
+    "{%- set args_value = args_value | tojson | safe if args_value is mapping or (args_value is sequence and "
+    "args_value is not string) else args_value | string %}"
+    "{{- args_value + '\\n</parameter>\\n' }}{%- endfor %}"
+    "{{- '</function>\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def accepts(grammar: dict, tok: Tokenizer, text: str) -> bool:
+    matcher = compile_grammar(grammar, tok).matcher()
+    return matcher.consume_tokens(tok.encode(text)) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("form", ["json", "xml"])
+def test_the_tool_choice_grammar_takes_what_the_template_writes(form, xml_model_dir, tok):
+    model_dir = DEFAULT_MODEL_DIR if form == "json" else xml_model_dir
+    call = {"name": "get_weather", "arguments": {"city": "Oslo\nNorway", "days": 3}}
+    text = rendered_call(model_dir, [WEATHER, TIME], call)
+    template_tok = Tokenizer(model_dir)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        req = P.ChatCompletionRequest(messages=[user("x")], tools=[WEATHER, TIME], tool_choice=choice)
+        grammar = {"grammar": structured.tool_grammar(req, template_tok)}
+        assert accepts(grammar, template_tok, text), text
+        assert parse(text) == ("", "", [("get_weather", json.dumps(call["arguments"]))])
+        other = rendered_call(model_dir, [WEATHER], {"name": "get_weather", "arguments": {"days": 3}})
+        assert not accepts(grammar, template_tok, other)  # a required argument left out
+    named_time = P.ChatCompletionRequest(
+        messages=[user("x")], tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}
+    )
+    assert not accepts({"grammar": structured.tool_grammar(named_time, template_tok)}, template_tok, text)
+
+
+def test_the_reasoning_grammar_lets_the_thinking_through_then_applies(tok):
+    regex = {"regex": "[0-9]{3}"}
+    inside = structured.reasoning_grammar(regex, "inside")
+    assert accepts(inside, tok, "let me count\n</think>\n\n123")
+    assert not accepts(inside, tok, "let me count\n</think>\n\nabc")
+    maybe = structured.reasoning_grammar(regex, "maybe")
+    assert accepts(maybe, tok, "<think>hm</think>123") and accepts(maybe, tok, "123")
+    assert not accepts(maybe, tok, "hm</think>123")
+    assert structured.reasoning_grammar(regex, "after") == regex
+    for constraint, good in [
+        ({"json": PERSON}, '{"name": "Al", "age": 3}'),
+        ({"json_object": True}, "{}"),
+        ({"choice": ["yes", 'n"o']}, 'n"o'),
+        ({"grammar": 'start: "a" b\nb: "}"'}, "a}"),
+    ]:
+        assert accepts(structured.reasoning_grammar(constraint, "inside"), tok, f"x</think>{good}"), constraint
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: the bundled model behind a live server
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def live(llm):
+    with LiveServer(llm, CFG) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(live) -> openai.OpenAI:
+    return live.client()
+
+
+def chat(client, content: str = "Describe a person.", max_tokens: int = 48, **kw):
+    return client.chat.completions.create(
+        model=MODEL, messages=[user(content)], max_tokens=max_tokens, temperature=0.0, **kw
+    )
+
+
+def complete(client, max_tokens: int = 48, **kw):
+    return client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def holds(check, text: str) -> bool:
+    try:
+        return bool(check(text))
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def person(text: str) -> bool:
+    jsonschema.validate(json.loads(text), PERSON)
+    return True
+
+
+def matches(pattern: str):
+    return lambda text: re.fullmatch(pattern, text) is not None
+
+
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+FIELDS = [
+    # (extra body, check of the output text)
+    ({"response_format": PERSON_FORMAT}, person),
+    ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
+    ({"structured_outputs": {"json": PERSON}}, person),
+    ({"guided_json": PERSON}, person),
+    ({"guided_regex": r"[a-z]{2,8}-[0-9]{3}"}, matches(r"[a-z]{2,8}-[0-9]{3}")),
+    ({"structured_outputs": {"regex": r"(yes|no), [0-9]{1,3}"}}, matches(r"(yes|no), [0-9]{1,3}")),
+    ({"guided_choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+    ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
+    ({"guided_grammar": 'start: "x=" NUM ";"\nNUM: /[0-9]{1,4}/'}, matches(r"x=[0-9]{1,4};")),
+    (
+        {"structured_outputs": {"grammar": 'start: "(" item ("," item){0,3} ")"\nitem: "a" | "b"'}},
+        matches(r"\((a|b)(,(a|b)){0,3}\)"),
+    ),
+]
+
+
+@pytest.mark.parametrize("body, check", FIELDS)
+def test_each_field_constrains_the_output(client, body, check):
+    for out in (chat(client, extra_body=body), complete(client, extra_body=body)):
+        choice = out.choices[0]
+        text = choice.message.content if hasattr(choice, "message") else choice.text
+        assert choice.finish_reason == "stop" and holds(check, text), text
+
+
+def test_without_a_constraint_the_checks_fail(client):
+    """The unconstrained replies pass none of the checks above (so those test the constraints)."""
+    texts = [chat(client).choices[0].message.content, complete(client).choices[0].text]
+    assert not any(holds(check, text) for _, check in FIELDS for text in texts)
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "a(b"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "[z-a]"}}, "structured_outputs.regex"),
+    ({"guided_grammar": "start: (("}, "guided_grammar"),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs.regex"),
+]  # fmt: skip
+BAD_CHAT = [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+    ({"messages": [user("x"), {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}], "tool_choice": "required"},
+     "tool_choice"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body, param", BAD + BAD_CHAT)
+def test_bad_input_is_a_400_naming_the_field(live, body, param):
+    paths = ["/v1/chat/completions"] + (["/v1/completions"] if (body, param) in BAD else [])
+    for path in paths:
+        base = {"messages": [user("x")]} if "chat" in path else {"prompt": "x"}
+        r = live.post(path, {"model": MODEL, "max_tokens": 4, **base, **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"], err
+
+
+def test_tool_call_round_trip(client):
+    """tools + tool_choice "required": tool_calls with finish_reason "tool_calls"; the tool's result
+    sent back (arguments as the JSON text the client got) is answered; no 5xx."""
+    messages = [user("What is the weather in Paris for 2 days?")]
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=96,
+        temperature=0.0,
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    call = choice.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(args, schema)
+    assert call.id and call.type == "function" and "<tool_call>" not in (choice.message.content or "")
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18})},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER, TIME], max_tokens=16, temperature=0.0
+    )
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_named_tool_choice_calls_that_function(client):
+    out = chat(
+        client, max_tokens=96, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}
+    )
+    calls = out.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_time"] and "zone" in json.loads(calls[0].function.arguments)
+
+
+def test_tool_choice_none_renders_no_tools(live):
+    body = {"model": MODEL, "messages": [user("x")], "tools": [WEATHER]}
+    with_tools = live.post("/tokenize", body).json()["count"]
+    r = live.post("/tokenize", {**body, "tool_choice": "none"})
+    assert r.status_code == 200 and r.json()["count"] < with_tools
+
+
+def test_replayed_arguments_text_is_rendered_as_an_object(live, llm):
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    body = {"model": MODEL, "messages": [user("x"), {"role": "assistant", "content": "", "tool_calls": [call]}]}
+    ids = live.post("/tokenize", body).json()["tokens"]
+    assert '"arguments": {"city": "Paris"}' in llm.tokenizer.decode(ids)
+
+
+def stream_message(live, body: dict) -> tuple[dict, str]:
+    """A streamed chat reply reassembled as OpenAI clients do: (message, finish_reason)."""
+    r = live.post("/v1/chat/completions", {"model": MODEL, "temperature": 0.0, **body, "stream": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    msg = {"content": "", "reasoning_content": "", "tool_calls": []}
+    finish = None
+    for line in r.text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        choice = json.loads(line[6:])["choices"][0]
+        delta, finish = choice["delta"], choice["finish_reason"] or finish
+        msg["content"] += delta.get("content") or ""
+        msg["reasoning_content"] += delta.get("reasoning_content") or ""
+        for d in delta.get("tool_calls") or []:
+            if d["index"] == len(msg["tool_calls"]):
+                msg["tool_calls"].append({"id": d["id"], "name": d["function"]["name"], "arguments": ""})
+            msg["tool_calls"][d["index"]]["arguments"] += d["function"].get("arguments") or ""
+    return msg, finish
+
+
+def test_streamed_tool_calls_reassemble_to_the_non_streamed(live):
+    body = {
+        "messages": [user("Weather in Oslo?")],
+        "tools": [WEATHER, TIME],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 96,
+    }
+    whole = live.post("/v1/chat/completions", {"model": MODEL, "temperature": 0.0, **body}).json()["choices"][0]
+    streamed, finish = stream_message(live, body)
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert calls and [(c["name"], c["arguments"]) for c in streamed["tool_calls"]] == calls
+    assert finish == whole["finish_reason"] == "tool_calls"
+    assert streamed["content"] == (whole["message"]["content"] or "")
+
+
+@pytest.fixture(scope="module")
+def thinking(xml_model_dir):
+    """The bundled model, its template opening <think> in the prompt, with --reasoning-parser qwen3."""
+    llm = LLM(model=xml_model_dir, max_model_len=1024)
+    with LiveServer(llm, CFG, ServerOptions(reasoning_parser="qwen3")) as srv:
+        yield srv
+
+
+def test_reasoning_goes_to_reasoning_content_streamed_and_not(thinking, live):
+    body = {"messages": [user("Think first.")], "max_tokens": 24, "ignore_eos": True}
+    whole = thinking.post("/v1/chat/completions", {"model": MODEL, "temperature": 0.0, **body}).json()["choices"][0]
+    streamed, _ = stream_message(thinking, body)
+    prompt = thinking.post("/tokenize", {"model": MODEL, "messages": body["messages"]}).json()["tokens"]
+    plain = {"model": MODEL, "temperature": 0.0, "max_tokens": 24, "ignore_eos": True, "prompt": prompt}
+    text = live.post("/v1/completions", plain).json()["choices"][0]["text"]
+    reasoning, _, rest = text.partition("</think>")
+    assert whole["message"]["reasoning_content"] == streamed["reasoning_content"] == reasoning
+    assert (whole["message"]["content"] or "") == streamed["content"] == rest.lstrip()
+    assert "</think>" not in streamed["content"]
+
+
+def test_with_thinking_closed_the_reply_is_content_and_constrained(thinking):
+    """enable_thinking=false style: the prompt closed the think block, so the grammar applies at once."""
+    body = {"messages": [user("Pick one.")], "guided_choice": ["alpha", "beta"], "max_tokens": 8}
+    r = thinking.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": False}, **body},
+    )
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] in ("alpha", "beta") and "reasoning_content" not in message
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [{"properties": [1]}, {"properties": {"a": {"type": {"x": 1}}}, "required": 5}, {"required": [{"a": 1}]}, {}],
+)
+def test_odd_parameter_schemas_never_fail_inside(xml_model_dir, parameters):
+    """Whatever a client puts in a tool's parameters: a grammar, or a 400 (FieldError), in both forms;
+    and the parser reads a call of such a tool."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    for model_dir in (DEFAULT_MODEL_DIR, xml_model_dir):
+        tok = Tokenizer(model_dir)
+        req = P.ChatCompletionRequest(messages=[user("x")], tools=[tool], tool_choice="required")
+        try:
+            structured.checked("tool_choice", {"grammar": structured.tool_grammar(req, tok)}, tok)
+        except P.FieldError:
+            pass
+    call = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
+    assert parse(call, tools=[P.Tool.model_validate(tool)])[2] == [("f", '{"a": "1"}')]
+
+
+def test_the_reasoning_parser_needs_the_think_tokens(dense_ckpt):
+    """The fixture tokenizer has no <think> / </think>: serving it with the parser is a one-line error."""
+    from nextn.server.app import create_app
+
+    with pytest.raises(ValueError, match="no <think> and </think> tokens"):
+        create_app(LLM(model=dense_ckpt, max_model_len=256), CFG, ServerOptions(reasoning_parser="qwen3"))
