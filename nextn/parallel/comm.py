@@ -3,8 +3,8 @@ the all-reduce that ends each row-parallel block, the vocabulary-parallel embedd
 logits gather. With cfg.tp_size == 1 each is the plain single-device operation.
 
 Exactness: `all_reduce` gathers the ranks' partial sums (the collective moves bytes and adds
-nothing) and adds them here in rank order, in float32, rounded once. So a row's sum is the same on
-every rank, run to run, and whatever the number of rows in the step: batch-invariant, which greedy
+nothing) and adds them here in rank order. So a row's sum is the same on every rank, run to run,
+and whatever the number of rows in the step: batch-invariant, which greedy
 spec == plain needs (a verify row must equal the decode of the same token bitwise). NCCL's own
 all-reduce gives none of this past two ranks (its ring splits a message into chunks by its size, so
 an element's order of addition follows the row count), and no NCCL_ALGO / NCCL_PROTO setting is
@@ -33,15 +33,17 @@ def gather(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def all_reduce(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """The sum of the ranks' x (partial sums of a row-parallel block), rank 0's first, in float32,
-    rounded once to x's dtype: the same bits on every rank and for every row count."""
+    """The sum of the ranks' x (partial sums of a row-parallel block) in rank order, ((x0 + x1) + x2)
+    + ..., each addition in x's dtype: the same bits on every rank and for every row count. (With two
+    ranks that one bf16 / fp16 addition is the float32 sum rounded once: float32 carries more than
+    twice their bits, so the double rounding is exact.)"""
     if cfg.tp_size == 1:
         return x
     parts = gather(x, cfg.tp_size)
-    total = parts[0].float()
+    total = parts[0]
     for part in parts[1:]:
-        total = total + part.float()
-    return total.to(x.dtype)
+        total = total + part
+    return total
 
 
 def embed(ids: torch.Tensor, weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
