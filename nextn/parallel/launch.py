@@ -15,6 +15,7 @@ starts nothing: `initialized()`.
 from __future__ import annotations
 
 import atexit
+import logging
 import multiprocessing as mp
 import os
 import socket
@@ -148,6 +149,7 @@ def _join(r: int, size: int, port: int, device: str, threads: int) -> None:
 
 
 def _follower(r: int, size: int, port: int, device: str, threads: int, conn, target: Callable, args) -> None:
+    logging.getLogger("nextn").setLevel(logging.ERROR)  # rank 0 logs for every rank; errors still show
     _join(r, size, port, device, threads)
     try:
         target(conn, *args)
