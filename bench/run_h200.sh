@@ -2,6 +2,7 @@
 # One device call on the H200: tune the skinny GEMM, kernel tests at real shapes, the benches.
 # Usage (device tool): bash bench/run_h200.sh [stages...]
 #   stages: tune tests engine profile prefill prefill4k bench9b batch9b benchdefault bench35b
+#   tensor parallelism (nvidia-h200-x2, one stage per call): tptests tp27b tp35b
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p /tmp/triton_cache
@@ -33,6 +34,17 @@ for stage in "$@"; do
     bench35b) timeout 300 python3 -m nextn.cli bench --random-weights qwen3.5-35b-a3b --device cuda --dtype bfloat16 \
                --spec-k 1 3 --acceptance-profile 0.85,0.75,0.65 --json $OUT/bench_qwen3.5-35b-a3b.json 2>&1 \
                | grep -v '^ ' | tail -40 | tee -a $LOG ;;
+    tptests) timeout 400 python3 -m pytest -q -x tests/test_tp.py 2>&1 | tail -15 | tee -a $LOG ;;
+    tp27b|tp35b) p=qwen3.5-27b; [ $stage = tp35b ] && p=qwen3.5-35b-a3b
+               # plain decode at TP=1 and TP=2 (same random weights); spec == plain K=1..8 at TP=2, drafts
+               # accepted through an acceptance profile (a random head guesses nothing)
+               for n in 1 2; do ks="1"; extra=""
+                 [ $n = 2 ] && ks="1 2 3 4 5 6 7 8" && extra="--acceptance-profile 0.85,0.75,0.65"
+                 timeout 300 python3 -m nextn.cli bench --random-weights $p --device cuda --dtype bfloat16 \
+                   --tensor-parallel-size $n --spec-k $ks --repeats 2 --gen-len 128 $extra --json $OUT/tp${n}_$p.json \
+                   2>&1 | grep -v '^ ' | tail -30 | tee -a $LOG
+               done
+               python3 bench/tp_compare.py $OUT/tp1_$p.json $OUT/tp2_$p.json --out $OUT/tp_$p.json | tee -a $LOG ;;
   esac
 done
 echo "=== end $(date +%T)" | tee -a $LOG

@@ -56,6 +56,9 @@ from nextn.engine.sequence import Sequence
 from nextn.models.loader import DTYPES, fuse_weights, load_model, quantize_model
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.fp8 import compact
+from nextn.parallel.comm import broadcast_object
+from nextn.parallel.launch import check_ranks, initialized, rank, rank_device, start
+from nextn.parallel.shard import shard_tensor
 from nextn.spec.draft_vocab import DraftVocab, load_draft_vocab
 from nextn.spec.proposer import ProfileProposer
 
@@ -85,6 +88,16 @@ PRESETS = {
         num_hidden_layers=32,
         num_key_value_heads=4,
     ),
+    "qwen3.5-27b": dict(
+        _COMMON,
+        model_type="qwen3_5_text",
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        linear_num_value_heads=48,
+    ),
     "qwen3.5-35b-a3b": dict(
         _COMMON,
         model_type="qwen3_5_moe_text",
@@ -104,10 +117,13 @@ PRESETS = {
 
 
 @torch.no_grad()
-def random_model(preset: str, device: str, dtype: str, seed: int = 0, quantization: str | None = None) -> CausalLM:
+def random_model(
+    preset: str, device: str, dtype: str, seed: int = 0, quantization: str | None = None, tp: tuple[int, int] = (0, 1)
+) -> CausalLM:
     """A preset's model with random weights drawn on `device` (seconds, even for 35B), scaled so
     activations stay O(1): projections ~ N(0, 1/fan_in), residual outputs shrunk by the depth.
-    quantization "fp8": then quantized as a checkpoint loaded with it would be (128x128 blocks)."""
+    quantization "fp8": then quantized as a checkpoint loaded with it would be (128x128 blocks).
+    tp (rank, size): this rank's shard of the same weights (each whole tensor drawn, then cut)."""
     check_quantization(quantization)
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
@@ -117,35 +133,42 @@ def random_model(preset: str, device: str, dtype: str, seed: int = 0, quantizati
     torch.set_default_dtype(torch_dtype)
     try:
         with torch.device("meta"):
-            model = CausalLM(cfg, num_mtp_layers=1)
+            whole = CausalLM(cfg, num_mtp_layers=1)
+            model = CausalLM(cfg.shard(*tp), num_mtp_layers=1)
     finally:
         torch.set_default_dtype(default)
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    depth_scale = (2 * cfg.num_hidden_layers) ** -0.5
-    for name, p in model.named_parameters():
-        base = name.removesuffix(".weight")
-        if name.endswith("linear_attn.norm.weight"):
-            p.normal_(1.0, 0.05, generator=gen)  # the gated norm's weight sits around 1
-        elif name.endswith("norm.weight") or "norm_" in name:
-            p.normal_(0.0, 0.05, generator=gen)  # zero-centred norms: (1 + w)
-        elif name.endswith("A_log"):
-            p.uniform_(0.0, math.log(16.0), generator=gen)
-        elif name.endswith("dt_bias"):
-            p.normal_(-4.0, 1.0, generator=gen)  # softplus(a + dt_bias) ~ 0.02: slow decay
-        elif name.endswith("conv1d.weight"):
-            p.normal_(0.0, 0.5, generator=gen)
-        elif name.endswith("embed_tokens.weight"):
-            p.normal_(0.0, 1.0, generator=gen)
-        else:  # projections [.., out, in]
-            std = p.shape[-1] ** -0.5
-            if base.endswith(("o_proj", "out_proj", "down_proj")):
-                std *= depth_scale
-            p.normal_(0.0, std, generator=gen)
+    for (name, w), p in zip(whole.named_parameters(), model.parameters(), strict=True):
+        full = p if tp[1] == 1 else torch.empty(w.shape, device=device, dtype=p.dtype)
+        _random_(name, full, gen, cfg)
+        if full is not p:
+            p.copy_(shard_tensor(name, full, cfg, *tp))
     model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta).to(device)
     if quantization == "fp8":
         quantize_model(model)
     return fuse_weights(model.eval())
+
+
+def _random_(name: str, p: torch.Tensor, gen: torch.Generator, cfg: ModelConfig) -> None:
+    """Parameter `name` of the whole model drawn in place."""
+    if name.endswith("linear_attn.norm.weight"):
+        p.normal_(1.0, 0.05, generator=gen)  # the gated norm's weight sits around 1
+    elif name.endswith("norm.weight") or "norm_" in name:
+        p.normal_(0.0, 0.05, generator=gen)  # zero-centred norms: (1 + w)
+    elif name.endswith("A_log"):
+        p.uniform_(0.0, math.log(16.0), generator=gen)
+    elif name.endswith("dt_bias"):
+        p.normal_(-4.0, 1.0, generator=gen)  # softplus(a + dt_bias) ~ 0.02: slow decay
+    elif name.endswith("conv1d.weight"):
+        p.normal_(0.0, 0.5, generator=gen)
+    elif name.endswith("embed_tokens.weight"):
+        p.normal_(0.0, 1.0, generator=gen)
+    else:  # projections [.., out, in]
+        std = p.shape[-1] ** -0.5
+        if name.removesuffix(".weight").endswith(("o_proj", "out_proj", "down_proj")):
+            std *= (2 * cfg.num_hidden_layers) ** -0.5  # residual outputs shrunk by the depth
+        p.normal_(0.0, std, generator=gen)
 
 
 def weight_bytes_per_token(model: CausalLM) -> int:
@@ -260,6 +283,7 @@ class Bench:
                 max_len,
                 slots,
                 self.cfg.kernels,
+                tensor_parallel_size=self.model.cfg.tp_size,
             )
             self.cores[(k, slots, max_len)] = build_core(self.model, config)
         return self.cores[(k, slots, max_len)]
@@ -431,12 +455,17 @@ def run_bench(
         "quantization": quant.method if (quant := model.cfg.quantization) else None,
         "quantization_config": asdict(quant) if quant else None,
         "draft_vocab_size": None if draft_vocab is None else draft_vocab.size,
+        # ranks the model is sharded over; weight bytes and the roofline below are one rank's
+        "tensor_parallel_size": model.cfg.tp_size,
     }
     if kernels == "triton" and device.type == "cuda" and cfg.tune:
         t0 = time.perf_counter()
         step = bench.core(0)[1].step
         head_vocab = None if draft_vocab is None else draft_vocab.size
         res["linear_configs"] = step.tune(log=log, head_vocab=head_vocab)
+        if model.cfg.tp_size > 1:  # rank 0's choices everywhere: replicated GEMMs must round alike
+            for table in (step.linear.CONFIGS, step.linear.FP8_CONFIGS):
+                table.update(broadcast_object(dict(table)))
         res["tune_seconds"] = time.perf_counter() - t0
         # what the step's matmuls alone would take, from the tuning measurements (graph, L2 cold)
         res["step_matmul_ms_estimate"] = (
@@ -519,6 +548,7 @@ def run_bench(
     if cfg.batch_sizes:
         _batched(bench, res, max(ks, default=0), plain.token_ids, log)
     res["plain_token_ids_head"] = plain.token_ids[:32]
+    res["plain_token_ids"] = plain.token_ids  # to compare runs (e.g. tensor_parallel_size 1 and 2)
     return res
 
 
@@ -673,6 +703,40 @@ def text_prompt(model_dir: str, prompt_len: int, text: str = PROMPT_TEXT) -> lis
     return (ids * (prompt_len // max(1, len(ids)) + 1))[:prompt_len] if ids else None
 
 
+def _bench_rank(conn, args, cfg: BenchConfig, prompt_text: str | None) -> None:
+    """A follower rank of a tensor-parallel bench: the same measurements, silently."""
+    _bench(args, cfg, prompt_text)
+
+
+def _bench(args, cfg: BenchConfig, prompt_text: str | None) -> dict:
+    """This rank's model (its shard under tensor parallelism), then run_bench (rank 0 logs)."""
+    tp, t0 = (rank(), args.tensor_parallel_size), time.perf_counter()
+    device = rank_device(resolve_device(args.device))
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if tp[0] == 0 else (lambda s: None)
+    if args.random_weights is not None:  # released presets are bfloat16 checkpoints
+        dtype = resolve_dtype(args.dtype, device, "bfloat16")
+        model = random_model(args.random_weights, device, dtype, quantization=args.quantization, tp=tp)
+        name = args.random_weights
+    else:
+        model = load_model(args.model, device=device, dtype=args.dtype, quantization=args.quantization, tp=tp)
+        name = Path(args.model).name
+    _sync(next(model.parameters()).device)
+    log(f"bench: model ready in {time.perf_counter() - t0:.1f} s")
+    draft_vocab = None
+    if args.draft_vocab_size is not None:
+        draft_vocab = DraftVocab.first(args.draft_vocab_size, model.cfg.vocab_size)
+    elif args.draft_vocab is not None:
+        from nextn.tokenizer import Tokenizer
+
+        draft_vocab = load_draft_vocab(args.draft_vocab, model.cfg.vocab_size, Tokenizer(args.model))
+    prompt = None
+    if args.model is not None:
+        prompt = text_prompt(args.model, args.prompt_len, prompt_text or PROMPT_TEXT)
+        if prompt_text is not None and prompt is None:
+            raise ValueError(f"{args.prompt_file}: the checkpoint has no tokenizer to encode it with")
+    return run_bench(model, name, cfg, log=log, prompt=prompt, draft_vocab=draft_vocab)
+
+
 def bench_from_args(args) -> int:
     if (args.model is None) == (args.random_weights is None):
         raise ValueError("nextn bench needs exactly one of --model DIR and --random-weights PRESET")
@@ -697,24 +761,6 @@ def bench_from_args(args) -> int:
         if args.random_weights is not None:
             raise ValueError("--prompt-file needs --model (a checkpoint with a tokenizer)")
         prompt_text = Path(args.prompt_file).read_text(errors="replace")
-    t0 = time.perf_counter()
-    if args.random_weights is not None:  # released presets are bfloat16 checkpoints
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device, "bfloat16")
-        model = random_model(args.random_weights, device, dtype, quantization=args.quantization)
-        name = args.random_weights
-    else:
-        model = load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization)
-        name = Path(args.model).name
-    _sync(next(model.parameters()).device)
-    print(f"bench: model ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    draft_vocab = None
-    if args.draft_vocab_size is not None:
-        draft_vocab = DraftVocab.first(args.draft_vocab_size, model.cfg.vocab_size)
-    elif args.draft_vocab is not None:
-        from nextn.tokenizer import Tokenizer
-
-        draft_vocab = load_draft_vocab(args.draft_vocab, model.cfg.vocab_size, Tokenizer(args.model))
     cfg = BenchConfig(
         spec_ks=list(args.spec_k),
         prompt_len=args.prompt_len,
@@ -727,19 +773,20 @@ def bench_from_args(args) -> int:
         batch_sizes=list(args.batch),
         prefill_len=args.prefill_len,
     )
-    prompt = None
-    if args.model is not None:
-        prompt = text_prompt(args.model, args.prompt_len, prompt_text or PROMPT_TEXT)
-        if prompt_text is not None and prompt is None:
-            raise ValueError(f"{args.prompt_file}: the checkpoint has no tokenizer to encode it with")
-    res = run_bench(
-        model,
-        name,
-        cfg,
-        log=lambda s: print(s, file=sys.stderr, flush=True),
-        prompt=prompt,
-        draft_vocab=draft_vocab,
-    )
+    size = args.tensor_parallel_size
+    if size > 1 and not initialized():  # every rank runs the same bench; rank 0 reports
+        check_ranks(size, args.device)
+        if args.draft_vocab is not None or args.draft_vocab_size is not None:
+            raise ValueError("a draft vocabulary does not run under tensor parallelism yet")
+        whole = ModelConfig.from_dict(PRESETS[args.random_weights]) if args.random_weights else None
+        (whole or ModelConfig.from_hf(args.model)).shard(0, size)
+        ranks = start(size, args.device, _bench_rank, args, cfg, prompt_text)
+        try:
+            res = _bench(args, cfg, prompt_text)
+        finally:
+            ranks.close()
+    else:
+        res = _bench(args, cfg, prompt_text)
     res["prompt_file"], res["draft_vocab"] = args.prompt_file, args.draft_vocab
     text = json.dumps(res, indent=1)
     if args.json_out:

@@ -58,6 +58,16 @@ def _quantization(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _tensor_parallel(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard the model over N processes started here (rank r on cuda:r; gloo on the CPU)",
+    )
+
+
 def _spec(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--spec-k",
@@ -95,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a continuation of one prompt")
     _common(g)
     _quantization(g)
+    _tensor_parallel(g)
     _spec(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
@@ -131,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _common(s)
     _quantization(s)
+    _tensor_parallel(s)
     _spec(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -200,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="speed and exactness measurements")
     _common(b, model_help="or --random-weights")
     _quantization(b)
+    _tensor_parallel(b)
     b.add_argument("--random-weights", default=None, help="preset of a released config with random weights")
     b.add_argument("--spec-k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
     b.add_argument("--prompt-len", type=int, default=512)
@@ -367,6 +380,7 @@ def _llm(args, **engine):
         speculative_config=args.speculative_config,
         quantization=args.quantization,
         draft_vocab=args.draft_vocab,
+        tensor_parallel_size=args.tensor_parallel_size,
         **engine,
     )
 
@@ -396,11 +410,21 @@ def _serve(args) -> int:
         log_interval=args.log_interval,
         reasoning_parser=args.reasoning_parser,
     )
-    return serve(llm, cfg, opts)
+    try:
+        return serve(llm, cfg, opts)
+    finally:
+        llm.close()
 
 
 def _generate(args) -> int:
     llm = _llm(args)
+    try:
+        return _generate_with(llm, args)
+    finally:
+        llm.close()
+
+
+def _generate_with(llm, args) -> int:
     if args.prompt_ids is not None:
         try:
             prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]

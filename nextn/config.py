@@ -5,7 +5,7 @@ the engine's settings. Validation happens here, once; nothing else reads config 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -176,6 +176,11 @@ class ModelConfig:
     dtype: str | None = None
     # FP8 weights: the checkpoint's quantization_config, or quantization="fp8" at load
     quantization: QuantConfig | None = None
+    # tensor parallelism (nextn.parallel): with tp_size > 1 this is rank tp_rank's share of the model
+    # (`shard`): the attention and GDN head counts and the FFN sizes above are the rank's; vocab_size
+    # stays the whole vocabulary (the embedding and lm_head hold ceil(V / tp_size) rows each)
+    tp_rank: int = 0
+    tp_size: int = 1
 
     def __post_init__(self):
         if len(self.layer_types) != self.num_hidden_layers:
@@ -189,6 +194,33 @@ class ModelConfig:
             raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ConfigError(f"rotary dim {self.rotary_dim} must be even and <= head_dim")
+
+    def shard(self, rank: int, size: int) -> ModelConfig:
+        """Rank `rank`'s share of this model under tensor parallelism over `size` ranks: its heads
+        and FFN columns (nextn.parallel.shard). An error names the first count size does not divide."""
+        if self.tp_size != 1:
+            raise ValueError("this config is already one rank's share")
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"rank {rank} of tensor_parallel_size {size}")
+        if size == 1:
+            return self
+        if self.quantization is not None:
+            raise ConfigError("tensor parallelism does not shard FP8 weights yet; load the bf16 checkpoint")
+        if self.attention_bias:
+            raise ConfigError("tensor parallelism does not shard attention biases")
+        counts = {
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+        }
+        for name, n in counts.items():
+            if n % size:
+                raise ConfigError(f"tensor_parallel_size {size} does not divide {name} {n}")
+        return replace(self, **{k: n // size for k, n in counts.items()}, tp_rank=rank, tp_size=size)
 
     @property
     def rotary_dim(self) -> int:
@@ -398,9 +430,16 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # "fp8": the checkpoint's bf16 weights quantized at load (an FP8 checkpoint loads as it is either way)
     quantization: str | None = None
+    # ranks the model is sharded over (nextn.parallel: one process per rank, cuda:<rank> on CUDA);
+    # `device` is this rank's
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         check_quantization(self.quantization)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.spec.draft_vocab is not None:
+            raise ValueError("a draft vocabulary does not run under tensor parallelism yet")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.kernels == "auto":

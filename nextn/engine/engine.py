@@ -7,6 +7,8 @@ slot back to the scheduler (kept as a session when asked).
 Owns the model, the runner, the proposer and the aggregated spec counters. One thread calls it.
 A request's structured_outputs compile when it is added (a ValueError names what is wrong); its
 matcher (nextn.grammar.GrammarState) is made with its rounds, on its slot's mask rows.
+Under tensor parallelism every rank runs one, fed the same inputs (nextn.engine.replica: rank 0's
+holds the Leader that sends them).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from nextn.cache import CacheLayout, SlotPool
 from nextn.config import STEP_ROWS, EngineConfig
 from nextn.core import RequestOutput, SamplingParams, SpecStats
+from nextn.engine.replica import Leader, seeded
 from nextn.engine.rounds import RequestRounds, Round, advance, round_buffers
 from nextn.engine.runner import ModelRunner
 from nextn.engine.sampler import sampler_buffers
@@ -79,8 +82,9 @@ def build_core(model: CausalLM, config: EngineConfig) -> tuple[SlotPool, ModelRu
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig):
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig, leader: Leader | None = None):
+        """leader: rank 0's, under tensor parallelism (it sends this engine's inputs to the other ranks)."""
+        self.model, self.tokenizer, self.config, self.leader = model, tokenizer, config, leader
         cfg = model.cfg
         self.pool, self.runner, self.proposer = build_core(model, config)
         self.scheduler = Scheduler(config.max_num_seqs)
@@ -108,14 +112,21 @@ class Engine:
         grammar = None
         if params.structured_outputs is not None:
             grammar = compile_grammar(params.structured_outputs, self.tokenizer)
+        if self.config.tensor_parallel_size > 1:
+            params = seeded(params, draw=self.leader is not None)
         # prompt logprobs need the logits of every prompt row: such a request prefills cold
         req = Request(prompt_ids, params, use_sessions and params.prompt_logprobs is None, checkpoint_at)
         req.num_speculative_tokens, req.grammar = num_speculative_tokens, grammar
         self.scheduler.add(req)
+        if self.leader is not None:
+            args = dict(prompt_ids=prompt_ids, params=params, use_sessions=use_sessions, checkpoint_at=checkpoint_at)
+            self.leader.added(req.request_id, dict(args, num_speculative_tokens=num_speculative_tokens))
         return req
 
     def abort(self, req: Request) -> None:
         """Stop a request (its slot stays consistent: rounds are atomic)."""
+        if self.leader is not None:
+            self.leader.aborted(req.request_id)
         if self.scheduler.cancel_waiting(req):
             return
         if self.prefilling.pop(req.request_id, None) is not None:  # the slot holds a prefix of the prompt
@@ -134,6 +145,8 @@ class Engine:
         """Admit what fits, prefill the next chunks of the prompts in progress within the step's
         token budget (what the running requests' rounds leave of max_num_batched_tokens, at least
         STEP_ROWS), then one batched round of every running request."""
+        if self.leader is not None:
+            self.leader.step()
         events: list = []
         for req in self.scheduler.admit():
             try:

@@ -28,8 +28,10 @@ from nextn.config import (
 )
 from nextn.core import RequestOutput, SamplingParams, sampling_defaults, with_defaults
 from nextn.engine.engine import Engine, StreamEvent
+from nextn.engine.replica import Leader, follow
 from nextn.hub import resolve_model
 from nextn.models.loader import load_model
+from nextn.parallel.launch import RankError, Ranks, check_ranks, initialized, rank, rank_device, start
 from nextn.spec.draft_vocab import DraftVocab, load_draft_vocab
 from nextn.tokenizer import Tokenizer
 
@@ -65,6 +67,7 @@ class LLM:
         quantization: str | None = None,
         draft_vocab: str | Path | DraftVocab | None = None,
         grammar_draft_mask: bool = True,
+        tensor_parallel_size: int = 1,
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
@@ -74,15 +77,30 @@ class LLM:
         they are). draft_vocab: a file from `nextn draft-vocab` (or a DraftVocab): the head drafts
         over those tokens only (checked against this checkpoint's vocabulary and tokenizer).
         grammar_draft_mask: under structured outputs, the head drafts from grammar-masked logits
-        (off: only the verify is masked; the output is the same, the acceptance lower)."""
+        (off: only the verify is masked; the output is the same, the acceptance lower).
+        tensor_parallel_size N > 1: the model sharded over N processes (rank r on cuda:r), started
+        here (this process is rank 0; `close()` stops the others), or, in a process that already
+        belongs to a group of N (torchrun), this rank's share: every rank then makes the same calls."""
+        settings = {name: value for name, value in locals().items() if name != "self"}
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
         device = resolve_device(device)  # before a download: a CUDA request on a CPU torch fails at once
         model_dir = resolve_model(model)
+        self._ranks = _start_ranks(tensor_parallel_size, device, model_dir, settings)
+        try:
+            self._load(model, model_dir, rank_device(device), dtype, k, settings)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, model, model_dir: Path, device: str, dtype: str, k: int | None, settings: dict) -> None:
+        """The tokenizer, this rank's model and the engine (with the other ranks ready, if it started them)."""
+        s = settings
+        tp, quantization, draft_vocab = s["tensor_parallel_size"], s["quantization"], s["draft_vocab"]
         self.tokenizer = Tokenizer(model_dir)
         if draft_vocab is not None:  # checked before the weights load
             draft_vocab = _draft_vocab(draft_vocab, ModelConfig.from_hf(model_dir).vocab_size, self.tokenizer)
-        self.model = load_model(model_dir, device=device, dtype=dtype, quantization=quantization)
+        self.model = load_model(model_dir, device=device, dtype=dtype, quantization=quantization, tp=(rank(), tp))
         self.model_name = str(model) if model is not None and not Path(model).is_dir() else model_dir.name
         self.sampling_defaults = _read_sampling_defaults(model_dir)
         has_head = self.model.mtp is not None
@@ -92,22 +110,32 @@ class LLM:
                 log.warning("%s has no MTP head; plain decoding (spec K=0)", model_dir)
         if k > 0 and not has_head:
             raise ValueError(f"num_speculative_tokens={k} needs an MTP head; {model_dir} has none")
-        spec = SpecConfig(k, p_min, adaptive_k, hidden_after_norm, draft_vocab, grammar_draft_mask)
-        max_len = min(max_model_len, self.model.cfg.max_position_embeddings)
-        dtype = resolve_dtype(dtype, device, self.model.cfg.dtype)  # what load_model resolved it to
+        spec = SpecConfig(k, s["p_min"], s["adaptive_k"], s["hidden_after_norm"], draft_vocab, s["grammar_draft_mask"])
+        max_len = min(s["max_model_len"], self.model.cfg.max_position_embeddings)
         self.config = EngineConfig(
             str(model_dir),
             device,
-            dtype,
+            resolve_dtype(dtype, device, self.model.cfg.dtype),  # what load_model resolved it to
             spec,
             max_len,
-            max_num_seqs,
-            kernels,
-            prefill,
-            max_num_batched_tokens,
+            s["max_num_seqs"],
+            s["kernels"],
+            s["prefill"],
+            s["max_num_batched_tokens"],
             quantization=quantization,
+            tensor_parallel_size=tp,
         )
-        self.engine = Engine(self.model, self.tokenizer, self.config)
+        leader = None if self._ranks is None else Leader(self._ranks)
+        self.engine = Engine(self.model, self.tokenizer, self.config, leader)
+        if self._ranks is not None:
+            failed = [f"rank {r}: {m}" for r, m in enumerate(self._ranks.receive(), start=1) if m != _READY]
+            if failed:
+                raise RankError(f"tensor-parallel {'; '.join(failed)}")
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks this LLM started (nothing to do on one rank)."""
+        if getattr(self, "_ranks", None) is not None:
+            self._ranks.close()
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -299,6 +327,30 @@ class LLM:
                 if out is None:
                     self.engine.abort(req)
         return outputs
+
+
+_READY = "ready"
+
+
+def _start_ranks(size: int, device: str, model_dir: Path, settings: dict) -> Ranks | None:
+    """Under tensor parallelism, from a process of its own: the other ranks, started (this process
+    becomes rank 0) after the checks that need no process (a size the devices or the heads refuse)."""
+    check_ranks(size, device)
+    if size == 1 or initialized():
+        return None
+    ModelConfig.from_hf(model_dir).shard(0, size)
+    return start(size, device, _follow, {**settings, "model": str(model_dir), "device": device})
+
+
+def _follow(conn, settings: dict) -> None:
+    """A follower rank (nextn.parallel.launch): its LLM, a word to rank 0, then its engine's loop."""
+    try:
+        llm = LLM(**settings)
+    except Exception as e:
+        conn.send(f"{type(e).__name__}: {' '.join(str(e).split())}")
+        return
+    conn.send(_READY)
+    follow(llm.engine, conn)
 
 
 def _is_token_ids(x) -> bool:

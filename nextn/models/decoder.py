@@ -1,6 +1,8 @@
 """One decoder layer of the hybrid trunk (and of the MTP head): a Gated DeltaNet or gated
 full-attention mixer, then a dense or sparse-MoE FFN, each behind a zero-centred RMSNorm and a
-residual. Module names are the checkpoint's.
+residual. Module names are the checkpoint's. Under tensor parallelism (cfg.tp_size > 1) the mixer
+and the FFN hold a rank's heads and columns (nextn.parallel.shard) and their outputs are
+all-reduced before the residual.
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ from nextn.layers.ffn import MLP, SparseMoeBlock
 from nextn.layers.gdn import GatedDeltaNet, GatedDeltaNetNext
 from nextn.layers.norm import RMSNorm
 from nextn.ops import Ops
+from nextn.parallel.comm import all_reduce
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, kind: str, moe: bool):
         super().__init__()
-        self.kind = kind
-        self.layer_idx = layer_idx
+        self.cfg, self.kind, self.layer_idx = cfg, kind, layer_idx
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if kind == FULL:
@@ -54,5 +56,6 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cos, sin, kv, start, step, ops)
         else:
             h = self.linear_attn(h, cache, ops, store_all)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm.using(ops)(x), ops)
+        # under tensor parallelism each block ends in a partial sum: one all-reduce per block
+        x = x + all_reduce(h, self.cfg)
+        return x + all_reduce(self.mlp(self.post_attention_layernorm.using(ops)(x), ops), self.cfg)

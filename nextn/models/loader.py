@@ -17,6 +17,11 @@ packing table below). Packing table:
   (`FUSED`), each module keeping its own name as a view, so the fused Triton step reads them
   with one GEMM (`fused_weight`) and nothing rewrites the model afterwards.
 
+Tensor parallelism (tp_size > 1): each rank loads its part only (nextn.parallel.shard): a tensor is
+read whole (regrouped first, for Qwen3-Next), cut, and the whole copy dropped before the next one,
+so a rank holds its shard plus one checkpoint tensor at a time; per-expert tensors are cut before
+they are packed.
+
 FP8 weights (nextn.ops.fp8): a checkpoint with a `quantization_config` (nextn.config.QuantConfig)
 stores some weights as e4m3 beside a scale tensor (`*.weight_scale_inv` per block, or
 `*.weight_scale` per channel); those modules become FP8Linear / FP8Experts and their scales are
@@ -46,6 +51,7 @@ from nextn.layers.ffn import Experts, FP8Experts
 from nextn.layers.linear import FP8Linear, Linear
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.fp8 import E4M3, FP8Weight, block_scale, channel_scale, quantize, scale_shape
+from nextn.parallel.shard import Split, split_of
 
 log = logging.getLogger(__name__)
 
@@ -147,27 +153,38 @@ class _Slot(NamedTuple):
     """Where a checkpoint tensor goes: module tensor `name`, or for a per-expert tensor expert e's
     rows [row, row + n) of the packed tensor `name` (for its scales: those columns). `scale`
     (kind "block" | "channel", rows per block, the weight's N, K): a checkpoint scale, converted to
-    nextn's layout; `quantize`: a bf16 weight quantized as it arrives (quantization="fp8")."""
+    nextn's layout; `quantize`: a bf16 weight quantized as it arrives (quantization="fp8");
+    `split`: the part a rank keeps under tensor parallelism."""
 
     name: str
     e: int | None = None
     row: int = 0
     scale: tuple[str, int, int, int] | None = None
     quantize: bool = False
+    split: Split | None = None
 
 
 class CheckpointPlan(NamedTuple):
     """What the shards hold, read from their headers: the module tensors' shapes (experts packed,
-    FP8 scales in nextn's layout), per shard each checkpoint key's slot, and the module weights
-    held in FP8 (a module's `weight` or a packed expert tensor; its scales are `name + "_scale"`)."""
+    FP8 scales in nextn's layout; a rank's parts under tensor parallelism), per shard each
+    checkpoint key's slot, the module weights held in FP8 (a module's `weight` or a packed expert
+    tensor; its scales are `name + "_scale"`), and the (rank, size) the shapes are cut for."""
 
     shapes: dict[str, tuple[int, ...]]
     keys: dict[Path, dict[str, _Slot]]
     fp8: frozenset[str] = frozenset()
+    tp: tuple[int, int] = (0, 1)
 
 
-def plan_checkpoint(files: list[Path], cfg: ModelConfig) -> CheckpointPlan:
+def plan_checkpoint(files: list[Path], cfg: ModelConfig, tp: tuple[int, int] = (0, 1)) -> CheckpointPlan:
+    """cfg: the whole model's; tp (rank, size): the part of each tensor this rank loads."""
     found = {key: (path, info) for path in files for key, info in read_header(path).items()}
+    size = tp[1]
+
+    def local(name: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], Split | None]:
+        split = split_of(name, shape, cfg) if size > 1 else None
+        return (shape if split is None else split.local_shape(shape, size)), split
+
     quant = cfg.quantization if cfg.quantization is not None and not cfg.quantization.at_load else None
     scales = _scale_keys(found, quant)  # scale key -> its weight's key
     shapes: dict[str, tuple[int, ...]] = {}
@@ -182,7 +199,7 @@ def plan_checkpoint(files: list[Path], cfg: ModelConfig) -> CheckpointPlan:
         m = _PER_EXPERT.match(name)
         if m:
             if key not in scales:
-                experts.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = info.shape
+                experts.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = local(name, info.shape)[0]
             per_expert.append((path, key, m))
         elif key in scales:
             n, k = found[scales[key]][1].shape
@@ -191,7 +208,8 @@ def plan_checkpoint(files: list[Path], cfg: ModelConfig) -> CheckpointPlan:
                 scale_shape(n, k),
             )
         else:
-            keys[path][key], shapes[name] = _Slot(name), info.shape
+            shapes[name], split = local(name, info.shape)
+            keys[path][key] = _Slot(name, split=split)
             if info.dtype == "F8_E4M3":
                 fp8.add(name)
     for pre, projs in experts.items():
@@ -204,7 +222,9 @@ def plan_checkpoint(files: list[Path], cfg: ModelConfig) -> CheckpointPlan:
             n, k = found[scales[key]][1].shape
             keys[path][key] = _Slot(packed + "_scale", int(m["e"]), row, _scale_kind(quant, n, k))
         else:
-            keys[path][key] = _Slot(packed, int(m["e"]), row)
+            keys[path][key] = _Slot(
+                packed, int(m["e"]), row, split=local(_module_key(key, cfg), found[key][1].shape)[1]
+            )
             packed_dtypes.setdefault(packed, set()).add(found[key][1].dtype)
     for packed, dtypes in packed_dtypes.items():
         if "F8_E4M3" in dtypes:
@@ -213,7 +233,7 @@ def plan_checkpoint(files: list[Path], cfg: ModelConfig) -> CheckpointPlan:
             *lead, n, k = shapes[packed]
             shapes[packed + "_scale"] = (*lead, *scale_shape(n, k))
             fp8.add(packed)
-    return CheckpointPlan(shapes, keys, frozenset(fp8))
+    return CheckpointPlan(shapes, keys, frozenset(fp8), tp)
 
 
 def _scale_keys(found: dict[str, tuple[Path, TensorInfo]], quant: QuantConfig | None) -> dict[str, str]:
@@ -325,7 +345,7 @@ def quantize_at_load(plan: CheckpointPlan, model: CausalLM) -> CheckpointPlan:
         path: {key: slot._replace(quantize=slot.name in fp8) for key, slot in slots.items()}
         for path, slots in plan.keys.items()
     }
-    return CheckpointPlan(shapes, keys, fp8)
+    return CheckpointPlan(shapes, keys, fp8, plan.tp)
 
 
 def use_fp8_modules(model: CausalLM, fp8: frozenset[str]) -> None:
@@ -453,21 +473,27 @@ def count_mtp_layers(names) -> int:
 
 
 def load_model(
-    model_dir: str | Path, device: str = "cpu", dtype: str = "float32", quantization: str | None = None
+    model_dir: str | Path,
+    device: str = "cpu",
+    dtype: str = "float32",
+    quantization: str | None = None,
+    tp: tuple[int, int] = (0, 1),
 ) -> CausalLM:
     """The checkpoint's model on `device` in `dtype` (either may be "auto": see
     nextn.config.resolve_device and resolve_dtype), every tensor checked against the config before
     any is read. FP8 weights of an FP8 checkpoint stay FP8; quantization "fp8" quantizes a bf16
-    checkpoint's at load (an FP8 checkpoint loads as it is)."""
+    checkpoint's at load (an FP8 checkpoint loads as it is). tp (rank, size): this rank's share of
+    the model under tensor parallelism (its config is `ModelConfig.shard(rank, size)`)."""
     check_quantization(quantization)
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_hf(model_dir)
     if quantization == "fp8" and cfg.quantization is None:
         cfg = replace(cfg, quantization=QuantConfig("fp8", (128, 128), at_load=True))
+    shard_cfg = cfg.shard(*tp)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device, cfg.dtype)
     files = safetensor_files(model_dir)
-    plan = plan_checkpoint(files, cfg)
+    plan = plan_checkpoint(files, cfg, tp)
     num_mtp = count_mtp_layers(plan.shapes)
     if num_mtp > 1:
         raise CheckpointError(f"checkpoint has {num_mtp} MTP layers; nextn runs one (mtp.layers.0)")
@@ -477,7 +503,7 @@ def load_model(
             model_dir,
         )
     with torch.device("meta"):
-        model = CausalLM(cfg, num_mtp_layers=num_mtp)
+        model = CausalLM(shard_cfg, num_mtp_layers=num_mtp)
     if cfg.quantization is not None and cfg.quantization.at_load:
         plan = quantize_at_load(plan, model)
     use_fp8_modules(model, plan.fp8)
@@ -501,7 +527,7 @@ def stream_tensors(plan: CheckpointPlan, cfg: ModelConfig, device: torch.device,
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key, slot in plan.keys[path].items():
-                    _place(state, slot, f.get_tensor(key), cfg, device, dtype)  # no name keeps it after
+                    _place(state, slot, f.get_tensor(key), cfg, device, dtype, plan.tp)  # no name keeps it after
         except SafetensorError as e:
             raise CheckpointError(f"{path}: {e}") from None
     return state
@@ -513,9 +539,9 @@ def _dtype(name: str, plan: CheckpointPlan, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if name.removesuffix("_scale") in plan.fp8 else dtype
 
 
-def _place(state: dict, slot: _Slot, t: torch.Tensor, cfg: ModelConfig, device, dtype) -> None:
+def _place(state: dict, slot: _Slot, t: torch.Tensor, cfg: ModelConfig, device, dtype, tp=(0, 1)) -> None:
     """One checkpoint tensor into the state: cast (FP8 weights kept e4m3, scales converted to
-    nextn's layout, quantized if asked) and moved, or copied into its expert's rows."""
+    nextn's layout, quantized if asked; a rank's part cut) and moved, or copied into its expert's rows."""
     if slot.quantize:  # from the checkpoint's own values (quantize computes in float32)
         q = quantize_weight(slot.name, _regroup_next(slot.name, t, cfg).to(device))
         _put(state, slot, q.weight)
@@ -526,6 +552,8 @@ def _place(state: dict, slot: _Slot, t: torch.Tensor, cfg: ModelConfig, device, 
         kind, rows, n, k = slot.scale
         t, target = block_scale(t, n, rows) if kind == "block" else channel_scale(t, n, k), torch.float32
     t = _regroup_next(slot.name, t, cfg)
+    if slot.split is not None:
+        t = slot.split.take(t, *tp)
     _put(state, slot, t.to(device=device, dtype=target), columns=slot.scale is not None)
 
 

@@ -23,12 +23,14 @@ from nextn.models.decoder import DecoderLayer
 from nextn.models.mtp import MTPHead
 from nextn.ops import OPS, Ops
 from nextn.ops.linear import pad_dim1, row_invariant_linear
+from nextn.parallel.comm import embed, gather_vocab
+from nextn.parallel.shard import vocab_rows
 
 
 class TextModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(vocab_rows(cfg), cfg.hidden_size)  # this rank's rows
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, kind, cfg.is_moe_layer(i)) for i, kind in enumerate(cfg.layer_types)
         )
@@ -42,12 +44,17 @@ class CausalLM(nn.Module):
         self.model = TextModel(cfg)
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, vocab_rows(cfg), bias=False)
         self.mtp = MTPHead(cfg, DecoderLayer) if num_mtp_layers > 0 else None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        """[V, H], or this rank's rows of it under tensor parallelism."""
         return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings of ids [...] -> [..., H] (gathered from the ranks' rows under tensor parallelism)."""
+        return embed(ids, self.model.embed_tokens.weight, self.cfg)
 
     def forward(
         self,
@@ -81,7 +88,7 @@ class CausalLM(nn.Module):
                 raise ValueError(f"sequence of {start + T} tokens exceeds the cache capacity {cache.max_len}")
             positions = range(start, start + T)
         ops = ops or OPS["torch"]()
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(torch.tensor(positions, device=input_ids.device), x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, start, ops, store_all=store_all)
@@ -105,7 +112,7 @@ class CausalLM(nn.Module):
         first_pos.. (K/V slots first_pos-1..), any number of rows (a prompt's catch-up, replay,
         training checks). Returns (logits [n or 1, V], the hiddens to chain [n or 1, H]).
         lm_head [Vd, H]: the rows to score (a draft vocabulary's, nextn.spec.draft_vocab); default all."""
-        embeds = self.model.embed_tokens(ids)[None]
+        embeds = self.embed(ids)[None]
         positions = torch.arange(first_pos, first_pos + ids.numel(), device=ids.device)
         cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
         out = self.mtp(embeds, hidden[None], cos, sin, kv, first_pos - 1, ops=ops)[0]
@@ -114,8 +121,12 @@ class CausalLM(nn.Module):
         return self.logits(normed, lm_head), normed if after_norm else out
 
     def logits(self, normed_hidden: torch.Tensor, lm_head: torch.Tensor | None = None) -> torch.Tensor:
-        """Float32 logits over the lm_head's rows, or over the given rows [Vd, H]."""
-        return row_invariant_linear(normed_hidden, self.lm_head_weight if lm_head is None else lm_head).float()
+        """Float32 logits over the lm_head's rows [.., V] (gathered from the ranks' under tensor
+        parallelism), or over the given rows [Vd, H] (a draft vocabulary's, never sharded)."""
+        if lm_head is not None:
+            return row_invariant_linear(normed_hidden, lm_head).float()
+        local = row_invariant_linear(normed_hidden, self.lm_head_weight).float()
+        return gather_vocab(local.reshape(-1, local.shape[-1]), self.cfg).view(*local.shape[:-1], -1)
 
 
 class ReferenceStep:
@@ -154,7 +165,7 @@ class ReferenceStep:
         M = len(positions)
         padded = -(-M // STEP_ROWS) * STEP_ROWS  # whole tiles, like the trunk's step
         positions += [positions[-1]] * (padded - M)
-        embeds = self.model.model.embed_tokens(pad_dim1(ids[None], padded))
+        embeds = self.model.embed(pad_dim1(ids[None], padded))
         cos, sin = self.model.rotary.cos_sin(torch.tensor(positions, device=ids.device), embeds.dtype)
         kv = [c.draft_kv() for c in batch.caches]
         out = self.model.mtp(embeds, pad_dim1(hidden[None], padded), cos, sin, kv, slots, step=batch)[0, :M]

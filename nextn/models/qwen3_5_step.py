@@ -18,6 +18,12 @@ other sequences, so a verify row equals the decode of the same token bitwise, al
 Positions and the GDN state locations come from the slots' device counters (nextn.cache.hybrid),
 so one CUDA graph serves every round of a batch.
 
+Tensor parallelism (cfg.tp_size > 1): the weights are a rank's shard (nextn.parallel.shard) and a
+block's last GEMM runs without its fused residual: its partial product is all-reduced
+(nextn.parallel.comm, the same function as the reference modules') and then added, so a captured
+CUDA graph holds the collectives; the embedding gathers from the ranks' rows and the logits from
+their vocabulary columns.
+
 FP8 weights (nextn.ops.fp8) reach the skinny GEMM as FP8Weight pairs in place of tensors. A fused
 projection whose members differ in kind (FP8 q/k/v/z beside the bf16 GDN gates b/a) runs one GEMM
 per run of one kind, each into its columns of the projection. MoE layers with FP8 weights are not
@@ -29,7 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from nextn.cache.hybrid import SEQ_LEN, STATE_AT, StepBatch
 from nextn.config import FULL
@@ -39,6 +44,7 @@ from nextn.models.loader import fused_runs, fused_weight
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.fp8 import FP8Weight, compact_scales
 from nextn.ops.triton_utils import require_triton
+from nextn.parallel.comm import all_reduce, embed, gather_vocab
 
 Weight = torch.Tensor | FP8Weight  # what the skinny GEMM reads: a tensor, or e4m3 with its scales
 
@@ -238,13 +244,32 @@ class TritonStep:
         head_vocab: the rows of a draft vocabulary's lm_head copy, when the head drafts over one."""
         return self.linear.tune(sorted(set(self.linear_uses(head_vocab=head_vocab))), self.embed.device, log=log)
 
+    def _add(self, x: torch.Tensor, inp: torch.Tensor, w: Weight) -> torch.Tensor:
+        """x + inp @ w.T, a block's end: the residual fused into the GEMM, or under tensor
+        parallelism added to the all-reduce of the ranks' partial products (the reference's order)."""
+        lin = self.linear.skinny_linear
+        if self.cfg.tp_size == 1:
+            return lin(inp, w, residual=x)
+        return x + all_reduce(lin(inp, w), self.cfg)
+
+    def _logits(self, normed: torch.Tensor, lm_head: torch.Tensor | None, out: torch.Tensor) -> None:
+        """Float32 logits into out [M, V or Vd]: over the given rows (a draft vocabulary's, never
+        sharded), or the lm_head's (gathered from the ranks' vocabulary columns)."""
+        lin = self.linear.skinny_linear
+        if lm_head is not None or self.cfg.tp_size == 1:
+            lin(normed, self.lm_head if lm_head is None else lm_head, out=out)
+            return
+        local = lin(normed, self.lm_head, out_dtype=torch.float32)  # [M, ceil(V / N)]
+        gather_vocab(local, self.cfg, out=out)
+
     def _mlp(self, x, w: MLPWeights | MoEWeights):
         if isinstance(w, MoEWeights):
             from nextn.ops.triton_moe import moe_step
 
             h = self.norm.rms_norm(x, w.norm, self.eps)
-            return moe_step(
-                x,
+            tp = self.cfg.tp_size > 1
+            out = moe_step(
+                None if tp else x,
                 h,
                 w.router,
                 w.gate_up,
@@ -256,9 +281,9 @@ class TritonStep:
                 w.top_k,
                 w.renorm,
             )
-        lin = self.linear.skinny_linear
-        act = lin(x, w.gate, norm_weight=w.norm, up_weight=w.up, eps=self.eps)
-        return lin(act, w.down, residual=x)
+            return x + all_reduce(out, self.cfg) if tp else out
+        act = self.linear.skinny_linear(x, w.gate, norm_weight=w.norm, up_weight=w.up, eps=self.eps)
+        return self._add(x, act, w.down)
 
     def _attn(self, x, w: AttnWeights, key, value, row_slot, row_pos, rope_offset: int):
         lin = self.linear.skinny_linear
@@ -269,7 +294,7 @@ class TritonStep:
             qkv, w.q_norm, w.k_norm, cos, sin, row_slot, row_pos, key, value, heads, self.eps, rope_offset
         )
         o = self.attn.attend_step(q, qkv, key, value, row_slot, row_pos)
-        return self._mlp(lin(o, w.o_proj, residual=x), w.mlp)
+        return self._mlp(self._add(x, o, w.o_proj), w.mlp)
 
     def _gdn(self, x, w: GDNWeights, batch: StepBatch, j: int, store_all: bool):
         lin, t = self.linear.skinny_linear, batch.cache.tensors
@@ -297,7 +322,7 @@ class TritonStep:
             seqs=batch.seqs,
             store_all=store_all,
         )
-        return self._mlp(lin(o, w.out_proj, residual=x), w.mlp)
+        return self._mlp(self._add(x, o, w.out_proj), w.mlp)
 
     def trunk(
         self, batch: StepBatch, ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, store_all: bool = True
@@ -305,11 +330,11 @@ class TritonStep:
         """ids [M]: each sequence's rows at its positions SEQ_LEN..: logits [M, V] float32 and
         head-input hiddens [M, H] into the given buffers; K/V and the GDN step buffers written,
         nothing committed."""
-        lin, norm, tensors = self.linear.skinny_linear, self.norm.rms_norm, batch.cache.tensors
+        norm, tensors = self.norm.rms_norm, batch.cache.tensors
         if store_all and max(batch.rows) > batch.caches[0].rows:  # past the slots' state buffers
             raise ValueError(f"a step keeping every state takes at most {batch.caches[0].rows} rows per sequence")
         pos = batch.row_positions(batch.field(SEQ_LEN))
-        x = F.embedding(ids, self.embed)
+        x = embed(ids, self.embed, self.cfg)
         for layer, w in zip(self.model.model.layers, self.layers, strict=True):
             i = layer.layer_idx
             if layer.kind == FULL:
@@ -317,7 +342,7 @@ class TritonStep:
             else:
                 x = self._gdn(x, w, batch, batch.cache.gdn_index[i], store_all)
         normed = norm(x, self.final_norm, self.eps, out=hidden if self.after_norm else None)
-        lin(normed, self.lm_head, out=logits)
+        self._logits(normed, None, logits)
         if not self.after_norm:
             hidden.copy_(x)
 
@@ -341,12 +366,12 @@ class TritonStep:
         norm_embed, norm_hidden, fc, layer, final = self.head_weights
         H, M = self.cfg.hidden_size, ids.shape[0]
         cat = torch.empty(M, 2 * H, device=ids.device, dtype=self.embed.dtype)
-        norm(F.embedding(ids, self.embed), norm_embed, self.eps, out=cat[:, :H])
+        norm(embed(ids, self.embed, self.cfg), norm_embed, self.eps, out=cat[:, :H])
         norm(hidden, norm_hidden, self.eps, out=cat[:, H:])
         pos = batch.row_positions(first)
         x = self._attn(lin(cat, fc), layer, tensors["draft_key"], tensors["draft_value"], batch.row_slot, pos, 1)
         out = x if rows is None else x.index_select(0, rows)
         normed = norm(out, final, self.eps, out=chained if self.after_norm else None)
-        lin(normed, self.lm_head if lm_head is None else lm_head, out=logits)
+        self._logits(normed, lm_head, logits)
         if not self.after_norm:
             chained.copy_(out)

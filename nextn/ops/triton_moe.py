@@ -8,7 +8,8 @@ expert order with the model dtype's rounding; plus the sigmoid-gated shared expe
 - `_gate_up_kernel` per (row, slot, block of I): silu(x W_gate^T) * (x W_up^T) of that expert;
 - `_down_kernel` per (row, slot, block of H): the slot's down projection times its weight;
 - `_combine_kernel` per (row, block of H): the slots summed in slot order, plus sigmoid(shared
-  gate) * shared expert, plus the residual.
+  gate) * shared expert, plus the residual (none under tensor parallelism: the block's output is a
+  partial sum, all-reduced before the residual is added).
 The router and shared expert matmuls go through `skinny_linear`.
 """
 
@@ -100,9 +101,18 @@ if HAVE_TRITON:
 
     @triton.jit
     def _combine_kernel(
-        y_ptr, shared_ptr, shared_gate_ptr, res_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr
+        y_ptr,
+        shared_ptr,
+        shared_gate_ptr,
+        res_ptr,
+        out_ptr,
+        H,
+        TOP_K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        RESIDUAL: tl.constexpr,
     ):
-        """x + (sum of the slots' outputs in slot order + sigmoid(shared gate) * shared expert)."""
+        """x + (sum of the slots' outputs in slot order + sigmoid(shared gate) * shared expert);
+        without RESIDUAL the sum alone."""
         t = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < H
@@ -115,12 +125,14 @@ if HAVE_TRITON:
         sg = (1.0 / (1.0 + tl.exp(-sg))).to(dtype).to(tl.float32)
         shared = tl.load(shared_ptr + t * H + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         mlp = (total + (sg * shared).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        r = tl.load(res_ptr + t * H + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * H + offs_n, (r + mlp).to(dtype), mask=mask_n)
+        if RESIDUAL:
+            r = tl.load(res_ptr + t * H + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            mlp = r + mlp
+        tl.store(out_ptr + t * H + offs_n, mlp.to(dtype), mask=mask_n)
 
 
 def moe_step(
-    x: torch.Tensor,  # [T, H] residual stream (the block's input before its norm)
+    x: torch.Tensor | None,  # [T, H] residual stream (the block's input before its norm); None: no residual
     h: torch.Tensor,  # [T, H] post_attention_layernorm(x)
     router: torch.Tensor,  # [E, H]
     gate_up: torch.Tensor,  # [E, 2I, H]
@@ -132,7 +144,7 @@ def moe_step(
     top_k: int,
     renorm: bool,
 ) -> torch.Tensor:
-    """Returns x + SparseMoeBlock(h) [T, H]."""
+    """Returns x + SparseMoeBlock(h) [T, H] (SparseMoeBlock(h) alone when x is None)."""
     from nextn.ops.triton_linear import skinny_linear
 
     T, H = h.shape
@@ -152,6 +164,8 @@ def moe_step(
     )
     shared = skinny_linear(skinny_linear(h, shared_gate, up_weight=shared_up), shared_down)
     sg = skinny_linear(h, shared_expert_gate)  # [T, 1]
-    out = torch.empty_like(x)
-    _combine_kernel[(T, triton.cdiv(H, 256))](y, shared, sg, x, out, H, TOP_K=top_k, BLOCK_N=256, num_warps=4)
+    out = torch.empty_like(h)
+    _combine_kernel[(T, triton.cdiv(H, 256))](
+        y, shared, sg, h if x is None else x, out, H, TOP_K=top_k, BLOCK_N=256, RESIDUAL=x is not None, num_warps=4
+    )
     return out
