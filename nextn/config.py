@@ -20,6 +20,7 @@ FULL = "full_attention"
 STEP_ROWS = 16
 KERNELS = ("auto", "torch", "triton")
 PREFILL_MODES = ("chunked", "steps")
+DRAFT_GATES = ("skip", "mask")
 # what `quantization=` makes of a checkpoint's bf16 weights at load
 QUANTIZATIONS = ("fp8",)
 
@@ -350,13 +351,17 @@ class SpecConfig:
     num_speculative_tokens: int = 0
     # stop a draft chain when the head's probability of its own pick falls below this
     p_min: float = 0.0
-    # adaptive K: shrink K after rounds that reject early, grow it back after full accepts
+    # adaptive K: the next round drafts what the last accepted + 1, between a floor and a cap
+    # (nextn.spec.adaptive)
     adaptive: bool = False
     # feed the MTP head the trunk's hidden after the final norm (vLLM/SGLang/llama.cpp
     # convention for released Qwen heads) or before it (the reference design's)
     hidden_after_norm: bool = True
     # the MTP head drafts over these target ids only (FR-Spec; nextn.spec.draft_vocab); None: all
     draft_vocab: DraftVocab | None = None
+    # head steps after every draft of a round was cut: "skip" them (a conditional node in the
+    # round's CUDA graph) or "mask" (run them, discard their drafts); the same output either way
+    draft_gate: str = "skip"
 
     def __post_init__(self):
         # a verify step holds the pending token and the drafts in STEP_ROWS rows
@@ -364,6 +369,8 @@ class SpecConfig:
             raise ValueError(f"num_speculative_tokens must be in 0..{STEP_ROWS - 1}, got {self.num_speculative_tokens}")
         if not 0.0 <= self.p_min < 1.0:
             raise ValueError(f"p_min must be in [0, 1), got {self.p_min}")
+        if self.draft_gate not in DRAFT_GATES:
+            raise ValueError(f"draft_gate must be one of {DRAFT_GATES}, got {self.draft_gate!r}")
         if self.draft_vocab is not None:
             from nextn.spec.draft_vocab import DraftVocab
 
@@ -395,6 +402,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # "fp8": the checkpoint's bf16 weights quantized at load (an FP8 checkpoint loads as it is either way)
     quantization: str | None = None
+    # per-round records (K, drafts, accepted, draft / verify / commit wall time) in each output;
+    # rounds then run one at a time (none queued ahead)
+    trace: bool = False
 
     def __post_init__(self):
         check_quantization(self.quantization)

@@ -64,6 +64,7 @@ class LLM:
         speculative_config: dict | None = None,
         quantization: str | None = None,
         draft_vocab: str | Path | DraftVocab | None = None,
+        trace: bool = False,
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
@@ -71,7 +72,9 @@ class LLM:
         num_speculative_tokens=K; without either, K is 3 with an MTP head and 0 without one.
         quantization "fp8": a bf16 checkpoint's weights quantized at load (FP8 checkpoints load as
         they are). draft_vocab: a file from `nextn draft-vocab` (or a DraftVocab): the head drafts
-        over those tokens only (checked against this checkpoint's vocabulary and tokenizer)."""
+        over those tokens only (checked against this checkpoint's vocabulary and tokenizer).
+        trace: each output's `rounds` holds a record per verify round (K, drafts, accepted, the
+        wall time of its draft, verify and commit); rounds then run one at a time."""
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
         device = resolve_device(device)  # before a download: a CUDA request on a CPU torch fails at once
@@ -103,6 +106,7 @@ class LLM:
             prefill,
             max_num_batched_tokens,
             quantization=quantization,
+            trace=trace,
         )
         self.engine = Engine(self.model, self.tokenizer, self.config)
 
