@@ -275,9 +275,11 @@ class Bench:
             self.cores[key] = build_core(self.model, config)
         return self.cores[key]
 
-    def prefilled(self, k: int, slot: int = 0, slots: int = 1, prompt: list[int] | None = None) -> Sequence:
+    def prefilled(
+        self, k: int, slot: int = 0, slots: int = 1, prompt: list[int] | None = None, p_min: float = 0.0
+    ) -> Sequence:
         max_len = None if prompt is None else len(prompt) + 2 * STEP_ROWS
-        _, runner, proposer = self.core(k, slots, max_len)
+        _, runner, proposer = self.core(k, slots, max_len, p_min)
         seq = Sequence(slot, heads=proposer is not None)
         runner.slot(slot).reset()
         runner.extend(seq, self.prompt if prompt is None else prompt)
@@ -318,7 +320,7 @@ class Bench:
             if k not in self.profilers:
                 self.profilers[k] = ProfileProposer(proposer, *profile)
             proposer = self.profilers[k]
-        seq = self.prefilled(k)
+        seq = self.prefilled(k, p_min=p_min)
         params = SamplingParams(
             max_tokens=self.cfg.gen_len, temperature=temperature, seed=self.cfg.seed + seed, ignore_eos=True
         )
