@@ -414,16 +414,21 @@ def _tps(runs: list[RunResult]) -> list[float]:
     return [len(r.token_ids) / r.seconds for r in runs]
 
 
-def _round_overhead(res: dict, key: str, k: int, runs: list[RunResult], out: dict | None = None) -> None:
-    """t(round) / t(plain token) - verify - k drafts: what a round costs beyond its steps (into out,
-    default res, whose costs it reads)."""
+def _round_overhead(
+    res: dict, key: str, k: int, runs: list[RunResult], out: dict | None = None, head_steps: float | None = None
+) -> None:
+    """t(round) / t(plain token) - verify - head steps (default k) drafts: what a round costs beyond
+    its steps (into out, default res, whose costs it reads)."""
     if "draft_cost_ratio" not in res or k not in res["verify_cost_ratio"]:
         return
     out = res if out is None else out
     seconds = statistics.median(r.seconds / max(1, r.stats.num_rounds) for r in runs)
     ratio = seconds / (1.0 / res["decode_tokens_per_s"])
     out.setdefault(f"{key}round_cost_ratio", {})[k] = ratio
-    out.setdefault(f"{key}round_overhead", {})[k] = ratio - res["verify_cost_ratio"][k] - k * res["draft_cost_ratio"]
+    steps = k if head_steps is None else head_steps
+    out.setdefault(f"{key}round_overhead", {})[k] = (
+        ratio - res["verify_cost_ratio"][k] - steps * res["draft_cost_ratio"]
+    )
 
 
 def run_bench(
@@ -564,7 +569,7 @@ def _spec_sweep(bench: Bench, res: dict, out: dict, ks: list[int], reference: li
             phase: 1e3 * statistics.fmean(getattr(r, f"{phase}_s") for r in rounds) if rounds else 0.0
             for phase in ("draft", "verify", "commit")
         }
-        _round_overhead(res, "", k, runs, out)
+        _round_overhead(res, "", k, runs, out, out["head_steps_per_round"][k])
         split = out["round_split_ms"][k]
         log(
             f"bench: K={k} p_min={p_min}: equal={out['spec_equals_plain'][k]} {tps:.1f} tok/s{_spread(runs)} "

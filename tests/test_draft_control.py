@@ -72,14 +72,52 @@ def _with_gate(llm, gate: str):
 
 
 def test_p_min_in_a_batch_of_requests(dense_fitted_ckpt):
-    """Requests batched in one round are cut at their own drafts; each emits what it emits alone."""
-    prompts = [list(p) for p in FIT_PROMPTS[:3]] + [[17, 5, 5, 9]]
+    """Requests batched in one round, with their own K (some chains end before others), are cut
+    at their own drafts: each drafts, counts and emits what it does alone (greedy: plain's)."""
+    sampled = nextn.SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=9, ignore_eos=True)
+    cases = [
+        (FIT_PROMPTS[0], GREEDY, 3),
+        (FIT_PROMPTS[1], GREEDY, 1),
+        (FIT_PROMPTS[2], sampled, 2),
+        ([17, 5], GREEDY, 3),
+    ]
+    engine = nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=3, p_min=0.5, max_num_seqs=4).engine
+
+    def run(items):
+        reqs = {i: engine.add(list(cases[i][0]), cases[i][1], num_speculative_tokens=cases[i][2]) for i in items}
+        outs = {}
+        while len(outs) < len(reqs):
+            for req, ev in engine.step():
+                if ev.output is not None:
+                    outs[next(i for i, r in reqs.items() if r is req)] = ev.output
+        return outs
+
+    alone = {i: run([i])[i] for i in range(len(cases))}
+    engine.batch_sizes.clear()
+    together = run(range(len(cases)))
+    assert engine.batch_sizes[4] > 0
     plain = nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=0)
-    gated = nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=3, p_min=0.5, max_num_seqs=4)
-    outs = gated.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
-    assert [o.token_ids for o in outs] == [_generate(plain, p).token_ids for p in prompts]
-    assert gated.engine.batch_sizes[4] > 0
-    assert sum(o.spec.num_zero_draft_rounds for o in outs) > 0 and sum(o.num_drafted for o in outs) > 0
+    for i, (prompt, params, _) in enumerate(cases):
+        assert together[i].token_ids == alone[i].token_ids and together[i].spec == alone[i].spec
+        if params is GREEDY:
+            assert together[i].token_ids == _generate(plain, prompt).token_ids
+    assert sum(o.spec.num_zero_draft_rounds for o in together.values()) > 0
+    assert sum(o.num_drafted > 0 for o in together.values()) >= 2
+
+
+def test_the_gate_keeps_a_cut_member_cut():
+    """A member's drafts count up to its first cut, whatever the others' chains do after it."""
+    from nextn.spec.proposer import _Gate
+
+    gate = _Gate(torch.ones(3, dtype=torch.bool), torch.zeros(3, dtype=torch.long))
+    idx = lambda *i: torch.tensor(i)  # noqa: E731
+    gate.cut(None, torch.tensor([True, False, True]))
+    gate.cut(idx(0, 1), torch.tensor([True, True]))  # member 1 passes after its cut: still cut
+    assert gate.counted.tolist() == [2, 0, 1] and not gate.still_drafting(idx(1)) and gate.still_drafting(None)
+    gate.cut(idx(0, 2), torch.tensor([False, True]))
+    assert gate.counted.tolist() == [2, 0, 2] and gate.live.tolist() == [False, False, True]
+    gate.cut(idx(2), torch.tensor([False]))
+    assert not gate.still_drafting(None) and gate.counted.tolist() == [2, 0, 2]
 
 
 # ---------------------------------------------------------------------------------------------

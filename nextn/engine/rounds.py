@@ -4,7 +4,8 @@ once.
 
 A round (`device_round`) is device work only, one CUDA graph per batch of (slot, K, sampler kind):
 the proposer drafts each request's K tokens after its pending token (K may differ, 0 for plain
-decoding); one trunk step verifies every request's [pending, drafts] rows; per request, the
+decoding; a confidence gate may count fewer, down to none: the round then verifies the pending
+token alone); one trunk step verifies every request's [pending, drafts] rows; per request, the
 sampler accepts the longest matching prefix (greedy) or rejection-samples, and picks the bonus /
 recovered token, which becomes the next round's pending token (it enters the trunk only as column
 0 of the next verify: no round spends a forward on it alone); `commit_ctl` keeps the accepted
@@ -18,7 +19,8 @@ running round. EOS, stop ids, the token budget and the context end cut the token
 strings are the caller's, through `close`); when a request ends inside round r, the round queued
 after it is not kept: `close` recommits round r's columns with the same `commit_ctl` (no round
 writes where a committed state lives, so nothing is undone). What is emitted never depends on the
-overlap.
+overlap. Traced, a round also marks its draft, verify and commit (`PhaseClock`: CUDA events
+inside its graph) and each request keeps a `RoundTrace` per round read.
 """
 
 from __future__ import annotations

@@ -86,10 +86,11 @@ class MTPProposer:
                         self.head_steps.add_(1)
                 confidence = [self._draft(members[b], j, logits[b : b + 1], uniforms[b]) for b in index]
                 if gate is not None:
-                    gate.cut(runner.index(index), torch.cat(confidence) >= self.p_min)
+                    at = None if len(index) == B else runner.index(index)
+                    gate.cut(at, (confidence[0] if B == 1 else torch.cat(confidence)) >= self.p_min)
 
             if j > 0 and gate is not None and self.skip_cut:
-                runner.when(gate.live.index_select(0, runner.index(index)).any(), step)
+                runner.when(gate.still_drafting(None if len(index) == B else runner.index(index)), step)
             else:
                 step()
         return None if gate is None else gate.counted
@@ -128,11 +129,21 @@ class _Gate(NamedTuple):
     live: torch.Tensor  # [B] bool: no draft of the member was cut yet
     counted: torch.Tensor  # [B] long: drafts before the first cut
 
-    def cut(self, at: torch.Tensor, passed: torch.Tensor) -> None:
-        """The members at positions at [n] drafted one more; passed [n] bool: its confidence reached p_min."""
+    def cut(self, at: torch.Tensor | None, passed: torch.Tensor) -> None:
+        """The members at positions at [n] (None: all) drafted one more; passed [n] bool: its
+        confidence reached p_min."""
+        if at is None:
+            self.counted.add_(self.live.logical_and_(passed))
+            return
         live = self.live.index_select(0, at) & passed
         self.live.index_copy_(0, at, live)
         self.counted.index_add_(0, at, live.long())
+
+    def still_drafting(self, at: torch.Tensor | None) -> torch.Tensor:
+        """[] bool: a member at positions at (None: any) has not been cut."""
+        if at is None:
+            return self.live[0] if self.live.numel() == 1 else self.live.any()
+        return self.live.index_select(0, at).any()
 
 
 class ProfileProposer:
