@@ -14,6 +14,7 @@ Does not choose tokens (nextn.engine.sampler) or decide what a round keeps (next
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from itertools import pairwise
@@ -27,6 +28,8 @@ from nextn.models.qwen3_5 import CausalLM, ReferenceStep
 from nextn.models.qwen3_5_step import TritonStep
 from nextn.ops import OPS
 from nextn.ops.triton_utils import interpreting
+
+log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 2048  # tokens per chunked prefill forward: bounds attention score memory
 MAX_GRAPHS = 128  # captured graphs kept (one per batch composition); past it they are dropped and recaptured
@@ -46,6 +49,7 @@ class ModelRunner:
         self.use_graphs = self.device.type == "cuda" and config.kernels == "triton"
         self.graphs: dict = {}  # key -> None (ran eagerly once) or a captured CUDAGraph
         self.graph_memory = GraphMemory(pool.graph_budget)
+        self.conditional = True  # `when` captures conditional nodes (off where CUDA has none)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.slots = [pool.cache.slot(s) for s in range(pool.num_slots)]
         V, H, S = self.cfg.vocab_size, self.cfg.hidden_size, pool.num_slots
@@ -118,23 +122,30 @@ class ModelRunner:
             if pred.item():
                 fn()
             return
-        if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not (self.conditional and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return fn()
         graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-        graph.begin_capture_to_if_node(pred)
+        try:
+            graph.begin_capture_to_if_node(pred)
+        except RuntimeError as e:  # a build or driver without conditional nodes (CUDA < 12.4): fn runs, masked
+            log.warning("CUDA graph conditional nodes unavailable (%s): gated head steps run and are discarded", e)
+            self.conditional = False
+            return fn()
         try:
             fn()
         finally:
             graph.end_capture_to_conditional_node()
 
     def drop_graphs(self) -> None:
-        """Forget every captured graph and the step batches, indices and clocks they read."""
+        """Forget every captured graph and the step batches, indices and clocks they read; their
+        memory goes back to the device (later captures then count what they take anew)."""
         torch.cuda.synchronize(self.device)
         self.graphs.clear()
         self.graph_memory.clear()
         self._batches.clear()
         self._indices.clear()
         self._clocks.clear()
+        torch.cuda.empty_cache()
 
     # --- a slot's state, host record and device counters together
 
