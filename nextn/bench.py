@@ -13,6 +13,12 @@ One run measures, with CUDA events around warmed-up work, medians:
   t(one MTP head step) / t(step of 1 token); `round_overhead[K]` = t(spec round) / t(plain token)
   - verify_cost_ratio[K] - K * draft_cost_ratio: what a round costs beyond its steps;
 - `spec_equals_plain[K]`: greedy speculative output == plain greedy output, token for token;
+- per K, from one more run traced round by round: `round_split_ms[K]` (the mean wall time of a
+  round's draft, verify and commit: CUDA events inside its graph), `head_steps_per_round[K]`,
+  `num_zero_draft_rounds[K]` and `accept_length_histogram[K]` (rounds by drafts accepted, 0..K);
+- `--p-min P ...`: the greedy spec runs with each draft confidence gate (the first gives the keys
+  above, the others `p_min_runs[P]` with the same keys); `--draft-gate mask` runs a gated
+  round's head steps after every draft was cut instead of skipping them in the graph;
 - acceptance and `spec_speedup[K]` (meaningful for a checkpoint whose head predicts); with
   `--temperature T`, `sampled_spec_speedup[K]` at T (seeded, against plain decoding at T); with
   `--acceptance-profile p1,p2,..`, `profile_spec_speedup[K]`: drafts replaced, with probability p_j
@@ -248,6 +254,8 @@ class BenchConfig:
     prompt_file: str | None = None
     batch_sizes: list[int] = field(default_factory=list)  # B values of the batched runs
     prefill_len: int | None = None  # the prompt length of the prefill measurement (default: the prompt's)
+    p_mins: list[float] = field(default_factory=lambda: [0.0])  # draft confidence gates of the greedy spec runs
+    draft_gate: str = "skip"  # SpecConfig.draft_gate of the gated runs
 
 
 @dataclass
@@ -255,6 +263,8 @@ class RunResult:
     token_ids: list[int]
     seconds: float
     stats: SpecStats
+    rounds: list | None = None  # RoundTrace records of a traced run
+    head_steps: int | None = None  # head steps it ran (a gated traced run: counted on the device)
 
 
 class Bench:
@@ -266,31 +276,40 @@ class Bench:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_len = len(prompt) + cfg.gen_len + 2 * STEP_ROWS
-        self.cores: dict[tuple[int, int], tuple] = {}
+        self.cores: dict[tuple, tuple] = {}
         self.profilers: dict[int, ProfileProposer] = {}  # one per core: its graphs key on it
 
-    def core(self, k: int, slots: int = 1, max_len: int | None = None):
+    def core(self, k: int, slots: int = 1, max_len: int | None = None, p_min: float = 0.0):
         max_len = max_len or self.max_len
-        if (k, slots, max_len) not in self.cores:
+        key = (k, slots, max_len, p_min)
+        if key not in self.cores:
             self.cores.clear()  # one engine's cache at a time
             self.profilers.clear()
             gc.collect()
+            spec = SpecConfig(
+                num_speculative_tokens=k,
+                p_min=p_min,
+                draft_vocab=self.draft_vocab if k > 0 else None,
+                draft_gate=self.cfg.draft_gate,
+            )
             config = EngineConfig(
                 "bench",
                 str(self.device),
                 str(self.dtype).replace("torch.", ""),
-                SpecConfig(num_speculative_tokens=k, draft_vocab=self.draft_vocab if k > 0 else None),
+                spec,
                 max_len,
                 slots,
                 self.cfg.kernels,
                 tensor_parallel_size=self.model.cfg.tp_size,
             )
-            self.cores[(k, slots, max_len)] = build_core(self.model, config)
-        return self.cores[(k, slots, max_len)]
+            self.cores[key] = build_core(self.model, config)
+        return self.cores[key]
 
-    def prefilled(self, k: int, slot: int = 0, slots: int = 1, prompt: list[int] | None = None) -> Sequence:
+    def prefilled(
+        self, k: int, slot: int = 0, slots: int = 1, prompt: list[int] | None = None, p_min: float = 0.0
+    ) -> Sequence:
         max_len = None if prompt is None else len(prompt) + 2 * STEP_ROWS
-        _, runner, proposer = self.core(k, slots, max_len)
+        _, runner, proposer = self.core(k, slots, max_len, p_min)
         seq = Sequence(slot, heads=proposer is not None)
         runner.slot(slot).reset()
         runner.extend(seq, self.prompt if prompt is None else prompt)
@@ -321,21 +340,25 @@ class Bench:
         _sync(self.device)
         return ids, time.perf_counter() - t0
 
-    def generate(self, k: int, temperature: float = 0.0, profile=None, seed: int = 0) -> RunResult:
-        """One generation of gen_len tokens through the engine's rounds (timed after the prefill)."""
-        _, runner, proposer = self.core(k)
+    def generate(
+        self, k: int, temperature: float = 0.0, profile=None, seed: int = 0, p_min: float = 0.0, trace: bool = False
+    ) -> RunResult:
+        """One generation of gen_len tokens through the engine's rounds (timed after the prefill);
+        traced: a record per round, rounds one at a time (not a speed measurement)."""
+        _, runner, proposer = self.core(k, p_min=p_min)
         if profile is not None:
             if k not in self.profilers:
                 self.profilers[k] = ProfileProposer(proposer, *profile)
             proposer = self.profilers[k]
-        seq = self.prefilled(k)
+        seq = self.prefilled(k, p_min=p_min)
         params = SamplingParams(
             max_tokens=self.cfg.gen_len, temperature=temperature, seed=self.cfg.seed + seed, ignore_eos=True
         )
         stats = SpecStats()
+        steps = int(proposer.head_steps) if trace and getattr(proposer, "head_steps", None) is not None else None
         _sync(self.device)
         t0 = time.perf_counter()
-        rounds = RequestRounds(runner, proposer, seq, params, runner.config.spec, set(), stats)
+        rounds = RequestRounds(runner, proposer, seq, params, runner.config.spec, set(), stats, trace=trace)
         ids = []
         while True:
             r = rounds.next()
@@ -344,18 +367,24 @@ class Bench:
                 break
         rounds.close()
         _sync(self.device)
-        return RunResult(ids, time.perf_counter() - t0, stats)
+        seconds = time.perf_counter() - t0
+        if steps is not None:
+            steps = int(proposer.head_steps) - steps
+        return RunResult(ids, seconds, stats, rounds.trace, steps)
 
-    def repeated(self, k: int, temperature: float = 0.0, profile=None) -> tuple[list[RunResult], float]:
+    def repeated(
+        self, k: int, temperature: float = 0.0, profile=None, p_min: float = 0.0
+    ) -> tuple[list[RunResult], float]:
         """A warm-up run (kernels compile, the rounds' CUDA graphs are captured), then cfg.repeats
         timed runs: (runs, tok/s). Greedy runs repeat one generation (the median of their tok/s);
         sampled runs draw with seeds seed, seed + 1, ... (one sampled path says little about the
         acceptance to expect) and report all their tokens over all their time."""
         if self.cfg.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.cfg.repeats}")
-        self.generate(k, temperature, profile)
+        self.generate(k, temperature, profile, p_min=p_min)
         runs = [
-            self.generate(k, temperature, profile, seed=i if temperature > 0 else 0) for i in range(self.cfg.repeats)
+            self.generate(k, temperature, profile, seed=i if temperature > 0 else 0, p_min=p_min)
+            for i in range(self.cfg.repeats)
         ]
         if temperature > 0:
             return runs, sum(len(r.token_ids) for r in runs) / sum(r.seconds for r in runs)
@@ -415,14 +444,21 @@ def _tps(runs: list[RunResult]) -> list[float]:
     return [len(r.token_ids) / r.seconds for r in runs]
 
 
-def _round_overhead(res: dict, key: str, k: int, runs: list[RunResult]) -> None:
-    """t(round) / t(plain token) - verify - k drafts: what a round costs beyond its steps."""
+def _round_overhead(
+    res: dict, key: str, k: int, runs: list[RunResult], out: dict | None = None, head_steps: float | None = None
+) -> None:
+    """t(round) / t(plain token) - verify - head steps (default k) drafts: what a round costs beyond
+    its steps (into out, default res, whose costs it reads)."""
     if "draft_cost_ratio" not in res or k not in res["verify_cost_ratio"]:
         return
+    out = res if out is None else out
     seconds = statistics.median(r.seconds / max(1, r.stats.num_rounds) for r in runs)
     ratio = seconds / (1.0 / res["decode_tokens_per_s"])
-    res.setdefault(f"{key}round_cost_ratio", {})[k] = ratio
-    res.setdefault(f"{key}round_overhead", {})[k] = ratio - res["verify_cost_ratio"][k] - k * res["draft_cost_ratio"]
+    out.setdefault(f"{key}round_cost_ratio", {})[k] = ratio
+    steps = k if head_steps is None else head_steps
+    out.setdefault(f"{key}round_overhead", {})[k] = (
+        ratio - res["verify_cost_ratio"][k] - steps * res["draft_cost_ratio"]
+    )
 
 
 def run_bench(
@@ -516,31 +552,9 @@ def run_bench(
         f"bench: plain decode {res['decode_tokens_per_s']:.1f} tok/s{_spread(plain_runs)} "
         f"(roofline fraction {res.get('roofline_fraction', float('nan')):.3f})"
     )
-    res.update(
-        spec_equals_plain={},
-        spec_tokens_per_s={},
-        spec_tokens_per_s_runs={},
-        spec_speedup={},
-        acceptance_rate={},
-        mean_acceptance_length={},
-        accepted_per_position={},
-    )
-    for k in ks:
-        runs, tps = bench.repeated(k)
-        run = runs[0]
-        res["spec_equals_plain"][k] = all(r.token_ids == plain.token_ids for r in runs)
-        res["spec_tokens_per_s"][k] = tps
-        res["spec_tokens_per_s_runs"][k] = _tps(runs)
-        res["spec_speedup"][k] = tps / res["decode_tokens_per_s"]
-        res["acceptance_rate"][k] = run.stats.acceptance_rate
-        res["mean_acceptance_length"][k] = run.stats.mean_acceptance_length
-        res["accepted_per_position"][k] = run.stats.accepted_per_position[:k]
-        _round_overhead(res, "", k, runs)
-        log(
-            f"bench: K={k}: equal={res['spec_equals_plain'][k]} {tps:.1f} tok/s{_spread(runs)} "
-            f"acceptance {run.stats.acceptance_rate:.2f} mean length {run.stats.mean_acceptance_length:.2f} "
-            f"round overhead {res.get('round_overhead', {}).get(k, float('nan')):.3f}"
-        )
+    for i, p_min in enumerate(cfg.p_mins):
+        out = res if i == 0 else res.setdefault("p_min_runs", {}).setdefault(p_min, {})
+        _spec_sweep(bench, res, out, ks, plain.token_ids, p_min, log)
     for temperature in cfg.temperatures:
         _sampled(bench, res, ks, temperature, log)
     if cfg.acceptance_profile and ks:
@@ -550,6 +564,57 @@ def run_bench(
     res["plain_token_ids_head"] = plain.token_ids[:32]
     res["plain_token_ids"] = plain.token_ids  # to compare runs (e.g. tensor_parallel_size 1 and 2)
     return res
+
+
+_PER_K = (
+    "spec_equals_plain",
+    "spec_tokens_per_s",
+    "spec_tokens_per_s_runs",
+    "spec_speedup",
+    "acceptance_rate",
+    "mean_acceptance_length",
+    "accepted_per_position",
+)
+
+
+def _spec_sweep(bench: Bench, res: dict, out: dict, ks: list[int], reference: list[int], p_min: float, log) -> None:
+    """Greedy spec at each K with a draft confidence gate p_min, into out (res: the costs to compare
+    with): speed, exactness, acceptance, and from one traced run more, the time split per round."""
+    out["p_min"] = p_min
+    for name in (*_PER_K, "num_zero_draft_rounds", "accept_length_histogram", "head_steps_per_round", "round_split_ms"):
+        out[name] = {}
+    for k in ks:
+        runs, tps = bench.repeated(k, p_min=p_min)
+        if res["cuda_graphs"]:  # the traced rounds' graphs captured first
+            bench.generate(k, p_min=p_min, trace=True)
+        traced = bench.generate(k, p_min=p_min, trace=True)
+        stats = runs[0].stats
+        out["spec_equals_plain"][k] = all(r.token_ids == reference for r in [*runs, traced])
+        out["spec_tokens_per_s"][k] = tps
+        out["spec_tokens_per_s_runs"][k] = _tps(runs)
+        out["spec_speedup"][k] = tps / res["decode_tokens_per_s"]
+        out["acceptance_rate"][k] = stats.acceptance_rate
+        out["mean_acceptance_length"][k] = stats.mean_acceptance_length
+        out["accepted_per_position"][k] = stats.accepted_per_position[:k]
+        out["num_zero_draft_rounds"][k] = stats.num_zero_draft_rounds
+        out["accept_length_histogram"][k] = stats.accept_length_histogram[: k + 1]
+        rounds = traced.rounds
+        steps = k * len(rounds) if traced.head_steps is None else traced.head_steps  # ungated: every step runs
+        out["head_steps_per_round"][k] = steps / max(1, len(rounds))
+        out["round_split_ms"][k] = {
+            phase: 1e3 * statistics.fmean(getattr(r, f"{phase}_s") for r in rounds) if rounds else 0.0
+            for phase in ("draft", "verify", "commit")
+        }
+        _round_overhead(res, "", k, runs, out, out["head_steps_per_round"][k])
+        split = out["round_split_ms"][k]
+        log(
+            f"bench: K={k} p_min={p_min}: equal={out['spec_equals_plain'][k]} {tps:.1f} tok/s{_spread(runs)} "
+            f"acceptance {stats.acceptance_rate:.2f} mean length {stats.mean_acceptance_length:.2f} "
+            f"zero-draft rounds {stats.num_zero_draft_rounds}/{stats.num_rounds} "
+            f"head steps/round {out['head_steps_per_round'][k]:.2f}; per round: draft {split['draft']:.3f} ms, "
+            f"verify {split['verify']:.3f} ms, commit {split['commit']:.3f} ms; "
+            f"round overhead {out.get('round_overhead', {}).get(k, float('nan')):.3f}"
+        )
 
 
 def _batched(bench: Bench, res: dict, k: int, reference: list[int], log) -> None:
@@ -754,6 +819,8 @@ def bench_from_args(args) -> int:
         raise ValueError("--draft-vocab needs --model (a file is checked against the checkpoint's tokenizer)")
     if any(b < 1 for b in args.batch) or (args.prefill_len is not None and args.prefill_len < 1):
         raise ValueError(f"--batch and --prefill-len take positive sizes, got {args.batch} / {args.prefill_len}")
+    if any(not 0.0 <= p < 1.0 for p in args.p_min):
+        raise ValueError(f"--p-min takes values in [0, 1), got {args.p_min}")
     if any(not 0.0 < t <= 100.0 for t in args.temperature):
         raise ValueError(f"--temperature takes values in (0, 100] (greedy always runs), got {args.temperature}")
     prompt_text = None
@@ -772,6 +839,8 @@ def bench_from_args(args) -> int:
         prompt_file=args.prompt_file,
         batch_sizes=list(args.batch),
         prefill_len=args.prefill_len,
+        p_mins=list(args.p_min),
+        draft_gate=args.draft_gate,
     )
     size = args.tensor_parallel_size
     if size > 1 and not initialized():  # every rank runs the same bench; rank 0 reports

@@ -7,9 +7,11 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from nextn import __version__
-from nextn.config import DTYPE_NAMES, QUANTIZATIONS
+from nextn.config import DRAFT_GATES, DTYPE_NAMES, QUANTIZATIONS
+from nextn.core import MAX_TRACKED_POSITIONS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -110,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    src.add_argument("--prompt-file", help="prompt text from this file")
     g.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn with the chat template")
     sampling = g.add_argument_group(
         "sampling", "defaults: the checkpoint's generation_config.json, else SamplingParams' own (temperature 1)"
@@ -132,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         '\'{"grammar": "LARK"}\' or \'{"json_object": true}\'',
     )
     g.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    g.add_argument(
+        "--trace",
+        action="store_true",
+        help="a record per round (K, drafts, accepted, draft / verify / commit wall time) in --json's "
+        '"rounds"; rounds then run one at a time',
+    )
     g.add_argument(
         "--prefill",
         default="chunked",
@@ -190,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stride", type=int, default=1, help="evaluate every S-th position")
     r.add_argument("--max-tokens", type=int, default=None, help="evaluate at most N tokens of the file")
     r.add_argument("--hidden-before-norm", action="store_true")
-    r.add_argument("--dump-hidden", default=None, help="write trunk hidden states to this .safetensors file")
+    r.add_argument(
+        "--dump-hidden", default=None, help="write the head-input hidden states (bf16) to this .safetensors file"
+    )
     _draft_vocab_flag(r)
     r.add_argument("--json", action="store_true")
 
@@ -244,6 +255,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="also decode B sequences together for each B (plain, and spec at the largest --spec-k)",
     )
     b.add_argument("--prefill-len", type=int, default=None, help="measure prefill on a prompt of N tokens")
+    b.add_argument(
+        "--p-min",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="the greedy spec runs at each of these draft confidence gates (the first: the main results; "
+        'the others under "p_min_runs")',
+    )
+    b.add_argument(
+        "--draft-gate",
+        default="skip",
+        choices=DRAFT_GATES,
+        help="head steps after every draft of a round was cut: skip them in the graph (default) or mask them",
+    )
     vocab = b.add_mutually_exclusive_group()
     _draft_vocab_flag(vocab)
     vocab.add_argument(
@@ -417,7 +442,7 @@ def _serve(args) -> int:
 
 
 def _generate(args) -> int:
-    llm = _llm(args)
+    llm = _llm(args, trace=args.trace)
     try:
         return _generate_with(llm, args)
     finally:
@@ -431,7 +456,7 @@ def _generate_with(llm, args) -> int:
         except ValueError:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
     else:
-        text = args.prompt
+        text = args.prompt if args.prompt_file is None else Path(args.prompt_file).read_text(errors="replace")
         if args.chat:
             text = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
         prompt_ids = llm.tokenizer.encode(text)
@@ -457,12 +482,13 @@ def _generate_with(llm, args) -> int:
         out = ev.output or out
     if streamed:
         sys.stdout.write("\n")
-    s = out.spec
+    s, k = out.spec, min(llm.num_speculative_tokens, MAX_TRACKED_POSITIONS)
     print(
         f"nextn: {len(out.token_ids)} tokens, prefill {out.prefill_tokens_per_s:.1f} tok/s, "
         f"decode {out.decode_tokens_per_s:.1f} tok/s, spec K={llm.num_speculative_tokens}: "
         f"drafted {s.num_drafted}, accepted {s.num_accepted} ({s.acceptance_rate:.1%}), "
-        f"mean acceptance length {s.mean_acceptance_length:.2f}",
+        f"mean acceptance length {s.mean_acceptance_length:.2f}, zero-draft rounds {s.num_zero_draft_rounds} "
+        f"of {s.num_rounds}",
         file=sys.stderr,
     )
     if args.json:
@@ -477,12 +503,15 @@ def _generate_with(llm, args) -> int:
                     "num_drafted": s.num_drafted,
                     "num_accepted": s.num_accepted,
                     "num_rounds": s.num_rounds,
+                    "num_zero_draft_rounds": s.num_zero_draft_rounds,
                     "drafted_per_position": s.drafted_per_position,
                     "accepted_per_position": s.accepted_per_position,
+                    "accept_length_histogram": s.accept_length_histogram[: k + 1],
                     "acceptance_rate": s.acceptance_rate,
                     "mean_acceptance_length": s.mean_acceptance_length,
                     "decode_tokens_per_s": out.decode_tokens_per_s,
                     "prefill_tokens_per_s": out.prefill_tokens_per_s,
+                    **({"rounds": [r._asdict() for r in out.rounds]} if args.trace else {}),
                 }
             )
         )

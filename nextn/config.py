@@ -20,6 +20,7 @@ FULL = "full_attention"
 STEP_ROWS = 16
 KERNELS = ("auto", "torch", "triton")
 PREFILL_MODES = ("chunked", "steps")
+DRAFT_GATES = ("skip", "mask")
 # what `quantization=` makes of a checkpoint's bf16 weights at load
 QUANTIZATIONS = ("fp8",)
 
@@ -382,7 +383,8 @@ class SpecConfig:
     num_speculative_tokens: int = 0
     # stop a draft chain when the head's probability of its own pick falls below this
     p_min: float = 0.0
-    # adaptive K: shrink K after rounds that reject early, grow it back after full accepts
+    # adaptive K: the next round drafts what the last accepted + 1, between a floor and a cap
+    # (nextn.spec.adaptive)
     adaptive: bool = False
     # feed the MTP head the trunk's hidden after the final norm (vLLM/SGLang/llama.cpp
     # convention for released Qwen heads) or before it (the reference design's)
@@ -392,6 +394,9 @@ class SpecConfig:
     # under structured outputs, the head drafts from grammar-masked logits (legal drafts by
     # construction; one host read per draft step); off: only the verify is masked
     grammar_draft_mask: bool = True
+    # head steps after every draft of a round was cut: "skip" them (a conditional node in the
+    # round's CUDA graph) or "mask" (run them, discard their drafts); the same output either way
+    draft_gate: str = "skip"
 
     def __post_init__(self):
         # a verify step holds the pending token and the drafts in STEP_ROWS rows
@@ -399,6 +404,8 @@ class SpecConfig:
             raise ValueError(f"num_speculative_tokens must be in 0..{STEP_ROWS - 1}, got {self.num_speculative_tokens}")
         if not 0.0 <= self.p_min < 1.0:
             raise ValueError(f"p_min must be in [0, 1), got {self.p_min}")
+        if self.draft_gate not in DRAFT_GATES:
+            raise ValueError(f"draft_gate must be one of {DRAFT_GATES}, got {self.draft_gate!r}")
         if self.draft_vocab is not None:
             from nextn.spec.draft_vocab import DraftVocab
 
@@ -433,6 +440,9 @@ class EngineConfig:
     # ranks the model is sharded over (nextn.parallel: one process per rank, cuda:<rank> on CUDA);
     # `device` is this rank's
     tensor_parallel_size: int = 1
+    # per-round records (K, drafts, accepted, draft / verify / commit wall time) in each output;
+    # rounds then run one at a time (none queued ahead)
+    trace: bool = False
 
     def __post_init__(self):
         check_quantization(self.quantization)

@@ -104,30 +104,45 @@ def with_defaults(defaults: dict, **request) -> SamplingParams:
 
 @dataclass
 class SpecStats:
-    """Draft/accept counters of one request (or an aggregate of many)."""
+    """Draft/accept counters of one request (or an aggregate of many). Drafts a confidence gate
+    cut are counted in neither drafted nor accepted."""
 
     num_rounds: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
+    num_zero_draft_rounds: int = 0  # rounds that verified the pending token alone
     drafted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_TRACKED_POSITIONS)
     accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_TRACKED_POSITIONS)
+    # rounds by drafts accepted, 0..MAX_TRACKED_POSITIONS (more counts in the last)
+    accept_length_histogram: list[int] = field(default_factory=lambda: [0] * (MAX_TRACKED_POSITIONS + 1))
 
     def record_round(self, num_drafted: int, num_accepted: int) -> None:
         self.num_rounds += 1
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
+        self.num_zero_draft_rounds += num_drafted == 0
+        self.accept_length_histogram[min(num_accepted, MAX_TRACKED_POSITIONS)] += 1
         for j in range(min(num_drafted, MAX_TRACKED_POSITIONS)):
             self.drafted_per_position[j] += 1
             if j < num_accepted:
                 self.accepted_per_position[j] += 1
 
     def merge(self, other: SpecStats) -> None:
-        self.num_rounds += other.num_rounds
-        self.num_drafted += other.num_drafted
-        self.num_accepted += other.num_accepted
-        for j in range(MAX_TRACKED_POSITIONS):
-            self.drafted_per_position[j] += other.drafted_per_position[j]
-            self.accepted_per_position[j] += other.accepted_per_position[j]
+        """Fieldwise self += other (an aggregate of requests)."""
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            setattr(self, f.name, [x + y for x, y in zip(a, b, strict=True)] if isinstance(a, list) else a + b)
+
+    def delta_since(self, prev: SpecStats) -> SpecStats:
+        """Fieldwise self - prev: what was counted since the snapshot prev. Saturating: a snapshot
+        that is not an earlier state of these counters gives zeros, never negative counts."""
+        d = SpecStats()
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(prev, f.name)
+            setattr(
+                d, f.name, [max(0, x - y) for x, y in zip(a, b, strict=True)] if isinstance(a, list) else max(0, a - b)
+            )
+        return d
 
     @property
     def acceptance_rate(self) -> float:
@@ -167,6 +182,7 @@ class RequestOutput:
     prompt_logprobs: list[dict | None] | None = None  # one per prompt token; the first is None
     prompt: str | None = None  # the prompt text, when it was given as text
     prompt_token_ids: list[int] | None = None
+    rounds: list | None = None  # with EngineConfig.trace: a RoundTrace per verify round (nextn.engine.rounds)
 
     @property
     def outputs(self) -> list[CompletionOutput]:

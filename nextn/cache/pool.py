@@ -27,13 +27,14 @@ def available_bytes(device: torch.device) -> int:
 
 
 def check_fits(cfg: ModelConfig, layout: CacheLayout, device: torch.device, dtype: torch.dtype) -> int:
-    """Bytes the cache needs; raises CacheMemoryError naming what fits if it would not leave a
-    tenth of the free memory (at least 1 GiB on a GPU) for activations and graphs."""
+    """Bytes the device keeps free besides the cache; raises CacheMemoryError naming what fits if
+    the cache would not leave a tenth of the free memory (at least 1 GiB on a GPU) for
+    activations and graphs."""
     need = nbytes_of(tensor_specs(cfg, layout, dtype))
     free = available_bytes(device)
     budget = free - max(free // 10, GiB if device.type == "cuda" else 0)
     if need <= budget:
-        return need
+        return free - need
     S, L = layout.num_slots, layout.max_len
     per_slot = need / S
     kv_layers = sum(t == FULL for t in cfg.layer_types) + int(layout.draft)
@@ -48,8 +49,11 @@ def check_fits(cfg: ModelConfig, layout: CacheLayout, device: torch.device, dtyp
 
 class SlotPool:
     def __init__(self, cfg: ModelConfig, layout: CacheLayout, device, dtype: torch.dtype):
-        check_fits(cfg, layout, torch.device(device), dtype)
+        spare = check_fits(cfg, layout, torch.device(device), dtype)
         self.cache = HybridCache(cfg, layout, device, dtype)
+        # what captured CUDA graphs may hold (nextn.engine.runner): half of what the cache leaves
+        # free, the other half for activations and the allocator's slack
+        self.graph_budget = spare // 2
 
     @property
     def num_slots(self) -> int:

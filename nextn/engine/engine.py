@@ -78,7 +78,7 @@ def build_core(model: CausalLM, config: EngineConfig) -> tuple[SlotPool, ModelRu
     layout = CacheLayout(config.max_num_seqs, config.max_model_len, k_max + 1, k_max > 0, tuple(extra))
     pool = SlotPool(cfg, layout, config.device, dtype)
     runner = ModelRunner(model, config, pool)
-    return pool, runner, MTPProposer(runner, config.spec.p_min) if k_max > 0 else None
+    return pool, runner, MTPProposer(runner) if k_max > 0 else None
 
 
 class Engine:
@@ -245,6 +245,7 @@ class Engine:
             want_logits=params.logprobs is not None,
             num_speculative_tokens=req.num_speculative_tokens,
             grammar=self._grammar_state(req),
+            trace=self.config.trace,
         )
         self.live[req.request_id] = _Live(
             rounds,
@@ -304,6 +305,7 @@ class Engine:
             live.logprobs,
             live.prompt_logprobs,
             final_text,
+            live.rounds.trace,
         )
         self.stats.merge(live.stats)
         del self.live[req.request_id]
@@ -312,7 +314,17 @@ class Engine:
         return StreamEvent(ids, final_text[live.released :], output, entries)
 
     def _output(
-        self, req: Request, token_ids, finish_reason, stats, prefill_s, decode_s, logprobs, prompt_lp, text: str = ""
+        self,
+        req: Request,
+        token_ids,
+        finish_reason,
+        stats,
+        prefill_s,
+        decode_s,
+        logprobs,
+        prompt_lp,
+        text: str = "",
+        rounds: list | None = None,
     ) -> RequestOutput:
         return RequestOutput(
             token_ids=token_ids,
@@ -325,6 +337,7 @@ class Engine:
             decode_seconds=decode_s,
             logprobs=logprobs,
             prompt_logprobs=prompt_lp,
+            rounds=rounds,
         )
 
 

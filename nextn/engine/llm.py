@@ -68,6 +68,7 @@ class LLM:
         draft_vocab: str | Path | DraftVocab | None = None,
         grammar_draft_mask: bool = True,
         tensor_parallel_size: int = 1,
+        trace: bool = False,
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
@@ -80,7 +81,9 @@ class LLM:
         (off: only the verify is masked; the output is the same, the acceptance lower).
         tensor_parallel_size N > 1: the model sharded over N processes (rank r on cuda:r), started
         here (this process is rank 0; `close()` stops the others), or, in a process that already
-        belongs to a group of N (torchrun), this rank's share: every rank then makes the same calls."""
+        belongs to a group of N (torchrun), this rank's share: every rank then makes the same calls.
+        trace: each output's `rounds` holds a record per verify round (K, drafts, accepted, the
+        wall time of its draft, verify and commit); rounds then run one at a time."""
         settings = {name: value for name, value in locals().items() if name != "self"}
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
@@ -124,6 +127,7 @@ class LLM:
             s["max_num_batched_tokens"],
             quantization=quantization,
             tensor_parallel_size=tp,
+            trace=s["trace"],
         )
         leader = None if self._ranks is None else Leader(self._ranks)
         self.engine = Engine(self.model, self.tokenizer, self.config, leader)

@@ -4,7 +4,8 @@ once.
 
 A round (`device_round`) is device work only, one CUDA graph per batch of (slot, K, sampler kind):
 the proposer drafts each request's K tokens after its pending token (K may differ, 0 for plain
-decoding); one trunk step verifies every request's [pending, drafts] rows; per request, the
+decoding; a confidence gate may count fewer, down to none: the round then verifies the pending
+token alone); one trunk step verifies every request's [pending, drafts] rows; per request, the
 sampler accepts the longest matching prefix (greedy) or rejection-samples, and picks the bonus /
 recovered token, which becomes the next round's pending token (it enters the trunk only as column
 0 of the next verify: no round spends a forward on it alone); `commit_ctl` keeps the accepted
@@ -18,7 +19,8 @@ running round. EOS, stop ids, the token budget and the context end cut the token
 strings are the caller's, through `close`); when a request ends inside round r, the round queued
 after it is not kept: `close` recommits round r's columns with the same `commit_ctl` (no round
 writes where a committed state lives, so nothing is undone). What is emitted never depends on the
-overlap.
+overlap. Traced, a round also marks its draft, verify and commit (`PhaseClock`: CUDA events
+inside its graph) and each request keeps a `RoundTrace` per round read.
 
 Structured outputs: a request with a grammar needs host work inside its round (its matcher walks
 the drafts to mask the verify rows, and each draft step when the chain is grammar-masked; see
@@ -42,9 +44,11 @@ from nextn.cache import SlotCache, commit_ctl
 from nextn.cache.hybrid import DRAFT_LEN, NUM_CTL, NUM_GEN, SEQ_LEN
 from nextn.config import ModelConfig, SpecConfig
 from nextn.core import SamplingParams, SpecStats
+from nextn.engine.runner import PhaseClock
 from nextn.engine.sampler import SlotSampler
 from nextn.engine.sequence import Sequence
 from nextn.grammar import GrammarState
+from nextn.spec.adaptive import AdaptiveK
 
 _N, _DRAFTED, _TOKENS = 0, 1, 2  # fields of a round's outcome buffer
 
@@ -89,16 +93,20 @@ class Member(NamedTuple):
     k: int  # drafts this round (0: plain decoding)
 
 
-def device_round(runner, proposer, members: list[Member]) -> None:
-    """One round of every member, device work only."""
+def device_round(runner, proposer, members: list[Member], clock=None) -> None:
+    """One round of every member, device work only (clock: marks its draft, verify and commit)."""
     tensors = members[0].cache.cache.tensors
+    _mark(clock, 0)
     befores = tensors["ctl"].index_select(0, runner.index([m.cache.slot for m in members]))
-    drafting = [m for m in members if m.k > 0]
-    drafted = iter(proposer.propose(drafting) if drafting else ())
-    num_drafts = [next(drafted) if m.k > 0 else 0 for m in members]
+    drafting = [b for b, m in enumerate(members) if m.k > 0]
+    counted = proposer.propose([members[b] for b in drafting]) if drafting else None
+    num_drafts = runner.index([m.k for m in members])  # [B] the drafts that count
+    if counted is not None:  # a confidence gate cut some
+        num_drafts = num_drafts.index_copy(0, runner.index(drafting), counted)
     for m in members:  # what a request ending in the last round reads
         m.buf.prev_logits.copy_(m.buf.logits)
         m.buf.prev_hidden.copy_(m.buf.hidden)
+    _mark(clock, 1)
     # one trunk step over every member's [pending, drafts] rows, out of and into the slots' buffers
     batch = runner.batch([m.cache for m in members], [m.k + 1 for m in members])
     flat = batch.flat_rows(members[0].buf.verify_ids.shape[0])
@@ -106,13 +114,21 @@ def device_round(runner, proposer, members: list[Member]) -> None:
     runner.step.trunk(batch, tensors["verify_ids"].view(-1).index_select(0, flat), logits, hidden)
     tensors["logits"].flatten(0, 1).index_copy_(0, flat, logits)
     tensors["hidden"].flatten(0, 1).index_copy_(0, flat, hidden)
-    # greedy members without penalties or a confidence gate: verified and committed together
-    plain = [b for b, m in enumerate(members) if _plain_greedy(m) and isinstance(num_drafts[b], int)]
+    _mark(clock, 2)
+    # greedy members without penalties: verified and committed together
+    plain = [b for b, m in enumerate(members) if _plain_greedy(m)]
     if plain:
-        _accept_greedy(runner, batch, [members[b] for b in plain], plain, befores, logits, proposer is not None)
-    for b, (m, drafts) in enumerate(zip(members, num_drafts, strict=True)):
+        counts = num_drafts if len(plain) == len(members) else num_drafts.index_select(0, runner.index(plain))
+        _accept_greedy(runner, batch, [members[b] for b in plain], plain, befores, logits, counts, proposer is not None)
+    for b, m in enumerate(members):
         if b not in plain:
-            _accept(m, befores[b], drafts, proposer is not None)
+            _accept(m, befores[b], num_drafts[b], proposer is not None)
+    _mark(clock, 3)
+
+
+def _mark(clock, i: int) -> None:
+    if clock is not None:
+        clock.mark(i)
 
 
 def _plain_greedy(m: Member) -> bool:
@@ -120,9 +136,10 @@ def _plain_greedy(m: Member) -> bool:
     return kind.greedy and not kind.penalties and not kind.min_tokens and not kind.grammar
 
 
-def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores, logits, heads: bool) -> None:
+def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores, logits, counts, heads: bool) -> None:
     """`_accept` for greedy members without penalties, all at once (the same integer results):
-    each row's argmax, the longest prefix of drafts matching it, the commit and the outcomes."""
+    each row's argmax, the longest prefix of the drafts that count (counts [G]) matching it, the
+    commit and the outcomes."""
     R, tensors, G = group[0].buf.verify_ids.shape[0], group[0].cache.cache.tensors, len(group)
     slots = runner.index([m.cache.slot for m in group])
     ks = runner.index([m.k for m in group])
@@ -132,7 +149,7 @@ def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores
     target = target.index_copy_(0, cells, logits.argmax(-1).index_select(0, rows)).view(G, R)
     cols = torch.arange(R, device=logits.device)
     ids = tensors["verify_ids"].index_select(0, slots)  # [G, R]: pending, drafts
-    match = (ids[:, 1:] == target[:, :-1]) & (cols[None, :-1] < ks[:, None])
+    match = (ids[:, 1:] == target[:, :-1]) & (cols[None, :-1] < counts[:, None])
     n = match.long().cumprod(1).sum(1)  # [G] drafts before the first mismatch
     out_ids = torch.where(cols[None] <= n[:, None], target, -1)  # accepted drafts, then the bonus
     ids[:, 0] = out_ids.gather(1, n[:, None])[:, 0]  # the next round's pending token
@@ -145,11 +162,11 @@ def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores
     cache = group[0].cache
     ctl = commit_ctl(before, (n + 1)[:, None], cache.rows, cache.cols, round_=True)
     tensors["ctl"].index_copy_(0, slots, ctl.to(torch.int32))
-    tensors["out"].index_copy_(0, slots, torch.cat([n[:, None], ks[:, None], out_ids, before.long()], dim=1))
+    tensors["out"].index_copy_(0, slots, torch.cat([n[:, None], counts[:, None], out_ids, before.long()], dim=1))
 
 
-def _accept(m: Member, before: torch.Tensor, num_drafts, heads: bool) -> None:
-    """Verify a member's drafts, commit what it keeps and write its outcome."""
+def _accept(m: Member, before: torch.Tensor, num_drafts: torch.Tensor, heads: bool) -> None:
+    """Verify a member's drafts (the first num_drafts [] count), commit what it keeps and write its outcome."""
     cache, sampler, buf, k = m
     q = None if sampler.kind.greedy else buf.draft_q[:k]
     n, out_ids = sampler.verify(buf.logits[: k + 1], buf.verify_ids[1 : k + 1], q, num_drafts, before[NUM_GEN])
@@ -158,7 +175,7 @@ def _accept(m: Member, before: torch.Tensor, num_drafts, heads: bool) -> None:
     buf.verify_ids[:1] = out_ids.index_select(0, n.reshape(1))  # the next round's pending token
     if heads:  # the next head pass writes the rows of what this round kept
         torch.clamp(out_ids, min=0, out=buf.head_ids[: k + 1])
-    _write_outcome(buf, n, n.new_full((1,), k) if isinstance(num_drafts, int) else num_drafts, out_ids, before)
+    _write_outcome(buf, n, num_drafts, out_ids, before)
 
 
 @torch.inference_mode()
@@ -182,13 +199,16 @@ def launch(runner, proposer, rounds: list[RequestRounds]) -> None:
     """One batched round of these requests (one CUDA graph per batch of (slot, K, sampler kind);
     eagerly when they are constrained: all or none); each queues the read of its outcome."""
     members = [r.member() for r in rounds]
+    traced = rounds[0].trace is not None
+    key = ("round", tuple((m.cache.slot, m.k, m.sampler.kind) for m in members), id(proposer), traced)
+    clock = runner.clock(key) if traced else None
     if rounds[0].grammar is not None:  # host masks inside the round: never captured
-        device_round(runner, proposer, members)
+        device_round(runner, proposer, members, clock)
     else:
-        key = ("round", tuple((m.cache.slot, m.k, m.sampler.kind) for m in members), id(proposer))
-        runner.run(key, lambda: device_round(runner, proposer, members))
+        slots = tuple(m.cache.slot for m in members)
+        runner.run(key, lambda: device_round(runner, proposer, members, clock), slots)
     for r in rounds:
-        r.queue_read()
+        r.queue_read(clock)
 
 
 def first_token(cache: SlotCache, sampler: SlotSampler, buf: Buffers, seq: Sequence) -> None:
@@ -212,17 +232,6 @@ def _write_outcome(buf: Buffers, n, drafted, out_ids, before) -> None:
     buf.out.copy_(torch.cat([n.reshape(1), drafted.reshape(1), out_ids, pad, before.long()]))
 
 
-class AdaptiveK:
-    """Draft length for the next round: back off to what was accepted, grow after full accepts."""
-
-    def __init__(self, k_max: int, adaptive: bool):
-        self.k_max, self.adaptive, self.k = k_max, adaptive, k_max
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if self.adaptive and drafted > 0:
-            self.k = min(self.k_max, accepted + 1) if accepted < drafted else min(self.k_max, self.k + 1)
-
-
 class Round(NamedTuple):
     """One round as read on the host, cut at a stop token, the budget or the context end."""
 
@@ -238,13 +247,35 @@ class _Read(NamedTuple):
     before: list[int]  # ctl before the round
 
 
+class _Queued(NamedTuple):
+    index: int  # as in _Read
+    host: torch.Tensor  # where its outcome lands
+    event: torch.cuda.Event | None  # recorded after the copy (CUDA)
+    k: int  # its drafts (before a gate)
+    clock: PhaseClock | None  # its phases (traced)
+
+
+class RoundTrace(NamedTuple):
+    """One verify round as traced: K drafted, the drafts that counted (a gate may cut), accepted,
+    and the wall time of the round's phases (a batched round's, shared by its requests)."""
+
+    k: int
+    drafted: int
+    accepted: int
+    draft_s: float
+    verify_s: float
+    commit_s: float
+
+
 class RequestRounds:
     """The rounds of one request on one slot. Rounds are launched in batches (`launch`): one when
     the request has none in flight (`needs_round`), and one ahead (`wants_ahead`, unless the
-    request wants logits, which the next round would overwrite, has a grammar, or `ahead` is off);
-    `read()` reads the oldest; `next()` does all three for a request running alone. `close(kept)`
-    ends the request after `kept` tokens of the last round read and leaves the slot's state as
-    exactly those tokens. `grammar`: the request's matcher (structured outputs), advanced by `read`."""
+    request wants logits, which the next round would overwrite, has a grammar, is traced, or `ahead`
+    is off); `read()` reads the oldest; `next()` does all three for a request running alone.
+    `close(kept)` ends the request after `kept` tokens of the last round read and leaves the slot's
+    state as exactly those tokens. `grammar`: the request's matcher (structured outputs), advanced
+    by `read`. With `trace`, each round read adds a `RoundTrace` to `trace` (a round queued ahead
+    would blur the phases)."""
 
     def __init__(
         self,
@@ -259,6 +290,7 @@ class RequestRounds:
         ahead: bool = True,
         num_speculative_tokens: int | None = None,  # this request's K (<= the engine's; default: the engine's)
         grammar: GrammarState | None = None,
+        trace: bool = False,
     ):
         self.runner, self.proposer, self.seq, self.params = runner, proposer, seq, params
         self.cache = runner.slot(seq.slot)
@@ -268,11 +300,13 @@ class RequestRounds:
         if grammar is not None:  # the grammar's end is the request's
             stop_ids = set(stop_ids) | set(grammar.eos_ids)
         self.stop_ids, self.stats, self.want_logits = stop_ids, stats, want_logits
-        self.ahead = ahead and not want_logits and grammar is None
+        self.ahead = ahead and not want_logits and grammar is None and not trace
+        self.trace: list[RoundTrace] | None = [] if trace else None
         k_max = spec.num_speculative_tokens if proposer is not None else 0
-        self.k_ctl = AdaptiveK(k_max if num_speculative_tokens is None else num_speculative_tokens, spec.adaptive)
+        k = k_max if num_speculative_tokens is None else num_speculative_tokens
+        self.k_ctl = AdaptiveK(k, spec.adaptive, runner.cfg.hidden_size)
         self.max_len = self.cache.max_len
-        self.inflight: deque[tuple[int, torch.Tensor, torch.cuda.Event | None]] = deque()
+        self.inflight: deque[_Queued] = deque()
         self.launched = 0  # rounds queued (round 0 included)
         if runner.device.type == "cuda":  # round r's outcome lands in host[r % 2]: one round is read while one runs
             self.host = [torch.empty_like(self.buf.out, device="cpu", pin_memory=True) for _ in range(2)]
@@ -303,7 +337,7 @@ class RequestRounds:
     def wants_ahead(self) -> bool:
         return not self.closed and len(self.inflight) == 1 and self.ahead and self.next_start < self.max_len
 
-    def queue_read(self) -> None:
+    def queue_read(self, clock: PhaseClock | None = None) -> None:
         """Start the copy of the round just queued's outcome to the host (read in `next`)."""
         if self.runner.device.type == "cuda":
             host, event = self.host[self.launched % 2], self.events[self.launched % 2]
@@ -311,7 +345,7 @@ class RequestRounds:
             event.record()
         else:
             host, event = self.buf.out.clone(), None
-        self.inflight.append((self.launched, host, event))
+        self.inflight.append(_Queued(self.launched, host, event, self.k_ctl.k, clock))
         self.launched += 1
 
     @torch.inference_mode()
@@ -326,7 +360,7 @@ class RequestRounds:
         """The oldest round in flight, as read on the host."""
         if not self.inflight:  # the context is full: no round can run (nothing read)
             return Round([], None, "length")
-        index, host, event = self.inflight.popleft()
+        index, host, event, k, clock = self.inflight.popleft()
         if event is not None:
             event.synchronize()
         out = host.tolist()
@@ -339,7 +373,9 @@ class RequestRounds:
             self.next_start = before[SEQ_LEN] + n + 1
             if room > 0:  # (a round queued ahead into a full context counts for nothing)
                 self.stats.record_round(out[_DRAFTED], n)
-                self.k_ctl.update(out[_DRAFTED], n)
+                self.k_ctl.update(n, self.next_start)
+                if self.trace is not None:
+                    self.trace.append(RoundTrace(k, out[_DRAFTED], n, *clock.split()))
         read = self._cut(index, tokens, room)
         if self.grammar is not None and read.finish_reason is None:  # masks row 0 of the next round
             self.grammar.commit(read.token_ids)

@@ -4,12 +4,20 @@ the MTP head through the step backend named at construction (`STEPS`: the refere
 the fused Triton step), and runs device work as CUDA graphs: eager on a key's first call,
 captured on its second, replayed after.
 
+Graphs' memory is counted (`GraphMemory`: what each capture added to the graph pool, by the
+slots it serves, so kept sessions' graphs count with them) and bounded by the pool's graph budget.
+`when` runs device work only where a device flag holds (a conditional node inside a graph);
+`PhaseClock` times a round's phases (CUDA events captured with its graph).
+
 Does not choose tokens (nextn.engine.sampler) or decide what a round keeps (nextn.engine.rounds).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
+from itertools import pairwise
 
 import torch
 
@@ -20,6 +28,8 @@ from nextn.models.qwen3_5 import CausalLM, ReferenceStep
 from nextn.models.qwen3_5_step import TritonStep
 from nextn.ops import OPS
 from nextn.ops.triton_utils import interpreting
+
+log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 2048  # tokens per chunked prefill forward: bounds attention score memory
 MAX_GRAPHS = 128  # captured graphs kept (one per batch composition); past it they are dropped and recaptured
@@ -38,6 +48,8 @@ class ModelRunner:
         self.ops = OPS[config.kernels]()
         self.use_graphs = self.device.type == "cuda" and config.kernels == "triton"
         self.graphs: dict = {}  # key -> None (ran eagerly once) or a captured CUDAGraph
+        self.graph_memory = GraphMemory(pool.graph_budget)
+        self.conditional = True  # `when` captures conditional nodes (off where CUDA has none)
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.slots = [pool.cache.slot(s) for s in range(pool.num_slots)]
         V, H, S = self.cfg.vocab_size, self.cfg.hidden_size, pool.num_slots
@@ -50,6 +62,7 @@ class ModelRunner:
         self.head_hidden = torch.zeros(2 * S, H, dtype=self.dtype, device=self.device)
         self._batches: dict = {}
         self._indices: dict = {}
+        self._clocks: dict = {}
 
     def slot(self, slot: int) -> SlotCache:
         return self.slots[slot]
@@ -73,31 +86,66 @@ class ModelRunner:
             table[key] = make()
         return table[key]
 
-    def run(self, key, fn: Callable[[], None]) -> None:
+    def clock(self, key) -> PhaseClock:
+        """The phase clock of the work run under this key (made once: its graph records its events)."""
+        return self._made_once(self._clocks, key, lambda: PhaseClock(self.device))
+
+    def run(self, key, fn: Callable[[], None], slots: tuple[int, ...] = ()) -> None:
         """fn (device work on static buffers, no host reads) eagerly on the key's first call (Triton
         compiles, the allocator settles; a warm-up run would change state), captured on the second
-        and replayed from then on. Without graphs, always eagerly."""
+        and replayed from then on; slots: the cache slots it serves (its graph's memory counts
+        with them). Without graphs, always eagerly."""
         if not self.use_graphs:
             return fn()
         if key not in self.graphs:
-            if len(self.graphs) >= MAX_GRAPHS:  # batches come and go: start over rather than grow
+            # batches come and go: past the count or the memory budget, start over rather than grow
+            if len(self.graphs) >= MAX_GRAPHS or self.graph_memory.full():
                 self.drop_graphs()
             self.graphs[key] = None
             return fn()
         graph = self.graphs[key]
         if graph is None:
             graph = torch.cuda.CUDAGraph()
+            reserved = torch.cuda.memory_reserved(self.device)
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 fn()
+            self.graph_memory.add(key, slots, torch.cuda.memory_reserved(self.device) - reserved)
             self.graphs[key] = graph
         graph.replay()
 
+    def when(self, pred: torch.Tensor, fn: Callable[[], None]) -> None:
+        """fn (device work) only where pred (a bool device scalar) holds, with no host read: inside a
+        graph capture a conditional node, skipped on the device at replay; on the CPU a plain branch
+        (there is no device to wait for). Eagerly on a GPU (a key's first run, or no graphs) fn runs
+        whatever pred says: its results must be ones the caller discards when pred is false."""
+        if self.device.type == "cpu":
+            if pred.item():
+                fn()
+            return
+        if not (self.conditional and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return fn()
+        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        try:
+            graph.begin_capture_to_if_node(pred)
+        except RuntimeError as e:  # a build or driver without conditional nodes (CUDA < 12.4): fn runs, masked
+            log.warning("CUDA graph conditional nodes unavailable (%s): gated head steps run and are discarded", e)
+            self.conditional = False
+            return fn()
+        try:
+            fn()
+        finally:
+            graph.end_capture_to_conditional_node()
+
     def drop_graphs(self) -> None:
-        """Forget every captured graph and the step batches and indices they read."""
+        """Forget every captured graph and the step batches, indices and clocks they read; their
+        memory goes back to the device (later captures then count what they take anew)."""
         torch.cuda.synchronize(self.device)
         self.graphs.clear()
+        self.graph_memory.clear()
         self._batches.clear()
         self._indices.clear()
+        self._clocks.clear()
+        torch.cuda.empty_cache()
 
     # --- a slot's state, host record and device counters together
 
@@ -163,6 +211,7 @@ class ModelRunner:
         self.run(
             ("prefill", cache.slot, T),
             lambda: self.step.trunk(batch, self.step_ids[:T], logits, hidden, store_all=False),
+            (cache.slot,),
         )
         cache.commit(T, store_all=False)
         return logits, hidden
@@ -185,3 +234,54 @@ class ModelRunner:
                 self.model.head_rows(cache.draft_kv(), piece, rows, first + s, ops=self.ops)
         seq.draft_len = max(seq.draft_len, len(seq.tokens) - 1)
         cache.set(draft_len=seq.draft_len)
+
+
+class GraphMemory:
+    """The bytes captured graphs hold (what each capture added to the graph pool), by the slots
+    they serve, against a budget: a kept session's graphs are part of what it holds."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.held: dict = {}  # graph key -> (slots it serves, bytes)
+
+    def add(self, key, slots: tuple[int, ...], nbytes: int) -> None:
+        self.held[key] = (frozenset(slots), max(0, nbytes))
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, n in self.held.values())
+
+    def of(self, slots) -> int:
+        """Bytes of the graphs that serve any of these slots."""
+        slots = set(slots)
+        return sum(n for served, n in self.held.values() if served & slots)
+
+    def full(self) -> bool:
+        return self.total >= self.budget
+
+    def clear(self) -> None:
+        self.held.clear()
+
+
+class PhaseClock:
+    """Wall time between marks of device work: the host clock on the CPU (its work is done when a
+    mark is reached); CUDA events on a GPU, recorded inside the work's graph when it has one, read
+    once the work is done."""
+
+    def __init__(self, device: torch.device, marks: int = 4):
+        self.events = None
+        if device.type == "cuda":
+            self.events = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(marks)]
+        self.times = [0.0] * marks
+
+    def mark(self, i: int) -> None:
+        if self.events is None:
+            self.times[i] = time.perf_counter()
+        else:
+            self.events[i].record()
+
+    def split(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        if self.events is None:
+            return [b - a for a, b in pairwise(self.times)]
+        return [a.elapsed_time(b) / 1e3 for a, b in pairwise(self.events)]

@@ -36,7 +36,7 @@ from nextn.sampling import (
     sample,
 )
 from nextn.spec.draft_vocab import DraftHead
-from nextn.spec.verifier import VerifyResult, verify_greedy, verify_sampled
+from nextn.spec.verifier import VerifyResult, gate_draft_probs, verify_greedy, verify_sampled
 
 VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens")
 
@@ -147,7 +147,8 @@ class SlotSampler:
         its rows: the pick maps through d2t, q is the subset's law scattered onto the target ids
         (zero elsewhere), penalties and the min_tokens ban read target ids projected onto the subset.
         Returns the head's probability of its pick [1] (over the subset, with a draft vocabulary)
-        when a p_min gate is on, else None."""
+        when a p_min gate is on, else None; sampled, q is then the law of a draft the gate keeps
+        (restricted to the tokens whose head probability reaches p_min: nextn.spec.verifier)."""
         history, so_far, pick, columns = self._history(), drafts_so_far, token, None
         if vocab is not None:
             history, so_far = vocab.project(history, drafts_so_far)
@@ -155,20 +156,24 @@ class SlotSampler:
         j, masked = drafts_so_far.numel(), self.grammar is not None and self.grammar.draft_mask
         allowed = self.grammar.masks[j : j + 1] if masked else None
         logits = self._banned(logits, self.ctl[NUM_GEN] + j, columns, allowed)  # draft j: NUM_GEN + j
+        probs = None
         if self.kind.greedy:
             torch.argmax(penalized_logits(logits, self.values, history, so_far, self.kind), dim=-1, out=pick)
         else:
             probs = probs_from_logits(logits, self.values, history, so_far, self.kind, out=q if vocab is None else None)
             sample(probs, u, out=pick)
-            if vocab is not None:
-                vocab.scatter(probs, out=q)
+        confidence = None
+        if self.p_min > 0.0:
+            head = torch.softmax(logits.float(), dim=-1)  # [1, V or Vd] the head's own probabilities
+            confidence = head.gather(-1, pick[:, None])[:, 0]
+            if probs is not None:
+                gate_draft_probs(probs, head >= self.p_min)
         if vocab is not None:
+            if probs is not None:
+                vocab.scatter(probs, out=q)
             vocab.to_target(pick, out=token)
         if masked:  # the grammar walks the draft (a host read) to mask the next one
             self.grammar.drafted(j, token)
-        confidence = None
-        if self.p_min > 0.0:
-            confidence = torch.softmax(logits.float(), dim=-1).gather(-1, pick[:, None])[:, 0]
         return confidence
 
     def verify(

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import astuple, dataclass, field
+from copy import deepcopy
+from dataclasses import dataclass, field
 
-from nextn.core import MAX_TRACKED_POSITIONS, RequestOutput
+from nextn.core import MAX_TRACKED_POSITIONS, RequestOutput, SpecStats
 from nextn.engine.scheduler import SessionCounters
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
@@ -56,8 +57,7 @@ class SessionSnapshot:
 class Totals:
     prompt_tokens: int
     generation_tokens: int
-    num_drafts: int
-    num_accepted_tokens: int
+    spec: SpecStats  # a copy of the finished requests' aggregate
 
 
 class ThroughputLog:
@@ -70,17 +70,19 @@ class ThroughputLog:
     def line(self, running: int, waiting: int) -> str | None:
         """None when nothing ran and nothing waits (an idle server logs nothing)."""
         now, cur = time.monotonic(), self.metrics.totals()
-        d = Totals(*(a - b for a, b in zip(astuple(cur), astuple(self.last), strict=True)))
+        prompt, generated = (
+            cur.prompt_tokens - self.last.prompt_tokens,
+            cur.generation_tokens - self.last.generation_tokens,
+        )
+        spec = cur.spec.delta_since(self.last.spec)
         dt = max(now - self.t, 1e-9)
         self.last, self.t = cur, now
-        if not any(astuple(d)) and not running and not waiting:
+        if not (prompt or generated or spec.num_rounds) and not running and not waiting:
             return None
-        line = (
-            f"running {running}, waiting {waiting}; prompt {d.prompt_tokens / dt:.1f} tok/s, "
-            f"generation {d.generation_tokens / dt:.1f} tok/s"
-        )
-        if d.num_drafts:
-            line += f"; mean acceptance length {1 + d.num_accepted_tokens / d.num_drafts:.2f}"
+        line = f"running {running}, waiting {waiting}; prompt {prompt / dt:.1f} tok/s, "
+        line += f"generation {generated / dt:.1f} tok/s"
+        if spec.drafted_per_position[0]:  # per round with drafts, as vLLM's
+            line += f"; mean acceptance length {1 + spec.num_accepted / spec.drafted_per_position[0]:.2f}"
         return line
 
 
@@ -95,11 +97,7 @@ class Metrics:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.generation_tokens = 0
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.drafted_per_pos = [0] * MAX_TRACKED_POSITIONS
-        self.accepted_per_pos = [0] * MAX_TRACKED_POSITIONS
+        self.spec = SpecStats()  # the finished requests' draft counters
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -118,18 +116,12 @@ class Metrics:
             self.itl.observe(seconds / num_tokens, num_tokens)
 
     def finished(self, out: RequestOutput, e2e_seconds: float) -> None:
-        s = out.spec
         with self._lock:
             self.success[out.finish_reason] = self.success.get(out.finish_reason, 0) + 1
             self.prompt_tokens += out.prompt_tokens
             self.cached_tokens += out.cached_tokens
             self.generation_tokens += len(out.token_ids)
-            self.num_drafts += s.drafted_per_position[0]
-            self.num_draft_tokens += s.num_drafted
-            self.num_accepted_tokens += s.num_accepted
-            for j in range(MAX_TRACKED_POSITIONS):
-                self.drafted_per_pos[j] += s.drafted_per_position[j]
-                self.accepted_per_pos[j] += s.accepted_per_position[j]
+            self.spec.merge(out.spec)
             self.e2e.observe(e2e_seconds)
 
     def ended_early(self, aborted: bool, prompt_tokens: int, generated_tokens: int) -> None:
@@ -152,7 +144,7 @@ class Metrics:
 
     def totals(self) -> Totals:
         with self._lock:
-            return Totals(self.prompt_tokens, self.generation_tokens, self.num_drafts, self.num_accepted_tokens)
+            return Totals(self.prompt_tokens, self.generation_tokens, deepcopy(self.spec))
 
     def set_batch_sizes(self, sizes: dict[int, int]) -> None:
         """Batched rounds launched so far by the number of requests they held (the engine's)."""
@@ -223,30 +215,7 @@ class Metrics:
                 "Time from arrival to the last token.",
                 self.e2e.lines("nextn:e2e_request_latency_seconds"),
             )
-            counter(
-                "nextn:spec_decode_num_drafts_total", "Verify rounds with at least one draft token.", self.num_drafts
-            )
-            counter("nextn:spec_decode_num_draft_tokens_total", "Draft tokens proposed.", self.num_draft_tokens)
-            counter("nextn:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", self.num_accepted_tokens)
-            positions = range(self.num_positions)
-            metric(
-                "nextn:spec_decode_num_accepted_tokens_per_pos_total",
-                "counter",
-                "Draft tokens accepted at each draft position.",
-                [
-                    f'nextn:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}} {self.accepted_per_pos[j]}'
-                    for j in positions
-                ],
-            )
-            metric(
-                "nextn:spec_decode_num_draft_tokens_per_pos_total",
-                "counter",
-                "Draft tokens proposed at each draft position.",
-                [
-                    f'nextn:spec_decode_num_draft_tokens_per_pos_total{{position="{j}"}} {self.drafted_per_pos[j]}'
-                    for j in positions
-                ],
-            )
+            self._spec_metrics(metric, counter)
             s, c = self.sessions, self.sessions.counters
             counter("nextn:session_lookups_total", "Session lookups by prompt prefix.", c.lookups)
             counter("nextn:session_hits_total", "Lookups that found a kept session state.", c.hits)
@@ -256,5 +225,36 @@ class Metrics:
                 "nextn:prompt_tokens_cached_total", "Prompt tokens served from kept session state.", self.cached_tokens
             )
             gauge("nextn:session_states", "Kept session states.", s.num_states)
-            gauge("nextn:session_memory_bytes", "Bytes held by kept session states.", s.memory_bytes)
+            gauge(
+                "nextn:session_memory_bytes",
+                "Bytes held by kept session states: their cache slots and the CUDA graphs captured for them.",
+                s.memory_bytes,
+            )
             return "\n".join(lines) + "\n"
+
+    def _spec_metrics(self, metric, counter) -> None:
+        """The draft counters in vLLM's names, zero-draft rounds and the accept-length histogram."""
+        s, positions = self.spec, range(self.num_positions)
+        counter(
+            "nextn:spec_decode_num_drafts_total",
+            "Verify rounds with at least one draft token.",
+            s.drafted_per_position[0],
+        )
+        counter("nextn:spec_decode_num_draft_tokens_total", "Draft tokens proposed.", s.num_drafted)
+        counter("nextn:spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", s.num_accepted)
+        counter(
+            "nextn:spec_decode_num_zero_draft_rounds_total",
+            "Verify rounds of the pending token alone (a confidence gate cut the first draft).",
+            s.num_zero_draft_rounds,
+        )
+        for name, help_, values in (
+            ("accepted_tokens", "Draft tokens accepted at each draft position.", s.accepted_per_position),
+            ("draft_tokens", "Draft tokens proposed at each draft position.", s.drafted_per_position),
+        ):
+            full = f"nextn:spec_decode_num_{name}_per_pos_total"
+            metric(full, "counter", help_, [f'{full}{{position="{j}"}} {values[j]}' for j in positions])
+        lengths = Histogram(tuple(positions) + (self.num_positions,))  # drafts accepted per round, 0..K
+        lengths.counts = s.accept_length_histogram[: self.num_positions + 1] + [0]
+        lengths.total, lengths.count = s.num_accepted, s.num_rounds
+        name = "nextn:spec_decode_accept_length"
+        metric(name, "histogram", "Draft tokens accepted per verify round.", lengths.lines(name))

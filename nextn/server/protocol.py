@@ -284,8 +284,10 @@ class SpecDecodeUsage(OpenAIModel):
     num_draft_tokens: int
     num_accepted_tokens: int
     num_rounds: int  # all verify rounds, zero-draft ones included
+    num_zero_draft_rounds: int  # rounds that verified the pending token alone (a gate cut draft 1)
     drafted_per_position: list[int]
     accepted_per_position: list[int]
+    accept_length_histogram: list[int]  # rounds by drafts accepted, 0..K
     acceptance_rate: float
     mean_acceptance_length: float  # tokens per verify round: 1 + accepted / rounds
 

@@ -79,8 +79,10 @@ def spec_usage(stats: SpecStats, num_speculative_tokens: int) -> P.SpecDecodeUsa
         num_draft_tokens=stats.num_drafted,
         num_accepted_tokens=stats.num_accepted,
         num_rounds=stats.num_rounds,
+        num_zero_draft_rounds=stats.num_zero_draft_rounds,
         drafted_per_position=stats.drafted_per_position[:k],
         accepted_per_position=stats.accepted_per_position[:k],
+        accept_length_histogram=stats.accept_length_histogram[: k + 1],
         acceptance_rate=stats.acceptance_rate,
         mean_acceptance_length=stats.mean_acceptance_length,
     )

@@ -268,6 +268,7 @@ class EngineWorker:
             SessionSnapshot(
                 dataclasses.replace(sched.counters),
                 len(sched.sessions),
-                len(sched.sessions) * self.engine.pool.slot_nbytes,
+                # a kept conversation holds its slot and the graphs captured for it
+                len(sched.sessions) * self.engine.pool.slot_nbytes + self.engine.runner.graph_memory.of(sched.sessions),
             )
         )

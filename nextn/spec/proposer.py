@@ -7,6 +7,12 @@ hiddens, and the new pending token with the hidden of its predecessor) into its 
 fixed shape of K_max + 1 rows whatever was accepted (rows past the kept ones land beyond and are
 overwritten later); each sequence's kept row gives its draft 1. Drafts 2..K chain the head's own
 output hidden, one row per sequence still drafting (K may differ per sequence).
+A confidence gate (SpecConfig.p_min) cuts a sequence's chain at its first draft whose head
+probability is below p_min, on the device: the drafts before it count (none when draft 1 is cut:
+the round verifies the pending token alone). A head step runs only while some sequence of the
+batch is still drafting: inside a round's CUDA graph a conditional node skips it (`runner.when`),
+so a cut saves head steps with no host read; a sequence cut while others draft rides along in
+the fixed-shape step and its rows are discarded. The verify keeps its K + 1 rows.
 With a draft vocabulary (SpecConfig.draft_vocab, FR-Spec) the head scores its rows only, from a
 copy of them made here at load (nextn.spec.draft_vocab.DraftHead), into the proposer's own
 [rows, Vd] logits; the sampler maps each draft through d2t and scatters its q onto target ids.
@@ -18,6 +24,8 @@ nothing here reads the host, so a round's drafts are captured in its CUDA graph.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from nextn.cache.hybrid import ACCEPTED, DRAFT_LEN, NUM_GEN, SEQ_LEN
@@ -26,22 +34,27 @@ from nextn.spec.draft_vocab import DraftHead
 
 
 class MTPProposer:
-    def __init__(self, runner, p_min: float = 0.0):
+    def __init__(self, runner):
         if runner.model.mtp is None:
             raise ValueError("the checkpoint has no MTP head (mtp.* tensors)")
-        self.runner, self.p_min = runner, p_min
-        vocab = runner.config.spec.draft_vocab
+        spec = runner.config.spec
+        self.runner, self.p_min, self.skip_cut = runner, spec.p_min, spec.draft_gate == "skip"
+        vocab = spec.draft_vocab
         self.draft = None if vocab is None else DraftHead(vocab, runner.model.lm_head_weight)
         # the head's rows to score (None: the step's full lm_head) and its logits [rows, V or Vd]
         self.lm_head = None if self.draft is None else self.draft.lm_head
         self.logits = runner.head_logits
         if self.draft is not None:
             self.logits = runner.head_logits.new_zeros(runner.head_logits.shape[0], self.draft.size)
+        # with a gate on: head steps run (a round's first pass included), counted on the device [1]
+        self.head_steps = torch.zeros(1, dtype=torch.long, device=runner.device) if self.p_min > 0 else None
 
-    def propose(self, members: list) -> list:
+    def propose(self, members: list) -> torch.Tensor | None:
         """Draft members[b].k >= 1 tokens into each member's buf.verify_ids[1:k+1] (and their q into
-        buf.draft_q[:k] when sampled). Returns per member how many count: k, or the drafts before
-        the first whose head probability is below p_min (a device scalar)."""
+        buf.draft_q[:k] when sampled). Returns None when every draft counts (no gate), else the
+        drafts that count per member [B] long: those before the first whose head probability is
+        below p_min. Once every member is cut, the chain's remaining head steps do not run
+        (`runner.when`: skipped on the device inside a graph), unless the gate is set to "mask"."""
         runner, B = self.runner, len(members)
         R = members[0].buf.verify_ids.shape[0]
         tensors = members[0].cache.cache.tensors
@@ -58,28 +71,41 @@ class MTPProposer:
             None if m.sampler.kind.greedy else m.sampler.uniforms_at(Stream.DRAFT, m.cache.ctl[NUM_GEN], m.k)
             for m in members
         ]
-        confidence: list[list] = [[] for _ in members]
+        gate = None
+        if self.p_min > 0.0:
+            gate = _Gate(torch.ones(B, dtype=torch.bool, device=runner.device), torch.zeros_like(ids[:B]))
+            self.head_steps.add_(1)
         for j in range(max(m.k for m in members)):
-            for b, m in enumerate(members):
-                if m.k > j:
-                    u = uniforms[b]
-                    confidence[b].append(
-                        m.sampler.draft(
-                            logits[b : b + 1],
-                            m.buf.verify_ids[1 : 1 + j],
-                            None if u is None else u[j : j + 1],
-                            m.buf.verify_ids[1 + j : 2 + j],
-                            m.buf.draft_q[j : j + 1],
-                            self.draft,
-                        )
-                    )
-            # the chain: draft j + 1's row sits in draft K/V slot SEQ_LEN + j (the pending token's is SEQ_LEN - 1)
-            chain = [b for b, m in enumerate(members) if m.k > j + 1]
-            if chain:
-                self._chain(batch if len(chain) == B else None, [members[b] for b in chain], chain, j, logits, chained)
-        if self.p_min <= 0.0:
-            return [m.k for m in members]
-        return [(torch.cat(c) >= self.p_min).long().cumprod(0).sum() for c in confidence]
+            index = [b for b, m in enumerate(members) if m.k > j]  # the members drafting draft j
+
+            def step(j=j, index=index):
+                if j > 0:  # draft j's row sits in draft K/V slot SEQ_LEN + j - 1 (the pending token's is SEQ_LEN - 1)
+                    chain = [members[b] for b in index]
+                    self._chain(batch if len(index) == B else None, chain, index, j - 1, logits, chained)
+                    if gate is not None:
+                        self.head_steps.add_(1)
+                confidence = [self._draft(members[b], j, logits[b : b + 1], uniforms[b]) for b in index]
+                if gate is not None:
+                    at = None if len(index) == B else runner.index(index)
+                    gate.cut(at, (confidence[0] if B == 1 else torch.cat(confidence)) >= self.p_min)
+
+            if j > 0 and gate is not None and self.skip_cut:
+                runner.when(gate.still_drafting(None if len(index) == B else runner.index(index)), step)
+            else:
+                step()
+        return None if gate is None else gate.counted
+
+    def _draft(self, m, j: int, logits: torch.Tensor, u: torch.Tensor | None):
+        """Member m's draft j from its head logits [1, V or Vd] (its confidence when gated)."""
+        ids = m.buf.verify_ids
+        return m.sampler.draft(
+            logits,
+            ids[1 : 1 + j],
+            None if u is None else u[j : j + 1],
+            ids[1 + j : 2 + j],
+            m.buf.draft_q[j : j + 1],
+            self.draft,
+        )
 
     def _chain(self, full, members: list, index: list[int], j: int, logits, chained) -> None:
         """One head step for members (at positions index of the batch) with their drafts j."""
@@ -97,6 +123,29 @@ class MTPProposer:
         chained.index_copy_(0, at, out_hidden)
 
 
+class _Gate(NamedTuple):
+    """A round's confidence gate on the device: which members still draft, and the drafts that count."""
+
+    live: torch.Tensor  # [B] bool: no draft of the member was cut yet
+    counted: torch.Tensor  # [B] long: drafts before the first cut
+
+    def cut(self, at: torch.Tensor | None, passed: torch.Tensor) -> None:
+        """The members at positions at [n] (None: all) drafted one more; passed [n] bool: its
+        confidence reached p_min."""
+        if at is None:
+            self.counted.add_(self.live.logical_and_(passed))
+            return
+        live = self.live.index_select(0, at) & passed
+        self.live.index_copy_(0, at, live)
+        self.counted.index_add_(0, at, live.long())
+
+    def still_drafting(self, at: torch.Tensor | None) -> torch.Tensor:
+        """[] bool: a member at positions at (None: any) has not been cut."""
+        if at is None:
+            return self.live[0] if self.live.numel() == 1 else self.live.any()
+        return self.live.index_select(0, at).any()
+
+
 class ProfileProposer:
     """Drafts of a chosen acceptance, for measuring speed-ups where the head guesses nothing (random
     weights): the real head drafts (and is paid for), then draft j is replaced, with probability
@@ -105,12 +154,12 @@ class ProfileProposer:
 
     def __init__(self, base: MTPProposer, profile: list[float], reference_ids: list[int], seed: int = 0):
         device = base.runner.device
-        self.base, self.p_min = base, base.p_min
+        self.base = base
         self.profile = torch.tensor(profile, dtype=torch.float64, device=device)
         self.reference = torch.tensor(reference_ids, dtype=torch.long, device=device)
         self.rng = RequestRng(seed)
 
-    def propose(self, members: list) -> list:
+    def propose(self, members: list) -> torch.Tensor | None:
         if any(not m.sampler.kind.greedy for m in members):  # a replaced draft is not drawn from its q
             raise ValueError("an acceptance profile drives greedy decoding only")
         num_drafts = self.base.propose(members)

@@ -130,7 +130,8 @@ def replay(
     if dump_hidden:
         from safetensors.torch import save_file
 
-        save_file({"hidden": hidden.float().cpu().contiguous(), "input_ids": torch.tensor(ids)}, dump_hidden)
+        # bf16, the released heads' training dtype: hidden [N, H] (row t: the head input of token t)
+        save_file({"hidden": hidden.to(torch.bfloat16).cpu().contiguous(), "input_ids": torch.tensor(ids)}, dump_hidden)
     accepted = torch.zeros(k, dtype=torch.long)
     positions = range(1, len(ids) - k, stride)
     with torch.inference_mode():

@@ -26,6 +26,12 @@ Exactness contract for q (the draft distribution):
     max(0, p - q) keeps all their target mass: the output law stays exactly p. Equivalently,
     scatter the draft head's logits onto a [V] row filled with -inf and run the usual
     `probs_from_logits` on it (penalties and filters then use target ids and the target history).
+  * A confidence gate (p_min) that cuts the chain at a draft x depending on x itself changes the
+    law of the drafts that are verified: a draft is verified only when the gate let it through,
+    so its law is q restricted to the tokens the gate lets through, renormalised
+    (`gate_draft_probs`). Verifying it against the unrestricted q biases the output towards the
+    tokens the head is confident about; against the restricted q the round is exact, and a cut
+    draft is never drafted (the bonus at the cut comes from p).
 """
 
 from __future__ import annotations
@@ -108,6 +114,14 @@ def _draft_row(draft_probs: Tensor | None, draft_ids: Tensor, n: Tensor, num_dra
     if draft_probs is None:  # one-hot q at the greedy draft
         return torch.zeros_like(like).scatter_(0, draft_ids.index_select(0, row), live.reshape(1))
     return draft_probs.index_select(0, row)[0].float() * live
+
+
+def gate_draft_probs(q: Tensor, passed: Tensor) -> Tensor:
+    """q [N, V] restricted to the tokens a confidence gate lets through (passed [N, V] bool) and
+    renormalised, in place: the law of a draft given that the gate kept it. A row with no mass left
+    stays zero (its draft is always cut, never verified)."""
+    q.mul_(passed)
+    return q.div_(q.sum(-1, keepdim=True).clamp_(min=torch.finfo(q.dtype).tiny))
 
 
 def draft_probs_on_target_vocab(
