@@ -50,6 +50,7 @@ class ModelRunner:
         self.graphs: dict = {}  # key -> None (ran eagerly once) or a captured CUDAGraph
         self.graph_memory = GraphMemory(pool.graph_budget)
         self.conditional = True  # `when` captures conditional nodes (off where CUDA has none)
+        self._capturing: torch.cuda.CUDAGraph | None = None  # the graph `run` is capturing now
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.slots = [pool.cache.slot(s) for s in range(pool.num_slots)]
         V, H, S = self.cfg.vocab_size, self.cfg.hidden_size, pool.num_slots
@@ -105,10 +106,13 @@ class ModelRunner:
             return fn()
         graph = self.graphs[key]
         if graph is None:
-            graph = torch.cuda.CUDAGraph()
+            graph = self._capturing = torch.cuda.CUDAGraph()
             reserved = torch.cuda.memory_reserved(self.device)
-            with torch.cuda.graph(graph, pool=self.graph_pool):
-                fn()
+            try:
+                with torch.cuda.graph(graph, pool=self.graph_pool):
+                    fn()
+            finally:
+                self._capturing = None
             self.graph_memory.add(key, slots, torch.cuda.memory_reserved(self.device) - reserved)
             self.graphs[key] = graph
         graph.replay()
@@ -122,12 +126,12 @@ class ModelRunner:
             if pred.item():
                 fn()
             return
-        if not (self.conditional and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        graph = self._capturing
+        if not self.conditional or graph is None:
             return fn()
-        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
         try:
             graph.begin_capture_to_if_node(pred)
-        except RuntimeError as e:  # a build or driver without conditional nodes (CUDA < 12.4): fn runs, masked
+        except (RuntimeError, AttributeError) as e:  # a torch, build or driver without conditional nodes
             log.warning("CUDA graph conditional nodes unavailable (%s): gated head steps run and are discarded", e)
             self.conditional = False
             return fn()
