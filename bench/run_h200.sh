@@ -41,7 +41,7 @@ for stage in "$@"; do
                for n in 1 2; do ks="1"; extra=""
                  [ $n = 2 ] && ks="1 2 3 4 5 6 7 8" && extra="--acceptance-profile 0.85,0.75,0.65"
                  timeout 300 python3 -m nextn.cli bench --random-weights $p --device cuda --dtype bfloat16 \
-                   --tensor-parallel-size $n --spec-k $ks --repeats 2 --gen-len 128 $extra --json $OUT/tp${n}_$p.json \
+                   --tensor-parallel-size $n --spec-k $ks --repeats 1 --gen-len 96 $extra --json $OUT/tp${n}_$p.json \
                    2>&1 | grep -v '^ ' | tail -30 | tee -a $LOG
                done
                python3 bench/tp_compare.py $OUT/tp1_$p.json $OUT/tp2_$p.json --out $OUT/tp_$p.json | tee -a $LOG ;;
