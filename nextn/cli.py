@@ -9,7 +9,7 @@ import logging
 import sys
 
 from nextn import __version__
-from nextn.config import DTYPE_NAMES, QUANTIZATIONS
+from nextn.config import DTYPE_NAMES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -49,12 +49,20 @@ def _draft_vocab_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _quantization(p: argparse.ArgumentParser) -> None:
+    """generate / serve / bench: FP8 weights and the K/V cache's dtype."""
     p.add_argument(
         "--quantization",
         default=None,
         choices=QUANTIZATIONS,
         help="fp8: quantize a bf16 checkpoint's weights at load (128x128 blocks of e4m3); "
         "FP8 checkpoints load as they are without it",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="auto (default): K/V in the model dtype; fp8: the attention layers' K/V in e4m3 with a "
+        "scale per row (half the bytes of bf16; the MTP head's draft K/V stay in the model dtype)",
     )
 
 
@@ -347,6 +355,7 @@ def _llm(args, **engine):
         speculative_config=args.speculative_config,
         quantization=args.quantization,
         draft_vocab=args.draft_vocab,
+        kv_cache_dtype=args.kv_cache_dtype,
         **engine,
     )
 

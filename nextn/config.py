@@ -22,6 +22,8 @@ KERNELS = ("auto", "torch", "triton")
 PREFILL_MODES = ("chunked", "steps")
 # what `quantization=` makes of a checkpoint's bf16 weights at load
 QUANTIZATIONS = ("fp8",)
+# the attention layers' K/V cache: "auto" the model dtype, "fp8" e4m3 rows with float32 scales
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 # model_type -> family. The VLM wrappers keep their text keys under `text_config`.
 _FAMILIES = {
@@ -133,6 +135,12 @@ def check_quantization(quantization: str | None) -> None:
             f"quantization {quantization!r} is not supported; nextn quantizes at load to {' or '.join(QUANTIZATIONS)} "
             "(and loads FP8 checkpoints as they are)"
         )
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """The `kv_cache_dtype=` setting: one of KV_CACHE_DTYPES."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -395,9 +403,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # "fp8": the checkpoint's bf16 weights quantized at load (an FP8 checkpoint loads as it is either way)
     quantization: str | None = None
+    # the full-attention layers' K/V: "auto" (the model dtype) or "fp8" (e4m3 rows with float32
+    # scales, half the bytes in bf16; the MTP head's draft K/V stay in the model dtype)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         check_quantization(self.quantization)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.kernels == "auto":

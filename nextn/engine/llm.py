@@ -21,6 +21,7 @@ from nextn.config import (
     EngineConfig,
     ModelConfig,
     SpecConfig,
+    check_kv_cache_dtype,
     check_quantization,
     read_generation_config,
     resolve_device,
@@ -64,6 +65,7 @@ class LLM:
         speculative_config: dict | None = None,
         quantization: str | None = None,
         draft_vocab: str | Path | DraftVocab | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
@@ -71,9 +73,11 @@ class LLM:
         num_speculative_tokens=K; without either, K is 3 with an MTP head and 0 without one.
         quantization "fp8": a bf16 checkpoint's weights quantized at load (FP8 checkpoints load as
         they are). draft_vocab: a file from `nextn draft-vocab` (or a DraftVocab): the head drafts
-        over those tokens only (checked against this checkpoint's vocabulary and tokenizer)."""
+        over those tokens only (checked against this checkpoint's vocabulary and tokenizer).
+        kv_cache_dtype "fp8": the attention layers' K/V cache in e4m3 with per-row scales."""
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
+        check_kv_cache_dtype(kv_cache_dtype)  # before the weights load
         device = resolve_device(device)  # before a download: a CUDA request on a CPU torch fails at once
         model_dir = resolve_model(model)
         self.tokenizer = Tokenizer(model_dir)
@@ -103,6 +107,7 @@ class LLM:
             prefill,
             max_num_batched_tokens,
             quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.engine = Engine(self.model, self.tokenizer, self.config)
 
