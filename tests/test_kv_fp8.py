@@ -182,7 +182,30 @@ def _held_in_fp8(engine) -> bool:
     )
 
 
-def _spec_equals_plain(engine, prompt, n: int) -> None:
+@pytest.mark.parametrize("kernels,dtype", [("torch", "float32"), ("triton", "bfloat16")])
+def test_verify_rows_equal_decode_steps_bitwise_under_fp8_kv(kernels, dtype, dense_ckpt):
+    """A verify of 4 tokens committing 3 == 3 single-token decodes: logits, and the K/V bytes and
+    scales they leave (a row is quantized alone, whatever else its step writes)."""
+    if kernels == "triton":
+        pytest.importorskip("triton")
+    from test_step import _prefilled, _step
+
+    engine = _engine(dense_ckpt, kernels, dtype)
+    ids = [5, 77, 300, 12]
+    a, b = _prefilled(engine, 0), _prefilled(engine, 1)
+    verify_logits, _ = _step(engine, a, ids)
+    a.commit(3)
+    for t in range(3):
+        logits, _ = _step(engine, b, ids[t : t + 1])
+        b.commit(1)
+        assert torch.equal(logits[0], verify_logits[t]), t
+    n, layers = a.seq_len, [i for i, t in enumerate(engine.model.cfg.layer_types) if t == FULL]
+    assert _held_in_fp8(engine)
+    for i in layers:
+        assert all(_same(x[:n], y[:n]) for x, y in zip(a.kv(i), b.kv(i), strict=True)), i
+
+
+def _spec_equals_plain(engine, prompt, n: int) -> int:
     """Greedy output with K = 1..4 drafts per round == plain greedy output; some drafts accepted."""
     greedy = dict(temperature=0.0)
     plain = engine_output(engine, prompt, greedy, k=0, max_tokens=n, ignore_eos=True)
