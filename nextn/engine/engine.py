@@ -70,7 +70,12 @@ def build_core(model: CausalLM, config: EngineConfig) -> tuple[SlotPool, ModelRu
     dtype = next(model.parameters()).dtype
     extra = round_buffers(cfg, k_max, dtype) + sampler_buffers(cfg.vocab_size, config.max_model_len)
     layout = CacheLayout(
-        config.max_num_seqs, config.max_model_len, k_max + 1, k_max > 0, tuple(extra), config.kv_cache_dtype
+        config.max_num_seqs,
+        config.max_model_len,
+        k_max + 1,
+        k_max > 0,
+        tuple(extra),
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     pool = SlotPool(cfg, layout, config.device, dtype)
     runner = ModelRunner(model, config, pool)

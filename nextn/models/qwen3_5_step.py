@@ -21,7 +21,8 @@ so one CUDA graph serves every round of a batch.
 FP8 weights (nextn.ops.fp8) reach the skinny GEMM as FP8Weight pairs in place of tensors. A fused
 projection whose members differ in kind (FP8 q/k/v/z beside the bf16 GDN gates b/a) runs one GEMM
 per run of one kind, each into its columns of the projection. MoE layers with FP8 weights are not
-run here (their kernels read bf16 experts): an error says so.
+run here (their kernels read bf16 experts): an error says so. An fp8 K/V cache reaches the
+attention kernels with its scales (nextn.cache.hybrid.KV), which quantize and dequantize its rows.
 """
 
 from __future__ import annotations
