@@ -3,7 +3,8 @@
 A model comes from a checkpoint directory or from a released config with random weights made on
 the device (`--random-weights qwen3.5-9b | qwen3.5-35b-a3b`: a random MTP head too, so it drafts
 but rarely guesses right); `--quantization fp8` quantizes its bf16 weights into 128x128 FP8 blocks
-as it loads (an FP8 checkpoint is FP8 without it), and the report records `quantization`.
+as it loads (an FP8 checkpoint is FP8 without it), and the report records `quantization`;
+`--kv-cache-dtype fp8` stores the attention layers' K/V in e4m3 (recorded as `kv_cache_dtype`).
 One run measures, with CUDA events around warmed-up work, medians:
 - the device copy bandwidth, the weight bytes a decoded token reads, the roofline tokens/s they
   imply, and the fraction of it that plain decoding reaches (`roofline_fraction`, engine loop;
@@ -256,6 +257,7 @@ class BenchConfig:
     prefill_len: int | None = None  # the prompt length of the prefill measurement (default: the prompt's)
     p_mins: list[float] = field(default_factory=lambda: [0.0])  # draft confidence gates of the greedy spec runs
     draft_gate: str = "skip"  # SpecConfig.draft_gate of the gated runs
+    kv_cache_dtype: str = "auto"  # "fp8": the attention layers' K/V in e4m3 (EngineConfig.kv_cache_dtype)
 
 
 @dataclass
@@ -301,6 +303,7 @@ class Bench:
                 slots,
                 self.cfg.kernels,
                 tensor_parallel_size=self.model.cfg.tp_size,
+                kv_cache_dtype=self.cfg.kv_cache_dtype,
             )
             self.cores[key] = build_core(self.model, config)
         return self.cores[key]
@@ -475,7 +478,7 @@ def run_bench(
     if prompt is None:
         g = torch.Generator().manual_seed(cfg.seed)
         prompt = torch.randint(0, model.cfg.vocab_size, (cfg.prompt_len,), generator=g).tolist()
-    kernels = EngineConfig("bench", str(device), kernels=cfg.kernels).kernels
+    kernels = EngineConfig("bench", str(device), kernels=cfg.kernels, kv_cache_dtype=cfg.kv_cache_dtype).kernels
     bench = Bench(model, prompt, cfg, draft_vocab)
     res: dict = {
         "model": name,
@@ -493,6 +496,7 @@ def run_bench(
         "draft_vocab_size": None if draft_vocab is None else draft_vocab.size,
         # ranks the model is sharded over; weight bytes and the roofline below are one rank's
         "tensor_parallel_size": model.cfg.tp_size,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
     }
     if kernels == "triton" and device.type == "cuda" and cfg.tune:
         t0 = time.perf_counter()
@@ -516,7 +520,8 @@ def run_bench(
         res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
         res["roofline_tokens_per_s"] = res["copy_bandwidth_GBps"] * 1e9 / res["weight_bytes_per_token"]
     log(
-        f"bench: {name} {res['dtype']} quantization={res['quantization']} kernels={kernels}: "
+        f"bench: {name} {res['dtype']} quantization={res['quantization']} kv_cache_dtype={cfg.kv_cache_dtype} "
+        f"kernels={kernels}: "
         f"{res['weight_bytes_per_token'] / 1e9:.2f} GB/token, "
         f"prompt {len(prompt)} tokens"
     )
@@ -841,6 +846,7 @@ def bench_from_args(args) -> int:
         prefill_len=args.prefill_len,
         p_mins=list(args.p_min),
         draft_gate=args.draft_gate,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     size = args.tensor_parallel_size
     if size > 1 and not initialized():  # every rank runs the same bench; rank 0 reports

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from nextn import __version__
-from nextn.config import DRAFT_GATES, DTYPE_NAMES, QUANTIZATIONS
+from nextn.config import DRAFT_GATES, DTYPE_NAMES, KV_CACHE_DTYPES, QUANTIZATIONS
 from nextn.core import MAX_TRACKED_POSITIONS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -51,12 +51,20 @@ def _draft_vocab_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _quantization(p: argparse.ArgumentParser) -> None:
+    """generate / serve / bench: FP8 weights and the K/V cache's dtype."""
     p.add_argument(
         "--quantization",
         default=None,
         choices=QUANTIZATIONS,
         help="fp8: quantize a bf16 checkpoint's weights at load (128x128 blocks of e4m3); "
         "FP8 checkpoints load as they are without it",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="auto (default): K/V in the model dtype; fp8: the attention layers' K/V in e4m3 with a "
+        "scale per row (half the bytes of bf16; the MTP head's draft K/V stay in the model dtype)",
     )
 
 
@@ -406,6 +414,7 @@ def _llm(args, **engine):
         quantization=args.quantization,
         draft_vocab=args.draft_vocab,
         tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         **engine,
     )
 

@@ -23,6 +23,8 @@ PREFILL_MODES = ("chunked", "steps")
 DRAFT_GATES = ("skip", "mask")
 # what `quantization=` makes of a checkpoint's bf16 weights at load
 QUANTIZATIONS = ("fp8",)
+# the attention layers' K/V cache: "auto" the model dtype, "fp8" e4m3 rows with float32 scales
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 # model_type -> family. The VLM wrappers keep their text keys under `text_config`.
 _FAMILIES = {
@@ -134,6 +136,12 @@ def check_quantization(quantization: str | None) -> None:
             f"quantization {quantization!r} is not supported; nextn quantizes at load to {' or '.join(QUANTIZATIONS)} "
             "(and loads FP8 checkpoints as they are)"
         )
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """The `kv_cache_dtype=` setting: one of KV_CACHE_DTYPES."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -443,9 +451,13 @@ class EngineConfig:
     # per-round records (K, drafts, accepted, draft / verify / commit wall time) in each output;
     # rounds then run one at a time (none queued ahead)
     trace: bool = False
+    # the full-attention layers' K/V: "auto" (the model dtype) or "fp8" (e4m3 rows with float32
+    # scales, half the bytes in bf16; the MTP head's draft K/V stay in the model dtype)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         check_quantization(self.quantization)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.spec.draft_vocab is not None:

@@ -20,13 +20,14 @@ def cfg(dense_ckpt) -> ModelConfig:
     return ModelConfig.from_hf(dense_ckpt)
 
 
-def _layout(cfg, slots=3, max_len=100, k=3):
+def _layout(cfg, slots=3, max_len=100, k=3, kv="auto"):
     extra = tuple(round_buffers(cfg, k, torch.float32) + sampler_buffers(cfg.vocab_size, max_len))
-    return CacheLayout(slots, max_len, k + 1, draft=True, extra=extra)
+    return CacheLayout(slots, max_len, k + 1, draft=True, extra=extra, kv_cache_dtype=kv)
 
 
-def test_nbytes_is_every_tensor_the_cache_holds(cfg):
-    layout = _layout(cfg)
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_nbytes_is_every_tensor_the_cache_holds(cfg, kv):
+    layout = _layout(cfg, kv=kv)
     cache = HybridCache(cfg, layout, "cpu", torch.float32)
     held = {id(t): t for t in vars(cache).values() if isinstance(t, torch.Tensor)}
     held.update({id(t): t for t in cache.tensors.values()})
@@ -39,10 +40,18 @@ def test_nbytes_is_every_tensor_the_cache_holds(cfg):
         assert a.t(name).data_ptr() != b.t(name).data_ptr()
     # the step buffers are part of it: two halves of R = K + 1 states per GDN layer
     assert cache.tensors["states"].shape[2] == 2 * layout.step_states
+    # fp8: e4m3 K/V and a float32 scale per (slot, position, kv head), counted; the draft K/V as they were
+    kv_layer = cache.kv(cfg.layer_types.index("full_attention"))
+    assert (kv_layer.key_scale is not None) == (kv == "fp8") and cache.draft_kv().key.dtype == torch.float32
+    if kv == "fp8":
+        assert kv_layer.key.dtype == torch.float8_e4m3fn and kv_layer.key_scale.shape == kv_layer.key.shape[:3]
+        exact = nbytes_of(tensor_specs(cfg, _layout(cfg), torch.float32))
+        assert cache.nbytes < exact  # 1 + 4 / head_dim bytes per K/V value, not 4
 
 
-def test_a_cache_that_does_not_fit_is_refused_with_what_fits(cfg, monkeypatch):
-    layout = _layout(cfg, slots=8, max_len=4096)
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_a_cache_that_does_not_fit_is_refused_with_what_fits(cfg, monkeypatch, kv):
+    layout = _layout(cfg, slots=8, max_len=4096, kv=kv)
     need = nbytes_of(tensor_specs(cfg, layout, torch.float32))
     monkeypatch.setattr(pool_mod, "available_bytes", lambda device: int(need * 0.6 / 0.9))
     with pytest.raises(CacheMemoryError) as info:
@@ -52,7 +61,7 @@ def test_a_cache_that_does_not_fit_is_refused_with_what_fits(cfg, monkeypatch):
     fits = int(msg.split("or 8 of up to ")[1].split(" tokens")[0])
     assert 0 < fits < 4096
     # what the message says fits, fits
-    smaller = _layout(cfg, slots=8, max_len=fits)
+    smaller = _layout(cfg, slots=8, max_len=fits, kv=kv)
     assert nbytes_of(tensor_specs(cfg, smaller, torch.float32)) <= int(need * 0.6 / 0.9) * 0.9
     pool_mod.check_fits(cfg, smaller, torch.device("cpu"), torch.float32)
 

@@ -18,7 +18,7 @@ from test_sampled_spec import PROMPT, _tv_limit, exact_law
 
 import nextn
 from nextn import bench
-from nextn.cache.hybrid import NUM_GEN
+from nextn.cache.hybrid import KV, NUM_GEN
 from nextn.cli import main
 from nextn.config import DEFAULT_MODEL_DIR, SpecConfig
 from nextn.engine.rounds import Buffers, Member
@@ -131,7 +131,7 @@ def test_greedy_drafts_are_the_subset_argmax(dense_fitted_ckpt):
     assert head.lm_head.is_contiguous() and torch.equal(head.lm_head, model.lm_head_weight[head.d2t])
     with torch.inference_mode():
         rounds = list(replay_rounds(model, text, hidden, picks, 3, positions, draft=head))
-        kv = [torch.zeros(len(text) + 4, model.cfg.num_key_value_heads, model.cfg.head_dim) for _ in range(2)]
+        kv = KV(*(torch.zeros(len(text) + 4, model.cfg.num_key_value_heads, model.cfg.head_dim) for _ in range(2)))
         logits, _ = model.head_rows(kv, torch.tensor(text[1:]), hidden[:-1], 1, last_only=False)
     for p, drafts, _ in rounds:
         assert _live_drafts(reduced, text[:p], text[p], 3) == drafts.tolist(), p
@@ -313,7 +313,7 @@ def test_triton_head_scores_the_subset_rows(dense_ckpt):
     outs = []
     for engine in engines.values():
         cache, proposer = engine.runner.slot(0), engine.proposer
-        for t in cache.draft_kv():
+        for t in cache.draft_kv()[:2]:  # key, value
             t.zero_()
         full, sub = torch.empty(1, VOCAB_SIZE, device=device), torch.empty(1, vocab.size, device=device)
         chained = torch.empty(1, H, device=device)

@@ -68,9 +68,9 @@ def _state(engine, seq) -> list:
         seq.pending_hidden,
     ]
     for i, kind in enumerate(cfg.layer_types):
-        out += [cache.kv(i)[0][:n], cache.kv(i)[1][:n]] if kind == FULL else list(cache.committed_gdn(i))
+        out += [t[:n] for t in cache.kv(i) if t is not None] if kind == FULL else list(cache.committed_gdn(i))
     if seq.heads:
-        out += [t[: seq.draft_len] for t in cache.draft_kv()]
+        out += [t[: seq.draft_len] for t in cache.draft_kv() if t is not None]
     return out
 
 

@@ -12,6 +12,7 @@ import torch
 from hf_fixtures import FIT_PROMPTS, hf_hidden_states, hf_mtp_logits
 
 import nextn
+from nextn.cache import KV
 from nextn.models.loader import load_model
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -61,7 +62,7 @@ def test_mtp_head_logits_match_transformers(dense_ckpt, after_norm):
     hidden = post if after_norm else pre
     ref = hf_mtp_logits(dense_ckpt, ids, hidden)
     cfg = model.cfg
-    kv = tuple(torch.zeros(32, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2))
+    kv = KV(*(torch.zeros(32, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2)))
     with torch.no_grad():
         ours = model.head_rows(kv, torch.tensor(ids[1:]), hidden[:-1], 1, last_only=False)[0]
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()

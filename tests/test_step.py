@@ -85,7 +85,7 @@ def test_triton_head_step_matches_reference(dense_ckpt):
     outs = []
     for engine in (ref, fast):
         cache = engine.runner.slot(0)
-        for t in cache.draft_kv():
+        for t in cache.draft_kv()[:2]:  # key, value
             t.zero_()
         logits, chained = torch.empty(1, V, device=DEVICE), torch.empty(1, H, device=DEVICE)
         pos = torch.tensor([6], dtype=torch.int32, device=DEVICE)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from nextn.cache import KV
 from nextn.models.loader import load_model
 from nextn.train import trainer
 from nextn.train.checkpoint import load_state
@@ -202,7 +203,7 @@ def test_chain_objective_is_the_proposers_chain(tiny_run):
         chain = chain_logits(model, x, hidden, 3)
         assert [c.shape[1] for c in chain] == [L - 1, L - 2, L - 3]
         torch.testing.assert_close(chain[0], head_logits(model, x, hidden), atol=1e-4, rtol=1e-4)
-        kv = tuple(torch.zeros(L + 4, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2))
+        kv = KV(*(torch.zeros(L + 4, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2)))
         logits, chained = model.head_rows(kv, x[0, 1:L], hidden[0, : L - 1], 1, last_only=False)
         torch.testing.assert_close(logits, chain[0][0], atol=1e-4, rtol=1e-4)
         for p in (1, 7, 20, L - 3):

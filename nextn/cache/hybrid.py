@@ -16,6 +16,11 @@ buffers (named in `CacheLayout.extra`); and `ctl`, the slot's counters on the de
   NUM_GEN      tokens the running request has emitted (the index of its next uniform)
   ACCEPTED     drafts the last round accepted
 
+With `kv_cache_dtype="fp8"` the full-attention layers' K/V are e4m3, each row of D values (a
+position's kv head) with a float32 scale beside it (`key_scale.{i}`, nextn.ops.fp8.quantize_rows);
+the MTP head's draft K/V stay in the model dtype (fp8 draft K/V cost acceptance). A row's bytes
+depend on that row alone, so moving positions (commits, rewinds) needs nothing more.
+
 A step never writes where the committed state lives, so a step that is not kept needs no undo, and
 `commit_ctl` keeps tokens by moving the pointers: nothing is copied. Owns the tensors and that
 rule; does not know models, tokens or sampling.
@@ -25,10 +30,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from nextn.config import FULL, STEP_ROWS, ModelConfig
+from nextn.ops.fp8 import E4M3
 
 KV_BLOCK = 64  # K/V storage is allocated in whole blocks (the step attention reads whole blocks)
 SEQ_LEN, STATE_AT, STATE_WRITE, CONV_AT, CONV_WRITE, DRAFT_LEN, NUM_GEN, ACCEPTED = range(8)
@@ -42,12 +49,24 @@ class CacheLayout:
     step_states: int  # R: per-token states a step keeps for rollback (the longest verify)
     draft: bool  # the MTP head's draft K/V
     extra: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()  # engine buffers, per slot
+    kv_cache_dtype: str = "auto"  # "fp8": the attention layers' K/V in e4m3 with per-row scales
 
     @property
     def capacity(self) -> int:
         """K/V positions per slot: a round queued ahead, and head rows past the committed ones,
         write up to 2 * STEP_ROWS positions beyond max_len."""
         return -(-(self.max_len + 2 * STEP_ROWS) // KV_BLOCK) * KV_BLOCK
+
+
+class KV(NamedTuple):
+    """One attention layer's K/V: every slot's [S, capacity, Hkv, D], or one slot's [capacity, Hkv, D].
+    fp8: key / value are e4m3 and each row's value is e4m3 * its scale [S, capacity, Hkv] /
+    [capacity, Hkv] float32 (nextn.ops.fp8.quantize_rows); otherwise the scales are None."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
 
 
 def window_cols(cfg: ModelConfig) -> int:
@@ -59,13 +78,16 @@ def tensor_specs(cfg: ModelConfig, layout: CacheLayout, dtype: torch.dtype) -> d
     """Name -> (shape, dtype) of every tensor the cache holds, slot first."""
     S, cap, f32 = layout.num_slots, layout.capacity, torch.float32
     kv = (S, cap, cfg.num_key_value_heads, cfg.head_dim)
+    fp8 = layout.kv_cache_dtype == "fp8"
     n = sum(t != FULL for t in cfg.layer_types)
     conv = (S, n, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)
     state = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     specs = {}
     for i, kind in enumerate(cfg.layer_types):
         if kind == FULL:
-            specs[f"key.{i}"] = specs[f"value.{i}"] = (kv, dtype)
+            specs[f"key.{i}"] = specs[f"value.{i}"] = (kv, E4M3 if fp8 else dtype)
+            if fp8:
+                specs[f"key_scale.{i}"] = specs[f"value_scale.{i}"] = (kv[:3], f32)  # a scale per row of D
     specs.update(
         {
             "conv": (conv, dtype),
@@ -110,6 +132,14 @@ class HybridCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def kv(self, layer_idx: int) -> KV:
+        """Every slot's K/V of a decoder layer (with their scales in an fp8 cache)."""
+        return KV(*(self.tensors.get(f"{name}.{layer_idx}") for name in KV._fields))
+
+    def draft_kv(self) -> KV:
+        """Every slot's MTP head K/V (the model dtype whatever kv_cache_dtype)."""
+        return KV(self.tensors["draft_key"], self.tensors["draft_value"])
+
     def slot(self, slot: int) -> SlotCache:
         return SlotCache(self, slot)
 
@@ -135,12 +165,15 @@ class SlotCache:
         """The slot's part of a cache tensor."""
         return self.cache.tensors[name][self.slot]
 
-    def kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention K/V of a decoder layer [capacity, Hkv, D]."""
-        return self.t(f"key.{layer_idx}"), self.t(f"value.{layer_idx}")
+    def kv(self, layer_idx: int) -> KV:
+        """Attention K/V of a decoder layer [capacity, Hkv, D] (scales [capacity, Hkv] in an fp8 cache)."""
+        return self._own(self.cache.kv(layer_idx))
 
-    def draft_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.t("draft_key"), self.t("draft_value")
+    def draft_kv(self) -> KV:
+        return self._own(self.cache.draft_kv())
+
+    def _own(self, kv: KV) -> KV:
+        return KV(*(None if t is None else t[self.slot] for t in kv))
 
     # --- the host's reading of ctl (the reference path and prefill; a device sync on CUDA)
 

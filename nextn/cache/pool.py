@@ -4,10 +4,12 @@ conversations are evicted, is the scheduler's choice (nextn.engine.scheduler).""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from nextn.cache.hybrid import KV_BLOCK, CacheLayout, HybridCache, nbytes_of, tensor_specs
-from nextn.config import FULL, STEP_ROWS, ModelConfig
+from nextn.config import STEP_ROWS, ModelConfig
 
 GiB = 2**30
 
@@ -37,8 +39,8 @@ def check_fits(cfg: ModelConfig, layout: CacheLayout, device: torch.device, dtyp
         return free - need
     S, L = layout.num_slots, layout.max_len
     per_slot = need / S
-    kv_layers = sum(t == FULL for t in cfg.layer_types) + int(layout.draft)
-    per_token = 2 * kv_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize  # K/V bytes per position
+    longer = replace(layout, max_len=L + KV_BLOCK)  # one more K/V block per slot
+    per_token = (nbytes_of(tensor_specs(cfg, longer, dtype)) - need) / (S * KV_BLOCK)  # K/V bytes per position
     max_len = int((budget / S - (per_slot - per_token * layout.capacity)) / per_token) - 2 * STEP_ROWS - KV_BLOCK
     raise CacheMemoryError(
         f"the cache for {S} sequence(s) of {L} tokens needs {need / GiB:.2f} GiB ({per_slot / GiB:.3f} GiB each), "

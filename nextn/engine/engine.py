@@ -75,7 +75,14 @@ def build_core(model: CausalLM, config: EngineConfig) -> tuple[SlotPool, ModelRu
     cfg, k_max = model.cfg, config.spec.num_speculative_tokens
     dtype = next(model.parameters()).dtype
     extra = round_buffers(cfg, k_max, dtype) + sampler_buffers(cfg.vocab_size, config.max_model_len)
-    layout = CacheLayout(config.max_num_seqs, config.max_model_len, k_max + 1, k_max > 0, tuple(extra))
+    layout = CacheLayout(
+        config.max_num_seqs,
+        config.max_model_len,
+        k_max + 1,
+        k_max > 0,
+        tuple(extra),
+        kv_cache_dtype=config.kv_cache_dtype,
+    )
     pool = SlotPool(cfg, layout, config.device, dtype)
     runner = ModelRunner(model, config, pool)
     return pool, runner, MTPProposer(runner) if k_max > 0 else None

@@ -21,6 +21,7 @@ from nextn.config import (
     EngineConfig,
     ModelConfig,
     SpecConfig,
+    check_kv_cache_dtype,
     check_quantization,
     read_generation_config,
     resolve_device,
@@ -69,6 +70,7 @@ class LLM:
         grammar_draft_mask: bool = True,
         tensor_parallel_size: int = 1,
         trace: bool = False,
+        kv_cache_dtype: str = "auto",
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
@@ -83,10 +85,12 @@ class LLM:
         here (this process is rank 0; `close()` stops the others), or, in a process that already
         belongs to a group of N (torchrun), this rank's share: every rank then makes the same calls.
         trace: each output's `rounds` holds a record per verify round (K, drafts, accepted, the
-        wall time of its draft, verify and commit); rounds then run one at a time."""
+        wall time of its draft, verify and commit); rounds then run one at a time.
+        kv_cache_dtype "fp8": the attention layers' K/V cache in e4m3 with per-row scales."""
         settings = {name: value for name, value in locals().items() if name != "self"}
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
+        check_kv_cache_dtype(kv_cache_dtype)  # before the weights load
         device = resolve_device(device)  # before a download: a CUDA request on a CPU torch fails at once
         model_dir = resolve_model(model)
         self._ranks = _start_ranks(tensor_parallel_size, device, model_dir, settings)
@@ -128,6 +132,7 @@ class LLM:
             quantization=quantization,
             tensor_parallel_size=tp,
             trace=s["trace"],
+            kv_cache_dtype=s["kv_cache_dtype"],
         )
         leader = None if self._ranks is None else Leader(self._ranks)
         self.engine = Engine(self.model, self.tokenizer, self.config, leader)

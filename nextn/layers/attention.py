@@ -1,7 +1,9 @@
 """Gated full attention (Qwen3.5 / Qwen3-Next): q_proj emits [query | gate] per head, per-head
 q/k RMSNorm, partial NEOX RoPE, attention over the layer's K/V cache, output * sigmoid(gate).
 
-A layer's cache is one sequence's (key, value), each [capacity, Hkv, D], position-addressed. A
+A layer's cache is one sequence's KV (key, value), each [capacity, Hkv, D], position-addressed;
+in an fp8 cache each row is written quantized with its scale (nextn.ops.fp8.quantize_rows) and
+read dequantized in float32, so every attention (prefill or step) reads what the cache holds. A
 step (decode / verify) runs a batch of sequences with their rows packed (nextn.cache.StepBatch):
 projections over all rows, attention per sequence over its own cache.
 """
@@ -11,16 +13,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nextn.cache import StepBatch
+from nextn.cache import KV, StepBatch
 from nextn.config import STEP_ROWS, ModelConfig
 from nextn.layers.linear import Linear
 from nextn.layers.norm import RMSNorm
 from nextn.layers.rotary import apply_rotary
 from nextn.ops.attention import attend, prefill_attention
+from nextn.ops.fp8 import dequantize_rows, quantize_rows
 from nextn.ops.linear import pad_dim1
 
 ATTN_BLOCK = 64  # keys per block of the step attention
-KV = tuple[torch.Tensor, torch.Tensor]  # (key, value) [capacity, Hkv, D]
 
 
 class Attention(nn.Module):
@@ -65,19 +67,30 @@ class Attention(nn.Module):
             o = pad_dim1(torch.cat(parts, dim=1), T)  # the batch's pad rows stay zero
         else:
             write_kv(kv, start, k[0], v[0])
-            keys, values = kv[0][None, : start + T], kv[1][None, : start + T]
+            keys, values = (t.to(q.dtype)[None] for t in read_kv(kv, 0, start + T))
             o = (prefill_attention if ops is None else ops.attention)(q, keys, values, start)
         o = o.reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(o)
 
 
 def write_kv(kv: KV, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """k, v [T, Hkv, D] at positions start.."""
+    """k, v [T, Hkv, D] at positions start.. (quantized row by row in an fp8 cache)."""
     end = start + k.shape[0]
-    if end > kv[0].shape[0]:
-        raise ValueError(f"cache overflow: {end} positions > capacity {kv[0].shape[0]}")
-    kv[0][start:end] = k
-    kv[1][start:end] = v
+    if end > kv.key.shape[0]:
+        raise ValueError(f"cache overflow: {end} positions > capacity {kv.key.shape[0]}")
+    if kv.key_scale is None:
+        kv.key[start:end], kv.value[start:end] = k, v
+    else:
+        kv.key[start:end], kv.key_scale[start:end] = quantize_rows(k)
+        kv.value[start:end], kv.value_scale[start:end] = quantize_rows(v)
+
+
+def read_kv(kv: KV, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions start..end-1 [n, Hkv, D]: as stored, or dequantized to float32."""
+    at = slice(start, end)
+    if kv.key_scale is None:
+        return kv.key[at], kv.value[at]
+    return dequantize_rows(kv.key[at], kv.key_scale[at]), dequantize_rows(kv.value[at], kv.value_scale[at])
 
 
 def attend_step(q: torch.Tensor, kv: KV, start: int) -> torch.Tensor:
@@ -89,19 +102,17 @@ def attend_step(q: torch.Tensor, kv: KV, start: int) -> torch.Tensor:
     (or later blocks) the step has: a block a row may not see contributes exact zeros. Pad rows
     see what the last real row sees.
     """
-    num_real, R = q.shape[1], STEP_ROWS
+    num_real, R, dtype = q.shape[1], STEP_ROWS, q.dtype
     q = torch.cat([q, q.new_zeros(q.shape[0], R - num_real, *q.shape[2:])], dim=1)
     B, R, Hq, D = q.shape
-    key, value = kv[0][None], kv[1][None]
-    groups = Hq // key.shape[2]
+    groups = Hq // kv.key.shape[1]
     row_pos = start + torch.arange(R, device=q.device).clamp(max=num_real - 1)  # [R]
     q = q.transpose(1, 2).float() * D**-0.5  # [B, Hq, R, D]
     m = q.new_full((B, Hq, R, 1), float("-inf"))
     denom = q.new_zeros(B, Hq, R, 1)
     acc = q.new_zeros(B, Hq, R, D)
     for b0 in range(0, start + num_real, ATTN_BLOCK):
-        k = key[:, b0 : b0 + ATTN_BLOCK].transpose(1, 2).float()  # [B, Hkv, BLOCK, D]
-        v = value[:, b0 : b0 + ATTN_BLOCK].transpose(1, 2).float()
+        k, v = (t[None].transpose(1, 2).float() for t in read_kv(kv, b0, b0 + ATTN_BLOCK))  # [1, Hkv, BLOCK, D]
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         visible = (b0 + torch.arange(k.shape[2], device=q.device))[None, :] <= row_pos[:, None]  # [R, BLOCK]
@@ -112,4 +123,4 @@ def attend_step(q: torch.Tensor, kv: KV, start: int) -> torch.Tensor:
         denom = denom * scale + p.sum(-1, keepdim=True)
         acc = acc * scale + p @ v
         m = m_new
-    return (acc / denom).to(value.dtype).transpose(1, 2)[:, :num_real]
+    return (acc / denom).to(dtype).transpose(1, 2)[:, :num_real]

@@ -27,7 +27,8 @@ their vocabulary columns.
 FP8 weights (nextn.ops.fp8) reach the skinny GEMM as FP8Weight pairs in place of tensors. A fused
 projection whose members differ in kind (FP8 q/k/v/z beside the bf16 GDN gates b/a) runs one GEMM
 per run of one kind, each into its columns of the projection. MoE layers with FP8 weights are not
-run here (their kernels read bf16 experts): an error says so.
+run here (their kernels read bf16 experts): an error says so. An fp8 K/V cache reaches the
+attention kernels with its scales (nextn.cache.hybrid.KV), which quantize and dequantize its rows.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nextn.cache.hybrid import SEQ_LEN, STATE_AT, StepBatch
+from nextn.cache.hybrid import KV, SEQ_LEN, STATE_AT, StepBatch
 from nextn.config import FULL
 from nextn.layers.ffn import FP8Experts
 from nextn.layers.linear import FP8Linear
@@ -285,15 +286,28 @@ class TritonStep:
         act = self.linear.skinny_linear(x, w.gate, norm_weight=w.norm, up_weight=w.up, eps=self.eps)
         return self._add(x, act, w.down)
 
-    def _attn(self, x, w: AttnWeights, key, value, row_slot, row_pos, rope_offset: int):
+    def _attn(self, x, w: AttnWeights, kv: KV, row_slot, row_pos, rope_offset: int):
         lin = self.linear.skinny_linear
         qkv = lin(x, w.qkv, norm_weight=w.norm, eps=self.eps)
-        cos, sin = self.rope_tables(key.shape[1] + 1)
+        cos, sin = self.rope_tables(kv.key.shape[1] + 1)
         heads = self.cfg.num_attention_heads
+        scales = dict(key_scale=kv.key_scale, value_scale=kv.value_scale)  # an fp8 cache's (else None)
         q = self.attn.qk_norm_rope(
-            qkv, w.q_norm, w.k_norm, cos, sin, row_slot, row_pos, key, value, heads, self.eps, rope_offset
+            qkv,
+            w.q_norm,
+            w.k_norm,
+            cos,
+            sin,
+            row_slot,
+            row_pos,
+            kv.key,
+            kv.value,
+            heads,
+            self.eps,
+            rope_offset,
+            **scales,
         )
-        o = self.attn.attend_step(q, qkv, key, value, row_slot, row_pos)
+        o = self.attn.attend_step(q, qkv, kv.key, kv.value, row_slot, row_pos, **scales)
         return self._mlp(self._add(x, o, w.o_proj), w.mlp)
 
     def _gdn(self, x, w: GDNWeights, batch: StepBatch, j: int, store_all: bool):
@@ -330,7 +344,7 @@ class TritonStep:
         """ids [M]: each sequence's rows at its positions SEQ_LEN..: logits [M, V] float32 and
         head-input hiddens [M, H] into the given buffers; K/V and the GDN step buffers written,
         nothing committed."""
-        norm, tensors = self.norm.rms_norm, batch.cache.tensors
+        norm = self.norm.rms_norm
         if store_all and max(batch.rows) > batch.caches[0].rows:  # past the slots' state buffers
             raise ValueError(f"a step keeping every state takes at most {batch.caches[0].rows} rows per sequence")
         pos = batch.row_positions(batch.field(SEQ_LEN))
@@ -338,7 +352,7 @@ class TritonStep:
         for layer, w in zip(self.model.model.layers, self.layers, strict=True):
             i = layer.layer_idx
             if layer.kind == FULL:
-                x = self._attn(x, w, tensors[f"key.{i}"], tensors[f"value.{i}"], batch.row_slot, pos, 0)
+                x = self._attn(x, w, batch.cache.kv(i), batch.row_slot, pos, 0)
             else:
                 x = self._gdn(x, w, batch, batch.cache.gdn_index[i], store_all)
         normed = norm(x, self.final_norm, self.eps, out=hidden if self.after_norm else None)
@@ -362,14 +376,14 @@ class TritonStep:
         device tensor; None: every row) give logits [B or M, V] and the hiddens to chain.
         lm_head [Vd, H] contiguous: score these rows only (a draft vocabulary's copy of the selected
         rows, made at load by nextn.spec.draft_vocab.DraftHead; logits [B or M, Vd]); default all."""
-        lin, norm, tensors = self.linear.skinny_linear, self.norm.rms_norm, batch.cache.tensors
+        lin, norm = self.linear.skinny_linear, self.norm.rms_norm
         norm_embed, norm_hidden, fc, layer, final = self.head_weights
         H, M = self.cfg.hidden_size, ids.shape[0]
         cat = torch.empty(M, 2 * H, device=ids.device, dtype=self.embed.dtype)
         norm(embed(ids, self.embed, self.cfg), norm_embed, self.eps, out=cat[:, :H])
         norm(hidden, norm_hidden, self.eps, out=cat[:, H:])
         pos = batch.row_positions(first)
-        x = self._attn(lin(cat, fc), layer, tensors["draft_key"], tensors["draft_value"], batch.row_slot, pos, 1)
+        x = self._attn(lin(cat, fc), layer, batch.cache.draft_kv(), batch.row_slot, pos, 1)
         out = x if rows is None else x.index_select(0, rows)
         normed = norm(out, final, self.eps, out=chained if self.after_norm else None)
         self._logits(normed, lm_head, logits)

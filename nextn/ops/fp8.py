@@ -1,4 +1,6 @@
-"""FP8 (e4m3) weights: nextn's layout of them, quantization into it, and the reference dequantization.
+"""FP8 (e4m3) weights: nextn's layout of them, quantization into it, and the reference dequantization;
+and the rows of an fp8 K/V cache (`quantize_rows` / `dequantize_rows`, the reference of the step
+kernels' in-kernel quantization in nextn.ops.triton_attention).
 
 nextn holds a quantized weight [N, K] as `weight` float8_e4m3fn [N, K] and `scale` float32
 [ceil(K / 128), N], the weight's value being weight[n, k] * scale[k // 128, n]: every row has its
@@ -8,6 +10,10 @@ of several weights stay valid when concatenated, whatever their sizes (the fused
 expert's gate | up rows, Qwen3-Next's regrouped rows). The scales of a 128-column block are
 contiguous, so the skinny GEMM (nextn.ops.triton_linear) reads them as one vector per k-tile.
 The scales cost 4 bytes per 128 weights (3% over the e4m3 bytes).
+
+An fp8 K/V cache (`kv_cache_dtype="fp8"`) stores each row of D values (one position, one kv head)
+as e4m3 with its own float32 scale, amax / 448: a row's bytes depend on that row alone, never on
+other tokens or the batch, so a verify writes what the decodes of the same tokens write.
 
 The reference path (the modules' forward: the CPU, prefill) dequantizes to the activations' dtype
 through float32 (`dequantize`); the step kernels read the e4m3 bytes, and where a weight's scales
@@ -60,10 +66,33 @@ def quantize_blocks(w: torch.Tensor, block_n: int = BLOCK) -> tuple[torch.Tensor
     n, k = w.shape
     nb, kb = -(-n // block_n), -(-k // BLOCK)
     blocks = F.pad(w.float(), (0, kb * BLOCK - k, 0, nb * block_n - n)).view(nb, block_n, kb, BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3))  # [nb, kb]
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    scale = _scale(blocks.abs().amax(dim=(1, 3)))  # [nb, kb]
+    q = _to_e4m3(blocks / scale[:, None, :, None])
     return q.view(nb * block_n, kb * BLOCK)[:n, :k].contiguous(), scale
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """The scale that maps amax onto e4m3's largest value (1 where amax is 0)."""
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """float32 values within the range -> e4m3, rounded to nearest even."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (e4m3 [..., D], float32 scale [...]): each row divided by its scale amax / 448
+    (1 for an all-zero row) in float32 and rounded to nearest, so |error| <= 2^-4 of each value
+    (half an e4m3 ulp; below 2^-6 * scale, in e4m3's subnormals, at most 2^-10 * scale)."""
+    x = x.float()
+    scale = _scale(x.abs().amax(dim=-1))
+    return _to_e4m3(x / scale[..., None]), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 rows [..., D] with their scales [...] -> float32 [..., D] (each value times its row's scale)."""
+    return q.float() * scale[..., None]
 
 
 def block_scale(scale_inv: torch.Tensor, n: int, block_n: int) -> torch.Tensor:

@@ -11,6 +11,11 @@ Three launches, all reading each row's sequence slot and position from device te
 - `_combine_kernel`: merges row t's chunk partials in chunk order, applies the gate.
 Chunk boundaries are absolute positions, so the row at position p is reduced in the same order
 whether it is a decode's only row, a verify's row t or a row of a batch: they agree bitwise.
+
+An fp8 cache (key / value e4m3 with a float32 scale per row [S, cap, Hkv]): `qk_norm_rope`
+quantizes each K/V row it writes as nextn.ops.fp8.quantize_rows does (amax / 448, correctly
+rounded divisions, round to nearest even: the same bytes), and `_attend_chunk_kernel`
+dequantizes after the load (e4m3 * scale in float32, nextn.layers.attention.read_kv).
 """
 
 from __future__ import annotations
@@ -26,6 +31,13 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _quantize_row(x):
+        """x [D] float32 -> (e4m3 [D], float32 scale): nextn.ops.fp8.quantize_rows."""
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+        return tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0).to(tl.float8e4nv), scale
+
+    @triton.jit
     def _qk_norm_rope_kernel(
         qkv_ptr,
         stride_qkv,  # [T, Hq*2*D + 2*Hkv*D]: per q head [q | gate], then k heads, then v heads
@@ -38,6 +50,8 @@ if HAVE_TRITON:
         q_out_ptr,  # [T, Hq, D]
         key_ptr,
         value_ptr,  # [S, cap, Hkv, D] the layer's cache
+        key_scale_ptr,
+        value_scale_ptr,  # [S, cap, Hkv] float32 (FP8)
         stride_kv_slot,
         eps,
         HQ: tl.constexpr,
@@ -45,6 +59,7 @@ if HAVE_TRITON:
         D: tl.constexpr,
         R: tl.constexpr,
         ROPE_OFFSET: tl.constexpr,
+        FP8: tl.constexpr,  # the cache holds e4m3 rows with their scales
     ):
         t = tl.program_id(0)
         head = tl.program_id(1)
@@ -81,15 +96,26 @@ if HAVE_TRITON:
             tl.store(q_out_ptr + (t * HQ + head) * D + offs, out)
         else:
             dst = kv_base + (slot * HKV + kv_head) * D + offs
-            tl.store(key_ptr + dst, out)
             v = tl.load(row + HQ * 2 * D + HKV * D + kv_head * D + offs)
-            tl.store(value_ptr + dst, v)
+            if FP8:
+                row_at = kv_base // D + slot * HKV + kv_head  # the row's scale
+                k8, k_scale = _quantize_row(out.to(tl.float32))
+                v8, v_scale = _quantize_row(v.to(tl.float32))
+                tl.store(key_ptr + dst, k8)
+                tl.store(value_ptr + dst, v8)
+                tl.store(key_scale_ptr + row_at, k_scale)
+                tl.store(value_scale_ptr + row_at, v_scale)
+            else:
+                tl.store(key_ptr + dst, out)
+                tl.store(value_ptr + dst, v)
 
     @triton.jit
     def _attend_chunk_kernel(
         q_ptr,  # [T, Hq, D]
         key_ptr,
         value_ptr,  # [S, cap, Hkv, D]
+        key_scale_ptr,
+        value_scale_ptr,  # [S, cap, Hkv] float32 (FP8)
         stride_kv_slot,
         row_slot_ptr,
         row_pos_ptr,  # int32 [T]: each row's slot and position
@@ -103,6 +129,7 @@ if HAVE_TRITON:
         NUM_CHUNKS: tl.constexpr,
         CHUNK_SIZE: tl.constexpr,
         BLOCK_S: tl.constexpr,
+        FP8: tl.constexpr,  # e4m3 K/V: each row times its scale after the load
     ):
         t = tl.program_id(0)
         head = tl.program_id(1)
@@ -112,6 +139,8 @@ if HAVE_TRITON:
             kv_base = tl.load(row_slot_ptr + t).to(tl.int64) * stride_kv_slot
             key_ptr += kv_base
             value_ptr += kv_base
+            key_scale_ptr += kv_base // D
+            value_scale_ptr += kv_base // D
             kv_head = head // (HQ // HKV)
             offs_d = tl.arange(0, D)
             q = tl.load(q_ptr + (t * HQ + head) * D + offs_d).to(tl.float32)
@@ -123,12 +152,16 @@ if HAVE_TRITON:
                 valid = offs_s < length
                 kv_off = (offs_s[:, None] * HKV + kv_head) * D + offs_d[None, :]
                 k = tl.load(key_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+                if FP8:
+                    k *= tl.load(key_scale_ptr + offs_s * HKV + kv_head, mask=valid, other=0.0)[:, None]
                 s = tl.sum(k * q[None, :], axis=1) * scale
                 s = tl.where(valid, s, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, axis=0))
                 alpha = tl.exp(m - m_new)
                 p = tl.exp(s - m_new)
                 v = tl.load(value_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
+                if FP8:
+                    v *= tl.load(value_scale_ptr + offs_s * HKV + kv_head, mask=valid, other=0.0)[:, None]
                 l = l * alpha + tl.sum(p, axis=0)
                 acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
                 m = m_new
@@ -181,6 +214,15 @@ if HAVE_TRITON:
         tl.store(o_ptr + t * HQ * D + head * D + offs_d, (o * gate).to(dtype))
 
 
+def _scales(key: torch.Tensor, key_scale, value_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' scale arguments: an fp8 cache's (one per row of D, contiguous), else unread placeholders."""
+    if key_scale is None:
+        return key, key
+    if key.dtype != torch.float8_e4m3fn or key_scale.shape != key.shape[:-1] or not key_scale.is_contiguous():
+        raise ValueError(f"an fp8 cache is e4m3 [S, cap, Hkv, D] with contiguous scales [S, cap, Hkv], got {key.dtype}")
+    return key_scale, value_scale
+
+
 def qk_norm_rope(
     qkv: torch.Tensor,  # [T, Hq*2*D + 2*Hkv*D]
     q_norm: torch.Tensor,  # [D]
@@ -195,6 +237,8 @@ def qk_norm_rope(
     eps: float,
     rope_offset: int = 0,
     q_out: torch.Tensor | None = None,  # [T, Hq, D]
+    key_scale: torch.Tensor | None = None,  # [S, cap, Hkv] float32: key / value are e4m3
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     T = qkv.shape[0]
     Hkv, D = key.shape[-2], key.shape[-1]
@@ -212,6 +256,7 @@ def qk_norm_rope(
         q_out,
         key,
         value,
+        *_scales(key, key_scale, value_scale),
         key.stride(0),
         eps,
         HQ=num_heads,
@@ -219,6 +264,7 @@ def qk_norm_rope(
         D=D,
         R=cos.shape[1],
         ROPE_OFFSET=rope_offset,
+        FP8=key_scale is not None,
         num_warps=4,
     )
     return q_out
@@ -235,6 +281,8 @@ def attend_step(
     chunk: int = CHUNK,
     block_s: int = CHUNK,  # keys per inner iteration (fixed: it sets the reduction order)
     num_warps: int | None = None,
+    key_scale: torch.Tensor | None = None,  # [S, cap, Hkv] float32: key / value are e4m3
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     T, Hq, D = q.shape
     max_len, Hkv = key.shape[1], key.shape[2]
@@ -249,6 +297,7 @@ def attend_step(
         q,
         key,
         value,
+        *_scales(key, key_scale, value_scale),
         key.stride(0),
         row_slot,
         row_pos,
@@ -262,6 +311,7 @@ def attend_step(
         NUM_CHUNKS=num_chunks,
         CHUNK_SIZE=chunk,
         BLOCK_S=block_s,
+        FP8=key_scale is not None,
         num_warps=num_warps or (4 if D <= 128 else 8),
     )
     _combine_kernel[(T, Hq)](

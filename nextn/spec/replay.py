@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from nextn.cache import CacheLayout, HybridCache
+from nextn.cache import KV, CacheLayout, HybridCache
 from nextn.models.loader import load_model
 from nextn.models.qwen3_5 import CausalLM
 from nextn.spec.draft_vocab import DraftHead, DraftVocab, load_draft_vocab
@@ -78,10 +78,8 @@ def replay_rounds(
     """Yields (p, drafts [k], targets [k]) per evaluated position p, in order (drafts over the
     draft vocabulary `draft` when given)."""
     cfg, param = model.cfg, next(model.parameters())
-    kv = tuple(
-        torch.zeros(len(ids) + k + 1, cfg.num_key_value_heads, cfg.head_dim, device=param.device, dtype=param.dtype)
-        for _ in range(2)
-    )
+    shape = (len(ids) + k + 1, cfg.num_key_value_heads, cfg.head_dim)
+    kv = KV(*torch.zeros(2, *shape, device=param.device, dtype=param.dtype).unbind(0))  # the head's K/V
     tok = torch.tensor(ids, device=param.device)
     lm_head = None if draft is None else draft.lm_head
 
