@@ -3,14 +3,15 @@
 # MTP head's chain as bench/distill_chain_head.sh did, and ask it ten coding requests.
 #   bench/finetune_chat.sh OUT CHAT_TGZ FINETUNE_STEPS CHAIN_MINUTES
 # CHAT_TGZ: the .chat files of bench/chat_data.py (made on the CPU machine, carried here).
-# Mixed with the machine's Python standard library, as the pretraining data was.
+# Mixed with the machine's Python standard library and site-packages, the pretraining corpus
+# (run 29 mixed the standard library alone, 2.7M tokens, and the model lost much of its Python).
 set -euo pipefail
 out=$1 chat=$2 ft_steps=$3 chain_min=$4
 mkdir -p "$out" /tmp/chat
 tar xzf "$chat" -C /tmp/chat
 export PYTHONUNBUFFERED=1
-stdlib=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
-python3 -m nextn.train --finetune-from nextn/default_model --data /tmp/chat --data "$stdlib" \
+read -r stdlib purelib < <(python3 -c "import sysconfig; p = sysconfig.get_paths(); print(p['stdlib'], p['purelib'])")
+python3 -m nextn.train --finetune-from nextn/default_model --data /tmp/chat --data "$stdlib" --data "$purelib" \
   --suffix .chat --suffix .py --device cuda --out runs/chat --gdn-kernel torch --max-steps "$ft_steps" \
   --lr 6e-4 --warmup-steps 30 --eval-every 100 --eval-sequences 128 --save-every 100000 --max-prep-seconds 30 \
   2>&1 | grep -v "^ " | tee "$out/finetune_log.txt"
