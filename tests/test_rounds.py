@@ -157,3 +157,26 @@ def test_a_closed_request_leaves_what_a_cold_prefill_leaves(engine):
     for seq in (warm, cold):
         engine.runner.extend(seq, [stop] + SECOND_TURN)
     assert _run(engine, warm, turn2, True)[0] == _run(engine, cold, turn2, True)[0]
+
+
+def test_runner_tables_stay_bounded_with_graphs(dense_ckpt):
+    """Eager rounds (constrained ones) add step batches and index tensors that no graph count
+    bounds: past 8 * MAX_GRAPHS entries the runner starts over, graphs included (never mid-capture)."""
+    from nextn.engine import runner as runner_mod
+
+    runner = nextn.LLM(model=dense_ckpt, device="cpu", max_model_len=64, max_num_seqs=1).engine.runner
+    drops = []
+
+    def drop_graphs():  # what the CUDA one does, without a device to synchronize
+        drops.append(len(runner._indices))
+        runner._indices.clear()
+
+    runner.use_graphs, runner.drop_graphs = True, drop_graphs
+    limit = 8 * runner_mod.MAX_GRAPHS
+    for i in range(limit + 5):
+        runner.index([i])
+    assert drops == [limit] and len(runner._indices) == 5
+    runner._capturing = object()  # inside a capture the table grows rather than drop what the graph reads
+    for i in range(limit):
+        runner.index([-i - 1])
+    assert drops == [limit] and len(runner._indices) == limit + 5

@@ -79,11 +79,15 @@ class ModelRunner:
         return self._made_once(self._indices, key, lambda: torch.tensor(key, dtype=torch.long, device=self.device))
 
     def _made_once(self, table: dict, key, make):
-        """table[key], made on first use. Graphs bound the tables (drop_graphs clears them with the
-        graphs that read them); without graphs a full table starts over."""
+        """table[key], made on first use. A full table starts over: with graphs, together with the
+        graphs that read it (drop_graphs; eager rounds, such as constrained ones, add keys no graph
+        count bounds), never in the middle of a capture."""
         if key not in table:
-            if not self.use_graphs and len(table) >= 8 * MAX_GRAPHS:
-                table.clear()
+            if len(table) >= 8 * MAX_GRAPHS:
+                if not self.use_graphs:
+                    table.clear()
+                elif self._capturing is None:
+                    self.drop_graphs()
             table[key] = make()
         return table[key]
 
