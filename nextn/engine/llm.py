@@ -144,6 +144,7 @@ class LLM:
     def close(self) -> None:
         """Stop the tensor-parallel ranks this LLM started (nothing to do on one rank)."""
         if getattr(self, "_ranks", None) is not None:
+            _drop_graphs(getattr(self, "engine", None))
             self._ranks.close()
 
     @property
@@ -360,6 +361,15 @@ def _follow(conn, settings: dict) -> None:
         return
     conn.send(_READY)
     follow(llm.engine, conn)
+    _drop_graphs(llm.engine)
+
+
+def _drop_graphs(engine) -> None:
+    """Before a rank leaves its process group: its CUDA graphs, whose captured NCCL work may keep
+    the communicator busy (untested guess at the H200 hang of runs 33-35 in destroy_process_group,
+    which came only after graphs had been captured; the follower freed its graphs, rank 0 held them)."""
+    if engine is not None and engine.runner.use_graphs:
+        engine.runner.drop_graphs()
 
 
 def _is_token_ids(x) -> bool:
