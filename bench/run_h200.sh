@@ -2,6 +2,7 @@
 # One device call on the H200: tune the skinny GEMM, kernel tests at real shapes, the benches.
 # Usage (device tool): bash bench/run_h200.sh [stages...]
 #   stages: tune tests engine profile prefill prefill4k bench9b batch9b benchdefault bench35b
+#   FP8 K/V and the p_min gate: kvfp8 pmin
 #   tensor parallelism (nvidia-h200-x2, one stage per call): tptests tp27b tp35b
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
@@ -34,6 +35,13 @@ for stage in "$@"; do
     bench35b) timeout 300 python3 -m nextn.cli bench --random-weights qwen3.5-35b-a3b --device cuda --dtype bfloat16 \
                --spec-k 1 3 --acceptance-profile 0.85,0.75,0.65 --json $OUT/bench_qwen3.5-35b-a3b.json 2>&1 \
                | grep -v '^ ' | tail -40 | tee -a $LOG ;;
+    kvfp8) timeout 200 python3 -m pytest -q -x tests/test_kv_fp8.py tests/test_cache.py 2>&1 | tail -15 | tee -a $LOG
+           for kv in auto fp8; do timeout 200 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda \
+             --dtype bfloat16 --kv-cache-dtype $kv --spec-k 3 --prompt-len 8192 --gen-len 128 --repeats 1 \
+             --json $OUT/kv${kv}_qwen3.5-9b.json 2>&1 | grep -v '^ ' | tail -12 | tee -a $LOG; done ;;
+    pmin) timeout 200 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \
+             --prompt-file nextn/engine/scheduler.py --spec-k 6 --p-min 0 0.5 --json $OUT/pmin_default_model.json \
+             2>&1 | grep -v '^ ' | tail -12 | tee -a $LOG ;;
     tptests) timeout 400 python3 -m pytest -q -x tests/test_tp.py 2>&1 | tail -15 | tee -a $LOG ;;
     tp27b|tp35b) p=qwen3.5-27b; [ $stage = tp35b ] && p=qwen3.5-35b-a3b
                # plain decode at TP=1 and TP=2 (same random weights); spec == plain K=1..8 at TP=2, drafts
