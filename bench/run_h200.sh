@@ -6,6 +6,11 @@
 #   tensor parallelism (nvidia-h200-x2, one stage per call): tptests tp27b tp35b
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
+# packages the image lacks (llguidance) travel as wheels in .whl/ (carried, git-ignored)
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PWD:/tmp/site
+fi
 mkdir -p /tmp/triton_cache
 [ -f .tcache/triton_cache.tgz ] && tar xzf .tcache/triton_cache.tgz -C /tmp/triton_cache
 LOG=$OUT/log.txt
