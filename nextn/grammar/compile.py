@@ -7,6 +7,7 @@ allowed by a mask (nextn.grammar.state).
 
 from __future__ import annotations
 
+import functools
 import json
 import weakref
 from typing import NamedTuple
@@ -46,6 +47,19 @@ def compile_grammar(structured_outputs: dict, tokenizer: Tokenizer) -> CompiledG
             f"structured_outputs must hold exactly one of {STRUCTURED_OUTPUT_KEYS}, got {structured_outputs!r}"
         )
     ((key, value),) = structured_outputs.items()
+    try:  # the server checks a request's constraint and the engine compiles it again: one compile
+        text = json.dumps(value)  # (key order kept: a schema's property order is its output's)
+    except (TypeError, ValueError):
+        return _compile(key, value, tokenizer)  # not JSON: _grammar_of says what is wrong
+    return _compile_cached(key, text, tokenizer)
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_cached(key: str, text: str, tokenizer: Tokenizer) -> CompiledGrammar:
+    return _compile(key, json.loads(text), tokenizer)
+
+
+def _compile(key: str, value, tokenizer: Tokenizer) -> CompiledGrammar:
     grammar = _grammar_of(key, value)
     lt = ll_tokenizer(tokenizer)
     error = llg.LLMatcher.validate_grammar(grammar, lt)
