@@ -13,6 +13,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import openai
 import torch
@@ -38,6 +39,23 @@ def _timed(fn):
     t0 = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t0
+
+
+def serve_in_thread(llm) -> tuple[str, Callable[[], None]]:
+    """`nextn serve`'s app for llm on a free local port in a thread: (its /v1 url, a stop function)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(llm, ServeConfig()), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(15)
+
+    return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", stop
 
 
 def main() -> None:
@@ -66,14 +84,7 @@ def main() -> None:
     }
     print(f"LLM.generate: 8 together {t_batched:.2f} s, one by one {t_alone:.2f} s ({t_batched / t_alone:.2f})")
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, ServeConfig()), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
+    url, stop = serve_in_thread(llm)
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
 
     def complete(prompt: str) -> str:
@@ -84,8 +95,7 @@ def main() -> None:
     sequential, t_seq = _timed(lambda: [complete(p) for p in PROMPTS])
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         concurrent_out, t_conc = _timed(lambda: list(pool.map(complete, PROMPTS)))
-    server.should_exit = True
-    thread.join(15)
+    stop()
     res.update(
         server_concurrent_s=t_conc,
         server_sequential_s=t_seq,

@@ -11,18 +11,14 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import socket
-import threading
 import time
 
 import jsonschema
 import openai
 import torch
-import uvicorn
+from batching_cpu import serve_in_thread  # (bench/ is on the path of a bench script)
 
 import nextn
-from nextn.config import ServeConfig
-from nextn.server.app import create_app
 
 SCHEMAS = {
     "person": {
@@ -117,14 +113,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     llm = nextn.LLM(device="cpu", max_num_seqs=args.concurrency)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, ServeConfig()), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
+    url, stop = serve_in_thread(llm)
     client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
     names = list(SCHEMAS)
 
@@ -157,8 +146,7 @@ def main() -> None:
     with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
         rows = list(pool.map(ask, range(args.requests)))
     wall = time.perf_counter() - t0
-    server.should_exit = True
-    thread.join(15)
+    stop()
     counted = [r for r in rows if r["finish_reason"] != "length"]
     per_schema = {
         name: {
