@@ -149,6 +149,12 @@ class Bench:
         self.cores: dict[tuple, tuple] = {}
         self.profilers: dict[int, ProfileProposer] = {}  # one per core: its graphs key on it
 
+    def close(self) -> None:
+        """The cores' CUDA graphs, destroyed now (under tensor parallelism they hold the communicator)."""
+        for _, runner, _ in self.cores.values():
+            if runner.use_graphs:
+                runner.drop_graphs()
+
     def core(self, k: int, slots: int = 1, max_len: int | None = None, p_min: float = 0.0):
         max_len = max_len or self.max_len
         key = (k, slots, max_len, p_min)
@@ -436,6 +442,7 @@ def run_bench(
         _batched(bench, res, max(ks, default=0), plain.token_ids, log)
     res["plain_token_ids_head"] = plain.token_ids[:32]
     res["plain_token_ids"] = plain.token_ids  # to compare runs (e.g. tensor_parallel_size 1 and 2)
+    bench.close()
     return res
 
 

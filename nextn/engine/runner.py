@@ -146,8 +146,14 @@ class ModelRunner:
 
     def drop_graphs(self) -> None:
         """Forget every captured graph and the step batches, indices and clocks they read; their
-        memory goes back to the device (later captures then count what they take anew)."""
+        memory goes back to the device (later captures then count what they take anew). Each graph
+        is reset here, not left to the garbage collector: a graph that captured NCCL work holds its
+        communicator, and leaving the process group waits for every such graph to be destroyed
+        (pytorch issue 115388; NCCL counts them in localPersistentRefs)."""
         torch.cuda.synchronize(self.device)
+        for graph in self.graphs.values():
+            if graph is not None:
+                graph.reset()
         self.graphs.clear()
         self.graph_memory.clear()
         self._batches.clear()
