@@ -45,7 +45,7 @@ from nextn.models.loader import fused_runs, fused_weight
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.fp8 import FP8Weight, compact_scales
 from nextn.ops.triton_utils import require_triton
-from nextn.parallel.comm import all_reduce, embed, gather_vocab
+from nextn.parallel.comm import all_reduce_add, embed, gather_vocab
 
 Weight = torch.Tensor | FP8Weight  # what the skinny GEMM reads: a tensor, or e4m3 with its scales
 
@@ -251,7 +251,7 @@ class TritonStep:
         lin = self.linear.skinny_linear
         if self.cfg.tp_size == 1:
             return lin(inp, w, residual=x)
-        return x + all_reduce(lin(inp, w), self.cfg)
+        return all_reduce_add(lin(inp, w), x, self.cfg)
 
     def _logits(self, normed: torch.Tensor, lm_head: torch.Tensor | None, out: torch.Tensor) -> None:
         """Float32 logits into out [M, V or Vd]: over the given rows (a draft vocabulary's, never
@@ -282,7 +282,7 @@ class TritonStep:
                 w.top_k,
                 w.renorm,
             )
-            return x + all_reduce(out, self.cfg) if tp else out
+            return all_reduce_add(out, x, self.cfg) if tp else out
         act = self.linear.skinny_linear(x, w.gate, norm_weight=w.norm, up_weight=w.up, eps=self.eps)
         return self._add(x, act, w.down)
 

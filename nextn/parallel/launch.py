@@ -4,7 +4,9 @@ ranks 1..N-1, each with a pipe from rank 0; all join one process group: NCCL on 
 cuda:r), gloo on the CPU (each rank takes its share of rank 0's threads).
 
 NVLink multicast stays off: NCCL_NVLS_ENABLE=0 is set before any communicator exists (in this
-process, and so in every spawned one), and nothing here allocates symmetric memory.
+process, and so in every spawned one), and nothing here allocates symmetric memory. Once the group
+exists, every rank sets up the fused step's all-reduce (nextn.parallel.comm.setup_all_reduce: CUDA
+IPC buffers on CUDA) and frees it before leaving the group.
 
 A follower runs `target(conn, *args)` and exits when it returns; rank 0's `Ranks` sends it
 messages, reads its replies (noticing a rank that died) and, on close, stops it and leaves the
@@ -24,6 +26,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from nextn.parallel import comm
 
 STOP = None  # the message that ends a follower
 
@@ -95,6 +99,7 @@ class Ranks:
                 pass
         # every rank leaves the group at once (on NCCL this still hangs on the H200: runs 33-34)
         if initialized():
+            comm.close_all_reduce()
             dist.destroy_process_group()
         for p in self.processes:
             p.join(timeout)
@@ -147,6 +152,7 @@ def _join(r: int, size: int, port: int, device: str, threads: int) -> None:
         world_size=size,
         timeout=timedelta(minutes=10),  # a collective waits this long for a rank (then fails)
     )
+    comm.setup_all_reduce()  # the fused step's all-reduce: CUDA IPC or the group's own (logged)
 
 
 def _follower(r: int, size: int, port: int, device: str, threads: int, conn, target: Callable, args) -> None:
@@ -156,4 +162,5 @@ def _follower(r: int, size: int, port: int, device: str, threads: int, conn, tar
         target(conn, *args)
     finally:
         conn.close()
+        comm.close_all_reduce()
         dist.destroy_process_group()
