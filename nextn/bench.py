@@ -61,6 +61,7 @@ from nextn.engine.sequence import Sequence
 from nextn.models.loader import load_model
 from nextn.models.qwen3_5 import CausalLM
 from nextn.models.random_weights import PRESETS, random_model, weight_bytes_per_token
+from nextn.parallel import comm
 from nextn.parallel.comm import broadcast_object
 from nextn.parallel.launch import check_ranks, initialized, rank, rank_device, start
 from nextn.spec.draft_vocab import DraftVocab, load_draft_vocab
@@ -370,6 +371,8 @@ def run_bench(
         "draft_vocab_size": None if draft_vocab is None else draft_vocab.size,
         # ranks the model is sharded over; weight bytes and the roofline below are one rank's
         "tensor_parallel_size": model.cfg.tp_size,
+        # the fused step's all-reduce under tensor parallelism: "ipc", "nccl" or "gloo" (nextn.parallel.comm)
+        "all_reduce": comm.backend if model.cfg.tp_size > 1 else None,
         "kv_cache_dtype": cfg.kv_cache_dtype,
     }
     if kernels == "triton" and device.type == "cuda" and cfg.tune:
