@@ -19,10 +19,10 @@ Positions and the GDN state locations come from the slots' device counters (next
 so one CUDA graph serves every round of a batch.
 
 Tensor parallelism (cfg.tp_size > 1): the weights are a rank's shard (nextn.parallel.shard) and a
-block's last GEMM runs without its fused residual: its partial product is all-reduced
-(nextn.parallel.comm, the same function as the reference modules') and then added, so a captured
-CUDA graph holds the collectives; the embedding gathers from the ranks' rows and the logits from
-their vocabulary columns.
+block's last GEMM runs without its fused residual: its partial product is all-reduced and the
+residual added in one call (nextn.parallel.comm.all_reduce_add: the reference modules' sums, bit
+for bit, over CUDA IPC between the GPUs of one host), so a captured CUDA graph holds the
+collectives; the embedding gathers from the ranks' rows and the logits from their vocabulary columns.
 
 FP8 weights (nextn.ops.fp8) reach the skinny GEMM as FP8Weight pairs in place of tensors. A fused
 projection whose members differ in kind (FP8 q/k/v/z beside the bf16 GDN gates b/a) runs one GEMM

@@ -97,7 +97,7 @@ class Ranks:
                 conn.send(STOP)
             except OSError:  # the follower is gone already
                 pass
-        # every rank leaves the group at once (on NCCL this still hangs on the H200: runs 33-34)
+        # every rank leaves the group at once, its CUDA graphs reset first (LLM.close, Bench.close)
         if initialized():
             comm.close_all_reduce()
             dist.destroy_process_group()
