@@ -741,13 +741,12 @@ def _moe_run(block, x, h):
     return moe_step(
         x,
         h,
-        block.gate.weight,
+        torch.cat([block.gate.weight, block.shared_expert_gate.weight]),  # as TritonStep concatenates them
         block.experts.gate_up_proj,
         block.experts.down_proj,
         se.gate_proj.weight,
         se.up_proj.weight,
         se.down_proj.weight,
-        block.shared_expert_gate.weight,
         block.gate.top_k,
         block.gate.norm_topk_prob,
     )
@@ -764,16 +763,33 @@ def _untied_rows(block, T, H, dtype, g):
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_step_matches_reference_and_rows_are_invariant(dtype):
-    block = _moe_block(E=8, k=3, H=32, I=16, Is=24, dtype=dtype, seed=0)
+@pytest.mark.parametrize(
+    ("dtype", "I", "Is"), [(torch.float32, 16, 24), (torch.bfloat16, 16, 24), (torch.bfloat16, 40, 8)]
+)
+def test_moe_step_matches_reference_and_rows_are_invariant(dtype, I, Is):
+    # the shared expert's intermediate size below and above the routed experts' (40: a partial block)
+    block = _moe_block(E=8, k=3, H=32, I=I, Is=Is, dtype=dtype, seed=0)
     g = torch.Generator(device=DEVICE).manual_seed(4)
     x = _rand(5, 32, dtype=dtype, gen=g)
     h = _untied_rows(block, 5, 32, dtype, g)
-    out = _moe_run(block, x, h)
-    _close(out, x + block(h), dtype)
-    for t in range(5):
-        assert torch.equal(_moe_run(block, x[t : t + 1], h[t : t + 1])[0], out[t]), t
+    ref = block(h)
+    for res in (x, None):  # None: tensor parallelism's partial sum, no residual
+        out = _moe_run(block, res, h)
+        _close(out, ref if res is None else res + ref, dtype)
+        for t in range(5):  # each row as a decode step computes it alone
+            one = _moe_run(block, None if res is None else res[t : t + 1], h[t : t + 1])
+            assert torch.equal(one[0], out[t]), t
+
+
+def test_router_and_shared_gate_logits_equal_their_separate_gemms():
+    """One GEMM over the concatenated rows gives each logit the bits of its own GEMM (the block
+    configs of [E + 1, H] match [E, H]'s and [1, H]'s), so routing is as before the fusion."""
+    dtype = torch.bfloat16
+    block = _moe_block(E=256, k=8, H=2048, I=16, Is=16, dtype=dtype, seed=2)  # 35B-A3B router
+    h = _rand(3, 2048, dtype=dtype, gen=torch.Generator(device=DEVICE).manual_seed(5))
+    both = skinny_linear(h, torch.cat([block.gate.weight, block.shared_expert_gate.weight]))
+    assert torch.equal(both[:, :256], skinny_linear(h, block.gate.weight))
+    assert torch.equal(both[:, 256:], skinny_linear(h, block.shared_expert_gate.weight))
 
 
 @gpu

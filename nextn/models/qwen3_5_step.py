@@ -11,8 +11,8 @@ projections fused at load by nextn.models.loader):
 - attention: [RMSNorm -> q/k/v] -> q/k norm + RoPE + K/V write -> chunked attention * gate
   -> [o_proj + residual];
 - MLP: [RMSNorm -> gate/up -> silu * up] -> [down + residual];
-- MoE: RMSNorm -> router -> [top-k] -> [experts' silu(gate) * up] -> shared expert
-  -> [experts' down, weighted sum, + gated shared expert + residual] (nextn.ops.triton_moe).
+- MoE: RMSNorm -> router and shared-expert gate -> [top-k, experts' and shared expert's
+  silu(gate) * up] -> [their down, weighted sum + residual] (nextn.ops.triton_moe).
 Brackets are one kernel each. A row's arithmetic does not depend on the number of rows or on the
 other sequences, so a verify row equals the decode of the same token bitwise, alone or batched.
 Positions and the GDN state locations come from the slots' device counters (nextn.cache.hybrid),
@@ -61,13 +61,12 @@ class MLPWeights:
 @dataclass
 class MoEWeights:
     norm: torch.Tensor  # [H] post_attention_layernorm
-    router: torch.Tensor  # [E, H]
+    gates: torch.Tensor  # [E + 1, H]: the router's rows, then shared_expert_gate's (one GEMM for both)
     gate_up: torch.Tensor  # [E, 2I, H]
     down: torch.Tensor  # [E, H, I]
-    shared_gate: torch.Tensor
-    shared_up: torch.Tensor
-    shared_down: torch.Tensor
-    shared_expert_gate: torch.Tensor  # [1, H]
+    shared_gate: torch.Tensor  # [Is, H]
+    shared_up: torch.Tensor  # [Is, H]
+    shared_down: torch.Tensor  # [H, Is]
     top_k: int
     renorm: bool
 
@@ -115,13 +114,12 @@ def _mlp_weights(layer) -> MLPWeights | MoEWeights:
         se = mlp.shared_expert
         return MoEWeights(
             layer.post_attention_layernorm.weight,
-            mlp.gate.weight,
+            torch.cat([mlp.gate.weight, mlp.shared_expert_gate.weight]).detach(),
             mlp.experts.gate_up_proj,
             mlp.experts.down_proj,
             se.gate_proj.weight,
             se.up_proj.weight,
             se.down_proj.weight,
-            mlp.shared_expert_gate.weight,
             mlp.gate.top_k,
             mlp.gate.norm_topk_prob,
         )
@@ -215,10 +213,7 @@ class TritonStep:
 
         def mlp(w):
             if isinstance(w, MoEWeights):
-                use(w.router)
-                use(w.shared_gate, dual=True)
-                use(w.shared_down)
-                use(w.shared_expert_gate)
+                use(w.gates)
             else:
                 use(w.gate, norm=True, dual=True)
                 use(w.down)
@@ -272,13 +267,12 @@ class TritonStep:
             out = moe_step(
                 None if tp else x,
                 h,
-                w.router,
+                w.gates,
                 w.gate_up,
                 w.down,
                 w.shared_gate,
                 w.shared_up,
                 w.shared_down,
-                w.shared_expert_gate,
                 w.top_k,
                 w.renorm,
             )

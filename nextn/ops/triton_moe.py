@@ -2,15 +2,19 @@
 
 Reference: `nextn.layers.ffn.SparseMoeBlock` (softmax router, top-k, renormalised weights in the
 model dtype; experts' silu(gate) * up then down, each expert's weighted output added in ascending
-expert order with the model dtype's rounding; plus the sigmoid-gated shared expert). Launches:
-- `_route_kernel` per row: softmax over the router logits, top-k, renormalise; the chosen experts
-  are written in ascending id order (the reference's summation order);
-- `_gate_up_kernel` per (row, slot, block of I): silu(x W_gate^T) * (x W_up^T) of that expert;
-- `_down_kernel` per (row, slot, block of H): the slot's down projection times its weight;
-- `_combine_kernel` per (row, block of H): the slots summed in slot order, plus sigmoid(shared
-  gate) * shared expert, plus the residual (none under tensor parallelism: the block's output is a
-  partial sum, all-reduced before the residual is added).
-The router and shared expert matmuls go through `skinny_linear`.
+expert order with the model dtype's rounding; plus the sigmoid-gated shared expert). A decode step
+is latency-bound (each launch costs a few microseconds in a CUDA graph, more than its bytes), so
+the block runs in three launches:
+- `skinny_linear` of the router and shared_expert_gate rows concatenated at load ([E + 1, H]);
+- `_route_gate_up_kernel` per (row, slot, block of I): routes the row (softmax, top-k,
+  renormalise: every program of the row computes the same choice, each takes its own slot's
+  expert) and computes silu(x W_gate^T) * (x W_up^T) of that expert. Slot TOP_K is the shared
+  expert, with its own weights and its gate weight sigmoid(shared gate logit);
+- `_down_combine_kernel` per (row, block of H): each slot's down projection times its weight, the
+  routed slots summed in ascending expert order, plus the shared slot, plus the residual (none
+  under tensor parallelism: the block's output is a partial sum, all-reduced before the residual
+  is added).
+Every product, weight and partial sum is rounded to the model dtype where the reference rounds it.
 """
 
 from __future__ import annotations
@@ -19,112 +23,161 @@ import torch
 
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
 
+BLOCK_I = 16  # intermediate columns per gate/up program: 32 programs per expert at I = 512
+BLOCK_H = 16  # hidden columns per down program: 128 programs per row at H = 2048
+BLOCK_K = 256  # reduction tile of both matmuls
+
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _route_kernel(
-        logits_ptr, idx_ptr, w_ptr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr
+    def _route(
+        logits_ptr,
+        t,
+        stride: tl.constexpr,
+        slot,
+        E: tl.constexpr,
+        TOP_K: tl.constexpr,
+        RENORM: tl.constexpr,
+        BLOCK_E: tl.constexpr,
     ):
-        t = tl.program_id(0)
+        """Row t's routed expert in `slot` (< TOP_K) and its weight (float32, before rounding): the
+        top-k of softmax(logits) (ties: the lowest id), renormalised, in ascending id order."""
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
-        x = tl.load(logits_ptr + t * E + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        x = tl.load(logits_ptr + t * stride + offs, mask=valid, other=float("-inf")).to(tl.float32)
         p = tl.exp(x - tl.max(x, axis=0))
         p = p / tl.sum(p, axis=0)
         p = tl.where(valid, p, -1.0)
         chosen = tl.zeros((BLOCK_E,), tl.int32)
         remaining = p
         for _ in tl.static_range(TOP_K):  # k times: the largest left (ties: the lowest id)
-            best = tl.max(remaining, axis=0)
-            first = tl.min(tl.where(remaining == best, offs, BLOCK_E), axis=0)
+            first = tl.argmax(remaining, axis=0, tie_break_left=True)
             chosen = tl.where(offs == first, 1, chosen)
             remaining = tl.where(offs == first, -2.0, remaining)
-        total = tl.sum(tl.where(chosen == 1, p, 0.0), axis=0)
-        weight = tl.where(chosen == 1, p, 0.0)
+        weight = p
         if RENORM:
-            weight = weight / total
-        slot = tl.cumsum(chosen, axis=0) - 1  # chosen experts in ascending id order
-        keep = chosen == 1
-        tl.store(idx_ptr + t * TOP_K + slot, offs, mask=keep)
-        tl.store(w_ptr + t * TOP_K + slot, weight.to(w_ptr.dtype.element_ty), mask=keep)
+            weight = p / tl.sum(tl.where(chosen == 1, p, 0.0), axis=0)
+        mine = (chosen == 1) & (tl.cumsum(chosen, axis=0) - 1 == slot)  # ascending id order
+        return tl.sum(tl.where(mine, offs, 0), axis=0), tl.sum(tl.where(mine, weight, 0.0), axis=0)
 
     @triton.jit
-    def _gate_up_kernel(
-        x_ptr, idx_ptr, w_ptr, act_ptr, H, I, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
-    ):
-        row = tl.program_id(0)  # t * TOP_K + slot
-        t = row // TOP_K
-        e = tl.load(idx_ptr + row).to(tl.int64)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < I
-        gate = tl.zeros((BLOCK_N,), tl.float32)
-        up = tl.zeros((BLOCK_N,), tl.float32)
-        base = w_ptr + e * (2 * I * H)
-        for k0 in range(0, H, BLOCK_K):
+    def _swiglu(x_ptr, wg_ptr, wu_ptr, act_ptr, offs_n, mask_n, H: tl.constexpr, BLOCK_K: tl.constexpr):
+        """act[offs_n] = silu(x W_gate^T) * (x W_up^T), the products rounded like the reference's."""
+        gate = tl.zeros(offs_n.shape, tl.float32)
+        up = tl.zeros(offs_n.shape, tl.float32)
+        for k0 in tl.static_range(0, H, BLOCK_K):  # unrolled: the tiles' loads can be in flight together
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mk = offs_k < H
-            x = tl.load(x_ptr + t * H + offs_k, mask=mk, other=0.0).to(tl.float32)
-            wg = tl.load(base + offs_n[:, None] * H + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)
-            wu = tl.load(
-                base + (I + offs_n[:, None]) * H + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0
-            )
+            x = tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+            wmask = mask_n[:, None] & mk[None, :]
+            wg = tl.load(wg_ptr + offs_n[:, None] * H + offs_k[None, :], mask=wmask, other=0.0)
+            wu = tl.load(wu_ptr + offs_n[:, None] * H + offs_k[None, :], mask=wmask, other=0.0)
             gate += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
             up += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
         dtype = act_ptr.dtype.element_ty
         g = gate.to(dtype).to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        tl.store(act_ptr + row * I + offs_n, (silu * up.to(dtype).to(tl.float32)).to(dtype), mask=mask_n)
+        tl.store(act_ptr + offs_n, (silu * up.to(dtype).to(tl.float32)).to(dtype), mask=mask_n)
 
     @triton.jit
-    def _down_kernel(act_ptr, idx_ptr, rw_ptr, w_ptr, y_ptr, H, I, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """y[row] = (act[row] @ W_down[e]^T) * routing weight, each rounded to the model dtype."""
-        row = tl.program_id(0)  # t * TOP_K + slot
-        e = tl.load(idx_ptr + row).to(tl.int64)
+    def _route_gate_up_kernel(
+        x_ptr,  # [T, H]
+        logits_ptr,  # [T, LOGIT_STRIDE]: E router logits, then the shared expert's gate logit
+        gate_up_ptr,  # [E, 2I, H]
+        shared_gate_ptr,  # [Is, H]
+        shared_up_ptr,  # [Is, H]
+        idx_ptr,  # [T, TOP_K] out: the routed experts, ascending
+        rw_ptr,  # [T, TOP_K + 1] out: the slots' weights in the model dtype
+        act_ptr,  # [T, TOP_K + 1, stride_act] out
+        stride_act,
+        H: tl.constexpr,
+        I: tl.constexpr,
+        Is: tl.constexpr,
+        E: tl.constexpr,
+        LOGIT_STRIDE: tl.constexpr,
+        TOP_K: tl.constexpr,
+        RENORM: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        row = tl.program_id(0)  # t * (TOP_K + 1) + slot
+        t = row // (TOP_K + 1)
+        slot = row % (TOP_K + 1)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < H
-        acc = tl.zeros((BLOCK_N,), tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        dtype = rw_ptr.dtype.element_ty
+        if slot == TOP_K:  # the shared expert, gated by sigmoid(its gate logit)
+            if tl.program_id(1) == 0:
+                sg = tl.load(logits_ptr + t * LOGIT_STRIDE + E).to(tl.float32)
+                tl.store(rw_ptr + row, (1.0 / (1.0 + tl.exp(-sg))).to(dtype))
+            _swiglu(
+                x_ptr + t * H,
+                shared_gate_ptr,
+                shared_up_ptr,
+                act_ptr + row * stride_act,
+                offs_n,
+                offs_n < Is,
+                H,
+                BLOCK_K,
+            )
+        else:
+            e, w = _route(logits_ptr, t, LOGIT_STRIDE, slot, E, TOP_K, RENORM, BLOCK_E)
+            if tl.program_id(1) == 0:  # one writer per (row, slot)
+                tl.store(idx_ptr + t * TOP_K + slot, e)
+                tl.store(rw_ptr + row, w.to(dtype))
+            base = gate_up_ptr + e.to(tl.int64) * (2 * I * H)
+            _swiglu(x_ptr + t * H, base, base + I * H, act_ptr + row * stride_act, offs_n, offs_n < I, H, BLOCK_K)
+
+    @triton.jit
+    def _down(act_ptr, w_ptr, rw_ptr, offs_n, mask_n, I: tl.constexpr, dtype: tl.constexpr, BLOCK_K: tl.constexpr):
+        """(act @ W_down^T)[offs_n] * routing weight, each rounded to the model dtype (float32 values)."""
+        acc = tl.zeros(offs_n.shape, tl.float32)
+        for k0 in tl.static_range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mk = offs_k < I
-            a = tl.load(act_ptr + row * I + offs_k, mask=mk, other=0.0).to(tl.float32)
-            w = tl.load(
-                w_ptr + e * (H * I) + offs_n[:, None] * I + offs_k[None, :],
-                mask=mask_n[:, None] & mk[None, :],
-                other=0.0,
-            )
+            a = tl.load(act_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs_n[:, None] * I + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        dtype = y_ptr.dtype.element_ty
-        rw = tl.load(rw_ptr + row).to(tl.float32)
-        tl.store(y_ptr + row * H + offs_n, (acc.to(dtype).to(tl.float32) * rw).to(dtype), mask=mask_n)
+        rw = tl.load(rw_ptr).to(tl.float32)
+        return (acc.to(dtype).to(tl.float32) * rw).to(dtype).to(tl.float32)
 
     @triton.jit
-    def _combine_kernel(
-        y_ptr,
-        shared_ptr,
-        shared_gate_ptr,
-        res_ptr,
-        out_ptr,
-        H,
+    def _down_combine_kernel(
+        act_ptr,  # [T, TOP_K + 1, stride_act]
+        idx_ptr,  # [T, TOP_K]
+        rw_ptr,  # [T, TOP_K + 1]
+        down_ptr,  # [E, H, I]
+        shared_down_ptr,  # [H, Is]
+        res_ptr,  # [T, H]
+        out_ptr,  # [T, H]
+        stride_act,
+        H: tl.constexpr,
+        I: tl.constexpr,
+        Is: tl.constexpr,
         TOP_K: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
         RESIDUAL: tl.constexpr,
     ):
-        """x + (sum of the slots' outputs in slot order + sigmoid(shared gate) * shared expert);
-        without RESIDUAL the sum alone."""
+        """out = x + (the routed slots' outputs summed in slot order + the shared slot's); without
+        RESIDUAL the sum alone."""
         t = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < H
         dtype = out_ptr.dtype.element_ty
         total = tl.zeros((BLOCK_N,), tl.float32)
         for j in tl.static_range(TOP_K):
-            y = tl.load(y_ptr + (t * TOP_K + j) * H + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            row = t * (TOP_K + 1) + j
+            e = tl.load(idx_ptr + t * TOP_K + j).to(tl.int64)
+            y = _down(
+                act_ptr + row * stride_act, down_ptr + e * (H * I), rw_ptr + row, offs_n, mask_n, I, dtype, BLOCK_K
+            )
             total = (total + y).to(dtype).to(tl.float32)
-        sg = tl.load(shared_gate_ptr + t).to(tl.float32)
-        sg = (1.0 / (1.0 + tl.exp(-sg))).to(dtype).to(tl.float32)
-        shared = tl.load(shared_ptr + t * H + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        mlp = (total + (sg * shared).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        row = t * (TOP_K + 1) + TOP_K
+        y = _down(act_ptr + row * stride_act, shared_down_ptr, rw_ptr + row, offs_n, mask_n, Is, dtype, BLOCK_K)
+        mlp = (total + y).to(dtype).to(tl.float32)
         if RESIDUAL:
             r = tl.load(res_ptr + t * H + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             mlp = r + mlp
@@ -134,13 +187,12 @@ if HAVE_TRITON:
 def moe_step(
     x: torch.Tensor | None,  # [T, H] residual stream (the block's input before its norm); None: no residual
     h: torch.Tensor,  # [T, H] post_attention_layernorm(x)
-    router: torch.Tensor,  # [E, H]
+    gates: torch.Tensor,  # [E + 1, H]: the router's rows, then shared_expert_gate's
     gate_up: torch.Tensor,  # [E, 2I, H]
     down: torch.Tensor,  # [E, H, I]
     shared_gate: torch.Tensor,  # [Is, H] shared expert gate_proj
     shared_up: torch.Tensor,  # [Is, H]
     shared_down: torch.Tensor,  # [H, Is]
-    shared_expert_gate: torch.Tensor,  # [1, H]
     top_k: int,
     renorm: bool,
 ) -> torch.Tensor:
@@ -149,23 +201,56 @@ def moe_step(
 
     T, H = h.shape
     E, two_i, _ = gate_up.shape
-    I = two_i // 2
-    logits = skinny_linear(h, router)  # [T, E] in the model dtype, like the reference
+    I, Is = two_i // 2, shared_gate.shape[0]
+    if gates.shape != (E + 1, H):
+        raise ValueError(f"moe_step: gates {tuple(gates.shape)} must be the router's {E} rows and the shared gate's")
+    # [T, E + 1] in the model dtype, like the reference's two linears; rows 16-aligned, so the route
+    # loads (and reduces) the logits with the layout of a power-of-two row
+    stride = -(-(E + 1) // 16) * 16
+    logits = torch.empty(T, stride, device=h.device, dtype=h.dtype)
+    skinny_linear(h, gates, out=logits[:, : E + 1])
     idx = torch.empty(T, top_k, device=h.device, dtype=torch.int32)
-    weights = torch.empty(T, top_k, device=h.device, dtype=h.dtype)
-    _route_kernel[(T,)](logits, idx, weights, E=E, TOP_K=top_k, BLOCK_E=next_pow2(E), RENORM=renorm, num_warps=4)
-    act = torch.empty(T * top_k, I, device=h.device, dtype=h.dtype)
-    _gate_up_kernel[(T * top_k, triton.cdiv(I, 16))](
-        h, idx, gate_up, act, H, I, TOP_K=top_k, BLOCK_N=16, BLOCK_K=256, num_warps=4
+    weights = torch.empty(T, top_k + 1, device=h.device, dtype=h.dtype)
+    act = torch.empty(T, top_k + 1, max(I, Is), device=h.device, dtype=h.dtype)
+    _route_gate_up_kernel[(T * (top_k + 1), triton.cdiv(max(I, Is), BLOCK_I))](
+        h,
+        logits,
+        gate_up,
+        shared_gate,
+        shared_up,
+        idx,
+        weights,
+        act,
+        act.stride(1),
+        H=H,
+        I=I,
+        Is=Is,
+        E=E,
+        LOGIT_STRIDE=stride,
+        TOP_K=top_k,
+        RENORM=renorm,
+        BLOCK_E=next_pow2(E),
+        BLOCK_N=BLOCK_I,
+        BLOCK_K=BLOCK_K,
+        num_warps=4,
     )
-    y = torch.empty(T * top_k, H, device=h.device, dtype=h.dtype)
-    _down_kernel[(T * top_k, triton.cdiv(H, 32))](
-        act, idx, weights, down, y, H, I, BLOCK_N=32, BLOCK_K=256, num_warps=4
-    )
-    shared = skinny_linear(skinny_linear(h, shared_gate, up_weight=shared_up), shared_down)
-    sg = skinny_linear(h, shared_expert_gate)  # [T, 1]
     out = torch.empty_like(h)
-    _combine_kernel[(T, triton.cdiv(H, 256))](
-        y, shared, sg, h if x is None else x, out, H, TOP_K=top_k, BLOCK_N=256, RESIDUAL=x is not None, num_warps=4
+    _down_combine_kernel[(T, triton.cdiv(H, BLOCK_H))](
+        act,
+        idx,
+        weights,
+        down,
+        shared_down,
+        h if x is None else x,
+        out,
+        act.stride(1),
+        H=H,
+        I=I,
+        Is=Is,
+        TOP_K=top_k,
+        BLOCK_N=BLOCK_H,
+        BLOCK_K=BLOCK_K,
+        RESIDUAL=x is not None,
+        num_warps=4,
     )
     return out
