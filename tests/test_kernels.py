@@ -108,6 +108,23 @@ def test_skinny_linear_rows_do_not_depend_on_row_count(dtype):
             assert torch.equal(skinny_linear(x[m : m + 1], w, **one)[0], full[m]), (name, m)
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_skinny_linear_run_if(split):
+    """run_if 0: the output buffer is left as it was (and split-K's arrival counters stay zero, so
+    the next call sums right); run_if 1: the unflagged call's result bitwise."""
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    x, w, w2, res, nw = _linear_case(3, 40, 64, torch.bfloat16, g)
+    cfg = (16, 16, 4, 1, split)
+    for name, (kw, _) in _linear_variants(x, w, w2, res, nw).items():
+        want = skinny_linear(x, w, config=cfg, **kw)
+        out = torch.full_like(want, 5.0)
+        skinny_linear(x, w, out=out, config=cfg, run_if=torch.tensor(False, device=DEVICE), **kw)
+        assert (out == 5).all(), name
+        skinny_linear(x, w, out=out, config=cfg, run_if=torch.tensor(True, device=DEVICE), **kw)
+        assert torch.equal(out, want), name
+        assert torch.equal(skinny_linear(x, w, config=cfg, **kw), want), name
+
+
 def test_rms_norm_matches_reference():
     g = torch.Generator(device=DEVICE).manual_seed(2)
     for dtype in (torch.float32, torch.bfloat16):

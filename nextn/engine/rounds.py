@@ -132,8 +132,7 @@ def _mark(clock, i: int) -> None:
 
 
 def _plain_greedy(m: Member) -> bool:
-    kind = m.sampler.kind
-    return kind.greedy and not kind.penalties and not kind.min_tokens and not kind.grammar
+    return m.sampler.plain_greedy
 
 
 def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores, logits, counts, heads: bool) -> None:

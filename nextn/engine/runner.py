@@ -6,7 +6,8 @@ captured on its second, replayed after.
 
 Graphs' memory is counted (`GraphMemory`: what each capture added to the graph pool, by the
 slots it serves, so kept sessions' graphs count with them) and bounded by the pool's graph budget.
-`when` runs device work only where a device flag holds (a conditional node inside a graph);
+`when` runs device work only where a device flag holds (a conditional node inside a graph, else
+the fused step's kernels read the flag and return);
 `PhaseClock` times a round's phases (CUDA events captured with its graph).
 
 Does not choose tokens (nextn.engine.sampler) or decide what a round keeps (nextn.engine.rounds).
@@ -122,27 +123,33 @@ class ModelRunner:
         graph.replay()
 
     def when(self, pred: torch.Tensor, fn: Callable[[], None]) -> None:
-        """fn (device work) only where pred (a bool device scalar) holds, with no host read: inside a
-        graph capture a conditional node, skipped on the device at replay; on the CPU a plain branch
-        (there is no device to wait for). Eagerly on a GPU (a key's first run, or no graphs) fn runs
-        whatever pred says: its results must be ones the caller discards when pred is false."""
-        if self.device.type == "cpu":
-            if pred.item():
-                fn()
-            return
+        """fn (head steps and their drafts) only where pred (a bool device scalar) holds, with no
+        host read: inside a graph capture a conditional node, skipped on the device at replay.
+        Without one (eagerly, or a torch without conditional nodes) the fused step runs fn with pred
+        as its kernels' run_if: each returns at once where pred is false, so a skipped step costs
+        its launches alone (pred is read as each kernel starts: fn may write it in its last kernel
+        only). Else (the reference modules) a plain branch on the CPU, and on a GPU fn runs
+        whatever pred says. Whatever runs where pred is false, the caller discards."""
         graph = self._capturing
-        if not self.conditional or graph is None:
-            return fn()
-        try:
-            graph.begin_capture_to_if_node(pred)
-        except (RuntimeError, AttributeError) as e:  # a torch, build or driver without conditional nodes
-            log.warning("CUDA graph conditional nodes unavailable (%s): gated head steps run and are discarded", e)
-            self.conditional = False
-            return fn()
-        try:
+        if graph is not None and self.conditional:
+            try:
+                graph.begin_capture_to_if_node(pred)
+            except (RuntimeError, AttributeError) as e:  # a torch, build or driver without conditional nodes
+                log.warning("CUDA graph conditional nodes unavailable (%s): skipped head steps are launched", e)
+                self.conditional = False
+            else:
+                try:
+                    return fn()
+                finally:
+                    graph.end_capture_to_conditional_node()
+        if isinstance(self.step, TritonStep) and self.step.head_skips:
+            self.step.run_if = pred
+            try:
+                return fn()
+            finally:
+                self.step.run_if = None
+        if self.device.type != "cpu" or pred.item():
             fn()
-        finally:
-            graph.end_capture_to_conditional_node()
 
     def drop_graphs(self) -> None:
         """Forget every captured graph and the step batches, indices and clocks they read; their

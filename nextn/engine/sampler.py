@@ -98,6 +98,14 @@ class SlotSampler:
             self.history.prompt_mask[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
             self.history.output_counts.zero_()
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits before the argmax (no penalty, min_tokens ban
+        or grammar mask): its drafts can take the fused argmax-and-gate step (nextn.spec.proposer)
+        and its verify the batched argmax (nextn.engine.rounds)."""
+        kind = self.kind
+        return kind.greedy and not kind.penalties and not kind.min_tokens and not kind.grammar
+
     def uniforms_at(self, stream: Stream, start: torch.Tensor, count: int) -> torch.Tensor:
         """Uniforms [count] of indices start.. (start a device scalar)."""
         idx = start.long() + torch.arange(count, device=self.uniforms.device)

@@ -33,6 +33,7 @@ attention kernels with its scales (nextn.cache.hybrid.KV), which quantize and de
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -163,7 +164,14 @@ def _gdn_weights(layer) -> GDNWeights:
 
 class TritonStep:
     """The trunk's multi-token step and the MTP head's step with Triton kernels, writing into the
-    caller's buffers (CUDA-graph friendly: every position and state location is a device value)."""
+    caller's buffers (CUDA-graph friendly: every position and state location is a device value).
+
+    run_if: a device flag the runner sets while a head step may be one the draft gate cut
+    (ModelRunner.when without a conditional node): every kernel of the head step reads it first and
+    returns where it is 0, so a skipped step costs its empty launches. Torch ops between them still
+    run on the unwritten buffers; their results are discarded (nextn.spec.proposer). head_skips:
+    whether the head step honours it: not with an MoE head, whose routing kernels
+    (nextn.ops.triton_moe) take no flag and would route garbage rows to arbitrary expert ids."""
 
     def __init__(self, model: CausalLM, hidden_after_norm: bool = True):
         require_triton()
@@ -190,6 +198,8 @@ class TritonStep:
                 h.norm.weight,
             )
         self._rope: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.run_if: torch.Tensor | None = None
+        self.head_skips = self.head_weights is not None and isinstance(self.head_weights[3].mlp, MLPWeights)
 
     def rope_tables(self, max_pos: int):
         """cos, sin [>= max_pos, rotary_dim] as the reference computes them (model dtype).
@@ -243,15 +253,18 @@ class TritonStep:
     def _add(self, x: torch.Tensor, inp: torch.Tensor, w: Weight) -> torch.Tensor:
         """x + inp @ w.T, a block's end: the residual fused into the GEMM, or under tensor
         parallelism added to the all-reduce of the ranks' partial products (the reference's order)."""
-        lin = self.linear.skinny_linear
+        lin = self._lin
         if self.cfg.tp_size == 1:
             return lin(inp, w, residual=x)
         return all_reduce_add(lin(inp, w), x, self.cfg)
 
+    def _lin(self, *args, **kwargs) -> torch.Tensor:
+        return self.linear.skinny_linear(*args, run_if=self.run_if, **kwargs)
+
     def _logits(self, normed: torch.Tensor, lm_head: torch.Tensor | None, out: torch.Tensor) -> None:
         """Float32 logits into out [M, V or Vd]: over the given rows (a draft vocabulary's, never
         sharded), or the lm_head's (gathered from the ranks' vocabulary columns)."""
-        lin = self.linear.skinny_linear
+        lin = self._lin
         if lm_head is not None or self.cfg.tp_size == 1:
             lin(normed, self.lm_head if lm_head is None else lm_head, out=out)
             return
@@ -277,15 +290,14 @@ class TritonStep:
                 w.renorm,
             )
             return all_reduce_add(out, x, self.cfg) if tp else out
-        act = self.linear.skinny_linear(x, w.gate, norm_weight=w.norm, up_weight=w.up, eps=self.eps)
+        act = self._lin(x, w.gate, norm_weight=w.norm, up_weight=w.up, eps=self.eps)
         return self._add(x, act, w.down)
 
     def _attn(self, x, w: AttnWeights, kv: KV, row_slot, row_pos, rope_offset: int):
-        lin = self.linear.skinny_linear
-        qkv = lin(x, w.qkv, norm_weight=w.norm, eps=self.eps)
+        qkv = self._lin(x, w.qkv, norm_weight=w.norm, eps=self.eps)
         cos, sin = self.rope_tables(kv.key.shape[1] + 1)
         heads = self.cfg.num_attention_heads
-        scales = dict(key_scale=kv.key_scale, value_scale=kv.value_scale)  # an fp8 cache's (else None)
+        scales = dict(key_scale=kv.key_scale, value_scale=kv.value_scale, run_if=self.run_if)  # fp8 scales or None
         q = self.attn.qk_norm_rope(
             qkv,
             w.q_norm,
@@ -370,16 +382,16 @@ class TritonStep:
         device tensor; None: every row) give logits [B or M, V] and the hiddens to chain.
         lm_head [Vd, H] contiguous: score these rows only (a draft vocabulary's copy of the selected
         rows, made at load by nextn.spec.draft_vocab.DraftHead; logits [B or M, Vd]); default all."""
-        lin, norm = self.linear.skinny_linear, self.norm.rms_norm
         norm_embed, norm_hidden, fc, layer, final = self.head_weights
         H, M = self.cfg.hidden_size, ids.shape[0]
         cat = torch.empty(M, 2 * H, device=ids.device, dtype=self.embed.dtype)
-        norm(embed(ids, self.embed, self.cfg), norm_embed, self.eps, out=cat[:, :H])
-        norm(hidden, norm_hidden, self.eps, out=cat[:, H:])
+        norm = functools.partial(self.norm.rms_norm, eps=self.eps, run_if=self.run_if)
+        norm(embed(ids, self.embed, self.cfg), norm_embed, out=cat[:, :H])
+        norm(hidden, norm_hidden, out=cat[:, H:])
         pos = batch.row_positions(first)
-        x = self._attn(lin(cat, fc), layer, batch.cache.draft_kv(), batch.row_slot, pos, 1)
+        x = self._attn(self._lin(cat, fc), layer, batch.cache.draft_kv(), batch.row_slot, pos, 1)
         out = x if rows is None else x.index_select(0, rows)
-        normed = norm(out, final, self.eps, out=chained if self.after_norm else None)
+        normed = norm(out, final, out=chained if self.after_norm else None)
         self._logits(normed, lm_head, logits)
         if not self.after_norm:
             chained.copy_(out)

@@ -53,6 +53,7 @@ if HAVE_TRITON:
         key_scale_ptr,
         value_scale_ptr,  # [S, cap, Hkv] float32 (FP8)
         stride_kv_slot,
+        flag_ptr,  # run_if (nextn.engine.runner.ModelRunner.when): 0 skips the call
         eps,
         HQ: tl.constexpr,
         HKV: tl.constexpr,
@@ -60,7 +61,11 @@ if HAVE_TRITON:
         R: tl.constexpr,
         ROPE_OFFSET: tl.constexpr,
         FP8: tl.constexpr,  # the cache holds e4m3 rows with their scales
+        HAS_FLAG: tl.constexpr,
     ):
+        if HAS_FLAG:
+            if tl.load(flag_ptr).to(tl.int32) == 0:
+                return
         t = tl.program_id(0)
         head = tl.program_id(1)
         slot = tl.load(row_pos_ptr + t)
@@ -122,6 +127,7 @@ if HAVE_TRITON:
         part_m_ptr,
         part_l_ptr,
         part_acc_ptr,  # [T, Hq, NUM_CHUNKS] (, D) float32 out
+        flag_ptr,  # run_if: 0 skips the call
         scale,
         HQ: tl.constexpr,
         HKV: tl.constexpr,
@@ -130,7 +136,11 @@ if HAVE_TRITON:
         CHUNK_SIZE: tl.constexpr,
         BLOCK_S: tl.constexpr,
         FP8: tl.constexpr,  # e4m3 K/V: each row times its scale after the load
+        HAS_FLAG: tl.constexpr,
     ):
+        if HAS_FLAG:
+            if tl.load(flag_ptr).to(tl.int32) == 0:
+                return
         t = tl.program_id(0)
         head = tl.program_id(1)
         c = tl.program_id(2)
@@ -179,12 +189,17 @@ if HAVE_TRITON:
         stride_qkv,  # the gate: [T, Hq*2*D + ...] columns head*2*D + D ..
         row_pos_ptr,
         o_ptr,  # [T, Hq*D] out: attention * sigmoid(gate)
+        flag_ptr,  # run_if: 0 skips the call
         HQ: tl.constexpr,
         D: tl.constexpr,
         NUM_CHUNKS: tl.constexpr,
         CHUNK_SIZE: tl.constexpr,
         BLOCK_C: tl.constexpr,
+        HAS_FLAG: tl.constexpr,
     ):
+        if HAS_FLAG:
+            if tl.load(flag_ptr).to(tl.int32) == 0:
+                return
         t = tl.program_id(0)
         head = tl.program_id(1)
         length = tl.load(row_pos_ptr + t) + 1
@@ -239,6 +254,7 @@ def qk_norm_rope(
     q_out: torch.Tensor | None = None,  # [T, Hq, D]
     key_scale: torch.Tensor | None = None,  # [S, cap, Hkv] float32: key / value are e4m3
     value_scale: torch.Tensor | None = None,
+    run_if: torch.Tensor | None = None,  # [] device flag: 0 skips the call (nothing written)
 ) -> torch.Tensor:
     T = qkv.shape[0]
     Hkv, D = key.shape[-2], key.shape[-1]
@@ -258,6 +274,7 @@ def qk_norm_rope(
         value,
         *_scales(key, key_scale, value_scale),
         key.stride(0),
+        key if run_if is None else run_if,
         eps,
         HQ=num_heads,
         HKV=Hkv,
@@ -265,6 +282,7 @@ def qk_norm_rope(
         R=cos.shape[1],
         ROPE_OFFSET=rope_offset,
         FP8=key_scale is not None,
+        HAS_FLAG=run_if is not None,
         num_warps=4,
     )
     return q_out
@@ -283,6 +301,7 @@ def attend_step(
     num_warps: int | None = None,
     key_scale: torch.Tensor | None = None,  # [S, cap, Hkv] float32: key / value are e4m3
     value_scale: torch.Tensor | None = None,
+    run_if: torch.Tensor | None = None,  # [] device flag: 0 skips the call (out is left as it was)
 ) -> torch.Tensor:
     T, Hq, D = q.shape
     max_len, Hkv = key.shape[1], key.shape[2]
@@ -304,6 +323,7 @@ def attend_step(
         part_m,
         part_l,
         part_acc,
+        q if run_if is None else run_if,
         D**-0.5,
         HQ=Hq,
         HKV=Hkv,
@@ -312,6 +332,7 @@ def attend_step(
         CHUNK_SIZE=chunk,
         BLOCK_S=block_s,
         FP8=key_scale is not None,
+        HAS_FLAG=run_if is not None,
         num_warps=num_warps or (4 if D <= 128 else 8),
     )
     _combine_kernel[(T, Hq)](
@@ -322,11 +343,13 @@ def attend_step(
         qkv.stride(0),
         row_pos,
         out,
+        q if run_if is None else run_if,
         HQ=Hq,
         D=D,
         NUM_CHUNKS=num_chunks,
         CHUNK_SIZE=chunk,
         BLOCK_C=min(16, next_pow2(num_chunks)),
+        HAS_FLAG=run_if is not None,
         num_warps=4,
     )
     return out

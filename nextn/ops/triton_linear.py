@@ -73,6 +73,7 @@ if HAVE_TRITON:
         nw_ptr,
         part_ptr,
         count_ptr,
+        flag_ptr,
         M,
         N,
         K,
@@ -94,10 +95,14 @@ if HAVE_TRITON:
         FP8: tl.constexpr,  # w (and w2) e4m3, float32 scales [K / 128, N / SCALE_ROWS] (row stride stride_s)
         SCALE_ROWS: tl.constexpr,  # weight rows per scale: 1 or 128
         SCALE_ROWS2: tl.constexpr,
+        HAS_FLAG: tl.constexpr,  # flag_ptr: run_if (nextn.engine.runner.ModelRunner.when), 0 skips the call
     ):
         """Program (n * M_TILES + m, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs
         for rows [m*BLOCK_M, (m+1)*BLOCK_M). SPLIT > 1: float32 partials [SPLIT, M, N] in part_ptr,
         arrivals per (N block, row tile) in count_ptr."""
+        if HAS_FLAG:  # before any store or arrival: a skipped call leaves the counters zero
+            if tl.load(flag_ptr).to(tl.int32) == 0:
+                return
         pid = tl.program_id(0)
         m_tiles = tl.cdiv(M, BLOCK_M)
         k_start = tl.program_id(1) * K_SPLIT
@@ -233,6 +238,7 @@ def skinny_linear(
     residual: torch.Tensor | None = None,  # [M, N]: epilogue residual + y
     up_weight: torch.Tensor | FP8Weight | None = None,  # [N, K]: epilogue silu(y) * (x @ up_weight.T)
     config: tuple[int, int, int, int, int] | None = None,  # override (tuning)
+    run_if: torch.Tensor | None = None,  # [] device flag: 0 skips the call (out is left as it was)
 ) -> torch.Tensor:
     fp8 = isinstance(weight, FP8Weight)
     if up_weight is not None and isinstance(up_weight, FP8Weight) != fp8:
@@ -277,6 +283,7 @@ def skinny_linear(
         norm_weight if norm_weight is not None else dummy,
         part,
         count,
+        run_if if run_if is not None else dummy,
         M,
         N,
         K,
@@ -298,6 +305,7 @@ def skinny_linear(
         FP8=fp8,
         SCALE_ROWS=rows,
         SCALE_ROWS2=rows2,
+        HAS_FLAG=run_if is not None,
         num_warps=warps,
         num_stages=stages,
     )

@@ -13,7 +13,12 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps, BLOCK_D: tl.constexpr):
+    def _rms_norm_kernel(
+        x_ptr, w_ptr, y_ptr, flag_ptr, D, stride_x, stride_y, eps, BLOCK_D: tl.constexpr, HAS_FLAG: tl.constexpr
+    ):
+        if HAS_FLAG:  # run_if (nextn.engine.runner.ModelRunner.when): 0 skips the call
+            if tl.load(flag_ptr).to(tl.int32) == 0:
+                return
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK_D)
         mask = offs < D
@@ -37,11 +42,22 @@ def rms_norm(
     weight: torch.Tensor,  # [D]
     eps: float,
     out: torch.Tensor | None = None,  # [M, D] (may be a column slice of a wider buffer)
+    run_if: torch.Tensor | None = None,  # [] device flag: 0 skips the call (out is left as it was)
 ) -> torch.Tensor:
     M, D = x.shape
     if out is None:
         out = torch.empty_like(x)
     _rms_norm_kernel[(M,)](
-        x, weight, out, D, x.stride(0), out.stride(0), eps, BLOCK_D=next_pow2(D), num_warps=4 if D <= 4096 else 8
+        x,
+        weight,
+        out,
+        x if run_if is None else run_if,
+        D,
+        x.stride(0),
+        out.stride(0),
+        eps,
+        BLOCK_D=next_pow2(D),
+        HAS_FLAG=run_if is not None,
+        num_warps=4 if D <= 4096 else 8,
     )
     return out

@@ -11,8 +11,11 @@ A confidence gate (SpecConfig.p_min) cuts a sequence's chain at its first draft 
 probability is below p_min, on the device: the drafts before it count (none when draft 1 is cut:
 the round verifies the pending token alone). A head step runs only while some sequence of the
 batch is still drafting: inside a round's CUDA graph a conditional node skips it (`runner.when`),
-so a cut saves head steps with no host read; a sequence cut while others draft rides along in
-the fixed-shape step and its rows are discarded. The verify keeps its K + 1 rows.
+so a cut saves head steps with no host read (without conditional nodes, the fused step's kernels
+read the flag and return: ModelRunner.when); a sequence cut while others draft rides along in the
+fixed-shape step and its rows are discarded. The verify keeps its K + 1 rows. When every member
+is plain greedy (SlotSampler.plain_greedy), a draft step of all of them is one launch: argmax,
+the head's probability of the pick and the gate's update (nextn.ops.triton_draft).
 With a draft vocabulary (SpecConfig.draft_vocab, FR-Spec) the head scores its rows only, from a
 copy of them made here at load (nextn.spec.draft_vocab.DraftHead), into the proposer's own
 [rows, Vd] logits; the sampler maps each draft through d2t and scatters its q onto target ids.
@@ -29,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache.hybrid import ACCEPTED, DRAFT_LEN, NUM_GEN, SEQ_LEN
+from nextn.ops.triton_draft import DraftGate, greedy_draft, greedy_draft_reference
 from nextn.sampling import RequestRng, Stream
 from nextn.spec.draft_vocab import DraftHead
 
@@ -39,6 +43,7 @@ class MTPProposer:
             raise ValueError("the checkpoint has no MTP head (mtp.* tensors)")
         spec = runner.config.spec
         self.runner, self.p_min, self.skip_cut = runner, spec.p_min, spec.draft_gate == "skip"
+        self.fast = runner.config.kernels == "triton"  # the fused step, and the Triton draft kernel
         vocab = spec.draft_vocab
         self.draft = None if vocab is None else DraftHead(vocab, runner.model.lm_head_weight)
         # the head's rows to score (None: the step's full lm_head) and its logits [rows, V or Vd]
@@ -71,22 +76,28 @@ class MTPProposer:
             None if m.sampler.kind.greedy else m.sampler.uniforms_at(Stream.DRAFT, m.cache.ctl[NUM_GEN], m.k)
             for m in members
         ]
-        gate = None
-        if self.p_min > 0.0:
+        gate, fused = None, self.p_min > 0.0 and all(m.sampler.plain_greedy for m in members)
+        if fused:  # draft 1's step writes them (every member drafts it) and counts the first pass
+            gate = _Gate(torch.empty(B, dtype=torch.bool, device=runner.device), torch.empty_like(ids[:B]))
+        elif self.p_min > 0.0:
             gate = _Gate(torch.ones(B, dtype=torch.bool, device=runner.device), torch.zeros_like(ids[:B]))
             self.head_steps.add_(1)
         for j in range(max(m.k for m in members)):
             index = [b for b, m in enumerate(members) if m.k > j]  # the members drafting draft j
 
             def step(j=j, index=index):
+                at = None if len(index) == B else runner.index(index)
+                run_if = runner.step.run_if if self.fast else None  # set by runner.when
                 if j > 0:  # draft j's row sits in draft K/V slot SEQ_LEN + j - 1 (the pending token's is SEQ_LEN - 1)
                     chain = [members[b] for b in index]
                     self._chain(batch if len(index) == B else None, chain, index, j - 1, logits, chained)
-                    if gate is not None:
-                        self.head_steps.add_(1)
+                    if gate is not None and not fused:
+                        self.head_steps.add_(1 if run_if is None else run_if)
+                if fused:
+                    self._greedy_drafts(members, index, j, at, logits, gate, run_if)
+                    return
                 confidence = [self._draft(members[b], j, logits[b : b + 1], uniforms[b]) for b in index]
                 if gate is not None:
-                    at = None if len(index) == B else runner.index(index)
                     gate.cut(at, (confidence[0] if B == 1 else torch.cat(confidence)) >= self.p_min)
 
             if j > 0 and gate is not None and self.skip_cut:
@@ -106,6 +117,20 @@ class MTPProposer:
             m.buf.draft_q[j : j + 1],
             self.draft,
         )
+
+    def _greedy_drafts(self, members: list, index: list[int], j: int, at, logits, gate: _Gate, run_if) -> None:
+        """Draft j of members[index] (plain greedy, gated; at: their positions, None: all) in one
+        step: each argmax (through d2t with a draft vocabulary) into its verify_ids[1 + j], the
+        gate's update and head_steps; none of it where run_if is 0 (a step every member was cut from)."""
+        verify_ids = members[0].cache.cache.tensors["verify_ids"]  # [S, R]
+        R = verify_ids.shape[1]
+        cells = self.runner.index([members[b].cache.slot * R + 1 + j for b in index])
+        d2t = None if self.draft is None else self.draft.d2t
+        draft_gate = DraftGate(gate.live, gate.counted, self.p_min, self.head_steps, j == 0)
+        if self.fast:
+            greedy_draft(logits, verify_ids.view(-1), cells, at, d2t, draft_gate, run_if=run_if)
+        else:
+            greedy_draft_reference(logits, verify_ids.view(-1), cells, at, d2t, draft_gate)
 
     def _chain(self, full, members: list, index: list[int], j: int, logits, chained) -> None:
         """One head step for members (at positions index of the batch) with their drafts j."""
