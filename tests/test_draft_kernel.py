@@ -1,4 +1,5 @@
-"""The gated greedy draft step (nextn.ops.triton_draft) against torch.argmax and its reference, and
+"""The gated greedy draft step (nextn.ops.triton_draft) against torch.argmax and its reference
+(nextn.ops.draft), and
 the device flag that skips a cut chain's head steps (ModelRunner.when's fallback without CUDA-graph
 conditional nodes): a flagged-off step writes nothing, a flagged-on one equals the plain call
 bitwise, and the engine drafts through the fused step (no softmax) and skips what the gate cut.
@@ -17,7 +18,8 @@ pytest.importorskip("triton")
 from hf_fixtures import FIT_PROMPTS  # noqa: E402
 
 import nextn  # noqa: E402
-from nextn.ops.triton_draft import DraftGate, greedy_draft, greedy_draft_reference  # noqa: E402
+from nextn.ops.draft import DraftGate, greedy_draft_reference  # noqa: E402
+from nextn.ops.triton_draft import greedy_draft  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -94,7 +96,8 @@ def test_greedy_draft_gate_matches_reference(V, dtype):
                     assert int(steps) == 1
 
 
-def test_a_flagged_off_draft_writes_nothing():
+@pytest.mark.parametrize("fn", [greedy_draft, greedy_draft_reference])
+def test_a_flagged_off_draft_writes_nothing(fn):
     n, V = 3, 300
     logits = _tied_logits(n, V, torch.float32, seed=1)
     at = torch.arange(n, device=DEVICE)
@@ -103,7 +106,7 @@ def test_a_flagged_off_draft_writes_nothing():
         ids = torch.full((n,), -1, dtype=torch.long, device=DEVICE)
         gate = _gate(n)._replace(p_min=0.01)
         run_if = None if flag is None else torch.tensor(flag, device=DEVICE)
-        greedy_draft(logits, ids, at, gate=gate, run_if=run_if)
+        fn(logits, ids, at, gate=gate, run_if=run_if)
         results.append((ids, gate.live, gate.counted, gate.head_steps))
     untouched = (torch.full((n,), -1), torch.ones(n, dtype=torch.bool), torch.arange(n) % 3, torch.zeros(1))
     for a, b in zip(results[1], untouched, strict=True):
@@ -217,3 +220,34 @@ def test_plain_greedy_members_draft_through_the_fused_step(dense_fitted_ckpt, mo
     penalized = nextn.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, repetition_penalty=1.1)
     with pytest.raises(AssertionError, match="the sampler's draft ran"):
         llm.generate(prompt_token_ids=list(FIT_PROMPTS[0]), params=penalized)
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_the_fused_draft_step_drafts_what_the_sampler_drafts(dense_fitted_ckpt, monkeypatch, reduced):
+    """Greedy rounds gated at p_min draft, cut and emit the same through the fused step as through
+    the sampler's per-member draft (softmax, gather, compare), over the full vocabulary and a
+    draft vocabulary (picks mapped through d2t), alone and batched with another K."""
+    from nextn.engine.sampler import SlotSampler
+    from nextn.spec.draft_vocab import DraftVocab
+
+    V = _llm(dense_fitted_ckpt, 0, kernels="torch").model.cfg.vocab_size
+    vocab = DraftVocab.first(3 * V // 4, V) if reduced else None
+    params = nextn.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def run():
+        engine = _llm(dense_fitted_ckpt, 4, p_min=0.5, kernels="torch", max_num_seqs=2, draft_vocab=vocab).engine
+        outs = []
+        for batch in ([0], [1], [0, 1]):
+            reqs = [engine.add(list(FIT_PROMPTS[i]), params, num_speculative_tokens=4 - 2 * i) for i in batch]
+            done = {}
+            while len(done) < len(reqs):
+                for req, ev in engine.step():
+                    if ev.output is not None:
+                        done[reqs.index(req)] = (ev.output.token_ids, ev.output.spec)
+            outs.append([done[i] for i in range(len(reqs))])
+        return outs
+
+    fused = run()
+    monkeypatch.setattr(SlotSampler, "plain_greedy", property(lambda self: False))
+    assert run() == fused
+    assert sum(spec.num_zero_draft_rounds for batch in fused for _, spec in batch) > 0

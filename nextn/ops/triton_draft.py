@@ -14,27 +14,15 @@ never changes greedy output, only how many drafts the verify counts. Logits are 
 
 `run_if` (a device scalar, nextn.engine.runner.ModelRunner.when): when 0, every program returns
 before reading or writing anything (the chain was cut for every member: the step is skipped).
-Reference: `greedy_draft_reference` (the CPU engine's path, and the kernel's test oracle).
+Reference: nextn.ops.draft.greedy_draft_reference (the reference engine's path, and the test oracle).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
+from nextn.ops.draft import DraftGate
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
-
-
-class DraftGate(NamedTuple):
-    """The p_min gate a draft step updates, per member b of the batch (nextn.spec.proposer)."""
-
-    live: torch.Tensor  # [B] bool: no draft of member b was cut yet; &= (p >= p_min)
-    counted: torch.Tensor  # [B] long: drafts before member b's first cut; += live
-    p_min: float
-    head_steps: torch.Tensor | None  # [1] long: += 1 per call (head steps run)
-    first: bool  # draft 1 of every member: live and counted are written (= p >= p_min), not read
-
 
 if HAVE_TRITON:
     import triton
@@ -136,31 +124,3 @@ def greedy_draft(
         BLOCK_V=min(block_v, next_pow2(V)),
         num_warps=4 if V <= 16384 else 8,
     )
-
-
-def greedy_draft_reference(
-    logits: torch.Tensor,
-    ids: torch.Tensor,
-    at: torch.Tensor,
-    rows: torch.Tensor | None = None,
-    d2t: torch.Tensor | None = None,
-    gate: DraftGate | None = None,
-) -> None:
-    """`greedy_draft` in PyTorch (no run_if: the CPU engine skips a step on the host)."""
-    x = (logits if rows is None else logits.index_select(0, rows)).float()  # [n, V]
-    pick = x.argmax(-1)
-    ids.index_copy_(0, at, pick if d2t is None else d2t.index_select(0, pick))
-    if gate is None:
-        return
-    members = torch.arange(at.numel(), device=at.device) if rows is None else rows
-    p = torch.exp(x - x.max(-1, keepdim=True).values).sum(-1).reciprocal()  # [n] the pick's probability
-    live = p >= gate.p_min
-    if not gate.first:
-        live &= gate.live.index_select(0, members)
-    gate.live.index_copy_(0, members, live)
-    if gate.first:
-        gate.counted.index_copy_(0, members, live.long())
-    else:
-        gate.counted.index_add_(0, members, live.long())
-    if gate.head_steps is not None:
-        gate.head_steps.add_(1)

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache.hybrid import ACCEPTED, DRAFT_LEN, NUM_GEN, SEQ_LEN
-from nextn.ops.triton_draft import DraftGate, greedy_draft, greedy_draft_reference
+from nextn.ops.draft import DraftGate, greedy_draft_reference
 from nextn.sampling import RequestRng, Stream
 from nextn.spec.draft_vocab import DraftHead
 
@@ -44,6 +44,11 @@ class MTPProposer:
         spec = runner.config.spec
         self.runner, self.p_min, self.skip_cut = runner, spec.p_min, spec.draft_gate == "skip"
         self.fast = runner.config.kernels == "triton"  # the fused step, and the Triton draft kernel
+        self.greedy_draft = greedy_draft_reference
+        if self.fast:  # imported here: kernel modules load only where their kernels run
+            from nextn.ops.triton_draft import greedy_draft
+
+            self.greedy_draft = greedy_draft
         vocab = spec.draft_vocab
         self.draft = None if vocab is None else DraftHead(vocab, runner.model.lm_head_weight)
         # the head's rows to score (None: the step's full lm_head) and its logits [rows, V or Vd]
@@ -127,10 +132,7 @@ class MTPProposer:
         cells = self.runner.index([members[b].cache.slot * R + 1 + j for b in index])
         d2t = None if self.draft is None else self.draft.d2t
         draft_gate = DraftGate(gate.live, gate.counted, self.p_min, self.head_steps, j == 0)
-        if self.fast:
-            greedy_draft(logits, verify_ids.view(-1), cells, at, d2t, draft_gate, run_if=run_if)
-        else:
-            greedy_draft_reference(logits, verify_ids.view(-1), cells, at, d2t, draft_gate)
+        self.greedy_draft(logits, verify_ids.view(-1), cells, at, d2t, draft_gate, run_if)
 
     def _chain(self, full, members: list, index: list[int], j: int, logits, chained) -> None:
         """One head step for members (at positions index of the batch) with their drafts j."""
