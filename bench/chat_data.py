@@ -127,6 +127,9 @@ def main() -> None:
     ap.add_argument("--tool-share", type=float, default=0.15)
     ap.add_argument("--per-file", type=int, default=200, help="transcripts per .chat file")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--renderings", type=int, default=1, help="times each function is asked and answered (new wording each time)"
+    )
     args = ap.parse_args()
     tokenizer = Tokenizer(Path(args.template_from))  # the engine's own template rendering
     rng = random.Random(args.seed)
@@ -137,16 +140,21 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     texts, tools_made = [], 0
-    for fn in fns:
-        if rng.random() < args.tool_share:
-            messages, tools = tool_chat(rng, rng.sample(fns, 3))
-            tools_made += 1
-        else:
-            messages, tools = coding_chat(rng, fn), None
-        extra = {"tools": tools} if tools else {}
-        texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=False, **extra))
-    for i in range(0, len(texts), args.per_file):
-        (out / f"chat_{i // args.per_file:05d}.chat").write_text("<|endoftext|>".join(texts[i : i + args.per_file]))
+    for r in range(args.renderings):
+        made = []
+        for fn in fns:
+            if rng.random() < args.tool_share:
+                messages, tools = tool_chat(rng, rng.sample(fns, 3))
+                tools_made += 1
+            else:
+                messages, tools = coding_chat(rng, fn), None
+            extra = {"tools": tools} if tools else {}
+            made.append(tokenizer.apply_chat_template(messages, add_generation_prompt=False, **extra))
+        rng.shuffle(made)  # each file a different mix, so no two renderings' files repeat each other
+        for i in range(0, len(made), args.per_file):
+            chunk = "<|endoftext|>".join(made[i : i + args.per_file])
+            (out / f"chat_r{r}_{i // args.per_file:05d}.chat").write_text(chunk)
+        texts += made
     size = sum(map(len, texts))
     print(f"{len(texts)} transcripts ({tools_made} with tool calls), {size / 1e6:.1f} MB, in {out}")
 

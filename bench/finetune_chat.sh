@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # Fine-tune the bundled model into a coding assistant on one CUDA GPU (issue 17), then retrain its
 # MTP head's chain as bench/distill_chain_head.sh did, and ask it ten coding requests.
-#   bench/finetune_chat.sh OUT CHAT_TGZ FINETUNE_STEPS CHAIN_MINUTES
+#   bench/finetune_chat.sh OUT CHAT_TGZ FINETUNE_STEPS CHAIN_MINUTES [PEAK_LR]
 # CHAT_TGZ: the .chat files of bench/chat_data.py (made on the CPU machine, carried here).
 # Mixed with the machine's Python standard library and site-packages, the pretraining corpus
 # (run 29 mixed the standard library alone, 2.7M tokens, and the model lost much of its Python).
 set -euo pipefail
-out=$1 chat=$2 ft_steps=$3 chain_min=$4
+out=$1 chat=$2 ft_steps=$3 chain_min=$4 lr=${5:-6e-4}
 mkdir -p "$out" /tmp/chat
 tar xzf "$chat" -C /tmp/chat
 export PYTHONUNBUFFERED=1
 read -r stdlib purelib < <(python3 -c "import sysconfig; p = sysconfig.get_paths(); print(p['stdlib'], p['purelib'])")
 python3 -m nextn.train --finetune-from nextn/default_model --data /tmp/chat --data "$stdlib" --data "$purelib" \
   --suffix .chat --suffix .py --device cuda --out runs/chat --gdn-kernel torch --max-steps "$ft_steps" \
-  --lr 6e-4 --warmup-steps 30 --eval-every 100 --eval-sequences 128 --save-every 100000 --max-prep-seconds 30 \
+  --lr "$lr" --warmup-steps 30 --eval-every 100 --eval-sequences 128 --save-every 100000 --max-prep-seconds 60 \
   2>&1 | grep -v "^ " | tee "$out/finetune_log.txt"
-python3 -m nextn.train --distill-from runs/chat/checkpoint --data "$stdlib" --device cuda --out runs/chat_chain \
+python3 -m nextn.train --distill-from runs/chat/checkpoint --data "$stdlib" --data "$purelib" --device cuda --out runs/chat_chain \
   --gdn-kernel torch --wall-minutes "$chain_min" --chain-depth 3 --max-prep-seconds 20 --lr 1e-3 --warmup-steps 50 \
   --eval-every 200 --eval-sequences 128 --save-every 100000 2>&1 | grep -v "^ " | tee "$out/chain_log.txt"
 python3 bench/chat_eval.py --model runs/chat_chain/checkpoint --device cuda --out "$out/chat_eval.json" \

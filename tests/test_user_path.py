@@ -394,6 +394,22 @@ def test_chat_renders_the_template(dense_ckpt):
     ]
 
 
+def test_the_bundled_model_answers_coding_requests_with_code():
+    """The default model was fine-tuned on chat transcripts (docs/model_card.md, stage 3): asked for
+    code in a chat turn, it answers with code under its generation_config defaults, where the
+    code-only stage 2 ended every chat turn at once (empty content)."""
+    llm = nextn.LLM(max_model_len=512)
+    asks = [
+        "Write a Python function that reverses a string.",
+        "Write a function that returns the n-th Fibonacci number.",
+        "Write a Python function that returns the factorial of n.",
+    ]
+    for seed, ask in enumerate(asks):
+        params = llm.default_sampling_params(max_tokens=64, seed=seed)
+        text = llm.chat([{"role": "user", "content": ask}], params)[0].outputs[0].text
+        assert re.search(r"```python|^\s*(def|class|return|import|from) ", text, re.M), (ask, text)
+
+
 def test_speculative_config(dense_ckpt):
     llm = nextn.LLM(dense_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, max_model_len=256)
     assert llm.num_speculative_tokens == 2
