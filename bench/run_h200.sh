@@ -2,8 +2,9 @@
 # One device call on the H200: tune the skinny GEMM, kernel tests at real shapes, the benches.
 # Usage (device tool): bash bench/run_h200.sh [stages...]
 #   stages: tune tests engine profile prefill prefill4k bench9b batch9b benchdefault bench35b
-#   FP8 K/V and the p_min gate: kvfp8 pmin
-#   tensor parallelism (nvidia-h200-x2, one stage per call): tptests tp27b tp35b
+#   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
+#   the MoE decode kernels' tests: moe
+#   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
 # packages the image lacks (llguidance) travel as wheels in .whl/ (carried, git-ignored)
@@ -47,12 +48,16 @@ for stage in "$@"; do
     pmin) timeout 200 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \
              --prompt-file nextn/engine/scheduler.py --spec-k 6 --p-min 0 0.5 --json $OUT/pmin_default_model.json \
              2>&1 | grep -v '^ ' | tail -12 | tee -a $LOG ;;
+    gate) timeout 100 python3 -m pytest -q -x tests/test_draft_kernel.py 2>&1 | tail -8 | tee -a $LOG ;;
+    moe) timeout 90 python3 -m pytest -q -x tests/test_kernels.py -k "moe or router" 2>&1 | tail -8 | tee -a $LOG ;;
+    ar) timeout 150 python3 -m pytest -v -x -o faulthandler_timeout=60 tests/test_allreduce.py tests/test_tp.py \
+          -k "allreduce or all_reduce or tp2_tokens" 2>&1 | grep -v "^ " | tail -20 | tee -a $LOG ;;
     tptests) timeout 300 python3 -m pytest -v -x -o faulthandler_timeout=90 tests/test_tp.py 2>&1 | grep -v "^ " \
                | tail -40 | tee -a $LOG ;;
     tp27b|tp35b) p=qwen3.5-27b; [ $stage = tp35b ] && p=qwen3.5-35b-a3b
                # plain decode at TP=1 and TP=2 (same random weights); spec == plain K=1..8 at TP=2
                for n in 1 2; do ks="1"; [ $n = 2 ] && ks="1 2 3 4 5 6 7 8"
-                 timeout 240 python3 -m nextn.cli bench --random-weights $p --device cuda --dtype bfloat16 \
+                 timeout 175 python3 -m nextn.cli bench --random-weights $p --device cuda --dtype bfloat16 \
                    --tensor-parallel-size $n --spec-k $ks --repeats 1 --gen-len 96 --json $OUT/tp${n}_$p.json \
                    2>&1 | grep -v '^ ' | tail -30 | tee -a $LOG
                done

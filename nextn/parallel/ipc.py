@@ -40,8 +40,7 @@ def setup(max_bytes: int = MAX_BYTES) -> Peers:
             buffers.append(buffer)
             flag_list.append(flags)
             continue
-        peer_buffer, peer_flags = rebuild_b(*args_b), rebuild_f(*args_f)
-        _enable_peer_access(device, peer_buffer)
+        peer_buffer, peer_flags = _open(rebuild_b, args_b, device), _open(rebuild_f, args_f, device)
         buffers.append(peer_buffer)
         flag_list.append(peer_flags)
     torch.cuda.synchronize(device)
@@ -49,13 +48,14 @@ def setup(max_bytes: int = MAX_BYTES) -> Peers:
     return Peers(rank, tuple(buffers), tuple(flag_list), counter)
 
 
-def _enable_peer_access(device: torch.device, peer: torch.Tensor) -> None:
-    """Let kernels on `device` read and write memory mapped on the peer's device (and back): torch
-    enables peer access between two devices on their first copy, and has no call for it alone."""
-    mine = torch.zeros(1, dtype=peer.dtype, device=device)
-    probe = torch.empty(1, dtype=peer.dtype, device=peer.device)
-    probe.copy_(mine)
-    mine.copy_(probe)
+def _open(rebuild, args: tuple, device: torch.device) -> torch.Tensor:
+    """A peer's exported tensor, mapped into THIS rank's device context: torch would open the handle
+    on the exporting device (a context of its own in this process, whose pointers Triton kernels
+    launched here cannot use: "cannot be accessed from Triton", H200 run 39). Opened here, the
+    mapping's peer access is enabled by CUDA (cudaIpcMemLazyEnablePeerAccess)."""
+    args = list(args)
+    args[6] = device.index  # rebuild_cuda_tensor's storage_device
+    return rebuild(*args)
 
 
 def release(peers: Peers) -> None:
