@@ -129,11 +129,13 @@ def _transports(seed: int) -> dict:
 
 
 def test_two_ranks_choose_their_transport_and_ipc_equals_gather():
+    threads = torch.get_num_threads()
     ranks = launch.start(2, DEVICE, _follower, 7)
     try:
         mine, theirs = _transports(7), ranks.receive()[0]
     finally:
         ranks.close()
+    assert torch.get_num_threads() == threads  # rank 0 gets back the threads it shared with rank 1
     if DEVICE == "cpu":
         assert mine["backend"] == theirs["backend"] == "gloo"
         return

@@ -72,6 +72,8 @@ class Ranks:
     def __init__(self, processes: list, conns: list):
         self.processes, self.conns = processes, conns
         self.closed = False
+        # rank 0 (this process) takes its share of the CPU threads on gloo; all of them again on close
+        self.threads = torch.get_num_threads()
 
     def send(self, message) -> None:
         for conn in self.conns:
@@ -105,6 +107,7 @@ class Ranks:
             p.join(timeout)
             if p.is_alive():
                 p.terminate()
+        torch.set_num_threads(self.threads)
 
 
 def start(size: int, device: str, target: Callable, *args) -> Ranks:
