@@ -163,14 +163,18 @@ def test_a_flagged_off_head_step_writes_nothing(dense_ckpt):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter takes minutes per round of the fused step")
-def test_the_engine_skips_cut_head_steps_with_the_flag(dense_fitted_ckpt):
-    """The fused step in CUDA graphs without conditional nodes (`when`'s flag path): greedy spec
+@pytest.mark.parametrize("if_nodes", [True, False])
+def test_the_engine_skips_cut_head_steps(dense_fitted_ckpt, if_nodes):
+    """The fused step in CUDA graphs, with IF nodes or without (`when`'s flag path): greedy spec
     with p_min equals plain, single and batched with another K, and head_steps counts the steps
-    that ran only (the draft kernel reads the flag: a skipped step counts nothing)."""
+    that ran only (a skipped step counts nothing: its body never ran, or the draft kernel read
+    the flag)."""
     prompts, params = FIT_PROMPTS[:2], nextn.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     plain = [_llm(dense_fitted_ckpt, 0).generate(prompt_token_ids=list(p), params=params).token_ids for p in prompts]
     llm = _llm(dense_fitted_ckpt, 4, p_min=0.5, trace=True)
-    llm.engine.runner.conditional = False
+    assert llm.engine.runner.conditional is not None  # the driver has IF nodes
+    if not if_nodes:
+        llm.engine.runner.conditional = None
     for _ in range(3):  # eager, captured, replayed
         steps = int(llm.engine.proposer.head_steps)
         out = llm.generate(prompt_token_ids=list(prompts[0]), params=params)
@@ -178,7 +182,8 @@ def test_the_engine_skips_cut_head_steps_with_the_flag(dense_fitted_ckpt):
         assert 0 < out.spec.num_zero_draft_rounds and out.spec.num_drafted < 4 * out.spec.num_rounds
         assert int(llm.engine.proposer.head_steps) - steps == sum(1 + min(r.drafted, 3) for r in out.rounds)
     engine = _llm(dense_fitted_ckpt, 4, p_min=0.5, max_num_seqs=2).engine
-    engine.runner.conditional = False
+    if not if_nodes:
+        engine.runner.conditional = None
     for _ in range(3):
         reqs = [engine.add(list(p), params, num_speculative_tokens=k) for p, k in zip(prompts, (4, 2), strict=True)]
         outs = {}

@@ -184,7 +184,9 @@ def _gdn_buffers(c, H, HV, K, V, W, T_max):
     return window, torch.full((2 * T_max, HV, K, V), float("nan"), device=DEVICE)
 
 
-def _run_gdn_step(c, H, HV, K, V, W, norm_eps, T_max=8, slots=None, store_all=True, window=None, states=None):
+def _run_gdn_step(
+    c, H, HV, K, V, W, norm_eps, T_max=8, slots=None, store_all=True, window=None, states=None, live=None
+):
     """The step of one sequence (a batch of one, slot 0) into `window` / `states` (fresh NaN-poisoned
     ones by default); slots as a list."""
     if window is None:
@@ -206,6 +208,7 @@ def _run_gdn_step(c, H, HV, K, V, W, norm_eps, T_max=8, slots=None, store_all=Tr
         slots=slots,
         seqs=seqs,
         store_all=store_all,
+        live=None if live is None else torch.tensor([live], device=DEVICE, dtype=torch.int32),
     )
     return out, states, window
 
@@ -238,6 +241,20 @@ def test_gdn_step_matches_reference(T, dtype):
     )
     one_out, one_states, _ = _run_gdn_step(one, H, HV, K, V, W, eps)
     assert torch.equal(one_out[0], out[t]) and torch.equal(one_states[0], states[t])
+
+
+@pytest.mark.parametrize("live", [1, 3, 5])
+def test_gdn_step_live_rows(live):
+    """live rows (a verify whose gate cut drafts): the recurrence stops after them; their outputs
+    and states are the full step's bitwise, later rows' outputs are 0 and their states unwritten."""
+    H, HV, K, V, W, eps, T, dtype = 2, 4, 16, 32, 4, 1e-6, 5, torch.bfloat16
+    c = _gdn_case(T, H, HV, K, V, W, dtype, torch.Generator(device=DEVICE).manual_seed(30))
+    out, states, window = _run_gdn_step(c, H, HV, K, V, W, eps)
+    out_l, states_l, window_l = _run_gdn_step(c, H, HV, K, V, W, eps, live=live)
+    assert torch.equal(out_l[:live], out[:live]) and torch.equal(states_l[:live], states[:live])
+    assert (out_l[live:] == 0).all() and states_l[live:].isnan().all()
+    assert torch.equal(window_l[:, : W - 1 + T], window[:, : W - 1 + T])  # the window: every row's
+    assert not triton_utils._COUNTERS[out.device].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -111,7 +111,8 @@ def device_round(runner, proposer, members: list[Member], clock=None) -> None:
     batch = runner.batch([m.cache for m in members], [m.k + 1 for m in members])
     flat = batch.flat_rows(members[0].buf.verify_ids.shape[0])
     logits, hidden = runner.step_logits[: batch.num_rows], runner.step_hidden[: batch.num_rows]
-    runner.step.trunk(batch, tensors["verify_ids"].view(-1).index_select(0, flat), logits, hidden)
+    live = None if counted is None else (num_drafts + 1).to(torch.int32)  # a gate cut: the rows that count
+    runner.step.trunk(batch, tensors["verify_ids"].view(-1).index_select(0, flat), logits, hidden, live=live)
     tensors["logits"].flatten(0, 1).index_copy_(0, flat, logits)
     tensors["hidden"].flatten(0, 1).index_copy_(0, flat, hidden)
     _mark(clock, 2)

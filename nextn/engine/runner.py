@@ -24,6 +24,7 @@ import torch
 
 from nextn.cache import SlotCache, SlotPool, StepBatch
 from nextn.config import STEP_ROWS, EngineConfig
+from nextn.engine.graph_if import GraphIf
 from nextn.engine.sequence import Sequence
 from nextn.models.qwen3_5 import CausalLM, ReferenceStep
 from nextn.models.qwen3_5_step import TritonStep
@@ -50,7 +51,7 @@ class ModelRunner:
         self.use_graphs = self.device.type == "cuda" and config.kernels == "triton"
         self.graphs: dict = {}  # key -> None (ran eagerly once) or a captured CUDAGraph
         self.graph_memory = GraphMemory(pool.graph_budget)
-        self.conditional = True  # `when` captures conditional nodes (off where CUDA has none)
+        self.conditional = self._graph_if() if self.use_graphs else None  # `when`'s IF nodes
         self._capturing: torch.cuda.CUDAGraph | None = None  # the graph `run` is capturing now
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.slots = [pool.cache.slot(s) for s in range(pool.num_slots)]
@@ -65,6 +66,13 @@ class ModelRunner:
         self._batches: dict = {}
         self._indices: dict = {}
         self._clocks: dict = {}
+
+    def _graph_if(self) -> GraphIf | None:
+        try:
+            return GraphIf(self.device)
+        except (RuntimeError, OSError, AttributeError) as e:  # a driver without conditional nodes
+            log.warning("CUDA graph IF nodes unavailable (%s): a cut draft chain launches its skipped head steps", e)
+            return None
 
     def slot(self, slot: int) -> SlotCache:
         return self.slots[slot]
@@ -124,30 +132,24 @@ class ModelRunner:
 
     def when(self, pred: torch.Tensor, fn: Callable[[], None]) -> None:
         """fn (head steps and their drafts) only where pred (a bool device scalar) holds, with no
-        host read: inside a graph capture a conditional node, skipped on the device at replay.
-        Without one (eagerly, or a torch without conditional nodes) the fused step runs fn with pred
-        as its kernels' run_if: each returns at once where pred is false, so a skipped step costs
-        its launches alone (pred is read as each kernel starts: fn may write it in its last kernel
-        only). Else (the reference modules) a plain branch on the CPU, and on a GPU fn runs
-        whatever pred says. Whatever runs where pred is false, the caller discards."""
-        graph = self._capturing
-        if graph is not None and self.conditional:
-            try:
-                graph.begin_capture_to_if_node(pred)
-            except (RuntimeError, AttributeError) as e:  # a torch, build or driver without conditional nodes
-                log.warning("CUDA graph conditional nodes unavailable (%s): skipped head steps are launched", e)
-                self.conditional = False
-            else:
-                try:
-                    return fn()
-                finally:
-                    graph.end_capture_to_conditional_node()
+        host read: inside a graph capture an IF node (nextn.engine.graph_if), skipped on the device
+        at replay; calls nest (an IF node inside a body). Without one (eagerly, or a driver without
+        conditional nodes) the fused step runs fn with pred as its kernels' run_if: each returns at
+        once where pred is false, so a skipped step costs its launches alone (pred is read as each
+        kernel starts: fn may write it in its last kernel only). Else (the reference modules) a
+        plain branch on the CPU, and on a GPU fn runs whatever pred says. Whatever runs where pred
+        is false, the caller discards."""
         if isinstance(self.step, TritonStep) and self.step.head_skips:
-            self.step.run_if = pred
+            # the flag is set inside an IF body too: its kernels are the ones the eager run compiled
+            outer, self.step.run_if = self.step.run_if, pred
             try:
+                if self._capturing is not None and self.conditional is not None:
+                    return self.conditional.capture_if(pred, fn)
                 return fn()
             finally:
-                self.step.run_if = None
+                self.step.run_if = outer
+        if self._capturing is not None and self.conditional is not None:
+            return self.conditional.capture_if(pred, fn)
         if self.device.type != "cpu" or pred.item():
             fn()
 

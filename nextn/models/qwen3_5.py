@@ -137,9 +137,17 @@ class ReferenceStep:
         self.model, self.after_norm = model, hidden_after_norm
 
     def trunk(
-        self, batch: StepBatch, ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, store_all: bool = True
+        self,
+        batch: StepBatch,
+        ids: torch.Tensor,
+        logits: torch.Tensor,
+        hidden: torch.Tensor,
+        store_all: bool = True,
+        live: torch.Tensor | None = None,
     ) -> None:
-        """ids [M]: the batch's rows; logits [M, V] float32 and head-input hiddens [M, H] written."""
+        """ids [M]: the batch's rows; logits [M, V] float32 and head-input hiddens [M, H] written.
+        live (the rows of each sequence that count, as the fused step takes it): every row is
+        computed here; the rows that count are the same either way."""
         h = self.model(ids[None], batch, store_all=store_all)[0]
         normed = self.model.final_norm(h)
         logits.copy_(self.model.logits(normed))

@@ -316,7 +316,7 @@ class TritonStep:
         o = self.attn.attend_step(q, qkv, kv.key, kv.value, row_slot, row_pos, **scales)
         return self._mlp(self._add(x, o, w.o_proj), w.mlp)
 
-    def _gdn(self, x, w: GDNWeights, batch: StepBatch, j: int, store_all: bool):
+    def _gdn(self, x, w: GDNWeights, batch: StepBatch, j: int, store_all: bool, live: torch.Tensor | None):
         lin, t = self.linear.skinny_linear, batch.cache.tensors
         if len(w.in_proj) == 1:
             proj = lin(x, w.in_proj[0], norm_weight=w.norm, eps=self.eps)  # [M, conv | z | b | a]
@@ -341,15 +341,24 @@ class TritonStep:
             slots=batch.cache.ctl[:, STATE_AT:],
             seqs=batch.seqs,
             store_all=store_all,
+            live=live,
         )
         return self._mlp(self._add(x, o, w.out_proj), w.mlp)
 
     def trunk(
-        self, batch: StepBatch, ids: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, store_all: bool = True
+        self,
+        batch: StepBatch,
+        ids: torch.Tensor,
+        logits: torch.Tensor,
+        hidden: torch.Tensor,
+        store_all: bool = True,
+        live: torch.Tensor | None = None,
     ) -> None:
         """ids [M]: each sequence's rows at its positions SEQ_LEN..: logits [M, V] float32 and
         head-input hiddens [M, H] into the given buffers; K/V and the GDN step buffers written,
-        nothing committed."""
+        nothing committed. live (int32 [B] device, default all): the rows of each sequence that
+        count (a verify whose gate cut drafts): the GDN recurrences stop there (their serial
+        per-row work is what rows cost a small model), and rows past them are garbage."""
         norm = self.norm.rms_norm
         if store_all and max(batch.rows) > batch.caches[0].rows:  # past the slots' state buffers
             raise ValueError(f"a step keeping every state takes at most {batch.caches[0].rows} rows per sequence")
@@ -360,7 +369,7 @@ class TritonStep:
             if layer.kind == FULL:
                 x = self._attn(x, w, batch.cache.kv(i), batch.row_slot, pos, 0)
             else:
-                x = self._gdn(x, w, batch, batch.cache.gdn_index[i], store_all)
+                x = self._gdn(x, w, batch, batch.cache.gdn_index[i], store_all, live)
         normed = norm(x, self.final_norm, self.eps, out=hidden if self.after_norm else None)
         self._logits(normed, None, logits)
         if not self.after_norm:

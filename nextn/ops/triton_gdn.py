@@ -98,6 +98,7 @@ if HAVE_TRITON:
         seq_slot_ptr,
         seq_start_ptr,
         seq_rows_ptr,  # int32 [B]: each sequence's slot, first row and number of rows
+        live_ptr,  # int32 [B]: the rows that count (LIVE): the recurrence stops there, o is 0 past it
         norm_w_ptr,  # [V] RMSNormGated weight
         o_ptr,
         stride_o,  # [M, HV*V] out: RMSNormGated(o) * silu(z)
@@ -113,6 +114,7 @@ if HAVE_TRITON:
         W: tl.constexpr,
         BLOCK_V: tl.constexpr,
         STORE_ALL: tl.constexpr,  # else only the last token's state, at slots[1]
+        LIVE: tl.constexpr,
     ):
         hv = tl.program_id(0)
         vb = tl.program_id(1)
@@ -121,6 +123,9 @@ if HAVE_TRITON:
         slot = tl.load(seq_slot_ptr + seq).to(tl.int64)
         row0 = tl.load(seq_start_ptr + seq)
         T = tl.load(seq_rows_ptr + seq)
+        TL = T
+        if LIVE:
+            TL = tl.minimum(tl.load(live_ptr + seq), T)
         proj_ptr += row0 * stride_p
         o_ptr += row0 * stride_o
         sumsq_ptr += row0 * HV * NB
@@ -162,7 +167,7 @@ if HAVE_TRITON:
         states_ptr += state_write * stride_states
         decay_rate = tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
-        for t in range(T):
+        for t in range(TL):
             row = proj_ptr + t * stride_p
             q = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, q_ch, t, W, dtype)
             k = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, k_ch, t, W, dtype)
@@ -194,7 +199,9 @@ if HAVE_TRITON:
             tl.store(count_ptr + hv, 0)  # re-armed for the next launch
             offs = tl.arange(0, V)
             norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)
-            for t in range(T):
+            for t in range(TL, T):  # rows past the live ones: zeros (finite, whatever the buffer held)
+                tl.store(o_ptr + t * stride_o + hv * V + offs, tl.zeros((V,), dtype))
+            for t in range(TL):
                 total = tl.load(sumsq_ptr + (t * HV + hv) * NB, cache_modifier=".cg")
                 for j in tl.static_range(1, NB):
                     total += tl.load(sumsq_ptr + (t * HV + hv) * NB + j, cache_modifier=".cg")
@@ -223,8 +230,14 @@ def gdn_step(
     eps: float = 1e-6,  # of the q / k l2norm
     out: torch.Tensor | None = None,  # [M, HV*V]
     store_all: bool = True,
+    live: torch.Tensor | None = None,  # int32 [B] on the device: the rows that count (default: all)
 ) -> torch.Tensor:
     """One GDN decode / verify step of B sequences; returns `out` [M, HV*V].
+
+    live: sequence b's recurrence runs over its first min(live[b], rows) rows only (a verify whose
+    gate cut drafts: rows past them are never accepted); their states are not written and their
+    output rows are 0. The rows before are the same bits either way (row t never depends on later
+    rows). The conv window is written for every row.
 
     Per sequence, with slots[slot] = (state_at, state_write, conv_at, conv_write) (an empty
     sequence: (-1, 0, -1, 0)):
@@ -260,6 +273,8 @@ def gdn_step(
         )
     if seqs.dtype != torch.int32 or seqs.shape[0] != 3 or seqs.stride(1) != 1:
         raise ValueError(f"gdn_step: seqs must be int32 [3, B] (slot, first row, rows), not {tuple(seqs.shape)}")
+    if live is not None and (live.dtype != torch.int32 or live.shape != (B,)):
+        raise ValueError(f"gdn_step: live must be int32 [B={B}], not {live.dtype} {tuple(live.shape)}")
     block_v = min(32, V)
     sumsq = torch.empty(M, HV, V // block_v, device=proj.device, dtype=torch.float32)
     _gdn_step_kernel[(HV, V // block_v, B)](
@@ -283,6 +298,7 @@ def gdn_step(
         seqs[0],
         seqs[1],
         seqs[2],
+        live if live is not None else seqs[2],
         norm_weight,
         out,
         out.stride(0),
@@ -298,6 +314,7 @@ def gdn_step(
         W=W,
         BLOCK_V=block_v,
         STORE_ALL=bool(store_all),
+        LIVE=live is not None,
         num_warps=4,
     )
     return out
