@@ -402,8 +402,8 @@ class SpecConfig:
     # under structured outputs, the head drafts from grammar-masked logits (legal drafts by
     # construction; one host read per draft step); off: only the verify is masked
     grammar_draft_mask: bool = True
-    # head steps after every draft of a round was cut: "skip" them (a conditional node in the
-    # round's CUDA graph) or "mask" (run them, discard their drafts); the same output either way
+    # head steps after every draft of a round was cut: "skip" them (their kernels read a device
+    # flag and return: ModelRunner.when) or "mask" (run them, discard their drafts); the same output either way
     draft_gate: str = "skip"
 
     def __post_init__(self):

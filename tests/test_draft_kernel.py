@@ -1,8 +1,7 @@
 """The gated greedy draft step (nextn.ops.triton_draft) against torch.argmax and its reference
-(nextn.ops.draft), and
-the device flag that skips a cut chain's head steps (ModelRunner.when's fallback without CUDA-graph
-conditional nodes): a flagged-off step writes nothing, a flagged-on one equals the plain call
-bitwise, and the engine drafts through the fused step (no softmax) and skips what the gate cut.
+(nextn.ops.draft), and the device flag that skips a cut chain's head steps (ModelRunner.when): a
+flagged-off step writes nothing, a flagged-on one equals the plain call bitwise, and the engine
+drafts through the fused step (no softmax) and skips what the gate cut.
 
 On CPU the kernels run under Triton's interpreter (triton_interp.py); on a GPU compiled.
 """
@@ -163,18 +162,13 @@ def test_a_flagged_off_head_step_writes_nothing(dense_ckpt):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter takes minutes per round of the fused step")
-@pytest.mark.parametrize("if_nodes", [True, False])
-def test_the_engine_skips_cut_head_steps(dense_fitted_ckpt, if_nodes):
-    """The fused step in CUDA graphs, with IF nodes or without (`when`'s flag path): greedy spec
-    with p_min equals plain, single and batched with another K, and head_steps counts the steps
-    that ran only (a skipped step counts nothing: its body never ran, or the draft kernel read
-    the flag)."""
+def test_the_engine_skips_cut_head_steps_with_the_flag(dense_fitted_ckpt):
+    """The fused step in CUDA graphs (`when`'s flag): greedy spec with p_min equals plain, single
+    and batched with another K, and head_steps counts the steps that ran only (the draft kernel
+    reads the flag: a skipped step counts nothing)."""
     prompts, params = FIT_PROMPTS[:2], nextn.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     plain = [_llm(dense_fitted_ckpt, 0).generate(prompt_token_ids=list(p), params=params).token_ids for p in prompts]
     llm = _llm(dense_fitted_ckpt, 4, p_min=0.5, trace=True)
-    assert llm.engine.runner.conditional is not None  # the driver has IF nodes
-    if not if_nodes:
-        llm.engine.runner.conditional = None
     for _ in range(3):  # eager, captured, replayed
         steps = int(llm.engine.proposer.head_steps)
         out = llm.generate(prompt_token_ids=list(prompts[0]), params=params)
@@ -182,8 +176,6 @@ def test_the_engine_skips_cut_head_steps(dense_fitted_ckpt, if_nodes):
         assert 0 < out.spec.num_zero_draft_rounds and out.spec.num_drafted < 4 * out.spec.num_rounds
         assert int(llm.engine.proposer.head_steps) - steps == sum(1 + min(r.drafted, 3) for r in out.rounds)
     engine = _llm(dense_fitted_ckpt, 4, p_min=0.5, max_num_seqs=2).engine
-    if not if_nodes:
-        engine.runner.conditional = None
     for _ in range(3):
         reqs = [engine.add(list(p), params, num_speculative_tokens=k) for p, k in zip(prompts, (4, 2), strict=True)]
         outs = {}

@@ -6,8 +6,8 @@ captured on its second, replayed after.
 
 Graphs' memory is counted (`GraphMemory`: what each capture added to the graph pool, by the
 slots it serves, so kept sessions' graphs count with them) and bounded by the pool's graph budget.
-`when` runs device work only where a device flag holds (a conditional node inside a graph, else
-the fused step's kernels read the flag and return);
+`when` runs device work only where a device flag holds (the fused step's kernels read the flag
+and return);
 `PhaseClock` times a round's phases (CUDA events captured with its graph).
 
 Does not choose tokens (nextn.engine.sampler) or decide what a round keeps (nextn.engine.rounds).
@@ -24,7 +24,6 @@ import torch
 
 from nextn.cache import SlotCache, SlotPool, StepBatch
 from nextn.config import STEP_ROWS, EngineConfig
-from nextn.engine.graph_if import GraphIf
 from nextn.engine.sequence import Sequence
 from nextn.models.qwen3_5 import CausalLM, ReferenceStep
 from nextn.models.qwen3_5_step import TritonStep
@@ -51,7 +50,6 @@ class ModelRunner:
         self.use_graphs = self.device.type == "cuda" and config.kernels == "triton"
         self.graphs: dict = {}  # key -> None (ran eagerly once) or a captured CUDAGraph
         self.graph_memory = GraphMemory(pool.graph_budget)
-        self.conditional = self._graph_if() if self.use_graphs else None  # `when`'s IF nodes
         self._capturing: torch.cuda.CUDAGraph | None = None  # the graph `run` is capturing now
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.slots = [pool.cache.slot(s) for s in range(pool.num_slots)]
@@ -66,13 +64,6 @@ class ModelRunner:
         self._batches: dict = {}
         self._indices: dict = {}
         self._clocks: dict = {}
-
-    def _graph_if(self) -> GraphIf | None:
-        try:
-            return GraphIf(self.device)
-        except (RuntimeError, OSError, AttributeError) as e:  # a driver without conditional nodes
-            log.warning("CUDA graph IF nodes unavailable (%s): a cut draft chain launches its skipped head steps", e)
-            return None
 
     def slot(self, slot: int) -> SlotCache:
         return self.slots[slot]
@@ -132,24 +123,18 @@ class ModelRunner:
 
     def when(self, pred: torch.Tensor, fn: Callable[[], None]) -> None:
         """fn (head steps and their drafts) only where pred (a bool device scalar) holds, with no
-        host read: inside a graph capture an IF node (nextn.engine.graph_if), skipped on the device
-        at replay; calls nest (an IF node inside a body). Without one (eagerly, or a driver without
-        conditional nodes) the fused step runs fn with pred as its kernels' run_if: each returns at
-        once where pred is false, so a skipped step costs its launches alone (pred is read as each
-        kernel starts: fn may write it in its last kernel only). Else (the reference modules) a
-        plain branch on the CPU, and on a GPU fn runs whatever pred says. Whatever runs where pred
-        is false, the caller discards."""
+        host read; calls nest. The fused step runs fn with pred as its kernels' run_if: each
+        returns at once where pred is false, so a skipped step costs its launches alone (pred is
+        read as each kernel starts: fn may write it in its last kernel only). (CUDA-graph IF nodes
+        were measured instead, run 41: a taken node costs 6.5-9.5 us, which ate what the skips
+        saved.) Else (the reference modules) a plain branch on the CPU, and on a GPU fn runs
+        whatever pred says. Whatever runs where pred is false, the caller discards."""
         if isinstance(self.step, TritonStep) and self.step.head_skips:
-            # the flag is set inside an IF body too: its kernels are the ones the eager run compiled
             outer, self.step.run_if = self.step.run_if, pred
             try:
-                if self._capturing is not None and self.conditional is not None:
-                    return self.conditional.capture_if(pred, fn)
                 return fn()
             finally:
                 self.step.run_if = outer
-        if self._capturing is not None and self.conditional is not None:
-            return self.conditional.capture_if(pred, fn)
         if self.device.type != "cpu" or pred.item():
             fn()
 

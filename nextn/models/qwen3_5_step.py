@@ -167,7 +167,7 @@ class TritonStep:
     caller's buffers (CUDA-graph friendly: every position and state location is a device value).
 
     run_if: a device flag the runner sets while a head step may be one the draft gate cut
-    (ModelRunner.when without a conditional node): every kernel of the head step reads it first and
+    (ModelRunner.when): every kernel of the head step reads it first and
     returns where it is 0, so a skipped step costs its empty launches. Torch ops between them still
     run on the unwritten buffers; their results are discarded (nextn.spec.proposer). head_skips:
     whether the head step honours it: not with an MoE head, whose routing kernels

@@ -10,10 +10,10 @@ output hidden, one row per sequence still drafting (K may differ per sequence).
 A confidence gate (SpecConfig.p_min) cuts a sequence's chain at its first draft whose head
 probability is below p_min, on the device: the drafts before it count (none when draft 1 is cut:
 the round verifies the pending token alone). A head step runs only while some sequence of the
-batch is still drafting: inside a round's CUDA graph a conditional node skips it (`runner.when`),
-so a cut saves head steps with no host read (without conditional nodes, the fused step's kernels
-read the flag and return: ModelRunner.when); a sequence cut while others draft rides along in the
-fixed-shape step and its rows are discarded. The verify keeps its K + 1 rows. When every member
+batch is still drafting: the fused step's kernels read the flag and return (`runner.when`), so a
+cut saves head work with no host read; a sequence cut while others draft rides along in the
+fixed-shape step and its rows are discarded. The verify keeps its K + 1 rows, but its GDN
+recurrences stop at the rows that count (the trunk's `live`). When every member
 is plain greedy (SlotSampler.plain_greedy), a draft step of all of them is one launch: argmax,
 the head's probability of the pick and the gate's update (nextn.ops.triton_draft).
 With a draft vocabulary (SpecConfig.draft_vocab, FR-Spec) the head scores its rows only, from a
