@@ -125,6 +125,24 @@ def test_skinny_linear_run_if(split):
         assert torch.equal(skinny_linear(x, w, config=cfg, **kw), want), name
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_skinny_linear_tensor_descriptor_loads(split):
+    """Weight tiles through tensor descriptors (TMA on Hopper): the pointer loads' results bitwise
+    (the same tiles, zero past the edges, into the same dots), rows invariant, every fused variant;
+    N and K not multiples of the block (the descriptor's zero padding)."""
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    x, w, w2, res, nw = _linear_case(9, 40, 96, torch.bfloat16, g)
+    for name, (kw, ref) in _linear_variants(x, w, w2, res, nw).items():
+        for block_k in (32, 64):
+            if split > 1 and 96 % (split * block_k):
+                continue
+            full = skinny_linear(x, w, config=(16, block_k, 4, 2, split, 1), **kw)
+            assert torch.equal(full, skinny_linear(x, w, config=(16, block_k, 4, 2, split), **kw)), name
+            _close(full, ref, torch.bfloat16)
+            one = {k: (v[4:5] if k == "residual" else v) for k, v in kw.items()}
+            assert torch.equal(skinny_linear(x[4:5], w, config=(16, block_k, 4, 2, split, 1), **one)[0], full[4])
+
+
 def test_rms_norm_matches_reference():
     g = torch.Generator(device=DEVICE).manual_seed(2)
     for dtype in (torch.float32, torch.bfloat16):
@@ -647,15 +665,16 @@ def test_skinny_linear_rows_past_one_tile():
         (248320, 4096, "plain"),
     ],
 )
-def test_skinny_linear_9b_shapes_gpu(N, K, kind):
+@pytest.mark.parametrize("config", [None, (64, 128, 4, 4, 1, 1), (128, 128, 8, 3, 2, 1)])
+def test_skinny_linear_9b_shapes_gpu(N, K, kind, config):
     g = torch.Generator(device=DEVICE).manual_seed(N + K)
     x, w, w2, res, nw = _linear_case(9, N, K, torch.bfloat16, g)
     kw, ref = _linear_variants(x, w, w2, res, nw)[kind]
-    out = skinny_linear(x, w, **kw)
+    out = skinny_linear(x, w, config=config, **kw)
     _close(out, ref, torch.bfloat16)
     for m in (0, 3, 8):
         one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
-        assert torch.equal(skinny_linear(x[m : m + 1], w, **one)[0], out[m]), m
+        assert torch.equal(skinny_linear(x[m : m + 1], w, config=config, **one)[0], out[m]), m
 
 
 @gpu

@@ -231,6 +231,8 @@ def gdn_step(
     out: torch.Tensor | None = None,  # [M, HV*V]
     store_all: bool = True,
     live: torch.Tensor | None = None,  # int32 [B] on the device: the rows that count (default: all)
+    block_v: int = 32,  # value columns per program (capped at V): a model's one choice (it orders the norm's sum)
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """One GDN decode / verify step of B sequences; returns `out` [M, HV*V].
 
@@ -275,7 +277,7 @@ def gdn_step(
         raise ValueError(f"gdn_step: seqs must be int32 [3, B] (slot, first row, rows), not {tuple(seqs.shape)}")
     if live is not None and (live.dtype != torch.int32 or live.shape != (B,)):
         raise ValueError(f"gdn_step: live must be int32 [B={B}], not {live.dtype} {tuple(live.shape)}")
-    block_v = min(32, V)
+    block_v = min(block_v, V)
     sumsq = torch.empty(M, HV, V // block_v, device=proj.device, dtype=torch.float32)
     _gdn_step_kernel[(HV, V // block_v, B)](
         proj,
@@ -315,6 +317,6 @@ def gdn_step(
         BLOCK_V=block_v,
         STORE_ALL=bool(store_all),
         LIVE=live is not None,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out

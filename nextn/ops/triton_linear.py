@@ -96,6 +96,7 @@ if HAVE_TRITON:
         SCALE_ROWS: tl.constexpr,  # weight rows per scale: 1 or 128
         SCALE_ROWS2: tl.constexpr,
         HAS_FLAG: tl.constexpr,  # flag_ptr: run_if (nextn.engine.runner.ModelRunner.when), 0 skips the call
+        TMA: tl.constexpr,  # w_ptr (and w2_ptr) are [BLOCK_N, BLOCK_K] tensor descriptors (bf16 weights)
     ):
         """Program (n * M_TILES + m, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs
         for rows [m*BLOCK_M, (m+1)*BLOCK_M). SPLIT > 1: float32 partials [SPLIT, M, N] in part_ptr,
@@ -137,7 +138,10 @@ if HAVE_TRITON:
             if PROLOGUE == 1:
                 nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
                 x = (x.to(tl.float32) * rstd[:, None] * (1.0 + nw[None, :])).to(x_dtype)
-            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+            if TMA:  # out-of-bounds columns and rows read as 0, as the masked load's
+                w = w_ptr.load([n_block * BLOCK_N, k0])
+            else:
+                w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
             if FP8:  # the scales of this tile's 128-column block (nextn.ops.fp8.BLOCK)
                 s_row = s_ptr + (k0 // 128) * stride_s
                 acc += _fp8_tile(w, x, s_row + offs_n // SCALE_ROWS, mask_n, x_dtype, DOT_F32)
@@ -146,7 +150,10 @@ if HAVE_TRITON:
             else:
                 acc = tl.dot(w, tl.trans(x), acc)
             if EPILOGUE == 2:
-                w2 = tl.load(w2_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+                if TMA:
+                    w2 = w2_ptr.load([n_block * BLOCK_N, k0])
+                else:
+                    w2 = tl.load(w2_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
                 if FP8:
                     s2_row = s2_ptr + (k0 // 128) * stride_s2
                     acc2 += _fp8_tile(w2, x, s2_row + offs_n // SCALE_ROWS2, mask_n, x_dtype, DOT_F32)
@@ -185,10 +192,10 @@ if HAVE_TRITON:
         tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], out.to(y_ptr.dtype.element_ty), mask=store_mask)
 
 
-# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT). `tune` measures candidates per shape
+# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT[, TMA]). `tune` measures candidates per shape
 # and overwrites entries; the defaults are Qwen3.5-9B's shapes as swept on an H200 (CUDA graphs,
 # weights out of L2: bench/results/gemv_sweep_qwen3.5-9b_run4.json; bench/gemv_sweep.py).
-CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
     (4096, 4096): (64, 128, 8, 3, 4),  # o_proj, out_proj
     (4096, 8192): (64, 128, 4, 3, 4),  # mtp.fc
     (4096, 12288): (64, 128, 4, 3, 4),  # down_proj
@@ -203,13 +210,13 @@ FP8_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
 NUM_SMS = 132  # H200; only sets how many programs a launch aims for
 
 
-def pick_config(N: int, K: int, fp8: bool = False) -> tuple[int, int, int, int, int]:
+def pick_config(N: int, K: int, fp8: bool = False) -> tuple[int, ...]:
     """Block sizes from the weight's shape (and kind) alone (never the row count: that keeps rows
     invariant)."""
     if fp8:
         cfg = FP8_CONFIGS.get((N, K))
         if cfg is None:
-            block_n, block_k, warps, stages, split = pick_config(N, K)
+            block_n, block_k, warps, stages, split, *_ = pick_config(N, K)  # (no tensor descriptors)
             cfg = (block_n, min(block_k, FP8_BLOCK), warps, stages, split)
         return cfg
     cfg = CONFIGS.get((N, K))
@@ -237,7 +244,7 @@ def skinny_linear(
     eps: float = 1e-6,
     residual: torch.Tensor | None = None,  # [M, N]: epilogue residual + y
     up_weight: torch.Tensor | FP8Weight | None = None,  # [N, K]: epilogue silu(y) * (x @ up_weight.T)
-    config: tuple[int, int, int, int, int] | None = None,  # override (tuning)
+    config: tuple[int, ...] | None = None,  # override (tuning)
     run_if: torch.Tensor | None = None,  # [] device flag: 0 skips the call (out is left as it was)
 ) -> torch.Tensor:
     fp8 = isinstance(weight, FP8Weight)
@@ -262,7 +269,10 @@ def skinny_linear(
         out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     prologue = 0 if norm_weight is None else 1
     epilogue = 1 if residual is not None else (2 if up_weight is not None else 0)
-    block_n, block_k, warps, stages, split = config or pick_config(N, K, fp8)
+    block_n, block_k, warps, stages, split, *tma = config or pick_config(N, K, fp8)
+    tma = bool(tma and tma[0])
+    if tma and fp8:
+        raise ValueError("skinny_linear: tensor-descriptor (TMA) loads take bf16 / fp16 weights")
     if split > 1 and K % (split * block_k):
         raise ValueError(f"split {split} does not fit K={K}, BLOCK_K={block_k}")
     if fp8 and FP8_BLOCK % block_k:
@@ -272,10 +282,14 @@ def skinny_linear(
     if split > 1:
         part = torch.empty((2 if epilogue == 2 else 1) * split * M * N, device=x.device, dtype=torch.float32)
         count = arrival_counters(x.device, triton_cdiv(N, block_n) * triton_cdiv(M, TILE_ROWS))
+    w, w2 = weight, up_weight if up_weight is not None else dummy
+    if tma:
+        w = _descriptor(weight, block_n, block_k)
+        w2 = _descriptor(up_weight, block_n, block_k) if up_weight is not None else dummy
     _skinny_kernel[(triton_cdiv(N, block_n) * triton_cdiv(M, TILE_ROWS), split)](
         x,
-        weight,
-        up_weight if up_weight is not None else dummy,
+        w,
+        w2,
         scale if scale is not None else dummy,
         scale2 if scale2 is not None else dummy,
         out,
@@ -306,10 +320,27 @@ def skinny_linear(
         SCALE_ROWS=rows,
         SCALE_ROWS2=rows2,
         HAS_FLAG=run_if is not None,
+        TMA=tma,
         num_warps=warps,
         num_stages=stages,
     )
     return out
+
+
+_DESCRIPTORS: dict = {}
+
+
+def _descriptor(weight: torch.Tensor, block_n: int, block_k: int):
+    """A [block_n, block_k] tensor descriptor of a weight (made once per address, shape and block:
+    a descriptor holds no more than those, so a reused address gets the right one)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, block_n, block_k)
+    if key not in _DESCRIPTORS:
+        if len(_DESCRIPTORS) > 4096:
+            _DESCRIPTORS.clear()
+        _DESCRIPTORS[key] = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+    return _DESCRIPTORS[key]
 
 
 def _graph_us(launch, num_copies: int, reps: int) -> float:
@@ -334,6 +365,16 @@ def _graph_us(launch, num_copies: int, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+# weight tiles through tensor descriptors (TMA): (BLOCK_N, BLOCK_K, warps, stages, SPLIT, 1)
+TMA_CANDIDATES = [
+    (64, 128, 4, 4, 1, 1),
+    (128, 128, 4, 4, 1, 1),
+    (32, 256, 4, 4, 1, 1),
+    (64, 256, 4, 3, 1, 1),
+    (128, 128, 8, 3, 2, 1),
+    (64, 128, 4, 4, 4, 1),
+    (128, 256, 8, 3, 1, 1),
+]
 # more candidates for FP8 weights: a [256, 128] e4m3 tile reads the bytes of a [128, 128] bf16 one
 FP8_CANDIDATES = [(256, 128, 8, 3, 1), (256, 128, 8, 3, 2), (128, 128, 8, 4, 1), (128, 128, 8, 3, 4)]
 
@@ -365,6 +406,7 @@ def tune(shapes: list[tuple[int, int, bool, bool, bool]], device, candidates=Non
             (64, 128, 4, 3, 4),
             (64, 128, 8, 3, 4),
         ]
+        + TMA_CANDIDATES
     )
     chosen = {}
     merged: dict[tuple[int, int, bool], tuple[bool, bool]] = {}
@@ -386,8 +428,8 @@ def tune(shapes: list[tuple[int, int, bool, bool, bool]], device, candidates=Non
         reps = max(copies, min(200, int(2e11 // nbytes)))
         best = None
         for cfg in [default] + [c for c in candidates + (FP8_CANDIDATES if fp8 else []) if c != default]:
-            bn, bk, _, _, split = cfg
-            if (split > 1 and K % (split * bk)) or bk > K or (fp8 and FP8_BLOCK % bk):
+            bn, bk, _, _, split, *tma = cfg
+            if (split > 1 and K % (split * bk)) or bk > K or (fp8 and (FP8_BLOCK % bk or tma)):
                 continue
             times = []
             try:
