@@ -205,12 +205,13 @@ def test_verify_rows_equal_decode_steps_bitwise_under_fp8_kv(kernels, dtype, den
         assert all(_same(x[:n], y[:n]) for x, y in zip(a.kv(i), b.kv(i), strict=True)), i
 
 
-def _spec_equals_plain(engine, prompt, n: int) -> int:
-    """Greedy output with K = 1..4 drafts per round == plain greedy output; some drafts accepted."""
+def _spec_equals_plain(engine, prompt, n: int, ks=(1, 2, 3, 4)) -> int:
+    """Greedy output with K drafts per round (each of ks) == plain greedy output; the drafts
+    accepted."""
     greedy = dict(temperature=0.0)
     plain = engine_output(engine, prompt, greedy, k=0, max_tokens=n, ignore_eos=True)
     accepted = engine.stats.num_accepted
-    for k in range(1, 5):
+    for k in ks:
         assert engine_output(engine, prompt, greedy, k=k, max_tokens=n, ignore_eos=True) == plain, k
     return engine.stats.num_accepted - accepted
 
@@ -227,11 +228,11 @@ def test_greedy_spec_equals_plain_under_fp8_kv(name, prompt, request):
 
 def test_triton_greedy_spec_equals_plain_under_fp8_kv(dense_fitted_ckpt):
     """The fused step in bf16 (the interpreter on CPU, about a minute): its kernels write and read
-    the fp8 cache; K = 1..4 emit plain greedy's tokens."""
+    the fp8 cache; K = 1 and 3 emit plain greedy's tokens (the reference path's test runs 1..4)."""
     pytest.importorskip("triton")
     engine = _engine(dense_fitted_ckpt, "triton", "bfloat16")
     assert _held_in_fp8(engine)
-    assert _spec_equals_plain(engine, list(FIT_PROMPTS[1]), 8) > 0
+    assert _spec_equals_plain(engine, list(FIT_PROMPTS[1]), 8, ks=(1, 3)) > 0
 
 
 def test_each_request_equals_itself_alone_under_fp8_kv(dense_fitted_ckpt):

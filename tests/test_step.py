@@ -151,8 +151,8 @@ def _generate(ckpt, k, prompt, max_tokens, graphs=True):
 )
 def test_greedy_spec_equals_plain_bf16(name, k, prompt, request):
     ckpt = request.getfixturevalue(name)
-    plain, _ = _generate(ckpt, 0, FIT_PROMPTS[prompt], 12)
-    spec, stats = _generate(ckpt, k, FIT_PROMPTS[prompt], 12)
+    plain, _ = _generate(ckpt, 0, FIT_PROMPTS[prompt], 8)
+    spec, stats = _generate(ckpt, k, FIT_PROMPTS[prompt], 8)
     assert spec == plain
     assert stats.num_drafted > 0
     if name != "next_ckpt":  # fitted heads: drafts are accepted
