@@ -123,18 +123,18 @@ class ModelRunner:
 
     def when(self, pred: torch.Tensor, fn: Callable[[], None]) -> None:
         """fn (head steps and their drafts) only where pred (a bool device scalar) holds, with no
-        host read; calls nest. The fused step runs fn with pred as its kernels' run_if: each
+        host read. The fused step runs fn with pred as its kernels' run_if: each
         returns at once where pred is false, so a skipped step costs its launches alone (pred is
         read as each kernel starts: fn may write it in its last kernel only). (CUDA-graph IF nodes
         were measured instead, run 41: a taken node costs 6.5-9.5 us, which ate what the skips
         saved.) Else (the reference modules) a plain branch on the CPU, and on a GPU fn runs
         whatever pred says. Whatever runs where pred is false, the caller discards."""
         if isinstance(self.step, TritonStep) and self.step.head_skips:
-            outer, self.step.run_if = self.step.run_if, pred
+            self.step.run_if = pred
             try:
                 return fn()
             finally:
-                self.step.run_if = outer
+                self.step.run_if = None
         if self.device.type != "cpu" or pred.item():
             fn()
 

@@ -87,35 +87,28 @@ class MTPProposer:
         elif self.p_min > 0.0:
             gate = _Gate(torch.ones(B, dtype=torch.bool, device=runner.device), torch.zeros_like(ids[:B]))
             self.head_steps.add_(1)
-        k_max = max(m.k for m in members)
+        for j in range(max(m.k for m in members)):
+            index = [b for b, m in enumerate(members) if m.k > j]  # the members drafting draft j
 
-        def draft(j: int) -> None:
-            """Draft j of the members drafting it, then (where some member is still drafting:
-            `runner.when`, nested, so a cut chain's later steps are one skipped node) draft j + 1."""
-            index = [b for b, m in enumerate(members) if m.k > j]
-            at = None if len(index) == B else runner.index(index)
-            run_if = runner.step.run_if if self.fast else None  # set by runner.when
-            if j > 0:  # draft j's row sits in draft K/V slot SEQ_LEN + j - 1 (the pending token's is SEQ_LEN - 1)
-                chain = [members[b] for b in index]
-                self._chain(batch if len(index) == B else None, chain, index, j - 1, logits, chained)
-                if gate is not None and not fused:
-                    self.head_steps.add_(1 if run_if is None else run_if)
-            if fused:
-                self._greedy_drafts(members, index, j, at, logits, gate, run_if)
-            else:
+            def step(j=j, index=index):
+                at = None if len(index) == B else runner.index(index)
+                run_if = runner.step.run_if if self.fast else None  # set by runner.when
+                if j > 0:  # draft j's row sits in draft K/V slot SEQ_LEN + j - 1 (the pending token's is SEQ_LEN - 1)
+                    chain = [members[b] for b in index]
+                    self._chain(batch if len(index) == B else None, chain, index, j - 1, logits, chained)
+                    if gate is not None and not fused:
+                        self.head_steps.add_(1 if run_if is None else run_if)
+                if fused:
+                    self._greedy_drafts(members, index, j, at, logits, gate, run_if)
+                    return
                 confidence = [self._draft(members[b], j, logits[b : b + 1], uniforms[b]) for b in index]
                 if gate is not None:
                     gate.cut(at, (confidence[0] if B == 1 else torch.cat(confidence)) >= self.p_min)
-            if j + 1 == k_max:
-                return
-            if gate is not None and self.skip_cut:
-                after = [b for b, m in enumerate(members) if m.k > j + 1]
-                live = gate.still_drafting(None if len(after) == B else runner.index(after))
-                runner.when(live, lambda: draft(j + 1))
-            else:
-                draft(j + 1)
 
-        draft(0)
+            if j > 0 and gate is not None and self.skip_cut:
+                runner.when(gate.still_drafting(None if len(index) == B else runner.index(index)), step)
+            else:
+                step()
         return None if gate is None else gate.counted
 
     def _draft(self, m, j: int, logits: torch.Tensor, u: torch.Tensor | None):
