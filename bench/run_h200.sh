@@ -6,14 +6,7 @@
 #   the MoE decode kernels' tests: moe
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 set -o pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
-# packages the image lacks (llguidance) travel as wheels in .whl/ (carried, git-ignored)
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PWD:/tmp/site
-fi
-mkdir -p /tmp/triton_cache
-[ -f .tcache/triton_cache.tgz ] && tar xzf .tcache/triton_cache.tgz -C /tmp/triton_cache
+source bench/device_env.sh
 LOG=$OUT/log.txt
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee $LOG
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $LOG

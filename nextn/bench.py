@@ -524,6 +524,8 @@ def _sampled(bench: Bench, res: dict, ks: list[int], temperature: float, log) ->
         "spec_tokens_per_s": {},
         "acceptance_rate": {},
         "mean_acceptance_length": {},
+        "accepted_per_position": {},
+        "num_rounds": {},
     }
     log(f"bench: T={temperature} plain {plain:.1f} tok/s{_spread(runs)}")
     for k in ks:
@@ -534,11 +536,14 @@ def _sampled(bench: Bench, res: dict, ks: list[int], temperature: float, log) ->
         entry["spec_tokens_per_s"][k] = tps
         entry["acceptance_rate"][k] = stats.acceptance_rate
         entry["mean_acceptance_length"][k] = stats.mean_acceptance_length
+        entry["accepted_per_position"][k] = stats.accepted_per_position[:k]
+        entry["num_rounds"][k] = stats.num_rounds
         if temperature == 0.7 or len(bench.cfg.temperatures) == 1:
             res.setdefault("sampled_spec_speedup", {})[k] = tps / plain
         log(
             f"bench: T={temperature} K={k}: {tps:.1f} tok/s{_spread(runs)} ({tps / plain:.2f}x) "
-            f"acceptance {stats.acceptance_rate:.2f} over seeds {bench.cfg.seed}..{bench.cfg.seed + len(runs) - 1}"
+            f"acceptance {stats.acceptance_rate:.2f} over seeds {bench.cfg.seed}..{bench.cfg.seed + len(runs) - 1}, "
+            f"accepted per position {stats.accepted_per_position[:k]} of {stats.num_rounds} rounds"
         )
 
 

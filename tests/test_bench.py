@@ -42,6 +42,10 @@ def test_acceptance_profile_and_sampled_runs(dense_ckpt):
     assert res["profile_accepted_per_position"][2] == [1.0, 0.0]
     assert res["mean_acceptance_length"][2] < 1.5  # the random head alone
     assert set(res["sampled_spec_speedup"]) == {2} and res["sampled"][0.7]["decode_tokens_per_s"] > 0
+    sampled = res["sampled"][0.7]  # per position: the counts the acceptance rate is made of
+    per_position, rounds = sampled["accepted_per_position"][2], sampled["num_rounds"][2]
+    assert len(per_position) == 2 and per_position[0] >= per_position[1] and rounds > 0
+    assert sum(per_position) / (2 * rounds) == pytest.approx(sampled["acceptance_rate"][2])
 
 
 def test_random_preset_builds_and_decodes(monkeypatch, tmp_path):

@@ -242,6 +242,28 @@ def test_chain_depth_distillation_trains_the_chain(tiny_run):
         dataclasses.replace(cfg, distill_from=None)
 
 
+def test_argmax_weight_mixes_the_trunk_pick_into_the_target(tiny_run):
+    """argmax_weight 1 is the chain's cross-entropy on the trunk's argmax (computed here apart),
+    and the objective is linear in the weight between the soft target and that one."""
+    import torch.nn.functional as F
+
+    from nextn.train.objective import chain_logits, distill_losses, trunk_hidden
+
+    model = load_model(tiny_run / "run" / "checkpoint")
+    x = torch.from_numpy(pack(np.load(tiny_run / "run" / "data" / "train.npy"), 32)[:4].astype(np.int64))
+    with torch.no_grad():
+        hidden = trunk_hidden(model, x[:, :-1])
+        pick = model.logits(hidden).argmax(-1)
+        chain = chain_logits(model, x, hidden, 2)
+        hard = sum(0.7**d * F.cross_entropy(lg.flatten(0, 1), pick[:, d + 1 :].flatten()) for d, lg in enumerate(chain))
+        soft = distill_losses(model, x, 2).objective
+        torch.testing.assert_close(distill_losses(model, x, 2, argmax_weight=1.0).objective, hard)
+        torch.testing.assert_close(distill_losses(model, x, 2, argmax_weight=0.3).objective, 0.7 * soft + 0.3 * hard)
+    assert abs(soft - hard) > 1e-2
+    with pytest.raises(ValueError, match="argmax_weight"):
+        _config(tiny_run / "argmax", tiny_run / "src", argmax_weight=0.5)
+
+
 def test_loss_falls_on_repetitive_text(tmp_path):
     data_dir = _corpus(tmp_path / "src", num_files=12)
     cfg = _config(tmp_path / "run", data_dir, max_steps=50, log_every=10, eval_every=1000, lr=1e-2, warmup_steps=5)

@@ -45,6 +45,12 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
         help="with distillation: also train draft steps 2..D of the head's own chain (default 1)",
     )
     g.add_argument("--chain-decay", type=float, default=0.7, help="loss weight of chain depth d: decay ** (d - 1)")
+    g.add_argument(
+        "--argmax-weight",
+        type=float,
+        default=0.0,
+        help="with distillation: target = (1 - w) * trunk distribution + w * one-hot of its argmax (default 0)",
+    )
     g.add_argument("--minutes", type=float, help="stop after this many minutes of training steps")
     g.add_argument("--max-steps", type=int, help="stop after this many steps")
     g.add_argument(
@@ -133,6 +139,7 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
         finetune_from=ns.finetune_from,
         chain_depth=ns.chain_depth,
         chain_decay=ns.chain_decay,
+        argmax_weight=ns.argmax_weight,
         minutes=ns.minutes,
         max_steps=ns.max_steps,
         wall_minutes=ns.wall_minutes,

@@ -104,6 +104,9 @@ class TrainConfig:
     # output hidden fed back, as the proposer drafts), depth d's loss weighted chain_decay ** (d - 1)
     chain_depth: int = 1
     chain_decay: float = 0.7
+    # head distillation: the target is (1 - w) * the trunk's distribution + w * one-hot of its
+    # argmax (objective.distill_losses): w > 0 makes the head's confidence track greedy acceptance
+    argmax_weight: float = 0.0
     # duration: stop at whichever comes first. minutes: time in the training loop, summed over
     # resumes; wall_minutes: this invocation's wall clock, data preparation included. The LR
     # schedule is stretched over whichever limit binds.
@@ -145,6 +148,8 @@ class TrainConfig:
             raise ValueError("seq_len must be >= 4 and batch_size >= 1")
         if self.chain_depth < 1 or (self.chain_depth > 1 and self.distill_from is None):
             raise ValueError("chain_depth must be >= 1, and above 1 only with head distillation (distill_from)")
+        if not 0.0 <= self.argmax_weight <= 1.0 or (self.argmax_weight > 0 and self.distill_from is None):
+            raise ValueError("argmax_weight must be in [0, 1], and above 0 only with head distillation (distill_from)")
         if self.chain_depth >= self.seq_len:
             raise ValueError("chain_depth must be below seq_len")
         if self.distill_from is not None and self.finetune_from is not None:

@@ -93,15 +93,32 @@ def joint_losses(model: CausalLM, x: torch.Tensor, head_weight: float, ops: Ops 
 
 
 def distill_losses(
-    model: CausalLM, x: torch.Tensor, depth: int = 1, decay: float = 0.7, ops: Ops | None = None
+    model: CausalLM,
+    x: torch.Tensor,
+    depth: int = 1,
+    decay: float = 0.7,
+    ops: Ops | None = None,
+    argmax_weight: float = 0.0,
 ) -> Losses:
     """Frozen trunk: the head learns the trunk's next-token distribution (soft cross-entropy),
     which is what drafting is judged against; with depth D > 1 also at draft steps 2..D of its
-    chain, depth d weighted decay ** (d - 1). Head CE/acc/agree are depth 1's."""
+    chain, depth d weighted decay ** (d - 1). Head CE/acc/agree are depth 1's.
+
+    argmax_weight w mixes the trunk's pick into the target: (1 - w) * softmax + w * one-hot of its
+    argmax. A head that learns it puts at least w on the pick it shares with the trunk, so its
+    confidence in its pick tracks greedy acceptance (argmax agreement) and not the trunk's own
+    uncertainty: what a p_min gate reads. w = 0 is pure distribution matching (sampled drafting)."""
     with torch.no_grad():
         hidden = trunk_hidden(model, x[:, :-1], ops)
         trunk_logits = model.logits(hidden)
-        teacher = torch.softmax(trunk_logits, dim=-1)
+        teacher = torch.softmax(trunk_logits.float(), dim=-1)
+        if argmax_weight > 0.0:
+            teacher.mul_(1.0 - argmax_weight)
+            teacher.scatter_add_(
+                -1,
+                trunk_logits.argmax(-1, keepdim=True),
+                torch.full_like(teacher[..., :1], argmax_weight),
+            )
     all_logits = [head_logits(model, x, hidden)] if depth == 1 else chain_logits(model, x, hidden, depth)
     soft = sum(
         decay**d * -(teacher[:, d + 1 :] * torch.log_softmax(logits, dim=-1)).sum(-1).mean()

@@ -154,7 +154,7 @@ class Run:
             for layer in list(self.model.model.layers) + list(self.model.mtp.layers):
                 layer.compile()
         self.loss_fn = (
-            (lambda m, x: objective.distill_losses(m, x, cfg.chain_depth, cfg.chain_decay, ops))
+            (lambda m, x: objective.distill_losses(m, x, cfg.chain_depth, cfg.chain_decay, ops, cfg.argmax_weight))
             if (cfg.distill_from)
             else (lambda m, x: objective.joint_losses(m, x, cfg.head_loss_weight, ops))
         )
