@@ -8,7 +8,8 @@ prompt + continuation, and greedy rounds are replayed on those logits:
     (median, and on the agreeing drafts);
   * rounds at K (no gate) and at K with the gate p_min: tokens per round, head steps, verify rows,
     zero-draft rounds, the acceptance of the drafts the gate kept;
-  * an estimate of gated / ungated speed from a per-round cost model (the --cost-* flags; their
+  * an estimate of gated / ungated speed from a per-round cost model (at --p-min, and at each
+    threshold of --sweep) (the --cost-* flags; their
     defaults are the bundled model's on the H200, runs 41 and 49 of bench/NOTES.md). An estimate:
     the bar is measured with `nextn bench --p-min` on the H200.
 With --temperature T it also decodes a sampled continuation per seed and reports, per depth, the
@@ -109,6 +110,9 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--depth", type=int, default=6, help="K of the gated rounds (the longest chain)")
     ap.add_argument("--p-min", type=float, default=0.5)
+    ap.add_argument(
+        "--sweep", type=float, nargs="*", default=[], help="also estimate the gate's speed ratio at these p_min"
+    )
     ap.add_argument("--temperature", type=float, default=None)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--cost-head", type=float, default=0.050, help="ms per head step")
@@ -124,6 +128,7 @@ def main() -> None:
     cost = {n: getattr(args, f"cost_{n}") for n in ("head", "masked", "verify", "row", "round")}
     report = {"model": str(args.model or "bundled"), "depth": args.depth, "p_min": args.p_min, "cost_ms": cost}
     totals: dict[str, dict] = {}
+    sweep = {p: [0, 0.0] for p in [0.0, *args.sweep]}  # p_min -> [tokens, estimated ms] over all prompts
     for path in args.prompt_file:
         prompt = text_prompt(str(model_dir), args.prompt_len, Path(path).read_text(errors="replace"))
         ids = prompt + continuation(llm, prompt, args.gen_len, 0.0, 0)
@@ -154,6 +159,10 @@ def main() -> None:
             for key in ("rounds", "tokens", "head_steps", "verify_rows", "zero_draft_rounds", "kept", "kept_accepted"):
                 tot[key] = tot.get(key, 0) + s[key]
             tot["ms"] = tot.get("ms", 0.0) + round_ms(s, k, cost)
+        for p_min, acc in sweep.items():
+            s = greedy_rounds(trunk, chain, start, end, args.depth, p_min)
+            acc[0] += s["tokens"]
+            acc[1] += round_ms(s, args.depth, cost)
         gated, ungated = entry[f"k{args.depth}_pmin{args.p_min:g}"], entry[f"k{args.depth}_pmin0"]
         entry["est_gate_speed_ratio"] = round(gated["est_tok_per_ms"] / ungated["est_tok_per_ms"], 3)
         if args.temperature is not None:
@@ -181,6 +190,10 @@ def main() -> None:
     report["all_prompts"] = totals
     g, u = totals[f"k{args.depth}_pmin{args.p_min:g}"], totals[f"k{args.depth}_pmin0"]
     report["est_gate_speed_ratio"] = round(g["est_tok_per_ms"] / u["est_tok_per_ms"], 3)
+    if args.sweep:
+        base = sweep[0.0][0] / sweep[0.0][1]
+        report["est_gate_speed_ratio_sweep"] = {p: round(t / ms / base, 3) for p, (t, ms) in sweep.items() if p > 0}
+        print("est gate speed ratio by p_min", report["est_gate_speed_ratio_sweep"])
     print("all prompts", json.dumps(totals), "est gate speed ratio", report["est_gate_speed_ratio"])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
