@@ -48,20 +48,27 @@ def teacher_forced(model, ids: list[int], depth: int):
     return model.logits(hidden)[0], [c[0] for c in chain_logits(model, x, hidden, depth)]
 
 
-def greedy_rounds(trunk, chain, start: int, end: int, k: int, p_min: float) -> dict:
+def head_picks(chain) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per chain depth: the head's pick at every row and its probability of that pick."""
+    return [(c.argmax(-1), torch.softmax(c.float(), -1).amax(-1)) for c in chain]
+
+
+def greedy_rounds(trunk, heads, start: int, end: int, k: int, p_min: float) -> dict:
     """Replay greedy rounds from the pending token at `start`: draft d (1-based) of a round whose
-    pending token sits at p is chain depth d's row p - 1 and must equal the trunk's pick at p + d - 1."""
+    pending token sits at p is depth d's pick at row p - 1 (heads: head_picks) and must equal the
+    trunk's pick at p + d - 1."""
     pick = trunk.argmax(-1)
-    heads = [(c.argmax(-1), torch.softmax(c.float(), -1).amax(-1)) for c in chain]
-    s = dict(rounds=0, tokens=0, head_steps=0, verify_rows=0, zero_draft_rounds=0, kept=0, kept_accepted=0)
+    s = dict(
+        rounds=0, tokens=0, head_steps=0, verify_rows=0, zero_draft_rounds=0, kept=0, kept_accepted=0, cut_rounds=0
+    )
     p = start
     while p + k < end:
-        kept, run, stopped = 0, 0, False
+        kept, run = 0, 0
         for d in range(k):
             draft, conf = heads[d][0][p - 1], heads[d][1][p - 1]
             s["head_steps"] += 1
             if conf < p_min:
-                stopped = True
+                s["cut_rounds"] += 1
                 break
             kept += 1
             if run == d and draft == pick[p + d]:
@@ -73,7 +80,6 @@ def greedy_rounds(trunk, chain, start: int, end: int, k: int, p_min: float) -> d
         s["zero_draft_rounds"] += kept == 0
         s["kept"] += kept
         s["kept_accepted"] += run
-        s["cut_rounds"] = s.get("cut_rounds", 0) + stopped
         p += run + 1
     return s
 
@@ -127,20 +133,22 @@ def main() -> None:
     llm = LLM(str(model_dir), device="cpu", dtype="float32", num_speculative_tokens=0)
     cost = {n: getattr(args, f"cost_{n}") for n in ("head", "masked", "verify", "row", "round")}
     report = {"model": str(args.model or "bundled"), "depth": args.depth, "p_min": args.p_min, "cost_ms": cost}
-    totals: dict[str, dict] = {}
-    sweep = {p: [0, 0.0] for p in [0.0, *args.sweep]}  # p_min -> [tokens, estimated ms] over all prompts
+    reported = [(3, 0.0), (args.depth, 0.0), (args.depth, args.p_min)]
+    runs = list(dict.fromkeys(reported + [(args.depth, p) for p in args.sweep]))
+    counted = ("rounds", "tokens", "head_steps", "verify_rows", "zero_draft_rounds", "kept", "kept_accepted")
+    totals: dict[tuple, dict] = {run: dict.fromkeys(counted, 0) | {"ms": 0.0} for run in runs}  # over all prompts
     for path in args.prompt_file:
         prompt = text_prompt(str(model_dir), args.prompt_len, Path(path).read_text(errors="replace"))
         ids = prompt + continuation(llm, prompt, args.gen_len, 0.0, 0)
         trunk, chain = teacher_forced(model, ids, args.depth)
+        heads = head_picks(chain)
         start, end = len(prompt), len(ids) - 1
         pick = trunk.argmax(-1)
         rows = torch.arange(start, end - args.depth)
         per_depth = []
-        for d, c in enumerate(chain, start=1):
-            conf = torch.softmax(c[rows - 1].float(), -1)
-            agree = c[rows - 1].argmax(-1) == pick[rows + d - 1]
-            pc = conf.amax(-1)
+        for d, (picks, confidence) in enumerate(heads, start=1):
+            agree = picks[rows - 1] == pick[rows + d - 1]
+            pc = confidence[rows - 1]
             below = ((pc < args.p_min) & agree).float().sum().item()
             per_depth.append(
                 {
@@ -150,19 +158,18 @@ def main() -> None:
                 }
             )
         entry = {"per_depth": per_depth}
-        for k, p_min in ((3, 0.0), (args.depth, 0.0), (args.depth, args.p_min)):
-            s = greedy_rounds(trunk, chain, start, end, k, p_min)
-            s["mean_length"] = round(s["tokens"] / s["rounds"], 3)
-            s["est_tok_per_ms"] = round(s["tokens"] / round_ms(s, k, cost), 3)
-            entry[f"k{k}_pmin{p_min:g}"] = s
-            tot = totals.setdefault(f"k{k}_pmin{p_min:g}", {})
-            for key in ("rounds", "tokens", "head_steps", "verify_rows", "zero_draft_rounds", "kept", "kept_accepted"):
-                tot[key] = tot.get(key, 0) + s[key]
-            tot["ms"] = tot.get("ms", 0.0) + round_ms(s, k, cost)
-        for p_min, acc in sweep.items():
-            s = greedy_rounds(trunk, chain, start, end, args.depth, p_min)
-            acc[0] += s["tokens"]
-            acc[1] += round_ms(s, args.depth, cost)
+        for k, p_min in runs:
+            s = greedy_rounds(trunk, heads, start, end, k, p_min)
+            ms = round_ms(s, k, cost)
+            tot = totals[(k, p_min)]
+            for key in counted:
+                tot[key] += s[key]
+            tot["ms"] += ms
+            if (k, p_min) in reported:
+                entry[f"k{k}_pmin{p_min:g}"] = s | {
+                    "mean_length": round(s["tokens"] / s["rounds"], 3),
+                    "est_tok_per_ms": round(s["tokens"] / ms, 3),
+                }
         gated, ungated = entry[f"k{args.depth}_pmin{args.p_min:g}"], entry[f"k{args.depth}_pmin0"]
         entry["est_gate_speed_ratio"] = round(gated["est_tok_per_ms"] / ungated["est_tok_per_ms"], 3)
         if args.temperature is not None:
@@ -187,14 +194,18 @@ def main() -> None:
     for t in totals.values():
         t["mean_length"] = round(t["tokens"] / t["rounds"], 3)
         t["est_tok_per_ms"] = round(t["tokens"] / t["ms"], 3)
-    report["all_prompts"] = totals
-    g, u = totals[f"k{args.depth}_pmin{args.p_min:g}"], totals[f"k{args.depth}_pmin0"]
+    report["all_prompts"] = {f"k{k}_pmin{p:g}": totals[(k, p)] for k, p in reported}
+
+    def speed(k: int, p_min: float) -> float:  # estimated tokens per ms over all prompts
+        return totals[(k, p_min)]["tokens"] / totals[(k, p_min)]["ms"]
+
+    g, u = report["all_prompts"][f"k{args.depth}_pmin{args.p_min:g}"], report["all_prompts"][f"k{args.depth}_pmin0"]
     report["est_gate_speed_ratio"] = round(g["est_tok_per_ms"] / u["est_tok_per_ms"], 3)
     if args.sweep:
-        base = sweep[0.0][0] / sweep[0.0][1]
-        report["est_gate_speed_ratio_sweep"] = {p: round(t / ms / base, 3) for p, (t, ms) in sweep.items() if p > 0}
+        base = speed(args.depth, 0.0)
+        report["est_gate_speed_ratio_sweep"] = {p: round(speed(args.depth, p) / base, 3) for p in args.sweep if p > 0}
         print("est gate speed ratio by p_min", report["est_gate_speed_ratio_sweep"])
-    print("all prompts", json.dumps(totals), "est gate speed ratio", report["est_gate_speed_ratio"])
+    print("all prompts", json.dumps(report["all_prompts"]), "est gate speed ratio", report["est_gate_speed_ratio"])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -111,7 +111,7 @@ def distill_losses(
     with torch.no_grad():
         hidden = trunk_hidden(model, x[:, :-1], ops)
         trunk_logits = model.logits(hidden)
-        teacher = torch.softmax(trunk_logits.float(), dim=-1)
+        teacher = torch.softmax(trunk_logits, dim=-1)  # float32 logits (CausalLM.logits)
         if argmax_weight > 0.0:
             teacher.mul_(1.0 - argmax_weight)
             teacher.scatter_add_(
