@@ -221,8 +221,11 @@ class Bench:
     def generate(
         self, k: int, temperature: float = 0.0, profile=None, seed: int = 0, p_min: float = 0.0, trace: bool = False
     ) -> RunResult:
-        """One generation of gen_len tokens through the engine's rounds (timed after the prefill);
-        traced: a record per round, rounds one at a time (not a speed measurement)."""
+        """One generation of gen_len tokens through the engine's rounds, timed after the prefill
+        work, as the batched runs are: the prompt's prefill, the head's catch-up over it and the
+        first token (drawn from the prefill's logits) come before the clock starts (what they cost
+        is the request's time to first token: bench/request_phases.py); traced: a record per
+        round, rounds one at a time (not a speed measurement)."""
         _, runner, proposer = self.core(k, p_min=p_min)
         if profile is not None:
             if k not in self.profilers:
@@ -234,9 +237,9 @@ class Bench:
         )
         stats = SpecStats()
         steps = int(proposer.head_steps) if trace and getattr(proposer, "head_steps", None) is not None else None
+        rounds = RequestRounds(runner, proposer, seq, params, runner.config.spec, set(), stats, trace=trace)
         _sync(self.device)
         t0 = time.perf_counter()
-        rounds = RequestRounds(runner, proposer, seq, params, runner.config.spec, set(), stats, trace=trace)
         ids = []
         while True:
             r = rounds.next()

@@ -220,6 +220,10 @@ def test_rng_counter_semantics():
     table = rng.table(0, 64)  # [streams, 64]
     again = torch.cat([RequestRng(2**63 + 12345).table(s, 16) for s in (0, 16, 32, 48)], 1)
     assert torch.equal(table, again)
+    # the table (a host pass over uint64 words) is the scalar reference's numbers, past 2**32 too
+    for start in (0, 2**32 - 2):
+        part = rng.table(start, 4)
+        assert part.tolist() == [[rng.uniform(start + i, s) for i in range(4)] for s in Stream]
     assert not torch.equal(table, RequestRng(12345).table(0, 64))
     assert not torch.equal(table[0], table[1])
     assert RequestRng().seed != RequestRng().seed

@@ -295,7 +295,7 @@ class RequestRounds:
         self.runner, self.proposer, self.seq, self.params = runner, proposer, seq, params
         self.cache = runner.slot(seq.slot)
         self.buf = Buffers.of(self.cache)
-        self.sampler = SlotSampler(self.cache, spec.p_min)
+        self.sampler = SlotSampler(self.cache, spec.p_min, fast=runner.config.kernels == "triton")
         self.grammar = grammar
         if grammar is not None:  # the grammar's end is the request's
             stop_ids = set(stop_ids) | set(grammar.eos_ids)

@@ -55,8 +55,20 @@ def sampler_buffers(vocab_size: int, max_len: int) -> list[tuple[str, tuple[int,
 
 
 class SlotSampler:
-    def __init__(self, cache: SlotCache, p_min: float = 0.0):
+    """fast (the Triton backend's choice): draw and verify through the one-launch kernels of
+    nextn.ops.triton_sample when the vocabulary fits one of their programs (MAX_V columns; wider
+    rows are faster through torch's multi-block ops): drafts and verify rows whose law is the
+    temperature alone after penalties and masks (no top-k, top-p or min-p), and the rejection
+    sampling of every sampled law."""
+
+    def __init__(self, cache: SlotCache, p_min: float = 0.0, fast: bool = False):
         self.p_min = p_min
+        self.kernels = None
+        if fast:  # imported here: kernel modules load only where their kernels run
+            from nextn.ops import triton_sample
+
+            if cache.t("prompt_mask").numel() <= triton_sample.MAX_V:
+                self.kernels = triton_sample
         values = cache.t("sampling_values")
         self.values = SimpleNamespace(
             **{name: values[i] for i, name in enumerate(VALUES)}, top_k=cache.t("sampling_top_k")[0]
@@ -114,6 +126,11 @@ class SlotSampler:
     def _history(self):
         return self.history if self.kind.penalties else None
 
+    def _fused_law(self) -> bool:
+        """Whether the temperature kernel gives this request's law (sampled, no filter)."""
+        kind = self.kind
+        return self.kernels is not None and not kind.greedy and not (kind.top_k or kind.top_p or kind.min_p)
+
     def _banned(
         self,
         logits: torch.Tensor,
@@ -167,6 +184,9 @@ class SlotSampler:
         probs = None
         if self.kind.greedy:
             torch.argmax(penalized_logits(logits, self.values, history, so_far, self.kind), dim=-1, out=pick)
+        elif self._fused_law() and vocab is None:
+            penalized = penalized_logits(logits, self.values, history, so_far, self.kind)
+            probs, _ = self.kernels.temperature_sample(penalized, self.values.temperature, u, out=q, ids=pick)
         else:
             probs = probs_from_logits(logits, self.values, history, so_far, self.kind, out=q if vocab is None else None)
             sample(probs, u, out=pick)
@@ -204,7 +224,16 @@ class SlotSampler:
             target = greedy_ids(logits, self.values, self._history(), draft_ids, self.kind)  # [k+1]
             return verify_greedy(target, draft_ids, num_drafts)
         k = draft_ids.numel()
-        p = probs_from_logits(logits, self.values, self._history(), draft_ids, self.kind)  # [k+1, V]
+        if self._fused_law():
+            penalized = penalized_logits(logits, self.values, self._history(), draft_ids, self.kind)
+            p, _ = self.kernels.temperature_sample(penalized, self.values.temperature)
+        else:
+            p = probs_from_logits(logits, self.values, self._history(), draft_ids, self.kind)  # [k+1, V]
+        if self.kernels is not None:
+            n, out_ids = self.kernels.verify_sampled(
+                p, draft_q, draft_ids, self.uniforms, index, num_drafts, int(Stream.ACCEPT), int(Stream.SAMPLE)
+            )
+            return VerifyResult(n, out_ids)
         return verify_sampled(
             p,
             draft_q,

@@ -1,0 +1,212 @@
+"""Sampled token choice in one launch each: a draw from softmax(logits / T), and the rejection
+sampling of a speculative round. A sampled round on a small model is launch-bound: the reference
+draw (nextn.sampling: divide, softmax, float64 cumsum, searchsorted, the zero-mass guard) is ~11
+launches per draft, and `verify_sampled` ~40 per round; each of these kernels is one.
+
+One program holds a whole row in registers (up to MAX_V columns: the bundled model's 8,192, not the
+released models' 248k, where torch's ops, which spread a row over many blocks, are faster:
+bench/sample_kernels.py); the caller (nextn.engine.sampler) chooses by the vocabulary's size.
+
+`temperature_sample`: per row, p = softmax(logits / T) (T a device scalar: the request's value,
+read at replay), written out (a draft's q, or a verify's p), and optionally the inverse-CDF draw
+with the row's uniform. Reference: `probs_from_logits` for a request with no top-k / top-p / min-p
+(penalties are applied to the logits before), then `sample`.
+
+`verify_sampled`: the round's accept tests u * q(x) < p(x) in float64 (bitwise the reference's),
+the residual max(0, p_n - q_n) (p_n itself when it has no mass, or at the bonus row), and the draw
+of the recovered / bonus token from it, reading the request's uniforms at its generated index.
+Reference: nextn.spec.verifier.verify_sampled.
+
+Arithmetic against the references: x / T is correctly rounded (as torch's division by a tensor);
+the softmax's exp and sums, and the draw's float64 cumsum, run in another order than torch's, so a
+probability differs by rounding and a draw can differ only when its uniform falls within rounding
+of a boundary of the CDF. As in the reference a token of zero mass is never drawn: the draw takes
+the first index whose running sum exceeds u * total, capped at the last index where the sum still
+rises. A request's plain and speculative rounds run the same kernels, so spec stays exact in
+distribution against plain decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
+
+MAX_V = 32768  # the widest row one program holds (the sampler keeps the torch ops above it)
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _draw(r, valid, u):
+        """The inverse-CDF draw with uniform u from the row r (float32 >= 0, in registers): the
+        number of entries whose float64 running sum is <= u * total (searchsorted, right), capped
+        at the last entry that adds mass."""
+        cdf = tl.cumsum(r.to(tl.float64), axis=0)
+        total = tl.max(cdf, axis=0)
+        below = tl.sum((valid & (cdf <= u * total)).to(tl.int64), axis=0)
+        rising = tl.sum((valid & (cdf < total)).to(tl.int64), axis=0)
+        return tl.minimum(below, rising)
+
+    @triton.jit
+    def _temperature_kernel(
+        logits_ptr,  # [N, V] float32 or bf16
+        stride_l,
+        temp_ptr,  # [] float32: T
+        probs_ptr,  # [N, V] float32 out
+        stride_p,
+        u_ptr,  # [N] float64
+        ids_ptr,  # [N] long out
+        V,
+        DRAW: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        i = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_V)
+        valid = offs < V
+        logit = tl.load(logits_ptr + i * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        x = tl.math.div_rn(logit, tl.load(temp_ptr).to(tl.float32))
+        e = tl.exp(x - tl.max(x, axis=0))
+        p = e / tl.sum(e, axis=0)
+        tl.store(probs_ptr + i * stride_p + offs, p, mask=valid)
+        if DRAW:
+            tl.store(ids_ptr + i, _draw(p, valid, tl.load(u_ptr + i)))
+
+    @triton.jit
+    def _verify_kernel(
+        p_ptr,  # [K + 1, V] float32: the target's law per verify row
+        stride_p,
+        q_ptr,  # [K, V] float32: each draft's law (HAS_Q)
+        stride_q,
+        drafts_ptr,  # [K] long
+        uniforms_ptr,  # [streams, U] float64: the request's table
+        stride_u,
+        index_ptr,  # []: the generated index of row 0
+        num_ptr,  # []: the drafts that count (HAS_NUM), else num_drafts
+        num_drafts,
+        n_ptr,  # [] long out
+        out_ptr,  # [K + 1] long out
+        V,
+        K: tl.constexpr,
+        ACCEPT: tl.constexpr,
+        SAMPLE: tl.constexpr,
+        HAS_Q: tl.constexpr,
+        HAS_NUM: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        g = tl.load(index_ptr).to(tl.int64)
+        counted = num_drafts
+        if HAS_NUM:
+            counted = tl.load(num_ptr).to(tl.int32)
+        n = tl.full((), K, tl.int32)
+        for j in tl.static_range(K):  # n: the first draft rejected (or not counted)
+            x = tl.load(drafts_ptr + j)
+            px = tl.load(p_ptr + j * stride_p + x).to(tl.float64)
+            qx = tl.full((), 1.0, tl.float64)
+            if HAS_Q:
+                qx = tl.load(q_ptr + j * stride_q + x).to(tl.float64)
+            u = tl.load(uniforms_ptr + ACCEPT * stride_u + g + j)
+            accepted = (u * qx < px) & (j < counted)
+            n = tl.where((n == K) & ~accepted, j, n)
+        # the recovered token ~ max(0, p_n - q_n) (p_n itself when that has no mass), the bonus ~ p_K
+        offs = tl.arange(0, BLOCK_V)
+        valid = offs < V
+        live = (n < counted).to(tl.float32)  # 0 at the bonus row (no draft there)
+        p = tl.load(p_ptr + n.to(tl.int64) * stride_p + offs, mask=valid, other=0.0).to(tl.float32)
+        r = p
+        if K > 0:
+            last = tl.minimum(n, K - 1).to(tl.int64)
+            if HAS_Q:
+                q = tl.load(q_ptr + last * stride_q + offs, mask=valid, other=0.0).to(tl.float32)
+            else:  # greedy drafts: q_n is one-hot at the draft
+                q = tl.where(offs == tl.load(drafts_ptr + last), 1.0, 0.0)
+            r = tl.maximum(p - q * live, 0.0)
+            r = tl.where(tl.max(r, axis=0) > 0.0, r, p)
+        token = _draw(r, valid, tl.load(uniforms_ptr + SAMPLE * stride_u + g + n))
+        tl.store(n_ptr, n.to(tl.int64))
+        for j in tl.static_range(K + 1):
+            d = tl.full((), -1, tl.int64)
+            if j < K:
+                d = tl.load(drafts_ptr + j)
+            tl.store(out_ptr + j, tl.where(j < n, d, tl.where(j == n, token, -1)))
+
+
+def _launch(V: int) -> dict:
+    if V > MAX_V:
+        raise ValueError(f"triton_sample: rows of {V} columns; one program holds at most {MAX_V}")
+    block = next_pow2(V)
+    return dict(BLOCK_V=block, num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+
+
+def temperature_sample(
+    logits: torch.Tensor,  # [N, V] float32 or bf16, rows contiguous
+    temperature: torch.Tensor,  # [] float32 > 0 (device)
+    u: torch.Tensor | None = None,  # [N] float64: each row's uniform (None: the law only)
+    out: torch.Tensor | None = None,  # [N, V] float32: the law (default: a new tensor)
+    ids: torch.Tensor | None = None,  # [N] long: the draws (default: a new tensor when u is given)
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(softmax(logits / T) [N, V] float32, the inverse-CDF draws [N] long or None)."""
+    N, V = logits.shape
+    if logits.stride(1) != 1 or (out is not None and out.stride(1) != 1):
+        raise ValueError("temperature_sample: rows must be contiguous")
+    out = torch.empty(N, V, device=logits.device, dtype=torch.float32) if out is None else out
+    if u is not None and ids is None:
+        ids = torch.empty(N, device=logits.device, dtype=torch.long)
+    _temperature_kernel[(N,)](
+        logits,
+        logits.stride(0),
+        temperature,
+        out,
+        out.stride(0),
+        u if u is not None else out,
+        ids if ids is not None else out,
+        V,
+        DRAW=u is not None,
+        **_launch(V),
+    )
+    return out, ids
+
+
+def verify_sampled(
+    target_probs: torch.Tensor,  # [K + 1, V] float32
+    draft_probs: torch.Tensor | None,  # [K, V] float32 (None: greedy drafts, q one-hot)
+    draft_ids: torch.Tensor,  # [K] long
+    uniforms: torch.Tensor,  # [streams, U] float64: the request's table (nextn.sampling.RequestRng.table)
+    index: torch.Tensor,  # []: the generated index of row 0
+    num_drafts: torch.Tensor | int,  # the drafts that count
+    accept_stream: int,
+    sample_stream: int,
+):
+    """(n [] long, out_ids [K + 1] long): nextn.spec.verifier.verify_sampled's result, with the
+    uniforms read from the table at index (ACCEPT at index + j, SAMPLE at index + n)."""
+    K, V = draft_ids.numel(), target_probs.shape[1]
+    for t in (target_probs, draft_probs):
+        if t is not None and t.stride(1) != 1:
+            raise ValueError("verify_sampled: rows must be contiguous")
+    device = target_probs.device
+    n = torch.empty((), device=device, dtype=torch.long)
+    out_ids = torch.empty(K + 1, device=device, dtype=torch.long)
+    has_num = isinstance(num_drafts, torch.Tensor)
+    _verify_kernel[(1,)](
+        target_probs,
+        target_probs.stride(0),
+        draft_probs if draft_probs is not None else target_probs,
+        draft_probs.stride(0) if draft_probs is not None else 0,
+        draft_ids,
+        uniforms,
+        uniforms.stride(0),
+        index,
+        num_drafts if has_num else index,
+        0 if has_num else int(num_drafts),
+        n,
+        out_ids,
+        V,
+        K=K,
+        ACCEPT=accept_stream,
+        SAMPLE=sample_stream,
+        HAS_Q=draft_probs is not None,
+        HAS_NUM=has_num,
+        **_launch(V),
+    )
+    return n, out_ids

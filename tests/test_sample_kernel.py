@@ -1,0 +1,129 @@
+"""The one-launch sampling kernels (nextn.ops.triton_sample) against their references: the
+temperature law and its draw (nextn.sampling.probs_from_logits, sample), the round's rejection
+sampling (nextn.spec.verifier.verify_sampled), and the slot sampler drafting and verifying through
+them as through the reference.
+
+On CPU the kernels run under Triton's interpreter (triton_interp.py); on a GPU compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton_interp  # noqa: F401  (before triton)
+
+pytest.importorskip("triton")
+
+import nextn  # noqa: E402
+from nextn.engine.sampler import SlotSampler  # noqa: E402
+from nextn.ops.triton_sample import MAX_V, temperature_sample, verify_sampled  # noqa: E402
+from nextn.sampling import RequestRng, Stream, sample  # noqa: E402
+from nextn.spec import verifier  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V", [1, 7, 1000, 5003, 20000])
+def test_temperature_sample_is_the_reference_law_and_draw(V, dtype):
+    g = torch.Generator().manual_seed(V)
+    N = 8
+    logits = (torch.randn(N, V, generator=g) * 3).to(dtype)
+    if V > 2:
+        logits[1, : V // 2] = float("-inf")  # masked tokens (a ban, a grammar): never drawn
+    u = torch.rand(N, generator=g, dtype=torch.float64)
+    u[0] = 1.0 - 2.0**-53  # the top of the CDF: the last token with mass
+    for t in (0.3, 1.0, 2.5):
+        temperature = torch.tensor(t, device=DEVICE)
+        probs, ids = temperature_sample(logits.to(DEVICE), temperature, u.to(DEVICE))
+        want = torch.softmax(logits.float() / torch.tensor(t), dim=-1)
+        assert torch.allclose(probs.cpu(), want, rtol=1e-5, atol=1e-7)
+        assert torch.equal(ids.cpu()[1:], sample(want, u)[1:])
+        # at the CDF's top the two float64 sums may stop rising at different tail tokens (a tiny
+        # mass is lost or kept by the order of the sum): either way a token with mass
+        assert want[0, ids[0]] > 0
+        if V > 2:
+            assert ids[1] >= V // 2
+        law, none = temperature_sample(logits.to(DEVICE), temperature)
+        assert none is None and torch.equal(law, probs)
+
+
+def test_rows_wider_than_one_program_are_refused():
+    wide = torch.zeros(1, MAX_V + 1, device=DEVICE)
+    with pytest.raises(ValueError, match="at most"):
+        temperature_sample(wide, torch.tensor(1.0, device=DEVICE))
+
+
+@pytest.mark.parametrize("K", [0, 1, 3, 5])
+def test_fused_verify_is_the_reference_rejection_sampling(K):
+    """n and the emitted ids equal verify_sampled's for sampled drafts, greedy drafts (q one-hot),
+    drafts equal to the target (every one accepted), drafts of zero target mass, and every count of
+    drafts that count (a gate's cut), the uniforms read from the request's table at its index."""
+    g = torch.Generator().manual_seed(K)
+    V, table = 300, RequestRng(11).table(0, 64)
+    for case in range(12):
+        p = torch.softmax(torch.randn(K + 1, V, generator=g) * 2, -1)
+        q = torch.softmax(torch.randn(K, V, generator=g) * 2, -1)
+        drafts = torch.randint(0, V, (K,), generator=g)
+        if case % 3 == 1:  # q == p at the target's argmax: every draft accepted, the bonus drawn
+            q, drafts = p[:K].clone(), p[:K].argmax(-1)
+        if case % 3 == 2 and K:  # a draft the target gives no mass: rejected
+            p[0, drafts[0]] = 0.0
+        start = 3 * case
+        for draft_probs in (q, None):
+            for counted in range(K + 1):
+                want = verifier.verify_sampled(
+                    p,
+                    draft_probs,
+                    drafts,
+                    table[Stream.ACCEPT, start : start + K],
+                    table[Stream.SAMPLE, start : start + K + 1],
+                    torch.tensor(counted),
+                )
+                for num in (torch.tensor(counted, device=DEVICE), counted):
+                    n, out = verify_sampled(
+                        p.to(DEVICE),
+                        None if draft_probs is None else draft_probs.to(DEVICE),
+                        drafts.to(DEVICE),
+                        table.to(DEVICE),
+                        torch.tensor(start, dtype=torch.int32, device=DEVICE),
+                        num,
+                        int(Stream.ACCEPT),
+                        int(Stream.SAMPLE),
+                    )
+                    assert int(n) == int(want.num_accepted) and torch.equal(out.cpu(), want.out_ids), (case, counted)
+
+
+@pytest.mark.parametrize("penalized", [False, True])
+def test_the_slot_sampler_drafts_and_verifies_through_the_kernels_as_through_the_reference(
+    dense_fitted_ckpt, penalized
+):
+    """A fast SlotSampler (the Triton backend's) draws the drafts, their q and the round's outcome
+    the reference sampler draws, for a temperature law with and without penalties; a law with a
+    filter keeps the reference's probabilities (the kernels only verify it)."""
+    llm = nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=3)
+    V, cache, dev = llm.model.cfg.vocab_size, llm.engine.runner.slot(0), llm.engine.runner.device
+    g = torch.Generator().manual_seed(5)
+    extra = dict(repetition_penalty=1.3, frequency_penalty=0.2) if penalized else {}
+    for params in (
+        nextn.SamplingParams(temperature=0.8, seed=3, **extra),
+        nextn.SamplingParams(temperature=0.8, top_k=9, seed=3),
+    ):
+        outcomes = []
+        for fast in (False, True):
+            sampler = SlotSampler(cache, 0.0, fast=fast)
+            sampler.start(params, [1, 2, 3, 2])
+            assert (sampler._fused_law() and fast) == (fast and params.top_k == 0)
+            head = (torch.randn(3, V, generator=g.manual_seed(1)) * 2).to(dev)
+            trunk = (torch.randn(4, V, generator=g) * 2).to(dev)
+            ids, q = torch.zeros(4, dtype=torch.long, device=dev), torch.zeros(3, V, device=dev)
+            with torch.inference_mode():
+                for j in range(3):
+                    u = torch.tensor([0.1 + 0.3 * j], dtype=torch.float64, device=dev)
+                    sampler.draft(head[j : j + 1], ids[1 : 1 + j], u, ids[1 + j : 2 + j], q[j : j + 1])
+                index = torch.tensor(2, dtype=torch.int32, device=dev)
+                n, out = sampler.verify(trunk, ids[1:], q, torch.tensor(3, device=dev), index)
+            outcomes.append((ids.clone(), q.clone(), int(n), out.clone()))
+        (ids0, q0, n0, out0), (ids1, q1, n1, out1) = outcomes
+        assert torch.equal(ids0, ids1) and n0 == n1 and torch.equal(out0, out1)
+        assert torch.allclose(q0, q1, rtol=1e-5, atol=1e-7)
