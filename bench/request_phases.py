@@ -3,7 +3,8 @@ prompt, the sampler's values and seeded uniforms, the first token), its rounds, 
 for plain decoding and K drafts, greedy and sampled, on one slot (the bundled model by default).
 The bench times all three as decode time; a per-request cost there lowers every speed-up.
 
-  python bench/request_phases.py [--model DIR] [--k 3] [--temperature 0.7] [--seeds 4] [--out F.json]
+  python bench/request_phases.py [--model DIR] [--k 3] [--temperature 0.7] [--top-k 20 --top-p 0.95]
+                                 [--seeds 4] [--out F.json]
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def phases(bench: Bench, k: int, temperature: float, seed: int) -> dict:
+def phases(bench: Bench, k: int, temperature: float, seed: int, filters: dict) -> dict:
     """ms of start, rounds and close of one generation (synchronised between phases)."""
     _, runner, proposer = bench.core(k)
     seq = bench.prefilled(k)
-    params = SamplingParams(max_tokens=bench.cfg.gen_len, temperature=temperature, seed=seed, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=bench.cfg.gen_len, temperature=temperature, seed=seed, ignore_eos=True, **filters
+    )
     _sync()
     t0 = time.perf_counter()
     rounds = RequestRounds(runner, proposer, seq, params, runner.config.spec, set(), SpecStats())
@@ -63,17 +66,21 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    filters = dict(top_k=args.top_k, top_p=args.top_p)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_model(args.model, device, "bfloat16" if device == "cuda" else "float32")
     prompt = text_prompt(args.model, 512, Path("nextn/engine/rounds.py").read_text())
     bench = Bench(model, prompt, BenchConfig(spec_ks=[args.k], gen_len=256, kernels="auto"))
-    report = {"model": args.model, "device": str(device), "k": args.k, "runs": {}}
+    report = {"model": args.model, "device": str(device), "k": args.k, "filters": filters, "runs": {}}
     for k in (0, args.k):
         for temperature in (0.0, args.temperature):
-            phases(bench, k, temperature, 0)  # warm: compiled, captured
-            runs = [phases(bench, k, temperature, s) for s in range(args.seeds)]
+            sampled = filters if temperature > 0 else {}
+            phases(bench, k, temperature, 0, sampled)  # warm: compiled, captured
+            runs = [phases(bench, k, temperature, s, sampled) for s in range(args.seeds)]
             mean = {key: sum(r[key] for r in runs) / len(runs) for key in runs[0]}
             per_round = mean["rounds_ms"] / max(1, mean["rounds"] or mean["tokens"])
             print(

@@ -1,4 +1,5 @@
-"""The sampled draw and the round's rejection sampling: the reference torch ops against the
+"""The sampled draw (temperature alone, and with the bundled model's top-k 20 / top-p 0.95) and
+the round's rejection sampling: the reference torch ops against the
 one-launch kernels (nextn.ops.triton_sample, up to their MAX_V columns), per vocabulary size, each
 timed as a CUDA graph of 100 calls (what a replayed round pays).
 
@@ -14,7 +15,7 @@ import torch
 
 from nextn.ops import triton_sample
 from nextn.ops.triton_linear import _graph_us
-from nextn.sampling import RequestRng, Stream, sample
+from nextn.sampling import RequestRng, SamplingParams, Stream, probs_from_logits, sample
 from nextn.spec import verifier
 
 
@@ -41,6 +42,16 @@ def measure(V: int, K: int, table, index, temperature) -> dict:
     def fused_draw():
         triton_sample.temperature_sample(head, temperature, u, out=q[:1], ids=pick)
 
+    filters = SamplingParams(temperature=0.7, top_k=20, top_p=0.95)  # the bundled model's defaults
+    top_k, top_p = torch.tensor(20, device=dev), torch.tensor(0.95, device=dev)
+
+    def ref_draw_filtered():
+        q[:1].copy_(probs_from_logits(head, filters))
+        sample(q[:1], u, out=pick)
+
+    def fused_draw_filtered():
+        triton_sample.temperature_sample(head, temperature, u, out=q[:1], ids=pick, top_k=top_k, top_p=top_p)
+
     def ref_verify():
         p = torch.softmax(trunk / temperature, dim=-1)
         ua = table[Stream.ACCEPT].index_select(0, index.long() + torch.arange(K, device=dev))
@@ -51,9 +62,13 @@ def measure(V: int, K: int, table, index, temperature) -> dict:
         p, _ = triton_sample.temperature_sample(trunk, temperature)
         triton_sample.verify_sampled(p, q, drafts, table, index, num, int(Stream.ACCEPT), int(Stream.SAMPLE))
 
-    fns = [("ref_draw", ref_draw), ("ref_verify", ref_verify)]
+    fns = [("ref_draw", ref_draw), ("ref_verify", ref_verify), ("ref_draw_top_k20_p095", ref_draw_filtered)]
     if V <= triton_sample.MAX_V:  # wider rows: the sampler keeps the torch ops
-        fns += [("fused_draw", fused_draw), ("fused_verify", fused_verify)]
+        fns += [
+            ("fused_draw", fused_draw),
+            ("fused_verify", fused_verify),
+            ("fused_draw_top_k20_p095", fused_draw_filtered),
+        ]
     return {name: graph_us(fn) for name, fn in fns}
 
 

@@ -55,11 +55,10 @@ def sampler_buffers(vocab_size: int, max_len: int) -> list[tuple[str, tuple[int,
 
 
 class SlotSampler:
-    """fast (the Triton backend's choice): draw and verify through the one-launch kernels of
-    nextn.ops.triton_sample when the vocabulary fits one of their programs (MAX_V columns; wider
-    rows are faster through torch's multi-block ops): drafts and verify rows whose law is the
-    temperature alone after penalties and masks (no top-k, top-p or min-p), and the rejection
-    sampling of every sampled law."""
+    """fast (the Triton backend's choice): sampled drafts (over the full vocabulary), verify rows
+    and the rejection sampling through the one-launch kernels of nextn.ops.triton_sample (the
+    law after penalties and masks: temperature, top-k, top-p, min-p), when the vocabulary fits one
+    of their programs (MAX_V columns; wider rows are faster through torch's multi-block ops)."""
 
     def __init__(self, cache: SlotCache, p_min: float = 0.0, fast: bool = False):
         self.p_min = p_min
@@ -126,10 +125,21 @@ class SlotSampler:
     def _history(self):
         return self.history if self.kind.penalties else None
 
-    def _fused_law(self) -> bool:
-        """Whether the temperature kernel gives this request's law (sampled, no filter)."""
-        kind = self.kind
-        return self.kernels is not None and not kind.greedy and not (kind.top_k or kind.top_p or kind.min_p)
+    def _fused_law(self, logits: torch.Tensor, u=None, out=None, ids=None) -> torch.Tensor:
+        """The request's law over logits rows [N, V] (penalized and masked), and the draws into ids
+        with uniforms u, through the one-launch kernel (nextn.ops.triton_sample)."""
+        values, kind = self.values, self.kind
+        probs, _ = self.kernels.temperature_sample(
+            logits,
+            values.temperature,
+            u,
+            out=out,
+            ids=ids,
+            top_k=values.top_k if kind.top_k else None,
+            top_p=values.top_p if kind.top_p else None,
+            min_p=values.min_p if kind.min_p else None,
+        )
+        return probs
 
     def _banned(
         self,
@@ -184,9 +194,8 @@ class SlotSampler:
         probs = None
         if self.kind.greedy:
             torch.argmax(penalized_logits(logits, self.values, history, so_far, self.kind), dim=-1, out=pick)
-        elif self._fused_law() and vocab is None:
-            penalized = penalized_logits(logits, self.values, history, so_far, self.kind)
-            probs, _ = self.kernels.temperature_sample(penalized, self.values.temperature, u, out=q, ids=pick)
+        elif self.kernels is not None and vocab is None:
+            probs = self._fused_law(penalized_logits(logits, self.values, history, so_far, self.kind), u, q, pick)
         else:
             probs = probs_from_logits(logits, self.values, history, so_far, self.kind, out=q if vocab is None else None)
             sample(probs, u, out=pick)
@@ -223,17 +232,14 @@ class SlotSampler:
         if self.kind.greedy:
             target = greedy_ids(logits, self.values, self._history(), draft_ids, self.kind)  # [k+1]
             return verify_greedy(target, draft_ids, num_drafts)
-        k = draft_ids.numel()
-        if self._fused_law():
-            penalized = penalized_logits(logits, self.values, self._history(), draft_ids, self.kind)
-            p, _ = self.kernels.temperature_sample(penalized, self.values.temperature)
-        else:
-            p = probs_from_logits(logits, self.values, self._history(), draft_ids, self.kind)  # [k+1, V]
         if self.kernels is not None:
+            p = self._fused_law(penalized_logits(logits, self.values, self._history(), draft_ids, self.kind))
             n, out_ids = self.kernels.verify_sampled(
                 p, draft_q, draft_ids, self.uniforms, index, num_drafts, int(Stream.ACCEPT), int(Stream.SAMPLE)
             )
             return VerifyResult(n, out_ids)
+        k = draft_ids.numel()
+        p = probs_from_logits(logits, self.values, self._history(), draft_ids, self.kind)  # [k+1, V]
         return verify_sampled(
             p,
             draft_q,

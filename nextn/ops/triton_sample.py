@@ -50,15 +50,66 @@ if HAVE_TRITON:
         return tl.minimum(below, rising)
 
     @triton.jit
+    def _filters(
+        p, valid, top_k_ptr, top_p_ptr, min_p_ptr, V, TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr
+    ):
+        """The keep mask of top-k, then top-p, then min-p over p (float32 >= 0: its bit patterns
+        order like its values), with the reference's stable descending order (ties: the lower index
+        first): top-k keeps the values above the k-th largest and, of the ones equal to it, the
+        first by index; top-p keeps a token while the kept mass before it in that order is below
+        top_p of the kept mass. Each threshold is bisected over the bit patterns (p <= 1: below
+        2**30, 31 steps of one reduction each)."""
+        bits = p.to(tl.int32, bitcast=True)
+        keep = valid
+        if TOP_K:
+            k = tl.minimum(tl.load(top_k_ptr).to(tl.int32), V)
+            lo = tl.full((), 0, tl.int32)  # count(bits >= lo) >= k
+            hi = tl.full((), 0x3F800001, tl.int32)  # count(bits >= hi) < k
+            for _ in range(31):
+                mid = lo + (hi - lo) // 2
+                enough = tl.sum((valid & (bits >= mid)).to(tl.int32), axis=0) >= k
+                lo = tl.where(enough, mid, lo)
+                hi = tl.where(enough, hi, mid)
+            above = valid & (bits > lo)  # lo: the k-th largest value
+            ties = valid & (bits == lo)
+            room = k - tl.sum(above.to(tl.int32), axis=0)
+            keep = above | (ties & (tl.cumsum(ties.to(tl.int32), axis=0) <= room))
+        if TOP_P:
+            kept = tl.where(keep, p, 0.0)
+            target = tl.load(top_p_ptr).to(tl.float32) * tl.sum(kept, axis=0)
+            lo = tl.full((), -1, tl.int32)  # kept mass above lo >= target
+            hi = tl.full((), 0x3F800000, tl.int32)  # kept mass above hi < target
+            for _ in range(31):
+                mid = lo + (hi - lo) // 2
+                below = tl.sum(tl.where(bits > mid, kept, 0.0), axis=0) < target
+                lo = tl.where(below, lo, mid)
+                hi = tl.where(below, mid, hi)
+            # hi: the smallest kept value whose heavier tokens hold less than the target; of the
+            # tokens equal to it, those whose mass before them (in index order) stays below it
+            ties = keep & (bits == hi)
+            tied = tl.where(ties, p, 0.0)
+            heavier = tl.sum(tl.where(bits > hi, kept, 0.0), axis=0)
+            keep = (keep & (bits > hi)) | (ties & (heavier + tl.cumsum(tied, axis=0) - tied < target))
+        if MIN_P:
+            keep = keep & (p >= tl.load(min_p_ptr).to(tl.float32) * tl.max(p, axis=0))
+        return keep
+
+    @triton.jit
     def _temperature_kernel(
         logits_ptr,  # [N, V] float32 or bf16
         stride_l,
         temp_ptr,  # [] float32: T
+        top_k_ptr,  # [] long (TOP_K)
+        top_p_ptr,  # [] float32 (TOP_P)
+        min_p_ptr,  # [] float32 (MIN_P)
         probs_ptr,  # [N, V] float32 out
         stride_p,
         u_ptr,  # [N] float64
         ids_ptr,  # [N] long out
         V,
+        TOP_K: tl.constexpr,
+        TOP_P: tl.constexpr,
+        MIN_P: tl.constexpr,
         DRAW: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
@@ -69,6 +120,9 @@ if HAVE_TRITON:
         x = tl.math.div_rn(logit, tl.load(temp_ptr).to(tl.float32))
         e = tl.exp(x - tl.max(x, axis=0))
         p = e / tl.sum(e, axis=0)
+        if TOP_K or TOP_P or MIN_P:
+            p = tl.where(_filters(p, valid, top_k_ptr, top_p_ptr, min_p_ptr, V, TOP_K, TOP_P, MIN_P), p, 0.0)
+            p = p / tl.sum(p, axis=0)
         tl.store(probs_ptr + i * stride_p + offs, p, mask=valid)
         if DRAW:
             tl.store(ids_ptr + i, _draw(p, valid, tl.load(u_ptr + i)))
@@ -145,8 +199,12 @@ def temperature_sample(
     u: torch.Tensor | None = None,  # [N] float64: each row's uniform (None: the law only)
     out: torch.Tensor | None = None,  # [N, V] float32: the law (default: a new tensor)
     ids: torch.Tensor | None = None,  # [N] long: the draws (default: a new tensor when u is given)
+    top_k: torch.Tensor | None = None,  # [] long >= 1 (device; None: off)
+    top_p: torch.Tensor | None = None,  # [] float32 in (0, 1] (device; None: off)
+    min_p: torch.Tensor | None = None,  # [] float32 (device; None: off)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(softmax(logits / T) [N, V] float32, the inverse-CDF draws [N] long or None)."""
+    """(the filtered law softmax(logits / T), then top-k, top-p, min-p, renormalised [N, V]
+    float32, the inverse-CDF draws [N] long or None)."""
     N, V = logits.shape
     if logits.stride(1) != 1 or (out is not None and out.stride(1) != 1):
         raise ValueError("temperature_sample: rows must be contiguous")
@@ -157,11 +215,17 @@ def temperature_sample(
         logits,
         logits.stride(0),
         temperature,
+        top_k if top_k is not None else temperature,
+        top_p if top_p is not None else temperature,
+        min_p if min_p is not None else temperature,
         out,
         out.stride(0),
         u if u is not None else out,
         ids if ids is not None else out,
         V,
+        TOP_K=top_k is not None,
+        TOP_P=top_p is not None,
+        MIN_P=min_p is not None,
         DRAW=u is not None,
         **_launch(V),
     )
