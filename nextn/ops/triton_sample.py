@@ -245,7 +245,7 @@ def verify_sampled(
     """(n [] long, out_ids [K + 1] long): nextn.spec.verifier.verify_sampled's result, with the
     uniforms read from the table at index (ACCEPT at index + j, SAMPLE at index + n)."""
     K, V = draft_ids.numel(), target_probs.shape[1]
-    for t in (target_probs, draft_probs):
+    for t in (target_probs, draft_probs, uniforms):
         if t is not None and t.stride(1) != 1:
             raise ValueError("verify_sampled: rows must be contiguous")
     device = target_probs.device
