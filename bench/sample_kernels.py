@@ -60,7 +60,7 @@ def measure(V: int, K: int, table, index, temperature) -> dict:
 
     def fused_verify():
         p, _ = triton_sample.temperature_sample(trunk, temperature)
-        triton_sample.verify_sampled(p, q, drafts, table, index, num, int(Stream.ACCEPT), int(Stream.SAMPLE))
+        triton_sample.verify_sampled(p, q, drafts, table, index, num)
 
     fns = [("ref_draw", ref_draw), ("ref_verify", ref_verify), ("ref_draw_top_k20_p095", ref_draw_filtered)]
     if V <= triton_sample.MAX_V:  # wider rows: the sampler keeps the torch ops

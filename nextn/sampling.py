@@ -324,7 +324,7 @@ def _mulhilo(a: Tensor, m: int) -> tuple[Tensor, Tensor]:
 
 
 def philox4x32_tensor(counter: Sequence[Tensor], key: Sequence[int]) -> tuple[Tensor, ...]:
-    """Philox-4x32-10 elementwise on four int64 tensors of 32-bit words (any device)."""
+    """Philox-4x32-10 elementwise on four int64 tensors (any device) or numpy int64 arrays of 32-bit words."""
     c0, c1, c2, c3 = counter
     k0, k1 = (k & _MASK32 for k in key)
     for _ in range(_PHILOX_ROUNDS):
@@ -370,36 +370,14 @@ class RequestRng:
 
         One call at request start (count = max_tokens + K + 1) lets the loop slice per round with
         host ints: no per-round RNG kernels, no host read. Computed on the host in one vectorised
-        pass over every stream (uint64 words: a 32 x 32-bit product fits), then copied once: the
-        tensor version's ~700 small ops cost ~9 ms per request as GPU launches.
+        numpy pass over every stream, then copied once: as GPU launches its ~700 small ops cost
+        ~9 ms per request.
         """
-        idx = np.arange(start, start + count, dtype=np.uint64)[None]  # [1, count]
-        streams = np.arange(len(Stream), dtype=np.uint64)[:, None]  # [S, 1]
+        idx = np.arange(start, start + count, dtype=np.int64)[None]  # [1, count]
         shape = (len(Stream), count)
-        counter = (
-            np.broadcast_to(idx & np.uint64(_MASK32), shape),
-            np.broadcast_to(idx >> np.uint64(32), shape),
-            np.broadcast_to(streams, shape),
-            np.zeros(shape, dtype=np.uint64),
-        )
-        w0, w1, _, _ = _philox4x32_numpy(counter, self._key)
-        bits = (w0 >> np.uint64(5)) * np.uint64(67108864) + (w1 >> np.uint64(6))
-        return torch.from_numpy(bits.astype(np.float64) / _TWO53).to(device)
-
-
-def _philox4x32_numpy(counter, key: Sequence[int]) -> tuple[np.ndarray, ...]:
-    """Philox-4x32-10 elementwise on four uint64 arrays of 32-bit words."""
-    mask = np.uint64(_MASK32)
-    c0, c1, c2, c3 = counter
-    k0, k1 = (k & _MASK32 for k in key)
-    m0, m1 = np.uint64(_PHILOX_M[0]), np.uint64(_PHILOX_M[1])
-    for _ in range(_PHILOX_ROUNDS):
-        p0, p1 = c0 * m0, c2 * m1
-        c0, c1, c2, c3 = (
-            (p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0),
-            p1 & mask,
-            (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1),
-            p0 & mask,
-        )
-        k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
-    return c0, c1, c2, c3
+        counter = [
+            np.broadcast_to(w, shape)
+            for w in (idx & _MASK32, idx >> 32, np.arange(len(Stream), dtype=np.int64)[:, None], np.zeros(1, np.int64))
+        ]
+        w = philox4x32_tensor(counter, self._key)  # operators only: numpy int64 arrays work as they are
+        return torch.from_numpy(_bits53(w[0], w[1]).astype(np.float64) / _TWO53).to(device)

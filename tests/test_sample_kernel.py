@@ -125,8 +125,6 @@ def test_fused_verify_is_the_reference_rejection_sampling(K):
                         table.to(DEVICE),
                         torch.tensor(start, dtype=torch.int32, device=DEVICE),
                         num,
-                        int(Stream.ACCEPT),
-                        int(Stream.SAMPLE),
                     )
                     assert int(n) == int(want.num_accepted) and torch.equal(out.cpu(), want.out_ids), (case, counted)
 

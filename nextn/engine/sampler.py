@@ -234,9 +234,7 @@ class SlotSampler:
             return verify_greedy(target, draft_ids, num_drafts)
         if self.kernels is not None:
             p = self._fused_law(penalized_logits(logits, self.values, self._history(), draft_ids, self.kind))
-            n, out_ids = self.kernels.verify_sampled(
-                p, draft_q, draft_ids, self.uniforms, index, num_drafts, int(Stream.ACCEPT), int(Stream.SAMPLE)
-            )
+            n, out_ids = self.kernels.verify_sampled(p, draft_q, draft_ids, self.uniforms, index, num_drafts)
             return VerifyResult(n, out_ids)
         k = draft_ids.numel()
         p = probs_from_logits(logits, self.values, self._history(), draft_ids, self.kind)  # [k+1, V]

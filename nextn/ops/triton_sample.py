@@ -7,10 +7,10 @@ One program holds a whole row in registers (up to MAX_V columns: the bundled mod
 released models' 248k, where torch's ops, which spread a row over many blocks, are faster:
 bench/sample_kernels.py); the caller (nextn.engine.sampler) chooses by the vocabulary's size.
 
-`temperature_sample`: per row, p = softmax(logits / T) (T a device scalar: the request's value,
-read at replay), written out (a draft's q, or a verify's p), and optionally the inverse-CDF draw
-with the row's uniform. Reference: `probs_from_logits` for a request with no top-k / top-p / min-p
-(penalties are applied to the logits before), then `sample`.
+`temperature_sample`: per row, the law softmax(logits / T), then top-k, top-p and min-p (their
+values device scalars: the request's, read at replay), written out (a draft's q, or a verify's p),
+and optionally the inverse-CDF draw with the row's uniform. Reference: `probs_from_logits`
+(penalties and masks are applied to the logits before), then `sample`.
 
 `verify_sampled`: the round's accept tests u * q(x) < p(x) in float64 (bitwise the reference's),
 the residual max(0, p_n - q_n) (p_n itself when it has no mass, or at the bonus row), and the draw
@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
+from nextn.sampling import Stream
 
 MAX_V = 32768  # the widest row one program holds (the sampler keeps the torch ops above it)
 
@@ -239,8 +240,6 @@ def verify_sampled(
     uniforms: torch.Tensor,  # [streams, U] float64: the request's table (nextn.sampling.RequestRng.table)
     index: torch.Tensor,  # []: the generated index of row 0
     num_drafts: torch.Tensor | int,  # the drafts that count
-    accept_stream: int,
-    sample_stream: int,
 ):
     """(n [] long, out_ids [K + 1] long): nextn.spec.verifier.verify_sampled's result, with the
     uniforms read from the table at index (ACCEPT at index + j, SAMPLE at index + n)."""
@@ -267,8 +266,8 @@ def verify_sampled(
         out_ids,
         V,
         K=K,
-        ACCEPT=accept_stream,
-        SAMPLE=sample_stream,
+        ACCEPT=int(Stream.ACCEPT),
+        SAMPLE=int(Stream.SAMPLE),
         HAS_Q=draft_probs is not None,
         HAS_NUM=has_num,
         **_launch(V),
