@@ -2,7 +2,7 @@
 # One device call on the H200: tune the skinny GEMM, kernel tests at real shapes, the benches.
 # Usage (device tool): bash bench/run_h200.sh [stages...]
 #   stages: tune tests engine profile prefill prefill4k bench9b batch9b benchdefault bench35b
-#   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
+#   FP8 weights against bf16 (9B): fp8; FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
 #   the MoE decode kernels' tests: moe
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 set -o pipefail
@@ -41,6 +41,17 @@ for stage in "$@"; do
     pmin) timeout 200 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \
              --prompt-file nextn/engine/scheduler.py --spec-k 6 --p-min 0 0.5 --json $OUT/pmin_default_model.json \
              2>&1 | grep -v '^ ' | tail -12 | tee -a $LOG ;;
+    fp8) timeout 150 python3 -m pytest -q -x tests/test_fp8.py -k "skinny or chained or triton" 2>&1 | tail -8 | tee -a $LOG
+         # FP8 weights against bf16 on the 9B shape, same run: plain decode both, spec == plain K=1..8 under FP8
+         timeout 150 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 \
+           --spec-k 1 --repeats 1 --json $OUT/bf16_qwen3.5-9b.json 2>&1 | grep -v '^ ' | tail -12 | tee -a $LOG
+         timeout 300 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 \
+           --quantization fp8 --acceptance-profile 0.85,0.75,0.65 --json $OUT/fp8_qwen3.5-9b.json 2>&1 \
+           | grep -v '^ ' | tail -30 | tee -a $LOG
+         python3 -c "import json,sys; a,b=(json.load(open(f)) for f in sys.argv[1:]); \
+           print('fp8/bf16 plain decode', b['decode_tokens_per_s']/a['decode_tokens_per_s'], \
+           'fp8 roofline', b.get('roofline_fraction'), 'bf16 roofline', a.get('roofline_fraction'))" \
+           $OUT/bf16_qwen3.5-9b.json $OUT/fp8_qwen3.5-9b.json | tee -a $LOG ;;
     gate) timeout 150 python3 -m pytest -q -x tests/test_draft_kernel.py 2>&1 | tail -8 | tee -a $LOG ;;
     moe) timeout 90 python3 -m pytest -q -x tests/test_kernels.py -k "moe or router" 2>&1 | tail -8 | tee -a $LOG ;;
     ar) timeout 150 python3 -m pytest -v -x -o faulthandler_timeout=60 tests/test_allreduce.py tests/test_tp.py \

@@ -182,6 +182,77 @@ def test_fp8_compact_scales_compute_the_same_bits():
     assert compact_scales(FP8Weight(q, channel_scale(scale, 256, 64))).rows == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [(64, 64, 4, 2, 1), (128, 128, 4, 2, 1), (64, 64, 4, 2, 2)])
+def test_fp8_chained_blocks_match_the_reference_and_keep_rows_invariant(config, dtype):
+    """One scale per 128x128 block and BLOCK_N dividing 128: the block's scale goes onto x's tile and
+    the dots chain (the e4m3 bytes moved into bf16's fields). Every fusion matches the dequantized
+    reference, e4m3 subnormals and zeros included, and a row of 37 equals that row alone, bitwise."""
+    from nextn.ops.triton_linear import skinny_linear
+
+    x, w8, w28, res, nw = _fp8_case(37, 256, 256, dtype, seed=config[0] + config[4])
+    tiny = torch.tensor([0.0, 2.0**-9, -(2.0**-7), 2.0**-6, 448.0, -448.0]).to(torch.float8_e4m3fn)
+    w8 = FP8Weight(
+        torch.cat([tiny.to(DEVICE).repeat(256 * 256 // 6 + 1)[: 256 * 128].view(256, 128), w8.weight[:, 128:]], 1),
+        w8.scale,
+    )
+    compact, compact2 = compact_scales(w8), compact_scales(w28)
+    assert compact.rows == 128
+    per_tile = skinny_linear(x, w8, config=config, out_dtype=torch.float32)  # per-row scales: not chained
+    assert not torch.equal(skinny_linear(x, compact, config=config, out_dtype=torch.float32), per_tile)
+    for name, (kw, ref) in _fp8_variants(x, w8, w28, res, nw).items():
+        kw = dict(kw, up_weight=compact2) if "up_weight" in kw else kw
+        full = skinny_linear(x, compact, config=config, **kw)
+        _close(full, ref, dtype)
+        for m in (0, 17, 36):
+            one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
+            assert torch.equal(skinny_linear(x[m : m + 1], compact, config=config, **one)[0], full[m]), (name, m)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_fp8_chained_rows_past_fp16_range_are_computed_again(split):
+    """A row whose scaled values pass fp16's range (the chained dots' operands) is computed again tile
+    by tile: finite and the reference's, in every fusion; the other rows keep the chained bits."""
+    from nextn.ops.triton_linear import skinny_linear
+
+    x, w8, w28, res, nw = _fp8_case(5, 256, 256, torch.bfloat16, seed=11)
+    x[2] = x[2] * 3e5  # past 65504 times the largest block scale (in [1, 2) after the shift)
+    x[4, 7] = 1e6
+    compact, compact2 = compact_scales(w8), compact_scales(w28)
+    config = (64, 128, 4, 2, split)
+    for name, (kw, ref) in _fp8_variants(x, w8, w28, res, nw).items():
+        if name == "rms":  # the norm brings the row back into range
+            continue
+        kw = dict(kw, up_weight=compact2) if "up_weight" in kw else kw
+        out = skinny_linear(x, compact, config=config, **kw)
+        assert torch.isfinite(out).all(), name
+        for m in range(5):
+            torch.testing.assert_close(out[m].float(), ref[m].float(), rtol=2e-2, atol=2e-2 * ref[m].abs().max().item())
+            one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
+            assert torch.equal(skinny_linear(x[m : m + 1], compact, config=config, **one)[0], out[m]), (name, m)
+    calm = skinny_linear(x[[0, 1, 3]], compact, config=config)
+    assert torch.equal(skinny_linear(x, compact, config=config)[[0, 1, 3]], calm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_chained_blocks_are_exact_on_every_e4m3_value(dtype):
+    """Every finite e4m3 value (subnormals and zeros included) read by one-hot rows with a power-of-two
+    block scale: the chained path gives value * scale exactly (no flush of the moved subnormals)."""
+    from nextn.ops.triton_linear import skinny_linear
+
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)  # all but e4m3fn's two NaNs
+    cols = torch.arange(16, device=DEVICE) * 16 + 3  # the columns the one-hot rows read
+    q = torch.randint(0, 0x7F, (128, 256), dtype=torch.uint8)
+    q[:, cols.cpu()] = codes.repeat(9)[: 128 * 16].view(128, 16)
+    q = q.view(torch.float8_e4m3fn).to(DEVICE)
+    w = FP8Weight(q, torch.full((2, 1), 2.0**-3, device=DEVICE), 128)
+    x = torch.zeros(16, 256, device=DEVICE, dtype=dtype)
+    x[torch.arange(16, device=DEVICE), cols] = 1.0
+    out = skinny_linear(x, w, config=(64, 128, 4, 2, 1), out_dtype=torch.float32)
+    assert torch.equal(out, (q.float() * 2.0**-3)[:, cols].T)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ they read one scale per group (`compact_scales`: 4 bytes per 128x128 weights, no
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -40,6 +41,7 @@ class FP8Weight(NamedTuple):
     weight: torch.Tensor  # [N, K] float8_e4m3fn
     scale: torch.Tensor  # [ceil(K / 128), ceil(N / rows)] float32, last dim contiguous
     rows: int = 1  # rows per scale: 1 (nextn's layout), or 128 (compact_scales)
+    exponent: int = 0  # compact_scales: 2^exponent puts the largest scale in [1, 2) (the skinny GEMM's fp16 range)
 
     @property
     def shape(self) -> torch.Size:
@@ -121,7 +123,10 @@ def compact(scale: torch.Tensor, rows: int = BLOCK) -> torch.Tensor | None:
 def compact_scales(w: FP8Weight, rows: int = BLOCK) -> FP8Weight:
     """w with one scale per `rows` rows where that is the same weight, else w."""
     scale = compact(w.scale, rows) if w.rows == 1 else None
-    return w if scale is None else FP8Weight(w.weight, scale, rows)
+    if scale is None:
+        return w
+    top = scale.abs().max().item()
+    return FP8Weight(w.weight, scale, rows, -math.floor(math.log2(top)) if 0 < top < math.inf else 0)
 
 
 def quantize(w: torch.Tensor) -> FP8Weight:

@@ -16,10 +16,17 @@ Fused around the dot, so a decoder layer needs fewer launches:
 Roundings follow the PyTorch modules they replace, op by op.
 
 FP8 weights (nextn.ops.fp8.FP8Weight: e4m3 with float32 scales, per row or per 128 rows, per 128
-columns): the weight tile is widened to x's dtype (exact: every e4m3 value is a bf16 / fp16 value),
-multiplied with the rows in a dot of its own, and the product scaled by the tile's row scales before
-it is added to the accumulator (k-tiles of at most 128 columns, so one scale per row covers a tile).
-The activations stay in their dtype. The scales depend on the weight alone, so rows stay invariant.
+columns; k-tiles of at most 128 columns, so one scale per row covers a tile), two ways:
+- one scale per 128x128 block (the block layouts after `compact_scales`) and BLOCK_N dividing 128
+  (what decode runs): a program's rows share each k-tile's scale, so x's tile is scaled instead
+  (float32, times 2^exponent so the largest scale is in [1, 2), then rounded to fp16) and every
+  tile's fp16 dot (e4m3 widens to fp16 exactly, one packed convert per two values) accumulates into
+  the last, with no wait on each product. A row whose scaled values pass fp16's range (|x| above
+  ~32k on the largest-scale block) comes out inf / NaN; such rows are computed again the second way.
+- otherwise (per-channel scales, fused rows not aligned to 128): the tile widened to x's dtype
+  (exact: every e4m3 value is a bf16 / fp16 value), a dot of its own, the product scaled by the
+  tile's row scales, then added.
+The scales depend on the weight alone and the second pass on the row alone, so rows stay invariant.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from nextn.ops.fp8 import BLOCK as FP8_BLOCK
-from nextn.ops.fp8 import FP8Weight, quantize
+from nextn.ops.fp8 import FP8Weight, compact_scales, quantize
 from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2
 
 TILE_ROWS = 16  # rows of one tensor-core tile: a decode's 1, a verify's K + 1 <= 16, or a batch's share
@@ -61,6 +68,77 @@ if HAVE_TRITON:
             part = tl.dot(w.to(x_dtype), tl.trans(x))
         return part * scale[:, None]
 
+    @triton.jit
+    def _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, nw_ptr, offs_m, offs_n, n_block, mask_m, mask_n, rstd,
+                k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2,
+                PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
+                SCALE_ROWS: tl.constexpr, SCALE_ROWS2: tl.constexpr, TMA: tl.constexpr,
+                CHAIN: tl.constexpr):  # fmt: skip
+        """A program's reduction over its K columns: (x @ w.T, x @ w2.T) as [BLOCK_N, BLOCK_M] float32
+        (CHAIN: times its shifts)."""
+        x_dtype = x_ptr.dtype.element_ty
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        s_col = (n_block * BLOCK_N) // SCALE_ROWS  # CHAIN: the program's rows share one scale per block
+        for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                x_mask = mask_m[:, None]
+                w_mask = mask_n[:, None]
+            else:
+                x_mask = mask_m[:, None] & (offs_k[None, :] < K)
+                w_mask = mask_n[:, None] & (offs_k[None, :] < K)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=x_mask, other=0.0)
+            if PROLOGUE == 1:
+                nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                x = (x.to(tl.float32) * rstd[:, None] * (1.0 + nw[None, :])).to(x_dtype)
+            if TMA:  # out-of-bounds columns and rows read as 0, as the masked load's
+                w = w_ptr.load([n_block * BLOCK_N, k0])
+            else:
+                w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+            if CHAIN:  # the block's one scale times x's tile: the dots chain into one accumulator
+                acc = _chain_dot(w, x, tl.load(s_ptr + (k0 // 128) * stride_s + s_col) * shift, acc, DOT_F32)
+            elif FP8:  # the scales of this tile's 128-column block (nextn.ops.fp8.BLOCK)
+                s_row = s_ptr + (k0 // 128) * stride_s
+                acc += _fp8_tile(w, x, s_row + offs_n // SCALE_ROWS, mask_n, x_dtype, DOT_F32)
+            elif DOT_F32:
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
+            if EPILOGUE == 2:
+                if TMA:
+                    w2 = w2_ptr.load([n_block * BLOCK_N, k0])
+                else:
+                    w2 = tl.load(w2_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
+                if CHAIN:
+                    s2 = tl.load(s2_ptr + (k0 // 128) * stride_s2 + s_col) * shift2
+                    acc2 = _chain_dot(w2, x, s2, acc2, DOT_F32)
+                elif FP8:
+                    s2_row = s2_ptr + (k0 // 128) * stride_s2
+                    acc2 += _fp8_tile(w2, x, s2_row + offs_n // SCALE_ROWS2, mask_n, x_dtype, DOT_F32)
+                elif DOT_F32:
+                    acc2 = tl.dot(w2.to(tl.float32), tl.trans(x.to(tl.float32)), acc2, input_precision="ieee")
+                else:
+                    acc2 = tl.dot(w2, tl.trans(x), acc2)
+        return acc, acc2
+
+    @triton.jit
+    def _chain_dot(w, x, scale, acc, DOT_F32: tl.constexpr):
+        """acc + w @ (x * scale).T for an e4m3 tile w [BLOCK_N, BLOCK_K] and rows x [BLOCK_M, BLOCK_K]:
+        both in fp16 (e4m3 widens to it exactly, one packed convert per two values)."""
+        xs = x.to(tl.float32) * scale
+        if DOT_F32:
+            if x.dtype != tl.float32:  # the interpreter: fp16 operands as the GPU's, products in float32
+                xs = xs.to(tl.float16).to(tl.float32)
+            return tl.dot(w.to(tl.float32), tl.trans(xs), acc, input_precision="ieee")
+        return tl.dot(w.to(tl.float16), tl.trans(xs.to(tl.float16)), acc)
+
+    @triton.jit
+    def _nonfinite_rows(acc):
+        """[BLOCK_N, BLOCK_M] -> [BLOCK_M] int32: 1 where a column (a row of x) holds an inf or a NaN."""
+        return tl.max(((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32), axis=0)
+
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(
         x_ptr,
@@ -84,6 +162,8 @@ if HAVE_TRITON:
         stride_s,
         stride_s2,
         eps,
+        shift,  # CHAIN: 2^exponent of w's scales (FP8Weight.exponent)
+        shift2,
         PROLOGUE: tl.constexpr,  # 0 none, 1 rms (zero-centred)
         EPILOGUE: tl.constexpr,  # 0 none, 1 residual add, 2 silu(x w^T) * (x w2^T)
         BLOCK_M: tl.constexpr,
@@ -97,6 +177,7 @@ if HAVE_TRITON:
         SCALE_ROWS2: tl.constexpr,
         HAS_FLAG: tl.constexpr,  # flag_ptr: run_if (nextn.engine.runner.ModelRunner.when), 0 skips the call
         TMA: tl.constexpr,  # w_ptr (and w2_ptr) are [BLOCK_N, BLOCK_K] tensor descriptors (bf16 weights)
+        CHAIN: tl.constexpr,  # FP8 whose BLOCK_N rows share each scale (SCALE_ROWS % BLOCK_N == 0)
     ):
         """Program (n * M_TILES + m, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs
         for rows [m*BLOCK_M, (m+1)*BLOCK_M). SPLIT > 1: float32 partials [SPLIT, M, N] in part_ptr,
@@ -124,43 +205,28 @@ if HAVE_TRITON:
                 ).to(tl.float32)
                 sumsq += tl.sum(xk * xk, axis=1)
             rstd = 1.0 / tl.sqrt(sumsq / K + eps)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        acc2 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                x_mask = mask_m[:, None]
-                w_mask = mask_n[:, None]
-            else:
-                x_mask = mask_m[:, None] & (offs_k[None, :] < K)
-                w_mask = mask_n[:, None] & (offs_k[None, :] < K)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=x_mask, other=0.0)
-            if PROLOGUE == 1:
-                nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-                x = (x.to(tl.float32) * rstd[:, None] * (1.0 + nw[None, :])).to(x_dtype)
-            if TMA:  # out-of-bounds columns and rows read as 0, as the masked load's
-                w = w_ptr.load([n_block * BLOCK_N, k0])
-            else:
-                w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-            if FP8:  # the scales of this tile's 128-column block (nextn.ops.fp8.BLOCK)
-                s_row = s_ptr + (k0 // 128) * stride_s
-                acc += _fp8_tile(w, x, s_row + offs_n // SCALE_ROWS, mask_n, x_dtype, DOT_F32)
-            elif DOT_F32:
-                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            rstd = tl.zeros((BLOCK_M,), tl.float32)
+        acc, acc2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, nw_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
+                            rstd, k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, PROLOGUE,
+                            EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2,
+                            TMA, CHAIN)  # fmt: skip
+        if CHAIN:
+            acc = acc * (1.0 / shift)  # (powers of two: exact)
+            acc2 = acc2 * (1.0 / shift2)
+            # x * scale past fp16's range (65504 after the shift) gives inf: such rows (a row's own
+            # values decide, so rows stay invariant) are computed again tile by tile, scaled products
+            bad = _nonfinite_rows(acc)
             if EPILOGUE == 2:
-                if TMA:
-                    w2 = w2_ptr.load([n_block * BLOCK_N, k0])
-                else:
-                    w2 = tl.load(w2_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-                if FP8:
-                    s2_row = s2_ptr + (k0 // 128) * stride_s2
-                    acc2 += _fp8_tile(w2, x, s2_row + offs_n // SCALE_ROWS2, mask_n, x_dtype, DOT_F32)
-                elif DOT_F32:
-                    acc2 = tl.dot(w2.to(tl.float32), tl.trans(x.to(tl.float32)), acc2, input_precision="ieee")
-                else:
-                    acc2 = tl.dot(w2, tl.trans(x), acc2)
+                bad = tl.maximum(bad, _nonfinite_rows(acc2))
+            if tl.max(bad, axis=0) > 0:
+                again, again2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, nw_ptr, offs_m, offs_n, n_block,
+                                        mask_m, mask_n, rstd, k_start, K_SPLIT, K, stride_x, stride_s,
+                                        stride_s2, shift, shift2, PROLOGUE, EPILOGUE, BLOCK_M, BLOCK_N,
+                                        BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2, TMA,
+                                        False)  # fmt: skip
+                acc = tl.where(bad[None, :] > 0, again, acc)
+                acc2 = tl.where(bad[None, :] > 0, again2, acc2)
         out_mask = mask_n[:, None] & mask_m[None, :]
         store_mask = out_mask
         if SPLIT > 1:
@@ -254,10 +320,11 @@ def skinny_linear(
         raise ValueError("skinny_linear: weight and up_weight must both be FP8 or neither")
     scale = scale2 = None
     rows = rows2 = 1
+    exponent = exponent2 = 0
     if fp8:
-        weight, scale, rows = weight
+        weight, scale, rows, exponent = weight
         if up_weight is not None:
-            up_weight, scale2, rows2 = up_weight
+            up_weight, scale2, rows2, exponent2 = up_weight
     M, K = x.shape
     N = weight.shape[0]
     if M < 1:
@@ -310,6 +377,8 @@ def skinny_linear(
         scale.stride(0) if scale is not None else 0,
         scale2.stride(0) if scale2 is not None else 0,
         eps,
+        2.0**exponent,
+        2.0**exponent2,
         PROLOGUE=prologue,
         EPILOGUE=epilogue,
         BLOCK_M=TILE_ROWS,
@@ -323,6 +392,7 @@ def skinny_linear(
         SCALE_ROWS2=rows2,
         HAS_FLAG=run_if is not None,
         TMA=tma,
+        CHAIN=fp8 and rows % block_n == 0 and (up_weight is None or rows2 % block_n == 0),
         num_warps=warps,
         num_stages=stages,
     )
@@ -377,8 +447,8 @@ TMA_CANDIDATES = [
     (64, 128, 4, 4, 4, 1),
     (128, 256, 8, 3, 1, 1),
 ]
-# more candidates for FP8 weights: a [256, 128] e4m3 tile reads the bytes of a [128, 128] bf16 one
-FP8_CANDIDATES = [(256, 128, 8, 3, 1), (256, 128, 8, 3, 2), (128, 128, 8, 4, 1), (128, 128, 8, 3, 4)]
+# more candidates for FP8 weights (BLOCK_N <= 128, so a program's rows share each block scale)
+FP8_CANDIDATES = [(128, 128, 8, 4, 1), (128, 128, 8, 3, 4), (128, 128, 4, 3, 4), (32, 128, 4, 4, 4), (32, 128, 4, 4, 8)]
 
 
 def config_key(N: int, K: int, fp8: bool = False) -> str:
@@ -470,4 +540,4 @@ def tune(shapes: list[tuple[int, int, bool, bool, bool]], device, candidates=Non
 
 def _tune_weight(N: int, K: int, fp8: bool, device) -> torch.Tensor | FP8Weight:
     w = torch.randn(N, K, device=device, dtype=torch.bfloat16)
-    return quantize(w) if fp8 else w
+    return compact_scales(quantize(w)) if fp8 else w  # (the step's layout)
