@@ -143,7 +143,7 @@ def main() -> None:
                     ops = [(w, qs[0].scale) for w in ws] if mode == 0 else [(q.weight, q.scale) for q in qs]
                     rs = bound if mode == 3 else torch.ones_like(bound)
 
-                    def call(i, mode=mode, cfg=cfg, ops=ops, rs=rs):
+                    def call(i, mode=mode, cfg=cfg, ops=ops, rs=rs, x=x, xq=xq):
                         run(mode, x, xq, rs, *ops[i], cfg)
 
                     try:
@@ -164,7 +164,8 @@ def main() -> None:
                 frac = nbytes / us / 1e3 / copy
                 entry[f"{name} M={M}"] = {"us": us, "config": cfg, "GBps": nbytes / us / 1e3, "of_copy": frac,
                                           "max_rel_err": err}  # fmt: skip
-                print(f"{N}x{K} M={M} {name:12s} {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s ({frac:.2f}) {cfg} err {err}")
+                gbps = nbytes / us / 1e3
+                print(f"{N}x{K} M={M} {name:12s} {us:7.1f} us {gbps:6.0f} GB/s ({frac:.2f}) {cfg} err {err}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -234,6 +234,21 @@ def test_fp8_chained_rows_past_fp16_range_are_computed_again(split):
     assert torch.equal(skinny_linear(x, compact, config=config)[[0, 1, 3]], calm)
 
 
+@pytest.mark.parametrize("magnitude", [1e-7, 1e5])
+def test_fp8_chained_blocks_shift_the_scales_into_fp16_range(magnitude):
+    """compact_scales puts a weight's largest block scale in [1, 2) with a power of two, so weights far
+    from 1 in magnitude keep x * scale inside fp16's normal range: tiny ones keep their precision."""
+    from nextn.ops.triton_linear import skinny_linear
+
+    x, w8, _, _, _ = _fp8_case(3, 128, 256, torch.bfloat16, seed=5)
+    w = FP8Weight(w8.weight, w8.scale * magnitude)
+    compact = compact_scales(w)
+    assert 1 <= compact.scale.max().item() * 2.0**compact.exponent < 2
+    ref = x.float() @ dequantize(w.weight, w.scale, torch.float32).T
+    out = skinny_linear(x, compact, config=(64, 128, 4, 2, 1), out_dtype=torch.float32)
+    assert (out - ref).abs().max().item() <= 2**-9 * ref.abs().max().item()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_chained_blocks_are_exact_on_every_e4m3_value(dtype):
     """Every finite e4m3 value (subnormals and zeros included) read by one-hot rows with a power-of-two

@@ -126,7 +126,8 @@ def compact_scales(w: FP8Weight, rows: int = BLOCK) -> FP8Weight:
     if scale is None:
         return w
     top = scale.abs().max().item()
-    return FP8Weight(w.weight, scale, rows, -math.floor(math.log2(top)) if 0 < top < math.inf else 0)
+    exponent = -math.floor(math.log2(top)) if 0 < top < math.inf else 0
+    return FP8Weight(w.weight, scale, rows, max(-100, min(100, exponent)))  # (2^exponent: a float32)
 
 
 def quantize(w: torch.Tensor) -> FP8Weight:

@@ -97,31 +97,31 @@ if HAVE_TRITON:
                 w = w_ptr.load([n_block * BLOCK_N, k0])
             else:
                 w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-            if CHAIN:  # the block's one scale times x's tile: the dots chain into one accumulator
-                acc = _chain_dot(w, x, tl.load(s_ptr + (k0 // 128) * stride_s + s_col) * shift, acc, DOT_F32)
-            elif FP8:  # the scales of this tile's 128-column block (nextn.ops.fp8.BLOCK)
-                s_row = s_ptr + (k0 // 128) * stride_s
-                acc += _fp8_tile(w, x, s_row + offs_n // SCALE_ROWS, mask_n, x_dtype, DOT_F32)
-            elif DOT_F32:
-                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(x), acc)
+            acc = _tile_dot(w, x, acc, s_ptr, stride_s, k0, s_col, shift, offs_n, mask_n, SCALE_ROWS, FP8, CHAIN,
+                            DOT_F32)  # fmt: skip
             if EPILOGUE == 2:
                 if TMA:
                     w2 = w2_ptr.load([n_block * BLOCK_N, k0])
                 else:
                     w2 = tl.load(w2_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-                if CHAIN:
-                    s2 = tl.load(s2_ptr + (k0 // 128) * stride_s2 + s_col) * shift2
-                    acc2 = _chain_dot(w2, x, s2, acc2, DOT_F32)
-                elif FP8:
-                    s2_row = s2_ptr + (k0 // 128) * stride_s2
-                    acc2 += _fp8_tile(w2, x, s2_row + offs_n // SCALE_ROWS2, mask_n, x_dtype, DOT_F32)
-                elif DOT_F32:
-                    acc2 = tl.dot(w2.to(tl.float32), tl.trans(x.to(tl.float32)), acc2, input_precision="ieee")
-                else:
-                    acc2 = tl.dot(w2, tl.trans(x), acc2)
+                acc2 = _tile_dot(w2, x, acc2, s2_ptr, stride_s2, k0, s_col, shift2, offs_n, mask_n, SCALE_ROWS2, FP8,
+                                 CHAIN, DOT_F32)  # fmt: skip
         return acc, acc2
+
+    @triton.jit
+    def _tile_dot(w, x, acc, s_ptr, stride_s, k0, s_col, shift, offs_n, mask_n, SCALE_ROWS: tl.constexpr,
+                  FP8: tl.constexpr, CHAIN: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+        """acc + w @ x.T for a weight tile w [BLOCK_N, BLOCK_K] at columns k0.. and rows x [BLOCK_M, BLOCK_K]."""
+        if CHAIN:  # the block's one scale times x's tile: the dots chain into one accumulator
+            out = _chain_dot(w, x, tl.load(s_ptr + (k0 // 128) * stride_s + s_col) * shift, acc, DOT_F32)
+        elif FP8:  # the scales of this tile's 128-column block (nextn.ops.fp8.BLOCK)
+            s_ptrs = s_ptr + (k0 // 128) * stride_s + offs_n // SCALE_ROWS
+            out = acc + _fp8_tile(w, x, s_ptrs, mask_n, x.dtype, DOT_F32)
+        elif DOT_F32:
+            out = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            out = tl.dot(w, tl.trans(x), acc)
+        return out
 
     @triton.jit
     def _chain_dot(w, x, scale, acc, DOT_F32: tl.constexpr):
