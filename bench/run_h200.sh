@@ -2,7 +2,8 @@
 # One device call on the H200: tune the skinny GEMM, kernel tests at real shapes, the benches.
 # Usage (device tool): bash bench/run_h200.sh [stages...]
 #   stages: tune tests engine profile prefill prefill4k bench9b batch9b benchdefault bench35b
-#   FP8 weights against bf16 (9B): fp8; FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
+#   FP8 weights against bf16 (9B): fp8; the rms prologue against a norm launch: normsplit
+#   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
 #   the MoE decode kernels' tests: moe
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 set -o pipefail
@@ -52,6 +53,8 @@ for stage in "$@"; do
            print('fp8/bf16 plain decode', b['decode_tokens_per_s']/a['decode_tokens_per_s'], \
            'fp8 roofline', b.get('roofline_fraction'), 'bf16 roofline', a.get('roofline_fraction'))" \
            $OUT/bf16_qwen3.5-9b.json $OUT/fp8_qwen3.5-9b.json | tee -a $LOG ;;
+    normsplit) timeout 250 python3 bench/norm_split.py --out $OUT/norm_split.json 2>&1 | grep -v "OutOfResources\|Warn" \
+               | tail -30 | tee -a $LOG ;;
     gate) timeout 150 python3 -m pytest -q -x tests/test_draft_kernel.py 2>&1 | tail -8 | tee -a $LOG ;;
     moe) timeout 90 python3 -m pytest -q -x tests/test_kernels.py -k "moe or router" 2>&1 | tail -8 | tee -a $LOG ;;
     ar) timeout 150 python3 -m pytest -v -x -o faulthandler_timeout=60 tests/test_allreduce.py tests/test_tp.py \
