@@ -183,14 +183,14 @@ def test_fp8_compact_scales_compute_the_same_bits():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", [(64, 64, 4, 2, 1), (128, 128, 4, 2, 1), (64, 64, 4, 2, 2)])
+@pytest.mark.parametrize("config", [(128, 128, 4, 2, 1), (64, 64, 4, 2, 2)])
 def test_fp8_chained_blocks_match_the_reference_and_keep_rows_invariant(config, dtype):
     """One scale per 128x128 block and BLOCK_N dividing 128: the block's scale goes onto x's tile and
     the dots chain (the e4m3 bytes moved into bf16's fields). Every fusion matches the dequantized
-    reference, e4m3 subnormals and zeros included, and a row of 37 equals that row alone, bitwise."""
+    reference, e4m3 subnormals and zeros included, and a row of 21 equals that row alone, bitwise."""
     from nextn.ops.triton_linear import skinny_linear
 
-    x, w8, w28, res, nw = _fp8_case(37, 256, 256, dtype, seed=config[0] + config[4])
+    x, w8, w28, res, nw = _fp8_case(21, 256, 256, dtype, seed=config[0] + config[4])
     tiny = torch.tensor([0.0, 2.0**-9, -(2.0**-7), 2.0**-6, 448.0, -448.0]).to(torch.float8_e4m3fn)
     w8 = FP8Weight(
         torch.cat([tiny.to(DEVICE).repeat(256 * 256 // 6 + 1)[: 256 * 128].view(256, 128), w8.weight[:, 128:]], 1),
@@ -204,7 +204,7 @@ def test_fp8_chained_blocks_match_the_reference_and_keep_rows_invariant(config, 
         kw = dict(kw, up_weight=compact2) if "up_weight" in kw else kw
         full = skinny_linear(x, compact, config=config, **kw)
         _close(full, ref, dtype)
-        for m in (0, 17, 36):
+        for m in (0, 17, 20):
             one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
             assert torch.equal(skinny_linear(x[m : m + 1], compact, config=config, **one)[0], full[m]), (name, m)
 
