@@ -21,7 +21,8 @@ columns; k-tiles of at most 128 columns, so one scale per row covers a tile), tw
   (what decode runs): a program's rows share each k-tile's scale, so x's tile is scaled instead
   (float32, times 2^exponent so the largest scale is in [1, 2), then rounded to fp16) and every
   tile's fp16 dot (e4m3 widens to fp16 exactly, one packed convert per two values) accumulates into
-  the last, with no wait on each product. A row whose scaled values pass fp16's range (|x| above
+  the last, no product scaled on its own (the compiled dot still waits each tile: its weight operand
+  comes from registers; bench/NOTES.md, runs 64-68). A row whose scaled values pass fp16's range (|x| above
   ~32k on the largest-scale block) comes out inf / NaN; such rows are computed again the second way.
 - otherwise (per-channel scales, fused rows not aligned to 128): the tile widened to x's dtype
   (exact: every e4m3 value is a bf16 / fp16 value), a dot of its own, the product scaled by the
