@@ -527,9 +527,50 @@ def test_triton_greedy_spec_equals_plain_under_fp8_bf16(fp8_ckpt):
     assert spec.token_ids == plain.token_ids and spec.spec.num_accepted > 0  # a partial accept among them
 
 
-def test_triton_step_refuses_fp8_moe(fp8_ckpt):
-    with pytest.raises(ValueError, match="FP8 MoE"):
-        _llm(fp8_ckpt("moe_ckpt", "block"), "triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_moe_step_computes_its_dequantized_weights_bitwise(dtype):
+    """The MoE decode kernels over FP8 experts and shared expert dequantize each tile as the
+    reference's `dequantize` does: the block equals the same kernels on the dequantized copies, bit
+    for bit (H and I with partial 128-column blocks, I over two of them)."""
+    from nextn.ops.fp8 import quantize
+    from nextn.ops.triton_moe import moe_step
+
+    g = torch.Generator(device=DEVICE).manual_seed(9)
+    E, k, H, I, Is, T = 4, 2, 200, 136, 72, 2
+
+    def weight(*shape):  # e4m3 in nextn's layout (a scale per row and 128 columns), and its dequantized copy
+        w = torch.randn(*shape, generator=g, device=DEVICE) * shape[-1] ** -0.5
+        parts = [quantize(m) for m in w.reshape(-1, *shape[-2:])]
+        scale = torch.stack([p.scale for p in parts]).view(*shape[:-2], *parts[0].scale.shape)
+        q = FP8Weight(torch.stack([p.weight for p in parts]).view(*shape), scale)
+        return q, dequantize(q.weight, q.scale, dtype).contiguous()  # (a partial block's slice is a view)
+
+    (gu8, gu), (dn8, dn) = weight(E, 2 * I, H), weight(E, H, I)
+    (sg8, sg), (su8, su), (sd8, sd) = weight(Is, H), weight(Is, H), weight(H, Is)
+    gates = (torch.randn(E + 1, H, generator=g, device=DEVICE) * H**-0.5).to(dtype)
+    x, h = (torch.randn(T, H, generator=g, device=DEVICE).to(dtype) for _ in range(2))
+    for res in (x, None):
+        out = moe_step(res, h, gates, gu8, dn8, sg8, su8, sd8, k, True)
+        assert torch.equal(out, moe_step(res, h, gates, gu, dn, sg, su, sd, k, True))
+    mixed = moe_step(x, h, gates, gu8, dn8, sg, su, sd, k, True)  # FP8 experts, bf16 shared expert
+    assert torch.equal(mixed, moe_step(x, h, gates, gu, dn, sg, su, sd, k, True))
+    with pytest.raises(ValueError, match="all be FP8 or none"):
+        moe_step(x, h, gates, gu8, dn, sg, su, sd, k, True)
+    with pytest.raises(ValueError, match="contiguous"):
+        moe_step(x, h, gates, gu, dn, sg, su, sd.T.contiguous().T, k, True)
+
+
+def test_triton_step_runs_fp8_moe_like_the_reference_step(fp8_ckpt):
+    """An FP8 MoE checkpoint (experts, shared expert) on the fused step: the reference step's logits
+    and hiddens. (Its rows are invariant by construction: the MoE kernels give each row its own
+    programs; test_kernels checks that for the bf16 block.)"""
+    ckpt = fp8_ckpt("moe_ckpt", "block")
+    ref, fast = _engine(ckpt, "float32", "torch"), _engine(ckpt, "float32")
+    moe = next(w.mlp for w in fast.runner.step.layers if hasattr(w.mlp, "gate_up"))
+    assert isinstance(moe.gate_up, FP8Weight) and isinstance(moe.shared_down, FP8Weight)
+    outs = [_step(e, _prefilled(e, 0), [5, 77, 300]) for e in (ref, fast)]
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ collectives; the embedding gathers from the ranks' rows and the logits from thei
 
 FP8 weights (nextn.ops.fp8) reach the skinny GEMM as FP8Weight pairs in place of tensors. A fused
 projection whose members differ in kind (FP8 q/k/v/z beside the bf16 GDN gates b/a) runs one GEMM
-per run of one kind, each into its columns of the projection. MoE layers with FP8 weights are not
-run here (their kernels read bf16 experts): an error says so. An fp8 K/V cache reaches the
+per run of one kind, each into its columns of the projection; MoE layers' FP8 experts and shared
+expert reach nextn.ops.triton_moe, which dequantizes them tile by tile. An fp8 K/V cache reaches the
 attention kernels with its scales (nextn.cache.hybrid.KV), which quantize and dequantize its rows.
 """
 
@@ -63,11 +63,11 @@ class MLPWeights:
 class MoEWeights:
     norm: torch.Tensor  # [H] post_attention_layernorm
     gates: torch.Tensor  # [E + 1, H]: the router's rows, then shared_expert_gate's (one GEMM for both)
-    gate_up: torch.Tensor  # [E, 2I, H]
-    down: torch.Tensor  # [E, H, I]
-    shared_gate: torch.Tensor  # [Is, H]
-    shared_up: torch.Tensor  # [Is, H]
-    shared_down: torch.Tensor  # [H, Is]
+    gate_up: Weight  # [E, 2I, H]
+    down: Weight  # [E, H, I]
+    shared_gate: Weight  # [Is, H]
+    shared_up: Weight  # [Is, H]
+    shared_down: Weight  # [H, Is]
     top_k: int
     renorm: bool
 
@@ -107,20 +107,16 @@ def _compact(w: Weight) -> Weight:
 def _mlp_weights(layer) -> MLPWeights | MoEWeights:
     mlp = layer.mlp
     if hasattr(mlp, "experts"):
-        if any(isinstance(m, FP8Linear | FP8Experts) for m in mlp.modules()):
-            raise ValueError(
-                "kernels='triton' does not run FP8 MoE layers yet (nextn.ops.triton_moe reads bf16 weights); "
-                "use kernels='torch'"
-            )
-        se = mlp.shared_expert
+        ex, se = mlp.experts, mlp.shared_expert
+        experts = (ex.gate_up_proj, ex.down_proj)
+        if isinstance(ex, FP8Experts):  # (per-row scales: the MoE kernels read them as they are)
+            experts = (FP8Weight(ex.gate_up_proj, ex.gate_up_proj_scale), FP8Weight(ex.down_proj, ex.down_proj_scale))
+        shared = [p.fp8 if isinstance(p, FP8Linear) else p.weight for p in (se.gate_proj, se.up_proj, se.down_proj)]
         return MoEWeights(
             layer.post_attention_layernorm.weight,
             torch.cat([mlp.gate.weight, mlp.shared_expert_gate.weight]).detach(),
-            mlp.experts.gate_up_proj,
-            mlp.experts.down_proj,
-            se.gate_proj.weight,
-            se.up_proj.weight,
-            se.down_proj.weight,
+            *experts,
+            *shared,
             mlp.gate.top_k,
             mlp.gate.norm_topk_prob,
         )

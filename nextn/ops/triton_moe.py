@@ -15,12 +15,15 @@ the block runs in three launches:
   under tensor parallelism: the block's output is a partial sum, all-reduced before the residual
   is added).
 Every product, weight and partial sum is rounded to the model dtype where the reference rounds it.
+FP8 experts and shared expert (e4m3, nextn.ops.fp8's layout) are dequantized tile by tile to the
+model dtype as the reference's `dequantize` does, so they compute what their dequantized copies do.
 """
 
 from __future__ import annotations
 
 import torch
 
+from nextn.ops.fp8 import FP8Weight
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
 
 BLOCK_I = 16  # intermediate columns per gate/up program: 32 programs per expert at I = 512
@@ -63,10 +66,24 @@ if HAVE_TRITON:
         return tl.sum(tl.where(mine, offs, 0), axis=0), tl.sum(tl.where(mine, weight, 0.0), axis=0)
 
     @triton.jit
-    def _swiglu(x_ptr, wg_ptr, wu_ptr, act_ptr, offs_n, mask_n, H: tl.constexpr, BLOCK_K: tl.constexpr):
-        """act[offs_n] = silu(x W_gate^T) * (x W_up^T), the products rounded like the reference's."""
+    def _dequant(w, s_ptr, s_stride, k0, offs_n, mask_n, K: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
+        """An e4m3 tile w [BLOCK_N, BLOCK_K] at columns k0.. times its scales (nextn.ops.fp8's layout:
+        s_ptr[kb * s_stride + n]), rounded to dtype: the reference's `dequantize`, value for value."""
+        n: tl.constexpr = w.shape[0]
+        offs_b = k0 // 128 + tl.arange(0, BLOCK_K // 128)
+        smask = mask_n[:, None] & (offs_b[None, :] < (K + 127) // 128)
+        s = tl.load(s_ptr + offs_b[None, :] * s_stride + offs_n[:, None], mask=smask, other=0.0)
+        w3 = tl.reshape(w.to(tl.float32), (n, BLOCK_K // 128, 128)) * s[:, :, None]
+        return tl.reshape(w3, (n, BLOCK_K)).to(dtype)
+
+    @triton.jit
+    def _swiglu(x_ptr, wg_ptr, wu_ptr, act_ptr, offs_n, mask_n, H: tl.constexpr, BLOCK_K: tl.constexpr,
+                sg_ptr, su_ptr, s_stride, FP8: tl.constexpr):  # fmt: skip
+        """act[offs_n] = silu(x W_gate^T) * (x W_up^T), the products rounded like the reference's. FP8:
+        the weights e4m3 with scales at sg_ptr / su_ptr (row stride s_stride), dequantized per tile."""
         gate = tl.zeros(offs_n.shape, tl.float32)
         up = tl.zeros(offs_n.shape, tl.float32)
+        dtype = act_ptr.dtype.element_ty
         for k0 in tl.static_range(0, H, BLOCK_K):  # unrolled: the tiles' loads can be in flight together
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mk = offs_k < H
@@ -74,9 +91,11 @@ if HAVE_TRITON:
             wmask = mask_n[:, None] & mk[None, :]
             wg = tl.load(wg_ptr + offs_n[:, None] * H + offs_k[None, :], mask=wmask, other=0.0)
             wu = tl.load(wu_ptr + offs_n[:, None] * H + offs_k[None, :], mask=wmask, other=0.0)
+            if FP8:
+                wg = _dequant(wg, sg_ptr, s_stride, k0, offs_n, mask_n, H, BLOCK_K, dtype)
+                wu = _dequant(wu, su_ptr, s_stride, k0, offs_n, mask_n, H, BLOCK_K, dtype)
             gate += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
             up += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
-        dtype = act_ptr.dtype.element_ty
         g = gate.to(dtype).to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         tl.store(act_ptr + offs_n, (silu * up.to(dtype).to(tl.float32)).to(dtype), mask=mask_n)
@@ -88,6 +107,9 @@ if HAVE_TRITON:
         gate_up_ptr,  # [E, 2I, H]
         shared_gate_ptr,  # [Is, H]
         shared_up_ptr,  # [Is, H]
+        gate_up_s_ptr,  # FP8_EXPERTS: [E, ceil(H / 128), 2I] float32 scales
+        shared_gate_s_ptr,  # FP8_SHARED: [ceil(H / 128), Is]
+        shared_up_s_ptr,
         idx_ptr,  # [T, TOP_K] out: the routed experts, ascending
         rw_ptr,  # [T, TOP_K + 1] out: the slots' weights in the model dtype
         act_ptr,  # [T, TOP_K + 1, stride_act] out
@@ -102,6 +124,8 @@ if HAVE_TRITON:
         BLOCK_E: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        FP8_EXPERTS: tl.constexpr,
+        FP8_SHARED: tl.constexpr,
     ):
         row = tl.program_id(0)  # t * (TOP_K + 1) + slot
         t = row // (TOP_K + 1)
@@ -121,6 +145,10 @@ if HAVE_TRITON:
                 offs_n < Is,
                 H,
                 BLOCK_K,
+                shared_gate_s_ptr,
+                shared_up_s_ptr,
+                Is,
+                FP8_SHARED,
             )
         else:
             e, w = _route(logits_ptr, t, LOGIT_STRIDE, slot, E, TOP_K, RENORM, BLOCK_E)
@@ -128,17 +156,24 @@ if HAVE_TRITON:
                 tl.store(idx_ptr + t * TOP_K + slot, e)
                 tl.store(rw_ptr + row, w.to(dtype))
             base = gate_up_ptr + e.to(tl.int64) * (2 * I * H)
-            _swiglu(x_ptr + t * H, base, base + I * H, act_ptr + row * stride_act, offs_n, offs_n < I, H, BLOCK_K)
+            s_base = gate_up_s_ptr + e.to(tl.int64) * ((H + 127) // 128 * 2 * I)
+            act = act_ptr + row * stride_act
+            _swiglu(x_ptr + t * H, base, base + I * H, act, offs_n, offs_n < I, H, BLOCK_K, s_base, s_base + I, 2 * I,
+                    FP8_EXPERTS)  # fmt: skip
 
     @triton.jit
-    def _down(act_ptr, w_ptr, rw_ptr, offs_n, mask_n, I: tl.constexpr, dtype: tl.constexpr, BLOCK_K: tl.constexpr):
-        """(act @ W_down^T)[offs_n] * routing weight, each rounded to the model dtype (float32 values)."""
+    def _down(act_ptr, w_ptr, rw_ptr, offs_n, mask_n, I: tl.constexpr, dtype: tl.constexpr, BLOCK_K: tl.constexpr,
+              s_ptr, s_stride, FP8: tl.constexpr):  # fmt: skip
+        """(act @ W_down^T)[offs_n] * routing weight, each rounded to the model dtype (float32 values).
+        FP8: the weight e4m3 with scales at s_ptr (row stride s_stride), dequantized per tile."""
         acc = tl.zeros(offs_n.shape, tl.float32)
         for k0 in tl.static_range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mk = offs_k < I
             a = tl.load(act_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + offs_n[:, None] * I + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)
+            if FP8:
+                w = _dequant(w, s_ptr, s_stride, k0, offs_n, mask_n, I, BLOCK_K, dtype)
             acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         rw = tl.load(rw_ptr).to(tl.float32)
         return (acc.to(dtype).to(tl.float32) * rw).to(dtype).to(tl.float32)
@@ -150,6 +185,8 @@ if HAVE_TRITON:
         rw_ptr,  # [T, TOP_K + 1]
         down_ptr,  # [E, H, I]
         shared_down_ptr,  # [H, Is]
+        down_s_ptr,  # FP8_EXPERTS: [E, ceil(I / 128), H] float32 scales
+        shared_down_s_ptr,  # FP8_SHARED: [ceil(Is / 128), H]
         res_ptr,  # [T, H]
         out_ptr,  # [T, H]
         stride_act,
@@ -160,6 +197,8 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         RESIDUAL: tl.constexpr,
+        FP8_EXPERTS: tl.constexpr,
+        FP8_SHARED: tl.constexpr,
     ):
         """out = x + (the routed slots' outputs summed in slot order + the shared slot's); without
         RESIDUAL the sum alone."""
@@ -171,12 +210,13 @@ if HAVE_TRITON:
         for j in tl.static_range(TOP_K):
             row = t * (TOP_K + 1) + j
             e = tl.load(idx_ptr + t * TOP_K + j).to(tl.int64)
-            y = _down(
-                act_ptr + row * stride_act, down_ptr + e * (H * I), rw_ptr + row, offs_n, mask_n, I, dtype, BLOCK_K
-            )
+            s_e = down_s_ptr + e * ((I + 127) // 128 * H)
+            y = _down(act_ptr + row * stride_act, down_ptr + e * (H * I), rw_ptr + row, offs_n, mask_n, I, dtype,
+                      BLOCK_K, s_e, H, FP8_EXPERTS)  # fmt: skip
             total = (total + y).to(dtype).to(tl.float32)
         row = t * (TOP_K + 1) + TOP_K
-        y = _down(act_ptr + row * stride_act, shared_down_ptr, rw_ptr + row, offs_n, mask_n, Is, dtype, BLOCK_K)
+        y = _down(act_ptr + row * stride_act, shared_down_ptr, rw_ptr + row, offs_n, mask_n, Is, dtype, BLOCK_K,
+                  shared_down_s_ptr, H, FP8_SHARED)  # fmt: skip
         mlp = (total + y).to(dtype).to(tl.float32)
         if RESIDUAL:
             r = tl.load(res_ptr + t * H + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -188,17 +228,27 @@ def moe_step(
     x: torch.Tensor | None,  # [T, H] residual stream (the block's input before its norm); None: no residual
     h: torch.Tensor,  # [T, H] post_attention_layernorm(x)
     gates: torch.Tensor,  # [E + 1, H]: the router's rows, then shared_expert_gate's
-    gate_up: torch.Tensor,  # [E, 2I, H]
-    down: torch.Tensor,  # [E, H, I]
-    shared_gate: torch.Tensor,  # [Is, H] shared expert gate_proj
-    shared_up: torch.Tensor,  # [Is, H]
-    shared_down: torch.Tensor,  # [H, Is]
+    gate_up: torch.Tensor | FP8Weight,  # [E, 2I, H] (FP8: scales [E, ceil(H / 128), 2I])
+    down: torch.Tensor | FP8Weight,  # [E, H, I] (FP8: scales [E, ceil(I / 128), H])
+    shared_gate: torch.Tensor | FP8Weight,  # [Is, H] shared expert gate_proj
+    shared_up: torch.Tensor | FP8Weight,  # [Is, H]
+    shared_down: torch.Tensor | FP8Weight,  # [H, Is]
     top_k: int,
     renorm: bool,
 ) -> torch.Tensor:
-    """Returns x + SparseMoeBlock(h) [T, H] (SparseMoeBlock(h) alone when x is None)."""
+    """Returns x + SparseMoeBlock(h) [T, H] (SparseMoeBlock(h) alone when x is None). FP8 weights
+    (nextn.ops.fp8's layout, one scale per row and 128 columns) are dequantized tile by tile to the
+    model dtype, as the reference's `dequantize` does, so they compute what their dequantized bf16
+    copies compute, bit for bit; the experts' pair and the shared expert's three are each FP8 or not."""
     from nextn.ops.triton_linear import skinny_linear
 
+    fp8_experts, fp8_shared = _fp8_kind(gate_up, down), _fp8_kind(shared_gate, shared_up, shared_down)
+    scales = [w.scale if isinstance(w, FP8Weight) else h for w in (gate_up, down, shared_gate, shared_up, shared_down)]
+    gate_up, down, shared_gate, shared_up, shared_down = (
+        w.weight if isinstance(w, FP8Weight) else w for w in (gate_up, down, shared_gate, shared_up, shared_down)
+    )
+    if not all(t.is_contiguous() for t in (gate_up, down, shared_gate, shared_up, shared_down, *scales)):
+        raise ValueError("moe_step: the weights and scales must be contiguous (the kernels index them as such)")
     T, H = h.shape
     E, two_i, _ = gate_up.shape
     I, Is = two_i // 2, shared_gate.shape[0]
@@ -218,6 +268,9 @@ def moe_step(
         gate_up,
         shared_gate,
         shared_up,
+        scales[0],
+        scales[2],
+        scales[3],
         idx,
         weights,
         act,
@@ -232,6 +285,8 @@ def moe_step(
         BLOCK_E=next_pow2(E),
         BLOCK_N=BLOCK_I,
         BLOCK_K=BLOCK_K,
+        FP8_EXPERTS=fp8_experts,
+        FP8_SHARED=fp8_shared,
         num_warps=4,
     )
     out = torch.empty_like(h)
@@ -241,6 +296,8 @@ def moe_step(
         weights,
         down,
         shared_down,
+        scales[1],
+        scales[4],
         h if x is None else x,
         out,
         act.stride(1),
@@ -251,6 +308,19 @@ def moe_step(
         BLOCK_N=BLOCK_H,
         BLOCK_K=BLOCK_K,
         RESIDUAL=x is not None,
+        FP8_EXPERTS=fp8_experts,
+        FP8_SHARED=fp8_shared,
         num_warps=4,
     )
     return out
+
+
+def _fp8_kind(*weights) -> bool:
+    """Whether weights that one kernel branch reads are FP8 (all of them, per row scales), or none."""
+    kinds = {isinstance(w, FP8Weight) for w in weights}
+    if len(kinds) > 1:
+        raise ValueError("moe_step: the experts' weights (and the shared expert's) must all be FP8 or none")
+    for w in weights:
+        if isinstance(w, FP8Weight) and w.rows != 1:
+            raise ValueError(f"moe_step: FP8 weights take one scale per row (got {w.rows} rows per scale)")
+    return kinds == {True}
