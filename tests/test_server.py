@@ -433,6 +433,20 @@ def test_a_full_queue_answers_503_at_once(dense_ckpt):
 
 
 def test_metrics_expose_spec_and_session_counters(live, llm):
+    # its own turns: under xdist the module's other tests may run on the other worker (a resumed
+    # turn, cached tokens; then a rewound one)
+    client, body = live.client(), {"ignore_eos": True, "return_token_ids": True}
+    rng = random.Random(11)
+    for rewind in (False, True):
+        prompt = _random_ids(rng, 30, llm.model.cfg.vocab_size)
+        first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, extra_body=body, **GREEDY)
+        got = extra(first.choices[0], "token_ids")
+        turn = prompt + got[:1] + [9, 10, 11] if rewind else prompt + got + [7, 8]
+        client.completions.create(model=MODEL, prompt=turn, max_tokens=4, extra_body=body, **GREEDY)
+    for _ in range(4):  # and four bad requests
+        bad = {"model": MODEL, "prompt": "x", "max_tokens": -1}
+        r = httpx.post(f"{live.url}/v1/completions", json=bad, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400
     m = live.metrics()
     assert m["nextn:spec_decode_num_drafts_total"] > 0
     assert m["nextn:spec_decode_num_draft_tokens_total"] >= m["nextn:spec_decode_num_drafts_total"]
