@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from nextn.ops.fp8 import compact_scales, dequantize, quantize
+from nextn.ops.triton_linear import _graph_us  # (the tuner's timing: graphs over weight copies)
 
 MODES = {"bf16": 0, "f16 chain": 1, "e4m3 tile": 2, "e4m3 chain": 3, "e4m3 x given": 4}
 # (BLOCK_N, warps, stages, split, BLOCK_K); BLOCK_K 256 spans two scale blocks (not for "e4m3 tile")
@@ -88,26 +89,6 @@ def run(mode: int, x, xq, xs, w, s, cfg) -> torch.Tensor:
     return y.sum(0)
 
 
-def graph_us(launch, copies: int, reps: int = 100) -> float:
-    for i in range(copies):
-        launch(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            launch(i % copies)
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[2]
-
-
 def copy_bandwidth(device) -> float:
     a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
@@ -147,7 +128,7 @@ def main() -> None:
                         run(mode, x, xq, rs, *ops[i], cfg)
 
                     try:
-                        us = graph_us(call, copies)
+                        us = _graph_us(call, copies, 100)
                     except Exception as e:  # a config a mode cannot compile or launch
                         torch.cuda.synchronize()
                         print(f"{N}x{K} M={M} {name} {cfg}: {type(e).__name__}")
