@@ -3,7 +3,6 @@
 # Usage (device tool): bash bench/run_h200.sh [stages...]
 #   stages: tune tests engine profile prefill prefill4k bench9b batch9b benchdefault bench35b
 #   FP8 weights against bf16 (9B): fp8; 35B-A3B in FP8 (bench35b for bf16): fp8_35b;
-#   the rms prologue against a norm launch: normsplit
 #   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
 #   the MoE decode kernels' tests: moe
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
@@ -57,8 +56,6 @@ for stage in "$@"; do
     fp8_35b) timeout 300 python3 -m nextn.cli bench --random-weights qwen3.5-35b-a3b --device cuda --dtype bfloat16 \
                --quantization fp8 --spec-k 1 3 --acceptance-profile 0.85,0.75,0.65 \
                --json $OUT/fp8_qwen3.5-35b-a3b.json 2>&1 | grep -v '^ ' | tail -20 | tee -a $LOG ;;
-    normsplit) timeout 250 python3 bench/norm_split.py --out $OUT/norm_split.json 2>&1 | grep -v "OutOfResources\|Warn" \
-               | tail -30 | tee -a $LOG ;;
     gate) timeout 150 python3 -m pytest -q -x tests/test_draft_kernel.py 2>&1 | tail -8 | tee -a $LOG ;;
     moe) timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_fp8.py -k "moe or router" 2>&1 | tail -8 | tee -a $LOG ;;
     ar) timeout 150 python3 -m pytest -v -x -o faulthandler_timeout=60 tests/test_allreduce.py tests/test_tp.py \

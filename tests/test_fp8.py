@@ -110,21 +110,15 @@ def _fp8_case(M, N, K, dtype, seed):
     fp8 = [FP8Weight(q, block_scale(s, N, 128)) for q, s in (quantize_blocks(w), quantize_blocks(w2))]
     x = torch.randn(M, K, generator=g, device=DEVICE).to(dtype)
     res = torch.randn(M, N, generator=g, device=DEVICE).to(dtype)
-    nw = (torch.randn(K, generator=g, device=DEVICE) * 0.1).to(dtype)
-    return x, fp8[0], fp8[1], res, nw
+    return x, fp8[0], fp8[1], res
 
 
-def _fp8_variants(x, w8, w28, res, nw):
+def _fp8_variants(x, w8, w28, res):
     """skinny_linear's kwargs and the reference (the weights dequantized, then F.linear) per fusion."""
-    from nextn.layers.norm import RMSNorm
-
     F = torch.nn.functional
     w, w2 = (dequantize(p.weight, p.scale, x.dtype) for p in (w8, w28))
-    norm = RMSNorm(x.shape[1]).to(DEVICE)
-    norm.weight.data = nw.float()
     return {
         "plain": (dict(), F.linear(x, w)),
-        "rms": (dict(norm_weight=nw), F.linear(norm.to(x.dtype)(x), w)),
         "residual": (dict(residual=res), res + F.linear(x, w)),
         "silu_mul": (dict(up_weight=w28), F.silu(F.linear(x, w)) * F.linear(x, w2)),
     }
@@ -156,9 +150,9 @@ def test_fp8_skinny_linear_rows_do_not_depend_on_the_batch(split):
     """A row of 37 (three 16-row tiles) equals that row alone, bitwise, in every fusion; split-K too."""
     from nextn.ops.triton_linear import skinny_linear
 
-    x, w8, w28, res, nw = _fp8_case(37, 40, 256, torch.bfloat16, seed=split)
+    x, w8, w28, res = _fp8_case(37, 40, 256, torch.bfloat16, seed=split)
     config = None if split == 1 else (16, 64, 4, 2, split)
-    for name, (kw, _) in _fp8_variants(x, w8, w28, res, nw).items():
+    for name, (kw, _) in _fp8_variants(x, w8, w28, res).items():
         full = skinny_linear(x, w8, config=config, **kw)
         for m in (0, 5, 17, 36):
             one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
@@ -172,10 +166,10 @@ def test_fp8_compact_scales_compute_the_same_bits():
     results bitwise, in every fusion; per-channel scales do not compact."""
     from nextn.ops.triton_linear import skinny_linear
 
-    x, w8, w28, res, nw = _fp8_case(5, 256, 200, torch.bfloat16, seed=3)
+    x, w8, w28, res = _fp8_case(5, 256, 200, torch.bfloat16, seed=3)
     compact, compact2 = compact_scales(w8), compact_scales(w28)
     assert compact.rows == 128 and compact.scale.shape == (2, 2)
-    for name, (kw, _) in _fp8_variants(x, w8, w28, res, nw).items():
+    for name, (kw, _) in _fp8_variants(x, w8, w28, res).items():
         kw_compact = dict(kw, up_weight=compact2) if "up_weight" in kw else kw
         assert torch.equal(skinny_linear(x, compact, **kw_compact), skinny_linear(x, w8, **kw)), name
     q, scale = hf._fp8_channel(torch.randn(256, 64))
@@ -190,7 +184,7 @@ def test_fp8_chained_blocks_match_the_reference_and_keep_rows_invariant(config, 
     reference, e4m3 subnormals and zeros included, and a row of 21 equals that row alone, bitwise."""
     from nextn.ops.triton_linear import skinny_linear
 
-    x, w8, w28, res, nw = _fp8_case(21, 256, 256, dtype, seed=config[0] + config[4])
+    x, w8, w28, res = _fp8_case(21, 256, 256, dtype, seed=config[0] + config[4])
     tiny = torch.tensor([0.0, 2.0**-9, -(2.0**-7), 2.0**-6, 448.0, -448.0]).to(torch.float8_e4m3fn)
     w8 = FP8Weight(
         torch.cat([tiny.to(DEVICE).repeat(256 * 256 // 6 + 1)[: 256 * 128].view(256, 128), w8.weight[:, 128:]], 1),
@@ -200,7 +194,7 @@ def test_fp8_chained_blocks_match_the_reference_and_keep_rows_invariant(config, 
     assert compact.rows == 128
     per_tile = skinny_linear(x, w8, config=config, out_dtype=torch.float32)  # per-row scales: not chained
     assert not torch.equal(skinny_linear(x, compact, config=config, out_dtype=torch.float32), per_tile)
-    for name, (kw, ref) in _fp8_variants(x, w8, w28, res, nw).items():
+    for name, (kw, ref) in _fp8_variants(x, w8, w28, res).items():
         kw = dict(kw, up_weight=compact2) if "up_weight" in kw else kw
         full = skinny_linear(x, compact, config=config, **kw)
         _close(full, ref, dtype)
@@ -215,14 +209,12 @@ def test_fp8_chained_rows_past_fp16_range_are_computed_again(split):
     by tile: finite and the reference's, in every fusion; the other rows keep the chained bits."""
     from nextn.ops.triton_linear import skinny_linear
 
-    x, w8, w28, res, nw = _fp8_case(5, 256, 256, torch.bfloat16, seed=11)
+    x, w8, w28, res = _fp8_case(5, 256, 256, torch.bfloat16, seed=11)
     x[2] = x[2] * 3e5  # past 65504 times the largest block scale (in [1, 2) after the shift)
     x[4, 7] = 1e6
     compact, compact2 = compact_scales(w8), compact_scales(w28)
     config = (64, 128, 4, 2, split)
-    for name, (kw, ref) in _fp8_variants(x, w8, w28, res, nw).items():
-        if name == "rms":  # the norm brings the row back into range
-            continue
+    for name, (kw, ref) in _fp8_variants(x, w8, w28, res).items():
         kw = dict(kw, up_weight=compact2) if "up_weight" in kw else kw
         out = skinny_linear(x, compact, config=config, **kw)
         assert torch.isfinite(out).all(), name
@@ -240,7 +232,7 @@ def test_fp8_chained_blocks_shift_the_scales_into_fp16_range(magnitude):
     from 1 in magnitude keep x * scale inside fp16's normal range: tiny ones keep their precision."""
     from nextn.ops.triton_linear import skinny_linear
 
-    x, w8, _, _, _ = _fp8_case(3, 128, 256, torch.bfloat16, seed=5)
+    x, w8, _, _ = _fp8_case(3, 128, 256, torch.bfloat16, seed=5)
     w = FP8Weight(w8.weight, w8.scale * magnitude)
     compact = compact_scales(w)
     assert 1 <= compact.scale.max().item() * 2.0**compact.exponent < 2
@@ -273,8 +265,8 @@ def test_fp8_chained_blocks_are_exact_on_every_e4m3_value(dtype):
 @pytest.mark.parametrize(
     "N,K,kind",
     [
-        (12288, 4096, "rms"),
-        (10240, 4096, "rms"),
+        (12352, 4096, "plain"),
+        (10240, 4096, "plain"),
         (12288, 4096, "silu_mul"),
         (4096, 4096, "residual"),
         (4096, 12288, "residual"),
@@ -285,8 +277,8 @@ def test_fp8_skinny_linear_9b_shapes_gpu(N, K, kind):
     the step reads (one per 128x128 block), compiled: the reference, and 9 rows == each row alone."""
     from nextn.ops.triton_linear import skinny_linear
 
-    x, w8, w28, res, nw = _fp8_case(9, N, K, torch.bfloat16, seed=N + K)
-    kw, ref = _fp8_variants(x, w8, w28, res, nw)[kind]
+    x, w8, w28, res = _fp8_case(9, N, K, torch.bfloat16, seed=N + K)
+    kw, ref = _fp8_variants(x, w8, w28, res)[kind]
     w8 = compact_scales(w8)
     kw = dict(kw, up_weight=compact_scales(w28)) if "up_weight" in kw else kw
     assert w8.rows == 128
@@ -527,11 +519,19 @@ def test_triton_greedy_spec_equals_plain_under_fp8_bf16(fp8_ckpt):
     assert spec.token_ids == plain.token_ids and spec.spec.num_accepted > 0  # a partial accept among them
 
 
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Equal up to a reordered float32 sum: float32 outputs to 1e-5, bf16 ones to a couple of ulps."""
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    return a.shape == b.shape and bool(((a.float() - b.float()).abs() <= tol * (1 + b.float().abs())).all())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_moe_step_computes_its_dequantized_weights_bitwise(dtype):
+def test_fp8_moe_step_computes_its_dequantized_weights(dtype):
     """The MoE decode kernels over FP8 experts and shared expert dequantize each tile as the
-    reference's `dequantize` does: the block equals the same kernels on the dequantized copies, bit
-    for bit (H and I with partial 128-column blocks, I over two of them)."""
+    reference's `dequantize` does: the block equals the same kernels on the dequantized copies (H
+    and I with partial 128-column blocks, I over two of them). Bit for bit on the interpreter; on a
+    GPU Triton lays a loaded tile out by its element size (e4m3 against the copies' dtype), so the
+    in-tile sums may add in another order: there the outputs agree to the sums' rounding."""
     from nextn.ops.fp8 import quantize
     from nextn.ops.triton_moe import moe_step
 
@@ -549,11 +549,12 @@ def test_fp8_moe_step_computes_its_dequantized_weights_bitwise(dtype):
     (sg8, sg), (su8, su), (sd8, sd) = weight(Is, H), weight(Is, H), weight(H, Is)
     gates = (torch.randn(E + 1, H, generator=g, device=DEVICE) * H**-0.5).to(dtype)
     x, h = (torch.randn(T, H, generator=g, device=DEVICE).to(dtype) for _ in range(2))
+    same = torch.equal if not CUDA else functools.partial(_close, dtype=dtype)
     for res in (x, None):
         out = moe_step(res, h, gates, gu8, dn8, sg8, su8, sd8, k, True)
-        assert torch.equal(out, moe_step(res, h, gates, gu, dn, sg, su, sd, k, True))
+        assert same(out, moe_step(res, h, gates, gu, dn, sg, su, sd, k, True))
     mixed = moe_step(x, h, gates, gu8, dn8, sg, su, sd, k, True)  # FP8 experts, bf16 shared expert
-    assert torch.equal(mixed, moe_step(x, h, gates, gu, dn, sg, su, sd, k, True))
+    assert same(mixed, moe_step(x, h, gates, gu, dn, sg, su, sd, k, True))
     with pytest.raises(ValueError, match="all be FP8 or none"):
         moe_step(x, h, gates, gu8, dn, sg, su, sd, k, True)
     with pytest.raises(ValueError, match="contiguous"):

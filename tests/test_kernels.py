@@ -71,17 +71,12 @@ def _linear_case(M, N, K, dtype, g):
     w = _rand(N, K, dtype=dtype, scale=K**-0.5, gen=g)
     w2 = _rand(N, K, dtype=dtype, scale=K**-0.5, gen=g)
     res = _rand(M, N, dtype=dtype, gen=g)
-    nw = _rand(K, dtype=dtype, scale=0.1, gen=g)
-    return x, w, w2, res, nw
+    return x, w, w2, res
 
 
-def _linear_variants(x, w, w2, res, nw):
-    K = x.shape[1]
-    norm = RMSNorm(K).to(DEVICE)
-    norm.weight.data = nw.float()
+def _linear_variants(x, w, w2, res):
     return {
         "plain": (dict(), F.linear(x, w)),
-        "rms": (dict(norm_weight=nw), F.linear(norm.to(x.dtype)(x), w)),
         "residual": (dict(residual=res), res + F.linear(x, w)),
         "silu_mul": (dict(up_weight=w2), F.silu(F.linear(x, w)) * F.linear(x, w2)),
     }
@@ -100,8 +95,8 @@ def test_skinny_linear_matches_reference(M, N, K, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_skinny_linear_rows_do_not_depend_on_row_count(dtype):
     g = torch.Generator(device=DEVICE).manual_seed(1)
-    x, w, w2, res, nw = _linear_case(9, 40, 64, dtype, g)
-    for name, (kw, _) in _linear_variants(x, w, w2, res, nw).items():
+    x, w, w2, res = _linear_case(9, 40, 64, dtype, g)
+    for name, (kw, _) in _linear_variants(x, w, w2, res).items():
         full = skinny_linear(x, w, **kw)
         for m in (0, 4, 8):
             one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
@@ -113,9 +108,9 @@ def test_skinny_linear_run_if(split):
     """run_if 0: the output buffer is left as it was (and split-K's arrival counters stay zero, so
     the next call sums right); run_if 1: the unflagged call's result bitwise."""
     g = torch.Generator(device=DEVICE).manual_seed(3)
-    x, w, w2, res, nw = _linear_case(3, 40, 64, torch.bfloat16, g)
+    x, w, w2, res = _linear_case(3, 40, 64, torch.bfloat16, g)
     cfg = (16, 16, 4, 1, split)
-    for name, (kw, _) in _linear_variants(x, w, w2, res, nw).items():
+    for name, (kw, _) in _linear_variants(x, w, w2, res).items():
         want = skinny_linear(x, w, config=cfg, **kw)
         out = torch.full_like(want, 5.0)
         skinny_linear(x, w, out=out, config=cfg, run_if=torch.tensor(False, device=DEVICE), **kw)
@@ -131,8 +126,8 @@ def test_skinny_linear_tensor_descriptor_loads(split):
     (the same tiles, zero past the edges, into the same dots), rows invariant, every fused variant;
     N and K not multiples of the block (the descriptor's zero padding)."""
     g = torch.Generator(device=DEVICE).manual_seed(4)
-    x, w, w2, res, nw = _linear_case(9, 40, 96, torch.bfloat16, g)
-    for name, (kw, ref) in _linear_variants(x, w, w2, res, nw).items():
+    x, w, w2, res = _linear_case(9, 40, 96, torch.bfloat16, g)
+    for name, (kw, ref) in _linear_variants(x, w, w2, res).items():
         for block_k in (32, 64):
             if split > 1 and 96 % (split * block_k):
                 continue
@@ -640,8 +635,8 @@ def test_gdn_step_batch_equals_each_sequence_alone():
 def test_skinny_linear_rows_past_one_tile():
     """More than 16 rows (a batch's) run as 16-row tiles: each row bitwise what it gives alone."""
     g = torch.Generator(device=DEVICE).manual_seed(12)
-    x, w, w2, res, nw = _linear_case(37, 48, 64, torch.bfloat16, g)
-    for name, (kw, ref) in _linear_variants(x, w, w2, res, nw).items():
+    x, w, w2, res = _linear_case(37, 48, 64, torch.bfloat16, g)
+    for name, (kw, ref) in _linear_variants(x, w, w2, res).items():
         out = skinny_linear(x, w, **kw)
         _close(out, ref, torch.bfloat16)
         for m in (0, 17, 36):
@@ -657,19 +652,19 @@ def test_skinny_linear_rows_past_one_tile():
 @pytest.mark.parametrize(
     "N,K,kind",
     [
-        (12352, 4096, "rms"),
+        (12352, 4096, "plain"),
         (4096, 4096, "residual"),
         (12288, 4096, "silu_mul"),
         (4096, 12288, "residual"),
-        (10240, 4096, "rms"),
+        (10240, 4096, "plain"),
         (248320, 4096, "plain"),
     ],
 )
 @pytest.mark.parametrize("config", [None, (64, 128, 4, 4, 1, 1), (128, 128, 8, 3, 2, 1)])
 def test_skinny_linear_9b_shapes_gpu(N, K, kind, config):
     g = torch.Generator(device=DEVICE).manual_seed(N + K)
-    x, w, w2, res, nw = _linear_case(9, N, K, torch.bfloat16, g)
-    kw, ref = _linear_variants(x, w, w2, res, nw)[kind]
+    x, w, w2, res = _linear_case(9, N, K, torch.bfloat16, g)
+    kw, ref = _linear_variants(x, w, w2, res)[kind]
     out = skinny_linear(x, w, config=config, **kw)
     _close(out, ref, torch.bfloat16)
     for m in (0, 3, 8):
@@ -860,9 +855,9 @@ def test_moe_step_35b_shapes_gpu():
 def test_split_k_matches_reference_and_rows_are_invariant(split):
     dtype = torch.bfloat16
     g = torch.Generator(device=DEVICE).manual_seed(split)
-    x, w, w2, res, nw = _linear_case(6, 40, 128, dtype, g)
+    x, w, w2, res = _linear_case(6, 40, 128, dtype, g)
     cfg = (16, 32, 4, 2, split)
-    for name, (kw, ref) in _linear_variants(x, w, w2, res, nw).items():
+    for name, (kw, ref) in _linear_variants(x, w, w2, res).items():
         out = skinny_linear(x, w, config=cfg, **kw)
         _close(out, ref, dtype)
         for m in (0, 5):

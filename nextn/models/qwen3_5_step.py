@@ -1,16 +1,16 @@
 """The fused decode / verify step and MTP head step: a sibling forward of the module forward
 (nextn.models.qwen3_5) over the same weights, with batch-invariant Triton kernels. Its fusions
-cross module boundaries (a norm inside the next projection, a residual inside the previous one),
-so it is written once here and held to the reference by bitwise tests (tests/test_step.py).
+cross module boundaries (a residual inside the previous projection, a SwiGLU inside gate/up), so
+it is written once here and held to the reference by bitwise tests (tests/test_step.py).
 
 A step runs a batch of sequences (nextn.cache.StepBatch), their rows packed: projections over all
 rows, attention and the delta rule per sequence over its own slot. Per decoder layer (the
 projections fused at load by nextn.models.loader):
-- Gated DeltaNet: [RMSNorm -> in_proj_{qkv,z,b,a}] -> [causal conv -> recurrent delta rule
+- Gated DeltaNet: [RMSNorm] -> [in_proj_{qkv,z,b,a}] -> [causal conv -> recurrent delta rule
   (writes the state after every token) -> gated RMSNorm] -> [out_proj + residual];
-- attention: [RMSNorm -> q/k/v] -> q/k norm + RoPE + K/V write -> chunked attention * gate
+- attention: [RMSNorm] -> [q/k/v] -> q/k norm + RoPE + K/V write -> chunked attention * gate
   -> [o_proj + residual];
-- MLP: [RMSNorm -> gate/up -> silu * up] -> [down + residual];
+- MLP: [RMSNorm] -> [gate/up -> silu * up] -> [down + residual];
 - MoE: RMSNorm -> router and shared-expert gate -> [top-k, experts' and shared expert's
   silu(gate) * up] -> [their down, weighted sum + residual] (nextn.ops.triton_moe).
 Brackets are one kernel each. A row's arithmetic does not depend on the number of rows or on the
@@ -208,26 +208,26 @@ class TritonStep:
             self._rope.append((n, *self.model.rotary.cos_sin(positions, self.embed.dtype)))
         return self._rope[-1][1], self._rope[-1][2]
 
-    def linear_uses(self, head: bool = True, head_vocab: int | None = None) -> list[tuple[int, int, bool, bool, bool]]:
-        """(N, K, full-row norm prologue, second weight, FP8) of each skinny_linear one trunk step
+    def linear_uses(self, head: bool = True, head_vocab: int | None = None) -> list[tuple[int, int, bool, bool]]:
+        """(N, K, second weight, FP8) of each skinny_linear one trunk step
         runs (and the MTP head's step, with head=True, its logits over head_vocab rows: a draft
         vocabulary's; default the full lm_head's), repeats included."""
         uses = []
 
-        def use(w: Weight, norm: bool = False, dual: bool = False):
-            uses.append((*w.shape, norm, dual, isinstance(w, FP8Weight)))
+        def use(w: Weight, dual: bool = False):
+            uses.append((*w.shape, dual, isinstance(w, FP8Weight)))
 
         def mlp(w):
             if isinstance(w, MoEWeights):
                 use(w.gates)
             else:
-                use(w.gate, norm=True, dual=True)
+                use(w.gate, dual=True)
                 use(w.down)
 
         def layer(w):
             attn = isinstance(w, AttnWeights)
             for proj in [w.qkv] if attn else w.in_proj:
-                use(proj, norm=True)
+                use(proj)
             use(w.o_proj if attn else w.out_proj)
             mlp(w.mlp)
 
@@ -238,7 +238,7 @@ class TritonStep:
             use(self.head_weights[2])
             layer(self.head_weights[3])
             if head_vocab is not None:
-                uses.append((head_vocab, self.lm_head.shape[1], False, False, False))  # a bf16 copy
+                uses.append((head_vocab, self.lm_head.shape[1], False, False))  # a bf16 copy
         return uses
 
     def tune(self, log=None, head_vocab: int | None = None) -> dict:
@@ -256,6 +256,10 @@ class TritonStep:
 
     def _lin(self, *args, **kwargs) -> torch.Tensor:
         return self.linear.skinny_linear(*args, run_if=self.run_if, **kwargs)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The zero-centred RMSNorm before a projection, a launch of its own (skipped with the call)."""
+        return self.norm.rms_norm(x, weight, self.eps, run_if=self.run_if)
 
     def _logits(self, normed: torch.Tensor, lm_head: torch.Tensor | None, out: torch.Tensor) -> None:
         """Float32 logits into out [M, V or Vd]: over the given rows (a draft vocabulary's, never
@@ -286,11 +290,11 @@ class TritonStep:
                 w.renorm,
             )
             return all_reduce_add(out, x, self.cfg) if tp else out
-        act = self._lin(x, w.gate, norm_weight=w.norm, up_weight=w.up, eps=self.eps)
+        act = self._lin(self._norm(x, w.norm), w.gate, up_weight=w.up)
         return self._add(x, act, w.down)
 
     def _attn(self, x, w: AttnWeights, kv: KV, row_slot, row_pos, rope_offset: int):
-        qkv = self._lin(x, w.qkv, norm_weight=w.norm, eps=self.eps)
+        qkv = self._lin(self._norm(x, w.norm), w.qkv)
         cos, sin = self.rope_tables(kv.key.shape[1] + 1)
         heads = self.cfg.num_attention_heads
         scales = dict(key_scale=kv.key_scale, value_scale=kv.value_scale, run_if=self.run_if)  # fp8 scales or None
@@ -314,13 +318,14 @@ class TritonStep:
 
     def _gdn(self, x, w: GDNWeights, batch: StepBatch, j: int, store_all: bool, live: torch.Tensor | None):
         lin, t = self.linear.skinny_linear, batch.cache.tensors
+        h = self.norm.rms_norm(x, w.norm, self.eps)
         if len(w.in_proj) == 1:
-            proj = lin(x, w.in_proj[0], norm_weight=w.norm, eps=self.eps)  # [M, conv | z | b | a]
+            proj = lin(h, w.in_proj[0])  # [M, conv | z | b | a]
         else:  # runs of one kind (FP8 qkv | z, bf16 b | a), each into its columns
             proj = x.new_empty(x.shape[0], sum(p.shape[0] for p in w.in_proj))
             col = 0
             for part in w.in_proj:
-                lin(x, part, norm_weight=w.norm, eps=self.eps, out=proj[:, col : col + part.shape[0]])
+                lin(h, part, out=proj[:, col : col + part.shape[0]])
                 col += part.shape[0]
         o = self.gdn.gdn_step(
             proj,

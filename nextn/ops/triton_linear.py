@@ -9,11 +9,12 @@ chosen from (N, K) alone and M is never specialised, so the reduction order of a
 depend on M. More than 16 rows (a batch of sequences) run as tiles of 16, each computed exactly
 as a 16-row call; a weight block's tiles are neighbouring programs, so they share its L2 reads.
 
-Fused around the dot, so a decoder layer needs fewer launches:
-- prologue `rms`: x -> RMSNorm(x) * (1 + w) (the zero-centred norm before a projection);
+Fused after the dot, so a decoder layer needs fewer launches:
 - epilogue `residual`: y = residual + x @ w.T (each rounded to x's dtype first, like `x + f(x)`);
 - epilogue `silu_mul`: y = silu(x @ w.T) * (x @ w2.T) (the SwiGLU of an MLP, gate and up weights).
-Roundings follow the PyTorch modules they replace, op by op.
+Roundings follow the PyTorch modules they replace, op by op. The norm before a projection is a
+launch of its own (nextn.ops.triton_norm): normalising x inside the k-loop made every tile's dot
+wait, which cost more than the launch (bench/NOTES.md, run 69).
 
 FP8 weights (nextn.ops.fp8.FP8Weight: e4m3 with float32 scales, per row or per 128 rows, per 128
 columns; k-tiles of at most 128 columns, so one scale per row covers a tile), two ways:
@@ -70,15 +71,14 @@ if HAVE_TRITON:
         return part * scale[:, None]
 
     @triton.jit
-    def _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, nw_ptr, offs_m, offs_n, n_block, mask_m, mask_n, rstd,
+    def _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
                 k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2,
-                PROLOGUE: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
                 SCALE_ROWS: tl.constexpr, SCALE_ROWS2: tl.constexpr, TMA: tl.constexpr,
                 CHAIN: tl.constexpr):  # fmt: skip
         """A program's reduction over its K columns: (x @ w.T, x @ w2.T) as [BLOCK_N, BLOCK_M] float32
         (CHAIN: times its shifts)."""
-        x_dtype = x_ptr.dtype.element_ty
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc2 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         s_col = (n_block * BLOCK_N) // SCALE_ROWS  # CHAIN: the program's rows share one scale per block
@@ -91,9 +91,6 @@ if HAVE_TRITON:
                 x_mask = mask_m[:, None] & (offs_k[None, :] < K)
                 w_mask = mask_n[:, None] & (offs_k[None, :] < K)
             x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=x_mask, other=0.0)
-            if PROLOGUE == 1:
-                nw = tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-                x = (x.to(tl.float32) * rstd[:, None] * (1.0 + nw[None, :])).to(x_dtype)
             if TMA:  # out-of-bounds columns and rows read as 0, as the masked load's
                 w = w_ptr.load([n_block * BLOCK_N, k0])
             else:
@@ -149,7 +146,6 @@ if HAVE_TRITON:
         s2_ptr,
         y_ptr,
         res_ptr,
-        nw_ptr,
         part_ptr,
         count_ptr,
         flag_ptr,
@@ -162,10 +158,8 @@ if HAVE_TRITON:
         stride_res,
         stride_s,
         stride_s2,
-        eps,
         shift,  # CHAIN: 2^exponent of w's scales (FP8Weight.exponent)
         shift2,
-        PROLOGUE: tl.constexpr,  # 0 none, 1 rms (zero-centred)
         EPILOGUE: tl.constexpr,  # 0 none, 1 residual add, 2 silu(x w^T) * (x w2^T)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -195,23 +189,9 @@ if HAVE_TRITON:
         mask_m = offs_m < M
         mask_n = offs_n < N
         x_dtype = x_ptr.dtype.element_ty
-        if PROLOGUE == 1:  # per-row 1/rms over all of K in a fixed block order (every split does it)
-            sumsq = tl.zeros((BLOCK_M,), tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                xk = tl.load(
-                    x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
-                    mask=mask_m[:, None] & (offs_k[None, :] < K),
-                    other=0.0,
-                ).to(tl.float32)
-                sumsq += tl.sum(xk * xk, axis=1)
-            rstd = 1.0 / tl.sqrt(sumsq / K + eps)
-        else:
-            rstd = tl.zeros((BLOCK_M,), tl.float32)
-        acc, acc2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, nw_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
-                            rstd, k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, PROLOGUE,
-                            EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2,
-                            TMA, CHAIN)  # fmt: skip
+        acc, acc2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n, k_start,
+                            K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, EPILOGUE, BLOCK_M, BLOCK_N,
+                            BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2, TMA, CHAIN)  # fmt: skip
         if CHAIN:
             acc = acc * (1.0 / shift)  # (powers of two: exact)
             acc2 = acc2 * (1.0 / shift2)
@@ -221,11 +201,10 @@ if HAVE_TRITON:
             if EPILOGUE == 2:
                 bad = tl.maximum(bad, _nonfinite_rows(acc2))
             if tl.max(bad, axis=0) > 0:
-                again, again2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, nw_ptr, offs_m, offs_n, n_block,
-                                        mask_m, mask_n, rstd, k_start, K_SPLIT, K, stride_x, stride_s,
-                                        stride_s2, shift, shift2, PROLOGUE, EPILOGUE, BLOCK_M, BLOCK_N,
-                                        BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2, TMA,
-                                        False)  # fmt: skip
+                again, again2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m,
+                                        mask_n, k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2,
+                                        EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS,
+                                        SCALE_ROWS2, TMA, False)  # fmt: skip
                 acc = tl.where(bad[None, :] > 0, again, acc)
                 acc2 = tl.where(bad[None, :] > 0, again2, acc2)
         out_mask = mask_n[:, None] & mask_m[None, :]
@@ -261,7 +240,7 @@ if HAVE_TRITON:
 
 # (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT[, TMA]). `tune` measures candidates per shape
 # and overwrites entries; the defaults are Qwen3.5-9B's shapes as swept on an H200 (CUDA graphs,
-# weights out of L2: bench/results/gemv_sweep_qwen3.5-9b_run4.json; bench/gemv_sweep.py).
+# weights out of L2: bench/results/gemv_sweep_qwen3.5-9b_run4.json).
 CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
     (4096, 4096): (64, 128, 8, 3, 4),  # o_proj, out_proj
     (4096, 8192): (64, 128, 4, 3, 4),  # mtp.fc
@@ -309,8 +288,6 @@ def skinny_linear(
     *,
     out: torch.Tensor | None = None,  # [M, N]
     out_dtype: torch.dtype | None = None,
-    norm_weight: torch.Tensor | None = None,  # [K]: prologue RMSNorm(x) * (1 + w)
-    eps: float = 1e-6,
     residual: torch.Tensor | None = None,  # [M, N]: epilogue residual + y
     up_weight: torch.Tensor | FP8Weight | None = None,  # [N, K]: epilogue silu(y) * (x @ up_weight.T)
     config: tuple[int, ...] | None = None,  # override (tuning)
@@ -337,7 +314,6 @@ def skinny_linear(
             raise ValueError(f"skinny_linear: FP8 scales {tuple(s.shape)} ({r} rows each) for weight {(N, K)}")
     if out is None:
         out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
-    prologue = 0 if norm_weight is None else 1
     epilogue = 1 if residual is not None else (2 if up_weight is not None else 0)
     block_n, block_k, warps, stages, split, *tma = config or pick_config(N, K, fp8)
     tma = bool(tma and tma[0])
@@ -364,7 +340,6 @@ def skinny_linear(
         scale2 if scale2 is not None else dummy,
         out,
         residual if residual is not None else dummy,
-        norm_weight if norm_weight is not None else dummy,
         part,
         count,
         run_if if run_if is not None else dummy,
@@ -377,10 +352,8 @@ def skinny_linear(
         residual.stride(0) if residual is not None else 0,
         scale.stride(0) if scale is not None else 0,
         scale2.stride(0) if scale2 is not None else 0,
-        eps,
         2.0**exponent,
         2.0**exponent2,
-        PROLOGUE=prologue,
         EPILOGUE=epilogue,
         BLOCK_M=TILE_ROWS,
         BLOCK_N=block_n,
@@ -457,8 +430,8 @@ def config_key(N: int, K: int, fp8: bool = False) -> str:
     return f"{N}x{K}" + ("_fp8" if fp8 else "")
 
 
-def tune(shapes: list[tuple[int, int, bool, bool, bool]], device, candidates=None, log=None) -> dict:
-    """Time block configs per weight shape (N, K, full-row norm prologue?, second weight?, FP8?) at 1
+def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log=None) -> dict:
+    """Time block configs per weight shape (N, K, second weight?, FP8?) at 1
     and 9 rows, in CUDA graphs with the weights out of L2, and keep the best in CONFIGS (FP8_CONFIGS)
     (the default heuristic's config is always a candidate). Run it before any step is captured: a
     shape's config then stays fixed, so rows stay invariant."""
@@ -482,12 +455,11 @@ def tune(shapes: list[tuple[int, int, bool, bool, bool]], device, candidates=Non
         + TMA_CANDIDATES
     )
     chosen = {}
-    merged: dict[tuple[int, int, bool], tuple[bool, bool]] = {}
-    for N, K, norm, dual, fp8 in shapes:  # one config per (N, K, kind): tune the most demanding use
-        a, b = merged.get((N, K, fp8), (False, False))
-        merged[(N, K, fp8)] = (a or norm, b or dual)
+    merged: dict[tuple[int, int, bool], bool] = {}
+    for N, K, dual, fp8 in shapes:  # one config per (N, K, kind): tune the most demanding use
+        merged[(N, K, fp8)] = merged.get((N, K, fp8), False) or dual
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
-    for (N, K, fp8), (norm, dual) in sorted(merged.items()):
+    for (N, K, fp8), dual in sorted(merged.items()):
         table = (FP8_CONFIGS if fp8 else CONFIGS).pop((N, K), None)
         default = pick_config(N, K, fp8)
         if table is not None and table not in candidates:
@@ -497,7 +469,6 @@ def tune(shapes: list[tuple[int, int, bool, bool, bool]], device, candidates=Non
         ws = [_tune_weight(N, K, fp8, device) for _ in range(copies)]
         w2s = [_tune_weight(N, K, fp8, device) for _ in range(copies)] if dual else None
         x = torch.randn(9, K, device=device, dtype=torch.bfloat16)
-        nw = torch.zeros(K, device=device, dtype=torch.bfloat16) if norm else None
         reps = max(copies, min(200, int(2e11 // nbytes)))
         best = None
         for cfg in [default] + [c for c in candidates + (FP8_CANDIDATES if fp8 else []) if c != default]:
@@ -509,8 +480,8 @@ def tune(shapes: list[tuple[int, int, bool, bool, bool]], device, candidates=Non
                 for rows in (1, 9):
                     times.append(
                         _graph_us(
-                            lambda i, rows=rows, x=x, ws=ws, nw=nw, w2s=w2s, dual=dual, cfg=cfg: skinny_linear(
-                                x[:rows], ws[i], norm_weight=nw, up_weight=w2s[i] if dual else None, config=cfg
+                            lambda i, rows=rows, x=x, ws=ws, w2s=w2s, dual=dual, cfg=cfg: skinny_linear(
+                                x[:rows], ws[i], up_weight=w2s[i] if dual else None, config=cfg
                             ),
                             copies,
                             reps,
