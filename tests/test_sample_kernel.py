@@ -1,7 +1,7 @@
 """The one-launch sampling kernels (nextn.ops.triton_sample) against their references: the
 temperature law and its draw (nextn.sampling.probs_from_logits, sample), the round's rejection
-sampling (nextn.spec.verifier.verify_sampled), and the slot sampler drafting and verifying through
-them as through the reference.
+sampling (nextn.spec.verifier.verify_sampled), the slot sampler drafting and verifying through
+them as through the reference, and a greedy round's accept and commit (nextn.engine.rounds).
 
 On CPU the kernels run under Triton's interpreter (triton_interp.py); on a GPU compiled.
 """
@@ -15,8 +15,10 @@ import triton_interp  # noqa: F401  (before triton)
 pytest.importorskip("triton")
 
 import nextn  # noqa: E402
+from nextn.cache.hybrid import NUM_CTL, commit_table  # noqa: E402
+from nextn.engine import rounds  # noqa: E402
 from nextn.engine.sampler import SlotSampler  # noqa: E402
-from nextn.ops.triton_sample import MAX_V, temperature_sample, verify_sampled  # noqa: E402
+from nextn.ops.triton_sample import MAX_V, accept_greedy, temperature_sample, verify_sampled  # noqa: E402
 from nextn.sampling import RequestRng, SamplingParams, Stream, probs_from_logits, sample  # noqa: E402
 from nextn.spec import verifier  # noqa: E402
 
@@ -162,3 +164,47 @@ def test_the_slot_sampler_drafts_and_verifies_through_the_kernels_as_through_the
         (ids0, q0, n0, out0), (ids1, q1, n1, out1) = outcomes
         assert torch.equal(ids0, ids1) and n0 == n1 and torch.equal(out0, out1)
         assert torch.allclose(q0, q1, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("heads", [False, True])
+def test_greedy_accept_kernel_is_its_reference_bitwise(heads):
+    """One launch accepts and commits a batch's greedy members as rounds._accept_greedy's torch ops
+    do: the pending token, head ids, counters and outcome rows of their slots, bit for bit; other
+    slots untouched. Members draft 0..5 tokens, their drafts the argmax of the row before for a
+    random prefix, a gate cutting one member's count, the group a subset of the batch."""
+    from types import SimpleNamespace as NS
+
+    g = torch.Generator().manual_seed(7 + heads)
+    S, R, V = 6, 6, 40
+    slots, ks, counts = [4, 0, 2, 5], [0, 3, 5, 2], [0, 2, 5, 2]  # a gate cut the second from 3 to 2
+    index = [1, 2, 4, 5]  # the group's members' places in the batch (0 and 3: sampled members)
+    offsets = [0, 3, 4, 8, 9, 15]  # each batch member's first packed row
+    logits = torch.randn(18, V, generator=g).to(DEVICE)
+    target = logits.argmax(-1).cpu()
+    base = {
+        "verify_ids": torch.randint(0, V, (S, R), generator=g),
+        "head_ids": torch.randint(0, V, (S, R), generator=g),
+        "ctl": torch.randint(0, 500, (S, NUM_CTL), generator=g, dtype=torch.int32),
+        "out": torch.randint(-5, 5, (S, 2 + R + NUM_CTL), generator=g),
+    }
+    for slot, k, b in zip(slots, ks, index, strict=True):  # a random prefix of drafts matches
+        keep = int(torch.randint(0, k + 1, (), generator=g))
+        base["verify_ids"][slot, 1 : 1 + keep] = target[offsets[b] : offsets[b] + keep]
+    befores = torch.randint(0, 500, (len(offsets), NUM_CTL), generator=g, dtype=torch.int32).to(DEVICE)
+    ix = lambda v: torch.tensor(v, dtype=torch.long, device=DEVICE)  # noqa: E731
+    runner = NS(index=ix, config=NS(kernels="torch"))
+    fast, ref = ({k: v.clone().to(DEVICE) for k, v in base.items()} for _ in range(2))
+    cache = NS(rows=7, cols=3)
+    group = [
+        NS(cache=NS(slot=slot, cache=NS(tensors=ref), rows=7, cols=3), buf=NS(verify_ids=ref["verify_ids"][slot]), k=k)
+        for slot, k in zip(slots, ks, strict=True)
+    ]
+    rounds._accept_greedy(runner, NS(offsets=offsets), group, index, befores, logits, ix(counts), heads)
+    table = commit_table(cache.rows, cache.cols, True, True, logits.device)
+    accept_greedy(logits.argmax(-1), ix([offsets[b] for b in index]), ix(slots), ix(ks), ix(counts), ix(index),
+                  befores, fast, table, heads)  # fmt: skip
+    for name in base:
+        assert torch.equal(fast[name], ref[name]), name
+    n = fast["out"][slots, 0].tolist()
+    assert 0 in n and max(n) >= 2 and not torch.equal(ref["ctl"], base["ctl"].to(DEVICE))  # cases that test something
+    assert torch.equal(fast["verify_ids"][[1, 3]], base["verify_ids"][[1, 3]].to(DEVICE))

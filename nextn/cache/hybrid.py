@@ -288,14 +288,14 @@ def commit_ctl(
     store_all: the step kept every token's state (a verify), else only its last (a prefill step).
     round_: the step was a round's verify: also DRAFT_LEN += ACCEPTED + 1 (the rows the round's
     head pass wrote), NUM_GEN += kept, ACCEPTED = kept - 1. The one commit rule of the engine."""
-    a_idx, a, b_idx, b, k, c = _commit_table(rows, cols, store_all, round_, ctl.device)
+    a_idx, a, b_idx, b, k, c = commit_table(rows, cols, store_all, round_, ctl.device)
     return ctl[..., a_idx] * a + ctl[..., b_idx] * b + kept * k + c
 
 
 _TABLES: dict = {}
 
 
-def _commit_table(rows: int, cols: int, store_all: bool, round_: bool, device) -> tuple[torch.Tensor, ...]:
+def commit_table(rows: int, cols: int, store_all: bool, round_: bool, device) -> tuple[torch.Tensor, ...]:
     """new[f] = ctl[a_idx[f]] * a[f] + ctl[b_idx[f]] * b[f] + kept * k[f] + c[f]: commit_ctl as a
     few vector ops (each field's rule is affine in two old fields and kept)."""
     key = (rows, cols, store_all, round_, str(device))

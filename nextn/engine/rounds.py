@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache import SlotCache, commit_ctl
-from nextn.cache.hybrid import DRAFT_LEN, NUM_CTL, NUM_GEN, SEQ_LEN
+from nextn.cache.hybrid import DRAFT_LEN, NUM_CTL, NUM_GEN, SEQ_LEN, commit_table
 from nextn.config import ModelConfig, SpecConfig
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.runner import PhaseClock
@@ -139,10 +139,19 @@ def _plain_greedy(m: Member) -> bool:
 def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores, logits, counts, heads: bool) -> None:
     """`_accept` for greedy members without penalties, all at once (the same integer results):
     each row's argmax, the longest prefix of the drafts that count (counts [G]) matching it, the
-    commit and the outcomes."""
-    R, tensors, G = group[0].buf.verify_ids.shape[0], group[0].cache.cache.tensors, len(group)
+    commit and the outcomes. With the Triton kernels one launch after the argmax
+    (nextn.ops.triton_sample.accept_greedy); this is its reference."""
+    R, tensors, G, cache = group[0].buf.verify_ids.shape[0], group[0].cache.cache.tensors, len(group), group[0].cache
     slots = runner.index([m.cache.slot for m in group])
     ks = runner.index([m.k for m in group])
+    if runner.config.kernels == "triton":  # imported here: kernel modules load only where their kernels run
+        from nextn.ops import triton_sample
+
+        starts = runner.index([batch.offsets[b] for b in index])
+        table = commit_table(cache.rows, cache.cols, True, True, logits.device)
+        args = (logits.argmax(-1), starts, slots, ks, counts, runner.index(index), befores, tensors, table, heads)
+        triton_sample.accept_greedy(*args)
+        return
     rows = runner.index([batch.offsets[b] + i for b, m in zip(index, group, strict=True) for i in range(m.k + 1)])
     cells = runner.index([g * R + i for g, m in enumerate(group) for i in range(m.k + 1)])
     target = torch.full((G * R,), -1, dtype=torch.long, device=logits.device)
@@ -159,7 +168,6 @@ def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores
         head_ids = torch.where(kept, out_ids.clamp(min=0), tensors["head_ids"].index_select(0, slots))
         tensors["head_ids"].index_copy_(0, slots, head_ids)
     before = befores.index_select(0, runner.index(index))
-    cache = group[0].cache
     ctl = commit_ctl(before, (n + 1)[:, None], cache.rows, cache.cols, round_=True)
     tensors["ctl"].index_copy_(0, slots, ctl.to(torch.int32))
     tensors["out"].index_copy_(0, slots, torch.cat([n[:, None], counts[:, None], out_ids, before.long()], dim=1))

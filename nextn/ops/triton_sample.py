@@ -1,7 +1,8 @@
-"""Sampled token choice in one launch each: a draw from softmax(logits / T), and the rejection
-sampling of a speculative round. A sampled round on a small model is launch-bound: the reference
-draw (nextn.sampling: divide, softmax, float64 cumsum, searchsorted, the zero-mass guard) is ~11
-launches per draft, and `verify_sampled` ~40 per round; each of these kernels is one.
+"""Token choice in one launch each: a draw from softmax(logits / T), the rejection sampling of a
+speculative round, and a greedy round's accept and commit. A round on a small model is
+launch-bound: the reference draw (nextn.sampling: divide, softmax, float64 cumsum, searchsorted,
+the zero-mass guard) is ~11 launches per draft, `verify_sampled` ~40 per round, and the greedy
+accept (nextn.engine.rounds) ~30; each of these kernels is one.
 
 One program holds a whole row in registers (up to MAX_V columns: the bundled model's 8,192, not the
 released models' 248k, where torch's ops, which spread a row over many blocks, are faster:
@@ -24,6 +25,11 @@ of a boundary of the CDF. As in the reference a token of zero mass is never draw
 the first index whose running sum exceeds u * total, capped at the last index where the sum still
 rises. A request's plain and speculative rounds run the same kernels, so spec stays exact in
 distribution against plain decoding.
+
+`accept_greedy`: for each member of a batched greedy round, the longest prefix of its counted
+drafts that matches the argmax of the rows before them, the next pending token, the head pass's
+ids, the commit of the slot's counters (nextn.cache.hybrid.commit_ctl's affine table) and the
+round's outcome row. Integer work only: bitwise the reference (`_accept_greedy` in rounds.py).
 """
 
 from __future__ import annotations
@@ -186,6 +192,60 @@ if HAVE_TRITON:
                 d = tl.load(drafts_ptr + j)
             tl.store(out_ptr + j, tl.where(j < n, d, tl.where(j == n, token, -1)))
 
+    @triton.jit
+    def _accept_greedy_kernel(
+        target_ptr,  # [rows] long: each packed verify row's argmax
+        start_ptr,  # [G] long: member g's first packed row
+        slot_ptr,  # [G] long
+        k_ptr,  # [G] long: its drafts this round
+        count_ptr,  # [G]: the drafts that count (a gate may cut)
+        index_ptr,  # [G] long: its row of befores
+        befores_ptr,  # [B, NUM_CTL] int32: the counters as the round started
+        ids_ptr,  # [S, R] long: verify ids [pending, drafts]
+        head_ptr,  # [S, R] long: head ids
+        ctl_ptr,  # [S, NUM_CTL] int32
+        out_ptr,  # [S, 2 + R + NUM_CTL] long: the outcome
+        a_idx_ptr,  # the commit table [NUM_CTL] each (nextn.cache.hybrid.commit_table)
+        a_ptr,
+        b_idx_ptr,
+        b_ptr,
+        kk_ptr,
+        c_ptr,
+        R: tl.constexpr,
+        NUM_CTL: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        HEADS: tl.constexpr,
+    ):
+        g = tl.program_id(0)
+        slot = tl.load(slot_ptr + g)
+        k = tl.load(k_ptr + g)
+        count = tl.load(count_ptr + g).to(tl.int64)
+        offs = tl.arange(0, BLOCK_R)
+        target = tl.load(target_ptr + tl.load(start_ptr + g) + offs, mask=offs <= k, other=-1)
+        ids = ids_ptr + slot * R
+        nxt = tl.load(ids + offs + 1, mask=offs + 1 < R, other=-2)
+        match = (nxt == target) & (offs < count)
+        n = tl.min(tl.where(match, BLOCK_R, offs), axis=0)  # drafts before the first mismatch
+        out_ids = tl.where(offs <= n, target, -1)  # accepted drafts, then the bonus
+        tl.store(ids, tl.sum(tl.where(offs == n, target, 0), axis=0))  # the next round's pending token
+        if HEADS:  # the next head pass writes the rows of what this round kept
+            tl.store(head_ptr + slot * R + offs, tl.maximum(out_ids, 0), mask=offs <= k)
+        f = tl.arange(0, NUM_CTL)
+        before = befores_ptr + tl.load(index_ptr + g) * NUM_CTL
+        old = tl.load(before + f).to(tl.int64)
+        new = (
+            tl.load(before + tl.load(a_idx_ptr + f)).to(tl.int64) * tl.load(a_ptr + f)
+            + tl.load(before + tl.load(b_idx_ptr + f)).to(tl.int64) * tl.load(b_ptr + f)
+            + (n + 1) * tl.load(kk_ptr + f)
+            + tl.load(c_ptr + f)
+        )
+        tl.store(ctl_ptr + slot * NUM_CTL + f, new.to(tl.int32))
+        out = out_ptr + slot * (2 + R + NUM_CTL)
+        tl.store(out, n)
+        tl.store(out + 1, count)
+        tl.store(out + 2 + offs, out_ids, mask=offs < R)
+        tl.store(out + 2 + R + f, old)
+
 
 def _launch(V: int) -> dict:
     if V > MAX_V:
@@ -273,3 +333,41 @@ def verify_sampled(
         **_launch(V),
     )
     return n, out_ids
+
+
+def accept_greedy(
+    target: torch.Tensor,  # [rows] long: the argmax of each packed verify row
+    starts: torch.Tensor,  # [G] long: each member's first row
+    slots: torch.Tensor,  # [G] long
+    ks: torch.Tensor,  # [G] long: drafts this round
+    counts: torch.Tensor,  # [G]: the drafts that count
+    index: torch.Tensor,  # [G] long: each member's row of befores
+    befores: torch.Tensor,  # [B, NUM_CTL] int32
+    tensors: dict,  # the slots' round buffers: verify_ids, head_ids, ctl, out
+    table: tuple[torch.Tensor, ...],  # nextn.cache.hybrid.commit_table's (a_idx, a, b_idx, b, k, c)
+    heads: bool,  # write head_ids (a round with drafts)
+) -> None:
+    """The greedy accept and commit of G members in one launch (nextn.engine.rounds._accept_greedy)."""
+    ids, ctl = tensors["verify_ids"], tensors["ctl"]
+    R, num_ctl = ids.shape[1], ctl.shape[1]
+    if not all(t.is_contiguous() for t in (target, befores, ids, tensors["head_ids"], ctl, tensors["out"], *table)):
+        raise ValueError("accept_greedy: the buffers must be contiguous")
+    _accept_greedy_kernel[(slots.numel(),)](
+        target,
+        starts,
+        slots,
+        ks,
+        counts,
+        index,
+        befores,
+        ids,
+        tensors["head_ids"],
+        ctl,
+        tensors["out"],
+        *table,
+        R=R,
+        NUM_CTL=num_ctl,
+        BLOCK_R=max(2, next_pow2(R)),
+        HEADS=heads,
+        num_warps=1,
+    )
