@@ -4,7 +4,7 @@
 #   stages: tune tests engine profile prefill prefill4k bench9b batch9b benchdefault bench35b
 #   FP8 weights against bf16 (9B): fp8; 35B-A3B in FP8 (bench35b for bf16): fp8_35b;
 #   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
-#   the MoE decode kernels' tests: moe
+#   the MoE decode kernels' tests: moe; the sampling and greedy accept kernels' tests: sample
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 set -o pipefail
 source bench/device_env.sh
@@ -16,6 +16,7 @@ for stage in "$@"; do
   case $stage in
     tune) timeout 90 python3 bench/tune_linear.py --out $OUT/tune.json 2>&1 | grep -E "BEST|Error|error" | tee -a $LOG ;;
     tests) timeout 150 python3 -m pytest -q -x -m gpu tests/test_kernels.py 2>&1 | tail -25 | tee -a $LOG ;;
+    sample) timeout 150 python3 -m pytest -q -x tests/test_sample_kernel.py 2>&1 | tail -8 | tee -a $LOG ;;
     engine) timeout 200 python3 -m pytest -q -x tests/test_step.py tests/test_rounds.py tests/test_batching.py 2>&1 \
                | tail -25 | tee -a $LOG ;;
     profile) for m in "--model nextn/default_model" "--preset qwen3.5-9b"; do timeout 120 python3 bench/profile_round.py \
