@@ -391,7 +391,7 @@ def run_bench(
         res["step_matmul_ms_estimate"] = (
             sum(
                 res["linear_configs"][step.linear.config_key(n, k, fp8)]["us_1row"]
-                for n, k, _, _, fp8 in step.linear_uses(head=False)
+                for n, k, _, fp8 in step.linear_uses(head=False)
             )
             / 1e3
         )
