@@ -4,7 +4,7 @@
 #   stages: tune tests engine profile prefill prefill4k bench9b batch9b benchdefault bench35b
 #   FP8 weights against bf16 (9B): fp8; 35B-A3B in FP8 (bench35b for bf16): fp8_35b;
 #   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
-#   the MoE decode kernels' tests: moe; the sampling and greedy accept kernels' tests: sample
+#   the MoE decode kernels' tests: moe; their block sizes against the old kernels: moesweep; the sampling and greedy accept kernels' tests: sample
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 set -o pipefail
 source bench/device_env.sh
@@ -58,6 +58,8 @@ for stage in "$@"; do
                --quantization fp8 --spec-k 1 3 --acceptance-profile 0.85,0.75,0.65 \
                --json $OUT/fp8_qwen3.5-35b-a3b.json 2>&1 | grep -v '^ ' | tail -20 | tee -a $LOG ;;
     gate) timeout 150 python3 -m pytest -q -x tests/test_draft_kernel.py 2>&1 | tail -8 | tee -a $LOG ;;
+    moesweep) timeout 200 python3 bench/moe_step_sweep.py --out $OUT/moe_step_sweep.json 2>&1 | grep -v Warn | tail -45 \
+               | tee -a $LOG ;;
     moe) timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_fp8.py -k "moe or router" 2>&1 | tail -8 | tee -a $LOG ;;
     ar) timeout 150 python3 -m pytest -v -x -o faulthandler_timeout=60 tests/test_allreduce.py tests/test_tp.py \
           -k "allreduce or all_reduce or tp2_tokens" 2>&1 | grep -v "^ " | tail -20 | tee -a $LOG ;;

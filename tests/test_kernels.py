@@ -782,7 +782,7 @@ def _moe_block(E, k, H, I, Is, dtype, seed):
     return block.to(device=DEVICE, dtype=dtype)
 
 
-def _moe_run(block, x, h):
+def _moe_run(block, x, h, **blocks):
     from nextn.ops.triton_moe import moe_step
 
     se = block.shared_expert
@@ -797,6 +797,7 @@ def _moe_run(block, x, h):
         se.down_proj.weight,
         block.gate.top_k,
         block.gate.norm_topk_prob,
+        **blocks,
     )
 
 
@@ -824,6 +825,10 @@ def test_moe_step_matches_reference_and_rows_are_invariant(dtype, I, Is):
     for res in (x, None):  # None: tensor parallelism's partial sum, no residual
         out = _moe_run(block, res, h)
         _close(out, ref if res is None else res + ref, dtype)
+        # the down kernel's last program per (row, block of H) re-armed its counter; other block
+        # sizes give the same bits
+        assert not triton_utils._COUNTERS[out.device].any()
+        assert torch.equal(_moe_run(block, res, h, gate_up_blocks=(8, 2), down_blocks=(32, 8)), out)
         for t in range(5):  # each row as a decode step computes it alone
             one = _moe_run(block, None if res is None else res[t : t + 1], h[t : t + 1])
             assert torch.equal(one[0], out[t]), t
@@ -849,6 +854,9 @@ def test_moe_step_35b_shapes_gpu():
     _close(out, x + block(h), torch.bfloat16)
     for t in (0, 8):
         assert torch.equal(_moe_run(block, x[t : t + 1], h[t : t + 1])[0], out[t]), t
+    # block sizes with BLOCK >= 2 * num_warps keep the tiles' register layout: the same bits
+    for blocks in ((2, 1), (8, 4), (32, 8)):
+        assert torch.equal(_moe_run(block, x, h, gate_up_blocks=blocks, down_blocks=blocks), out), blocks
 
 
 @pytest.mark.parametrize("split", [2, 4])

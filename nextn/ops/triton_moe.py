@@ -10,13 +10,18 @@ the block runs in three launches:
   renormalise: every program of the row computes the same choice, each takes its own slot's
   expert) and computes silu(x W_gate^T) * (x W_up^T) of that expert. Slot TOP_K is the shared
   expert, with its own weights and its gate weight sigmoid(shared gate logit);
-- `_down_combine_kernel` per (row, block of H): each slot's down projection times its weight, the
-  routed slots summed in ascending expert order, plus the shared slot, plus the residual (none
-  under tensor parallelism: the block's output is a partial sum, all-reduced before the residual
-  is added).
+- `_down_combine_kernel` per (row, slot, block of H): the slot's down projection times its
+  weight, stored to a scratch row; the last of the row's TOP_K + 1 slot programs to arrive at the
+  block's counter sums them: the routed slots in ascending expert order, plus the shared slot, plus
+  the residual (none under tensor parallelism: the block's output is a partial sum, all-reduced
+  before the residual is added). Every slot's weights stream at once (a program per row walked
+  the slots one after another), and the order of arrival changes no bit (the sum is in slot order).
 Every product, weight and partial sum is rounded to the model dtype where the reference rounds it.
 FP8 experts and shared expert (e4m3, nextn.ops.fp8's layout) are dequantized tile by tile to the
-model dtype as the reference's `dequantize` does, so they compute what their dequantized copies do.
+model dtype as the reference's `dequantize` does, bit for bit, and their products summed like the
+dequantized copies' up to the order of the in-tile sums: on a GPU Triton lays a loaded tile out by
+its element size, so an e4m3 tile reduces in another order than a bf16 or float32 one (the
+interpreter: bit for bit).
 """
 
 from __future__ import annotations
@@ -24,11 +29,21 @@ from __future__ import annotations
 import torch
 
 from nextn.ops.fp8 import FP8Weight
-from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
+from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, next_pow2
 
-BLOCK_I = 16  # intermediate columns per gate/up program: 32 programs per expert at I = 512
-BLOCK_H = 16  # hidden columns per down program: 128 programs per row at H = 2048
-BLOCK_K = 256  # reduction tile of both matmuls
+# (columns per program, num_warps) of the gate/up kernel (BLOCK_I intermediate columns of a slot)
+# and of the down kernel (BLOCK_H hidden columns of a slot). Both are latency-bound GEMVs: their
+# speed is the bytes in flight per SM, the programs resident times each thread's outstanding loads
+# (ptxas keeps a tile or two of them). bench/moe_step_sweep.py times other sizes: smaller programs
+# (one row per warp, or one warp) put more bytes in flight by the sm90 SASS, and cost the
+# interpreter, which runs the programs one by one, several times as long. With BLOCK >= 2 *
+# num_warps a [BLOCK, BLOCK_K] tile's row keeps its register layout at any size (bf16: 8 a thread
+# over one warp's 32 lanes; e4m3: 16 a thread over 16 lanes), so the in-tile sums, and the
+# results, keep their bits. (A float32 row spreads over two warps when there are two: one-warp
+# programs sum a float32 model's tiles in another order.)
+GATE_UP_BLOCKS = (16, 4)
+DOWN_BLOCKS = (16, 4)
+BLOCK_K = 256  # reduction tile of both matmuls (it orders the float32 sums: results depend on it)
 
 if HAVE_TRITON:
     import triton
@@ -77,6 +92,14 @@ if HAVE_TRITON:
         return tl.reshape(w3, (n, BLOCK_K)).to(dtype)
 
     @triton.jit
+    def _row_tile(ptr, offs_k, mask):
+        """The vector ptr[offs_k] (float32) broadcast over the rows of a weight tile, loaded as the
+        tile is: a 1-D load would take another layout, and converting it to the tile's goes through
+        shared memory behind a barrier, which keeps the next tile's weight loads from issuing
+        before this tile is summed (one tile of a program in flight at a time)."""
+        return tl.load(tl.broadcast_to(ptr + offs_k[None, :], mask.shape), mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _swiglu(x_ptr, wg_ptr, wu_ptr, act_ptr, offs_n, mask_n, H: tl.constexpr, BLOCK_K: tl.constexpr,
                 sg_ptr, su_ptr, s_stride, FP8: tl.constexpr):  # fmt: skip
         """act[offs_n] = silu(x W_gate^T) * (x W_up^T), the products rounded like the reference's. FP8:
@@ -87,15 +110,15 @@ if HAVE_TRITON:
         for k0 in tl.static_range(0, H, BLOCK_K):  # unrolled: the tiles' loads can be in flight together
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mk = offs_k < H
-            x = tl.load(x_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
             wmask = mask_n[:, None] & mk[None, :]
+            x = _row_tile(x_ptr, offs_k, wmask)
             wg = tl.load(wg_ptr + offs_n[:, None] * H + offs_k[None, :], mask=wmask, other=0.0)
             wu = tl.load(wu_ptr + offs_n[:, None] * H + offs_k[None, :], mask=wmask, other=0.0)
             if FP8:
                 wg = _dequant(wg, sg_ptr, s_stride, k0, offs_n, mask_n, H, BLOCK_K, dtype)
                 wu = _dequant(wu, su_ptr, s_stride, k0, offs_n, mask_n, H, BLOCK_K, dtype)
-            gate += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
-            up += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+            gate += tl.sum(wg.to(tl.float32) * x, axis=1)
+            up += tl.sum(wu.to(tl.float32) * x, axis=1)
         g = gate.to(dtype).to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
         tl.store(act_ptr + offs_n, (silu * up.to(dtype).to(tl.float32)).to(dtype), mask=mask_n)
@@ -170,11 +193,12 @@ if HAVE_TRITON:
         for k0 in tl.static_range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mk = offs_k < I
-            a = tl.load(act_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + offs_n[:, None] * I + offs_k[None, :], mask=mask_n[:, None] & mk[None, :], other=0.0)
+            wmask = mask_n[:, None] & mk[None, :]
+            a = _row_tile(act_ptr, offs_k, wmask)
+            w = tl.load(w_ptr + offs_n[:, None] * I + offs_k[None, :], mask=wmask, other=0.0)
             if FP8:
                 w = _dequant(w, s_ptr, s_stride, k0, offs_n, mask_n, I, BLOCK_K, dtype)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            acc += tl.sum(w.to(tl.float32) * a, axis=1)
         rw = tl.load(rw_ptr).to(tl.float32)
         return (acc.to(dtype).to(tl.float32) * rw).to(dtype).to(tl.float32)
 
@@ -188,6 +212,8 @@ if HAVE_TRITON:
         down_s_ptr,  # FP8_EXPERTS: [E, ceil(I / 128), H] float32 scales
         shared_down_s_ptr,  # FP8_SHARED: [ceil(Is / 128), H]
         res_ptr,  # [T, H]
+        y_ptr,  # [T, TOP_K + 1, H] scratch: the slots' weighted outputs in the model dtype
+        count_ptr,  # [T * cdiv(H, BLOCK_N)] int32 arrival counters, zero (and left zero)
         out_ptr,  # [T, H]
         stride_act,
         H: tl.constexpr,
@@ -201,27 +227,41 @@ if HAVE_TRITON:
         FP8_SHARED: tl.constexpr,
     ):
         """out = x + (the routed slots' outputs summed in slot order + the shared slot's); without
-        RESIDUAL the sum alone."""
-        t = tl.program_id(0)
+        RESIDUAL the sum alone. A program per (row, slot, block of H) streams its slot's weights
+        (the slots' loads in flight together, not one slot after another), stores its output and
+        counts in; the row's last program of the block to arrive sums the TOP_K + 1 outputs."""
+        row = tl.program_id(0)  # t * (TOP_K + 1) + slot
+        t = row // (TOP_K + 1)
+        slot = row % (TOP_K + 1)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < H
         dtype = out_ptr.dtype.element_ty
-        total = tl.zeros((BLOCK_N,), tl.float32)
-        for j in tl.static_range(TOP_K):
-            row = t * (TOP_K + 1) + j
-            e = tl.load(idx_ptr + t * TOP_K + j).to(tl.int64)
+        act = act_ptr + row * stride_act
+        if slot == TOP_K:
+            y = _down(act, shared_down_ptr, rw_ptr + row, offs_n, mask_n, Is, dtype, BLOCK_K, shared_down_s_ptr, H,
+                      FP8_SHARED)  # fmt: skip
+        else:
+            e = tl.load(idx_ptr + t * TOP_K + slot).to(tl.int64)
             s_e = down_s_ptr + e * ((I + 127) // 128 * H)
-            y = _down(act_ptr + row * stride_act, down_ptr + e * (H * I), rw_ptr + row, offs_n, mask_n, I, dtype,
-                      BLOCK_K, s_e, H, FP8_EXPERTS)  # fmt: skip
-            total = (total + y).to(dtype).to(tl.float32)
-        row = t * (TOP_K + 1) + TOP_K
-        y = _down(act_ptr + row * stride_act, shared_down_ptr, rw_ptr + row, offs_n, mask_n, Is, dtype, BLOCK_K,
-                  shared_down_s_ptr, H, FP8_SHARED)  # fmt: skip
-        mlp = (total + y).to(dtype).to(tl.float32)
-        if RESIDUAL:
-            r = tl.load(res_ptr + t * H + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            mlp = r + mlp
-        tl.store(out_ptr + t * H + offs_n, mlp.to(dtype), mask=mask_n)
+            y = _down(act, down_ptr + e * (H * I), rw_ptr + row, offs_n, mask_n, I, dtype, BLOCK_K, s_e, H,
+                      FP8_EXPERTS)  # fmt: skip
+        tl.store(y_ptr + row * H + offs_n, y.to(dtype), mask=mask_n)  # exact: y is rounded to dtype
+        tl.debug_barrier()  # every thread's output is written before the counter moves
+        count = count_ptr + t * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(count, 1, sem="acq_rel") == TOP_K:  # the last of the row's slots here
+            tl.store(count, 0)  # re-armed for the next launch
+            # .cg: from L2, where the other programs' outputs are (not a stale L1 line)
+            y_row = y_ptr + t * (TOP_K + 1) * H + offs_n
+            total = tl.zeros((BLOCK_N,), tl.float32)
+            for j in tl.static_range(TOP_K):
+                y = tl.load(y_row + j * H, mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)
+                total = (total + y).to(dtype).to(tl.float32)
+            y = tl.load(y_row + TOP_K * H, mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)
+            mlp = (total + y).to(dtype).to(tl.float32)
+            if RESIDUAL:
+                r = tl.load(res_ptr + t * H + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                mlp = r + mlp
+            tl.store(out_ptr + t * H + offs_n, mlp.to(dtype), mask=mask_n)
 
 
 def moe_step(
@@ -235,11 +275,16 @@ def moe_step(
     shared_down: torch.Tensor | FP8Weight,  # [H, Is]
     top_k: int,
     renorm: bool,
+    *,
+    gate_up_blocks: tuple[int, int] = GATE_UP_BLOCKS,  # bench/moe_step_sweep.py compares others
+    down_blocks: tuple[int, int] = DOWN_BLOCKS,
 ) -> torch.Tensor:
     """Returns x + SparseMoeBlock(h) [T, H] (SparseMoeBlock(h) alone when x is None). FP8 weights
     (nextn.ops.fp8's layout, one scale per row and 128 columns) are dequantized tile by tile to the
-    model dtype, as the reference's `dequantize` does, so they compute what their dequantized bf16
-    copies compute, bit for bit; the experts' pair and the shared expert's three are each FP8 or not."""
+    model dtype as the reference's `dequantize` does, bit for bit; their products sum like the
+    dequantized copies' up to the order of the in-tile sums on a GPU (bitwise on the interpreter:
+    see the module docstring). The experts' pair and the shared expert's three are each FP8 or not.
+    gate_up_blocks / down_blocks: the kernels' (BLOCK, num_warps), GATE_UP_BLOCKS / DOWN_BLOCKS."""
     from nextn.ops.triton_linear import skinny_linear
 
     fp8_experts, fp8_shared = _fp8_kind(gate_up, down), _fp8_kind(shared_gate, shared_up, shared_down)
@@ -262,7 +307,8 @@ def moe_step(
     idx = torch.empty(T, top_k, device=h.device, dtype=torch.int32)
     weights = torch.empty(T, top_k + 1, device=h.device, dtype=h.dtype)
     act = torch.empty(T, top_k + 1, max(I, Is), device=h.device, dtype=h.dtype)
-    _route_gate_up_kernel[(T * (top_k + 1), triton.cdiv(max(I, Is), BLOCK_I))](
+    (block_i, gate_up_warps), (block_h, down_warps) = gate_up_blocks, down_blocks
+    _route_gate_up_kernel[(T * (top_k + 1), triton.cdiv(max(I, Is), block_i))](
         h,
         logits,
         gate_up,
@@ -283,14 +329,15 @@ def moe_step(
         TOP_K=top_k,
         RENORM=renorm,
         BLOCK_E=next_pow2(E),
-        BLOCK_N=BLOCK_I,
+        BLOCK_N=block_i,
         BLOCK_K=BLOCK_K,
         FP8_EXPERTS=fp8_experts,
         FP8_SHARED=fp8_shared,
-        num_warps=4,
+        num_warps=gate_up_warps,
     )
     out = torch.empty_like(h)
-    _down_combine_kernel[(T, triton.cdiv(H, BLOCK_H))](
+    n_blocks = triton.cdiv(H, block_h)
+    _down_combine_kernel[(T * (top_k + 1), n_blocks)](
         act,
         idx,
         weights,
@@ -299,18 +346,20 @@ def moe_step(
         scales[1],
         scales[4],
         h if x is None else x,
+        torch.empty(T, top_k + 1, H, device=h.device, dtype=h.dtype),
+        arrival_counters(h.device, T * n_blocks),
         out,
         act.stride(1),
         H=H,
         I=I,
         Is=Is,
         TOP_K=top_k,
-        BLOCK_N=BLOCK_H,
+        BLOCK_N=block_h,
         BLOCK_K=BLOCK_K,
         RESIDUAL=x is not None,
         FP8_EXPERTS=fp8_experts,
         FP8_SHARED=fp8_shared,
-        num_warps=4,
+        num_warps=down_warps,
     )
     return out
 
