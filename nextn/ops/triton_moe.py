@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from nextn.ops.fp8 import FP8Weight
-from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, next_pow2
+from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2
 
 # (columns per program, num_warps) of the gate/up kernel (BLOCK_I intermediate columns of a slot)
 # and of the down kernel (BLOCK_H hidden columns of a slot). Both are latency-bound GEMVs: their
@@ -41,7 +41,11 @@ from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, next_pow2
 # over one warp's 32 lanes; e4m3: 16 a thread over 16 lanes), so the in-tile sums, and the
 # results, keep their bits. (A float32 row spreads over two warps when there are two: one-warp
 # programs sum a float32 model's tiles in another order.)
-GATE_UP_BLOCKS = (16, 4)
+# Run 72 (bench/results/moe_step_sweep_run72.json, 35B-A3B, bf16, 1 row): gate/up at (2, 1) 27.4 us
+# a block against 34.9 at (16, 4), down fastest at (16, 4). The interpreter takes (16, 4) for both
+# (the same bits by the above; a quarter of the CPU tests' time).
+GATE_UP_BLOCKS = (2, 1)
+INTERPRETED_GATE_UP_BLOCKS = (16, 4)
 DOWN_BLOCKS = (16, 4)
 BLOCK_K = 256  # reduction tile of both matmuls (it orders the float32 sums: results depend on it)
 
@@ -276,7 +280,7 @@ def moe_step(
     top_k: int,
     renorm: bool,
     *,
-    gate_up_blocks: tuple[int, int] = GATE_UP_BLOCKS,  # bench/moe_step_sweep.py compares others
+    gate_up_blocks: tuple[int, int] | None = None,  # default GATE_UP_BLOCKS; bench/moe_step_sweep.py compares others
     down_blocks: tuple[int, int] = DOWN_BLOCKS,
 ) -> torch.Tensor:
     """Returns x + SparseMoeBlock(h) [T, H] (SparseMoeBlock(h) alone when x is None). FP8 weights
@@ -307,6 +311,8 @@ def moe_step(
     idx = torch.empty(T, top_k, device=h.device, dtype=torch.int32)
     weights = torch.empty(T, top_k + 1, device=h.device, dtype=h.dtype)
     act = torch.empty(T, top_k + 1, max(I, Is), device=h.device, dtype=h.dtype)
+    if gate_up_blocks is None:
+        gate_up_blocks = INTERPRETED_GATE_UP_BLOCKS if interpreting() else GATE_UP_BLOCKS
     (block_i, gate_up_warps), (block_h, down_warps) = gate_up_blocks, down_blocks
     _route_gate_up_kernel[(T * (top_k + 1), triton.cdiv(max(I, Is), block_i))](
         h,
