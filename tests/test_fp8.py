@@ -519,7 +519,7 @@ def test_triton_greedy_spec_equals_plain_under_fp8_bf16(fp8_ckpt):
     assert spec.token_ids == plain.token_ids and spec.spec.num_accepted > 0  # a partial accept among them
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+def _same_sums(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     """Equal up to a reordered float32 sum: float32 outputs to 1e-5, bf16 ones to a couple of ulps."""
     tol = 1e-5 if dtype == torch.float32 else 2**-7
     return a.shape == b.shape and bool(((a.float() - b.float()).abs() <= tol * (1 + b.float().abs())).all())
@@ -549,7 +549,7 @@ def test_fp8_moe_step_computes_its_dequantized_weights(dtype):
     (sg8, sg), (su8, su), (sd8, sd) = weight(Is, H), weight(Is, H), weight(H, Is)
     gates = (torch.randn(E + 1, H, generator=g, device=DEVICE) * H**-0.5).to(dtype)
     x, h = (torch.randn(T, H, generator=g, device=DEVICE).to(dtype) for _ in range(2))
-    same = torch.equal if not CUDA else functools.partial(_close, dtype=dtype)
+    same = torch.equal if not CUDA else functools.partial(_same_sums, dtype=dtype)
     for res in (x, None):
         out = moe_step(res, h, gates, gu8, dn8, sg8, su8, sd8, k, True)
         assert same(out, moe_step(res, h, gates, gu, dn, sg, su, sd, k, True))
