@@ -4,7 +4,8 @@
 #   stages: tune tests engine profile prefill prefill4k bench9b batch9b benchdefault bench35b
 #   FP8 weights against bf16 (9B): fp8; 35B-A3B in FP8 (bench35b for bf16): fp8_35b;
 #   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
-#   the MoE decode kernels' tests: moe; their block sizes against the old kernels: moesweep; the sampling and greedy accept kernels' tests: sample
+#   the MoE decode kernels' tests: moe; their block sizes: moesweep;
+#   the sampling and greedy accept kernels' tests: sample
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 set -o pipefail
 source bench/device_env.sh
