@@ -1,14 +1,23 @@
 """The GDN decode / verify step kernel (nextn.ops.triton_gdn.gdn_step) at a model's shape, per
 block size and warp count: microseconds per layer in a CUDA graph of one call per layer (each
-layer its own state and window, as a step runs them). Usage: python bench/gdn_sweep.py [--out F]"""
+layer its own state and window, as a step runs them).
+
+    python bench/gdn_sweep.py [--out F] [--tokens 1 4 7] [--block-v 16 32 64] [--warps 1 2 4 8]
+        [--kernel FILE --label NAME]
+
+--kernel: time the gdn_step of another copy of the module (`git show REV:nextn/ops/triton_gdn.py
+> FILE`), so a change is measured against its parent in one run; results are keyed by --label."""
 
 import argparse
+import importlib.util
 import itertools
 import json
 
 import torch
 
-from nextn.ops.triton_gdn import gdn_step
+from nextn.ops import triton_gdn
+
+gdn_step = triton_gdn.gdn_step
 
 SHAPES = {"qwen3.5-9b": (16, 32, 128, 128, 24), "default_model": (4, 4, 64, 64, 6)}  # H, HV, K, V, layers
 
@@ -78,15 +87,27 @@ def layer_us(H, HV, K, V, layers, T, block_v, warps, W=4) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 7])
+    ap.add_argument("--block-v", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--kernel", help="a copy of nextn/ops/triton_gdn.py to time instead")
+    ap.add_argument("--label", default="")
     args = ap.parse_args()
+    if args.kernel:
+        global gdn_step
+        spec = importlib.util.spec_from_file_location("gdn_under_test", args.kernel)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        gdn_step = module.gdn_step
     res = {}
     for name, (H, HV, K, V, layers) in SHAPES.items():
-        for T, bv, warps in itertools.product((1, 4, 7), (16, 32, 64), (1, 2, 4, 8)):
+        for T, bv, warps in itertools.product(args.tokens, args.block_v, args.warps):
             if bv > V:
                 continue
             us = layer_us(H, HV, K, V, layers, T, bv, warps)
-            res[f"{name} T={T} block_v={bv} warps={warps}"] = us
-            print(f"gdn {name} T={T} block_v={bv} warps={warps}: {us:.2f} us per layer", flush=True)
+            key = f"{args.label + ' ' if args.label else ''}{name} T={T} block_v={bv} warps={warps}"
+            res[key] = us
+            print(f"gdn {key}: {us:.2f} us per layer", flush=True)
     if args.out:
         json.dump(res, open(args.out, "w"), indent=1)
 

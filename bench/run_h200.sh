@@ -1,10 +1,10 @@
 #!/bin/bash
 # One device call on the H200: tune the skinny GEMM, kernel tests at real shapes, the benches.
 # Usage (device tool): bash bench/run_h200.sh [stages...]
-#   stages: tune tests engine profile prefill prefill4k bench9b batch9b benchdefault bench35b
-#   FP8 weights against bf16 (9B): fp8; 35B-A3B in FP8 (bench35b for bf16): fp8_35b;
+#   stages: tune tests engine profile profile35b prefill prefill4k bench9b batch9b benchdefault bench35b
+#   FP8 weights against bf16 (9B): fp8 (its GPU tests alone: fp8tests); 35B-A3B in FP8 (bench35b for bf16): fp8_35b;
 #   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
-#   the MoE decode kernels' tests: moe; their block sizes: moesweep;
+#   the MoE decode kernels' tests: moe; their block sizes: moesweep; the GDN step before / after a change: gdnsweep;
 #   the sampling and greedy accept kernels' tests: sample
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 set -o pipefail
@@ -22,6 +22,8 @@ for stage in "$@"; do
                | tail -25 | tee -a $LOG ;;
     profile) for m in "--model nextn/default_model" "--preset qwen3.5-9b"; do timeout 120 python3 bench/profile_round.py \
                $m --k 3 --out $OUT/profile_round_$(basename ${m##* }).json 2>&1 | grep -v Warn | head -45 | tee -a $LOG; done ;;
+    profile35b) timeout 150 python3 bench/profile_round.py --preset qwen3.5-35b-a3b --k 3 \
+               --out $OUT/profile_round_qwen3.5-35b-a3b.json 2>&1 | grep -v Warn | head -45 | tee -a $LOG ;;
     prefill) for p in qwen3.5-9b qwen3.5-35b-a3b; do timeout 150 python3 bench/profile_prefill.py --preset $p \
                --out $OUT/prefill_$p.json 2>&1 | grep -v Warn | grep -v '^  *[0-9.]* *us .*nvjet_sm90_tst_64x8' | head -80 | tee -a $LOG; done ;;
     prefill4k) timeout 100 python3 bench/profile_prefill.py --preset qwen3.5-9b --prompt-len 4096 \
@@ -44,7 +46,8 @@ for stage in "$@"; do
     pmin) timeout 200 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \
              --prompt-file nextn/engine/scheduler.py --spec-k 6 --p-min 0 0.5 --json $OUT/pmin_default_model.json \
              2>&1 | grep -v '^ ' | tail -12 | tee -a $LOG ;;
-    fp8) timeout 150 python3 -m pytest -q -x tests/test_fp8.py -k "skinny or chained or triton" 2>&1 | tail -8 | tee -a $LOG
+    fp8|fp8tests) timeout 150 python3 -m pytest -q -x tests/test_fp8.py -k "skinny or chained or triton" 2>&1 | tail -8 \
+               | tee -a $LOG; [ $stage = fp8tests ] && continue
          # FP8 weights against bf16 on the 9B shape, same run: plain decode both, spec == plain K=1..8 under FP8
          timeout 150 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 \
            --spec-k 1 --repeats 1 --json $OUT/bf16_qwen3.5-9b.json 2>&1 | grep -v '^ ' | tail -12 | tee -a $LOG
@@ -59,6 +62,11 @@ for stage in "$@"; do
                --quantization fp8 --spec-k 1 3 --acceptance-profile 0.85,0.75,0.65 \
                --json $OUT/fp8_qwen3.5-35b-a3b.json 2>&1 | grep -v '^ ' | tail -20 | tee -a $LOG ;;
     gate) timeout 150 python3 -m pytest -q -x tests/test_draft_kernel.py 2>&1 | tail -8 | tee -a $LOG ;;
+    gdnsweep) # bench/prev_triton_gdn.py: a copy of the module before the change under test (not committed)
+               timeout 100 python3 bench/gdn_sweep.py --tokens 1 4 --block-v 32 --warps 4 --kernel bench/prev_triton_gdn.py \
+                 --label before --out $OUT/gdn_sweep_before.json 2>&1 | grep -v Warn | tail -4 | tee -a $LOG
+               timeout 100 python3 bench/gdn_sweep.py --tokens 1 4 --block-v 16 32 --warps 4 --label after \
+                 --out $OUT/gdn_sweep_after.json 2>&1 | grep -v Warn | tail -8 | tee -a $LOG ;;
     moesweep) timeout 200 python3 bench/moe_step_sweep.py --out $OUT/moe_step_sweep.json 2>&1 | grep -v Warn | tail -45 \
                | tee -a $LOG ;;
     moe) timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_fp8.py -k "moe or router" 2>&1 | tail -8 | tee -a $LOG ;;

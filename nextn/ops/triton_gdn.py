@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters
+from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, next_pow2
+
+T_CHUNK = 4  # rows of a step's inputs copied to the conv window per round trip (a decode's 1, a K=3 verify's 4)
 
 if HAVE_TRITON:
     import triton
@@ -55,26 +57,24 @@ if HAVE_TRITON:
         return (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32)
 
     @triton.jit
-    def _keep_window(
-        proj_ptr,
-        stride_p,
-        carried_ptr,
-        stride_c,
-        window_ptr,
-        stride_win,
-        ch,
-        T,
-        mask,
-        W: tl.constexpr,
-        dtype: tl.constexpr,
-    ):
-        """window[ch] (from window_ptr) = the W-1 carried columns, then the step's T inputs."""
-        for j in tl.static_range(W - 1):
-            col = tl.load(carried_ptr + ch * stride_c + j, mask=mask, other=0.0).to(dtype)
-            tl.store(window_ptr + ch * stride_win + j, col, mask=mask)
-        for t in range(T):
-            col = tl.load(proj_ptr + t * stride_p + ch, mask=mask, other=0.0)
-            tl.store(window_ptr + ch * stride_win + (W - 1 + t), col, mask=mask)
+    def _carried_cols(carried_ptr, stride_c, ch, mask, W: tl.constexpr, W_BLOCK: tl.constexpr, dtype: tl.constexpr):
+        """The W-1 carried window columns of channels ch, a [W_BLOCK, n] tile (rows past W-1: 0)."""
+        j = tl.arange(0, W_BLOCK)
+        m = (j[:, None] < W - 1) & mask[None, :]
+        return tl.load(carried_ptr + ch[None, :] * stride_c + j[:, None], mask=m, other=0.0).to(dtype)
+
+    @triton.jit
+    def _input_cols(proj_ptr, stride_p, ch, mask, t0, T, T_CHUNK: tl.constexpr):
+        """The step's inputs t0.. t0+T_CHUNK-1 (those before T) of channels ch, a [T_CHUNK, n] tile."""
+        t = t0 + tl.arange(0, T_CHUNK)
+        return tl.load(proj_ptr + t[:, None] * stride_p + ch[None, :], mask=(t[:, None] < T) & mask[None, :], other=0.0)
+
+    @triton.jit
+    def _store_cols(window_ptr, stride_win, ch, mask, col0, cols, count):
+        """The first `count` rows of cols [c, n] into window columns col0.. of channels ch."""
+        j = tl.arange(0, cols.shape[0])
+        m = (j[:, None] < count) & mask[None, :]
+        tl.store(window_ptr + ch[None, :] * stride_win + col0 + j[:, None], cols, mask=m)
 
     @triton.jit
     def _gdn_step_kernel(
@@ -112,6 +112,8 @@ if HAVE_TRITON:
         K: tl.constexpr,
         V: tl.constexpr,
         W: tl.constexpr,
+        W_BLOCK: tl.constexpr,  # next_pow2(W - 1): the carried columns' tile
+        T_CHUNK: tl.constexpr,  # the step's inputs copied to the window this many rows at a time
         BLOCK_V: tl.constexpr,
         STORE_ALL: tl.constexpr,  # else only the last token's state, at slots[1]
         LIVE: tl.constexpr,
@@ -154,16 +156,35 @@ if HAVE_TRITON:
         carried_ptr = tl.where(at_home, conv_home_ptr, window_ptr + conv_at)
         stride_c = tl.where(at_home, W - 1, stride_win)
         win = window_ptr + conv_write
-        writes_qk = (tl.zeros((K,), tl.int32) + (hv % (HV // H)) + vb) == 0
-        _keep_window(proj_ptr, stride_p, carried_ptr, stride_c, win, stride_win, q_ch, T, writes_qk, W, dtype)
-        _keep_window(proj_ptr, stride_p, carried_ptr, stride_c, win, stride_win, k_ch, T, writes_qk, W, dtype)
-        _keep_window(proj_ptr, stride_p, carried_ptr, stride_c, win, stride_win, v_ch, T, offs_v < V, W, dtype)
-
         tile = hv * K * V + offs_k[:, None] * V + offs_v[None, :]
         if state_at >= 0:
             S = tl.load(states_ptr + state_at * stride_states + tile)
         else:
             S = tl.load(state_home_ptr + tile)
+        # the window written (the carried columns, then the inputs): every load issued before any
+        # store (a store waits for its load, and a load after a store to the same buffer is not
+        # moved above it), so the copy costs one memory round trip, beside the state's
+        writes_qk = (tl.zeros((K,), tl.int32) + (hv % (HV // H)) + vb) == 0
+        writes_v = offs_v < V
+        qc = _carried_cols(carried_ptr, stride_c, q_ch, writes_qk, W, W_BLOCK, dtype)
+        kc = _carried_cols(carried_ptr, stride_c, k_ch, writes_qk, W, W_BLOCK, dtype)
+        vc = _carried_cols(carried_ptr, stride_c, v_ch, writes_v, W, W_BLOCK, dtype)
+        qi = _input_cols(proj_ptr, stride_p, q_ch, writes_qk, 0, T, T_CHUNK)
+        ki = _input_cols(proj_ptr, stride_p, k_ch, writes_qk, 0, T, T_CHUNK)
+        vi = _input_cols(proj_ptr, stride_p, v_ch, writes_v, 0, T, T_CHUNK)
+        _store_cols(win, stride_win, q_ch, writes_qk, 0, qc, W - 1)
+        _store_cols(win, stride_win, k_ch, writes_qk, 0, kc, W - 1)
+        _store_cols(win, stride_win, v_ch, writes_v, 0, vc, W - 1)
+        _store_cols(win, stride_win, q_ch, writes_qk, W - 1, qi, T)
+        _store_cols(win, stride_win, k_ch, writes_qk, W - 1, ki, T)
+        _store_cols(win, stride_win, v_ch, writes_v, W - 1, vi, T)
+        for t0 in range(T_CHUNK, T, T_CHUNK):  # a verify longer than one chunk
+            qi = _input_cols(proj_ptr, stride_p, q_ch, writes_qk, t0, T, T_CHUNK)
+            ki = _input_cols(proj_ptr, stride_p, k_ch, writes_qk, t0, T, T_CHUNK)
+            vi = _input_cols(proj_ptr, stride_p, v_ch, writes_v, t0, T, T_CHUNK)
+            _store_cols(win, stride_win, q_ch, writes_qk, W - 1 + t0, qi, T - t0)
+            _store_cols(win, stride_win, k_ch, writes_qk, W - 1 + t0, ki, T - t0)
+            _store_cols(win, stride_win, v_ch, writes_v, W - 1 + t0, vi, T - t0)
         states_ptr += state_write * stride_states
         decay_rate = tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
@@ -314,6 +335,8 @@ def gdn_step(
         K=K,
         V=V,
         W=W,
+        W_BLOCK=next_pow2(W - 1),
+        T_CHUNK=T_CHUNK,
         BLOCK_V=block_v,
         STORE_ALL=bool(store_all),
         LIVE=live is not None,
