@@ -878,6 +878,22 @@ def test_moe_step_matches_reference_and_rows_are_invariant(dtype, I, Is):
         for t in range(5):  # each row as a decode step computes it alone
             one = _moe_run(block, None if res is None else res[t : t + 1], h[t : t + 1])
             assert torch.equal(one[0], out[t]), t
+    # the next layer's input norm from the down kernel's last program of each row: the result as
+    # without it, the norm rms_norm's (bitwise on the interpreter), each row as alone, twice the same
+    nw = _rand(32, dtype=dtype, scale=0.1, gen=g)
+    normed = torch.full_like(x, float("nan"))
+    out = _moe_run(block, x, h, norm=(nw, 1e-6), norm_out=normed)
+    assert torch.equal(out, _moe_run(block, x, h))
+    if CUDA:
+        _close(normed, rms_norm(out, nw, 1e-6), dtype)
+    else:
+        assert torch.equal(normed, rms_norm(out, nw, 1e-6))
+    one = torch.empty_like(normed[:1])
+    _moe_run(block, x[3:4], h[3:4], norm=(nw, 1e-6), norm_out=one)
+    assert torch.equal(one[0], normed[3])
+    again = torch.empty_like(normed)
+    _moe_run(block, x, h, norm=(nw, 1e-6), norm_out=again, down_blocks=(32, 8))
+    assert torch.equal(again, normed) and not triton_utils._COUNTERS[out.device].any()
 
 
 def test_router_and_shared_gate_logits_equal_their_separate_gemms():

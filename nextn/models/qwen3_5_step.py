@@ -14,9 +14,10 @@ projections fused at load by nextn.models.loader):
 - MoE: RMSNorm -> router and shared-expert gate -> [top-k, experts' and shared expert's
   silu(gate) * up] -> [their down, weighted sum + residual] (nextn.ops.triton_moe).
 Brackets are one kernel each. A norm after a residual GEMM runs in that GEMM's last program (the
-skinny GEMM's row epilogue), so it is a launch of its own only after an MoE block, as a layer's
-first and under tensor parallelism. A row's arithmetic does not depend on the number of rows or on the
-other sequences, so a verify row equals the decode of the same token bitwise, alone or batched.
+skinny GEMM's row epilogue; an MoE block's: in its down kernel's), so it is a launch of its own
+only before the first layer, in the MTP head and under tensor parallelism. A row's arithmetic
+does not depend on the number of rows or on the other sequences, so a verify row equals the
+decode of the same token bitwise, alone or batched.
 Positions and the GDN state locations come from the slots' device counters (nextn.cache.hybrid),
 so one CUDA graph serves every round of a batch.
 
@@ -286,6 +287,9 @@ class TritonStep:
             from nextn.ops.triton_moe import moe_step
 
             tp = self.cfg.tp_size > 1
+            fused = not tp and then is not None  # the next norm in the down kernel's last program
+            if fused:
+                out = torch.empty_like(x) if out is None else out
             y = moe_step(
                 None if tp else x,
                 h,
@@ -297,8 +301,10 @@ class TritonStep:
                 w.shared_down,
                 w.top_k,
                 w.renorm,
+                norm=(then, self.eps) if fused else None,
+                norm_out=out if fused else None,
             )
-            return (all_reduce_add(y, x, self.cfg) if tp else y), None
+            return (all_reduce_add(y, x, self.cfg) if tp else y), out if fused else None
         act = self._lin(h, w.gate, up_weight=w.up)
         return self._add(x, act, w.down, then, out)
 
