@@ -16,10 +16,11 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nextn.bench import Bench, BenchConfig, random_model
+from nextn.bench_measure import Bench, BenchConfig
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.rounds import RequestRounds, advance
 from nextn.models.loader import load_model
+from nextn.models.random_weights import random_model
 
 
 def kernels_per_round(bench: Bench, k: int, temperature: float, rounds: int = 8, B: int = 1) -> tuple[list, float]:

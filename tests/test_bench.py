@@ -7,15 +7,16 @@ import json
 import pytest
 import torch
 
-from nextn import bench
+from nextn import bench, bench_measure
 from nextn.cli import main
+from nextn.models import random_weights
 
 
 def test_run_bench_on_a_checkpoint(dense_fitted_ckpt):
     from nextn.models.loader import load_model
 
     model = load_model(dense_fitted_ckpt)
-    cfg = bench.BenchConfig(spec_ks=[1, 2], prompt_len=12, gen_len=10, iters=2, repeats=2)
+    cfg = bench_measure.BenchConfig(spec_ks=[1, 2], prompt_len=12, gen_len=10, iters=2, repeats=2)
     res = bench.run_bench(model, "dense", cfg, log=lambda s: None)
     assert res["spec_equals_plain"] == {1: True, 2: True}
     assert res["plain_runs_agree"] and len(res["decode_tokens_per_s_runs"]) == 2
@@ -33,7 +34,7 @@ def test_acceptance_profile_and_sampled_runs(dense_ckpt):
     from nextn.models.loader import load_model
 
     model = load_model(dense_ckpt)
-    cfg = bench.BenchConfig(
+    cfg = bench_measure.BenchConfig(
         spec_ks=[2], prompt_len=8, gen_len=11, iters=1, repeats=1, temperatures=[0.7], acceptance_profile=[1.0, 0.0]
     )
     res = bench.run_bench(model, "dense", cfg, log=lambda s: None)
@@ -50,7 +51,7 @@ def test_acceptance_profile_and_sampled_runs(dense_ckpt):
 
 def test_random_preset_builds_and_decodes(monkeypatch, tmp_path):
     tiny = dict(
-        bench.PRESETS["qwen3.5-9b"],
+        random_weights.PRESETS["qwen3.5-9b"],
         vocab_size=300,
         hidden_size=64,
         intermediate_size=96,
@@ -64,8 +65,8 @@ def test_random_preset_builds_and_decodes(monkeypatch, tmp_path):
         linear_value_head_dim=16,
         max_position_embeddings=2048,
     )
-    monkeypatch.setitem(bench.PRESETS, "tiny", tiny)
-    model = bench.random_model("tiny", "cpu", "float32")
+    monkeypatch.setitem(random_weights.PRESETS, "tiny", tiny)
+    model = random_weights.random_model("tiny", "cpu", "float32")
     assert all(torch.isfinite(p).all() for p in model.parameters())
     out = tmp_path / "res.json"
     rc = main(
@@ -94,7 +95,7 @@ def test_weight_bytes_count_routed_experts_only(moe_ckpt):
 
     model = load_model(moe_ckpt)
     cfg = model.cfg
-    dense_part = bench.weight_bytes_per_token(model)
+    dense_part = random_weights.weight_bytes_per_token(model)
     experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n and not n.startswith("mtp."))
     all_trunk = sum(
         p.numel() * 4

@@ -1,6 +1,6 @@
 """Released Qwen3.5 text shapes (`PRESETS`) as models with random weights drawn on the device, for
 benchmarks and tests of shapes no checkpoint here holds, and the weight bytes a decoded token
-reads (the roofline's numerator). Does not time anything (nextn.bench does).
+reads (the roofline's numerator). Does not time anything (nextn.bench_measure does).
 """
 
 from __future__ import annotations
