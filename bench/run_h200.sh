@@ -1,7 +1,7 @@
 #!/bin/bash
 # One device call on the H200: tune the skinny GEMM, kernel tests at real shapes, the benches.
 # Usage (device tool): bash bench/run_h200.sh [stages...]
-#   stages: tune tests engine profile profile35b prefill prefill4k bench9b batch9b benchdefault bench35b
+#   stages: tune tests engine profile profile35b prefill prefill4k bench9b bench9bquick (K = 1, 3, 8, one repeat) batch9b benchdefault bench35b
 #   FP8 weights against bf16 (9B): fp8 (its GPU tests alone: fp8tests); 35B-A3B in FP8 (bench35b for bf16): fp8_35b;
 #   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
 #   the MoE decode kernels' tests: moe; their block sizes: moesweep; the GDN step before / after a change: gdnsweep;
@@ -33,6 +33,9 @@ for stage in "$@"; do
                --json $OUT/batch_qwen3.5-9b.json 2>&1 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
     bench9b) timeout 420 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 \
                --acceptance-profile 0.85,0.75,0.65 --json $OUT/bench_qwen3.5-9b.json 2>&1 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
+    bench9bquick) timeout 240 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 \
+               --spec-k 1 3 8 --repeats 1 --acceptance-profile 0.85,0.75,0.65 --json $OUT/bench_qwen3.5-9b.json 2>&1 \
+               | grep -v '^ ' | tail -20 | tee -a $LOG ;;
     benchdefault) timeout 200 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \
                --prompt-file nextn/engine/rounds.py --temperature 0.7 --spec-k 1 2 3 4 8 \
                --json $OUT/bench_default_model.json 2>&1 | grep -v "^ " | tail -40 | tee -a $LOG ;;

@@ -644,42 +644,6 @@ def test_skinny_linear_rows_past_one_tile():
             assert torch.equal(skinny_linear(x[m : m + 1], w, **one)[0], out[m]), (name, m)
 
 
-def _norm_epilogue_check(x, w, res, nw, config, dtype):
-    """skinny_linear's row epilogue: y as without it, bitwise; norm_out the RMSNorm of y's rows
-    (nextn.ops.triton_norm's row function: bitwise on the interpreter, within rounding on a GPU,
-    whose layout of a row follows the GEMM's warps); each row as it gives alone; twice the same
-    (the row counters re-armed)."""
-    y = skinny_linear(x, w, residual=res, config=config)
-    normed = torch.full_like(y, float("nan"))
-    out = skinny_linear(x, w, residual=res, config=config, norm=(nw, 1e-6), norm_out=normed)
-    assert torch.equal(out, y)
-    want = rms_norm(y, nw, 1e-6)
-    if CUDA:
-        _close(normed, want, dtype)
-    else:
-        assert torch.equal(normed, want)
-    for m in (0, x.shape[0] - 1):
-        one = torch.empty_like(normed[:1])
-        skinny_linear(x[m : m + 1], w, residual=res[m : m + 1], config=config, norm=(nw, 1e-6), norm_out=one)
-        assert torch.equal(one[0], normed[m]), m
-    again = torch.empty_like(normed)
-    skinny_linear(x, w, residual=res, config=config, norm=(nw, 1e-6), norm_out=again)
-    assert torch.equal(again, normed)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", [(16, 32, 4, 1, 1), (16, 16, 4, 1, 2)])
-def test_skinny_linear_norm_epilogue(config, dtype):
-    """The norm after a residual GEMM from the GEMM's last program: split-K or not, 1 to 2 row
-    tiles (20 rows), N not a multiple of the block."""
-    g = torch.Generator(device=DEVICE).manual_seed(13)
-    x, w, _, res = _linear_case(20, 40, 64, dtype, g)
-    nw = _rand(40, dtype=dtype, scale=0.1, gen=g)
-    _norm_epilogue_check(x, w, res, nw, config, dtype)
-    with pytest.raises(ValueError, match="norm_out"):
-        skinny_linear(x, w, residual=res, norm=(nw, 1e-6), norm_out=torch.empty(3, 40, dtype=dtype))
-
-
 # ---------------------------------------------------------------------------------------------
 # the H200: Qwen3.5-9B shapes in bf16
 
@@ -706,16 +670,6 @@ def test_skinny_linear_9b_shapes_gpu(N, K, kind, config):
     for m in (0, 3, 8):
         one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
         assert torch.equal(skinny_linear(x[m : m + 1], w, config=config, **one)[0], out[m]), m
-
-
-@gpu
-@pytest.mark.parametrize("N,K", [(4096, 4096), (4096, 12288), (2048, 4096)])
-def test_skinny_linear_norm_epilogue_gpu(N, K):
-    """The norm epilogue at the 9B's and 35B-A3B's residual GEMMs, with their tuned configs."""
-    g = torch.Generator(device=DEVICE).manual_seed(N + K)
-    x, w, _, res = _linear_case(9, N, K, torch.bfloat16, g)
-    nw = _rand(N, dtype=torch.bfloat16, scale=0.1, gen=g)
-    _norm_epilogue_check(x, w, res, nw, None, torch.bfloat16)
 
 
 @gpu
@@ -878,22 +832,6 @@ def test_moe_step_matches_reference_and_rows_are_invariant(dtype, I, Is):
         for t in range(5):  # each row as a decode step computes it alone
             one = _moe_run(block, None if res is None else res[t : t + 1], h[t : t + 1])
             assert torch.equal(one[0], out[t]), t
-    # the next layer's input norm from the down kernel's last program of each row: the result as
-    # without it, the norm rms_norm's (bitwise on the interpreter), each row as alone, twice the same
-    nw = _rand(32, dtype=dtype, scale=0.1, gen=g)
-    normed = torch.full_like(x, float("nan"))
-    out = _moe_run(block, x, h, norm=(nw, 1e-6), norm_out=normed)
-    assert torch.equal(out, _moe_run(block, x, h))
-    if CUDA:
-        _close(normed, rms_norm(out, nw, 1e-6), dtype)
-    else:
-        assert torch.equal(normed, rms_norm(out, nw, 1e-6))
-    one = torch.empty_like(normed[:1])
-    _moe_run(block, x[3:4], h[3:4], norm=(nw, 1e-6), norm_out=one)
-    assert torch.equal(one[0], normed[3])
-    again = torch.empty_like(normed)
-    _moe_run(block, x, h, norm=(nw, 1e-6), norm_out=again, down_blocks=(32, 8))
-    assert torch.equal(again, normed) and not triton_utils._COUNTERS[out.device].any()
 
 
 def test_router_and_shared_gate_logits_equal_their_separate_gemms():

@@ -13,11 +13,8 @@ projections fused at load by nextn.models.loader):
 - MLP: [RMSNorm] -> [gate/up -> silu * up] -> [down + residual];
 - MoE: RMSNorm -> router and shared-expert gate -> [top-k, experts' and shared expert's
   silu(gate) * up] -> [their down, weighted sum + residual] (nextn.ops.triton_moe).
-Brackets are one kernel each. A norm after a residual GEMM runs in that GEMM's last program (the
-skinny GEMM's row epilogue; an MoE block's: in its down kernel's), so it is a launch of its own
-only before the first layer, in the MTP head and under tensor parallelism. A row's arithmetic
-does not depend on the number of rows or on the other sequences, so a verify row equals the
-decode of the same token bitwise, alone or batched.
+Brackets are one kernel each. A row's arithmetic does not depend on the number of rows or on the
+other sequences, so a verify row equals the decode of the same token bitwise, alone or batched.
 Positions and the GDN state locations come from the slots' device counters (nextn.cache.hybrid),
 so one CUDA graph serves every round of a batch.
 
@@ -249,19 +246,13 @@ class TritonStep:
         head_vocab: the rows of a draft vocabulary's lm_head copy, when the head drafts over one."""
         return self.linear.tune(sorted(set(self.linear_uses(head_vocab=head_vocab))), self.embed.device, log=log)
 
-    def _add(self, x, inp, w: Weight, norm: torch.Tensor | None = None, out: torch.Tensor | None = None):
-        """(x + inp @ w.T, its RMSNorm by `norm` or None), a block's end: the residual fused into the
-        GEMM and the norm into its last program, or under tensor parallelism the residual added to
-        the all-reduce of the ranks' partial products (the reference's order), then a norm launch.
-        out: where the norm goes (default a new tensor)."""
+    def _add(self, x: torch.Tensor, inp: torch.Tensor, w: Weight) -> torch.Tensor:
+        """x + inp @ w.T, a block's end: the residual fused into the GEMM, or under tensor
+        parallelism added to the all-reduce of the ranks' partial products (the reference's order)."""
         lin = self._lin
-        if self.cfg.tp_size > 1:
-            y = all_reduce_add(lin(inp, w), x, self.cfg)
-            return y, None if norm is None else self.norm.rms_norm(y, norm, self.eps, out=out, run_if=self.run_if)
-        if norm is None:
-            return lin(inp, w, residual=x), None
-        out = torch.empty_like(x) if out is None else out
-        return lin(inp, w, residual=x, norm=(norm, self.eps), norm_out=out), out
+        if self.cfg.tp_size == 1:
+            return lin(inp, w, residual=x)
+        return all_reduce_add(lin(inp, w), x, self.cfg)
 
     def _lin(self, *args, **kwargs) -> torch.Tensor:
         return self.linear.skinny_linear(*args, run_if=self.run_if, **kwargs)
@@ -280,17 +271,13 @@ class TritonStep:
         local = lin(normed, self.lm_head, out_dtype=torch.float32)  # [M, ceil(V / N)]
         gather_vocab(local, self.cfg, out=out)
 
-    def _mlp(self, x, h, w: MLPWeights | MoEWeights, then: torch.Tensor | None, out: torch.Tensor | None):
-        """(x + MLP(h), the next norm's output or None): h = post_attention_layernorm(x); `then`,
-        the norm after the block (the next layer's input norm, or the final one), into `out`."""
+    def _mlp(self, x, w: MLPWeights | MoEWeights):
         if isinstance(w, MoEWeights):
             from nextn.ops.triton_moe import moe_step
 
+            h = self.norm.rms_norm(x, w.norm, self.eps)
             tp = self.cfg.tp_size > 1
-            fused = not tp and then is not None  # the next norm in the down kernel's last program
-            if fused:
-                out = torch.empty_like(x) if out is None else out
-            y = moe_step(
+            out = moe_step(
                 None if tp else x,
                 h,
                 w.gates,
@@ -301,17 +288,13 @@ class TritonStep:
                 w.shared_down,
                 w.top_k,
                 w.renorm,
-                norm=(then, self.eps) if fused else None,
-                norm_out=out if fused else None,
             )
-            return (all_reduce_add(y, x, self.cfg) if tp else y), out if fused else None
-        act = self._lin(h, w.gate, up_weight=w.up)
-        return self._add(x, act, w.down, then, out)
+            return all_reduce_add(out, x, self.cfg) if tp else out
+        act = self._lin(self._norm(x, w.norm), w.gate, up_weight=w.up)
+        return self._add(x, act, w.down)
 
-    def _attn(self, x, h, w: AttnWeights, kv: KV, row_slot, row_pos, rope_offset: int, then=None, out=None):
-        """An attention layer: (its output, `then`'s norm of it or None); h: its input norm's output
-        (None: normed here). `then` / out: as _mlp's."""
-        qkv = self._lin(self._norm(x, w.norm) if h is None else h, w.qkv)
+    def _attn(self, x, w: AttnWeights, kv: KV, row_slot, row_pos, rope_offset: int):
+        qkv = self._lin(self._norm(x, w.norm), w.qkv)
         cos, sin = self.rope_tables(kv.key.shape[1] + 1)
         heads = self.cfg.num_attention_heads
         scales = dict(key_scale=kv.key_scale, value_scale=kv.value_scale, run_if=self.run_if)  # fp8 scales or None
@@ -331,12 +314,11 @@ class TritonStep:
             **scales,
         )
         o = self.attn.attend_step(q, qkv, kv.key, kv.value, row_slot, row_pos, **scales)
-        return self._mlp(*self._add(x, o, w.o_proj, w.mlp.norm), w.mlp, then, out)
+        return self._mlp(self._add(x, o, w.o_proj), w.mlp)
 
-    def _gdn(self, x, h, w: GDNWeights, batch: StepBatch, j: int, store_all: bool, live, then=None, out=None):
-        """A Gated DeltaNet layer: as _attn."""
+    def _gdn(self, x, w: GDNWeights, batch: StepBatch, j: int, store_all: bool, live: torch.Tensor | None):
         lin, t = self.linear.skinny_linear, batch.cache.tensors
-        h = self.norm.rms_norm(x, w.norm, self.eps) if h is None else h
+        h = self.norm.rms_norm(x, w.norm, self.eps)
         if len(w.in_proj) == 1:
             proj = lin(h, w.in_proj[0])  # [M, conv | z | b | a]
         else:  # runs of one kind (FP8 qkv | z, bf16 b | a), each into its columns
@@ -362,7 +344,7 @@ class TritonStep:
             store_all=store_all,
             live=live,
         )
-        return self._mlp(*self._add(x, o, w.out_proj, w.mlp.norm), w.mlp, then, out)
+        return self._mlp(self._add(x, o, w.out_proj), w.mlp)
 
     def trunk(
         self,
@@ -378,25 +360,18 @@ class TritonStep:
         nothing committed. live (int32 [B] device, default all): the rows of each sequence that
         count (a verify whose gate cut drafts): the GDN recurrences stop there (their serial
         per-row work is what rows cost a small model), and rows past them are garbage."""
+        norm = self.norm.rms_norm
         if store_all and max(batch.rows) > batch.caches[0].rows:  # past the slots' state buffers
             raise ValueError(f"a step keeping every state takes at most {batch.caches[0].rows} rows per sequence")
         pos = batch.row_positions(batch.field(SEQ_LEN))
-        x, h = embed(ids, self.embed, self.cfg), None
-        last = len(self.layers) - 1
+        x = embed(ids, self.embed, self.cfg)
         for layer, w in zip(self.model.model.layers, self.layers, strict=True):
             i = layer.layer_idx
-            # the norm after the layer: the next layer's input norm, or the final one (into `hidden`)
-            then = self.final_norm if i == last else self.layers[i + 1].norm
-            out = hidden if i == last and self.after_norm else None
             if layer.kind == FULL:
-                x, h = self._attn(x, h, w, batch.cache.kv(i), batch.row_slot, pos, 0, then, out)
+                x = self._attn(x, w, batch.cache.kv(i), batch.row_slot, pos, 0)
             else:
-                x, h = self._gdn(x, h, w, batch, batch.cache.gdn_index[i], store_all, live, then, out)
-        normed = (
-            self.norm.rms_norm(x, self.final_norm, self.eps, out=hidden if self.after_norm else None)
-            if h is None
-            else h
-        )
+                x = self._gdn(x, w, batch, batch.cache.gdn_index[i], store_all, live)
+        normed = norm(x, self.final_norm, self.eps, out=hidden if self.after_norm else None)
         self._logits(normed, None, logits)
         if not self.after_norm:
             hidden.copy_(x)
@@ -424,7 +399,7 @@ class TritonStep:
         norm(embed(ids, self.embed, self.cfg), norm_embed, out=cat[:, :H])
         norm(hidden, norm_hidden, out=cat[:, H:])
         pos = batch.row_positions(first)
-        x, _ = self._attn(self._lin(cat, fc), None, layer, batch.cache.draft_kv(), batch.row_slot, pos, 1)
+        x = self._attn(self._lin(cat, fc), layer, batch.cache.draft_kv(), batch.row_slot, pos, 1)
         out = x if rows is None else x.index_select(0, rows)
         normed = norm(out, final, out=chained if self.after_norm else None)
         self._logits(normed, lm_head, logits)

@@ -45,8 +45,6 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from nextn.ops.triton_norm import rms_row
-
     @triton.jit
     def _epilogue(acc, acc2, r, x_dtype: tl.constexpr, EPILOGUE: tl.constexpr):
         """acc (, acc2, residual r) [BLOCK_N, BLOCK_M] float32 -> the output values, rounded like the modules."""
@@ -151,8 +149,6 @@ if HAVE_TRITON:
         part_ptr,
         count_ptr,
         flag_ptr,
-        nw_ptr,  # NORM: [N] the RMSNorm's weight
-        norm_ptr,  # NORM: [M, N] out: RMSNorm(y) (row stride stride_norm)
         M,
         N,
         K,
@@ -162,8 +158,6 @@ if HAVE_TRITON:
         stride_res,
         stride_s,
         stride_s2,
-        stride_norm,
-        eps,
         shift,  # CHAIN: 2^exponent of w's scales (FP8Weight.exponent)
         shift2,
         EPILOGUE: tl.constexpr,  # 0 none, 1 residual add, 2 silu(x w^T) * (x w2^T)
@@ -179,12 +173,10 @@ if HAVE_TRITON:
         HAS_FLAG: tl.constexpr,  # flag_ptr: run_if (nextn.engine.runner.ModelRunner.when), 0 skips the call
         TMA: tl.constexpr,  # w_ptr (and w2_ptr) are [BLOCK_N, BLOCK_K] tensor descriptors (bf16 weights)
         CHAIN: tl.constexpr,  # FP8 whose BLOCK_N rows share each scale (SCALE_ROWS % BLOCK_N == 0)
-        NORM: tl.constexpr,  # the row tile's last program RMSNorms the finished rows of y into norm_ptr
-        BLOCK_D: tl.constexpr,  # NORM: next_pow2(N)
     ):
         """Program (n * M_TILES + m, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs
         for rows [m*BLOCK_M, (m+1)*BLOCK_M). SPLIT > 1: float32 partials [SPLIT, M, N] in part_ptr,
-        arrivals per (N block, row tile) in count_ptr; NORM: then one counter per row tile after those."""
+        arrivals per (N block, row tile) in count_ptr."""
         if HAS_FLAG:  # before any store or arrival: a skipped call leaves the counters zero
             if tl.load(flag_ptr).to(tl.int32) == 0:
                 return
@@ -244,22 +236,6 @@ if HAVE_TRITON:
             r = tl.load(res_ptr + offs_m[None, :] * stride_res + offs_n[:, None], mask=store_mask, other=0.0)
         out = _epilogue(acc, acc2, r, x_dtype, EPILOGUE)
         tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], out.to(y_ptr.dtype.element_ty), mask=store_mask)
-        if NORM:
-            # The norm before the next projection, without a launch of its own: the program that
-            # stores the row tile's last block of y (an arrival counter per row tile) normalises
-            # its rows, each the same way at any row count
-            if SPLIT > 1:
-                finished = arrived == SPLIT - 1
-            else:
-                finished = pid >= 0  # (every program stores its block)
-            if finished:
-                tl.debug_barrier()  # every thread's y is written before the counter moves
-                done = count_ptr + tl.num_programs(0) + pid % m_tiles
-                if tl.atomic_add(done, 1, sem="acq_rel") == tl.cdiv(N, BLOCK_N) - 1:
-                    tl.store(done, 0)  # re-armed for the next launch
-                    row0 = (pid % m_tiles) * BLOCK_M
-                    for row in range(row0, tl.minimum(row0 + BLOCK_M, M)):
-                        rms_row(y_ptr + row * stride_y, nw_ptr, norm_ptr + row * stride_norm, N, eps, BLOCK_D, True)
 
 
 # (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT[, TMA]). `tune` measures candidates per shape
@@ -316,12 +292,7 @@ def skinny_linear(
     up_weight: torch.Tensor | FP8Weight | None = None,  # [N, K]: epilogue silu(y) * (x @ up_weight.T)
     config: tuple[int, ...] | None = None,  # override (tuning)
     run_if: torch.Tensor | None = None,  # [] device flag: 0 skips the call (out is left as it was)
-    norm: tuple[torch.Tensor, float] | None = None,  # (weight [N], eps): also norm_out = RMSNorm(y)
-    norm_out: torch.Tensor | None = None,  # [M, N], last dim contiguous (may be a column slice)
 ) -> torch.Tensor:
-    """y = x @ weight.T (with the epilogue asked for) into `out`; with `norm`, also the zero-centred
-    RMSNorm of each finished row of y into norm_out (nextn.ops.triton_norm's, run by the launch's
-    last program of the row tile): the norm that follows a block's residual GEMM, no launch of its own."""
     fp8 = isinstance(weight, FP8Weight)
     if up_weight is not None and isinstance(up_weight, FP8Weight) != fp8:
         raise ValueError("skinny_linear: weight and up_weight must both be FP8 or neither")
@@ -344,8 +315,6 @@ def skinny_linear(
     if out is None:
         out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     epilogue = 1 if residual is not None else (2 if up_weight is not None else 0)
-    if norm is not None and (norm_out is None or norm_out.shape != (M, N) or norm_out.stride(1) != 1):
-        raise ValueError(f"skinny_linear: norm_out must be [M={M}, N={N}] with contiguous rows")
     block_n, block_k, warps, stages, split, *tma = config or pick_config(N, K, fp8)
     tma = bool(tma and tma[0])
     if tma and fp8:
@@ -358,8 +327,7 @@ def skinny_linear(
     part = count = dummy
     if split > 1:
         part = torch.empty((2 if epilogue == 2 else 1) * split * M * N, device=x.device, dtype=torch.float32)
-    if split > 1 or norm is not None:  # split-K arrivals per program, then norm arrivals per row tile
-        count = arrival_counters(x.device, (triton_cdiv(N, block_n) + 1) * triton_cdiv(M, TILE_ROWS))
+        count = arrival_counters(x.device, triton_cdiv(N, block_n) * triton_cdiv(M, TILE_ROWS))
     w, w2 = weight, up_weight if up_weight is not None else dummy
     if tma:
         w = _descriptor(weight, block_n, block_k)
@@ -375,8 +343,6 @@ def skinny_linear(
         part,
         count,
         run_if if run_if is not None else dummy,
-        norm[0] if norm is not None else dummy,
-        norm_out if norm is not None else dummy,
         M,
         N,
         K,
@@ -386,8 +352,6 @@ def skinny_linear(
         residual.stride(0) if residual is not None else 0,
         scale.stride(0) if scale is not None else 0,
         scale2.stride(0) if scale2 is not None else 0,
-        norm_out.stride(0) if norm is not None else 0,
-        norm[1] if norm is not None else 0.0,
         2.0**exponent,
         2.0**exponent2,
         EPILOGUE=epilogue,
@@ -403,8 +367,6 @@ def skinny_linear(
         HAS_FLAG=run_if is not None,
         TMA=tma,
         CHAIN=fp8 and rows % block_n == 0 and (up_weight is None or rows2 % block_n == 0),
-        NORM=norm is not None,
-        BLOCK_D=next_pow2(N) if norm is not None else 1,
         num_warps=warps,
         num_stages=stages,
     )

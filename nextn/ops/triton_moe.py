@@ -14,8 +14,7 @@ the block runs in three launches:
   weight, stored to a scratch row; the last of the row's TOP_K + 1 slot programs to arrive at the
   block's counter sums them: the routed slots in ascending expert order, plus the shared slot, plus
   the residual (none under tensor parallelism: the block's output is a partial sum, all-reduced
-  before the residual is added), and with `norm` the row's last program also RMSNorms the
-  finished row for the next layer. Every slot's weights stream at once (a program per row walked
+  before the residual is added). Every slot's weights stream at once (a program per row walked
   the slots one after another), and the order of arrival changes no bit (the sum is in slot order).
 Every product, weight and partial sum is rounded to the model dtype where the reference rounds it.
 FP8 experts and shared expert (e4m3, nextn.ops.fp8's layout) are dequantized tile by tile to the
@@ -53,8 +52,6 @@ BLOCK_K = 256  # reduction tile of both matmuls (it orders the float32 sums: res
 if HAVE_TRITON:
     import triton
     import triton.language as tl
-
-    from nextn.ops.triton_norm import rms_row
 
     @triton.jit
     def _route(
@@ -220,13 +217,9 @@ if HAVE_TRITON:
         shared_down_s_ptr,  # FP8_SHARED: [ceil(Is / 128), H]
         res_ptr,  # [T, H]
         y_ptr,  # [T, TOP_K + 1, H] scratch: the slots' weighted outputs in the model dtype
-        count_ptr,  # [T * cdiv(H, BLOCK_N) (+ T with NORM)] int32 arrival counters, zero (and left zero)
+        count_ptr,  # [T * cdiv(H, BLOCK_N)] int32 arrival counters, zero (and left zero)
         out_ptr,  # [T, H]
-        nw_ptr,  # NORM: [H] the next RMSNorm's weight
-        norm_ptr,  # NORM: [T, H] out: RMSNorm(out) (row stride stride_norm)
         stride_act,
-        stride_norm,
-        eps,
         H: tl.constexpr,
         I: tl.constexpr,
         Is: tl.constexpr,
@@ -236,8 +229,6 @@ if HAVE_TRITON:
         RESIDUAL: tl.constexpr,
         FP8_EXPERTS: tl.constexpr,
         FP8_SHARED: tl.constexpr,
-        NORM: tl.constexpr,  # the row's last block to finish RMSNorms the row of out into norm_ptr
-        BLOCK_D: tl.constexpr,  # NORM: next_pow2(H)
     ):
         """out = x + (the routed slots' outputs summed in slot order + the shared slot's); without
         RESIDUAL the sum alone. A program per (row, slot, block of H) streams its slot's weights
@@ -275,12 +266,6 @@ if HAVE_TRITON:
                 r = tl.load(res_ptr + t * H + offs_n, mask=mask_n, other=0.0).to(tl.float32)
                 mlp = r + mlp
             tl.store(out_ptr + t * H + offs_n, mlp.to(dtype), mask=mask_n)
-            if NORM:  # the norm after the block, by the program that finishes the row's last block
-                tl.debug_barrier()  # every thread's out is written before the counter moves
-                done = count_ptr + tl.num_programs(0) // (TOP_K + 1) * tl.num_programs(1) + t
-                if tl.atomic_add(done, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-                    tl.store(done, 0)
-                    rms_row(out_ptr + t * H, nw_ptr, norm_ptr + t * stride_norm, H, eps, BLOCK_D, True)
 
 
 def moe_step(
@@ -297,17 +282,13 @@ def moe_step(
     *,
     gate_up_blocks: tuple[int, int] | None = None,  # default GATE_UP_BLOCKS; bench/moe_step_sweep.py compares others
     down_blocks: tuple[int, int] = DOWN_BLOCKS,
-    norm: tuple[torch.Tensor, float] | None = None,  # (weight [H], eps): also norm_out = RMSNorm(the result)
-    norm_out: torch.Tensor | None = None,  # [T, H], last dim contiguous
 ) -> torch.Tensor:
     """Returns x + SparseMoeBlock(h) [T, H] (SparseMoeBlock(h) alone when x is None). FP8 weights
     (nextn.ops.fp8's layout, one scale per row and 128 columns) are dequantized tile by tile to the
     model dtype as the reference's `dequantize` does, bit for bit; their products sum like the
     dequantized copies' up to the order of the in-tile sums on a GPU (bitwise on the interpreter:
     see the module docstring). The experts' pair and the shared expert's three are each FP8 or not.
-    gate_up_blocks / down_blocks: the kernels' (BLOCK, num_warps), GATE_UP_BLOCKS / DOWN_BLOCKS.
-    norm: the next layer's input norm of each finished row, run by the down kernel's last program
-    of the row (nextn.ops.triton_norm.rms_row), no launch of its own."""
+    gate_up_blocks / down_blocks: the kernels' (BLOCK, num_warps), GATE_UP_BLOCKS / DOWN_BLOCKS."""
     from nextn.ops.triton_linear import skinny_linear
 
     fp8_experts, fp8_shared = _fp8_kind(gate_up, down), _fp8_kind(shared_gate, shared_up, shared_down)
@@ -318,8 +299,6 @@ def moe_step(
     if not all(t.is_contiguous() for t in (gate_up, down, shared_gate, shared_up, shared_down, *scales)):
         raise ValueError("moe_step: the weights and scales must be contiguous (the kernels index them as such)")
     T, H = h.shape
-    if norm is not None and (norm_out is None or norm_out.shape != (T, H) or norm_out.stride(1) != 1):
-        raise ValueError(f"moe_step: norm_out must be [T={T}, H={H}] with contiguous rows")
     E, two_i, _ = gate_up.shape
     I, Is = two_i // 2, shared_gate.shape[0]
     if gates.shape != (E + 1, H):
@@ -374,13 +353,9 @@ def moe_step(
         scales[4],
         h if x is None else x,
         torch.empty(T, top_k + 1, H, device=h.device, dtype=h.dtype),
-        arrival_counters(h.device, T * (n_blocks + 1)),
+        arrival_counters(h.device, T * n_blocks),
         out,
-        norm[0] if norm is not None else h,
-        norm_out if norm is not None else h,
         act.stride(1),
-        norm_out.stride(0) if norm is not None else 0,
-        norm[1] if norm is not None else 0.0,
         H=H,
         I=I,
         Is=Is,
@@ -390,8 +365,6 @@ def moe_step(
         RESIDUAL=x is not None,
         FP8_EXPERTS=fp8_experts,
         FP8_SHARED=fp8_shared,
-        NORM=norm is not None,
-        BLOCK_D=next_pow2(H) if norm is not None else 1,
         num_warps=down_warps,
     )
     return out

@@ -1,7 +1,5 @@
 """Row-wise zero-centred RMSNorm, `x_hat * (1 + w)`, one program per row: a row's result does not
-depend on how many rows the call has. Reference: `nextn.layers.norm.RMSNorm`. `rms_row` is also
-the skinny GEMM's row epilogue (nextn.ops.triton_linear: the norm after a block's residual GEMM,
-run by its last program, no launch of its own).
+depend on how many rows the call has. Reference: `nextn.layers.norm.RMSNorm`.
 """
 
 from __future__ import annotations
@@ -15,21 +13,6 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def rms_row(x_ptr, w_ptr, y_ptr, D, eps, BLOCK_D: tl.constexpr, FROM_L2: tl.constexpr):
-        """y[:D] = RMSNorm(x[:D]) * (1 + w), one row. FROM_L2: x was written by other programs of
-        the same launch (read past this SM's L1, where a stale line could sit)."""
-        offs = tl.arange(0, BLOCK_D)
-        mask = offs < D
-        if FROM_L2:
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = x * rstd * (1.0 + w)
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
     def _rms_norm_kernel(
         x_ptr, w_ptr, y_ptr, flag_ptr, D, stride_x, stride_y, eps, BLOCK_D: tl.constexpr, HAS_FLAG: tl.constexpr
     ):
@@ -37,7 +20,13 @@ if HAVE_TRITON:
             if tl.load(flag_ptr).to(tl.int32) == 0:
                 return
         row = tl.program_id(0)
-        rms_row(x_ptr + row * stride_x, w_ptr, y_ptr + row * stride_y, D, eps, BLOCK_D, False)
+        offs = tl.arange(0, BLOCK_D)
+        mask = offs < D
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = x * rstd * (1.0 + w)
+        tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
