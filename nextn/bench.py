@@ -49,8 +49,8 @@ from pathlib import Path
 
 import torch
 
-from nextn.bench_measure import Bench, BenchConfig, _spread, _sync, _tps, copy_bandwidth
-from nextn.bench_sweeps import _batched, _profiled, _sampled, _spec_sweep
+from nextn.bench_measure import Bench, BenchConfig, copy_bandwidth, spread_text, sync_device, tokens_per_s
+from nextn.bench_sweeps import batched_runs, profiled_runs, sampled_runs, spec_sweep
 from nextn.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from nextn.models.loader import load_model
 from nextn.models.qwen3_5 import CausalLM
@@ -146,25 +146,25 @@ def run_bench(
 
     plain_runs, res["decode_tokens_per_s"] = bench.repeated(0)
     plain = plain_runs[0]
-    res["decode_tokens_per_s_runs"] = _tps(plain_runs)
+    res["decode_tokens_per_s_runs"] = tokens_per_s(plain_runs)
     res["plain_runs_agree"] = all(r.token_ids == plain.token_ids for r in plain_runs)
     res["plain_overhead"] = (1e3 / res["decode_tokens_per_s"]) / t1 - 1  # the round loop beyond the step
     if "roofline_tokens_per_s" in res:
         res["roofline_fraction"] = res["decode_tokens_per_s"] / res["roofline_tokens_per_s"]
         res["step_roofline_fraction"] = res["step_tokens_per_s"] / res["roofline_tokens_per_s"]
     log(
-        f"bench: plain decode {res['decode_tokens_per_s']:.1f} tok/s{_spread(plain_runs)} "
+        f"bench: plain decode {res['decode_tokens_per_s']:.1f} tok/s{spread_text(plain_runs)} "
         f"(roofline fraction {res.get('roofline_fraction', float('nan')):.3f})"
     )
     for i, p_min in enumerate(cfg.p_mins):
         out = res if i == 0 else res.setdefault("p_min_runs", {}).setdefault(p_min, {})
-        _spec_sweep(bench, res, out, ks, plain.token_ids, p_min, log)
+        spec_sweep(bench, res, out, ks, plain.token_ids, p_min, log)
     for temperature in cfg.temperatures:
-        _sampled(bench, res, ks, temperature, log)
+        sampled_runs(bench, res, ks, temperature, log)
     if cfg.acceptance_profile and ks:
-        _profiled(bench, res, ks, cfg.acceptance_profile, plain.token_ids, log)
+        profiled_runs(bench, res, ks, cfg.acceptance_profile, plain.token_ids, log)
     if cfg.batch_sizes:
-        _batched(bench, res, max(ks, default=0), plain.token_ids, log)
+        batched_runs(bench, res, max(ks, default=0), plain.token_ids, log)
     res["plain_token_ids_head"] = plain.token_ids[:32]
     res["plain_token_ids"] = plain.token_ids  # to compare runs (e.g. tensor_parallel_size 1 and 2)
     bench.close()
@@ -270,7 +270,7 @@ def _bench(args, cfg: BenchConfig, prompt_text: str | None) -> dict:
     else:
         model = load_model(args.model, device=device, dtype=args.dtype, quantization=args.quantization, tp=tp)
         name = Path(args.model).name
-    _sync(next(model.parameters()).device)
+    sync_device(next(model.parameters()).device)
     log(f"bench: model ready in {time.perf_counter() - t0:.1f} s")
     draft_vocab = None
     if args.draft_vocab_size is not None:

@@ -31,7 +31,7 @@ from nextn.spec.proposer import ProfileProposer
 # timing
 
 
-def _sync(device) -> None:
+def sync_device(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -164,7 +164,7 @@ class Bench:
         seqs = [self.prefilled(k, b, B) for b in range(B)]
         params = SamplingParams(max_tokens=self.cfg.gen_len, temperature=0.0, ignore_eos=True)
         rounds = [RequestRounds(runner, proposer, s, params, runner.config.spec, set(), SpecStats()) for s in seqs]
-        _sync(self.device)
+        sync_device(self.device)
         t0 = time.perf_counter()
         ids: list[list[int]] = [[] for _ in seqs]
         live = list(range(B))
@@ -175,7 +175,7 @@ class Bench:
                 if r.finish_reason is not None:
                     rounds[b].close()
                     live.remove(b)
-        _sync(self.device)
+        sync_device(self.device)
         return ids, time.perf_counter() - t0
 
     def generate(
@@ -198,7 +198,7 @@ class Bench:
         stats = SpecStats()
         steps = int(proposer.head_steps) if trace and getattr(proposer, "head_steps", None) is not None else None
         rounds = RequestRounds(runner, proposer, seq, params, runner.config.spec, set(), stats, trace=trace)
-        _sync(self.device)
+        sync_device(self.device)
         t0 = time.perf_counter()
         ids = []
         while True:
@@ -207,7 +207,7 @@ class Bench:
             if r.finish_reason is not None:
                 break
         rounds.close()
-        _sync(self.device)
+        sync_device(self.device)
         seconds = time.perf_counter() - t0
         if steps is not None:
             steps = int(proposer.head_steps) - steps
@@ -276,10 +276,10 @@ class Bench:
         return len(prompt) / (ms * 1e-3), len(prompt)
 
 
-def _spread(runs: list[RunResult]) -> str:
+def spread_text(runs: list[RunResult]) -> str:
     tps = [len(r.token_ids) / r.seconds for r in runs]
     return f" (runs {min(tps):.1f}-{max(tps):.1f})" if len(tps) > 1 else ""
 
 
-def _tps(runs: list[RunResult]) -> list[float]:
+def tokens_per_s(runs: list[RunResult]) -> list[float]:
     return [len(r.token_ids) / r.seconds for r in runs]

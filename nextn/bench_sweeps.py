@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 
-from nextn.bench_measure import Bench, RunResult, _spread, _tps
+from nextn.bench_measure import Bench, RunResult, spread_text, tokens_per_s
 from nextn.core import SpecStats
 
 
@@ -44,7 +44,7 @@ _PER_K = (
 )
 
 
-def _spec_sweep(bench: Bench, res: dict, out: dict, ks: list[int], reference: list[int], p_min: float, log) -> None:
+def spec_sweep(bench: Bench, res: dict, out: dict, ks: list[int], reference: list[int], p_min: float, log) -> None:
     """Greedy spec at each K with a draft confidence gate p_min, into out (res: the costs to compare
     with): speed, exactness, acceptance, and from one traced run more, the time split per round."""
     out["p_min"] = p_min
@@ -58,7 +58,7 @@ def _spec_sweep(bench: Bench, res: dict, out: dict, ks: list[int], reference: li
         stats = runs[0].stats
         out["spec_equals_plain"][k] = all(r.token_ids == reference for r in [*runs, traced])
         out["spec_tokens_per_s"][k] = tps
-        out["spec_tokens_per_s_runs"][k] = _tps(runs)
+        out["spec_tokens_per_s_runs"][k] = tokens_per_s(runs)
         out["spec_speedup"][k] = tps / res["decode_tokens_per_s"]
         out["acceptance_rate"][k] = stats.acceptance_rate
         out["mean_acceptance_length"][k] = stats.mean_acceptance_length
@@ -75,7 +75,7 @@ def _spec_sweep(bench: Bench, res: dict, out: dict, ks: list[int], reference: li
         _round_overhead(res, "", k, runs, out, out["head_steps_per_round"][k])
         split = out["round_split_ms"][k]
         log(
-            f"bench: K={k} p_min={p_min}: equal={out['spec_equals_plain'][k]} {tps:.1f} tok/s{_spread(runs)} "
+            f"bench: K={k} p_min={p_min}: equal={out['spec_equals_plain'][k]} {tps:.1f} tok/s{spread_text(runs)} "
             f"acceptance {stats.acceptance_rate:.2f} mean length {stats.mean_acceptance_length:.2f} "
             f"zero-draft rounds {stats.num_zero_draft_rounds}/{stats.num_rounds} "
             f"head steps/round {out['head_steps_per_round'][k]:.2f}; per round: draft {split['draft']:.3f} ms, "
@@ -84,7 +84,7 @@ def _spec_sweep(bench: Bench, res: dict, out: dict, ks: list[int], reference: li
         )
 
 
-def _batched(bench: Bench, res: dict, k: int, reference: list[int], log) -> None:
+def batched_runs(bench: Bench, res: dict, k: int, reference: list[int], log) -> None:
     """B sequences decoding together, plain and at K = k (through the acceptance profile if set)."""
     profile = (bench.cfg.acceptance_profile, reference, bench.cfg.seed) if bench.cfg.acceptance_profile else None
     out = res["batch_tokens_per_s"] = {"plain": {}, "spec": {}, "spec_k": k, "spec_profile": profile is not None}
@@ -100,7 +100,7 @@ def _batched(bench: Bench, res: dict, k: int, reference: list[int], log) -> None
     bench.cores.clear()
 
 
-def _sampled(bench: Bench, res: dict, ks: list[int], temperature: float, log) -> None:
+def sampled_runs(bench: Bench, res: dict, ks: list[int], temperature: float, log) -> None:
     """Seeded sampling at `temperature`: plain and each K (exact in law, not token for token)."""
     runs, plain = bench.repeated(0, temperature)
     entry = res.setdefault("sampled", {})[temperature] = {
@@ -111,7 +111,7 @@ def _sampled(bench: Bench, res: dict, ks: list[int], temperature: float, log) ->
         "accepted_per_position": {},
         "num_rounds": {},
     }
-    log(f"bench: T={temperature} plain {plain:.1f} tok/s{_spread(runs)}")
+    log(f"bench: T={temperature} plain {plain:.1f} tok/s{spread_text(runs)}")
     for k in ks:
         runs, tps = bench.repeated(k, temperature)
         stats = SpecStats()
@@ -125,13 +125,13 @@ def _sampled(bench: Bench, res: dict, ks: list[int], temperature: float, log) ->
         if temperature == 0.7 or len(bench.cfg.temperatures) == 1:
             res.setdefault("sampled_spec_speedup", {})[k] = tps / plain
         log(
-            f"bench: T={temperature} K={k}: {tps:.1f} tok/s{_spread(runs)} ({tps / plain:.2f}x) "
+            f"bench: T={temperature} K={k}: {tps:.1f} tok/s{spread_text(runs)} ({tps / plain:.2f}x) "
             f"acceptance {stats.acceptance_rate:.2f} over seeds {bench.cfg.seed}..{bench.cfg.seed + len(runs) - 1}, "
             f"accepted per position {stats.accepted_per_position[:k]} of {stats.num_rounds} rounds"
         )
 
 
-def _profiled(bench: Bench, res: dict, ks: list[int], profile: list[float], reference: list[int], log) -> None:
+def profiled_runs(bench: Bench, res: dict, ks: list[int], profile: list[float], reference: list[int], log) -> None:
     """Greedy rounds whose drafts follow an acceptance profile (the real head still drafts)."""
     res["acceptance_profile"] = profile
     res.update(
@@ -153,6 +153,6 @@ def _profiled(bench: Bench, res: dict, ks: list[int], profile: list[float], refe
         ]
         _round_overhead(res, "profile_", k, runs)
         log(
-            f"bench: profile K={k}: {tps:.1f} tok/s{_spread(runs)} ({res['profile_spec_speedup'][k]:.2f}x) "
+            f"bench: profile K={k}: {tps:.1f} tok/s{spread_text(runs)} ({res['profile_spec_speedup'][k]:.2f}x) "
             f"mean length {stats.mean_acceptance_length:.2f} equal={res['profile_equals_plain'][k]}"
         )
