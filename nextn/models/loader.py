@@ -1,16 +1,13 @@
 """Hugging Face checkpoint directory -> CausalLM with every tensor checked, streamed to the device.
 
-Reads safetensors (single file or sharded with an index): first every shard's header, checked
-against the file's size (a truncated shard, or a header whose shapes disagree with its byte offsets,
-is a one-line error naming the file), then the names and shapes against the model built on the meta
-device (a missing, unknown or mis-shaped tensor is an error naming it) before any data is read;
-then the tensors one by one, each cast and moved to the device as it is read, so host memory holds
-about one tensor at a time. A progress bar counts the shards (shown at log level info).
+Takes the checkpoint's plan (nextn.models.checkpoint: every shard's header checked, each key's slot in
+the model, experts packed, FP8 scales), checks its names and shapes against the model built on the
+meta device (a missing, unknown or mis-shaped tensor is an error naming it) before any data is read;
+then reads the tensors one by one, each cast and moved to the device as it is read, so host memory
+holds about one tensor at a time. A progress bar counts the shards (shown at log level info).
 
-Maps checkpoint keys onto the module's names (an identity map after the trunk prefix, plus the
-packing table below). Packing table:
-- per-expert MoE weights `experts.{e}.{gate,up,down}_proj` -> fused 3-D `experts.gate_up_proj`,
-  `experts.down_proj` (what transformers 5 stores), written expert by expert into the device tensor;
+As the tensors arrive:
+- per-expert MoE weights are written expert by expert into the device's packed tensor;
 - Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` (rows grouped per key head) -> rows regrouped as
   [q all | k all | v all | z all] and [b all | a all], the Qwen3.5 order;
 - at load, once: the projections one step kernel reads together become row blocks of one tensor
@@ -29,18 +26,16 @@ converted to nextn's layout as they stream in; the modules a checkpoint keeps in
 `quantization="fp8"` a bf16 checkpoint's decoder-layer projections are quantized as they stream in
 (128x128 blocks), except the few a published FP8 checkpoint keeps (`KEEP_BF16`); lm_head, the
 embeddings and the MTP head stay in the checkpoint's dtype.
+
+Does not parse the files' headers or map checkpoint keys to module names: nextn.models.checkpoint does.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import re
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -49,15 +44,20 @@ from tqdm import tqdm
 from nextn.config import ModelConfig, QuantConfig, check_quantization, resolve_device, resolve_dtype
 from nextn.layers.ffn import Experts, FP8Experts
 from nextn.layers.linear import FP8Linear, Linear
+from nextn.models.checkpoint import (
+    CheckpointError,
+    CheckpointPlan,
+    Slot,
+    count_mtp_layers,
+    plan_checkpoint,
+    safetensor_files,
+)
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.fp8 import E4M3, FP8Weight, block_scale, channel_scale, quantize, scale_shape
-from nextn.parallel.shard import Split, split_of
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_PER_EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-_IGNORED = ("model.visual.", "visual.", "model.vision_tower.")
 # Linear children of one module whose weights one step GEMM reads, in row order
 FUSED = (
     ("q_proj", "k_proj", "v_proj"),  # attention
@@ -67,240 +67,6 @@ FUSED = (
 # Linear modules of the decoder layers that quantization="fp8" leaves in bf16, as the published FP8
 # checkpoints do: the GDN gate projections (one row per value head) and the shared-expert gate
 KEEP_BF16 = ("in_proj_a", "in_proj_b", "in_proj_ba", "shared_expert_gate")
-# bytes per element of the safetensors dtypes
-_ITEMSIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
-}  # fmt: skip
-
-
-class CheckpointError(ValueError):
-    """A checkpoint's files or tensors do not match its config (or their own headers)."""
-
-
-def safetensor_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):
-            raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a weight_map)") from None
-        files = sorted({model_dir / f for f in weight_map.values()})
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir}: no *.safetensors files")
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing:
-        raise CheckpointError(f"{model_dir}: shard(s) listed in the index are missing: {missing}")
-    return files
-
-
-class TensorInfo(NamedTuple):
-    shape: tuple[int, ...]
-    dtype: str  # safetensors' name: "BF16", "F8_E4M3", ...
-
-
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """A shard's tensor names, shapes and dtypes, its header checked against the file: every
-    tensor's byte range must hold its shape and dtype, and the file must hold every byte range."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little") if size >= 8 else size
-        if n > size - 8:
-            raise CheckpointError(f"{path}: truncated ({size} bytes, short of its own header); download it again")
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, UnicodeDecodeError):
-            raise CheckpointError(f"{path}: not a safetensors file (its header is not JSON)") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: not a safetensors file (its header is not a JSON object)")
-    shapes, data_end = {}, 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {name}") from None
-        if dtype not in _ITEMSIZE:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}, which nextn does not load")
-        nbytes = math.prod(shape) * _ITEMSIZE[dtype]
-        if end - begin != nbytes:
-            raise CheckpointError(
-                f"{path}: corrupt header: tensor {name} of shape {list(shape)} {dtype} needs {nbytes} bytes, "
-                f"its offsets give {end - begin}"
-            )
-        shapes[name], data_end = TensorInfo(shape, dtype), max(data_end, end)
-    if data_end > size - 8 - n:
-        raise CheckpointError(
-            f"{path}: truncated (its tensors need {data_end} bytes of data, the file holds {size - 8 - n}); "
-            "download it again"
-        )
-    return shapes
-
-
-def _module_key(ckpt_key: str, cfg: ModelConfig) -> str | None:
-    """Checkpoint key -> module key; None for tensors nextn ignores (vision tower)."""
-    if ckpt_key.startswith(_IGNORED):
-        return None
-    if ckpt_key.startswith(cfg.weight_prefix):
-        return "model." + ckpt_key[len(cfg.weight_prefix) :]
-    return ckpt_key  # lm_head.*, mtp.*, or unknown (caught by the name check)
-
-
-class _Slot(NamedTuple):
-    """Where a checkpoint tensor goes: module tensor `name`, or for a per-expert tensor expert e's
-    rows [row, row + n) of the packed tensor `name` (for its scales: those columns). `scale`
-    (kind "block" | "channel", rows per block, the weight's N, K): a checkpoint scale, converted to
-    nextn's layout; `quantize`: a bf16 weight quantized as it arrives (quantization="fp8");
-    `split`: the part a rank keeps under tensor parallelism."""
-
-    name: str
-    e: int | None = None
-    row: int = 0
-    scale: tuple[str, int, int, int] | None = None
-    quantize: bool = False
-    split: Split | None = None
-
-
-class CheckpointPlan(NamedTuple):
-    """What the shards hold, read from their headers: the module tensors' shapes (experts packed,
-    FP8 scales in nextn's layout; a rank's parts under tensor parallelism), per shard each
-    checkpoint key's slot, the module weights held in FP8 (a module's `weight` or a packed expert
-    tensor; its scales are `name + "_scale"`), and the (rank, size) the shapes are cut for."""
-
-    shapes: dict[str, tuple[int, ...]]
-    keys: dict[Path, dict[str, _Slot]]
-    fp8: frozenset[str] = frozenset()
-    tp: tuple[int, int] = (0, 1)
-
-
-def plan_checkpoint(files: list[Path], cfg: ModelConfig, tp: tuple[int, int] = (0, 1)) -> CheckpointPlan:
-    """cfg: the whole model's; tp (rank, size): the part of each tensor this rank loads."""
-    found = {key: (path, info) for path in files for key, info in read_header(path).items()}
-    size = tp[1]
-
-    def local(name: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], Split | None]:
-        split = split_of(name, shape, cfg) if size > 1 else None
-        return (shape if split is None else split.local_shape(shape, size)), split
-
-    quant = cfg.quantization if cfg.quantization is not None and not cfg.quantization.at_load else None
-    scales = _scale_keys(found, quant)  # scale key -> its weight's key
-    shapes: dict[str, tuple[int, ...]] = {}
-    keys: dict[Path, dict[str, _Slot]] = {path: {} for path in files}
-    experts: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {}  # pre -> proj -> e -> shape
-    per_expert: list[tuple[Path, str, re.Match]] = []
-    fp8 = set()
-    for key, (path, info) in found.items():
-        name = _module_key(scales.get(key, key), cfg)  # a scale goes where its weight goes
-        if name is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-            continue  # the vision tower; the copy of the embeddings some tied exports store
-        m = _PER_EXPERT.match(name)
-        if m:
-            if key not in scales:
-                experts.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = local(name, info.shape)[0]
-            per_expert.append((path, key, m))
-        elif key in scales:
-            n, k = found[scales[key]][1].shape
-            keys[path][key], shapes[name + "_scale"] = (
-                _Slot(name + "_scale", scale=_scale_kind(quant, n, k)),
-                scale_shape(n, k),
-            )
-        else:
-            shapes[name], split = local(name, info.shape)
-            keys[path][key] = _Slot(name, split=split)
-            if info.dtype == "F8_E4M3":
-                fp8.add(name)
-    for pre, projs in experts.items():
-        shapes.update(_pack_experts(pre, projs))
-    packed_dtypes: dict[str, set[str]] = {}
-    for path, key, m in per_expert:
-        packed = f"{m['pre']}.down_proj" if m["proj"] == "down_proj" else f"{m['pre']}.gate_up_proj"
-        row = experts[m["pre"]]["gate_proj"][0][0] if m["proj"] == "up_proj" else 0
-        if key in scales:
-            n, k = found[scales[key]][1].shape
-            keys[path][key] = _Slot(packed + "_scale", int(m["e"]), row, _scale_kind(quant, n, k))
-        else:
-            keys[path][key] = _Slot(
-                packed, int(m["e"]), row, split=local(_module_key(key, cfg), found[key][1].shape)[1]
-            )
-            packed_dtypes.setdefault(packed, set()).add(found[key][1].dtype)
-    for packed, dtypes in packed_dtypes.items():
-        if "F8_E4M3" in dtypes:
-            if len(dtypes) > 1:
-                raise CheckpointError(f"the experts of {packed} mix dtypes {sorted(dtypes)}")
-            *lead, n, k = shapes[packed]
-            shapes[packed + "_scale"] = (*lead, *scale_shape(n, k))
-            fp8.add(packed)
-    return CheckpointPlan(shapes, keys, frozenset(fp8), tp)
-
-
-def _scale_keys(found: dict[str, tuple[Path, TensorInfo]], quant: QuantConfig | None) -> dict[str, str]:
-    """The checkpoint's FP8 scale tensors -> their weights' keys, checked: each scale has an e4m3
-    weight and the shape its method gives that weight; each e4m3 weight has its scale."""
-    if quant is None:
-        odd = sorted(k for k, (_, info) in found.items() if info.dtype == "F8_E4M3" or k.endswith(_SCALE_NAMES))
-        if odd:
-            raise CheckpointError(
-                f"tensor {odd[0]} is FP8 (e4m3 or a scale) but config.json has no quantization_config"
-            )
-        return {}
-    suffix = "." + quant.scale_suffix
-    out = {}
-    for key, (_, info) in found.items():
-        if not key.endswith(suffix):
-            continue
-        weight_key = key.removesuffix(suffix) + ".weight"
-        if weight_key not in found:
-            raise CheckpointError(f"scale tensor {key} has no weight {weight_key}")
-        weight = found[weight_key][1]
-        if weight.dtype != "F8_E4M3":
-            raise CheckpointError(f"scale tensor {key}: its weight {weight_key} is {weight.dtype}, not F8_E4M3")
-        expected = _scale_shapes(weight.shape, quant)
-        if len(weight.shape) != 2 or info.shape not in expected:
-            raise CheckpointError(
-                f"tensor {key} has shape {list(info.shape)}, expected {list(expected[0])} "
-                f"(the {quant.method} scales of the e4m3 weight {weight_key} {list(weight.shape)})"
-            )
-        out[key] = weight_key
-    for key, (_, info) in found.items():
-        if info.dtype == "F8_E4M3" and key.removesuffix(".weight") + suffix not in out:
-            scale = key.removesuffix(".weight") + suffix
-            raise CheckpointError(f"missing tensor {scale}: the {quant.method} scales of the e4m3 weight {key}")
-    return out
-
-
-_SCALE_NAMES = (".weight_scale_inv", ".weight_scale")
-
-
-def _scale_shapes(weight_shape: tuple[int, ...], quant: QuantConfig) -> list[tuple[int, ...]]:
-    """The checkpoint shapes a weight's scales may have (the first is the usual one)."""
-    n, k = weight_shape[-2:]
-    if quant.method == "fp8":
-        rows, cols = quant.weight_block_size
-        return [(-(-n // rows), -(-k // cols))]
-    return [(n, 1), (n,), (1,), ()]  # per channel, or per tensor
-
-
-def _scale_kind(quant: QuantConfig, n: int, k: int) -> tuple[str, int, int, int]:
-    return ("block", quant.weight_block_size[0], n, k) if quant.method == "fp8" else ("channel", 0, n, k)
-
-
-def _pack_experts(pre: str, projs: dict[str, dict[int, tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
-    """The packed shapes of one layer's per-expert tensors, checked complete and uniform."""
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        if proj not in projs:
-            raise CheckpointError(f"missing tensor: {pre}.*.{proj}.weight")
-    num = len(projs["down_proj"])
-    for proj, by_e in projs.items():
-        if sorted(by_e) != list(range(num)):
-            raise CheckpointError(f"{pre}.*.{proj}: experts {sorted(by_e)} are not 0..{num - 1}")
-        odd = [e for e, shape in by_e.items() if shape != by_e[0]]
-        if odd:
-            raise CheckpointError(f"{pre}.{odd[0]}.{proj}.weight has shape {by_e[odd[0]]}, expert 0's {by_e[0]}")
-    gate, up, down = (projs[p][0] for p in ("gate_proj", "up_proj", "down_proj"))
-    return {f"{pre}.gate_up_proj": (num, gate[0] + up[0], *gate[1:]), f"{pre}.down_proj": (num, *down)}
 
 
 def _regroup_next(name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -467,11 +233,6 @@ def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return first.as_strided(shape, first.stride())
 
 
-def count_mtp_layers(names) -> int:
-    layers = {int(m[1]) for n in names if (m := re.match(r"^mtp\.layers\.(\d+)\.", n))}
-    return max(layers) + 1 if layers else 0
-
-
 def load_model(
     model_dir: str | Path,
     device: str = "cpu",
@@ -539,7 +300,7 @@ def _dtype(name: str, plan: CheckpointPlan, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if name.removesuffix("_scale") in plan.fp8 else dtype
 
 
-def _place(state: dict, slot: _Slot, t: torch.Tensor, cfg: ModelConfig, device, dtype, tp=(0, 1)) -> None:
+def _place(state: dict, slot: Slot, t: torch.Tensor, cfg: ModelConfig, device, dtype, tp=(0, 1)) -> None:
     """One checkpoint tensor into the state: cast (FP8 weights kept e4m3, scales converted to
     nextn's layout, quantized if asked; a rank's part cut) and moved, or copied into its expert's rows."""
     if slot.quantize:  # from the checkpoint's own values (quantize computes in float32)
@@ -557,7 +318,7 @@ def _place(state: dict, slot: _Slot, t: torch.Tensor, cfg: ModelConfig, device, 
     _put(state, slot, t.to(device=device, dtype=target), columns=slot.scale is not None)
 
 
-def _put(state: dict, slot: _Slot, t: torch.Tensor, columns: bool = False) -> None:
+def _put(state: dict, slot: Slot, t: torch.Tensor, columns: bool = False) -> None:
     if slot.e is None:
         state[slot.name] = t
     elif columns:  # scales [K blocks, rows]: the expert's rows are columns
