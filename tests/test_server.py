@@ -39,7 +39,10 @@ GREEDY = {"temperature": 0.0}
 class LiveServer:
     def __init__(self, llm: LLM, cfg: ServeConfig, opts: ServerOptions | None = None):
         self.llm = llm
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP, as the sockets uvicorn binds for `nextn serve` (getaddrinfo's): asyncio
+        # sets TCP_NODELAY on a connection only then; without it a response's headers and body meet
+        # Nagle and the client's delayed ACK, and every request on a kept-alive connection waits 40 ms
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.app = create_app(llm, cfg, opts)
