@@ -51,7 +51,8 @@ import torch
 
 from nextn.bench_measure import Bench, BenchConfig, copy_bandwidth, spread_text, sync_device, tokens_per_s
 from nextn.bench_sweeps import batched_runs, profiled_runs, sampled_runs, spec_sweep
-from nextn.config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from nextn.config import EngineConfig, resolve_device, resolve_dtype
+from nextn.model_config import ModelConfig
 from nextn.models.loader import load_model
 from nextn.models.qwen3_5 import CausalLM
 from nextn.models.random_weights import PRESETS, random_model, weight_bytes_per_token

@@ -7,11 +7,10 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
 from nextn import __version__
+from nextn.commands import COMMANDS
 from nextn.config import DRAFT_GATES, DTYPE_NAMES, KV_CACHE_DTYPES, QUANTIZATIONS
-from nextn.core import MAX_TRACKED_POSITIONS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -302,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
             raise ValueError(f"two models given: {args.model_pos} and --model {args.model}")
         args.model = args.model or args.model_pos
-        return _COMMANDS[args.command](args)
+        return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         return 130
     except _user_errors() as e:
@@ -333,208 +332,6 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
     return value
-
-
-def _local(args, default_model: bool = True) -> None:
-    """Resolve the model to a directory, and device / dtype "auto", for the commands that load the
-    model themselves (replay, bench, train). generate and serve leave that to LLM."""
-    from nextn.config import ModelConfig, resolve_device, resolve_dtype
-    from nextn.hub import resolve_model
-
-    args.device = resolve_device(args.device)
-    if args.model is not None or default_model:
-        args.model = str(resolve_model(args.model))
-    if args.dtype == "auto":
-        checkpoint_dtype = ModelConfig.from_hf(args.model).dtype if args.model is not None else None
-        args.dtype = resolve_dtype("auto", args.device, checkpoint_dtype)
-
-
-def _replay(args) -> int:
-    from nextn.spec.replay import replay_from_args
-
-    _local(args)
-    return replay_from_args(args)
-
-
-def _bench(args) -> int:
-    from nextn.bench import bench_from_args
-
-    _local(args, default_model=False)  # bench runs --model or --random-weights
-    return bench_from_args(args)
-
-
-def _draft_vocab(args) -> int:
-    from nextn.config import ModelConfig
-    from nextn.hub import resolve_model
-    from nextn.spec.draft_vocab import build_draft_vocab
-    from nextn.tokenizer import Tokenizer
-
-    model_dir = resolve_model(args.model)
-    cfg, tokenizer = ModelConfig.from_hf(model_dir), Tokenizer(model_dir)
-    # a draft vocabulary that can end a reply
-    eos = {t for t in (*cfg.eos_token_ids, tokenizer.eos_token_id) if t is not None and t < cfg.vocab_size}
-    vocab = build_draft_vocab(
-        tokenizer, args.data, args.size, cfg.vocab_size, args.glob, eos, settings={"model": str(model_dir)}
-    )
-    vocab.save(args.out)
-    s = vocab.settings
-    print(
-        f"draft-vocab: {vocab.size} of {cfg.vocab_size} ids hold {s['coverage']:.2%} of the {s['tokens']} tokens "
-        f"({s['files']} files, {s['distinct_tokens']} distinct tokens) -> {args.out}",
-        file=sys.stderr,
-    )
-    return 0
-
-
-def _train(args) -> int:
-    from nextn.train import run_from_args
-
-    if args.dtype == "auto":
-        args.dtype = None  # train picks its autocast dtype itself: bfloat16 on CUDA, float32 on CPU
-    _local(args, default_model=False)  # without a model train starts a new one
-    return run_from_args(args)
-
-
-def _llm(args, **engine):
-    """The LLM of generate / serve from their common and spec flags (and `engine` settings)."""
-    from nextn import LLM
-
-    return LLM(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        num_speculative_tokens=args.spec_k,
-        p_min=args.p_min,
-        adaptive_k=args.adaptive_k,
-        hidden_after_norm=not args.hidden_before_norm,
-        grammar_draft_mask=not args.no_grammar_draft_mask,
-        kernels=args.kernels,
-        prefill=args.prefill,
-        speculative_config=args.speculative_config,
-        quantization=args.quantization,
-        draft_vocab=args.draft_vocab,
-        tensor_parallel_size=args.tensor_parallel_size,
-        kv_cache_dtype=args.kv_cache_dtype,
-        **engine,
-    )
-
-
-def _serve(args) -> int:
-    from nextn.config import ServeConfig
-    from nextn.server.app import serve
-    from nextn.server.options import ServerOptions
-
-    llm = _llm(
-        args,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-    cfg = ServeConfig(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        max_queue=args.max_queue,
-    )
-    opts = ServerOptions(
-        max_request_bytes=args.max_request_bytes,
-        shutdown_timeout=args.shutdown_timeout,
-        metrics_open=args.metrics_open,
-        log_interval=args.log_interval,
-        reasoning_parser=args.reasoning_parser,
-    )
-    try:
-        return serve(llm, cfg, opts)
-    finally:
-        llm.close()
-
-
-def _generate(args) -> int:
-    llm = _llm(args, trace=args.trace)
-    try:
-        return _generate_with(llm, args)
-    finally:
-        llm.close()
-
-
-def _generate_with(llm, args) -> int:
-    if args.prompt_ids is not None:
-        try:
-            prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError:
-            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    else:
-        text = args.prompt if args.prompt_file is None else Path(args.prompt_file).read_text(errors="replace")
-        if args.chat:
-            text = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        prompt_ids = llm.tokenizer.encode(text)
-    params = llm.default_sampling_params(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-        structured_outputs=args.structured_outputs,
-    )
-    streamed = not args.json
-    out = None
-    for ev in llm.stream(prompt_ids, params):
-        if streamed:
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
-        out = ev.output or out
-    if streamed:
-        sys.stdout.write("\n")
-    s, k = out.spec, min(llm.num_speculative_tokens, MAX_TRACKED_POSITIONS)
-    print(
-        f"nextn: {len(out.token_ids)} tokens, prefill {out.prefill_tokens_per_s:.1f} tok/s, "
-        f"decode {out.decode_tokens_per_s:.1f} tok/s, spec K={llm.num_speculative_tokens}: "
-        f"drafted {s.num_drafted}, accepted {s.num_accepted} ({s.acceptance_rate:.1%}), "
-        f"mean acceptance length {s.mean_acceptance_length:.2f}, zero-draft rounds {s.num_zero_draft_rounds} "
-        f"of {s.num_rounds}",
-        file=sys.stderr,
-    )
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "token_ids": out.token_ids,
-                    "text": out.text,
-                    "finish_reason": out.finish_reason,
-                    "prompt_tokens": out.prompt_tokens,
-                    "num_speculative_tokens": llm.num_speculative_tokens,
-                    "num_drafted": s.num_drafted,
-                    "num_accepted": s.num_accepted,
-                    "num_rounds": s.num_rounds,
-                    "num_zero_draft_rounds": s.num_zero_draft_rounds,
-                    "drafted_per_position": s.drafted_per_position,
-                    "accepted_per_position": s.accepted_per_position,
-                    "accept_length_histogram": s.accept_length_histogram[: k + 1],
-                    "acceptance_rate": s.acceptance_rate,
-                    "mean_acceptance_length": s.mean_acceptance_length,
-                    "decode_tokens_per_s": out.decode_tokens_per_s,
-                    "prefill_tokens_per_s": out.prefill_tokens_per_s,
-                    **({"rounds": [r._asdict() for r in out.rounds]} if args.trace else {}),
-                }
-            )
-        )
-    return 0
-
-
-_COMMANDS = {
-    "generate": _generate,
-    "serve": _serve,
-    "replay": _replay,
-    "bench": _bench,
-    "draft-vocab": _draft_vocab,
-    "train": _train,
-}
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ import torch
 from nextn.cache import CacheLayout, CacheMemoryError, HybridCache, StepBatch, commit_ctl
 from nextn.cache import pool as pool_mod
 from nextn.cache.hybrid import CONV_AT, CONV_WRITE, NUM_CTL, SEQ_LEN, STATE_AT, STATE_WRITE, nbytes_of, tensor_specs
-from nextn.config import ModelConfig
 from nextn.engine.rounds import round_buffers
 from nextn.engine.sampler import sampler_buffers
+from nextn.model_config import ModelConfig
 from nextn.models.loader import load_model
 
 

@@ -24,7 +24,8 @@ from test_step import PROMPT, _prefilled, _step  # a prompt, a prefilled slot, a
 import nextn
 from nextn import bench
 from nextn.cli import main
-from nextn.config import ConfigError, EngineConfig, QuantConfig
+from nextn.config import EngineConfig
+from nextn.model_config import ConfigError, QuantConfig
 from nextn.layers.ffn import FP8Experts
 from nextn.layers.linear import FP8Linear, Linear
 from nextn.models.loader import CheckpointError, fuse_weights, load_model, quantize_model

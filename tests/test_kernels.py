@@ -746,7 +746,7 @@ def test_step_attention_9b_shapes_gpu():
 
 
 def _moe_block(E, k, H, I, Is, dtype, seed):
-    from nextn.config import ModelConfig
+    from nextn.model_config import ModelConfig
     from nextn.layers.ffn import SparseMoeBlock
 
     cfg = ModelConfig(

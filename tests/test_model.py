@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 import nextn
 from nextn.cache import CacheLayout, HybridCache, StepBatch
 from nextn.cache.hybrid import CONV_WRITE, STATE_WRITE
-from nextn.config import FULL, ConfigError, ModelConfig
+from nextn.config import FULL
+from nextn.model_config import ConfigError, ModelConfig
 from nextn.models.loader import CheckpointError, load_model
 
 CKPTS = ["dense_ckpt", "moe_ckpt", "moe_perexpert_ckpt", "next_ckpt", "vlm_ckpt", "moe_vlm_ckpt"]

@@ -24,10 +24,11 @@ import torch
 
 import nextn
 from nextn.cli import build_parser, main
-from nextn.config import DEFAULT_MODEL_DIR, ConfigError, resolve_device, resolve_dtype
+from nextn.config import DEFAULT_MODEL_DIR, resolve_device, resolve_dtype
 from nextn.core import SamplingParams
 from nextn.engine.llm import RequestError
 from nextn.hub import ModelNotFoundError, is_hub_id, resolve_model
+from nextn.model_config import ConfigError
 from nextn.models import loader
 from nextn.models.loader import CheckpointError, load_model
 from nextn.tokenizer import TokenizerError

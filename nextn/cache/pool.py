@@ -9,7 +9,8 @@ from dataclasses import replace
 import torch
 
 from nextn.cache.hybrid import KV_BLOCK, CacheLayout, HybridCache, nbytes_of, tensor_specs
-from nextn.config import STEP_ROWS, ModelConfig
+from nextn.config import STEP_ROWS
+from nextn.model_config import ModelConfig
 
 GiB = 2**30
 

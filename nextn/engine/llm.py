@@ -19,11 +19,9 @@ from pathlib import Path
 
 from nextn.config import (
     EngineConfig,
-    ModelConfig,
     SpecConfig,
     check_kv_cache_dtype,
     check_quantization,
-    read_generation_config,
     resolve_device,
     resolve_dtype,
 )
@@ -31,6 +29,7 @@ from nextn.core import RequestOutput, SamplingParams, sampling_defaults, with_de
 from nextn.engine.engine import Engine, StreamEvent
 from nextn.engine.replica import Leader, follow
 from nextn.hub import resolve_model
+from nextn.model_config import ModelConfig, read_generation_config
 from nextn.models.loader import load_model
 from nextn.parallel.launch import RankError, Ranks, check_ranks, initialized, rank, rank_device, start
 from nextn.spec.draft_vocab import DraftVocab, load_draft_vocab

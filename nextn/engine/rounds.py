@@ -42,12 +42,13 @@ import torch
 
 from nextn.cache import SlotCache, commit_ctl
 from nextn.cache.hybrid import DRAFT_LEN, NUM_CTL, NUM_GEN, SEQ_LEN, commit_table
-from nextn.config import ModelConfig, SpecConfig
+from nextn.config import SpecConfig
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.runner import PhaseClock
 from nextn.engine.sampler import SlotSampler
 from nextn.engine.sequence import Sequence
 from nextn.grammar import GrammarState
+from nextn.model_config import ModelConfig
 from nextn.spec.adaptive import AdaptiveK
 
 _N, _DRAFTED, _TOKENS = 0, 1, 2  # fields of a round's outcome buffer

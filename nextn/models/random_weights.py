@@ -9,7 +9,8 @@ import math
 
 import torch
 
-from nextn.config import ModelConfig, check_quantization
+from nextn.config import check_quantization
+from nextn.model_config import ModelConfig
 from nextn.models.loader import DTYPES, fuse_weights, quantize_model
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.fp8 import compact

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nextn.config import ModelConfig
+from nextn.model_config import ModelConfig
 
 log = logging.getLogger("nextn")
 
