@@ -31,7 +31,7 @@ from test_server import KEY, MODEL, LiveServer, user, wait_for  # noqa: E402
 
 from nextn import LLM, SamplingParams  # noqa: E402
 from nextn.config import DEFAULT_MODEL_DIR, ServeConfig  # noqa: E402
-from nextn.server.app import stream_error  # noqa: E402
+from nextn.server.completions import stream_error  # noqa: E402
 from nextn.server.metrics import Metrics, ThroughputLog  # noqa: E402
 from nextn.server.options import ServerOptions  # noqa: E402
 from nextn.server.prepare import max_chars_per_token  # noqa: E402

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from nextn.server import protocol as P
+from nextn.server import response_models as R
 
 THINK_START, THINK_END = "<think>", "</think>"
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -35,20 +36,20 @@ class Parts:
 
     reasoning: str = ""
     content: str = ""
-    tool_calls: list[P.ToolCallOut] = field(default_factory=list)
+    tool_calls: list[R.ToolCallOut] = field(default_factory=list)
 
-    def delta(self, first_index: int) -> list[P.DeltaMessage]:
+    def delta(self, first_index: int) -> list[R.DeltaMessage]:
         """As stream deltas: text first, then each call as its header and its arguments."""
         out = []
         if self.reasoning or self.content:
-            out.append(P.DeltaMessage(reasoning_content=self.reasoning or None, content=self.content or None))
+            out.append(R.DeltaMessage(reasoning_content=self.reasoning or None, content=self.content or None))
         for i, call in enumerate(self.tool_calls, first_index):
-            head = P.DeltaFunctionCall(name=call.function.name, arguments="")
+            head = R.DeltaFunctionCall(name=call.function.name, arguments="")
             out.append(
-                P.DeltaMessage(tool_calls=[P.DeltaToolCall(index=i, id=call.id, type="function", function=head)])
+                R.DeltaMessage(tool_calls=[R.DeltaToolCall(index=i, id=call.id, type="function", function=head)])
             )
-            args = P.DeltaFunctionCall(arguments=call.function.arguments)
-            out.append(P.DeltaMessage(tool_calls=[P.DeltaToolCall(index=i, function=args)]))
+            args = R.DeltaFunctionCall(arguments=call.function.arguments)
+            out.append(R.DeltaMessage(tool_calls=[R.DeltaToolCall(index=i, function=args)]))
         return out
 
 
@@ -156,8 +157,8 @@ class ChatOutputParser:
             return
         name, args = call
         self.num_calls += 1
-        fn = P.FunctionCallOut(name=name, arguments=json.dumps(args, ensure_ascii=False))
-        parts.tool_calls.append(P.ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}", function=fn))
+        fn = R.FunctionCallOut(name=name, arguments=json.dumps(args, ensure_ascii=False))
+        parts.tool_calls.append(R.ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}", function=fn))
 
 
 def _split(buf: str, marker: str, final: bool) -> tuple[str, bool, str]:

@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Callable
 
-from nextn.server import protocol as P
+from nextn.server import response_models as R
 
 DRAIN_S = 2.0  # at most this long spent dropping a refused body before answering
 
@@ -78,7 +78,7 @@ class Guard:
         self.on_reject("unauthorized" if status == 401 else "too_large")
         if pending:
             await _drain(receive)
-        body = P.ErrorResponse(error=P.ErrorInfo(message=message, type=type_, code=code)).model_dump()
+        body = R.ErrorResponse(error=R.ErrorInfo(message=message, type=type_, code=code)).model_dump()
         content = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
         if status == 413:  # a body past the drain's bound may still be arriving: the connection is done

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from nextn.core import RequestOutput, SpecStats
 from nextn.server import protocol as P
+from nextn.server import response_models as R
 from nextn.tokenizer import Tokenizer
 
 # nextn/vLLM extras left out of a response when unset, so plain OpenAI payloads stay plain
@@ -70,11 +71,11 @@ def _path(loc: list) -> str:
     return "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).removeprefix(".")
 
 
-def spec_usage(stats: SpecStats, num_speculative_tokens: int) -> P.SpecDecodeUsage | None:
+def spec_usage(stats: SpecStats, num_speculative_tokens: int) -> R.SpecDecodeUsage | None:
     if num_speculative_tokens == 0:
         return None
     k = min(num_speculative_tokens, len(stats.drafted_per_position))
-    return P.SpecDecodeUsage(
+    return R.SpecDecodeUsage(
         num_drafts=stats.drafted_per_position[0],
         num_draft_tokens=stats.num_drafted,
         num_accepted_tokens=stats.num_accepted,
@@ -88,17 +89,17 @@ def spec_usage(stats: SpecStats, num_speculative_tokens: int) -> P.SpecDecodeUsa
     )
 
 
-def usage(outputs: list[RequestOutput], num_speculative_tokens: int) -> P.Usage:
+def usage(outputs: list[RequestOutput], num_speculative_tokens: int) -> R.Usage:
     stats = SpecStats()
     for out in outputs:
         stats.merge(out.spec)
     prompt = sum(o.prompt_tokens for o in outputs)
     completion = sum(len(o.token_ids) for o in outputs)
-    return P.Usage(
+    return R.Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in outputs)),
+        prompt_tokens_details=R.PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in outputs)),
         spec_decode=spec_usage(stats, num_speculative_tokens),
     )
 
@@ -137,43 +138,43 @@ class LogprobFormatter:
             return [self._alphabet[c] for c in piece]
         return list(self.token(token_id).encode("utf-8"))
 
-    def chat(self, entries: list[dict]) -> P.ChoiceLogprobs:
-        def top(tid: int, lp: float) -> P.TopLogprob:
-            return P.TopLogprob(token=self.token(tid), logprob=lp, bytes=self.token_bytes(tid))
+    def chat(self, entries: list[dict]) -> R.ChoiceLogprobs:
+        def top(tid: int, lp: float) -> R.TopLogprob:
+            return R.TopLogprob(token=self.token(tid), logprob=lp, bytes=self.token_bytes(tid))
 
         content = [
-            P.TokenLogprob(
+            R.TokenLogprob(
                 **top(e["token_id"], e["logprob"]).model_dump(),
                 top_logprobs=[top(t, lp) for t, lp in e["top_logprobs"]],
             )
             for e in entries
         ]
-        return P.ChoiceLogprobs(content=content)
+        return R.ChoiceLogprobs(content=content)
 
-    def prompt(self, entries: list[dict | None], n: int) -> list[dict[int, P.PromptLogprob] | None]:
+    def prompt(self, entries: list[dict | None], n: int) -> list[dict[int, R.PromptLogprob] | None]:
         """vLLM's prompt_logprobs: per prompt token, {token id: entry} for the token and the top `n`."""
-        out: list[dict[int, P.PromptLogprob] | None] = []
+        out: list[dict[int, R.PromptLogprob] | None] = []
         for e in entries:
             if e is None:
                 out.append(None)
                 continue
             tops = e["top_logprobs"][:n]
             ranked = {
-                tid: P.PromptLogprob(logprob=lp, rank=r, decoded_token=self.token(tid))
+                tid: R.PromptLogprob(logprob=lp, rank=r, decoded_token=self.token(tid))
                 for r, (tid, lp) in enumerate(tops, 1)
             }
             chosen = e["token_id"]
             if chosen not in ranked:
-                ranked = {chosen: P.PromptLogprob(logprob=e["logprob"], decoded_token=self.token(chosen)), **ranked}
+                ranked = {chosen: R.PromptLogprob(logprob=e["logprob"], decoded_token=self.token(chosen)), **ranked}
             out.append(ranked)
         return out
 
     def completion(
         self, entries: list[dict | None], token_ids: list[int], offset: int, n: int | None = None
-    ) -> P.CompletionLogprobs:
+    ) -> R.CompletionLogprobs:
         """`entries[i]` is token_ids[i]'s (None for a first prompt token); offsets start at `offset`;
         at most `n` top entries each (all given when None)."""
-        out = P.CompletionLogprobs()
+        out = R.CompletionLogprobs()
         for tid, e in zip(token_ids, entries, strict=True):
             s = self.token(tid)
             out.tokens.append(s)
@@ -192,8 +193,8 @@ class LogprobFormatter:
         return out
 
 
-def merge_completion_logprobs(a: P.CompletionLogprobs, b: P.CompletionLogprobs) -> P.CompletionLogprobs:
-    return P.CompletionLogprobs(
+def merge_completion_logprobs(a: R.CompletionLogprobs, b: R.CompletionLogprobs) -> R.CompletionLogprobs:
+    return R.CompletionLogprobs(
         tokens=a.tokens + b.tokens,
         token_logprobs=a.token_logprobs + b.token_logprobs,
         top_logprobs=a.top_logprobs + b.top_logprobs,

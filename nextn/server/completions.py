@@ -1,0 +1,339 @@
+"""The two generation routes' work (/v1/chat/completions and /v1/completions): a request in,
+jobs submitted to the engine thread, the outputs formatted as one response or as SSE chunks.
+
+Holds `Server` (what the routes share) with its `submit`, and maps the engine's refusals to
+OpenAI-shaped errors: a full queue is a 503 with Retry-After, a stopped engine a 503, a stream that
+cannot finish ends with a final error event (a 500's internal text never reaches the client).
+Requests become prompts in prepare.py; a chat reply is split into reasoning, content and tool calls
+by chat_output.py; the routes, the app and its lifetime are in app.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from nextn.core import RequestOutput, SamplingParams
+from nextn.engine.llm import LLM, RequestError
+from nextn.engine.scheduler import QueueFull
+from nextn.server import protocol as P
+from nextn.server import response_models as R
+from nextn.server.chat_output import ChatOutputParser, Parts, ReasoningStart
+from nextn.server.metrics import Metrics
+from nextn.server.options import ServerOptions
+from nextn.server.prepare import APIError, Prompts, text_content
+from nextn.server.responses import (
+    SSE_DONE,
+    LogprobFormatter,
+    merge_completion_logprobs,
+    sse,
+    stop_string_tail,
+    to_json,
+    usage,
+)
+from nextn.server.worker import ClientGone, EngineWorker, Job, Unavailable
+
+log = logging.getLogger("nextn.server")
+
+RETRY_AFTER_S = 1  # what a 503 for a full queue asks a client to wait
+
+
+@dataclass
+class Server:
+    """What the routes share."""
+
+    llm: LLM
+    opts: ServerOptions
+    worker: EngineWorker
+    metrics: Metrics
+    prompts: Prompts
+    model_name: str
+    created: int
+    logprobs: LogprobFormatter
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, checkpoint_at: int | None = None) -> Job:
+        job = Job(prompt_ids, params, asyncio.get_running_loop(), checkpoint_at)
+        try:
+            self.worker.submit(job)
+        except QueueFull as e:
+            self.metrics.rejected_request("queue_full")
+            raise APIError(
+                503,
+                f"The server is overloaded ({e}); retry later.",
+                type_="server_error",
+                code="server_overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        except Unavailable as e:
+            self.metrics.rejected_request("unavailable")
+            raise unavailable(e) from None
+        return job
+
+
+def unavailable(e: Unavailable) -> APIError:
+    return APIError(503, f"{e}.", type_="server_error", code="service_unavailable")
+
+
+def stream_error(e: Exception) -> str:
+    """The final event of a stream that cannot finish (then [DONE], as vLLM does)."""
+    if isinstance(e, Unavailable):
+        info = R.ErrorInfo(message=f"{e}.", type="server_error", code="service_unavailable")
+    elif isinstance(e, RequestError):
+        info = R.ErrorInfo(message=str(e), type="invalid_request_error")
+    else:
+        log.error("stream failed", exc_info=e)
+        info = R.ErrorInfo(message="The server failed on this request.", type="server_error")
+    return f"data: {to_json(R.ErrorResponse(error=info))}\n\n{SSE_DONE}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Running jobs
+
+
+async def run_to_end(job: Job, request: Request | None) -> RequestOutput:
+    try:
+        disconnected = request.is_disconnected if request is not None else None
+        async for ev in job.events(disconnected=disconnected):
+            if ev.output is not None:
+                return ev.output
+        raise RuntimeError("the engine ended a request without an output")
+    except RequestError as e:  # the engine refused the prompt after all
+        raise APIError(400, str(e)) from None
+    except Unavailable as e:
+        raise unavailable(e) from None
+    finally:
+        job.cancel()  # a no-op once the job is over; stops the work if this coroutine was cancelled
+
+
+async def run_all(jobs: list[Job], request: Request) -> list[RequestOutput]:
+    if len(jobs) == 1:
+        return [await run_to_end(jobs[0], request)]
+    try:
+        async with asyncio.TaskGroup() as tg:  # the first job polls for a disconnect for all of them
+            tasks = [tg.create_task(run_to_end(job, request if i == 0 else None)) for i, job in enumerate(jobs)]
+    except* (APIError, ClientGone) as group:
+        raise group.exceptions[0] from None
+    finally:
+        for job in jobs:
+            job.cancel()
+    return [t.result() for t in tasks]
+
+
+def echo_prefix(req: P.ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the reply continues the last message when it is the assistant's."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant":
+        return ""
+    return text_content(last.content, len(req.messages) - 1)
+
+
+def output_parser(req: P.ChatCompletionRequest, reasoning: ReasoningStart | None) -> ChatOutputParser:
+    """The reply's parser: tool calls are parsed when the request gives tools and allows calls."""
+    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    return ChatOutputParser(reasoning, tools)
+
+
+def finish_reason(out: RequestOutput, num_calls: int) -> str | None:
+    return "tool_calls" if num_calls and out.finish_reason == "stop" else out.finish_reason
+
+
+async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Request) -> Response:
+    prompt_ids, params, checkpoint_at, reasoning = await run_in_threadpool(srv.prompts.chat, req)
+    job = srv.submit(prompt_ids, params, checkpoint_at)
+    rid, created = R.new_id("chatcmpl"), R.now()
+    parser = output_parser(req, reasoning)
+    if req.stream:
+        return StreamingResponse(chat_stream(srv, req, job, parser, rid, created), media_type="text/event-stream")
+    out = await run_to_end(job, request)
+    parts = parser.push(echo_prefix(req) + out.text + _stop_tail(srv, req, out))
+    rest = parser.finish()
+    calls = parts.tool_calls + rest.tool_calls
+    message = R.AssistantMessage(
+        content=(parts.content + rest.content) or (None if calls else ""),
+        reasoning_content=(parts.reasoning + rest.reasoning) or None,
+        tool_calls=calls or None,
+    )
+    choice = R.ChatChoice(
+        message=message,
+        finish_reason=finish_reason(out, len(calls)),
+        logprobs=srv.logprobs.chat(out.logprobs) if out.logprobs is not None else None,
+        token_ids=out.token_ids if req.return_token_ids else None,
+    )
+    resp = R.ChatCompletionResponse(
+        id=rid,
+        created=created,
+        model=srv.model_name,
+        choices=[choice],
+        usage=usage([out], srv.llm.num_speculative_tokens),
+        prompt_token_ids=prompt_ids if req.return_token_ids else None,
+        prompt_logprobs=_prompt_logprobs(srv, req, out),
+    )
+    return Response(to_json(resp), media_type="application/json")
+
+
+def _stop_tail(srv: Server, req: P.SamplingRequest, out: RequestOutput) -> str:
+    return stop_string_tail(srv.llm.tokenizer, out, req.stop_list) if req.include_stop_str_in_output else ""
+
+
+def _prompt_logprobs(srv: Server, req: P.SamplingRequest, out: RequestOutput):
+    if req.prompt_logprobs is None or out.prompt_logprobs is None:
+        return None
+    return srv.logprobs.prompt(out.prompt_logprobs, req.prompt_logprobs)
+
+
+async def chat_stream(
+    srv: Server, req: P.ChatCompletionRequest, job: Job, parser: ChatOutputParser, rid: str, created: int
+) -> AsyncIterator[str]:
+    def chunk(delta: R.DeltaMessage, **fields) -> str:
+        choice = R.ChatChunkChoice(delta=delta, **fields)
+        return sse(R.ChatCompletionChunk(id=rid, created=created, model=srv.model_name, choices=[choice]))
+
+    def deltas(parts: Parts, **fields) -> list[str]:
+        """The parts as chunks; the event's logprobs and token ids ride on the first (on an empty
+        delta when the parser holds all of its text back)."""
+        out = parts.delta(parser.num_calls - len(parts.tool_calls)) or ([R.DeltaMessage()] if fields else [])
+        return [chunk(d, **(fields if i == 0 else {})) for i, d in enumerate(out)]
+
+    try:
+        yield chunk(R.DeltaMessage(role="assistant", content=""))
+        for c in deltas(parser.push(echo_prefix(req))):
+            yield c
+        async for ev in job.events():
+            text = ev.text + (_stop_tail(srv, req, ev.output) if ev.output is not None else "")
+            fields = {}
+            if ev.logprobs:
+                fields["logprobs"] = srv.logprobs.chat(ev.logprobs)
+            if req.return_token_ids and ev.token_ids:
+                fields["token_ids"] = ev.token_ids
+            for c in deltas(parser.push(text), **fields):
+                yield c
+            if ev.output is not None:
+                for c in deltas(parser.finish()):
+                    yield c
+                yield chunk(R.DeltaMessage(), finish_reason=finish_reason(ev.output, parser.num_calls))
+                if req.include_usage:
+                    yield sse(
+                        R.ChatCompletionChunk(
+                            id=rid,
+                            created=created,
+                            model=srv.model_name,
+                            choices=[],
+                            usage=usage([ev.output], srv.llm.num_speculative_tokens),
+                        )
+                    )
+        yield SSE_DONE
+    except Exception as e:  # the response has started: report in the stream
+        yield stream_error(e)
+    finally:
+        job.cancel()
+
+
+async def completion(srv: Server, req: P.CompletionRequest, request: Request) -> Response:
+    prepared = await run_in_threadpool(srv.prompts.completion, req)
+    jobs = []
+    try:
+        for ids, _, params in prepared:
+            jobs.append(srv.submit(ids, params))
+    except APIError:
+        for job in jobs:
+            job.cancel()
+        raise
+    rid, created = R.new_id("cmpl"), R.now()
+    if req.stream:
+        ids, text, _ = prepared[0]
+        return StreamingResponse(
+            completion_stream(srv, req, jobs[0], ids, text, rid, created), media_type="text/event-stream"
+        )
+    outs = await run_all(jobs, request)
+    choices = [
+        completion_choice(srv, req, i, ids, text, out)
+        for i, ((ids, text, _), out) in enumerate(zip(prepared, outs, strict=True))
+    ]
+    resp = R.CompletionResponse(
+        id=rid,
+        created=created,
+        model=srv.model_name,
+        choices=choices,
+        usage=usage(outs, srv.llm.num_speculative_tokens),
+    )
+    return Response(to_json(resp), media_type="application/json")
+
+
+def completion_choice(
+    srv: Server,
+    req: P.CompletionRequest,
+    index: int,
+    prompt_ids: list[int],
+    prompt_text: str | None,
+    out: RequestOutput,
+) -> R.CompletionChoice:
+    prefix = ""
+    if req.echo:
+        prefix = prompt_text if prompt_text is not None else srv.llm.tokenizer.decode(prompt_ids)
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = srv.logprobs.completion(out.logprobs, out.token_ids, len(prefix))
+        if req.echo:
+            echoed = srv.logprobs.completion(out.prompt_logprobs, prompt_ids, 0, req.logprobs)
+            logprobs = merge_completion_logprobs(echoed, logprobs)
+    return R.CompletionChoice(
+        index=index,
+        text=prefix + out.text + _stop_tail(srv, req, out),
+        logprobs=logprobs,
+        finish_reason=out.finish_reason,
+        token_ids=out.token_ids if req.return_token_ids else None,
+        prompt_token_ids=prompt_ids if req.return_token_ids else None,
+        prompt_logprobs=_prompt_logprobs(srv, req, out),
+    )
+
+
+async def completion_stream(
+    srv: Server,
+    req: P.CompletionRequest,
+    job: Job,
+    prompt_ids: list[int],
+    prompt_text: str | None,
+    rid: str,
+    created: int,
+) -> AsyncIterator[str]:
+    def chunk(text: str, **fields) -> str:
+        choice = R.CompletionChoice(text=text, **fields)
+        return sse(R.CompletionResponse(id=rid, created=created, model=srv.model_name, choices=[choice]))
+
+    try:
+        offset = 0
+        if req.echo:
+            prefix = prompt_text if prompt_text is not None else srv.llm.tokenizer.decode(prompt_ids)
+            offset = len(prefix)
+            yield chunk(prefix, prompt_token_ids=prompt_ids if req.return_token_ids else None)
+        async for ev in job.events():
+            text = ev.text + (_stop_tail(srv, req, ev.output) if ev.output is not None else "")
+            if text or ev.logprobs:
+                lp = None
+                if ev.logprobs is not None:
+                    lp = srv.logprobs.completion(ev.logprobs, ev.token_ids, offset)
+                offset += len(text)
+                yield chunk(text, logprobs=lp, token_ids=ev.token_ids if req.return_token_ids else None)
+            if ev.output is not None:
+                yield chunk("", finish_reason=ev.output.finish_reason)
+                if req.include_usage:
+                    yield sse(
+                        R.CompletionResponse(
+                            id=rid,
+                            created=created,
+                            model=srv.model_name,
+                            choices=[],
+                            usage=usage([ev.output], srv.llm.num_speculative_tokens),
+                        )
+                    )
+        yield SSE_DONE
+    except Exception as e:
+        yield stream_error(e)
+    finally:
+        job.cancel()
