@@ -353,8 +353,14 @@ def test_sigterm_with_open_streams_exits_within_the_timeout(dense_ckpt, tmp_path
         assert wait_for(up, timeout=60), (tmp_path / "serve.log").read_text()
         body = {"prompt": "The quick brown fox", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            streams = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=30) for _ in range(8)]
-            time.sleep(1.0)
+            streams = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60) for _ in range(8)]
+
+            def admitted() -> float:  # every stream in the engine before the signal (a slow CI machine lags)
+                lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+                queues = ("nextn:num_requests_running ", "nextn:num_requests_waiting ")
+                return sum(float(v.rsplit(" ", 1)[1]) for v in lines if v.startswith(queues))
+
+            assert wait_for(lambda: admitted() == 8, timeout=60), (tmp_path / "serve.log").read_text()
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout + 5) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
