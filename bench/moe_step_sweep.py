@@ -4,8 +4,8 @@ block configs against their defaults. (Run 72 also timed the kernels before the 
 kernel: bench/results/moe_step_sweep_run72.json, made by this file at commit 19a8f4f.)
 
 Each config is timed in a CUDA graph of 50 calls cycling over LAYERS layers' own weights (1.6 GB of
-experts each, so no call finds its weights in the 50 MB L2), the call as a step runs it: router
-GEMM, gate/up, down. The gate/up configs run with the default down config, and the other way
+experts each, so no call finds its weights in the 50 MB L2), the call as a step runs it: norm and
+router, gate/up, down. The gate/up configs run with the default down config, and the other way
 round. Reports microseconds per call, GB/s of the expert weights the call reads (its rows' distinct
 routed experts and the shared expert, gate/up and down), and whether the output equals the
 defaults' bit for bit (configs with BLOCK < 2 * num_warps lay an e4m3 tile out differently, so
@@ -26,29 +26,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's ne
 
 import torch  # noqa: E402
 
-from nextn.ops import triton_moe  # noqa: E402
-from nextn.ops.triton_linear import _graph_us  # noqa: E402
+from nextn.ops import triton_moe, triton_utils  # noqa: E402
+from nextn.ops.norm import rms_norm  # noqa: E402
+from nextn.ops.triton_linear import _graph_us, skinny_linear  # noqa: E402
 from nextn.ops.triton_moe import moe_step  # noqa: E402
+from nextn.ops.triton_norm import rms_norm as triton_rms_norm  # noqa: E402
 
 E, TOP_K, H, I, IS = 256, 8, 2048, 512, 512
+EPS = 1e-6
 # (BLOCK, num_warps); the last three have BLOCK < 2 * num_warps, where FP8 tiles would sum in another order
 GATE_UP = [(16, 4), (8, 4), (4, 2), (2, 1), (1, 1), (4, 4), (8, 8)]
 DOWN = [(16, 4), (32, 8), (8, 4), (4, 2), (4, 1), (2, 1), (1, 1), (4, 4), (8, 8)]
+ROUTER = [(2, 4), (4, 4), (1, 1), (2, 1), (4, 1), (2, 2)]  # (logits per program, num_warps) of the norm / router kernel
 
 
-def variants(gate_up_configs, down_configs) -> dict:
-    """name -> moe_step-like callable: the defaults, each gate/up config (the default down config)
-    and each down config (the default gate/up config)."""
-    out = {"default": moe_step}
+def variants(gate_up_configs, down_configs, router_blocks=()) -> dict:
+    """name -> moe_step-like callable: the defaults, each gate/up config (the default down config),
+    each down config (the default gate/up config) and each norm / router kernel size."""
+    out = {"default": moe_step, "no pdl": lambda *a, **kw: moe_step(*a, pdl=False, **kw)}
+    for cfg in router_blocks:
+        out[f"router {cfg}"] = lambda *a, c=cfg, **kw: moe_step(*a, router_blocks=c, **kw)
     for cfg in gate_up_configs:
-        out[f"gate_up {cfg}"] = lambda *a, c=cfg: moe_step(*a, gate_up_blocks=c)
+        out[f"gate_up {cfg}"] = lambda *a, c=cfg, **kw: moe_step(*a, gate_up_blocks=c, **kw)
     for cfg in down_configs:
-        out[f"down {cfg}"] = lambda *a, c=cfg: moe_step(*a, down_blocks=c)
+        out[f"down {cfg}"] = lambda *a, c=cfg, **kw: moe_step(*a, down_blocks=c, **kw)
     return out
 
 
 def layer(E, H, I, Is, dtype, device, gen):
-    """A layer's MoE weights, each matrix scaled by its fan-in^-1/2 (the block's arguments after x, h)."""
+    """A layer's MoE weights, each matrix scaled by its fan-in^-1/2 (the block's arguments after x,
+    norm, eps)."""
 
     def w(*shape):
         return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * shape[-1] ** -0.5).to(dtype)
@@ -68,25 +75,53 @@ def check() -> None:
     ]
     for E, k, H, I, Is, T, dtype, residual, configs in cases:
         ws = layer(E, H, I, Is, dtype, "cpu", gen)
-        x, h = (torch.randn(T, H, generator=gen).to(dtype) for _ in range(2))
-        res = x if residual else None
-        want = moe_step(res, h, *ws, k, True)
+        x, norm = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((T, H), (H,)))
+        want = moe_step(x, norm, EPS, *ws, k, True, residual=residual)
         for name, fn in variants(*configs).items():
-            assert torch.equal(fn(res, h, *ws, k, True), want), (name, E, H, dtype, residual)
+            assert torch.equal(fn(x, norm, EPS, *ws, k, True, residual=residual), want), (name, E, H, dtype, residual)
         print(
             f"E={E} H={H} I={I} Is={Is} {dtype} residual={residual}: {len(configs[0]) + len(configs[1])} configs "
             "equal the defaults bit for bit"
         )
 
 
-def expert_bytes(ws, h, top_k) -> int:
+def expert_bytes(ws, x, norm, top_k) -> int:
     """The expert weight bytes one call reads: its rows' distinct routed experts and the shared expert."""
     gates, gate_up, down, shared_gate, shared_up, shared_down = ws
-    logits = torch.nn.functional.linear(h, gates[:-1]).float()
+    logits = torch.nn.functional.linear(rms_norm(x, norm, EPS), gates[:-1]).float()
     routed = logits.topk(top_k, dim=-1).indices.unique().numel()
     per_expert = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
     shared = (shared_gate.numel() + shared_up.numel() + shared_down.numel()) * shared_gate.element_size()
     return routed * per_expert + shared
+
+
+def first_launches(xs, norms, layers) -> dict:
+    """The block's first launch alone, the norm / router kernel (which also routes) at each size,
+    against the norm kernel and the skinny GEMM over the router and shared gate rows, which it
+    replaced (the routing then ran in every gate/up program)."""
+    T = xs[0].shape[0]
+    stride = -(-(E + 1) // 16) * 16
+    h, logits = torch.empty_like(xs[0]), torch.empty(T, stride, device=xs[0].device, dtype=xs[0].dtype)
+    idx = torch.empty(T, TOP_K, device=h.device, dtype=torch.int32)
+    rw = torch.empty(T, TOP_K + 1, device=h.device, dtype=h.dtype)
+    counters = triton_utils.arrival_counters(h.device, T)
+    calls = {
+        "norm + router GEMM (before)": lambda i: skinny_linear(
+            triton_rms_norm(xs[i], norms[i], EPS), layers[i][0], out=logits[:, : E + 1]
+        )
+    }
+    for rows, warps in ROUTER:
+        calls[f"norm_router {(rows, warps)}"] = lambda i, r=rows, w=warps: triton_moe._norm_router_kernel[
+            (T, -(-(E + 1) // r))
+        ](
+            xs[i], norms[i], layers[i][0], h, logits, counters, idx, rw, EPS, H=H, E=E, LOGIT_STRIDE=stride,
+            TOP_K=TOP_K, RENORM=True, BLOCK_R=r, BLOCK_H=H, BLOCK_E=E, num_warps=w,
+        )  # fmt: skip
+    out = {}
+    for name, call in calls.items():
+        out[name] = _graph_us(call, len(layers), 50)
+        print(f"T={T} first launch: {name:28s} {out[name]:6.2f} us")
+    return out
 
 
 def main() -> None:
@@ -100,25 +135,30 @@ def main() -> None:
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     layers = [layer(E, H, I, IS, torch.bfloat16, device, gen) for _ in range(args.layers)]
-    defaults = {"gate_up": triton_moe.GATE_UP_BLOCKS, "down": triton_moe.DOWN_BLOCKS}
+    defaults = {
+        "gate_up": triton_moe.GATE_UP_BLOCKS,
+        "down": triton_moe.DOWN_BLOCKS,
+        "router": triton_moe.ROUTER_BLOCKS,
+    }
     report = {"device": torch.cuda.get_device_name(), "defaults": defaults, "layers": args.layers, "rows": {}}
     for T in (1, 4):
         xs = [torch.randn(T, H, generator=gen, device=device).bfloat16() for _ in layers]
-        hs = [torch.randn(T, H, generator=gen, device=device).bfloat16() for _ in layers]
-        nbytes = sum(expert_bytes(ws, h, TOP_K) for ws, h in zip(layers, hs, strict=True)) / len(layers)
-        want = moe_step(xs[0], hs[0], *layers[0], TOP_K, True)
+        norms = [torch.randn(H, generator=gen, device=device).bfloat16() for _ in layers]
+        nbytes = sum(expert_bytes(ws, x, n, TOP_K) for ws, x, n in zip(layers, xs, norms, strict=True)) / len(layers)
+        want = moe_step(xs[0], norms[0], EPS, *layers[0], TOP_K, True)
         entry = report["rows"][T] = {"expert_bytes_per_call": nbytes}
-        for name, fn in variants(GATE_UP, DOWN).items():
+        for name, fn in variants(GATE_UP, DOWN, ROUTER).items():
 
-            def call(i, fn=fn, xs=xs, hs=hs):
-                fn(xs[i], hs[i], *layers[i], TOP_K, True)
+            def call(i, fn=fn, xs=xs, norms=norms):
+                fn(xs[i], norms[i], EPS, *layers[i], TOP_K, True)
 
             us = _graph_us(call, len(layers), 50)
-            same = torch.equal(fn(xs[0], hs[0], *layers[0], TOP_K, True), want)
+            same = torch.equal(fn(xs[0], norms[0], EPS, *layers[0], TOP_K, True), want)
             entry[name] = {"us": us, "GB/s": nbytes / us / 1e3, "equals_default": same}
             bits = "=" if same else "DIFFERS from"
             print(f"T={T} {name:16s} {us:7.1f} us {nbytes / us / 1e3:6.0f} GB/s  {bits} default")
-        for kind in ("gate_up", "down"):
+        entry["first_launches"] = first_launches(xs, norms, layers)
+        for kind in ("gate_up", "down", "router"):
             best = min((v["us"], k) for k, v in entry.items() if k.startswith(kind))
             print(f"T={T} fastest {kind}: {best[1]} ({best[0]:.1f} us; default {defaults[kind]})")
     if args.out:

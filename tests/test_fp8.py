@@ -25,9 +25,9 @@ import nextn
 from nextn import bench
 from nextn.cli import main
 from nextn.config import EngineConfig
-from nextn.model_config import ConfigError, QuantConfig
 from nextn.layers.ffn import FP8Experts
 from nextn.layers.linear import FP8Linear, Linear
+from nextn.model_config import ConfigError, QuantConfig
 from nextn.models.loader import CheckpointError, fuse_weights, load_model, quantize_model
 from nextn.ops.fp8 import FP8Weight, block_scale, channel_scale, compact_scales, dequantize, quantize_blocks
 
@@ -549,17 +549,21 @@ def test_fp8_moe_step_computes_its_dequantized_weights(dtype):
     (gu8, gu), (dn8, dn) = weight(E, 2 * I, H), weight(E, H, I)
     (sg8, sg), (su8, su), (sd8, sd) = weight(Is, H), weight(Is, H), weight(H, Is)
     gates = (torch.randn(E + 1, H, generator=g, device=DEVICE) * H**-0.5).to(dtype)
-    x, h = (torch.randn(T, H, generator=g, device=DEVICE).to(dtype) for _ in range(2))
+    x, norm = torch.randn(T, H, generator=g, device=DEVICE).to(dtype), torch.zeros(H, device=DEVICE, dtype=dtype)
     same = torch.equal if not CUDA else functools.partial(_same_sums, dtype=dtype)
-    for res in (x, None):
-        out = moe_step(res, h, gates, gu8, dn8, sg8, su8, sd8, k, True)
-        assert same(out, moe_step(res, h, gates, gu, dn, sg, su, sd, k, True))
-    mixed = moe_step(x, h, gates, gu8, dn8, sg, su, sd, k, True)  # FP8 experts, bf16 shared expert
-    assert same(mixed, moe_step(x, h, gates, gu, dn, sg, su, sd, k, True))
+
+    def run(*ws, residual=True):
+        return moe_step(x, norm, 1e-6, gates, *ws, k, True, residual=residual)
+
+    for residual in (True, False):
+        out = run(gu8, dn8, sg8, su8, sd8, residual=residual)
+        assert same(out, run(gu, dn, sg, su, sd, residual=residual))
+    mixed = run(gu8, dn8, sg, su, sd)  # FP8 experts, bf16 shared expert
+    assert same(mixed, run(gu, dn, sg, su, sd))
     with pytest.raises(ValueError, match="all be FP8 or none"):
-        moe_step(x, h, gates, gu8, dn, sg, su, sd, k, True)
+        run(gu8, dn, sg, su, sd)
     with pytest.raises(ValueError, match="contiguous"):
-        moe_step(x, h, gates, gu, dn, sg, su, sd.T.contiguous().T, k, True)
+        run(gu, dn, sg, su, sd.T.contiguous().T)
 
 
 def test_triton_step_runs_fp8_moe_like_the_reference_step(fp8_ckpt):

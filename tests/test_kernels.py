@@ -746,8 +746,8 @@ def test_step_attention_9b_shapes_gpu():
 
 
 def _moe_block(E, k, H, I, Is, dtype, seed):
-    from nextn.model_config import ModelConfig
     from nextn.layers.ffn import SparseMoeBlock
+    from nextn.model_config import ModelConfig
 
     cfg = ModelConfig(
         family="qwen3_5_moe",
@@ -782,13 +782,17 @@ def _moe_block(E, k, H, I, Is, dtype, seed):
     return block.to(device=DEVICE, dtype=dtype)
 
 
-def _moe_run(block, x, h, **blocks):
+EPS = 1e-6
+
+
+def _moe_run(block, x, norm, residual=True, **blocks):
     from nextn.ops.triton_moe import moe_step
 
     se = block.shared_expert
     return moe_step(
         x,
-        h,
+        norm,
+        EPS,
         torch.cat([block.gate.weight, block.shared_expert_gate.weight]),  # as TritonStep concatenates them
         block.experts.gate_up_proj,
         block.experts.down_proj,
@@ -797,18 +801,20 @@ def _moe_run(block, x, h, **blocks):
         se.down_proj.weight,
         block.gate.top_k,
         block.gate.norm_topk_prob,
+        residual=residual,
         **blocks,
     )
 
 
-def _untied_rows(block, T, H, dtype, g):
-    """Rows whose router logits have no tie at the top-k boundary (ties may pick either expert)."""
+def _untied_rows(block, norm, T, H, dtype, g):
+    """Rows whose normalised router logits have no tie at the top-k boundary (ties may pick either
+    expert)."""
     rows = []
     while len(rows) < T:
-        h = _rand(1, H, dtype=dtype, gen=g)
-        logits = F.linear(h, block.gate.weight)[0].float().sort(descending=True).values
+        x = _rand(1, H, dtype=dtype, gen=g)
+        logits = F.linear(reference_rms_norm(x, norm, EPS), block.gate.weight)[0].float().sort(descending=True).values
         if logits[block.gate.top_k - 1] != logits[block.gate.top_k]:
-            rows.append(h)
+            rows.append(x)
     return torch.cat(rows)
 
 
@@ -819,44 +825,92 @@ def test_moe_step_matches_reference_and_rows_are_invariant(dtype, I, Is):
     # the shared expert's intermediate size below and above the routed experts' (40: a partial block)
     block = _moe_block(E=8, k=3, H=32, I=I, Is=Is, dtype=dtype, seed=0)
     g = torch.Generator(device=DEVICE).manual_seed(4)
-    x = _rand(5, 32, dtype=dtype, gen=g)
-    h = _untied_rows(block, 5, 32, dtype, g)
-    ref = block(h)
-    for res in (x, None):  # None: tensor parallelism's partial sum, no residual
-        out = _moe_run(block, res, h)
-        _close(out, ref if res is None else res + ref, dtype)
+    norm = _rand(32, dtype=dtype, scale=0.5, gen=g)
+    x = _untied_rows(block, norm, 5, 32, dtype, g)
+    ref = block(reference_rms_norm(x, norm, EPS))
+    for residual in (True, False):  # False: tensor parallelism's partial sum, no residual
+        out = _moe_run(block, x, norm, residual)
+        _close(out, x + ref if residual else ref, dtype)
         # the down kernel's last program per (row, block of H) re-armed its counter; other block
         # sizes give the same bits
         assert not triton_utils._COUNTERS[out.device].any()
-        assert torch.equal(_moe_run(block, res, h, gate_up_blocks=(8, 2), down_blocks=(32, 8)), out)
+        assert torch.equal(_moe_run(block, x, norm, residual, gate_up_blocks=(8, 2), down_blocks=(32, 8)), out)
         for t in range(5):  # each row as a decode step computes it alone
-            one = _moe_run(block, None if res is None else res[t : t + 1], h[t : t + 1])
-            assert torch.equal(one[0], out[t]), t
+            assert torch.equal(_moe_run(block, x[t : t + 1], norm, residual)[0], out[t]), t
 
 
-def test_router_and_shared_gate_logits_equal_their_separate_gemms():
-    """One GEMM over the concatenated rows gives each logit the bits of its own GEMM (the block
-    configs of [E + 1, H] match [E, H]'s and [1, H]'s), so routing is as before the fusion."""
-    dtype = torch.bfloat16
-    block = _moe_block(E=256, k=8, H=2048, I=16, Is=16, dtype=dtype, seed=2)  # 35B-A3B router
-    h = _rand(3, 2048, dtype=dtype, gen=torch.Generator(device=DEVICE).manual_seed(5))
-    both = skinny_linear(h, torch.cat([block.gate.weight, block.shared_expert_gate.weight]))
-    assert torch.equal(both[:, :256], skinny_linear(h, block.gate.weight))
-    assert torch.equal(both[:, 256:], skinny_linear(h, block.shared_expert_gate.weight))
+def test_moe_norm_router_kernel_matches_reference_and_rows_are_invariant():
+    """The block's first kernel at the 35B-A3B router's shape (257 rows over ROUTER_BLOCKS'
+    programs, a partial last one): the post-attention norm, the router and shared gate logits, and
+    the routing the row's last program computes. Every program normalises the row itself: h and
+    the logits agree with the reference's norm and linear, the routing is the reference router's
+    (rows without a tie at the top-k boundary), and a row's results do not depend on the rows
+    beside it."""
+    from nextn.ops import triton_moe
+
+    dtype, T, H, E, k, stride = torch.bfloat16, 3, 2048, 256, 8, 272
+    block = _moe_block(E=E, k=k, H=H, I=16, Is=16, dtype=dtype, seed=2)
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    norm = _rand(H, dtype=dtype, scale=0.5, gen=g)
+    x = _untied_rows(block, norm, 2 * T, H, dtype, g)
+    gates = torch.cat([block.gate.weight, block.shared_expert_gate.weight])
+
+    def run(rows):
+        n = rows.shape[0]
+        h, logits = torch.empty_like(rows), torch.full((n, stride), float("nan"), device=DEVICE, dtype=dtype)
+        idx, rw = torch.empty(n, k, device=DEVICE, dtype=torch.int32), torch.empty(n, k + 1, device=DEVICE, dtype=dtype)
+        counters = triton_utils.arrival_counters(rows.device, n)
+        per_program, warps = triton_moe.ROUTER_BLOCKS
+        triton_moe._norm_router_kernel[(n, -(-(E + 1) // per_program))](
+            rows, norm, gates, h, logits, counters, idx, rw, EPS, H=H, E=E, LOGIT_STRIDE=stride, TOP_K=k,
+            RENORM=True, BLOCK_R=per_program, BLOCK_H=H, BLOCK_E=E, num_warps=warps,
+        )  # fmt: skip
+        assert logits[:, E + 1 :].isnan().all()  # nothing written past the E + 1 logits
+        assert not counters.any()  # the last program re-armed its row's counter
+        return h, logits[:, : E + 1], idx, rw
+
+    top = run(x)[1][:, :E].float().sort(dim=-1, descending=True).values
+    x = x[top[:, k - 1] != top[:, k]][:T]  # no tie at the boundary in the kernel's logits either
+    h, logits, idx, rw = run(x)
+    want = reference_rms_norm(x, norm, EPS)
+    _close(h, want, dtype)
+    _close(logits, F.linear(want.float(), gates.float()).to(dtype), dtype)
+    probs = torch.softmax(logits[:, :E].float(), dim=-1)  # the reference router's law on these logits
+    top_w, top_idx = torch.topk(probs, k, dim=-1)
+    order = top_idx.sort(dim=-1)
+    assert torch.equal(idx.long(), order.values)  # ascending expert ids
+    _close(rw[:, :k], (top_w / top_w.sum(-1, keepdim=True)).gather(-1, order.indices).to(dtype), dtype)
+    _close(rw[:, k], torch.sigmoid(logits[:, E].float()).to(dtype), dtype)
+    assert len(x) == T
+    for t in range(T):
+        one = run(x[t : t + 1])
+        for a, b in zip(one, (h, logits, idx, rw), strict=True):
+            assert torch.equal(a[0], b[t]), t
 
 
 @gpu
 def test_moe_step_35b_shapes_gpu():
     block = _moe_block(E=256, k=8, H=2048, I=512, Is=512, dtype=torch.bfloat16, seed=1)
     g = torch.Generator(device=DEVICE).manual_seed(7)
-    x, h = _rand(9, 2048, dtype=torch.bfloat16, gen=g), _untied_rows(block, 9, 2048, torch.bfloat16, g)
-    out = _moe_run(block, x, h)
-    _close(out, x + block(h), torch.bfloat16)
+    norm = _rand(2048, dtype=torch.bfloat16, scale=0.5, gen=g)
+    x = _untied_rows(block, norm, 9, 2048, torch.bfloat16, g)
+    out = _moe_run(block, x, norm)
+    _close(out, x + block(reference_rms_norm(x, norm, EPS)), torch.bfloat16)
     for t in (0, 8):
-        assert torch.equal(_moe_run(block, x[t : t + 1], h[t : t + 1])[0], out[t]), t
+        assert torch.equal(_moe_run(block, x[t : t + 1], norm)[0], out[t]), t
     # block sizes with BLOCK >= 2 * num_warps keep the tiles' register layout: the same bits
     for blocks in ((2, 1), (8, 4), (32, 8)):
-        assert torch.equal(_moe_run(block, x, h, gate_up_blocks=blocks, down_blocks=blocks), out), blocks
+        assert torch.equal(_moe_run(block, x, norm, gate_up_blocks=blocks, down_blocks=blocks), out), blocks
+    # the down kernel as a plain launch, and the block replayed in a CUDA graph (the down kernel's
+    # dependency on the gate/up kernel a programmatic edge there): the same bits
+    assert torch.equal(_moe_run(block, x, norm, pdl=False), out)
+    graph, static_x = torch.cuda.CUDAGraph(), x.clone()
+    with torch.cuda.graph(graph):
+        static_out = _moe_run(block, static_x, norm)
+    for _ in range(3):
+        static_out.zero_()
+        graph.replay()
+        assert torch.equal(static_out, out)
 
 
 @pytest.mark.parametrize("split", [2, 4])

@@ -62,7 +62,7 @@ class MLPWeights:
 @dataclass
 class MoEWeights:
     norm: torch.Tensor  # [H] post_attention_layernorm
-    gates: torch.Tensor  # [E + 1, H]: the router's rows, then shared_expert_gate's (one GEMM for both)
+    gates: torch.Tensor  # [E + 1, H]: the router's rows, then shared_expert_gate's (one kernel for both)
     gate_up: Weight  # [E, 2I, H]
     down: Weight  # [E, H, I]
     shared_gate: Weight  # [Is, H]
@@ -218,9 +218,7 @@ class TritonStep:
             uses.append((*w.shape, dual, isinstance(w, FP8Weight)))
 
         def mlp(w):
-            if isinstance(w, MoEWeights):
-                use(w.gates)
-            else:
+            if not isinstance(w, MoEWeights):  # (the MoE block's router runs in its own kernel)
                 use(w.gate, dual=True)
                 use(w.down)
 
@@ -275,11 +273,11 @@ class TritonStep:
         if isinstance(w, MoEWeights):
             from nextn.ops.triton_moe import moe_step
 
-            h = self.norm.rms_norm(x, w.norm, self.eps)
             tp = self.cfg.tp_size > 1
             out = moe_step(
-                None if tp else x,
-                h,
+                x,
+                w.norm,
+                self.eps,
                 w.gates,
                 w.gate_up,
                 w.down,
@@ -288,6 +286,7 @@ class TritonStep:
                 w.shared_down,
                 w.top_k,
                 w.renorm,
+                residual=not tp,
             )
             return all_reduce_add(out, x, self.cfg) if tp else out
         act = self._lin(self._norm(x, w.norm), w.gate, up_weight=w.up)

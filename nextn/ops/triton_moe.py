@@ -5,17 +5,24 @@ model dtype; experts' silu(gate) * up then down, each expert's weighted output a
 expert order with the model dtype's rounding; plus the sigmoid-gated shared expert). A decode step
 is latency-bound (each launch costs a few microseconds in a CUDA graph, more than its bytes), so
 the block runs in three launches:
-- `skinny_linear` of the router and shared_expert_gate rows concatenated at load ([E + 1, H]);
-- `_route_gate_up_kernel` per (row, slot, block of I): routes the row (softmax, top-k,
-  renormalise: every program of the row computes the same choice, each takes its own slot's
-  expert) and computes silu(x W_gate^T) * (x W_up^T) of that expert. Slot TOP_K is the shared
-  expert, with its own weights and its gate weight sigmoid(shared gate logit);
+- `_norm_router_kernel` per (row, block of logits): the post_attention_layernorm of
+  the row (each program normalises it, in the weight tile's layout; the first stores it for the
+  experts) and its logits over the router and shared_expert_gate rows concatenated at load
+  ([E + 1, H]); the row's last program to arrive routes it (softmax, top-k, renormalise) and
+  stores the experts and the slots' weights (the shared slot's: sigmoid(shared gate logit)). A
+  launch of its own for the norm and a GEMM launch for 1 MB of router weights were two dependent
+  round trips more per layer;
+- `_gate_up_kernel` per (row, slot, block of I): silu(x W_gate^T) * (x W_up^T) of the slot's
+  expert; slot TOP_K is the shared expert;
 - `_down_combine_kernel` per (row, slot, block of H): the slot's down projection times its
   weight, stored to a scratch row; the last of the row's TOP_K + 1 slot programs to arrive at the
   block's counter sums them: the routed slots in ascending expert order, plus the shared slot, plus
   the residual (none under tensor parallelism: the block's output is a partial sum, all-reduced
   before the residual is added). Every slot's weights stream at once (a program per row walked
   the slots one after another), and the order of arrival changes no bit (the sum is in slot order).
+  On Hopper it is a programmatic dependent launch: its programs start once every gate/up program
+  has, load their weight tiles while the gate/up kernel runs, and wait for it to complete before
+  they read the activations.
 Every product, weight and partial sum is rounded to the model dtype where the reference rounds it.
 FP8 experts and shared expert (e4m3, nextn.ops.fp8's layout) are dequantized tile by tile to the
 model dtype as the reference's `dequantize` does, bit for bit, and their products summed like the
@@ -48,27 +55,25 @@ GATE_UP_BLOCKS = (2, 1)
 INTERPRETED_GATE_UP_BLOCKS = (16, 4)
 DOWN_BLOCKS = (16, 4)
 BLOCK_K = 256  # reduction tile of both matmuls (it orders the float32 sums: results depend on it)
+# (logits per program, num_warps) of the norm / router kernel (257 rows: 129 programs a row). Run 77
+# (moe_step_sweep_run77.json, before the kernel routed): the norm and router launch 2.06 us at 2
+# rows, 2.46 at 4, 2.79 at 8, where the norm kernel and the router's skinny GEMM took 4.97.
+ROUTER_BLOCKS = (2, 4)
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _route(
-        logits_ptr,
-        t,
-        stride: tl.constexpr,
-        slot,
-        E: tl.constexpr,
-        TOP_K: tl.constexpr,
-        RENORM: tl.constexpr,
-        BLOCK_E: tl.constexpr,
-    ):
-        """Row t's routed expert in `slot` (< TOP_K) and its weight (float32, before rounding): the
-        top-k of softmax(logits) (ties: the lowest id), renormalised, in ascending id order."""
+    def _route_row(logits_ptr, idx_ptr, rw_ptr, E: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                   BLOCK_E: tl.constexpr):  # fmt: skip
+        """A row's routing from its E router logits and the shared gate's (logits_ptr[E], read from L2:
+        other programs wrote them): the top-k of softmax(logits) (ties: the lowest id), renormalised,
+        in ascending id order into idx_ptr[:TOP_K], their weights and sigmoid(shared gate logit) into
+        rw_ptr[:TOP_K + 1], in the model dtype."""
         offs = tl.arange(0, BLOCK_E)
         valid = offs < E
-        x = tl.load(logits_ptr + t * stride + offs, mask=valid, other=float("-inf")).to(tl.float32)
+        x = tl.load(logits_ptr + offs, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
         p = tl.exp(x - tl.max(x, axis=0))
         p = p / tl.sum(p, axis=0)
         p = tl.where(valid, p, -1.0)
@@ -81,8 +86,12 @@ if HAVE_TRITON:
         weight = p
         if RENORM:
             weight = p / tl.sum(tl.where(chosen == 1, p, 0.0), axis=0)
-        mine = (chosen == 1) & (tl.cumsum(chosen, axis=0) - 1 == slot)  # ascending id order
-        return tl.sum(tl.where(mine, offs, 0), axis=0), tl.sum(tl.where(mine, weight, 0.0), axis=0)
+        dtype = rw_ptr.dtype.element_ty
+        slot = tl.cumsum(chosen, axis=0) - 1  # ascending id order
+        tl.store(idx_ptr + slot, offs, mask=chosen == 1)
+        tl.store(rw_ptr + slot, weight.to(dtype), mask=chosen == 1)
+        sg = tl.load(logits_ptr + E, cache_modifier=".cg").to(tl.float32)
+        tl.store(rw_ptr + TOP_K, (1.0 / (1.0 + tl.exp(-sg))).to(dtype))
 
     @triton.jit
     def _dequant(w, s_ptr, s_stride, k0, offs_n, mask_n, K: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
@@ -102,6 +111,52 @@ if HAVE_TRITON:
         shared memory behind a barrier, which keeps the next tile's weight loads from issuing
         before this tile is summed (one tile of a program in flight at a time)."""
         return tl.load(tl.broadcast_to(ptr + offs_k[None, :], mask.shape), mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _norm_router_kernel(
+        x_ptr,  # [T, H] residual stream
+        norm_ptr,  # [H] post_attention_layernorm's weight (zero-centred)
+        gates_ptr,  # [E + 1, H]: the router's rows, then shared_expert_gate's
+        h_ptr,  # [T, H] out: the normalised rows, in the model dtype
+        logits_ptr,  # [T, LOGIT_STRIDE] out: E + 1 logits in the model dtype
+        count_ptr,  # [T] int32 arrival counters, zero (and left zero)
+        idx_ptr,  # [T, TOP_K] out: the routed experts, ascending
+        rw_ptr,  # [T, TOP_K + 1] out: the slots' weights in the model dtype (the shared expert's last)
+        eps,
+        H: tl.constexpr,
+        E: tl.constexpr,
+        LOGIT_STRIDE: tl.constexpr,
+        TOP_K: tl.constexpr,
+        RENORM: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+    ):
+        """h = rms_norm(x) * (1 + norm) rounded to the model dtype (as `nextn.ops.norm.rms_norm`), the
+        logits h @ gates[rows].T, and (the row's last program to arrive) its routing. Every program
+        of a row normalises it the same way (the same layout, so the same bits) from loads issued
+        beside its weight tile's."""
+        t = tl.program_id(0)
+        offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_r = offs_r < E + 1
+        row_mask = tl.broadcast_to((offs_h < H)[None, :], (BLOCK_R, BLOCK_H))
+        w = tl.load(gates_ptr + offs_r[:, None] * H + offs_h[None, :], mask=mask_r[:, None] & row_mask, other=0.0)
+        x = _row_tile(x_ptr + t * H, offs_h, row_mask)  # the row in every line of the tile
+        g = _row_tile(norm_ptr, offs_h, row_mask)
+        dtype = h_ptr.dtype.element_ty
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / H + eps)
+        h = (x * rstd[:, None] * (1.0 + g)).to(dtype)
+        logits = tl.sum(w.to(tl.float32) * h.to(tl.float32), axis=1)
+        tl.store(logits_ptr + t * LOGIT_STRIDE + offs_r, logits.to(dtype), mask=mask_r)
+        if tl.program_id(1) == 0:  # one writer of the row's h (the tile's first line)
+            first = row_mask & (tl.arange(0, BLOCK_R) == 0)[:, None]
+            tl.store(tl.broadcast_to(h_ptr + t * H + offs_h[None, :], (BLOCK_R, BLOCK_H)), h, mask=first)
+        tl.debug_barrier()  # every thread's logits are written before the counter moves
+        if tl.atomic_add(count_ptr + t, 1, sem="acq_rel") == tl.num_programs(1) - 1:  # the row's last
+            tl.store(count_ptr + t, 0)  # re-armed for the next launch
+            _route_row(logits_ptr + t * LOGIT_STRIDE, idx_ptr + t * TOP_K, rw_ptr + t * (TOP_K + 1), E, TOP_K,
+                       RENORM, BLOCK_E)  # fmt: skip
 
     @triton.jit
     def _swiglu(x_ptr, wg_ptr, wu_ptr, act_ptr, offs_n, mask_n, H: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -128,81 +183,69 @@ if HAVE_TRITON:
         tl.store(act_ptr + offs_n, (silu * up.to(dtype).to(tl.float32)).to(dtype), mask=mask_n)
 
     @triton.jit
-    def _route_gate_up_kernel(
-        x_ptr,  # [T, H]
-        logits_ptr,  # [T, LOGIT_STRIDE]: E router logits, then the shared expert's gate logit
+    def _gate_up_kernel(
+        x_ptr,  # [T, H] the normalised rows
+        idx_ptr,  # [T, TOP_K] the routed experts
         gate_up_ptr,  # [E, 2I, H]
         shared_gate_ptr,  # [Is, H]
         shared_up_ptr,  # [Is, H]
         gate_up_s_ptr,  # FP8_EXPERTS: [E, ceil(H / 128), 2I] float32 scales
         shared_gate_s_ptr,  # FP8_SHARED: [ceil(H / 128), Is]
         shared_up_s_ptr,
-        idx_ptr,  # [T, TOP_K] out: the routed experts, ascending
-        rw_ptr,  # [T, TOP_K + 1] out: the slots' weights in the model dtype
         act_ptr,  # [T, TOP_K + 1, stride_act] out
         stride_act,
         H: tl.constexpr,
         I: tl.constexpr,
         Is: tl.constexpr,
-        E: tl.constexpr,
-        LOGIT_STRIDE: tl.constexpr,
         TOP_K: tl.constexpr,
-        RENORM: tl.constexpr,
-        BLOCK_E: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         FP8_EXPERTS: tl.constexpr,
         FP8_SHARED: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        """act = silu(x W_gate^T) * (x W_up^T) of each slot's expert, a program per (row, slot, block
+        of I); slot TOP_K is the shared expert. PDL: the down kernel may start (and stream its
+        weights) as soon as every program here has started."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)  # t * (TOP_K + 1) + slot
         t = row // (TOP_K + 1)
         slot = row % (TOP_K + 1)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        dtype = rw_ptr.dtype.element_ty
-        if slot == TOP_K:  # the shared expert, gated by sigmoid(its gate logit)
-            if tl.program_id(1) == 0:
-                sg = tl.load(logits_ptr + t * LOGIT_STRIDE + E).to(tl.float32)
-                tl.store(rw_ptr + row, (1.0 / (1.0 + tl.exp(-sg))).to(dtype))
-            _swiglu(
-                x_ptr + t * H,
-                shared_gate_ptr,
-                shared_up_ptr,
-                act_ptr + row * stride_act,
-                offs_n,
-                offs_n < Is,
-                H,
-                BLOCK_K,
-                shared_gate_s_ptr,
-                shared_up_s_ptr,
-                Is,
-                FP8_SHARED,
-            )
+        act = act_ptr + row * stride_act
+        if slot == TOP_K:  # the shared expert
+            _swiglu(x_ptr + t * H, shared_gate_ptr, shared_up_ptr, act, offs_n, offs_n < Is, H, BLOCK_K,
+                    shared_gate_s_ptr, shared_up_s_ptr, Is, FP8_SHARED)  # fmt: skip
         else:
-            e, w = _route(logits_ptr, t, LOGIT_STRIDE, slot, E, TOP_K, RENORM, BLOCK_E)
-            if tl.program_id(1) == 0:  # one writer per (row, slot)
-                tl.store(idx_ptr + t * TOP_K + slot, e)
-                tl.store(rw_ptr + row, w.to(dtype))
-            base = gate_up_ptr + e.to(tl.int64) * (2 * I * H)
-            s_base = gate_up_s_ptr + e.to(tl.int64) * ((H + 127) // 128 * 2 * I)
-            act = act_ptr + row * stride_act
+            e = tl.load(idx_ptr + t * TOP_K + slot).to(tl.int64)
+            base = gate_up_ptr + e * (2 * I * H)
+            s_base = gate_up_s_ptr + e * ((H + 127) // 128 * 2 * I)
             _swiglu(x_ptr + t * H, base, base + I * H, act, offs_n, offs_n < I, H, BLOCK_K, s_base, s_base + I, 2 * I,
                     FP8_EXPERTS)  # fmt: skip
 
     @triton.jit
-    def _down(act_ptr, w_ptr, rw_ptr, offs_n, mask_n, I: tl.constexpr, dtype: tl.constexpr, BLOCK_K: tl.constexpr,
-              s_ptr, s_stride, FP8: tl.constexpr):  # fmt: skip
-        """(act @ W_down^T)[offs_n] * routing weight, each rounded to the model dtype (float32 values).
-        FP8: the weight e4m3 with scales at s_ptr (row stride s_stride), dequantized per tile."""
-        acc = tl.zeros(offs_n.shape, tl.float32)
-        for k0 in tl.static_range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mk = offs_k < I
-            wmask = mask_n[:, None] & mk[None, :]
-            a = _row_tile(act_ptr, offs_k, wmask)
-            w = tl.load(w_ptr + offs_n[:, None] * I + offs_k[None, :], mask=wmask, other=0.0)
-            if FP8:
-                w = _dequant(w, s_ptr, s_stride, k0, offs_n, mask_n, I, BLOCK_K, dtype)
-            acc += tl.sum(w.to(tl.float32) * a, axis=1)
+    def _down_tile(w_ptr, offs_n, mask_n, I: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Weight rows offs_n of a [*, I] down projection as [BLOCK_N, CHUNKS, BLOCK_K] (the CHUNKS
+        reduction tiles loaded at once, before the wait for the activations), with its mask and
+        column offsets."""
+        offs_k = tl.arange(0, CHUNKS)[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+        mask = mask_n[:, None, None] & (offs_k < I)[None, :, :]
+        return tl.load(w_ptr + offs_n[:, None, None] * I + offs_k[None, :, :], mask=mask, other=0.0), mask, offs_k
+
+    @triton.jit
+    def _down(w, mask, offs_k, act_ptr, rw_ptr, offs_n, s_ptr, s_stride, dtype: tl.constexpr, FP8: tl.constexpr):
+        """(act @ W_down^T)[offs_n] * routing weight, each rounded to the model dtype (float32 values),
+        from the slot's weight tile (_down_tile): each BLOCK_K tile summed, then the tiles' sums in
+        order. FP8: the weight e4m3 with scales at s_ptr (row stride s_stride), dequantized as
+        `_dequant` does."""
+        if FP8:
+            s = tl.load(s_ptr + (offs_k // 128)[None, :, :] * s_stride + offs_n[:, None, None], mask=mask, other=0.0)
+            wf = (w.to(tl.float32) * s).to(dtype).to(tl.float32)
+        else:
+            wf = w.to(tl.float32)
+        a = tl.load(tl.broadcast_to(act_ptr + offs_k[None, :, :], mask.shape), mask=mask, other=0.0).to(tl.float32)
+        acc = tl.sum(tl.sum(wf * a, axis=2), axis=1)
         rw = tl.load(rw_ptr).to(tl.float32)
         return (acc.to(dtype).to(tl.float32) * rw).to(dtype).to(tl.float32)
 
@@ -226,14 +269,21 @@ if HAVE_TRITON:
         TOP_K: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        CHUNKS: tl.constexpr,  # BLOCK_K tiles over I
+        CHUNKS_S: tl.constexpr,  # over Is
         RESIDUAL: tl.constexpr,
         FP8_EXPERTS: tl.constexpr,
         FP8_SHARED: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """out = x + (the routed slots' outputs summed in slot order + the shared slot's); without
         RESIDUAL the sum alone. A program per (row, slot, block of H) streams its slot's weights
         (the slots' loads in flight together, not one slot after another), stores its output and
-        counts in; the row's last program of the block to arrive sums the TOP_K + 1 outputs."""
+        counts in; the row's last program of the block to arrive sums the TOP_K + 1 outputs. PDL
+        (launched as a programmatic dependent of the gate/up kernel): a program loads its weight
+        tile (and its expert id, which the router kernel before the gate/up kernel wrote), then
+        waits for the gate/up kernel to complete before it reads anything that kernel writes or
+        writes anything at all."""
         row = tl.program_id(0)  # t * (TOP_K + 1) + slot
         t = row // (TOP_K + 1)
         slot = row % (TOP_K + 1)
@@ -241,14 +291,20 @@ if HAVE_TRITON:
         mask_n = offs_n < H
         dtype = out_ptr.dtype.element_ty
         act = act_ptr + row * stride_act
+        # (each branch names its own tiles: a variable set in both branches of a runtime `if` must
+        # keep one type and shape, and the shared expert's may differ from the routed experts')
         if slot == TOP_K:
-            y = _down(act, shared_down_ptr, rw_ptr + row, offs_n, mask_n, Is, dtype, BLOCK_K, shared_down_s_ptr, H,
-                      FP8_SHARED)  # fmt: skip
+            ws, mask_s, offs_s = _down_tile(shared_down_ptr, offs_n, mask_n, Is, CHUNKS_S, BLOCK_K)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+            y = _down(ws, mask_s, offs_s, act, rw_ptr + row, offs_n, shared_down_s_ptr, H, dtype, FP8_SHARED)
         else:
             e = tl.load(idx_ptr + t * TOP_K + slot).to(tl.int64)
-            s_e = down_s_ptr + e * ((I + 127) // 128 * H)
-            y = _down(act, down_ptr + e * (H * I), rw_ptr + row, offs_n, mask_n, I, dtype, BLOCK_K, s_e, H,
-                      FP8_EXPERTS)  # fmt: skip
+            we, mask_e, offs_e = _down_tile(down_ptr + e * (H * I), offs_n, mask_n, I, CHUNKS, BLOCK_K)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+            y = _down(we, mask_e, offs_e, act, rw_ptr + row, offs_n, down_s_ptr + e * ((I + 127) // 128 * H), H,
+                      dtype, FP8_EXPERTS)  # fmt: skip
         tl.store(y_ptr + row * H + offs_n, y.to(dtype), mask=mask_n)  # exact: y is rounded to dtype
         tl.debug_barrier()  # every thread's output is written before the counter moves
         count = count_ptr + t * tl.num_programs(1) + tl.program_id(1)
@@ -269,8 +325,9 @@ if HAVE_TRITON:
 
 
 def moe_step(
-    x: torch.Tensor | None,  # [T, H] residual stream (the block's input before its norm); None: no residual
-    h: torch.Tensor,  # [T, H] post_attention_layernorm(x)
+    x: torch.Tensor,  # [T, H] residual stream (the block's input, before its norm)
+    norm: torch.Tensor,  # [H] post_attention_layernorm's weight (zero-centred)
+    eps: float,
     gates: torch.Tensor,  # [E + 1, H]: the router's rows, then shared_expert_gate's
     gate_up: torch.Tensor | FP8Weight,  # [E, 2I, H] (FP8: scales [E, ceil(H / 128), 2I])
     down: torch.Tensor | FP8Weight,  # [E, H, I] (FP8: scales [E, ceil(I / 128), H])
@@ -280,68 +337,91 @@ def moe_step(
     top_k: int,
     renorm: bool,
     *,
+    residual: bool = True,  # False: the block's output alone (tensor parallelism's partial sum)
+    router_blocks: tuple[int, int] = ROUTER_BLOCKS,  # the norm / router kernel's (rows, num_warps)
+    pdl: bool = True,  # the down kernel as a programmatic dependent launch where the GPU has it (the same bits)
     gate_up_blocks: tuple[int, int] | None = None,  # default GATE_UP_BLOCKS; bench/moe_step_sweep.py compares others
     down_blocks: tuple[int, int] = DOWN_BLOCKS,
 ) -> torch.Tensor:
-    """Returns x + SparseMoeBlock(h) [T, H] (SparseMoeBlock(h) alone when x is None). FP8 weights
-    (nextn.ops.fp8's layout, one scale per row and 128 columns) are dequantized tile by tile to the
-    model dtype as the reference's `dequantize` does, bit for bit; their products sum like the
+    """Returns x + SparseMoeBlock(rms_norm(x, norm, eps)) [T, H] (without x when not residual). FP8
+    weights (nextn.ops.fp8's layout, one scale per row and 128 columns) are dequantized tile by tile
+    to the model dtype as the reference's `dequantize` does, bit for bit; their products sum like the
     dequantized copies' up to the order of the in-tile sums on a GPU (bitwise on the interpreter:
     see the module docstring). The experts' pair and the shared expert's three are each FP8 or not.
-    gate_up_blocks / down_blocks: the kernels' (BLOCK, num_warps), GATE_UP_BLOCKS / DOWN_BLOCKS."""
-    from nextn.ops.triton_linear import skinny_linear
-
+    gate_up_blocks / down_blocks: the kernels' (BLOCK, num_warps), GATE_UP_BLOCKS / DOWN_BLOCKS;
+    router_blocks: ROUTER_BLOCKS; pdl=False: the down kernel waits for the gate/up kernel as a plain
+    launch (bench/moe_step_sweep.py compares)."""
     fp8_experts, fp8_shared = _fp8_kind(gate_up, down), _fp8_kind(shared_gate, shared_up, shared_down)
-    scales = [w.scale if isinstance(w, FP8Weight) else h for w in (gate_up, down, shared_gate, shared_up, shared_down)]
+    scales = [w.scale if isinstance(w, FP8Weight) else x for w in (gate_up, down, shared_gate, shared_up, shared_down)]
     gate_up, down, shared_gate, shared_up, shared_down = (
         w.weight if isinstance(w, FP8Weight) else w for w in (gate_up, down, shared_gate, shared_up, shared_down)
     )
     if not all(t.is_contiguous() for t in (gate_up, down, shared_gate, shared_up, shared_down, *scales)):
         raise ValueError("moe_step: the weights and scales must be contiguous (the kernels index them as such)")
-    T, H = h.shape
+    T, H = x.shape
     E, two_i, _ = gate_up.shape
     I, Is = two_i // 2, shared_gate.shape[0]
-    if gates.shape != (E + 1, H):
-        raise ValueError(f"moe_step: gates {tuple(gates.shape)} must be the router's {E} rows and the shared gate's")
+    if isinstance(gates, FP8Weight) or gates.shape != (E + 1, H):
+        raise ValueError(f"moe_step: gates must be the router's {E} rows and the shared gate's [{E + 1}, {H}], not FP8")
+    if not (x.is_contiguous() and gates.is_contiguous()):
+        raise ValueError("moe_step: x and gates must be contiguous (the kernels index them as such)")
     # [T, E + 1] in the model dtype, like the reference's two linears; rows 16-aligned, so the route
     # loads (and reduces) the logits with the layout of a power-of-two row
     stride = -(-(E + 1) // 16) * 16
-    logits = torch.empty(T, stride, device=h.device, dtype=h.dtype)
-    skinny_linear(h, gates, out=logits[:, : E + 1])
-    idx = torch.empty(T, top_k, device=h.device, dtype=torch.int32)
-    weights = torch.empty(T, top_k + 1, device=h.device, dtype=h.dtype)
-    act = torch.empty(T, top_k + 1, max(I, Is), device=h.device, dtype=h.dtype)
+    logits = torch.empty(T, stride, device=x.device, dtype=x.dtype)
+    h = torch.empty_like(x)
+    idx = torch.empty(T, top_k, device=x.device, dtype=torch.int32)
+    weights = torch.empty(T, top_k + 1, device=x.device, dtype=x.dtype)
+    router_rows, router_warps = router_blocks
+    _norm_router_kernel[(T, triton.cdiv(E + 1, router_rows))](
+        x,
+        norm,
+        gates,
+        h,
+        logits,
+        arrival_counters(x.device, T),
+        idx,
+        weights,
+        eps,
+        H=H,
+        E=E,
+        LOGIT_STRIDE=stride,
+        TOP_K=top_k,
+        RENORM=renorm,
+        BLOCK_R=router_rows,
+        BLOCK_H=next_pow2(H),
+        BLOCK_E=next_pow2(E),
+        num_warps=router_warps,
+    )
+    act = torch.empty(T, top_k + 1, max(I, Is), device=x.device, dtype=x.dtype)
     if gate_up_blocks is None:
         gate_up_blocks = INTERPRETED_GATE_UP_BLOCKS if interpreting() else GATE_UP_BLOCKS
     (block_i, gate_up_warps), (block_h, down_warps) = gate_up_blocks, down_blocks
-    _route_gate_up_kernel[(T * (top_k + 1), triton.cdiv(max(I, Is), block_i))](
+    # the down kernel streams its weights while the gate/up kernel runs (Hopper and later)
+    pdl = pdl and x.is_cuda and not interpreting() and torch.cuda.get_device_capability(x.device)[0] >= 9
+    _gate_up_kernel[(T * (top_k + 1), triton.cdiv(max(I, Is), block_i))](
         h,
-        logits,
+        idx,
         gate_up,
         shared_gate,
         shared_up,
         scales[0],
         scales[2],
         scales[3],
-        idx,
-        weights,
         act,
         act.stride(1),
         H=H,
         I=I,
         Is=Is,
-        E=E,
-        LOGIT_STRIDE=stride,
         TOP_K=top_k,
-        RENORM=renorm,
-        BLOCK_E=next_pow2(E),
         BLOCK_N=block_i,
         BLOCK_K=BLOCK_K,
         FP8_EXPERTS=fp8_experts,
         FP8_SHARED=fp8_shared,
+        PDL=pdl,
         num_warps=gate_up_warps,
     )
-    out = torch.empty_like(h)
+    out = torch.empty_like(x)
     n_blocks = triton.cdiv(H, block_h)
     _down_combine_kernel[(T * (top_k + 1), n_blocks)](
         act,
@@ -351,9 +431,9 @@ def moe_step(
         shared_down,
         scales[1],
         scales[4],
-        h if x is None else x,
-        torch.empty(T, top_k + 1, H, device=h.device, dtype=h.dtype),
-        arrival_counters(h.device, T * n_blocks),
+        x,
+        torch.empty(T, top_k + 1, H, device=x.device, dtype=x.dtype),
+        arrival_counters(x.device, T * n_blocks),
         out,
         act.stride(1),
         H=H,
@@ -362,10 +442,14 @@ def moe_step(
         TOP_K=top_k,
         BLOCK_N=block_h,
         BLOCK_K=BLOCK_K,
-        RESIDUAL=x is not None,
+        CHUNKS=next_pow2(triton.cdiv(I, BLOCK_K)),
+        CHUNKS_S=next_pow2(triton.cdiv(Is, BLOCK_K)),
+        RESIDUAL=residual,
         FP8_EXPERTS=fp8_experts,
         FP8_SHARED=fp8_shared,
+        PDL=pdl,
         num_warps=down_warps,
+        launch_pdl=pdl,
     )
     return out
 
