@@ -4,7 +4,8 @@
 #   stages: tune tests engine profile profile35b prefill prefill4k bench9b bench9bquick (K = 1, 3, 8, one repeat) batch9b benchdefault bench35b
 #   FP8 weights against bf16 (9B): fp8 (its GPU tests alone: fp8tests); 35B-A3B in FP8 (bench35b for bf16): fp8_35b;
 #   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
-#   the MoE decode kernels' tests: moe; their block sizes: moesweep; the GDN step before / after a change: gdnsweep;
+#   the MoE decode kernels' tests: moe; their block sizes: moesweep; a graph of MoE blocks replayed alone / back to back /
+#   pipelined, PDL off and on: pdlprobe; the GDN step before / after a change: gdnsweep;
 #   the sampling and greedy accept kernels' tests: sample
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 set -o pipefail
@@ -72,6 +73,7 @@ for stage in "$@"; do
                  --out $OUT/gdn_sweep_after.json 2>&1 | grep -v Warn | tail -8 | tee -a $LOG ;;
     moesweep) timeout 200 python3 bench/moe_step_sweep.py --out $OUT/moe_step_sweep.json 2>&1 | grep -v Warn | tail -45 \
                | tee -a $LOG ;;
+    pdlprobe) timeout 150 python3 bench/pdl_graph_probe.py --out $OUT/pdl_graph_probe.json 2>&1 | grep -v Warn | tee -a $LOG ;;
     moe) timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_fp8.py -k "moe or router" 2>&1 | tail -8 | tee -a $LOG ;;
     ar) timeout 150 python3 -m pytest -v -x -o faulthandler_timeout=60 tests/test_allreduce.py tests/test_tp.py \
           -k "allreduce or all_reduce or tp2_tokens" 2>&1 | grep -v "^ " | tail -20 | tee -a $LOG ;;
