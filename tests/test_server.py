@@ -166,8 +166,14 @@ def test_stream_equals_non_streamed(client):
 
     prompt = "def fibonacci(n):"
     done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, **GREEDY)
-    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, stream=True, **GREEDY))
-    assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+    streamed = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
+    assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == 16  # the usage chunk, last
+    assert all(c.usage is None for c in streamed[:-1])
 
 
 def test_text_completion_and_logprobs(client, llm, cold):

@@ -187,6 +187,19 @@ def _prompt_logprobs(srv: Server, req: P.SamplingRequest, out: RequestOutput):
     return srv.logprobs.prompt(out.prompt_logprobs, req.prompt_logprobs)
 
 
+def usage_chunk(kind, srv: Server, rid: str, created: int, out: RequestOutput) -> str:
+    """A stream's last chunk under `stream_options.include_usage`: no choices, the request's usage."""
+    return sse(
+        kind(
+            id=rid,
+            created=created,
+            model=srv.model_name,
+            choices=[],
+            usage=usage([out], srv.llm.num_speculative_tokens),
+        )
+    )
+
+
 async def chat_stream(
     srv: Server, req: P.ChatCompletionRequest, job: Job, parser: ChatOutputParser, rid: str, created: int
 ) -> AsyncIterator[str]:
@@ -218,15 +231,7 @@ async def chat_stream(
                     yield c
                 yield chunk(R.DeltaMessage(), finish_reason=finish_reason(ev.output, parser.num_calls))
                 if req.include_usage:
-                    yield sse(
-                        R.ChatCompletionChunk(
-                            id=rid,
-                            created=created,
-                            model=srv.model_name,
-                            choices=[],
-                            usage=usage([ev.output], srv.llm.num_speculative_tokens),
-                        )
-                    )
+                    yield usage_chunk(R.ChatCompletionChunk, srv, rid, created, ev.output)
         yield SSE_DONE
     except Exception as e:  # the response has started: report in the stream
         yield stream_error(e)
@@ -323,15 +328,7 @@ async def completion_stream(
             if ev.output is not None:
                 yield chunk("", finish_reason=ev.output.finish_reason)
                 if req.include_usage:
-                    yield sse(
-                        R.CompletionResponse(
-                            id=rid,
-                            created=created,
-                            model=srv.model_name,
-                            choices=[],
-                            usage=usage([ev.output], srv.llm.num_speculative_tokens),
-                        )
-                    )
+                    yield usage_chunk(R.CompletionResponse, srv, rid, created, ev.output)
         yield SSE_DONE
     except Exception as e:
         yield stream_error(e)
