@@ -3,7 +3,7 @@ w [N, K] e4m3 with one scale per 128x128 block, over Qwen3.5-9B's projection sha
 
 Each mode runs at its best of a few block configs (BLOCK_K 128 or 256, split-K partials stored but
 not summed), timed in CUDA graphs of 100 launches cycling over weight copies that overflow L2 (as
-nextn.ops.triton_linear.tune times the production kernel):
+nextn.ops.linear_tune.tune times the production kernel):
   bf16         bf16 weights, one chained tensor-core dot (what bf16 decode runs);
   f16 chain    e4m3 widened to fp16 in registers, x's tile times the block scale in fp16, chained
                dots (what nextn's FP8 decode runs since run 65);
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from nextn.ops.fp8 import compact_scales, dequantize, quantize
-from nextn.ops.triton_linear import _graph_us  # (the tuner's timing: graphs over weight copies)
+from nextn.ops.linear_tune import graph_us  # (the tuner's timing: graphs over weight copies)
 
 MODES = {"bf16": 0, "f16 chain": 1, "e4m3 tile": 2, "e4m3 chain": 3, "e4m3 x given": 4}
 # (BLOCK_N, warps, stages, split, BLOCK_K); BLOCK_K 256 spans two scale blocks (not for "e4m3 tile")
@@ -128,7 +128,7 @@ def main() -> None:
                         run(mode, x, xq, rs, *ops[i], cfg)
 
                     try:
-                        us = _graph_us(call, copies, 100)
+                        us = graph_us(call, copies, 100)
                     except Exception as e:  # a config a mode cannot compile or launch
                         torch.cuda.synchronize()
                         print(f"{N}x{K} M={M} {name} {cfg}: {type(e).__name__}")

@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's ne
 import torch  # noqa: E402
 
 from nextn.ops import triton_moe, triton_utils  # noqa: E402
+from nextn.ops.linear_tune import graph_us  # noqa: E402
 from nextn.ops.norm import rms_norm  # noqa: E402
-from nextn.ops.triton_linear import _graph_us, skinny_linear  # noqa: E402
+from nextn.ops.triton_linear import skinny_linear  # noqa: E402
 from nextn.ops.triton_moe import moe_step  # noqa: E402
 from nextn.ops.triton_norm import rms_norm as triton_rms_norm  # noqa: E402
 
@@ -119,7 +120,7 @@ def first_launches(xs, norms, layers) -> dict:
         )  # fmt: skip
     out = {}
     for name, call in calls.items():
-        out[name] = _graph_us(call, len(layers), 50)
+        out[name] = graph_us(call, len(layers), 50)
         print(f"T={T} first launch: {name:28s} {out[name]:6.2f} us")
     return out
 
@@ -152,7 +153,7 @@ def main() -> None:
             def call(i, fn=fn, xs=xs, norms=norms):
                 fn(xs[i], norms[i], EPS, *layers[i], TOP_K, True)
 
-            us = _graph_us(call, len(layers), 50)
+            us = graph_us(call, len(layers), 50)
             same = torch.equal(fn(xs[0], norms[0], EPS, *layers[0], TOP_K, True), want)
             entry[name] = {"us": us, "GB/s": nbytes / us / 1e3, "equals_default": same}
             bits = "=" if same else "DIFFERS from"

@@ -13,15 +13,14 @@ import json
 
 import torch
 
-from nextn.ops import triton_sample
-from nextn.ops.triton_linear import _graph_us
+from nextn.ops import linear_tune, triton_sample
 from nextn.sampling import RequestRng, SamplingParams, Stream, probs_from_logits, sample
 from nextn.spec import verifier
 
 
 def graph_us(fn, calls: int = 100) -> float:
     """us per call of fn, captured `calls` times in one CUDA graph (median of 5 replays)."""
-    return _graph_us(lambda i: fn(), 1, calls)
+    return linear_tune.graph_us(lambda i: fn(), 1, calls)
 
 
 def measure(V: int, K: int, table, index, temperature) -> dict:

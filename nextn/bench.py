@@ -99,6 +99,8 @@ def run_bench(
         "kv_cache_dtype": cfg.kv_cache_dtype,
     }
     if kernels == "triton" and device.type == "cuda" and cfg.tune:
+        from nextn.ops.linear_tune import config_key
+
         t0 = time.perf_counter()
         step = bench.core(0)[1].step
         head_vocab = None if draft_vocab is None else draft_vocab.size
@@ -110,8 +112,7 @@ def run_bench(
         # what the step's matmuls alone would take, from the tuning measurements (graph, L2 cold)
         res["step_matmul_ms_estimate"] = (
             sum(
-                res["linear_configs"][step.linear.config_key(n, k, fp8)]["us_1row"]
-                for n, k, _, fp8 in step.linear_uses(head=False)
+                res["linear_configs"][config_key(n, k, fp8)]["us_1row"] for n, k, _, fp8 in step.linear_uses(head=False)
             )
             / 1e3
         )

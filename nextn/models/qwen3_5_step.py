@@ -242,7 +242,9 @@ class TritonStep:
     def tune(self, log=None, head_vocab: int | None = None) -> dict:
         """Measure the skinny GEMM's block configs for this model's weight shapes (before capture);
         head_vocab: the rows of a draft vocabulary's lm_head copy, when the head drafts over one."""
-        return self.linear.tune(sorted(set(self.linear_uses(head_vocab=head_vocab))), self.embed.device, log=log)
+        from nextn.ops import linear_tune
+
+        return linear_tune.tune(sorted(set(self.linear_uses(head_vocab=head_vocab))), self.embed.device, log=log)
 
     def _add(self, x: torch.Tensor, inp: torch.Tensor, w: Weight) -> torch.Tensor:
         """x + inp @ w.T, a block's end: the residual fused into the GEMM, or under tensor
