@@ -37,8 +37,9 @@ for stage in "$@"; do
     bench9bquick) timeout 240 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 \
                --spec-k 1 3 8 --repeats 1 --acceptance-profile 0.85,0.75,0.65 --json $OUT/bench_qwen3.5-9b.json 2>&1 \
                | grep -v '^ ' | tail -20 | tee -a $LOG ;;
+    # (10 repeats: sampled runs draw with seeds 0..9; one seed's acceptance spreads by ~0.08)
     benchdefault) timeout 200 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \
-               --prompt-file nextn/engine/rounds.py --temperature 0.7 --spec-k 1 2 3 4 8 \
+               --prompt-file nextn/engine/rounds.py --temperature 0.7 --spec-k 1 2 3 4 8 --repeats 10 \
                --json $OUT/bench_default_model.json 2>&1 | grep -v "^ " | tail -40 | tee -a $LOG ;;
     bench35b) timeout 300 python3 -m nextn.cli bench --random-weights qwen3.5-35b-a3b --device cuda --dtype bfloat16 \
                --spec-k 1 3 --acceptance-profile 0.85,0.75,0.65 --json $OUT/bench_qwen3.5-35b-a3b.json 2>&1 \

@@ -30,6 +30,7 @@ from nextn.layers.linear import FP8Linear, Linear
 from nextn.model_config import ConfigError, QuantConfig
 from nextn.models.loader import CheckpointError, fuse_weights, load_model, quantize_model
 from nextn.ops.fp8 import FP8Weight, block_scale, channel_scale, compact_scales, dequantize, quantize_blocks
+from nextn.ops.norm import rms_norm as rms_norm_reference
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -202,6 +203,31 @@ def test_fp8_chained_blocks_match_the_reference_and_keep_rows_invariant(config, 
         for m in (0, 17, 20):
             one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
             assert torch.equal(skinny_linear(x[m : m + 1], compact, config=config, **one)[0], full[m]), (name, m)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_fp8_chained_blocks_read_a_norm_input(split):
+    """The chained dots reading a norm's input (skinny_linear's `rms`) scale x's tiles by each row's
+    rstd with the block scale, so rows whose values before the norm are far past fp16's range match
+    the norm then the dequantized GEMM, in every fusion; rows invariant."""
+    from nextn.ops.triton_linear import skinny_linear
+    from nextn.ops.triton_norm import NormInput, norm_input
+
+    x, w8, w28, res = _fp8_case(5, 256, 256, torch.bfloat16, seed=13)
+    x = x * 3e5  # the residual stream's scale is the norm's to remove: x * scale alone passes fp16's range
+    nw = (torch.randn(256, device=DEVICE) * 0.3).to(torch.bfloat16)
+    h = rms_norm_reference(x, nw, 1e-6)
+    compact, compact2 = compact_scales(w8), compact_scales(w28)
+    config = (64, 128, 4, 2, split)
+    ni = norm_input(x, nw)
+    for kw, ref in _fp8_variants(h, w8, w28, res).values():
+        kw = dict(kw, up_weight=compact2) if "up_weight" in kw else kw
+        out = skinny_linear(None, compact, rms=ni, eps=1e-6, config=config, **kw)
+        _close(out, ref, torch.bfloat16)
+        for m in (0, 4):
+            one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
+            row = NormInput(ni.x[m : m + 1], ni.ss[:, m : m + 1].contiguous())
+            assert torch.equal(skinny_linear(None, compact, rms=row, eps=1e-6, config=config, **one)[0], out[m])
 
 
 @pytest.mark.parametrize("split", [1, 2])

@@ -38,7 +38,7 @@ from nextn.ops.triton_gdn import gdn_step  # noqa: E402
 from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule as triton_chunk_rule  # noqa: E402
 from nextn.ops.triton_linear import skinny_linear  # noqa: E402
 from nextn.ops.triton_moe_grouped import grouped_experts  # noqa: E402
-from nextn.ops.triton_norm import rms_norm, rms_norm_rows  # noqa: E402
+from nextn.ops.triton_norm import norm_input, rms_norm, rms_norm_rows  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -101,6 +101,40 @@ def test_skinny_linear_rows_do_not_depend_on_row_count(dtype):
         for m in (0, 4, 8):
             one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
             assert torch.equal(skinny_linear(x[m : m + 1], w, **one)[0], full[m]), (name, m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [(16, 16, 4, 1, 1), (16, 16, 4, 1, 2)])
+def test_skinny_linear_reads_a_norm_input_and_writes_the_next(config, dtype):
+    """The norm before a projection inside the GEMMs around it: a residual GEMM's `norm_out` gives the
+    next norm's input (its output times (1 + w), sums of squares per N block), and the GEMM reading it
+    (`rms`) equals the norm then the GEMM; its output bitwise what it was without norm_out; rows
+    invariant; the norm kernel's `norm_input` (one sum per row) the same as the GEMM's."""
+    g = torch.Generator(device=DEVICE).manual_seed(21)
+    x, w, w2, res = _linear_case(9, 64, 64, dtype, g)
+    nw = _rand(64, dtype=dtype, scale=0.3, gen=g)
+    wa, wb = _rand(40, 64, dtype=dtype, scale=0.125, gen=g), _rand(40, 64, dtype=dtype, scale=0.125, gen=g)
+    eps = 1e-6
+    y, ni = skinny_linear(x, w, residual=res, norm_out=nw, config=config)
+    assert torch.equal(y, skinny_linear(x, w, residual=res, config=config))
+    assert ni.ss.shape == (4, 9)  # 64 columns in blocks of 16
+    assert torch.equal(ni.x, (y.float() * (1.0 + nw.float())).to(dtype))
+    torch.testing.assert_close(ni.ss.sum(0), y.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(norm_input(y, nw).x, ni.x)
+    h = reference_rms_norm(y, nw, eps)
+    for made in (ni, norm_input(y, nw)):
+        for kw, ref in _linear_variants(h, wa, wb, res[:, :40]).values():
+            out = skinny_linear(None, wa, rms=made, eps=eps, config=config, **kw)
+            _close(out, ref, dtype)
+            for m in (0, 8):
+                one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
+                row = type(made)(made.x[m : m + 1], made.ss[:, m : m + 1].contiguous())
+                assert torch.equal(skinny_linear(None, wa, rms=row, eps=eps, config=config, **one)[0], out[m])
+    # the residual GEMM's partial sums too: each row's, from its own 16-row tile
+    _, one = skinny_linear(x[4:5], w, residual=res[4:5], norm_out=nw, config=config)
+    assert torch.equal(one.ss[:, 0], ni.ss[:, 4]) and torch.equal(one.x[0], ni.x[4])
+    with pytest.raises(ValueError, match="norm_out"):
+        skinny_linear(x, w, norm_out=nw)
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -670,6 +704,29 @@ def test_skinny_linear_9b_shapes_gpu(N, K, kind, config):
     for m in (0, 3, 8):
         one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
         assert torch.equal(skinny_linear(x[m : m + 1], w, config=config, **one)[0], out[m]), m
+
+
+@gpu
+@pytest.mark.parametrize("producer,consumer", [((4096, 4096), (12288, 4096)), ((4096, 12288), (12352, 4096))])
+def test_skinny_linear_norm_between_9b_shapes_gpu(producer, consumer):
+    """The norm between a residual GEMM and the next projection (norm_out, then rms), at the tuned or
+    default configs of the 9B's shapes: the norm then F.linear, rows invariant, on the GPU's dots."""
+    g = torch.Generator(device=DEVICE).manual_seed(producer[1])
+    x, w, _, res = _linear_case(9, *producer, torch.bfloat16, g)
+    nw = _rand(producer[0], dtype=torch.bfloat16, scale=0.3, gen=g)
+    wa, wb = (_rand(*consumer, dtype=torch.bfloat16, scale=consumer[1] ** -0.5, gen=g) for _ in range(2))
+    y, ni = skinny_linear(x, w, residual=res, norm_out=nw)
+    assert torch.equal(y, skinny_linear(x, w, residual=res))
+    h = reference_rms_norm(y, nw, 1e-6)
+    kw, ref = (
+        (dict(up_weight=wb), F.silu(F.linear(h, wa)) * F.linear(h, wb)) if consumer[0] == 12288 else ({}, h @ wa.T)
+    )
+    out = skinny_linear(None, wa, rms=ni, eps=1e-6, **kw)
+    _close(out, ref, torch.bfloat16)
+    for m in (0, 3, 8):
+        y1, n1 = skinny_linear(x[m : m + 1], w, residual=res[m : m + 1], norm_out=nw)
+        assert torch.equal(n1.x[0], ni.x[m]) and torch.equal(n1.ss[:, 0], ni.ss[:, m])
+        assert torch.equal(skinny_linear(None, wa, rms=n1, eps=1e-6, **kw)[0], out[m]), m
 
 
 @gpu

@@ -6,15 +6,18 @@ it is written once here and held to the reference by bitwise tests (tests/test_s
 A step runs a batch of sequences (nextn.cache.StepBatch), their rows packed: projections over all
 rows, attention and the delta rule per sequence over its own slot. Per decoder layer (the
 projections fused at load by nextn.models.loader):
-- Gated DeltaNet: [RMSNorm] -> [in_proj_{qkv,z,b,a}] -> [causal conv -> recurrent delta rule
+- Gated DeltaNet: [RMSNorm -> in_proj_{qkv,z,b,a}] -> [causal conv -> recurrent delta rule
   (writes the state after every token) -> gated RMSNorm] -> [out_proj + residual];
-- attention: [RMSNorm] -> [q/k/v] -> q/k norm + RoPE + K/V write -> chunked attention * gate
+- attention: [RMSNorm -> q/k/v] -> q/k norm + RoPE + K/V write -> chunked attention * gate
   -> [o_proj + residual];
-- MLP: [RMSNorm] -> [gate/up -> silu * up] -> [down + residual];
-- MoE: RMSNorm -> router and shared-expert gate -> [top-k, experts' and shared expert's
+- MLP: [RMSNorm -> gate/up -> silu * up] -> [down + residual];
+- MoE: [RMSNorm -> router and shared-expert gate, top-k] -> [experts' and shared expert's
   silu(gate) * up] -> [their down, weighted sum + residual] (nextn.ops.triton_moe).
-Brackets are one kernel each. A row's arithmetic does not depend on the number of rows or on the
-other sequences, so a verify row equals the decode of the same token bitwise, alone or batched.
+Brackets are one kernel each. A norm before a projection lives in the GEMMs around it (the residual
+GEMM before writes its NormInput, nextn.ops.triton_linear); where no GEMM does (the first layer, after
+an MoE block or an all-reduce, the MTP head) a launch writes it. A row's arithmetic does not
+depend on the number of rows or on the other sequences, so a verify row equals the decode of the
+same token bitwise, alone or batched.
 Positions and the GDN state locations come from the slots' device counters (nextn.cache.hybrid),
 so one CUDA graph serves every round of a batch.
 
@@ -246,20 +249,33 @@ class TritonStep:
 
         return linear_tune.tune(sorted(set(self.linear_uses(head_vocab=head_vocab))), self.embed.device, log=log)
 
-    def _add(self, x: torch.Tensor, inp: torch.Tensor, w: Weight) -> torch.Tensor:
-        """x + inp @ w.T, a block's end: the residual fused into the GEMM, or under tensor
-        parallelism added to the all-reduce of the ranks' partial products (the reference's order)."""
+    def _add(self, x: torch.Tensor, inp: torch.Tensor, w: Weight, norm: torch.Tensor | None):
+        """(x + inp @ w.T, the NormInput of the norm after it (weight `norm`) or None): a block's end.
+        The residual and the next norm's input are fused into the GEMM, or under tensor parallelism
+        the residual is added to the all-reduce of the ranks' partial products (the reference's
+        order) and the norm's input made by a launch."""
         lin = self._lin
         if self.cfg.tp_size == 1:
-            return lin(inp, w, residual=x)
-        return all_reduce_add(lin(inp, w), x, self.cfg)
+            return lin(inp, w, residual=x, norm_out=norm) if norm is not None else (lin(inp, w, residual=x), None)
+        out = all_reduce_add(lin(inp, w), x, self.cfg)
+        return out, self._norm_input(out, norm) if norm is not None else None
 
     def _lin(self, *args, **kwargs) -> torch.Tensor:
         return self.linear.skinny_linear(*args, run_if=self.run_if, **kwargs)
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The zero-centred RMSNorm before a projection, a launch of its own (skipped with the call)."""
-        return self.norm.rms_norm(x, weight, self.eps, run_if=self.run_if)
+    def _norm_input(self, x: torch.Tensor, weight: torch.Tensor):
+        """The zero-centred RMSNorm before a projection where no GEMM wrote its input: a launch
+        (skipped with the call); the projection applies the norm (`_project`)."""
+        return self.norm.norm_input(x, weight, run_if=self.run_if)
+
+    def _project(self, ni, w: Weight, **kwargs) -> torch.Tensor:
+        """rms_norm(x) @ w.T from the norm's NormInput ni."""
+        return self._lin(None, w, rms=ni, eps=self.eps, **kwargs)
+
+    @staticmethod
+    def _mlp_norm(w: MLPWeights | MoEWeights) -> torch.Tensor | None:
+        """The norm before an MLP whose input the block before writes (an MoE block normalises x itself)."""
+        return w.norm if isinstance(w, MLPWeights) else None
 
     def _logits(self, normed: torch.Tensor, lm_head: torch.Tensor | None, out: torch.Tensor) -> None:
         """Float32 logits into out [M, V or Vd]: over the given rows (a draft vocabulary's, never
@@ -271,7 +287,8 @@ class TritonStep:
         local = lin(normed, self.lm_head, out_dtype=torch.float32)  # [M, ceil(V / N)]
         gather_vocab(local, self.cfg, out=out)
 
-    def _mlp(self, x, w: MLPWeights | MoEWeights):
+    def _mlp(self, x, ni, w: MLPWeights | MoEWeights, next_norm: torch.Tensor | None):
+        """(x + the MLP of x, the next norm's NormInput or None); ni: the MLP norm's (a dense MLP)."""
         if isinstance(w, MoEWeights):
             from nextn.ops.triton_moe import moe_step
 
@@ -290,12 +307,13 @@ class TritonStep:
                 w.renorm,
                 residual=not tp,
             )
-            return all_reduce_add(out, x, self.cfg) if tp else out
-        act = self._lin(self._norm(x, w.norm), w.gate, up_weight=w.up)
-        return self._add(x, act, w.down)
+            return (all_reduce_add(out, x, self.cfg) if tp else out), None
+        act = self._project(ni, w.gate, up_weight=w.up)
+        return self._add(x, act, w.down, next_norm)
 
-    def _attn(self, x, w: AttnWeights, kv: KV, row_slot, row_pos, rope_offset: int):
-        qkv = self._lin(self._norm(x, w.norm), w.qkv)
+    def _attn(self, x, ni, w: AttnWeights, kv: KV, row_slot, row_pos, rope_offset: int, next_norm):
+        """(the layer's output, the next norm's NormInput or None); ni: the input norm's."""
+        qkv = self._project(ni, w.qkv)
         cos, sin = self.rope_tables(kv.key.shape[1] + 1)
         heads = self.cfg.num_attention_heads
         scales = dict(key_scale=kv.key_scale, value_scale=kv.value_scale, run_if=self.run_if)  # fp8 scales or None
@@ -315,18 +333,18 @@ class TritonStep:
             **scales,
         )
         o = self.attn.attend_step(q, qkv, kv.key, kv.value, row_slot, row_pos, **scales)
-        return self._mlp(self._add(x, o, w.o_proj), w.mlp)
+        return self._mlp(*self._add(x, o, w.o_proj, self._mlp_norm(w.mlp)), w.mlp, next_norm)
 
-    def _gdn(self, x, w: GDNWeights, batch: StepBatch, j: int, store_all: bool, live: torch.Tensor | None):
-        lin, t = self.linear.skinny_linear, batch.cache.tensors
-        h = self.norm.rms_norm(x, w.norm, self.eps)
+    def _gdn(self, x, ni, w: GDNWeights, batch: StepBatch, j: int, store_all: bool, live, next_norm):
+        """(the layer's output, the next norm's NormInput or None); ni: the input norm's."""
+        t = batch.cache.tensors
         if len(w.in_proj) == 1:
-            proj = lin(h, w.in_proj[0])  # [M, conv | z | b | a]
+            proj = self._project(ni, w.in_proj[0])  # [M, conv | z | b | a]
         else:  # runs of one kind (FP8 qkv | z, bf16 b | a), each into its columns
             proj = x.new_empty(x.shape[0], sum(p.shape[0] for p in w.in_proj))
             col = 0
             for part in w.in_proj:
-                lin(h, part, out=proj[:, col : col + part.shape[0]])
+                self._project(ni, part, out=proj[:, col : col + part.shape[0]])
                 col += part.shape[0]
         o = self.gdn.gdn_step(
             proj,
@@ -345,7 +363,7 @@ class TritonStep:
             store_all=store_all,
             live=live,
         )
-        return self._mlp(self._add(x, o, w.out_proj), w.mlp)
+        return self._mlp(*self._add(x, o, w.out_proj, self._mlp_norm(w.mlp)), w.mlp, next_norm)
 
     def trunk(
         self,
@@ -366,12 +384,16 @@ class TritonStep:
             raise ValueError(f"a step keeping every state takes at most {batch.caches[0].rows} rows per sequence")
         pos = batch.row_positions(batch.field(SEQ_LEN))
         x = embed(ids, self.embed, self.cfg)
-        for layer, w in zip(self.model.model.layers, self.layers, strict=True):
-            i = layer.layer_idx
+        ni = None  # the next layer's input norm's NormInput, where the layer before wrote it
+        layers = list(zip(self.model.model.layers, self.layers, strict=True))
+        for n, (layer, w) in enumerate(layers):
+            i, next_norm = layer.layer_idx, layers[n + 1][1].norm if n + 1 < len(layers) else None
+            if ni is None:
+                ni = self._norm_input(x, w.norm)
             if layer.kind == FULL:
-                x = self._attn(x, w, batch.cache.kv(i), batch.row_slot, pos, 0)
+                x, ni = self._attn(x, ni, w, batch.cache.kv(i), batch.row_slot, pos, 0, next_norm)
             else:
-                x = self._gdn(x, w, batch, batch.cache.gdn_index[i], store_all, live)
+                x, ni = self._gdn(x, ni, w, batch, batch.cache.gdn_index[i], store_all, live, next_norm)
         normed = norm(x, self.final_norm, self.eps, out=hidden if self.after_norm else None)
         self._logits(normed, None, logits)
         if not self.after_norm:
@@ -400,7 +422,10 @@ class TritonStep:
         norm(embed(ids, self.embed, self.cfg), norm_embed, out=cat[:, :H])
         norm(hidden, norm_hidden, out=cat[:, H:])
         pos = batch.row_positions(first)
-        x = self._attn(self._lin(cat, fc), layer, batch.cache.draft_kv(), batch.row_slot, pos, 1)
+        x = self._lin(cat, fc)
+        x, _ = self._attn(
+            x, self._norm_input(x, layer.norm), layer, batch.cache.draft_kv(), batch.row_slot, pos, 1, None
+        )
         out = x if rows is None else x.index_select(0, rows)
         normed = norm(out, final, out=chained if self.after_norm else None)
         self._logits(normed, lm_head, logits)

@@ -12,9 +12,14 @@ as a 16-row call; a weight block's tiles are neighbouring programs, so they shar
 Fused after the dot, so a decoder layer needs fewer launches:
 - epilogue `residual`: y = residual + x @ w.T (each rounded to x's dtype first, like `x + f(x)`);
 - epilogue `silu_mul`: y = silu(x @ w.T) * (x @ w2.T) (the SwiGLU of an MLP, gate and up weights).
-Roundings follow the PyTorch modules they replace, op by op. The norm before a projection is a
-launch of its own (nextn.ops.triton_norm): normalising x inside the k-loop made every tile's dot
-wait, which cost more than the launch (bench/NOTES.md, run 69).
+Roundings follow the PyTorch modules they replace, op by op, except around a norm. The zero-centred
+RMSNorm before a projection is no launch of its own: the residual GEMM before it also stores its
+output times (1 + w) and the output's sums of squares per N block (`norm_out`), and the projection
+reads those (`rms`, a nextn.ops.triton_norm.NormInput), adds a row's sums in a fixed order and
+scales its products by rstd after the loop (FP8 chained dots: x's tiles with the block scale).
+x = y * (1 + w) is rounded to the model dtype where the module rounds y * rstd * (1 + w), so the
+step is the norm then the GEMM up to that rounding (not bitwise); a row's arithmetic still depends
+on that row alone. (Normalising x inside the k-loop made every tile's dot wait: bench/NOTES.md, run 69.)
 
 FP8 weights (nextn.ops.fp8.FP8Weight: e4m3 with float32 scales, per row or per 128 rows, per 128
 columns; k-tiles of at most 128 columns, so one scale per row covers a tile), two ways:
@@ -37,6 +42,7 @@ import torch
 
 from nextn.ops.fp8 import BLOCK as FP8_BLOCK
 from nextn.ops.fp8 import FP8Weight
+from nextn.ops.triton_norm import NormInput
 from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2
 
 TILE_ROWS = 16  # rows of one tensor-core tile: a decode's 1, a verify's K + 1 <= 16, or a batch's share
@@ -72,13 +78,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
-                k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2,
+                k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd,
                 EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
                 SCALE_ROWS: tl.constexpr, SCALE_ROWS2: tl.constexpr, TMA: tl.constexpr,
                 CHAIN: tl.constexpr):  # fmt: skip
         """A program's reduction over its K columns: (x @ w.T, x @ w2.T) as [BLOCK_N, BLOCK_M] float32
-        (CHAIN: times its shifts)."""
+        (CHAIN: times its shifts and the rows' rstd [BLOCK_M, 1], which scale x's tiles)."""
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc2 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         s_col = (n_block * BLOCK_N) // SCALE_ROWS  # CHAIN: the program's rows share one scale per block
@@ -95,23 +101,23 @@ if HAVE_TRITON:
                 w = w_ptr.load([n_block * BLOCK_N, k0])
             else:
                 w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-            acc = _tile_dot(w, x, acc, s_ptr, stride_s, k0, s_col, shift, offs_n, mask_n, SCALE_ROWS, FP8, CHAIN,
-                            DOT_F32)  # fmt: skip
+            acc = _tile_dot(w, x, acc, s_ptr, stride_s, k0, s_col, shift, rstd, offs_n, mask_n, SCALE_ROWS, FP8,
+                            CHAIN, DOT_F32)  # fmt: skip
             if EPILOGUE == 2:
                 if TMA:
                     w2 = w2_ptr.load([n_block * BLOCK_N, k0])
                 else:
                     w2 = tl.load(w2_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-                acc2 = _tile_dot(w2, x, acc2, s2_ptr, stride_s2, k0, s_col, shift2, offs_n, mask_n, SCALE_ROWS2, FP8,
-                                 CHAIN, DOT_F32)  # fmt: skip
+                acc2 = _tile_dot(w2, x, acc2, s2_ptr, stride_s2, k0, s_col, shift2, rstd, offs_n, mask_n, SCALE_ROWS2,
+                                 FP8, CHAIN, DOT_F32)  # fmt: skip
         return acc, acc2
 
     @triton.jit
-    def _tile_dot(w, x, acc, s_ptr, stride_s, k0, s_col, shift, offs_n, mask_n, SCALE_ROWS: tl.constexpr,
+    def _tile_dot(w, x, acc, s_ptr, stride_s, k0, s_col, shift, rstd, offs_n, mask_n, SCALE_ROWS: tl.constexpr,
                   FP8: tl.constexpr, CHAIN: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
         """acc + w @ x.T for a weight tile w [BLOCK_N, BLOCK_K] at columns k0.. and rows x [BLOCK_M, BLOCK_K]."""
         if CHAIN:  # the block's one scale times x's tile: the dots chain into one accumulator
-            out = _chain_dot(w, x, tl.load(s_ptr + (k0 // 128) * stride_s + s_col) * shift, acc, DOT_F32)
+            out = _chain_dot(w, x, tl.load(s_ptr + (k0 // 128) * stride_s + s_col) * shift * rstd, acc, DOT_F32)
         elif FP8:  # the scales of this tile's 128-column block (nextn.ops.fp8.BLOCK)
             s_ptrs = s_ptr + (k0 // 128) * stride_s + offs_n // SCALE_ROWS
             out = acc + _fp8_tile(w, x, s_ptrs, mask_n, x.dtype, DOT_F32)
@@ -123,8 +129,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _chain_dot(w, x, scale, acc, DOT_F32: tl.constexpr):
-        """acc + w @ (x * scale).T for an e4m3 tile w [BLOCK_N, BLOCK_K] and rows x [BLOCK_M, BLOCK_K]:
-        both in fp16 (e4m3 widens to it exactly, one packed convert per two values)."""
+        """acc + w @ (x * scale).T for an e4m3 tile w [BLOCK_N, BLOCK_K], rows x [BLOCK_M, BLOCK_K] and
+        scale [BLOCK_M, 1]: both in fp16 (e4m3 widens to it exactly, one packed convert per two values)."""
         xs = x.to(tl.float32) * scale
         if DOT_F32:
             if x.dtype != tl.float32:  # the interpreter: fp16 operands as the GPU's, products in float32
@@ -149,6 +155,10 @@ if HAVE_TRITON:
         part_ptr,
         count_ptr,
         flag_ptr,
+        ss_in_ptr,  # RMS: [P, M] float32, the partial sums of squares of x's rows before its norm
+        nw_ptr,  # NORM_OUT: [N] the next norm's weight (zero-centred)
+        xn_ptr,  # NORM_OUT: [M, N] y * (1 + nw), x's dtype
+        ss_out_ptr,  # NORM_OUT: [cdiv(N, BLOCK_N), M] float32, y's sums of squares per N block
         M,
         N,
         K,
@@ -160,6 +170,8 @@ if HAVE_TRITON:
         stride_s2,
         shift,  # CHAIN: 2^exponent of w's scales (FP8Weight.exponent)
         shift2,
+        P,  # RMS: partial sums per row
+        eps,  # RMS
         EPILOGUE: tl.constexpr,  # 0 none, 1 residual add, 2 silu(x w^T) * (x w2^T)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -173,6 +185,9 @@ if HAVE_TRITON:
         HAS_FLAG: tl.constexpr,  # flag_ptr: run_if (nextn.engine.runner.ModelRunner.when), 0 skips the call
         TMA: tl.constexpr,  # w_ptr (and w2_ptr) are [BLOCK_N, BLOCK_K] tensor descriptors (bf16 weights)
         CHAIN: tl.constexpr,  # FP8 whose BLOCK_N rows share each scale (SCALE_ROWS % BLOCK_N == 0)
+        RMS: tl.constexpr,  # x is a norm's input times its weight: scale each row's products by its rstd
+        P_BLOCK: tl.constexpr,  # RMS: next_pow2(P)
+        NORM_OUT: tl.constexpr,  # EPILOGUE 1: also store the next norm's input (xn_ptr, ss_out_ptr)
     ):
         """Program (n * M_TILES + m, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs
         for rows [m*BLOCK_M, (m+1)*BLOCK_M). SPLIT > 1: float32 partials [SPLIT, M, N] in part_ptr,
@@ -189,9 +204,15 @@ if HAVE_TRITON:
         mask_m = offs_m < M
         mask_n = offs_n < N
         x_dtype = x_ptr.dtype.element_ty
+        rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
+        if RMS:  # the norm's rstd from its partial sums, added in a fixed order (loaded before the loop)
+            offs_p = tl.arange(0, P_BLOCK)
+            ss = tl.load(ss_in_ptr + offs_p[:, None] * M + offs_m[None, :],
+                         mask=(offs_p[:, None] < P) & mask_m[None, :], other=0.0)  # fmt: skip
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
         acc, acc2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n, k_start,
-                            K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, EPILOGUE, BLOCK_M, BLOCK_N,
-                            BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2, TMA, CHAIN)  # fmt: skip
+                            K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd[:, None], EPILOGUE, BLOCK_M,
+                            BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2, TMA, CHAIN)  # fmt: skip
         if CHAIN:
             acc = acc * (1.0 / shift)  # (powers of two: exact)
             acc2 = acc2 * (1.0 / shift2)
@@ -203,12 +224,13 @@ if HAVE_TRITON:
             if tl.max(bad, axis=0) > 0:
                 again, again2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m,
                                         mask_n, k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2,
-                                        EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS,
-                                        SCALE_ROWS2, TMA, False)  # fmt: skip
-                acc = tl.where(bad[None, :] > 0, again, acc)
-                acc2 = tl.where(bad[None, :] > 0, again2, acc2)
+                                        rstd[:, None], EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8,
+                                        SCALE_ROWS, SCALE_ROWS2, TMA, False)  # fmt: skip
+                acc = tl.where(bad[None, :] > 0, again * rstd[None, :], acc)
+                acc2 = tl.where(bad[None, :] > 0, again2 * rstd[None, :], acc2)
         out_mask = mask_n[:, None] & mask_m[None, :]
         store_mask = out_mask
+        last = mask_m  # the rows this program stores (split-K: only the last split to arrive)
         if SPLIT > 1:
             # Each split stores its float32 partial; the split that arrives last at the N block's
             # counter sums all of them in split order (a fixed order, so rows stay invariant),
@@ -231,11 +253,22 @@ if HAVE_TRITON:
                         part_ptr + (SPLIT + s) * M * N + at, mask=store_mask, other=0.0, cache_modifier=".cg"
                     )
             tl.store(count_ptr + pid, 0, mask=arrived == SPLIT - 1)
+            last = mask_m & ((tl.zeros((BLOCK_M,), tl.int32) + arrived) == SPLIT - 1)
+        if RMS and not CHAIN:  # (the chain scaled x's tiles by it)
+            acc = acc * rstd[None, :]
+            acc2 = acc2 * rstd[None, :]
         r = acc
         if EPILOGUE == 1:
             r = tl.load(res_ptr + offs_m[None, :] * stride_res + offs_n[:, None], mask=store_mask, other=0.0)
         out = _epilogue(acc, acc2, r, x_dtype, EPILOGUE)
-        tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], out.to(y_ptr.dtype.element_ty), mask=store_mask)
+        y = out.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], y, mask=store_mask)
+        if NORM_OUT:  # the next norm's input: y * (1 + w) and y's sums of squares over this N block
+            yf = tl.where(store_mask, y.to(tl.float32), 0.0)
+            nw = tl.load(nw_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            xn = (yf * (1.0 + nw[:, None])).to(xn_ptr.dtype.element_ty)
+            tl.store(xn_ptr + offs_m[None, :] * N + offs_n[:, None], xn, mask=store_mask)
+            tl.store(ss_out_ptr + n_block * M + offs_m, tl.sum(yf * yf, axis=0), mask=last)
 
 
 # (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT[, TMA]). `linear_tune.tune` measures candidates per shape
@@ -283,7 +316,7 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def skinny_linear(
-    x: torch.Tensor,  # [M, K], last dim contiguous
+    x: torch.Tensor | None,  # [M, K], last dim contiguous (None with rms)
     weight: torch.Tensor | FP8Weight,  # [N, K] contiguous
     *,
     out: torch.Tensor | None = None,  # [M, N]
@@ -292,7 +325,18 @@ def skinny_linear(
     up_weight: torch.Tensor | FP8Weight | None = None,  # [N, K]: epilogue silu(y) * (x @ up_weight.T)
     config: tuple[int, ...] | None = None,  # override (tuning)
     run_if: torch.Tensor | None = None,  # [] device flag: 0 skips the call (out is left as it was)
-) -> torch.Tensor:
+    rms: NormInput | None = None,  # in place of x: y = rms_norm(x) @ w.T (x before the norm)
+    eps: float = 0.0,  # rms: the norm's
+    norm_out: torch.Tensor | None = None,  # [N] with residual: also return the next norm's NormInput
+) -> torch.Tensor | tuple[torch.Tensor, NormInput]:
+    """y = x @ weight.T [M, N] with the epilogues above; rms: of the norm whose input (times its
+    weight, with its rows' sums of squares) it is, scaling each row's products by its rstd;
+    norm_out (the zero-centred weight of the norm after a residual GEMM): returns (y, its NormInput)
+    as well, from this launch's output."""
+    if (x is None) == (rms is None):
+        raise ValueError("skinny_linear takes x or rms (a norm's input), not both")
+    if rms is not None:
+        x = rms.x
     fp8 = isinstance(weight, FP8Weight)
     if up_weight is not None and isinstance(up_weight, FP8Weight) != fp8:
         raise ValueError("skinny_linear: weight and up_weight must both be FP8 or neither")
@@ -315,6 +359,10 @@ def skinny_linear(
     if out is None:
         out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     epilogue = 1 if residual is not None else (2 if up_weight is not None else 0)
+    if norm_out is not None and (epilogue != 1 or norm_out.shape != (N,)):
+        raise ValueError("skinny_linear: norm_out takes a residual GEMM and the norm's [N] weight")
+    if rms is not None and (rms.ss.dim() != 2 or rms.ss.shape[1] != M or not rms.ss.is_contiguous()):
+        raise ValueError(f"skinny_linear: rms sums {tuple(rms.ss.shape)} for {M} rows")
     block_n, block_k, warps, stages, split, *tma = config or pick_config(N, K, fp8)
     tma = bool(tma and tma[0])
     if tma and fp8:
@@ -328,6 +376,10 @@ def skinny_linear(
     if split > 1:
         part = torch.empty((2 if epilogue == 2 else 1) * split * M * N, device=x.device, dtype=torch.float32)
         count = arrival_counters(x.device, triton_cdiv(N, block_n) * triton_cdiv(M, TILE_ROWS))
+    xn = ss_out = dummy
+    if norm_out is not None:
+        xn = torch.empty(M, N, device=x.device, dtype=out.dtype)
+        ss_out = torch.empty(triton_cdiv(N, block_n), M, device=x.device, dtype=torch.float32)
     w, w2 = weight, up_weight if up_weight is not None else dummy
     if tma:
         w = _descriptor(weight, block_n, block_k)
@@ -343,6 +395,10 @@ def skinny_linear(
         part,
         count,
         run_if if run_if is not None else dummy,
+        rms.ss if rms is not None else dummy,
+        norm_out if norm_out is not None else dummy,
+        xn,
+        ss_out,
         M,
         N,
         K,
@@ -354,6 +410,8 @@ def skinny_linear(
         scale2.stride(0) if scale2 is not None else 0,
         2.0**exponent,
         2.0**exponent2,
+        rms.ss.shape[0] if rms is not None else 1,
+        eps,
         EPILOGUE=epilogue,
         BLOCK_M=TILE_ROWS,
         BLOCK_N=block_n,
@@ -367,10 +425,13 @@ def skinny_linear(
         HAS_FLAG=run_if is not None,
         TMA=tma,
         CHAIN=fp8 and rows % block_n == 0 and (up_weight is None or rows2 % block_n == 0),
+        RMS=rms is not None,
+        P_BLOCK=next_pow2(rms.ss.shape[0]) if rms is not None else 1,
+        NORM_OUT=norm_out is not None,
         num_warps=warps,
         num_stages=stages,
     )
-    return out
+    return out if norm_out is None else (out, NormInput(xn, ss_out))
 
 
 _DESCRIPTORS: dict = {}

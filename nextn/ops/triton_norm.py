@@ -1,8 +1,15 @@
 """Row-wise zero-centred RMSNorm, `x_hat * (1 + w)`, one program per row: a row's result does not
 depend on how many rows the call has. Reference: `nextn.layers.norm.RMSNorm`.
+
+Before a projection the step does not normalise in a launch of its own: the GEMM after the norm
+reads `NormInput` (x * (1 + w) and the partial sums of squares of x's rows) and scales each row's
+products by its rstd (nextn.ops.triton_linear.skinny_linear's `rms`); the residual GEMM before it
+writes one (its `norm_out`), and `norm_input` makes one from a row where no GEMM wrote it.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -14,7 +21,18 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr, w_ptr, y_ptr, flag_ptr, D, stride_x, stride_y, eps, BLOCK_D: tl.constexpr, HAS_FLAG: tl.constexpr
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        flag_ptr,
+        ss_ptr,
+        D,
+        stride_x,
+        stride_y,
+        eps,
+        BLOCK_D: tl.constexpr,
+        HAS_FLAG: tl.constexpr,
+        INPUT: tl.constexpr,  # y = x * (1 + w) and the row's sum of squares at ss_ptr (a NormInput)
     ):
         if HAS_FLAG:  # run_if (nextn.engine.runner.ModelRunner.when): 0 skips the call
             if tl.load(flag_ptr).to(tl.int32) == 0:
@@ -23,9 +41,13 @@ if HAVE_TRITON:
         offs = tl.arange(0, BLOCK_D)
         mask = offs < D
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = x * rstd * (1.0 + w)
+        if INPUT:
+            tl.store(ss_ptr + row, tl.sum(x * x, axis=0))
+            y = x * (1.0 + w)
+        else:
+            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+            y = x * rstd * (1.0 + w)
         tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -44,6 +66,23 @@ def rms_norm(
     out: torch.Tensor | None = None,  # [M, D] (may be a column slice of a wider buffer)
     run_if: torch.Tensor | None = None,  # [] device flag: 0 skips the call (out is left as it was)
 ) -> torch.Tensor:
+    return _launch(x, weight, eps, out, run_if, None)
+
+
+class NormInput(NamedTuple):
+    """A zero-centred RMSNorm's input as the GEMM after it reads it (skinny_linear's `rms`)."""
+
+    x: torch.Tensor  # [M, D]: the rows times (1 + w), in their dtype
+    ss: torch.Tensor  # [P, M] float32: partial sums of squares of the rows, added in order give the row's
+
+
+def norm_input(x: torch.Tensor, weight: torch.Tensor, run_if: torch.Tensor | None = None) -> NormInput:
+    """x [M, D] before the norm of weight [D], as a NormInput (P = 1)."""
+    ss = torch.empty(1, x.shape[0], device=x.device, dtype=torch.float32)
+    return NormInput(_launch(x, weight, 0.0, None, run_if, ss), ss)
+
+
+def _launch(x, weight, eps, out, run_if, ss) -> torch.Tensor:
     M, D = x.shape
     if out is None:
         out = torch.empty_like(x)
@@ -52,12 +91,14 @@ def rms_norm(
         weight,
         out,
         x if run_if is None else run_if,
+        x if ss is None else ss,
         D,
         x.stride(0),
         out.stride(0),
         eps,
         BLOCK_D=next_pow2(D),
         HAS_FLAG=run_if is not None,
+        INPUT=ss is not None,
         num_warps=4 if D <= 4096 else 8,
     )
     return out
