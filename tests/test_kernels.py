@@ -896,6 +896,29 @@ def test_moe_step_matches_reference_and_rows_are_invariant(dtype, I, Is):
             assert torch.equal(_moe_run(block, x[t : t + 1], norm, residual)[0], out[t]), t
 
 
+def test_moe_step_writes_the_next_norms_input():
+    """norm_out: the block's output bitwise as without it, and the next norm's NormInput as a residual
+    skinny GEMM writes it (output times (1 + w), sums of squares per block of H), each row's alone;
+    the GEMM reading it equals the norm then the GEMM."""
+    dtype = torch.bfloat16
+    block = _moe_block(E=8, k=3, H=64, I=32, Is=40, dtype=dtype, seed=1)
+    g = torch.Generator(device=DEVICE).manual_seed(6)
+    norm, nw = _rand(64, dtype=dtype, scale=0.5, gen=g), _rand(64, dtype=dtype, scale=0.3, gen=g)
+    x = _untied_rows(block, norm, 4, 64, dtype, g)
+    plain = _moe_run(block, x, norm)
+    out, ni = _moe_run(block, x, norm, norm_out=nw, down_blocks=(16, 4))
+    assert torch.equal(out, plain) and ni.ss.shape == (4, 4)  # 64 columns in blocks of 16
+    assert torch.equal(ni.x, (out.float() * (1.0 + nw.float())).to(dtype))
+    torch.testing.assert_close(ni.ss.sum(0), out.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
+    for t in range(4):
+        _, one = _moe_run(block, x[t : t + 1], norm, norm_out=nw, down_blocks=(16, 4))
+        assert torch.equal(one.x[0], ni.x[t]) and torch.equal(one.ss[:, 0], ni.ss[:, t]), t
+    w = _rand(24, 64, dtype=dtype, scale=0.125, gen=g)
+    _close(skinny_linear(None, w, rms=ni, eps=EPS), F.linear(reference_rms_norm(out, nw, EPS), w), dtype)
+    with pytest.raises(ValueError, match="norm_out"):
+        _moe_run(block, x, norm, residual=False, norm_out=nw)
+
+
 def test_moe_norm_router_kernel_matches_reference_and_rows_are_invariant():
     """The block's first kernel at the 35B-A3B router's shape (257 rows over ROUTER_BLOCKS'
     programs, a partial last one): the post-attention norm, the router and shared gate logits, and

@@ -14,8 +14,8 @@ projections fused at load by nextn.models.loader):
 - MoE: [RMSNorm -> router and shared-expert gate, top-k] -> [experts' and shared expert's
   silu(gate) * up] -> [their down, weighted sum + residual] (nextn.ops.triton_moe).
 Brackets are one kernel each. A norm before a projection lives in the GEMMs around it (the residual
-GEMM before writes its NormInput, nextn.ops.triton_linear); where no GEMM does (the first layer, after
-an MoE block or an all-reduce, the MTP head) a launch writes it. A row's arithmetic does not
+GEMM or MoE block before writes its NormInput, nextn.ops.triton_linear); where none does (the first
+layer, after an all-reduce, the MTP head) a launch writes it. A row's arithmetic does not
 depend on the number of rows or on the other sequences, so a verify row equals the decode of the
 same token bitwise, alone or batched.
 Positions and the GDN state locations come from the slots' device counters (nextn.cache.hybrid),
@@ -288,7 +288,8 @@ class TritonStep:
         gather_vocab(local, self.cfg, out=out)
 
     def _mlp(self, x, ni, w: MLPWeights | MoEWeights, next_norm: torch.Tensor | None):
-        """(x + the MLP of x, the next norm's NormInput or None); ni: the MLP norm's (a dense MLP)."""
+        """(x + the MLP of x, the next norm's NormInput or None); ni: the MLP norm's (a dense MLP;
+        the MoE block normalises x itself)."""
         if isinstance(w, MoEWeights):
             from nextn.ops.triton_moe import moe_step
 
@@ -306,8 +307,12 @@ class TritonStep:
                 w.top_k,
                 w.renorm,
                 residual=not tp,
+                norm_out=None if tp else next_norm,
             )
-            return (all_reduce_add(out, x, self.cfg) if tp else out), None
+            if tp:
+                out = all_reduce_add(out, x, self.cfg)
+                return out, self._norm_input(out, next_norm) if next_norm is not None else None
+            return out if next_norm is not None else (out, None)
         act = self._project(ni, w.gate, up_weight=w.up)
         return self._add(x, act, w.down, next_norm)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from nextn.ops.fp8 import FP8Weight
+from nextn.ops.triton_norm import NormInput
 from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2
 
 # (columns per program, num_warps) of the gate/up kernel (BLOCK_I intermediate columns of a slot)
@@ -262,6 +263,9 @@ if HAVE_TRITON:
         y_ptr,  # [T, TOP_K + 1, H] scratch: the slots' weighted outputs in the model dtype
         count_ptr,  # [T * cdiv(H, BLOCK_N)] int32 arrival counters, zero (and left zero)
         out_ptr,  # [T, H]
+        nw_ptr,  # NORM_OUT: [H] the next norm's weight (zero-centred)
+        xn_ptr,  # NORM_OUT: [T, H] out * (1 + nw)
+        ss_ptr,  # NORM_OUT: [cdiv(H, BLOCK_N), T] float32, out's sums of squares per block of H
         stride_act,
         H: tl.constexpr,
         I: tl.constexpr,
@@ -275,11 +279,13 @@ if HAVE_TRITON:
         FP8_EXPERTS: tl.constexpr,
         FP8_SHARED: tl.constexpr,
         PDL: tl.constexpr,
+        NORM_OUT: tl.constexpr,  # also the next norm's input (nextn.ops.triton_norm.NormInput)
     ):
         """out = x + (the routed slots' outputs summed in slot order + the shared slot's); without
-        RESIDUAL the sum alone. A program per (row, slot, block of H) streams its slot's weights
-        (the slots' loads in flight together, not one slot after another), stores its output and
-        counts in; the row's last program of the block to arrive sums the TOP_K + 1 outputs. PDL
+        RESIDUAL the sum alone (NORM_OUT: and the next norm's input, as the skinny GEMM's norm_out).
+        A program per (row, slot, block of H) streams its slot's weights (the slots' loads in
+        flight together, not one slot after another), stores its output and counts in; the row's
+        last program of the block to arrive sums the TOP_K + 1 outputs. PDL
         (launched as a programmatic dependent of the gate/up kernel): a program loads its weight
         tile (and its expert id, which the router kernel before the gate/up kernel wrote), then
         waits for the gate/up kernel to complete before it reads anything that kernel writes or
@@ -321,7 +327,14 @@ if HAVE_TRITON:
             if RESIDUAL:
                 r = tl.load(res_ptr + t * H + offs_n, mask=mask_n, other=0.0).to(tl.float32)
                 mlp = r + mlp
-            tl.store(out_ptr + t * H + offs_n, mlp.to(dtype), mask=mask_n)
+            out = mlp.to(dtype)
+            tl.store(out_ptr + t * H + offs_n, out, mask=mask_n)
+            if NORM_OUT:
+                yf = tl.where(mask_n, out.to(tl.float32), 0.0)
+                nw = tl.load(nw_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+                tl.store(xn_ptr + t * H + offs_n, (yf * (1.0 + nw)).to(dtype), mask=mask_n)
+                T = tl.num_programs(0) // (TOP_K + 1)
+                tl.store(ss_ptr + tl.program_id(1) * T + t, tl.sum(yf * yf, axis=0))
 
 
 def moe_step(
@@ -342,8 +355,10 @@ def moe_step(
     pdl: bool = True,  # the down kernel as a programmatic dependent launch where the GPU has it (the same bits)
     gate_up_blocks: tuple[int, int] | None = None,  # default GATE_UP_BLOCKS; bench/moe_step_sweep.py compares others
     down_blocks: tuple[int, int] = DOWN_BLOCKS,
-) -> torch.Tensor:
-    """Returns x + SparseMoeBlock(rms_norm(x, norm, eps)) [T, H] (without x when not residual). FP8
+    norm_out: torch.Tensor | None = None,  # [H] with residual: also return the next norm's NormInput
+) -> torch.Tensor | tuple[torch.Tensor, NormInput]:
+    """Returns x + SparseMoeBlock(rms_norm(x, norm, eps)) [T, H] (without x when not residual);
+    norm_out (the next norm's weight): (that, the next norm's NormInput, as skinny_linear's). FP8
     weights (nextn.ops.fp8's layout, one scale per row and 128 columns) are dequantized tile by tile
     to the model dtype as the reference's `dequantize` does, bit for bit; their products sum like the
     dequantized copies' up to the order of the in-tile sums on a GPU (bitwise on the interpreter:
@@ -423,6 +438,11 @@ def moe_step(
     )
     out = torch.empty_like(x)
     n_blocks = triton.cdiv(H, block_h)
+    if norm_out is not None and (not residual or norm_out.shape != (H,)):
+        raise ValueError("moe_step: norm_out takes the residual block and the norm's [H] weight")
+    xn = ss = x
+    if norm_out is not None:
+        xn, ss = torch.empty_like(x), torch.empty(n_blocks, T, device=x.device, dtype=torch.float32)
     _down_combine_kernel[(T * (top_k + 1), n_blocks)](
         act,
         idx,
@@ -435,6 +455,9 @@ def moe_step(
         torch.empty(T, top_k + 1, H, device=x.device, dtype=x.dtype),
         arrival_counters(x.device, T * n_blocks),
         out,
+        norm_out if norm_out is not None else x,
+        xn,
+        ss,
         act.stride(1),
         H=H,
         I=I,
@@ -448,10 +471,11 @@ def moe_step(
         FP8_EXPERTS=fp8_experts,
         FP8_SHARED=fp8_shared,
         PDL=pdl,
+        NORM_OUT=norm_out is not None,
         num_warps=down_warps,
         launch_pdl=pdl,
     )
-    return out
+    return out if norm_out is None else (out, NormInput(xn, ss))
 
 
 def _fp8_kind(*weights) -> bool:
