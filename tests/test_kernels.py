@@ -135,6 +135,10 @@ def test_skinny_linear_reads_a_norm_input_and_writes_the_next(config, dtype):
     assert torch.equal(one.ss[:, 0], ni.ss[:, 4]) and torch.equal(one.x[0], ni.x[4])
     with pytest.raises(ValueError, match="norm_out"):
         skinny_linear(x, w, norm_out=nw)
+    with pytest.raises(ValueError, match="rms sums"):  # sums for other rows than x's
+        skinny_linear(None, wa, rms=type(ni)(ni.x, ni.ss[:, :3].contiguous()), eps=eps)
+    with pytest.raises(ValueError, match="x or rms"):
+        skinny_linear(ni.x, wa, rms=ni, eps=eps)
 
 
 @pytest.mark.parametrize("split", [1, 2])
