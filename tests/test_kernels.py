@@ -680,6 +680,15 @@ def test_skinny_linear_rows_past_one_tile():
         for m in (0, 17, 36):
             one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
             assert torch.equal(skinny_linear(x[m : m + 1], w, **one)[0], out[m]), (name, m)
+    # the norm between two GEMMs (norm_out, rms): each row's partial sums at its own column
+    nw, w3 = _rand(48, dtype=torch.bfloat16, scale=0.3, gen=g), w2[:, :48].contiguous()
+    y, ni = skinny_linear(x, w, residual=res, norm_out=nw)
+    out = skinny_linear(None, w3, rms=ni, eps=1e-6)
+    _close(out, F.linear(reference_rms_norm(y, nw, 1e-6), w3), torch.bfloat16)
+    for m in (0, 17, 36):
+        _, one = skinny_linear(x[m : m + 1], w, residual=res[m : m + 1], norm_out=nw)
+        assert torch.equal(one.ss[:, 0], ni.ss[:, m]) and torch.equal(one.x[0], ni.x[m]), m
+        assert torch.equal(skinny_linear(None, w3, rms=one, eps=1e-6)[0], out[m]), m
 
 
 # ---------------------------------------------------------------------------------------------

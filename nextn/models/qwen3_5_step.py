@@ -1,7 +1,9 @@
 """The fused decode / verify step and MTP head step: a sibling forward of the module forward
 (nextn.models.qwen3_5) over the same weights, with batch-invariant Triton kernels. Its fusions
-cross module boundaries (a residual inside the previous projection, a SwiGLU inside gate/up), so
-it is written once here and held to the reference by bitwise tests (tests/test_step.py).
+cross module boundaries (a residual inside the previous projection, a SwiGLU inside gate/up, a norm
+inside the GEMMs around it), so it is written once here and held to the reference by tests
+(tests/test_step.py: the reference's values within float32 tolerance, verify rows equal to decode
+rows bitwise, greedy spec equal to plain).
 
 A step runs a batch of sequences (nextn.cache.StepBatch), their rows packed: projections over all
 rows, attention and the delta rule per sequence over its own slot. Per decoder layer (the
