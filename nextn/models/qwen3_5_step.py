@@ -185,6 +185,7 @@ class TritonStep:
         self.layers = [
             _attn_weights(layer) if layer.kind == FULL else _gdn_weights(layer) for layer in model.model.layers
         ]
+        self.next_norms = [w.norm for w in self.layers[1:]] + [None]  # each layer's next input norm (the last: none)
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
         self.lm_head = model.lm_head_weight
@@ -387,9 +388,8 @@ class TritonStep:
         pos = batch.row_positions(batch.field(SEQ_LEN))
         x = embed(ids, self.embed, self.cfg)
         ni = None  # the next layer's input norm's NormInput, where the layer before wrote it
-        layers = list(zip(self.model.model.layers, self.layers, strict=True))
-        for n, (layer, w) in enumerate(layers):
-            i, next_norm = layer.layer_idx, layers[n + 1][1].norm if n + 1 < len(layers) else None
+        for layer, w, next_norm in zip(self.model.model.layers, self.layers, self.next_norms, strict=True):
+            i = layer.layer_idx
             if ni is None:
                 ni = self._norm_input(x, w.norm)
             if layer.kind == FULL:
