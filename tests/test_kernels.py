@@ -135,6 +135,10 @@ def test_skinny_linear_reads_a_norm_input_and_writes_the_next(config, dtype):
     assert torch.equal(one.ss[:, 0], ni.ss[:, 4]) and torch.equal(one.x[0], ni.x[4])
     with pytest.raises(ValueError, match="norm_out"):
         skinny_linear(x, w, norm_out=nw)
+    with pytest.raises(ValueError, match="rms sums"):  # sums for other rows than x's
+        skinny_linear(None, wa, rms=type(ni)(ni.x, ni.ss[:, :3].contiguous()), eps=eps)
+    with pytest.raises(ValueError, match="x or rms"):
+        skinny_linear(ni.x, wa, rms=ni, eps=eps)
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -676,6 +680,15 @@ def test_skinny_linear_rows_past_one_tile():
         for m in (0, 17, 36):
             one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
             assert torch.equal(skinny_linear(x[m : m + 1], w, **one)[0], out[m]), (name, m)
+    # the norm between two GEMMs (norm_out, rms): each row's partial sums at its own column
+    nw, w3 = _rand(48, dtype=torch.bfloat16, scale=0.3, gen=g), w2[:, :48].contiguous()
+    y, ni = skinny_linear(x, w, residual=res, norm_out=nw)
+    out = skinny_linear(None, w3, rms=ni, eps=1e-6)
+    _close(out, F.linear(reference_rms_norm(y, nw, 1e-6), w3), torch.bfloat16)
+    for m in (0, 17, 36):
+        _, one = skinny_linear(x[m : m + 1], w, residual=res[m : m + 1], norm_out=nw)
+        assert torch.equal(one.ss[:, 0], ni.ss[:, m]) and torch.equal(one.x[0], ni.x[m]), m
+        assert torch.equal(skinny_linear(None, w3, rms=one, eps=1e-6)[0], out[m]), m
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """The fused decode / verify step and MTP head step: a sibling forward of the module forward
 (nextn.models.qwen3_5) over the same weights, with batch-invariant Triton kernels. Its fusions
-cross module boundaries (a residual inside the previous projection, a SwiGLU inside gate/up), so
-it is written once here and held to the reference by bitwise tests (tests/test_step.py).
+cross module boundaries (a residual inside the previous projection, a SwiGLU inside gate/up, a norm
+inside the GEMMs around it), so it is written once here and held to the reference by tests
+(tests/test_step.py: the reference's values within float32 tolerance, verify rows equal to decode
+rows bitwise, greedy spec equal to plain).
 
 A step runs a batch of sequences (nextn.cache.StepBatch), their rows packed: projections over all
 rows, attention and the delta rule per sequence over its own slot. Per decoder layer (the
@@ -183,6 +185,7 @@ class TritonStep:
         self.layers = [
             _attn_weights(layer) if layer.kind == FULL else _gdn_weights(layer) for layer in model.model.layers
         ]
+        self.next_norms = [w.norm for w in self.layers[1:]] + [None]  # each layer's next input norm (the last: none)
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
         self.lm_head = model.lm_head_weight
@@ -390,9 +393,8 @@ class TritonStep:
         pos = batch.row_positions(batch.field(SEQ_LEN))
         x = embed(ids, self.embed, self.cfg)
         ni = None  # the next layer's input norm's NormInput, where the layer before wrote it
-        layers = list(zip(self.model.model.layers, self.layers, strict=True))
-        for n, (layer, w) in enumerate(layers):
-            i, next_norm = layer.layer_idx, layers[n + 1][1].norm if n + 1 < len(layers) else None
+        for layer, w, next_norm in zip(self.model.model.layers, self.layers, self.next_norms, strict=True):
+            i = layer.layer_idx
             if ni is None:
                 ni = self._norm_input(x, w.norm)
             if layer.kind == FULL:

@@ -42,7 +42,7 @@ import torch
 
 from nextn.ops.fp8 import BLOCK as FP8_BLOCK
 from nextn.ops.fp8 import FP8Weight
-from nextn.ops.triton_norm import NormInput
+from nextn.ops.triton_norm import NormInput, norm_input_values, rms_rstd
 from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2
 
 TILE_ROWS = 16  # rows of one tensor-core tile: a decode's 1, a verify's K + 1 <= 16, or a batch's share
@@ -209,7 +209,7 @@ if HAVE_TRITON:
             offs_p = tl.arange(0, P_BLOCK)
             ss = tl.load(ss_in_ptr + offs_p[:, None] * M + offs_m[None, :],
                          mask=(offs_p[:, None] < P) & mask_m[None, :], other=0.0)  # fmt: skip
-            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+            rstd = rms_rstd(tl.sum(ss, axis=0), K, eps)
         acc, acc2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n, k_start,
                             K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd[:, None], EPILOGUE, BLOCK_M,
                             BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2, TMA, CHAIN)  # fmt: skip
@@ -256,7 +256,8 @@ if HAVE_TRITON:
             last = mask_m & ((tl.zeros((BLOCK_M,), tl.int32) + arrived) == SPLIT - 1)
         if RMS and not CHAIN:  # (the chain scaled x's tiles by it)
             acc = acc * rstd[None, :]
-            acc2 = acc2 * rstd[None, :]
+            if EPILOGUE == 2:
+                acc2 = acc2 * rstd[None, :]
         r = acc
         if EPILOGUE == 1:
             r = tl.load(res_ptr + offs_m[None, :] * stride_res + offs_n[:, None], mask=store_mask, other=0.0)
@@ -264,11 +265,10 @@ if HAVE_TRITON:
         y = out.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], y, mask=store_mask)
         if NORM_OUT:  # the next norm's input: y * (1 + w) and y's sums of squares over this N block
-            yf = tl.where(store_mask, y.to(tl.float32), 0.0)
             nw = tl.load(nw_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            xn = (yf * (1.0 + nw[:, None])).to(xn_ptr.dtype.element_ty)
-            tl.store(xn_ptr + offs_m[None, :] * N + offs_n[:, None], xn, mask=store_mask)
-            tl.store(ss_out_ptr + n_block * M + offs_m, tl.sum(yf * yf, axis=0), mask=last)
+            xn, sumsq = norm_input_values(tl.where(store_mask, y.to(tl.float32), 0.0), nw[:, None], 0)
+            tl.store(xn_ptr + offs_m[None, :] * N + offs_n[:, None], xn.to(xn_ptr.dtype.element_ty), mask=store_mask)
+            tl.store(ss_out_ptr + n_block * M + offs_m, sumsq, mask=last)
 
 
 # (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT[, TMA]). `linear_tune.tune` measures candidates per shape

@@ -20,6 +20,17 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def rms_rstd(sumsq, D, eps):
+        """1 / rms of rows of D values from their sums of squares (every kernel that normalises)."""
+        return 1.0 / tl.sqrt(sumsq / D + eps)
+
+    @triton.jit
+    def norm_input_values(x, w, axis: tl.constexpr):
+        """A NormInput's values for float32 rows x along `axis`: (x * (1 + w), the sums of squares),
+        w broadcast to x (the norm kernel's and the residual GEMM's epilogue alike)."""
+        return x * (1.0 + w), tl.sum(x * x, axis=axis)
+
+    @triton.jit
     def _rms_norm_kernel(
         x_ptr,
         w_ptr,
@@ -43,11 +54,10 @@ if HAVE_TRITON:
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if INPUT:
-            tl.store(ss_ptr + row, tl.sum(x * x, axis=0))
-            y = x * (1.0 + w)
+            y, sumsq = norm_input_values(x, w, 0)
+            tl.store(ss_ptr + row, sumsq)
         else:
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-            y = x * rstd * (1.0 + w)
+            y = x * rms_rstd(tl.sum(x * x, axis=0), D, eps) * (1.0 + w)
         tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
