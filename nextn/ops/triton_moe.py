@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from nextn.ops.fp8 import FP8Weight
-from nextn.ops.triton_norm import NormInput
+from nextn.ops.triton_norm import NormInput, norm_input_values
 from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2
 
 # (columns per program, num_warps) of the gate/up kernel (BLOCK_I intermediate columns of a slot)
@@ -330,11 +330,11 @@ if HAVE_TRITON:
             out = mlp.to(dtype)
             tl.store(out_ptr + t * H + offs_n, out, mask=mask_n)
             if NORM_OUT:
-                yf = tl.where(mask_n, out.to(tl.float32), 0.0)
                 nw = tl.load(nw_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-                tl.store(xn_ptr + t * H + offs_n, (yf * (1.0 + nw)).to(dtype), mask=mask_n)
+                xn, sumsq = norm_input_values(tl.where(mask_n, out.to(tl.float32), 0.0), nw, 0)
+                tl.store(xn_ptr + t * H + offs_n, xn.to(dtype), mask=mask_n)
                 T = tl.num_programs(0) // (TOP_K + 1)
-                tl.store(ss_ptr + tl.program_id(1) * T + t, tl.sum(yf * yf, axis=0))
+                tl.store(ss_ptr + tl.program_id(1) * T + t, sumsq)
 
 
 def moe_step(
