@@ -67,30 +67,33 @@ if HAVE_TRITON:
 
     @triton.jit
     def _route_row(logits_ptr, idx_ptr, rw_ptr, E: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                   BLOCK_E: tl.constexpr):  # fmt: skip
+                   BLOCK_E: tl.constexpr, WARPS: tl.constexpr):  # fmt: skip
         """A row's routing from its E router logits and the shared gate's (logits_ptr[E], read from L2:
         other programs wrote them): the top-k of softmax(logits) (ties: the lowest id), renormalised,
         in ascending id order into idx_ptr[:TOP_K], their weights and sigmoid(shared gate logit) into
-        rw_ptr[:TOP_K + 1], in the model dtype."""
-        offs = tl.arange(0, BLOCK_E)
+        rw_ptr[:TOP_K + 1], in the model dtype. Every one of the program's WARPS warps routes the row
+        alone, in a [WARPS, BLOCK_E] tile whose lines are the row (loaded 8 to a thread, so a line is
+        one warp's): the reductions stay within a warp (shuffles, no barrier), and the first line stores."""
+        offs = tl.arange(0, BLOCK_E)[None, :] + tl.zeros((WARPS, 1), tl.int32)
         valid = offs < E
         x = tl.load(logits_ptr + offs, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-        p = tl.exp(x - tl.max(x, axis=0))
-        p = p / tl.sum(p, axis=0)
+        p = tl.exp(x - tl.max(x, axis=1)[:, None])
+        p = p / tl.sum(p, axis=1)[:, None]
         p = tl.where(valid, p, -1.0)
-        chosen = tl.zeros((BLOCK_E,), tl.int32)
+        chosen = tl.zeros((WARPS, BLOCK_E), tl.int32)
         remaining = p
         for _ in tl.static_range(TOP_K):  # k times: the largest left (ties: the lowest id)
-            first = tl.argmax(remaining, axis=0, tie_break_left=True)
+            first = tl.argmax(remaining, axis=1, tie_break_left=True)[:, None]
             chosen = tl.where(offs == first, 1, chosen)
             remaining = tl.where(offs == first, -2.0, remaining)
         weight = p
         if RENORM:
-            weight = p / tl.sum(tl.where(chosen == 1, p, 0.0), axis=0)
+            weight = p / tl.sum(tl.where(chosen == 1, p, 0.0), axis=1)[:, None]
         dtype = rw_ptr.dtype.element_ty
-        slot = tl.cumsum(chosen, axis=0) - 1  # ascending id order
-        tl.store(idx_ptr + slot, offs, mask=chosen == 1)
-        tl.store(rw_ptr + slot, weight.to(dtype), mask=chosen == 1)
+        slot = tl.cumsum(chosen, axis=1) - 1  # ascending id order
+        mine = (chosen == 1) & (tl.arange(0, WARPS) == 0)[:, None]
+        tl.store(idx_ptr + slot, offs, mask=mine)
+        tl.store(rw_ptr + slot, weight.to(dtype), mask=mine)
         sg = tl.load(logits_ptr + E, cache_modifier=".cg").to(tl.float32)
         tl.store(rw_ptr + TOP_K, (1.0 / (1.0 + tl.exp(-sg))).to(dtype))
 
@@ -132,6 +135,7 @@ if HAVE_TRITON:
         BLOCK_R: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_E: tl.constexpr,
+        WARPS: tl.constexpr,  # the launch's num_warps (the routing's tile: a line per warp)
     ):
         """h = rms_norm(x) * (1 + norm) rounded to the model dtype (as `nextn.ops.norm.rms_norm`), the
         logits h @ gates[rows].T, and (the row's last program to arrive) its routing. Every program
@@ -157,7 +161,7 @@ if HAVE_TRITON:
         if tl.atomic_add(count_ptr + t, 1, sem="acq_rel") == tl.num_programs(1) - 1:  # the row's last
             tl.store(count_ptr + t, 0)  # re-armed for the next launch
             _route_row(logits_ptr + t * LOGIT_STRIDE, idx_ptr + t * TOP_K, rw_ptr + t * (TOP_K + 1), E, TOP_K,
-                       RENORM, BLOCK_E)  # fmt: skip
+                       RENORM, BLOCK_E, WARPS)  # fmt: skip
 
     @triton.jit
     def _swiglu(x_ptr, wg_ptr, wu_ptr, act_ptr, offs_n, mask_n, H: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -406,6 +410,7 @@ def moe_step(
         BLOCK_R=router_rows,
         BLOCK_H=next_pow2(H),
         BLOCK_E=next_pow2(E),
+        WARPS=router_warps,
         num_warps=router_warps,
     )
     act = torch.empty(T, top_k + 1, max(I, Is), device=x.device, dtype=x.dtype)
