@@ -8,6 +8,8 @@
 #   pipelined, PDL off and on: pdlprobe; the GDN step before / after a change: gdnsweep;
 #   the sampling and greedy accept kernels' tests: sample
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
+#   a change against its base in one run: base35b runs bench35b's command from .base/ (carried, git-ignored:
+#   `mkdir -p .base && git archive BASE | tar x -C .base`), into $OUT/base_qwen3.5-35b-a3b.json
 set -o pipefail
 source bench/device_env.sh
 LOG=$OUT/log.txt
@@ -44,6 +46,10 @@ for stage in "$@"; do
     bench35b) timeout 300 python3 -m nextn.cli bench --random-weights qwen3.5-35b-a3b --device cuda --dtype bfloat16 \
                --spec-k 1 3 --acceptance-profile 0.85,0.75,0.65 --json $OUT/bench_qwen3.5-35b-a3b.json 2>&1 \
                | grep -v '^ ' | tail -40 | tee -a $LOG ;;
+    base35b) [ -d .base/nextn ] || { echo "base35b: no .base/nextn (git archive BASE | tar x -C .base)" | tee -a $LOG; continue; }
+               (cd .base && PYTHONPATH=$PWD:${PYTHONPATH#*:} timeout 300 python3 -m nextn.cli bench --random-weights \
+                 qwen3.5-35b-a3b --device cuda --dtype bfloat16 --spec-k 1 3 --acceptance-profile 0.85,0.75,0.65 \
+                 --json $OUT/base_qwen3.5-35b-a3b.json) 2>&1 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
     kvfp8) timeout 200 python3 -m pytest -q -x tests/test_kv_fp8.py tests/test_cache.py 2>&1 | tail -15 | tee -a $LOG
            for kv in auto fp8; do timeout 200 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda \
              --dtype bfloat16 --kv-cache-dtype $kv --spec-k 3 --prompt-len 8192 --gen-len 128 --repeats 1 \
