@@ -35,6 +35,22 @@ def graph_us(launch, num_copies: int, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+# bf16 weights through plain loads: (BLOCK_N, BLOCK_K, warps, stages, SPLIT)
+CANDIDATES = [
+    (128, 128, 4, 4, 1),
+    (64, 128, 4, 4, 1),
+    (32, 256, 4, 4, 1),
+    (16, 256, 4, 3, 1),
+    (32, 256, 4, 3, 1),
+    (64, 128, 4, 4, 2),
+    (64, 128, 4, 4, 4),
+    (32, 256, 4, 4, 4),
+    (64, 128, 4, 4, 8),
+    (64, 128, 8, 3, 1),
+    (128, 128, 8, 3, 2),
+    (64, 128, 4, 3, 4),
+    (64, 128, 8, 3, 4),
+]
 # weight tiles through tensor descriptors (TMA): (BLOCK_N, BLOCK_K, warps, stages, SPLIT, 1)
 TMA_CANDIDATES = [
     (64, 128, 4, 4, 1, 1),
@@ -59,25 +75,7 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
     and 9 rows, in CUDA graphs with the weights out of L2, and keep the best in CONFIGS (FP8_CONFIGS)
     (the default heuristic's config is always a candidate). Run it before any step is captured: a
     shape's config then stays fixed, so rows stay invariant."""
-    candidates = list(
-        candidates
-        or [
-            (128, 128, 4, 4, 1),
-            (64, 128, 4, 4, 1),
-            (32, 256, 4, 4, 1),
-            (16, 256, 4, 3, 1),
-            (32, 256, 4, 3, 1),
-            (64, 128, 4, 4, 2),
-            (64, 128, 4, 4, 4),
-            (32, 256, 4, 4, 4),
-            (64, 128, 4, 4, 8),
-            (64, 128, 8, 3, 1),
-            (128, 128, 8, 3, 2),
-            (64, 128, 4, 3, 4),
-            (64, 128, 8, 3, 4),
-        ]
-        + TMA_CANDIDATES
-    )
+    candidates = list(candidates or CANDIDATES + TMA_CANDIDATES)
     chosen = {}
     merged: dict[tuple[int, int, bool], bool] = {}
     for N, K, dual, fp8 in shapes:  # one config per (N, K, kind): tune the most demanding use

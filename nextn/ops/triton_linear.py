@@ -157,7 +157,7 @@ if HAVE_TRITON:
         flag_ptr,
         ss_in_ptr,  # RMS: [P, M] float32, the partial sums of squares of x's rows before its norm
         nw_ptr,  # NORM_OUT: [N] the next norm's weight (zero-centred)
-        xn_ptr,  # NORM_OUT: [M, N] y * (1 + nw), x's dtype
+        xn_ptr,  # NORM_OUT: [M, N] y * (1 + nw), in y's dtype
         ss_out_ptr,  # NORM_OUT: [cdiv(N, BLOCK_N), M] float32, y's sums of squares per N block
         M,
         N,
