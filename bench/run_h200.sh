@@ -6,7 +6,7 @@
 #   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
 #   the MoE decode kernels' tests: moe; their block sizes: moesweep; a graph of MoE blocks replayed alone / back to back /
 #   pipelined, PDL off and on: pdlprobe; the GDN step before / after a change: gdnsweep;
-#   the sampling and greedy accept kernels' tests: sample
+#   the sampling and greedy accept kernels' tests: sample; CUDA-core GEMVs against the skinny GEMM: gemvvar
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 #   a change against its base in one run: base35b runs bench35b's command from .base/ (carried, git-ignored:
 #   `mkdir -p .base && git archive BASE | tar x -C .base`), into $OUT/base_qwen3.5-35b-a3b.json
@@ -79,6 +79,8 @@ for stage in "$@"; do
                timeout 100 python3 bench/gdn_sweep.py --tokens 1 4 --block-v 16 32 --warps 4 --label after \
                  --out $OUT/gdn_sweep_after.json 2>&1 | grep -v Warn | tail -8 | tee -a $LOG ;;
     moesweep) timeout 200 python3 bench/moe_step_sweep.py --out $OUT/moe_step_sweep.json 2>&1 | grep -v Warn | tail -45 \
+               | tee -a $LOG ;;
+    gemvvar) timeout 400 python3 bench/gemv_variants.py --out $OUT/gemv_variants.json 2>&1 | grep -v Warn | tail -120 \
                | tee -a $LOG ;;
     pdlprobe) timeout 150 python3 bench/pdl_graph_probe.py --out $OUT/pdl_graph_probe.json 2>&1 | grep -v Warn | tee -a $LOG ;;
     moe) timeout 150 python3 -m pytest -q -x tests/test_kernels.py tests/test_fp8.py -k "moe or router" 2>&1 | tail -8 | tee -a $LOG ;;
