@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nextn.bench_measure import copy_bandwidth
 from nextn.ops.fp8 import compact_scales, dequantize, quantize
 from nextn.ops.linear_tune import graph_us  # (the tuner's timing: graphs over weight copies)
 
@@ -89,13 +90,6 @@ def run(mode: int, x, xq, xs, w, s, cfg) -> torch.Tensor:
     return y.sum(0)
 
 
-def copy_bandwidth(device) -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50)
-    return 2 * a.numel() / ms / 1e6
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -103,7 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
-    copy = copy_bandwidth(device)
+    copy = copy_bandwidth(device) / 1e9  # GB/s
     report = {"device": torch.cuda.get_device_name(), "copy_GBps": copy, "configs": CONFIGS, "shapes": {}}
     print(f"copy bandwidth {copy:.0f} GB/s")
     for N, K in [(4096, 4096), (12288, 4096), (4096, 12288)]:

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nextn.bench_measure import copy_bandwidth
 from nextn.ops.fp8 import compact_scales, dequantize, quantize
 from nextn.ops.linear_tune import graph_us, tune
 
@@ -104,13 +105,6 @@ def run(kind: str, x, w, s, cfg, scratch):
     return y
 
 
-def copy_bandwidth(device) -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50)
-    return 2 * a.numel() / ms / 1e6
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -118,7 +112,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
-    copy = copy_bandwidth(device)
+    copy = copy_bandwidth(device) / 1e9  # GB/s
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     report = {"device": torch.cuda.get_device_name(), "copy_GBps": copy, "shapes": {}}
     print(f"copy bandwidth {copy:.0f} GB/s")
