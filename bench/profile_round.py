@@ -1,5 +1,8 @@
 """Where a round's time goes on the GPU: GPU time per kernel name over eager rounds of the engine
-(torch.profiler), for plain decoding and for K drafts, and the replayed round against its steps.
+(torch.profiler), for plain decoding and for K drafts, and the replayed round against its steps;
+where every round launches the same kernels (plain decoding), each launch's time in round order
+(`sequence_us`: the i-th skinny GEMM is the same layer's projection every round, so a shape's time
+in the step can be set against its time alone in `linear_tune`).
 
 python bench/profile_round.py (--model DIR | --preset qwen3.5-9b) [--k 3] [--batch B] [--out profile.json]
 
@@ -23,9 +26,12 @@ from nextn.models.loader import load_model
 from nextn.models.random_weights import random_model
 
 
-def kernels_per_round(bench: Bench, k: int, temperature: float, rounds: int = 8, B: int = 1) -> tuple[list, float]:
-    """(rows of (us per round, launches per round, kernel name), GPU ms per round) over eager rounds
-    of B requests together."""
+def kernels_per_round(
+    bench: Bench, k: int, temperature: float, rounds: int = 8, B: int = 1
+) -> tuple[list, float, list | None]:
+    """(rows of (us per round, launches per round, kernel name), GPU ms per round, the round's
+    launches in order as [name, mean us] or None where rounds launch different sequences) over eager
+    rounds of B requests together."""
     _, runner, proposer = bench.core(k, B)
     runner.use_graphs = False
     params = SamplingParams(max_tokens=4 * rounds + 8, temperature=temperature, seed=0, ignore_eos=True)
@@ -46,12 +52,27 @@ def kernels_per_round(bench: Bench, k: int, temperature: float, rounds: int = 8,
         loop.close()
     runner.use_graphs = True
     per_kernel = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[ev.name][0] += ev.device_time / rounds
-            per_kernel[ev.name][1] += 1
+    kernels = sorted(
+        (ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda ev: ev.time_range.start,
+    )
+    for ev in kernels:
+        per_kernel[ev.name][0] += ev.device_time / rounds
+        per_kernel[ev.name][1] += 1
     rows = sorted(((us, n / rounds, name) for name, (us, n) in per_kernel.items()), reverse=True)
-    return rows, sum(r[0] for r in rows) / 1e3
+    return rows, sum(r[0] for r in rows) / 1e3, _sequence(kernels, rounds)
+
+
+def _sequence(kernels: list, rounds: int) -> list | None:
+    """[name, mean us] per launch position of a round, when every round launched the same kernels in
+    the same order (a plain decode: the i-th GEMM of a round is the same layer's projection)."""
+    if len(kernels) % rounds:
+        return None
+    n = len(kernels) // rounds
+    names = [ev.name for ev in kernels[:n]]
+    if any(kernels[r * n + i].name != names[i] for r in range(rounds) for i in range(n)):
+        return None
+    return [[names[i], sum(kernels[r * n + i].device_time for r in range(rounds)) / rounds] for i in range(n)]
 
 
 def replayed_ms(bench: Bench, k: int, temperature: float, B: int = 1, rounds: int = 20) -> float:
@@ -88,7 +109,7 @@ def main() -> None:
     bench = Bench(model, prompt, BenchConfig(spec_ks=[args.k], gen_len=64, kernels="triton"))
     report = {}
     for k, temperature in ((0, 0.0), (args.k, 0.0), (args.k, 0.7)):
-        rows, ms = kernels_per_round(bench, k, temperature, B=args.batch)
+        rows, ms, sequence = kernels_per_round(bench, k, temperature, B=args.batch)
         wall = replayed_ms(bench, k, temperature, B=args.batch)
         launches = sum(r[1] for r in rows)
         small = [r for r in rows if r[0] < 5.0]  # the round's bookkeeping kernels (< 5 us each)
@@ -104,6 +125,7 @@ def main() -> None:
             "replayed_ms_per_round": wall,
             "launches": launches,
             "kernels_us": [[us, n, name] for us, n, name in rows],
+            "sequence_us": sequence,  # a round's launches in order (None: rounds differ)
         }
     if args.out:
         with open(args.out, "w") as f:
