@@ -260,7 +260,12 @@ class TritonStep:
         lin = self._lin
         if self.cfg.tp_size == 1:
             return lin(inp, w, residual=x, norm_out=norm) if norm is not None else (lin(inp, w, residual=x), None)
-        out = all_reduce_add(lin(inp, w), x, self.cfg)
+        return self._reduce_add(lin(inp, w), x, norm)
+
+    def _reduce_add(self, partial: torch.Tensor, x: torch.Tensor, norm: torch.Tensor | None):
+        """Under tensor parallelism: (x + the all-reduce of the ranks' partial sums, the NormInput of the
+        norm after it (a launch) or None)."""
+        out = all_reduce_add(partial, x, self.cfg)
         return out, self._norm_input(out, norm) if norm is not None else None
 
     def _lin(self, *args, **kwargs) -> torch.Tensor:
@@ -297,7 +302,7 @@ class TritonStep:
             from nextn.ops.triton_moe import moe_step
 
             tp = self.cfg.tp_size > 1
-            out = moe_step(
+            block = moe_step(
                 x,
                 w.norm,
                 self.eps,
@@ -312,10 +317,9 @@ class TritonStep:
                 residual=not tp,
                 norm_out=None if tp else next_norm,
             )
-            if tp:
-                out = all_reduce_add(out, x, self.cfg)
-                return out, self._norm_input(out, next_norm) if next_norm is not None else None
-            return out if next_norm is not None else (out, None)
+            if tp:  # the block's partial sum
+                return self._reduce_add(block, x, next_norm)
+            return block if next_norm is not None else (block, None)  # (moe_step returns the pair with norm_out)
         act = self._project(ni, w.gate, up_weight=w.up)
         return self._add(x, act, w.down, next_norm)
 
