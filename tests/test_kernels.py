@@ -743,6 +743,52 @@ def test_skinny_linear_norm_between_9b_shapes_gpu(producer, consumer):
 
 
 @gpu
+def test_skinny_linear_programmatic_dependent_launches_gpu():
+    """pdl=True (the default on Hopper: each call starts before the kernel ahead has finished, prefetches
+    its weights and waits in-kernel) gives plain launches' bits through a chain where every call reads
+    the output of the one before: residual GEMMs writing the next norm's input, split-K sums, the
+    SwiGLU over the norm, a call behind a run_if flag and torch ops between; eagerly and replayed in a
+    CUDA graph. A call that read its input before the kernel ahead wrote it would differ."""
+    if not triton_utils.pdl_supported(torch.empty(1, device=DEVICE)):
+        pytest.skip("programmatic dependent launches need compute capability 9 or later")
+    H, I, layers = 4096, 12288, 3
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    x = _rand(4, H, dtype=torch.bfloat16, gen=g)
+    nw = _rand(H, dtype=torch.bfloat16, scale=0.3, gen=g)
+    flag = torch.ones((), device=DEVICE, dtype=torch.int32)
+    w = [
+        [
+            _rand(*shape, dtype=torch.bfloat16, scale=shape[1] ** -0.5, gen=g)
+            for shape in ((H, H), (I, H), (I, H), (H, I))
+        ]
+        for _ in range(layers)
+    ]
+
+    def chain(h, pdl):
+        for wo, wg, wu, wd in w:
+            y, ni = skinny_linear(h, wo, residual=h, norm_out=nw, pdl=pdl)
+            a = skinny_linear(None, wg, up_weight=wu, rms=ni, eps=1e-6, pdl=pdl)
+            h = skinny_linear(a, wd, residual=y, pdl=pdl)
+            h = skinny_linear(h, wo, run_if=flag, out=torch.zeros_like(h), pdl=pdl) * 0.5
+        return h
+
+    plain = chain(x, 0)
+    assert torch.isfinite(plain).all() and plain.abs().max() > 0
+    for mode in (1, 2, 3, 4):
+        assert torch.equal(chain(x, mode), plain), mode
+    static_x = x.clone()
+    chain(static_x, 2)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(static_x, 2)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, plain)
+
+
+@gpu
 def test_gdn_step_9b_shapes_gpu():
     H, HV, K, V, W, T, eps, T_max = 16, 32, 128, 128, 4, 9, 1e-6, 16
     g = torch.Generator(device=DEVICE).manual_seed(5)

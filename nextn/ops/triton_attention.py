@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
+from nextn.ops.triton_utils import HAVE_TRITON, next_pow2, pdl_supported
 
 CHUNK = 128  # positions per partial: a row at position p reads ceil((p+1)/CHUNK) chunks
 
@@ -196,7 +196,10 @@ if HAVE_TRITON:
         CHUNK_SIZE: tl.constexpr,
         BLOCK_C: tl.constexpr,
         HAS_FLAG: tl.constexpr,
+        TRIGGER: tl.constexpr,  # let a programmatic dependent launch after it start at once (Hopper)
     ):
+        if TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
         if HAS_FLAG:
             if tl.load(flag_ptr).to(tl.int32) == 0:
                 return
@@ -350,6 +353,7 @@ def attend_step(
         CHUNK_SIZE=chunk,
         BLOCK_C=min(16, next_pow2(num_chunks)),
         HAS_FLAG=run_if is not None,
+        TRIGGER=pdl_supported(qkv),
         num_warps=4,
     )
     return out

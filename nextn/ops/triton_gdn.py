@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, next_pow2
+from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, next_pow2, pdl_supported
 
 T_CHUNK = 4  # rows of a step's inputs copied to the conv window per round trip (a decode's 1, a K=3 verify's 4)
 
@@ -117,7 +117,10 @@ if HAVE_TRITON:
         BLOCK_V: tl.constexpr,
         STORE_ALL: tl.constexpr,  # else only the last token's state, at slots[1]
         LIVE: tl.constexpr,
+        TRIGGER: tl.constexpr,  # let a programmatic dependent launch after it start at once (Hopper)
     ):
+        if TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
         hv = tl.program_id(0)
         vb = tl.program_id(1)
         seq = tl.program_id(2)
@@ -340,6 +343,7 @@ def gdn_step(
         BLOCK_V=block_v,
         STORE_ALL=bool(store_all),
         LIVE=live is not None,
+        TRIGGER=pdl_supported(proj),
         num_warps=num_warps,
     )
     return out

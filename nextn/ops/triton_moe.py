@@ -37,7 +37,7 @@ import torch
 
 from nextn.ops.fp8 import FP8Weight
 from nextn.ops.triton_norm import NormInput, norm_input_values
-from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2
+from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2, pdl_supported
 
 # (columns per program, num_warps) of the gate/up kernel (BLOCK_I intermediate columns of a slot)
 # and of the down kernel (BLOCK_H hidden columns of a slot). Both are latency-bound GEMVs: their
@@ -284,6 +284,7 @@ if HAVE_TRITON:
         FP8_SHARED: tl.constexpr,
         PDL: tl.constexpr,
         NORM_OUT: tl.constexpr,  # also the next norm's input (nextn.ops.triton_norm.NormInput)
+        TRIGGER: tl.constexpr,  # let a programmatic dependent launch after it start at once (Hopper)
     ):
         """out = x + (the routed slots' outputs summed in slot order + the shared slot's); without
         RESIDUAL the sum alone (NORM_OUT: and the next norm's input, as the skinny GEMM's norm_out).
@@ -294,6 +295,8 @@ if HAVE_TRITON:
         tile (and its expert id, which the router kernel before the gate/up kernel wrote), then
         waits for the gate/up kernel to complete before it reads anything that kernel writes or
         writes anything at all."""
+        if TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)  # t * (TOP_K + 1) + slot
         t = row // (TOP_K + 1)
         slot = row % (TOP_K + 1)
@@ -418,7 +421,7 @@ def moe_step(
         gate_up_blocks = INTERPRETED_GATE_UP_BLOCKS if interpreting() else GATE_UP_BLOCKS
     (block_i, gate_up_warps), (block_h, down_warps) = gate_up_blocks, down_blocks
     # the down kernel streams its weights while the gate/up kernel runs (Hopper and later)
-    pdl = pdl and x.is_cuda and not interpreting() and torch.cuda.get_device_capability(x.device)[0] >= 9
+    pdl = pdl and pdl_supported(x)
     _gate_up_kernel[(T * (top_k + 1), triton.cdiv(max(I, Is), block_i))](
         h,
         idx,
@@ -477,6 +480,7 @@ def moe_step(
         FP8_SHARED=fp8_shared,
         PDL=pdl,
         NORM_OUT=norm_out is not None,
+        TRIGGER=pdl_supported(x),
         num_warps=down_warps,
         launch_pdl=pdl,
     )

@@ -24,6 +24,15 @@ def interpreting() -> bool:
     return bool(knobs.runtime.interpret)
 
 
+def pdl_supported(tensor) -> bool:
+    """Whether a launch beside `tensor` can be a programmatic dependent launch (PDL: the kernel
+    starts before the one ahead of it has finished and waits for it in-kernel): a CUDA device of
+    compute capability 9 or later (Hopper), not the interpreter."""
+    import torch
+
+    return tensor.is_cuda and not interpreting() and torch.cuda.get_device_capability(tensor.device)[0] >= 9
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
