@@ -136,19 +136,23 @@ if HAVE_TRITON:
         BLOCK_H: tl.constexpr,
         BLOCK_E: tl.constexpr,
         WARPS: tl.constexpr,  # the launch's num_warps (the routing's tile: a line per warp)
+        PDL: tl.constexpr,  # a programmatic dependent launch: the weights loaded, wait for the kernel ahead
     ):
         """h = rms_norm(x) * (1 + norm) rounded to the model dtype (as `nextn.ops.norm.rms_norm`), the
         logits h @ gates[rows].T, and (the row's last program to arrive) its routing. Every program
         of a row normalises it the same way (the same layout, so the same bits) from loads issued
-        beside its weight tile's."""
+        beside its weight tile's. PDL: a program issues its gate rows' and the norm weight's loads,
+        then waits for the kernel ahead (which writes x) to complete before it touches anything else."""
         t = tl.program_id(0)
         offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         offs_h = tl.arange(0, BLOCK_H)
         mask_r = offs_r < E + 1
         row_mask = tl.broadcast_to((offs_h < H)[None, :], (BLOCK_R, BLOCK_H))
         w = tl.load(gates_ptr + offs_r[:, None] * H + offs_h[None, :], mask=mask_r[:, None] & row_mask, other=0.0)
-        x = _row_tile(x_ptr + t * H, offs_h, row_mask)  # the row in every line of the tile
         g = _row_tile(norm_ptr, offs_h, row_mask)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        x = _row_tile(x_ptr + t * H, offs_h, row_mask)  # the row in every line of the tile
         dtype = h_ptr.dtype.element_ty
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / H + eps)
         h = (x * rstd[:, None] * (1.0 + g)).to(dtype)
@@ -359,7 +363,7 @@ def moe_step(
     *,
     residual: bool = True,  # False: the block's output alone (tensor parallelism's partial sum)
     router_blocks: tuple[int, int] = ROUTER_BLOCKS,  # the norm / router kernel's (rows, num_warps)
-    pdl: bool = True,  # the down kernel as a programmatic dependent launch where the GPU has it (the same bits)
+    pdl: bool = True,  # router and down kernels as programmatic dependent launches where the GPU has them
     gate_up_blocks: tuple[int, int] | None = None,  # default GATE_UP_BLOCKS; bench/moe_step_sweep.py compares others
     down_blocks: tuple[int, int] = DOWN_BLOCKS,
     norm_out: torch.Tensor | None = None,  # [H] with residual: also return the next norm's NormInput
@@ -371,8 +375,8 @@ def moe_step(
     dequantized copies' up to the order of the in-tile sums on a GPU (bitwise on the interpreter:
     see the module docstring). The experts' pair and the shared expert's three are each FP8 or not.
     gate_up_blocks / down_blocks: the kernels' (BLOCK, num_warps), GATE_UP_BLOCKS / DOWN_BLOCKS;
-    router_blocks: ROUTER_BLOCKS; pdl=False: the down kernel waits for the gate/up kernel as a plain
-    launch (bench/moe_step_sweep.py compares)."""
+    router_blocks: ROUTER_BLOCKS; pdl=False: the router and the down kernel wait for the kernels ahead
+    as plain launches (bench/moe_step_sweep.py compares)."""
     fp8_experts, fp8_shared = _fp8_kind(gate_up, down), _fp8_kind(shared_gate, shared_up, shared_down)
     scales = [w.scale if isinstance(w, FP8Weight) else x for w in (gate_up, down, shared_gate, shared_up, shared_down)]
     gate_up, down, shared_gate, shared_up, shared_down = (
@@ -395,6 +399,9 @@ def moe_step(
     idx = torch.empty(T, top_k, device=x.device, dtype=torch.int32)
     weights = torch.empty(T, top_k + 1, device=x.device, dtype=x.dtype)
     router_rows, router_warps = router_blocks
+    # the router loads its gate rows while the kernel ahead finishes, the down kernel streams its
+    # weights while the gate/up kernel runs (Hopper and later)
+    pdl = pdl and pdl_supported(x)
     _norm_router_kernel[(T, triton.cdiv(E + 1, router_rows))](
         x,
         norm,
@@ -414,14 +421,14 @@ def moe_step(
         BLOCK_H=next_pow2(H),
         BLOCK_E=next_pow2(E),
         WARPS=router_warps,
+        PDL=pdl,
         num_warps=router_warps,
+        launch_pdl=pdl,
     )
     act = torch.empty(T, top_k + 1, max(I, Is), device=x.device, dtype=x.dtype)
     if gate_up_blocks is None:
         gate_up_blocks = INTERPRETED_GATE_UP_BLOCKS if interpreting() else GATE_UP_BLOCKS
     (block_i, gate_up_warps), (block_h, down_warps) = gate_up_blocks, down_blocks
-    # the down kernel streams its weights while the gate/up kernel runs (Hopper and later)
-    pdl = pdl and pdl_supported(x)
     _gate_up_kernel[(T * (top_k + 1), triton.cdiv(max(I, Is), block_i))](
         h,
         idx,
