@@ -100,6 +100,12 @@ for stage in "$@"; do
                done
                python3 bench/tp_compare.py $OUT/tp1_$p.json $OUT/tp2_$p.json --out $OUT/tp_$p.json | tee -a $LOG ;;
   esac
+  rc=$?  # a stage's last pipeline (pipefail): 124 / 137 when its timeout ended it
+  if [ $rc = 124 ] || [ $rc = 137 ]; then
+    # a hang (run 93: one kernel hung every later stage that ran it, 600 s lost) would likely repeat
+    echo "=== $stage timed out (rc $rc): the remaining stages are skipped" | tee -a $LOG
+    break
+  fi
 done
 echo "=== end $(date +%T)" | tee -a $LOG
 tar czf $OUT/triton_cache.tgz -C /tmp/triton_cache .
