@@ -14,6 +14,10 @@
 set -o pipefail
 source bench/device_env.sh
 LOG=$OUT/log.txt
+bench35b() {  # the 35B-A3B bench into $1, from the current directory's nextn (stages bench35b and base35b)
+  timeout 300 python3 -m nextn.cli bench --random-weights qwen3.5-35b-a3b --device cuda --dtype bfloat16 \
+    --spec-k 1 3 --acceptance-profile 0.85,0.75,0.65 --json "$1"
+}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee $LOG
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $LOG
 for stage in "$@"; do
@@ -44,13 +48,10 @@ for stage in "$@"; do
     benchdefault) timeout 200 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \
                --prompt-file nextn/engine/rounds.py --temperature 0.7 --spec-k 1 2 3 4 8 --repeats 10 \
                --json $OUT/bench_default_model.json 2>&1 | grep -v "^ " | tail -40 | tee -a $LOG ;;
-    bench35b) timeout 300 python3 -m nextn.cli bench --random-weights qwen3.5-35b-a3b --device cuda --dtype bfloat16 \
-               --spec-k 1 3 --acceptance-profile 0.85,0.75,0.65 --json $OUT/bench_qwen3.5-35b-a3b.json 2>&1 \
-               | grep -v '^ ' | tail -40 | tee -a $LOG ;;
+    bench35b) bench35b $OUT/bench_qwen3.5-35b-a3b.json 2>&1 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
     base35b) [ -d .base/nextn ] || { echo "base35b: no .base/nextn (git archive BASE | tar x -C .base)" | tee -a $LOG; continue; }
-               (cd .base && PYTHONPATH=$PWD:${PYTHONPATH#*:} timeout 300 python3 -m nextn.cli bench --random-weights \
-                 qwen3.5-35b-a3b --device cuda --dtype bfloat16 --spec-k 1 3 --acceptance-profile 0.85,0.75,0.65 \
-                 --json $OUT/base_qwen3.5-35b-a3b.json) 2>&1 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
+               (cd .base && PYTHONPATH=$PWD:${PYTHONPATH#*:} bench35b $OUT/base_qwen3.5-35b-a3b.json) 2>&1 \
+                 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
     kvfp8) timeout 200 python3 -m pytest -q -x tests/test_kv_fp8.py tests/test_cache.py 2>&1 | tail -15 | tee -a $LOG
            for kv in auto fp8; do timeout 200 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda \
              --dtype bfloat16 --kv-cache-dtype $kv --spec-k 3 --prompt-len 8192 --gen-len 128 --repeats 1 \
