@@ -1,5 +1,5 @@
-"""The skinny GEMM's programmatic-dependent-launch modes (`nextn.ops.triton_linear.PDL_MODES`, branch
-wip/pdl-modes) against plain launches, at Qwen3.5-35B-A3B's GEMM shapes with the configs the run-97 bench
+"""The skinny GEMM as a programmatic dependent launch (`skinny_linear(pdl=True)`, the default on Hopper)
+against plain launches, at Qwen3.5-35B-A3B's GEMM shapes with the configs the run-97 bench
 tuned on main (read from bench/results/bench_qwen3.5-35b-a3b_run97_main.json).
 
 Two chains, each timed in a CUDA graph (`linear_tune.graph_us`, weights cycled out of L2), per mode:
@@ -7,8 +7,10 @@ Two chains, each timed in a CUDA graph (`linear_tune.graph_us`, weights cycled o
 - "layer": a GDN layer's two GEMMs as the step runs them, each reading the other's output: in_proj
   (12352x2048) over the norm's input, then out_proj (2048x4096) over the first 4096 columns of that
   output with the residual and the next norm's input, which the next in_proj reads.
-Run 97 found mode 3 (prefetch, release at the start) slower than plain launches in the tuner and in
-the step. Every mode's outputs are compared with mode 0's bit for bit.
+Both launches' outputs are compared bit for bit. Run 98 timed five variants here: plain 22.2 us a
+layer; wait and release at the start 26.1; wait, release after the k-loop (what the kernel keeps) 21.1;
+an L2 prefetch of the first weight tiles before the wait, releasing at the start (run 97's) 26.6 or
+after the k-loop 22.5.
 
     python bench/pdl_sweep.py --out pdl_sweep.json
 """
@@ -25,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's ne
 import torch  # noqa: E402
 
 from nextn.ops.linear_tune import graph_us  # noqa: E402
-from nextn.ops.triton_linear import PDL_MODES, skinny_linear  # noqa: E402
+from nextn.ops.triton_linear import skinny_linear  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_qwen3.5-35b-a3b_run97_main.json"
+MODES = (False, True)  # skinny_linear's pdl
 COPIES = 8  # weight copies a chain cycles over (more than the 50 MB L2 holds)
 REPS = 64
 
@@ -56,15 +59,17 @@ def main() -> None:
         ws = [rand(n, k, scale=k**-0.5) for _ in range(COPIES)]
         out = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
         row = {}
-        for mode in PDL_MODES:
+        for mode in MODES:
             us = graph_us(
                 lambda i, m=mode, xk=x[k], ws=ws, out=out, c=c: skinny_linear(xk, ws[i], out=out, config=c, pdl=m),
                 COPIES,
                 REPS,
             )
-            row[mode] = round(us, 3)
+            row[str(mode)] = round(us, 3)
         result[f"same shape {n}x{k}"] = row
-        print(f"same shape {n}x{k} {c}: " + "  ".join(f"mode {m} {us:6.2f} us" for m, us in row.items()), flush=True)
+        print(
+            f"same shape {n}x{k} {c}: " + "  ".join(f"pdl={m!s:5s} {us:6.2f} us" for m, us in row.items()), flush=True
+        )
 
     # the layer chain
     H, P, V = 2048, 12352, 4096
@@ -81,13 +86,13 @@ def main() -> None:
             h, ni = skinny_linear(p[:, :V], w_out[i % COPIES], residual=h, norm_out=nw, config=cfg[(H, V)], pdl=mode)
         return h
 
-    plain = layer_chain(0, 2 * COPIES)
+    plain = layer_chain(False, 2 * COPIES)
     row = {}
-    for mode in PDL_MODES:
+    for mode in MODES:
         equal = torch.equal(layer_chain(mode, 2 * COPIES), plain)
         us = graph_us(lambda i, m=mode: layer_chain(m, COPIES), 1, 4) / COPIES
-        row[mode] = {"us_per_layer": round(us, 3), "equals_plain": equal}
-        print(f"layer chain mode {mode} {PDL_MODES[mode]}: {us:6.2f} us a layer, equal {equal}", flush=True)
+        row[str(mode)] = {"us_per_layer": round(us, 3), "equals_plain": equal}
+        print(f"layer chain pdl={mode!s:5s}: {us:6.2f} us a layer, equal {equal}", flush=True)
     result["layer chain"] = row
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

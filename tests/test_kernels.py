@@ -744,8 +744,8 @@ def test_skinny_linear_norm_between_9b_shapes_gpu(producer, consumer):
 
 @gpu
 def test_skinny_linear_programmatic_dependent_launches_gpu():
-    """pdl=True (the default on Hopper: each call starts before the kernel ahead has finished, prefetches
-    its weights and waits in-kernel) gives plain launches' bits through a chain where every call reads
+    """pdl=True (the default on Hopper: each call starts before the kernel ahead has finished and waits
+    in-kernel) gives plain launches' bits through a chain where every call reads
     the output of the one before: residual GEMMs writing the next norm's input, split-K sums, the
     SwiGLU over the norm, a call behind a run_if flag and torch ops between; eagerly and replayed in a
     CUDA graph. A call that read its input before the kernel ahead wrote it would differ."""
@@ -772,16 +772,15 @@ def test_skinny_linear_programmatic_dependent_launches_gpu():
             h = skinny_linear(h, wo, run_if=flag, out=torch.zeros_like(h), pdl=pdl) * 0.5
         return h
 
-    plain = chain(x, 0)
+    plain = chain(x, False)
     assert torch.isfinite(plain).all() and plain.abs().max() > 0
-    for mode in (1, 2, 3, 4):
-        assert torch.equal(chain(x, mode), plain), mode
+    assert torch.equal(chain(x, True), plain)
     static_x = x.clone()
-    chain(static_x, 2)  # compiled before the capture
+    chain(static_x, True)  # compiled before the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = chain(static_x, 2)
+        out = chain(static_x, True)
     for _ in range(3):
         out.zero_()
         graph.replay()

@@ -35,12 +35,12 @@ columns; k-tiles of at most 128 columns, so one scale per row covers a tile), tw
   tile's row scales, then added.
 The scales depend on the weight alone and the second pass on the row alone, so rows stay invariant.
 
-On Hopper a call is a programmatic dependent launch (PDL, `pdl`, one of PDL_MODES): its programs may
-start while the kernel ahead of it still runs (the step's GDN, attention and MoE kernels release
-theirs at once), wait for that kernel to complete (`gdc_wait`) before they read or write anything
-but the weights, and release the launch after them at the start or after their k-loop; modes 3 and 4
-also prefetch the first tiles of their weight rows into L2 before the wait. The arithmetic is the
-same in every mode.
+On Hopper a call is a programmatic dependent launch (`pdl`, the default): its programs may start
+while the kernel ahead of it still runs (the step's GDN, attention and MoE kernels release theirs at
+once), wait for that kernel to complete (`gdc_wait`) before they read or write anything, and release
+the launch after them once their k-loop has streamed the weights. The arithmetic is the plain
+launch's (run 98, bench/pdl_sweep.py: 21.1 against 22.2 us a GDN layer's two GEMMs; releasing at the
+start or prefetching weight tiles into L2 before the wait were slower).
 """
 
 from __future__ import annotations
@@ -150,19 +150,6 @@ if HAVE_TRITON:
         """[BLOCK_N, BLOCK_M] -> [BLOCK_M] int32: 1 where a column (a row of x) holds an inf or a NaN."""
         return tl.max(((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32), axis=0)
 
-    @triton.jit
-    def _prefetch_l2(w_ptr, offs_n, N, k_start, K, LINES: tl.constexpr, LINE: tl.constexpr):
-        """Prefetch into L2 the first LINES 128-byte lines (LINE elements each) of the program's
-        weight rows from column k_start (rows and columns clamped into the weight: a prefetch is
-        never masked)."""
-        rows = tl.minimum(offs_n, N - 1)
-        cols = tl.minimum(k_start + tl.arange(0, LINES) * LINE, K - 1)
-        p = w_ptr + rows[:, None] * K + cols[None, :]
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.b32 $0, 0;", "=r,l", [p.to(tl.uint64, bitcast=True)], dtype=tl.int32,
-            is_pure=False, pack=1,
-        )  # fmt: skip
-
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(
         x_ptr,
@@ -179,8 +166,6 @@ if HAVE_TRITON:
         nw_ptr,  # NORM_OUT: [N] the next norm's weight (zero-centred)
         xn_ptr,  # NORM_OUT: [M, N] y * (1 + nw), in y's dtype
         ss_out_ptr,  # NORM_OUT: [cdiv(N, BLOCK_N), M] float32, y's sums of squares per N block
-        wp_ptr,  # PDL: the weight (w's memory, also where w_ptr is a tensor descriptor), for the prefetch
-        wp2_ptr,  # PDL and EPILOGUE 2: w2's
         M,
         N,
         K,
@@ -210,10 +195,7 @@ if HAVE_TRITON:
         RMS: tl.constexpr,  # x is a norm's input times its weight: scale each row's products by its rstd
         P_BLOCK: tl.constexpr,  # RMS: next_pow2(P)
         NORM_OUT: tl.constexpr,  # EPILOGUE 1: also store the next norm's input (xn_ptr, ss_out_ptr)
-        PDL: tl.constexpr,  # PREFETCH lines of weight rows into L2, wait for the kernel ahead, release the next
-        PREFETCH: tl.constexpr,  # 128-byte lines per weight row to prefetch (0 or a power of two)
-        TRIGGER_LATE: tl.constexpr,  # release the next launch after the k-loop (not at the start)
-        LINE: tl.constexpr,  # weight elements per 128 bytes
+        PDL: tl.constexpr,  # wait for the kernel ahead, release the next launch after the k-loop
     ):
         """Program (n * M_TILES + m, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs
         for rows [m*BLOCK_M, (m+1)*BLOCK_M). SPLIT > 1: float32 partials [SPLIT, M, N] in part_ptr,
@@ -223,14 +205,8 @@ if HAVE_TRITON:
         k_start = tl.program_id(1) * K_SPLIT
         n_block = pid // m_tiles
         offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        if PDL:  # nothing but the weights is touched before the kernel ahead has completed
-            if PREFETCH > 0:
-                _prefetch_l2(wp_ptr, offs_n, N, k_start, K, PREFETCH, LINE)
-                if EPILOGUE == 2:
-                    _prefetch_l2(wp2_ptr, offs_n, N, k_start, K, PREFETCH, LINE)
+        if PDL:  # nothing is touched before the kernel ahead has completed
             tl.extra.cuda.gdc_wait()
-            if not TRIGGER_LATE:
-                tl.extra.cuda.gdc_launch_dependents()
         if HAS_FLAG:  # before any store or arrival: a skipped call leaves the counters zero
             if tl.load(flag_ptr).to(tl.int32) == 0:
                 return
@@ -247,7 +223,7 @@ if HAVE_TRITON:
         acc, acc2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n, k_start,
                             K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd[:, None], EPILOGUE, BLOCK_M,
                             BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2, TMA, CHAIN)  # fmt: skip
-        if PDL and TRIGGER_LATE:  # the next launch may start once every program has streamed its weights
+        if PDL:  # the next launch may start once every program has streamed its weights
             tl.extra.cuda.gdc_launch_dependents()
         if CHAIN:
             acc = acc * (1.0 / shift)  # (powers of two: exact)
@@ -323,16 +299,6 @@ CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
 # with BLOCK_K capped at 128. `tune` fills it for the shapes a model runs in FP8.
 FP8_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
 NUM_SMS = 132  # H200; only sets how many programs a launch aims for
-# skinny_linear(pdl=...) (branch wip/pdl-modes: bench/pdl_sweep.py compares them; a merge keeps one):
-# 0 a plain launch; 1 wait, release the next launch at the start; 2 wait, release after the k-loop;
-# 3 L2 prefetch of the first tiles, wait, release at the start (run 97); 4 prefetch, release after the k-loop
-PDL_MODES = {
-    0: dict(pdl=False, prefetch=False, late=False),
-    1: dict(pdl=True, prefetch=False, late=False),
-    2: dict(pdl=True, prefetch=False, late=True),
-    3: dict(pdl=True, prefetch=True, late=False),
-    4: dict(pdl=True, prefetch=True, late=True),
-}
 
 
 def pick_config(N: int, K: int, fp8: bool = False) -> tuple[int, ...]:
@@ -374,7 +340,7 @@ def skinny_linear(
     rms: NormInput | None = None,  # in place of x: y = rms_norm(x) @ w.T (x before the norm)
     eps: float = 0.0,  # rms: the norm's
     norm_out: torch.Tensor | None = None,  # [N] with residual: also return the next norm's NormInput
-    pdl: int = 2,  # PDL_MODES: how the call is a programmatic dependent launch where the GPU has it
+    pdl: bool = True,  # a programmatic dependent launch where the GPU has them (the same bits)
 ) -> torch.Tensor | tuple[torch.Tensor, NormInput]:
     """y = x @ weight.T [M, N] with the epilogues above; rms: of the norm whose input (times its
     weight, with its rows' sums of squares) it is, scaling each row's products by its rstd;
@@ -428,12 +394,7 @@ def skinny_linear(
         xn = torch.empty(M, N, device=x.device, dtype=out.dtype)
         ss_out = torch.empty(triton_cdiv(N, block_n), M, device=x.device, dtype=torch.float32)
     w, w2 = weight, up_weight if up_weight is not None else dummy
-    mode = PDL_MODES[pdl] if pdl_supported(x) else PDL_MODES[0]
-    # the prefetch: the program's first tiles (at most num_stages of them, within its split), whole lines
-    line = 128 // weight.element_size()
-    prefetch = max(1, min(stages * block_k, K // split) // line)
-    prefetch = (1 << (prefetch.bit_length() - 1)) if mode["prefetch"] else 0
-    wp, wp2 = w, w2
+    pdl = pdl and pdl_supported(x)
     if tma:
         w = _descriptor(weight, block_n, block_k)
         w2 = _descriptor(up_weight, block_n, block_k) if up_weight is not None else dummy
@@ -452,8 +413,6 @@ def skinny_linear(
         norm_out if norm_out is not None else dummy,
         xn,
         ss_out,
-        wp,
-        wp2,
         M,
         N,
         K,
@@ -483,13 +442,10 @@ def skinny_linear(
         RMS=rms is not None,
         P_BLOCK=next_pow2(rms.ss.shape[0]) if rms is not None else 1,
         NORM_OUT=norm_out is not None,
-        PDL=mode["pdl"],
-        PREFETCH=prefetch,
-        TRIGGER_LATE=mode["late"],
-        LINE=line,
+        PDL=pdl,
         num_warps=warps,
         num_stages=stages,
-        launch_pdl=mode["pdl"],
+        launch_pdl=pdl,
     )
     return out if norm_out is None else (out, NormInput(xn, ss_out))
 
