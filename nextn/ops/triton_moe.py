@@ -142,7 +142,8 @@ if HAVE_TRITON:
         logits h @ gates[rows].T, and (the row's last program to arrive) its routing. Every program
         of a row normalises it the same way (the same layout, so the same bits) from loads issued
         beside its weight tile's. PDL: a program issues its gate rows' and the norm weight's loads,
-        then waits for the kernel ahead (which writes x) to complete before it touches anything else."""
+        then waits for the kernel ahead (which writes x) to complete before it touches anything else,
+        and then releases the launch after it."""
         t = tl.program_id(0)
         offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         offs_h = tl.arange(0, BLOCK_H)
@@ -152,6 +153,7 @@ if HAVE_TRITON:
         g = _row_tile(norm_ptr, offs_h, row_mask)
         if PDL:
             tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         x = _row_tile(x_ptr + t * H, offs_h, row_mask)  # the row in every line of the tile
         dtype = h_ptr.dtype.element_ty
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / H + eps)
@@ -214,9 +216,11 @@ if HAVE_TRITON:
         PDL: tl.constexpr,
     ):
         """act = silu(x W_gate^T) * (x W_up^T) of each slot's expert, a program per (row, slot, block
-        of I); slot TOP_K is the shared expert. PDL: the down kernel may start (and stream its
-        weights) as soon as every program here has started."""
+        of I); slot TOP_K is the shared expert. PDL (a programmatic dependent of the router): a
+        program waits for the router to complete, then releases the down kernel, which streams its
+        weights while this kernel runs."""
         if PDL:
+            tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)  # t * (TOP_K + 1) + slot
         t = row // (TOP_K + 1)
@@ -288,7 +292,6 @@ if HAVE_TRITON:
         FP8_SHARED: tl.constexpr,
         PDL: tl.constexpr,
         NORM_OUT: tl.constexpr,  # also the next norm's input (nextn.ops.triton_norm.NormInput)
-        TRIGGER: tl.constexpr,  # let a programmatic dependent launch after it start at once (Hopper)
     ):
         """out = x + (the routed slots' outputs summed in slot order + the shared slot's); without
         RESIDUAL the sum alone (NORM_OUT: and the next norm's input, as the skinny GEMM's norm_out).
@@ -298,9 +301,7 @@ if HAVE_TRITON:
         (launched as a programmatic dependent of the gate/up kernel): a program loads its weight
         tile (and its expert id, which the router kernel before the gate/up kernel wrote), then
         waits for the gate/up kernel to complete before it reads anything that kernel writes or
-        writes anything at all."""
-        if TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        writes anything at all, and then releases the launch after it."""
         row = tl.program_id(0)  # t * (TOP_K + 1) + slot
         t = row // (TOP_K + 1)
         slot = row % (TOP_K + 1)
@@ -314,12 +315,14 @@ if HAVE_TRITON:
             ws, mask_s, offs_s = _down_tile(shared_down_ptr, offs_n, mask_n, Is, CHUNKS_S, BLOCK_K)
             if PDL:
                 tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
             y = _down(ws, mask_s, offs_s, act, rw_ptr + row, offs_n, shared_down_s_ptr, H, dtype, FP8_SHARED)
         else:
             e = tl.load(idx_ptr + t * TOP_K + slot).to(tl.int64)
             we, mask_e, offs_e = _down_tile(down_ptr + e * (H * I), offs_n, mask_n, I, CHUNKS, BLOCK_K)
             if PDL:
                 tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
             y = _down(we, mask_e, offs_e, act, rw_ptr + row, offs_n, down_s_ptr + e * ((I + 127) // 128 * H), H,
                       dtype, FP8_EXPERTS)  # fmt: skip
         tl.store(y_ptr + row * H + offs_n, y.to(dtype), mask=mask_n)  # exact: y is rounded to dtype
@@ -363,7 +366,7 @@ def moe_step(
     *,
     residual: bool = True,  # False: the block's output alone (tensor parallelism's partial sum)
     router_blocks: tuple[int, int] = ROUTER_BLOCKS,  # the norm / router kernel's (rows, num_warps)
-    pdl: bool = True,  # router and down kernels as programmatic dependent launches where the GPU has them
+    pdl: bool = True,  # the three kernels as programmatic dependent launches where the GPU has them
     gate_up_blocks: tuple[int, int] | None = None,  # default GATE_UP_BLOCKS; bench/moe_step_sweep.py compares others
     down_blocks: tuple[int, int] = DOWN_BLOCKS,
     norm_out: torch.Tensor | None = None,  # [H] with residual: also return the next norm's NormInput
@@ -375,8 +378,8 @@ def moe_step(
     dequantized copies' up to the order of the in-tile sums on a GPU (bitwise on the interpreter:
     see the module docstring). The experts' pair and the shared expert's three are each FP8 or not.
     gate_up_blocks / down_blocks: the kernels' (BLOCK, num_warps), GATE_UP_BLOCKS / DOWN_BLOCKS;
-    router_blocks: ROUTER_BLOCKS; pdl=False: the router and the down kernel wait for the kernels ahead
-    as plain launches (bench/moe_step_sweep.py compares)."""
+    router_blocks: ROUTER_BLOCKS; pdl=False: the three kernels wait for the kernels ahead as plain
+    launches (bench/moe_step_sweep.py compares)."""
     fp8_experts, fp8_shared = _fp8_kind(gate_up, down), _fp8_kind(shared_gate, shared_up, shared_down)
     scales = [w.scale if isinstance(w, FP8Weight) else x for w in (gate_up, down, shared_gate, shared_up, shared_down)]
     gate_up, down, shared_gate, shared_up, shared_down = (
@@ -400,7 +403,7 @@ def moe_step(
     weights = torch.empty(T, top_k + 1, device=x.device, dtype=x.dtype)
     router_rows, router_warps = router_blocks
     # the router loads its gate rows while the kernel ahead finishes, the down kernel streams its
-    # weights while the gate/up kernel runs (Hopper and later)
+    # weights while the gate/up kernel runs (Hopper and later; the rule: nextn.ops.triton_utils)
     pdl = pdl and pdl_supported(x)
     _norm_router_kernel[(T, triton.cdiv(E + 1, router_rows))](
         x,
@@ -450,6 +453,7 @@ def moe_step(
         FP8_SHARED=fp8_shared,
         PDL=pdl,
         num_warps=gate_up_warps,
+        launch_pdl=pdl,
     )
     out = torch.empty_like(x)
     n_blocks = triton.cdiv(H, block_h)
@@ -487,7 +491,6 @@ def moe_step(
         FP8_SHARED=fp8_shared,
         PDL=pdl,
         NORM_OUT=norm_out is not None,
-        TRIGGER=pdl_supported(x),
         num_warps=down_warps,
         launch_pdl=pdl,
     )

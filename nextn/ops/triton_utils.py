@@ -27,7 +27,14 @@ def interpreting() -> bool:
 def pdl_supported(tensor) -> bool:
     """Whether a launch beside `tensor` can be a programmatic dependent launch (PDL: the kernel
     starts before the one ahead of it has finished and waits for it in-kernel): a CUDA device of
-    compute capability 9 or later (Hopper), not the interpreter."""
+    compute capability 9 or later (Hopper), not the interpreter.
+
+    nextn's kernels keep one rule. A kernel launched as a dependent (`launch_pdl=True`) calls
+    `gdc_wait` before it writes anything or reads what the launch right before it may write, and
+    releases the launch after it (`gdc_launch_dependents`) only once past that wait; a plain launch
+    may release anywhere. So when a dependent starts, every launch before the one right ahead of it
+    has completed, and it may read their outputs before its wait (the MoE down kernel the router's
+    expert ids, the GDN step its recurrent state): only the launch right ahead can still be running."""
     import torch
 
     return tensor.is_cuda and not interpreting() and torch.cuda.get_device_capability(tensor.device)[0] >= 9
