@@ -3,8 +3,9 @@
 Per preset (random weights, bf16, Triton): the trunk step at T = 1 (a decode) to T = 4 (a K = 3
 verify) and the MTP head step, as graph replays (`Bench.step_costs`), with PDL on in every kernel,
 then off in one module's kernels at a time (each module's `pdl_supported` answering False, as
-tests/test_step.py's PDL test does), then off everywhere, then on everywhere again (the drift
-within the process). The GEMM configs are tuned once at the start and kept for every case.
+tests/test_step.py's PDL test does), in the GEMMs and MoE kernels together or over one row only,
+then off everywhere, then on everywhere again (the drift within the process). The GEMM configs are
+tuned once at the start and kept for every case.
 
     python bench/pdl_attribution.py --preset qwen3.5-35b-a3b qwen3.5-9b --out pdl_attribution.json
 """
@@ -25,15 +26,26 @@ from nextn.models.random_weights import random_model  # noqa: E402
 from nextn.ops import triton_attention, triton_gdn, triton_linear, triton_moe  # noqa: E402
 
 MODULES = {"linear": triton_linear, "moe": triton_moe, "gdn": triton_gdn, "attention": triton_attention}
+# (label, {module: "off" | "one row"}): "one row" keeps PDL in launches over one row (a decode) only
 CASES = [
-    ("all on", ()),
-    ("linear off", ("linear",)),
-    ("moe off", ("moe",)),
-    ("gdn off", ("gdn",)),
-    ("attention off", ("attention",)),
-    ("all off", tuple(MODULES)),
-    ("all on again", ()),
+    ("all on", {}),
+    ("linear off", {"linear": "off"}),
+    ("moe off", {"moe": "off"}),
+    ("gdn off", {"gdn": "off"}),
+    ("attention off", {"attention": "off"}),
+    ("linear+moe off", {"linear": "off", "moe": "off"}),
+    ("linear+moe one row", {"linear": "one row", "moe": "one row"}),
+    ("all off", dict.fromkeys(MODULES, "off")),
+    ("all on again", {}),
 ]
+
+
+def _policy(real, mode):
+    if mode == "off":
+        return lambda tensor: False
+    if mode == "one row":
+        return lambda tensor: real(tensor) and tensor.shape[0] == 1
+    return real
 
 
 def measure(preset: str, iters: int, device: str = "cuda") -> dict:
@@ -45,9 +57,9 @@ def measure(preset: str, iters: int, device: str = "cuda") -> dict:
     real = {name: module.pdl_supported for name, module in MODULES.items()}
     out = {}
     try:
-        for label, off in CASES:
+        for label, modes in CASES:
             for name, module in MODULES.items():
-                module.pdl_supported = (lambda tensor: False) if name in off else real[name]
+                module.pdl_supported = _policy(real[name], modes.get(name))
             bench.close()
             bench.cores.clear()  # a new engine: graphs captured with this case's launches
             costs = bench.step_costs([3])
