@@ -22,6 +22,7 @@ from hf_fixtures import FIT_PROMPTS  # noqa: E402
 import nextn  # noqa: E402
 from nextn.config import FULL  # noqa: E402
 from nextn.engine.sequence import Sequence  # noqa: E402
+from nextn.ops import triton_attention, triton_gdn, triton_linear, triton_moe, triton_utils  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT = [7, 81, 3, 199, 42, 5, 260, 11, 90, 17]
@@ -114,6 +115,30 @@ def test_verify_rows_equal_decode_steps_bitwise(dense_ckpt):
     n = a.seq_len
     for i in (i for i, t in enumerate(engine.model.cfg.layer_types) if t == FULL):
         assert torch.equal(a.kv(i)[0][:n], b.kv(i)[0][:n])
+
+
+@pytest.mark.parametrize("name", ["moe_fitted_ckpt", "next_ckpt"])
+def test_programmatic_dependent_launches_keep_the_step_bits(name, request, monkeypatch):
+    """On Hopper the step's kernels are programmatic dependent launches: each starts before the one
+    ahead of it has finished, waits for it in-kernel, and may read what earlier launches wrote before
+    that wait (the rule in nextn.ops.triton_utils.pdl_supported). A decode and a 4-row verify give
+    the bits of the same steps with every launch plain; a kernel that read an input before the launch
+    writing it had finished would differ. (On the CPU both runs are plain: the test runs on a GPU.)"""
+    if not triton_utils.pdl_supported(torch.empty(1, device=DEVICE)):
+        pytest.skip("programmatic dependent launches need a GPU of compute capability 9 or later")
+    engine = _engine(request.getfixturevalue(name), "bfloat16")
+
+    def steps():
+        cache = _prefilled(engine, 0)
+        return [t for ids in ([5], [5, 9, 13, 2]) for t in _step(engine, cache, ids)]
+
+    dependent = steps()
+    for module in (triton_linear, triton_moe, triton_gdn, triton_attention):
+        monkeypatch.setattr(module, "pdl_supported", lambda tensor: False)
+    plain = steps()
+    assert all(torch.isfinite(t).all() for t in plain)
+    for a, b in zip(dependent, plain, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_step_not_committed_leaves_the_committed_state(dense_ckpt):
