@@ -6,7 +6,8 @@
 #   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
 #   the MoE decode kernels' tests: moe; their block sizes: moesweep; a graph of MoE blocks replayed alone / back to back /
 #   pipelined, PDL off and on: pdlprobe; a GEMM's time against the memory its weight copies span: tlbprobe;
-#   the skinny GEMM with PDL off and on: pdlsweep; the step with PDL off per kernel module (35B-A3B, 9B): pdlattr; the GDN step before / after a change: gdnsweep;
+#   the skinny GEMM with PDL off and on: pdlsweep; the step with PDL off per kernel module (35B-A3B, 9B): pdlattr;
+#   the GDN step before / after a change: gdnsweep;
 #   the sampling and greedy accept kernels' tests: sample; CUDA-core GEMVs against the skinny GEMM: gemvvar
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 #   a change against its base in one run: base35b runs bench35b's command from .base/ (carried, git-ignored:
