@@ -205,7 +205,10 @@ if HAVE_TRITON:
         BLOCK_C: tl.constexpr,
         HAS_FLAG: tl.constexpr,
         PDL: tl.constexpr,
+        RELEASE_AT_START: tl.constexpr,  # a plain launch releasing the one after it at once
     ):
+        if RELEASE_AT_START:
+            tl.extra.cuda.gdc_launch_dependents()
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -267,13 +270,13 @@ def qk_norm_rope(
     key_scale: torch.Tensor | None = None,  # [S, cap, Hkv] float32: key / value are e4m3
     value_scale: torch.Tensor | None = None,
     run_if: torch.Tensor | None = None,  # [] device flag: 0 skips the call (nothing written)
-    pdl: bool = True,  # a programmatic dependent launch where the GPU has them (the same bits)
+    pdl: bool = True,  # over one row, a programmatic dependent launch where the GPU has them (the same bits)
 ) -> torch.Tensor:
     T = qkv.shape[0]
     Hkv, D = key.shape[-2], key.shape[-1]
     if q_out is None:
         q_out = torch.empty(T, num_heads, D, device=qkv.device, dtype=qkv.dtype)
-    pdl = pdl and pdl_supported(qkv)
+    pdl = pdl and T == 1 and pdl_supported(qkv)  # (more rows: plain launches, runs 99-102)
     _qk_norm_rope_kernel[(T, num_heads + Hkv)](
         qkv,
         qkv.stride(0),
@@ -318,7 +321,7 @@ def attend_step(
     key_scale: torch.Tensor | None = None,  # [S, cap, Hkv] float32: key / value are e4m3
     value_scale: torch.Tensor | None = None,
     run_if: torch.Tensor | None = None,  # [] device flag: 0 skips the call (out is left as it was)
-    pdl: bool = True,  # both launches programmatic dependent ones where the GPU has them (the same bits)
+    pdl: bool = True,  # over one row, both launches programmatic dependent ones where the GPU has them
 ) -> torch.Tensor:
     T, Hq, D = q.shape
     max_len, Hkv = key.shape[1], key.shape[2]
@@ -329,7 +332,8 @@ def attend_step(
     if out is None:
         out = torch.empty(T, Hq * D, device=q.device, dtype=q.dtype)
     block_s = min(block_s, chunk)
-    pdl = pdl and pdl_supported(q)
+    release_at_start = pdl and pdl_supported(q) and T > 1
+    pdl = pdl and T == 1 and pdl_supported(q)  # (more rows: plain launches, runs 99-102)
     _attend_chunk_kernel[(T, Hq, num_chunks)](
         q,
         key,
@@ -371,6 +375,7 @@ def attend_step(
         BLOCK_C=min(16, next_pow2(num_chunks)),
         HAS_FLAG=run_if is not None,
         PDL=pdl,
+        RELEASE_AT_START=release_at_start,
         num_warps=4,
         launch_pdl=pdl,
     )

@@ -35,14 +35,12 @@ columns; k-tiles of at most 128 columns, so one scale per row covers a tile), tw
   tile's row scales, then added.
 The scales depend on the weight alone and the second pass on the row alone, so rows stay invariant.
 
-On Hopper a one-row call (a decode's) is a programmatic dependent launch (`pdl`, the default): its
-programs may start while the kernel ahead of it still runs, wait for that kernel to complete
-(`gdc_wait`) before they read or write anything, and release the launch after them once their
-k-loop has streamed the weights. The arithmetic is the plain launch's. Run 98 (bench/pdl_sweep.py):
-21.1 against 22.2 us a GDN layer's two GEMMs; releasing at the start or prefetching weight tiles
-into L2 before the wait were slower. Runs 100-101 (bench/pdl_attribution.py, the whole step): PDL
-in the GEMMs takes 70 us off the 35B-A3B's 2.43 ms decode step but adds 78 us to its 4-row verify
-(4.22 -> 4.30 ms) and 25 us to the 9B's, so calls over more rows launch plainly.
+On Hopper a call is a programmatic dependent launch (`pdl`, the default): its programs may start
+while the kernel ahead of it still runs (the step's GDN, attention and MoE kernels release theirs at
+once), wait for that kernel to complete (`gdc_wait`) before they read or write anything, and release
+the launch after them once their k-loop has streamed the weights. The arithmetic is the plain
+launch's (run 98, bench/pdl_sweep.py: 21.1 against 22.2 us a GDN layer's two GEMMs; releasing at the
+start or prefetching weight tiles into L2 before the wait were slower).
 """
 
 from __future__ import annotations
@@ -342,7 +340,7 @@ def skinny_linear(
     rms: NormInput | None = None,  # in place of x: y = rms_norm(x) @ w.T (x before the norm)
     eps: float = 0.0,  # rms: the norm's
     norm_out: torch.Tensor | None = None,  # [N] with residual: also return the next norm's NormInput
-    pdl: bool = True,  # over one row, a programmatic dependent launch where the GPU has them (the same bits)
+    pdl: bool = True,  # a programmatic dependent launch where the GPU has them (the same bits)
 ) -> torch.Tensor | tuple[torch.Tensor, NormInput]:
     """y = x @ weight.T [M, N] with the epilogues above; rms: of the norm whose input (times its
     weight, with its rows' sums of squares) it is, scaling each row's products by its rstd;
@@ -396,7 +394,7 @@ def skinny_linear(
         xn = torch.empty(M, N, device=x.device, dtype=out.dtype)
         ss_out = torch.empty(triton_cdiv(N, block_n), M, device=x.device, dtype=torch.float32)
     w, w2 = weight, up_weight if up_weight is not None else dummy
-    pdl = pdl and M == 1 and pdl_supported(x)  # (the module docstring: runs 100-101)
+    pdl = pdl and pdl_supported(x)
     if tma:
         w = _descriptor(weight, block_n, block_k)
         w2 = _descriptor(up_weight, block_n, block_k) if up_weight is not None else dummy

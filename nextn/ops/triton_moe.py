@@ -137,13 +137,14 @@ if HAVE_TRITON:
         BLOCK_E: tl.constexpr,
         WARPS: tl.constexpr,  # the launch's num_warps (the routing's tile: a line per warp)
         PDL: tl.constexpr,  # a programmatic dependent launch: the weights loaded, wait for the kernel ahead
+        RELEASE: tl.constexpr,  # 2: release the launch after it once past the wait (nextn.ops.triton_utils)
     ):
         """h = rms_norm(x) * (1 + norm) rounded to the model dtype (as `nextn.ops.norm.rms_norm`), the
         logits h @ gates[rows].T, and (the row's last program to arrive) its routing. Every program
         of a row normalises it the same way (the same layout, so the same bits) from loads issued
         beside its weight tile's. PDL: a program issues its gate rows' and the norm weight's loads,
-        then waits for the kernel ahead (which writes x) to complete before it touches anything else,
-        and then releases the launch after it."""
+        then waits for the kernel ahead (which writes x) to complete before it touches anything else
+        (RELEASE 2: and then releases the launch after it)."""
         t = tl.program_id(0)
         offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         offs_h = tl.arange(0, BLOCK_H)
@@ -153,7 +154,8 @@ if HAVE_TRITON:
         g = _row_tile(norm_ptr, offs_h, row_mask)
         if PDL:
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if RELEASE == 2:
+                tl.extra.cuda.gdc_launch_dependents()
         x = _row_tile(x_ptr + t * H, offs_h, row_mask)  # the row in every line of the tile
         dtype = h_ptr.dtype.element_ty
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / H + eps)
@@ -213,15 +215,18 @@ if HAVE_TRITON:
         BLOCK_K: tl.constexpr,
         FP8_EXPERTS: tl.constexpr,
         FP8_SHARED: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr,  # a programmatic dependent launch (of the router)
+        RELEASE: tl.constexpr,  # release the launch after it: 1 at the start, 2 once past the wait
     ):
         """act = silu(x W_gate^T) * (x W_up^T) of each slot's expert, a program per (row, slot, block
-        of I); slot TOP_K is the shared expert. PDL (a programmatic dependent of the router): a
-        program waits for the router to complete, then releases the down kernel, which streams its
-        weights while this kernel runs."""
+        of I); slot TOP_K is the shared expert. PDL: a program waits for the router to complete. The
+        release lets the down kernel start and stream its weights while this kernel runs."""
+        if RELEASE == 1:
+            tl.extra.cuda.gdc_launch_dependents()
         if PDL:
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if RELEASE == 2:
+                tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)  # t * (TOP_K + 1) + slot
         t = row // (TOP_K + 1)
         slot = row % (TOP_K + 1)
@@ -292,6 +297,7 @@ if HAVE_TRITON:
         FP8_SHARED: tl.constexpr,
         PDL: tl.constexpr,
         NORM_OUT: tl.constexpr,  # also the next norm's input (nextn.ops.triton_norm.NormInput)
+        RELEASE: tl.constexpr,  # release the launch after it: 1 at the start, 2 once past the wait
     ):
         """out = x + (the routed slots' outputs summed in slot order + the shared slot's); without
         RESIDUAL the sum alone (NORM_OUT: and the next norm's input, as the skinny GEMM's norm_out).
@@ -301,7 +307,9 @@ if HAVE_TRITON:
         (launched as a programmatic dependent of the gate/up kernel): a program loads its weight
         tile (and its expert id, which the router kernel before the gate/up kernel wrote), then
         waits for the gate/up kernel to complete before it reads anything that kernel writes or
-        writes anything at all, and then releases the launch after it."""
+        writes anything at all."""
+        if RELEASE == 1:  # (what follows reads nothing before its own wait: the rule in triton_utils)
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)  # t * (TOP_K + 1) + slot
         t = row // (TOP_K + 1)
         slot = row % (TOP_K + 1)
@@ -315,14 +323,16 @@ if HAVE_TRITON:
             ws, mask_s, offs_s = _down_tile(shared_down_ptr, offs_n, mask_n, Is, CHUNKS_S, BLOCK_K)
             if PDL:
                 tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
+                if RELEASE == 2:
+                    tl.extra.cuda.gdc_launch_dependents()
             y = _down(ws, mask_s, offs_s, act, rw_ptr + row, offs_n, shared_down_s_ptr, H, dtype, FP8_SHARED)
         else:
             e = tl.load(idx_ptr + t * TOP_K + slot).to(tl.int64)
             we, mask_e, offs_e = _down_tile(down_ptr + e * (H * I), offs_n, mask_n, I, CHUNKS, BLOCK_K)
             if PDL:
                 tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
+                if RELEASE == 2:
+                    tl.extra.cuda.gdc_launch_dependents()
             y = _down(we, mask_e, offs_e, act, rw_ptr + row, offs_n, down_s_ptr + e * ((I + 127) // 128 * H), H,
                       dtype, FP8_EXPERTS)  # fmt: skip
         tl.store(y_ptr + row * H + offs_n, y.to(dtype), mask=mask_n)  # exact: y is rounded to dtype
@@ -405,6 +415,11 @@ def moe_step(
     # the router loads its gate rows while the kernel ahead finishes, the down kernel streams its
     # weights while the gate/up kernel runs (Hopper and later; the rule: nextn.ops.triton_utils)
     pdl = pdl and pdl_supported(x)
+    # a decode's row: the router releases once past its wait and the gate/up kernel depends on it; over
+    # more rows the gate/up kernel is a plain launch and it and the down kernel release at their start
+    # (runs 99-102: each arrangement is the faster one at its row count)
+    one_row = pdl and T == 1
+    release = 2 if one_row else int(pdl)
     _norm_router_kernel[(T, triton.cdiv(E + 1, router_rows))](
         x,
         norm,
@@ -425,6 +440,7 @@ def moe_step(
         BLOCK_E=next_pow2(E),
         WARPS=router_warps,
         PDL=pdl,
+        RELEASE=2 if one_row else 0,
         num_warps=router_warps,
         launch_pdl=pdl,
     )
@@ -451,9 +467,10 @@ def moe_step(
         BLOCK_K=BLOCK_K,
         FP8_EXPERTS=fp8_experts,
         FP8_SHARED=fp8_shared,
-        PDL=pdl,
+        PDL=one_row,
+        RELEASE=release,
         num_warps=gate_up_warps,
-        launch_pdl=pdl,
+        launch_pdl=one_row,
     )
     out = torch.empty_like(x)
     n_blocks = triton.cdiv(H, block_h)
@@ -490,6 +507,7 @@ def moe_step(
         FP8_EXPERTS=fp8_experts,
         FP8_SHARED=fp8_shared,
         PDL=pdl,
+        RELEASE=release,
         NORM_OUT=norm_out is not None,
         num_warps=down_warps,
         launch_pdl=pdl,

@@ -30,11 +30,12 @@ def pdl_supported(tensor) -> bool:
     compute capability 9 or later (Hopper), not the interpreter.
 
     nextn's kernels keep one rule. A kernel launched as a dependent (`launch_pdl=True`) calls
-    `gdc_wait` before it writes anything or reads what the launch right before it may write, and
-    releases the launch after it (`gdc_launch_dependents`) only once past that wait; a plain launch
-    may release anywhere. So when a dependent starts, every launch before the one right ahead of it
-    has completed, and it may read their outputs before its wait (the MoE down kernel the router's
-    expert ids, the GDN step its recurrent state): only the launch right ahead can still be running."""
+    `gdc_wait` before it writes anything or reads what the launch right before it may write. What it
+    reads before the wait from launches further back (the MoE down kernel the router's expert ids,
+    the GDN step its recurrent state) has completed when it starts if the launch right ahead is a
+    plain launch or a dependent that releases the launch after it (`gdc_launch_dependents`) only once
+    past its own wait. A dependent that releases before its wait (the MoE down kernel over several
+    rows) is followed by a launch that reads nothing before its wait (the skinny GEMM)."""
     import torch
 
     return tensor.is_cuda and not interpreting() and torch.cuda.get_device_capability(tensor.device)[0] >= 9
