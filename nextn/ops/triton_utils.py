@@ -27,7 +27,15 @@ def interpreting() -> bool:
 def pdl_supported(tensor) -> bool:
     """Whether a launch beside `tensor` can be a programmatic dependent launch (PDL: the kernel
     starts before the one ahead of it has finished and waits for it in-kernel): a CUDA device of
-    compute capability 9 or later (Hopper), not the interpreter."""
+    compute capability 9 or later (Hopper), not the interpreter.
+
+    nextn's kernels keep one rule. A kernel launched as a dependent (`launch_pdl=True`) calls
+    `gdc_wait` before it writes anything or reads what the launch right before it may write. What it
+    reads before the wait from launches further back (the MoE down kernel the router's expert ids)
+    has completed when it starts if the launch right ahead is a plain launch (the gate/up kernel) or
+    a dependent that releases the launch after it (`gdc_launch_dependents`) only once past its own
+    wait (the skinny GEMM). A kernel that releases before its wait (the MoE down kernel) is followed
+    by a launch that reads nothing before its wait (the skinny GEMM)."""
     import torch
 
     return tensor.is_cuda and not interpreting() and torch.cuda.get_device_capability(tensor.device)[0] >= 9
