@@ -401,7 +401,8 @@ def moe_step(
     router_rows, router_warps = router_blocks
     # the router loads its gate rows while the kernel ahead finishes, the down kernel streams its
     # weights while the gate/up kernel runs (Hopper and later)
-    pdl = pdl and pdl_supported(x)
+    hopper = pdl_supported(x)
+    pdl = pdl and hopper
     _norm_router_kernel[(T, triton.cdiv(E + 1, router_rows))](
         x,
         norm,
@@ -487,7 +488,7 @@ def moe_step(
         FP8_SHARED=fp8_shared,
         PDL=pdl,
         NORM_OUT=norm_out is not None,
-        TRIGGER=pdl_supported(x),
+        TRIGGER=hopper,
         num_warps=down_warps,
         launch_pdl=pdl,
     )
