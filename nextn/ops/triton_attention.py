@@ -332,8 +332,8 @@ def attend_step(
     if out is None:
         out = torch.empty(T, Hq * D, device=q.device, dtype=q.dtype)
     block_s = min(block_s, chunk)
-    release_at_start = pdl and pdl_supported(q) and T > 1
-    pdl = pdl and T == 1 and pdl_supported(q)  # (more rows: plain launches, runs 99-102)
+    hopper = pdl and pdl_supported(q)
+    release_at_start, pdl = hopper and T > 1, hopper and T == 1  # (more rows: plain launches, runs 99-102)
     _attend_chunk_kernel[(T, Hq, num_chunks)](
         q,
         key,

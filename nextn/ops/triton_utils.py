@@ -7,6 +7,7 @@ On a GPU the operands stay bf16 and the dot runs on the tensor cores.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 # probe without importing: triton decides at import whether it interprets (TRITON_INTERPRET),
@@ -36,9 +37,15 @@ def pdl_supported(tensor) -> bool:
     plain launch or a dependent that releases the launch after it (`gdc_launch_dependents`) only once
     past its own wait. A dependent that releases before its wait (the MoE down kernel over several
     rows) is followed by a launch that reads nothing before its wait (the skinny GEMM)."""
+    return tensor.is_cuda and not interpreting() and _hopper_or_later(tensor.device.index)
+
+
+@functools.cache
+def _hopper_or_later(index: int | None) -> bool:
+    """Compute capability 9 or later (a device's, asked once: every eager launch asks)."""
     import torch
 
-    return tensor.is_cuda and not interpreting() and torch.cuda.get_device_capability(tensor.device)[0] >= 9
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def next_pow2(n: int) -> int:
