@@ -116,7 +116,7 @@ def first_launches(xs, norms, layers) -> dict:
             (T, -(-(E + 1) // r))
         ](
             xs[i], norms[i], layers[i][0], h, logits, counters, idx, rw, EPS, H=H, E=E, LOGIT_STRIDE=stride,
-            TOP_K=TOP_K, RENORM=True, BLOCK_R=r, BLOCK_H=H, BLOCK_E=E, WARPS=w, PDL=False, num_warps=w,
+            TOP_K=TOP_K, RENORM=True, BLOCK_R=r, BLOCK_H=H, BLOCK_E=E, WARPS=w, PDL=False, RELEASE=0, num_warps=w,
         )  # fmt: skip
     out = {}
     for name, call in calls.items():

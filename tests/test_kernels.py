@@ -1001,7 +1001,7 @@ def test_moe_norm_router_kernel_matches_reference_and_rows_are_invariant():
         per_program, warps = triton_moe.ROUTER_BLOCKS
         triton_moe._norm_router_kernel[(n, -(-(E + 1) // per_program))](
             rows, norm, gates, h, logits, counters, idx, rw, EPS, H=H, E=E, LOGIT_STRIDE=stride, TOP_K=k,
-            RENORM=True, BLOCK_R=per_program, BLOCK_H=H, BLOCK_E=E, WARPS=warps, PDL=False, num_warps=warps,
+            RENORM=True, BLOCK_R=per_program, BLOCK_H=H, BLOCK_E=E, WARPS=warps, PDL=False, RELEASE=0, num_warps=warps,
         )  # fmt: skip
         assert logits[:, E + 1 :].isnan().all()  # nothing written past the E + 1 logits
         assert not counters.any()  # the last program re-armed its row's counter

@@ -62,7 +62,11 @@ if HAVE_TRITON:
         ROPE_OFFSET: tl.constexpr,
         FP8: tl.constexpr,  # the cache holds e4m3 rows with their scales
         HAS_FLAG: tl.constexpr,
+        PDL: tl.constexpr,  # a programmatic dependent launch (nextn.ops.triton_utils.pdl_supported)
     ):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         if HAS_FLAG:
             if tl.load(flag_ptr).to(tl.int32) == 0:
                 return
@@ -137,7 +141,11 @@ if HAVE_TRITON:
         BLOCK_S: tl.constexpr,
         FP8: tl.constexpr,  # e4m3 K/V: each row times its scale after the load
         HAS_FLAG: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         if HAS_FLAG:
             if tl.load(flag_ptr).to(tl.int32) == 0:
                 return
@@ -196,9 +204,13 @@ if HAVE_TRITON:
         CHUNK_SIZE: tl.constexpr,
         BLOCK_C: tl.constexpr,
         HAS_FLAG: tl.constexpr,
-        TRIGGER: tl.constexpr,  # let a programmatic dependent launch after it start at once (Hopper)
+        PDL: tl.constexpr,
+        RELEASE_AT_START: tl.constexpr,  # a plain launch releasing the one after it at once
     ):
-        if TRIGGER:
+        if RELEASE_AT_START:
+            tl.extra.cuda.gdc_launch_dependents()
+        if PDL:
+            tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if HAS_FLAG:
             if tl.load(flag_ptr).to(tl.int32) == 0:
@@ -258,11 +270,13 @@ def qk_norm_rope(
     key_scale: torch.Tensor | None = None,  # [S, cap, Hkv] float32: key / value are e4m3
     value_scale: torch.Tensor | None = None,
     run_if: torch.Tensor | None = None,  # [] device flag: 0 skips the call (nothing written)
+    pdl: bool = True,  # over one row, a programmatic dependent launch where the GPU has them (the same bits)
 ) -> torch.Tensor:
     T = qkv.shape[0]
     Hkv, D = key.shape[-2], key.shape[-1]
     if q_out is None:
         q_out = torch.empty(T, num_heads, D, device=qkv.device, dtype=qkv.dtype)
+    pdl = pdl and T == 1 and pdl_supported(qkv)  # (more rows: plain launches, runs 99-102)
     _qk_norm_rope_kernel[(T, num_heads + Hkv)](
         qkv,
         qkv.stride(0),
@@ -286,7 +300,9 @@ def qk_norm_rope(
         ROPE_OFFSET=rope_offset,
         FP8=key_scale is not None,
         HAS_FLAG=run_if is not None,
+        PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
     return q_out
 
@@ -305,6 +321,7 @@ def attend_step(
     key_scale: torch.Tensor | None = None,  # [S, cap, Hkv] float32: key / value are e4m3
     value_scale: torch.Tensor | None = None,
     run_if: torch.Tensor | None = None,  # [] device flag: 0 skips the call (out is left as it was)
+    pdl: bool = True,  # over one row, both launches programmatic dependent ones where the GPU has them
 ) -> torch.Tensor:
     T, Hq, D = q.shape
     max_len, Hkv = key.shape[1], key.shape[2]
@@ -315,6 +332,8 @@ def attend_step(
     if out is None:
         out = torch.empty(T, Hq * D, device=q.device, dtype=q.dtype)
     block_s = min(block_s, chunk)
+    hopper = pdl and pdl_supported(q)
+    release_at_start, pdl = hopper and T > 1, hopper and T == 1  # (more rows: plain launches, runs 99-102)
     _attend_chunk_kernel[(T, Hq, num_chunks)](
         q,
         key,
@@ -336,7 +355,9 @@ def attend_step(
         BLOCK_S=block_s,
         FP8=key_scale is not None,
         HAS_FLAG=run_if is not None,
+        PDL=pdl,
         num_warps=num_warps or (4 if D <= 128 else 8),
+        launch_pdl=pdl,
     )
     _combine_kernel[(T, Hq)](
         part_m,
@@ -353,8 +374,10 @@ def attend_step(
         CHUNK_SIZE=chunk,
         BLOCK_C=min(16, next_pow2(num_chunks)),
         HAS_FLAG=run_if is not None,
-        TRIGGER=pdl_supported(qkv),
+        PDL=pdl,
+        RELEASE_AT_START=release_at_start,
         num_warps=4,
+        launch_pdl=pdl,
     )
     return out
 

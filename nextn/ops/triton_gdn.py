@@ -117,9 +117,10 @@ if HAVE_TRITON:
         BLOCK_V: tl.constexpr,
         STORE_ALL: tl.constexpr,  # else only the last token's state, at slots[1]
         LIVE: tl.constexpr,
-        TRIGGER: tl.constexpr,  # let a programmatic dependent launch after it start at once (Hopper)
+        PDL: tl.constexpr,  # a programmatic dependent launch: the state loaded before the wait
+        RELEASE: tl.constexpr,  # release the launch after it: 1 at the start, 2 once past the wait
     ):
-        if TRIGGER:
+        if RELEASE == 1:
             tl.extra.cuda.gdc_launch_dependents()
         hv = tl.program_id(0)
         vb = tl.program_id(1)
@@ -128,9 +129,6 @@ if HAVE_TRITON:
         slot = tl.load(seq_slot_ptr + seq).to(tl.int64)
         row0 = tl.load(seq_start_ptr + seq)
         T = tl.load(seq_rows_ptr + seq)
-        TL = T
-        if LIVE:
-            TL = tl.minimum(tl.load(live_ptr + seq), T)
         proj_ptr += row0 * stride_p
         o_ptr += row0 * stride_o
         sumsq_ptr += row0 * HV * NB
@@ -172,6 +170,13 @@ if HAVE_TRITON:
         qc = _carried_cols(carried_ptr, stride_c, q_ch, writes_qk, W, W_BLOCK, dtype)
         kc = _carried_cols(carried_ptr, stride_c, k_ch, writes_qk, W, W_BLOCK, dtype)
         vc = _carried_cols(carried_ptr, stride_c, v_ch, writes_v, W, W_BLOCK, dtype)
+        if PDL:  # the launch right before writes none of the above (the rule: nextn.ops.triton_utils)
+            tl.extra.cuda.gdc_wait()
+            if RELEASE == 2:
+                tl.extra.cuda.gdc_launch_dependents()
+        TL = T
+        if LIVE:
+            TL = tl.minimum(tl.load(live_ptr + seq), T)
         qi = _input_cols(proj_ptr, stride_p, q_ch, writes_qk, 0, T, T_CHUNK)
         ki = _input_cols(proj_ptr, stride_p, k_ch, writes_qk, 0, T, T_CHUNK)
         vi = _input_cols(proj_ptr, stride_p, v_ch, writes_v, 0, T, T_CHUNK)
@@ -257,6 +262,7 @@ def gdn_step(
     live: torch.Tensor | None = None,  # int32 [B] on the device: the rows that count (default: all)
     block_v: int = 32,  # value columns per program (capped at V): a model's one choice (it orders the norm's sum)
     num_warps: int = 4,
+    pdl: bool = True,  # PDL where the GPU has it (the same bits): below
 ) -> torch.Tensor:
     """One GDN decode / verify step of B sequences; returns `out` [M, HV*V].
 
@@ -274,6 +280,10 @@ def gdn_step(
     - window[:, conv_write + j] gets carried column j, window[:, conv_write + W-1 + t] input t.
     The caller keeps the regions read (window[:, conv_at:conv_at+W-1], states[state_at]) apart from
     those written (window[:, conv_write:conv_write+W-1+T], the states slots written).
+
+    pdl: a decode's one row is a programmatic dependent launch that loads the state and the carried
+    columns before it waits for the projection ahead of it; over more rows a plain launch that
+    releases the launch after it at its start (runs 99-102: the faster arrangement at each).
     """
     M = proj.shape[0]
     HV, K, V = state_home.shape[1:]
@@ -303,6 +313,8 @@ def gdn_step(
         raise ValueError(f"gdn_step: live must be int32 [B={B}], not {live.dtype} {tuple(live.shape)}")
     block_v = min(block_v, V)
     sumsq = torch.empty(M, HV, V // block_v, device=proj.device, dtype=torch.float32)
+    pdl = pdl and pdl_supported(proj)
+    one_row = pdl and M == 1
     _gdn_step_kernel[(HV, V // block_v, B)](
         proj,
         proj.stride(0),
@@ -343,7 +355,9 @@ def gdn_step(
         BLOCK_V=block_v,
         STORE_ALL=bool(store_all),
         LIVE=live is not None,
-        TRIGGER=pdl_supported(proj),
+        PDL=one_row,
+        RELEASE=2 if one_row else int(pdl),
         num_warps=num_warps,
+        launch_pdl=one_row,
     )
     return out

@@ -137,12 +137,14 @@ if HAVE_TRITON:
         BLOCK_E: tl.constexpr,
         WARPS: tl.constexpr,  # the launch's num_warps (the routing's tile: a line per warp)
         PDL: tl.constexpr,  # a programmatic dependent launch: the weights loaded, wait for the kernel ahead
+        RELEASE: tl.constexpr,  # 2: release the launch after it once past the wait (nextn.ops.triton_utils)
     ):
         """h = rms_norm(x) * (1 + norm) rounded to the model dtype (as `nextn.ops.norm.rms_norm`), the
         logits h @ gates[rows].T, and (the row's last program to arrive) its routing. Every program
         of a row normalises it the same way (the same layout, so the same bits) from loads issued
         beside its weight tile's. PDL: a program issues its gate rows' and the norm weight's loads,
-        then waits for the kernel ahead (which writes x) to complete before it touches anything else."""
+        then waits for the kernel ahead (which writes x) to complete before it touches anything else
+        (RELEASE 2: and then releases the launch after it)."""
         t = tl.program_id(0)
         offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         offs_h = tl.arange(0, BLOCK_H)
@@ -152,6 +154,8 @@ if HAVE_TRITON:
         g = _row_tile(norm_ptr, offs_h, row_mask)
         if PDL:
             tl.extra.cuda.gdc_wait()
+            if RELEASE == 2:
+                tl.extra.cuda.gdc_launch_dependents()
         x = _row_tile(x_ptr + t * H, offs_h, row_mask)  # the row in every line of the tile
         dtype = h_ptr.dtype.element_ty
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / H + eps)
@@ -211,13 +215,18 @@ if HAVE_TRITON:
         BLOCK_K: tl.constexpr,
         FP8_EXPERTS: tl.constexpr,
         FP8_SHARED: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr,  # a programmatic dependent launch (of the router)
+        RELEASE: tl.constexpr,  # release the launch after it: 1 at the start, 2 once past the wait
     ):
         """act = silu(x W_gate^T) * (x W_up^T) of each slot's expert, a program per (row, slot, block
-        of I); slot TOP_K is the shared expert. PDL: the down kernel may start (and stream its
-        weights) as soon as every program here has started."""
-        if PDL:
+        of I); slot TOP_K is the shared expert. PDL: a program waits for the router to complete. The
+        release lets the down kernel start and stream its weights while this kernel runs."""
+        if RELEASE == 1:
             tl.extra.cuda.gdc_launch_dependents()
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            if RELEASE == 2:
+                tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)  # t * (TOP_K + 1) + slot
         t = row // (TOP_K + 1)
         slot = row % (TOP_K + 1)
@@ -288,7 +297,7 @@ if HAVE_TRITON:
         FP8_SHARED: tl.constexpr,
         PDL: tl.constexpr,
         NORM_OUT: tl.constexpr,  # also the next norm's input (nextn.ops.triton_norm.NormInput)
-        TRIGGER: tl.constexpr,  # let a programmatic dependent launch after it start at once (Hopper)
+        RELEASE: tl.constexpr,  # release the launch after it: 1 at the start, 2 once past the wait
     ):
         """out = x + (the routed slots' outputs summed in slot order + the shared slot's); without
         RESIDUAL the sum alone (NORM_OUT: and the next norm's input, as the skinny GEMM's norm_out).
@@ -299,7 +308,7 @@ if HAVE_TRITON:
         tile (and its expert id, which the router kernel before the gate/up kernel wrote), then
         waits for the gate/up kernel to complete before it reads anything that kernel writes or
         writes anything at all."""
-        if TRIGGER:
+        if RELEASE == 1:  # (what follows reads nothing before its own wait: the rule in triton_utils)
             tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)  # t * (TOP_K + 1) + slot
         t = row // (TOP_K + 1)
@@ -314,12 +323,16 @@ if HAVE_TRITON:
             ws, mask_s, offs_s = _down_tile(shared_down_ptr, offs_n, mask_n, Is, CHUNKS_S, BLOCK_K)
             if PDL:
                 tl.extra.cuda.gdc_wait()
+                if RELEASE == 2:
+                    tl.extra.cuda.gdc_launch_dependents()
             y = _down(ws, mask_s, offs_s, act, rw_ptr + row, offs_n, shared_down_s_ptr, H, dtype, FP8_SHARED)
         else:
             e = tl.load(idx_ptr + t * TOP_K + slot).to(tl.int64)
             we, mask_e, offs_e = _down_tile(down_ptr + e * (H * I), offs_n, mask_n, I, CHUNKS, BLOCK_K)
             if PDL:
                 tl.extra.cuda.gdc_wait()
+                if RELEASE == 2:
+                    tl.extra.cuda.gdc_launch_dependents()
             y = _down(we, mask_e, offs_e, act, rw_ptr + row, offs_n, down_s_ptr + e * ((I + 127) // 128 * H), H,
                       dtype, FP8_EXPERTS)  # fmt: skip
         tl.store(y_ptr + row * H + offs_n, y.to(dtype), mask=mask_n)  # exact: y is rounded to dtype
@@ -363,7 +376,7 @@ def moe_step(
     *,
     residual: bool = True,  # False: the block's output alone (tensor parallelism's partial sum)
     router_blocks: tuple[int, int] = ROUTER_BLOCKS,  # the norm / router kernel's (rows, num_warps)
-    pdl: bool = True,  # router and down kernels as programmatic dependent launches where the GPU has them
+    pdl: bool = True,  # the three kernels as programmatic dependent launches where the GPU has them
     gate_up_blocks: tuple[int, int] | None = None,  # default GATE_UP_BLOCKS; bench/moe_step_sweep.py compares others
     down_blocks: tuple[int, int] = DOWN_BLOCKS,
     norm_out: torch.Tensor | None = None,  # [H] with residual: also return the next norm's NormInput
@@ -375,8 +388,8 @@ def moe_step(
     dequantized copies' up to the order of the in-tile sums on a GPU (bitwise on the interpreter:
     see the module docstring). The experts' pair and the shared expert's three are each FP8 or not.
     gate_up_blocks / down_blocks: the kernels' (BLOCK, num_warps), GATE_UP_BLOCKS / DOWN_BLOCKS;
-    router_blocks: ROUTER_BLOCKS; pdl=False: the router and the down kernel wait for the kernels ahead
-    as plain launches (bench/moe_step_sweep.py compares)."""
+    router_blocks: ROUTER_BLOCKS; pdl=False: the three kernels wait for the kernels ahead as plain
+    launches (bench/moe_step_sweep.py compares)."""
     fp8_experts, fp8_shared = _fp8_kind(gate_up, down), _fp8_kind(shared_gate, shared_up, shared_down)
     scales = [w.scale if isinstance(w, FP8Weight) else x for w in (gate_up, down, shared_gate, shared_up, shared_down)]
     gate_up, down, shared_gate, shared_up, shared_down = (
@@ -400,9 +413,13 @@ def moe_step(
     weights = torch.empty(T, top_k + 1, device=x.device, dtype=x.dtype)
     router_rows, router_warps = router_blocks
     # the router loads its gate rows while the kernel ahead finishes, the down kernel streams its
-    # weights while the gate/up kernel runs (Hopper and later)
-    hopper = pdl_supported(x)
-    pdl = pdl and hopper
+    # weights while the gate/up kernel runs (Hopper and later; the rule: nextn.ops.triton_utils)
+    pdl = pdl and pdl_supported(x)
+    # a decode's row: the router releases once past its wait and the gate/up kernel depends on it; over
+    # more rows the gate/up kernel is a plain launch and it and the down kernel release at their start
+    # (runs 99-102: each arrangement is the faster one at its row count)
+    one_row = pdl and T == 1
+    release = 2 if one_row else int(pdl)
     _norm_router_kernel[(T, triton.cdiv(E + 1, router_rows))](
         x,
         norm,
@@ -423,6 +440,7 @@ def moe_step(
         BLOCK_E=next_pow2(E),
         WARPS=router_warps,
         PDL=pdl,
+        RELEASE=2 if one_row else 0,
         num_warps=router_warps,
         launch_pdl=pdl,
     )
@@ -449,8 +467,10 @@ def moe_step(
         BLOCK_K=BLOCK_K,
         FP8_EXPERTS=fp8_experts,
         FP8_SHARED=fp8_shared,
-        PDL=pdl,
+        PDL=one_row,
+        RELEASE=release,
         num_warps=gate_up_warps,
+        launch_pdl=one_row,
     )
     out = torch.empty_like(x)
     n_blocks = triton.cdiv(H, block_h)
@@ -487,8 +507,8 @@ def moe_step(
         FP8_EXPERTS=fp8_experts,
         FP8_SHARED=fp8_shared,
         PDL=pdl,
+        RELEASE=release,
         NORM_OUT=norm_out is not None,
-        TRIGGER=hopper,
         num_warps=down_warps,
         launch_pdl=pdl,
     )

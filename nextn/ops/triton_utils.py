@@ -32,11 +32,11 @@ def pdl_supported(tensor) -> bool:
 
     nextn's kernels keep one rule. A kernel launched as a dependent (`launch_pdl=True`) calls
     `gdc_wait` before it writes anything or reads what the launch right before it may write. What it
-    reads before the wait from launches further back (the MoE down kernel the router's expert ids)
-    has completed when it starts if the launch right ahead is a plain launch (the gate/up kernel) or
-    a dependent that releases the launch after it (`gdc_launch_dependents`) only once past its own
-    wait (the skinny GEMM). A kernel that releases before its wait (the MoE down kernel) is followed
-    by a launch that reads nothing before its wait (the skinny GEMM)."""
+    reads before the wait from launches further back (the MoE down kernel the router's expert ids,
+    the GDN step its recurrent state) has completed when it starts if the launch right ahead is a
+    plain launch or a dependent that releases the launch after it (`gdc_launch_dependents`) only once
+    past its own wait. A dependent that releases before its wait (the MoE down kernel over several
+    rows) is followed by a launch that reads nothing before its wait (the skinny GEMM)."""
     return tensor.is_cuda and not interpreting() and _hopper_or_later(tensor.device.index)
 
 
