@@ -12,7 +12,8 @@
 #   the sampling and greedy accept kernels' tests: sample; CUDA-core GEMVs against the skinny GEMM: gemvvar
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 #   a change against its base in one run: base35b runs bench35b's command from .base/ (carried, git-ignored:
-#   `mkdir -p .base && git archive BASE | tar x -C .base`), into $OUT/base_qwen3.5-35b-a3b.json
+#   `mkdir -p .base && git archive BASE | tar x -C .base`), into $OUT/base_qwen3.5-35b-a3b.json; base35b and var35b
+#   (a variant's tree in .var/, carried the same way) run it from those trees
 set -o pipefail
 source bench/device_env.sh
 LOG=$OUT/log.txt
@@ -51,8 +52,9 @@ for stage in "$@"; do
                --prompt-file nextn/engine/rounds.py --temperature 0.7 --spec-k 1 2 3 4 8 --repeats 10 \
                --json $OUT/bench_default_model.json 2>&1 | grep -v "^ " | tail -40 | tee -a $LOG ;;
     bench35b) bench35b $OUT/bench_qwen3.5-35b-a3b.json 2>&1 | grep -v '^ ' | tail -40 | tee -a $LOG ;;
-    base35b) [ -d .base/nextn ] || { echo "base35b: no .base/nextn (git archive BASE | tar x -C .base)" | tee -a $LOG; continue; }
-               (cd .base && PYTHONPATH=$PWD:${PYTHONPATH#*:} bench35b $OUT/base_qwen3.5-35b-a3b.json) 2>&1 \
+    base35b|var35b) d=.${stage%35b}
+               [ -d $d/nextn ] || { echo "$stage: no $d/nextn (git archive REV | tar x -C $d)" | tee -a $LOG; continue; }
+               (cd $d && PYTHONPATH=$PWD:${PYTHONPATH#*:} bench35b $OUT/${stage%35b}_qwen3.5-35b-a3b.json) 2>&1 \
                  | grep -v '^ ' | tail -40 | tee -a $LOG ;;
     kvfp8) timeout 200 python3 -m pytest -q -x tests/test_kv_fp8.py tests/test_cache.py 2>&1 | tail -15 | tee -a $LOG
            for kv in auto fp8; do timeout 200 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda \
