@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.triton_utils import HAVE_TRITON, next_pow2, pdl_supported
+from nextn.ops.triton_utils import HAVE_TRITON, next_pow2, pdl_supported, row_launch
 
 CHUNK = 128  # positions per partial: a row at position p reads ceil((p+1)/CHUNK) chunks
 
@@ -205,13 +205,14 @@ if HAVE_TRITON:
         BLOCK_C: tl.constexpr,
         HAS_FLAG: tl.constexpr,
         PDL: tl.constexpr,
-        RELEASE_AT_START: tl.constexpr,  # a plain launch releasing the one after it at once
+        RELEASE: tl.constexpr,  # release the launch after it: 1 at the start, 2 once past the wait
     ):
-        if RELEASE_AT_START:
+        if RELEASE == 1:
             tl.extra.cuda.gdc_launch_dependents()
         if PDL:
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if RELEASE == 2:
+                tl.extra.cuda.gdc_launch_dependents()
         if HAS_FLAG:
             if tl.load(flag_ptr).to(tl.int32) == 0:
                 return
@@ -276,7 +277,7 @@ def qk_norm_rope(
     Hkv, D = key.shape[-2], key.shape[-1]
     if q_out is None:
         q_out = torch.empty(T, num_heads, D, device=qkv.device, dtype=qkv.dtype)
-    pdl = pdl and T == 1 and pdl_supported(qkv)  # (more rows: plain launches, runs 99-102)
+    pdl, _ = row_launch(pdl and pdl_supported(qkv), T)  # (it releases once past its wait)
     _qk_norm_rope_kernel[(T, num_heads + Hkv)](
         qkv,
         qkv.stride(0),
@@ -332,8 +333,7 @@ def attend_step(
     if out is None:
         out = torch.empty(T, Hq * D, device=q.device, dtype=q.dtype)
     block_s = min(block_s, chunk)
-    hopper = pdl and pdl_supported(q)
-    release_at_start, pdl = hopper and T > 1, hopper and T == 1  # (more rows: plain launches, runs 99-102)
+    pdl, release = row_launch(pdl and pdl_supported(q), T)  # (the chunks release once past their wait)
     _attend_chunk_kernel[(T, Hq, num_chunks)](
         q,
         key,
@@ -375,7 +375,7 @@ def attend_step(
         BLOCK_C=min(16, next_pow2(num_chunks)),
         HAS_FLAG=run_if is not None,
         PDL=pdl,
-        RELEASE_AT_START=release_at_start,
+        RELEASE=release,
         num_warps=4,
         launch_pdl=pdl,
     )

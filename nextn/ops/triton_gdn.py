@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, next_pow2, pdl_supported
+from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, next_pow2, pdl_supported, row_launch
 
 T_CHUNK = 4  # rows of a step's inputs copied to the conv window per round trip (a decode's 1, a K=3 verify's 4)
 
@@ -281,9 +281,9 @@ def gdn_step(
     The caller keeps the regions read (window[:, conv_at:conv_at+W-1], states[state_at]) apart from
     those written (window[:, conv_write:conv_write+W-1+T], the states slots written).
 
-    pdl: a decode's one row is a programmatic dependent launch that loads the state and the carried
-    columns before it waits for the projection ahead of it; over more rows a plain launch that
-    releases the launch after it at its start (runs 99-102: the faster arrangement at each).
+    pdl: launched as `triton_utils.row_launch` arranges it: a decode's one row is a programmatic
+    dependent launch that loads the state and the carried columns before it waits for the
+    projection ahead of it.
     """
     M = proj.shape[0]
     HV, K, V = state_home.shape[1:]
@@ -313,8 +313,7 @@ def gdn_step(
         raise ValueError(f"gdn_step: live must be int32 [B={B}], not {live.dtype} {tuple(live.shape)}")
     block_v = min(block_v, V)
     sumsq = torch.empty(M, HV, V // block_v, device=proj.device, dtype=torch.float32)
-    pdl = pdl and pdl_supported(proj)
-    one_row = pdl and M == 1
+    dependent, release = row_launch(pdl and pdl_supported(proj), M)
     _gdn_step_kernel[(HV, V // block_v, B)](
         proj,
         proj.stride(0),
@@ -355,9 +354,9 @@ def gdn_step(
         BLOCK_V=block_v,
         STORE_ALL=bool(store_all),
         LIVE=live is not None,
-        PDL=one_row,
-        RELEASE=2 if one_row else int(pdl),
+        PDL=dependent,
+        RELEASE=release,
         num_warps=num_warps,
-        launch_pdl=one_row,
+        launch_pdl=dependent,
     )
     return out

@@ -37,7 +37,7 @@ import torch
 
 from nextn.ops.fp8 import FP8Weight
 from nextn.ops.triton_norm import NormInput, norm_input_values
-from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2, pdl_supported
+from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2, pdl_supported, row_launch
 
 # (columns per program, num_warps) of the gate/up kernel (BLOCK_I intermediate columns of a slot)
 # and of the down kernel (BLOCK_H hidden columns of a slot). Both are latency-bound GEMVs: their
@@ -415,11 +415,9 @@ def moe_step(
     # the router loads its gate rows while the kernel ahead finishes, the down kernel streams its
     # weights while the gate/up kernel runs (Hopper and later; the rule: nextn.ops.triton_utils)
     pdl = pdl and pdl_supported(x)
-    # a decode's row: the router releases once past its wait and the gate/up kernel depends on it; over
-    # more rows the gate/up kernel is a plain launch and it and the down kernel release at their start
-    # (runs 99-102: each arrangement is the faster one at its row count)
-    one_row = pdl and T == 1
-    release = 2 if one_row else int(pdl)
+    # the router and the down kernel are dependents at every row count; the gate/up kernel and the
+    # releases follow `row_launch` (a decode's row: the router releases once past its wait)
+    dependent, release = row_launch(pdl, T)
     _norm_router_kernel[(T, triton.cdiv(E + 1, router_rows))](
         x,
         norm,
@@ -440,7 +438,7 @@ def moe_step(
         BLOCK_E=next_pow2(E),
         WARPS=router_warps,
         PDL=pdl,
-        RELEASE=2 if one_row else 0,
+        RELEASE=2 if dependent else 0,
         num_warps=router_warps,
         launch_pdl=pdl,
     )
@@ -467,10 +465,10 @@ def moe_step(
         BLOCK_K=BLOCK_K,
         FP8_EXPERTS=fp8_experts,
         FP8_SHARED=fp8_shared,
-        PDL=one_row,
+        PDL=dependent,
         RELEASE=release,
         num_warps=gate_up_warps,
-        launch_pdl=one_row,
+        launch_pdl=dependent,
     )
     out = torch.empty_like(x)
     n_blocks = triton.cdiv(H, block_h)

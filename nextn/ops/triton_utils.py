@@ -40,6 +40,16 @@ def pdl_supported(tensor) -> bool:
     return tensor.is_cuda and not interpreting() and _hopper_or_later(tensor.device.index)
 
 
+def row_launch(hopper: bool, rows: int) -> tuple[bool, int]:
+    """(dependent, release) of a step kernel over `rows` rows, `hopper` where PDL is on and the GPU
+    has it: the arrangement measured faster at each row count (bench/NOTES.md, runs 99-103). A
+    decode's one row is a dependent launch that releases the launch after it once past its own wait
+    (release 2); more rows launch plain and release the launch after them at their start (release 1);
+    without PDL, (False, 0)."""
+    dependent = hopper and rows == 1
+    return dependent, 2 if dependent else int(hopper)
+
+
 @functools.cache
 def _hopper_or_later(index: int | None) -> bool:
     """Compute capability 9 or later (a device's, asked once: every eager launch asks)."""
