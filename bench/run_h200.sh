@@ -3,7 +3,8 @@
 # Usage (device tool): bash bench/run_h200.sh [stages...]
 #   stages: tune tests engine profile profile35b prefill prefill4k bench9b bench9bquick (K = 1, 3, 8, one repeat) batch9b benchdefault bench35b
 #   FP8 weights against bf16 (9B): fp8 (its GPU tests alone: fp8tests); 35B-A3B in FP8 (bench35b for bf16): fp8_35b;
-#   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin)
+#   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin); the gate greedy and
+#   sampled (T = 0.7, 100 seeds) at K = 3, 6: pminsampled
 #   the MoE decode kernels' tests: moe; their block sizes: moesweep; a graph of MoE blocks replayed alone / back to back /
 #   pipelined, PDL off and on: pdlprobe; a GEMM's time against the memory its weight copies span: tlbprobe;
 #   the skinny GEMM with PDL off and on: pdlsweep; the step with PDL off per kernel module (35B-A3B, 9B): pdlattr;
@@ -63,6 +64,9 @@ for stage in "$@"; do
     pmin) timeout 200 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \
              --prompt-file nextn/engine/scheduler.py --spec-k 6 --p-min 0 0.5 --json $OUT/pmin_default_model.json \
              2>&1 | grep -v '^ ' | tail -12 | tee -a $LOG ;;
+    pminsampled) timeout 300 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \
+             --prompt-file nextn/engine/scheduler.py --spec-k 3 6 --p-min 0 0.5 --temperature 0.7 --repeats 100 \
+             --json $OUT/pmin_sampled_default_model.json 2>&1 | grep -v '^ ' | tail -24 | tee -a $LOG ;;
     fp8|fp8tests) timeout 150 python3 -m pytest -q -x tests/test_fp8.py -k "skinny or chained or triton" 2>&1 | tail -8 \
                | tee -a $LOG; [ $stage = fp8tests ] && continue
          # FP8 weights against bf16 on the 9B shape, same run: plain decode both, spec == plain K=1..8 under FP8

@@ -17,8 +17,8 @@ One run measures, with CUDA events around warmed-up work, medians:
 - per K, from one more run traced round by round: `round_split_ms[K]` (the mean wall time of a
   round's draft, verify and commit: CUDA events inside its graph), `head_steps_per_round[K]`,
   `num_zero_draft_rounds[K]` and `accept_length_histogram[K]` (rounds by drafts accepted, 0..K);
-- `--p-min P ...`: the greedy spec runs with each draft confidence gate (the first gives the keys
-  above, the others `p_min_runs[P]` with the same keys); `--draft-gate mask` runs a gated
+- `--p-min P ...`: the spec runs with each draft confidence gate, greedy and sampled (the first
+  gives the keys above, the others `p_min_runs[P]` with the same keys); `--draft-gate mask` runs a gated
   round's head steps after every draft was cut instead of skipping them in the graph;
 - acceptance and `spec_speedup[K]` (meaningful for a checkpoint whose head predicts); with
   `--temperature T`, `sampled_spec_speedup[K]` at T (seeded, against plain decoding at T); with

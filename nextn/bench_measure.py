@@ -84,7 +84,7 @@ class BenchConfig:
     prompt_file: str | None = None
     batch_sizes: list[int] = field(default_factory=list)  # B values of the batched runs
     prefill_len: int | None = None  # the prompt length of the prefill measurement (default: the prompt's)
-    p_mins: list[float] = field(default_factory=lambda: [0.0])  # draft confidence gates of the greedy spec runs
+    p_mins: list[float] = field(default_factory=lambda: [0.0])  # draft confidence gates of the spec runs
     draft_gate: str = "skip"  # SpecConfig.draft_gate of the gated runs
     kv_cache_dtype: str = "auto"  # "fp8": the attention layers' K/V in e4m3 (EngineConfig.kv_cache_dtype)
 

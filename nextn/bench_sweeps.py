@@ -44,6 +44,18 @@ _PER_K = (
 )
 
 
+# a sampled run's keys per K (nextn.bench_sweeps.sampled_runs)
+_SAMPLED_PER_K = (
+    "spec_tokens_per_s",
+    "spec_speedup",
+    "acceptance_rate",
+    "mean_acceptance_length",
+    "accepted_per_position",
+    "num_rounds",
+    "num_zero_draft_rounds",
+)
+
+
 def spec_sweep(bench: Bench, res: dict, out: dict, ks: list[int], reference: list[int], p_min: float, log) -> None:
     """Greedy spec at each K with a draft confidence gate p_min, into out (res: the costs to compare
     with): speed, exactness, acceptance, and from one traced run more, the time split per round."""
@@ -101,34 +113,38 @@ def batched_runs(bench: Bench, res: dict, k: int, reference: list[int], log) -> 
 
 
 def sampled_runs(bench: Bench, res: dict, ks: list[int], temperature: float, log) -> None:
-    """Seeded sampling at `temperature`: plain and each K (exact in law, not token for token)."""
+    """Seeded sampling at `temperature`: plain and each K at each draft confidence gate of
+    cfg.p_mins (exact in law, not token for token); the first gate's runs give the entry's keys,
+    the others `p_min_runs[P]` with the same keys."""
     runs, plain = bench.repeated(0, temperature)
-    entry = res.setdefault("sampled", {})[temperature] = {
-        "decode_tokens_per_s": plain,
-        "spec_tokens_per_s": {},
-        "acceptance_rate": {},
-        "mean_acceptance_length": {},
-        "accepted_per_position": {},
-        "num_rounds": {},
-    }
+    entry = res.setdefault("sampled", {})[temperature] = {"decode_tokens_per_s": plain}
     log(f"bench: T={temperature} plain {plain:.1f} tok/s{spread_text(runs)}")
-    for k in ks:
-        runs, tps = bench.repeated(k, temperature)
-        stats = SpecStats()
-        for r in runs:
-            stats.merge(r.stats)
-        entry["spec_tokens_per_s"][k] = tps
-        entry["acceptance_rate"][k] = stats.acceptance_rate
-        entry["mean_acceptance_length"][k] = stats.mean_acceptance_length
-        entry["accepted_per_position"][k] = stats.accepted_per_position[:k]
-        entry["num_rounds"][k] = stats.num_rounds
-        if temperature == 0.7 or len(bench.cfg.temperatures) == 1:
-            res.setdefault("sampled_spec_speedup", {})[k] = tps / plain
-        log(
-            f"bench: T={temperature} K={k}: {tps:.1f} tok/s{spread_text(runs)} ({tps / plain:.2f}x) "
-            f"acceptance {stats.acceptance_rate:.2f} over seeds {bench.cfg.seed}..{bench.cfg.seed + len(runs) - 1}, "
-            f"accepted per position {stats.accepted_per_position[:k]} of {stats.num_rounds} rounds"
-        )
+    for i, p_min in enumerate(bench.cfg.p_mins):
+        out = entry if i == 0 else entry.setdefault("p_min_runs", {}).setdefault(p_min, {})
+        out["p_min"] = p_min
+        for name in _SAMPLED_PER_K:
+            out[name] = {}
+        for k in ks:
+            runs, tps = bench.repeated(k, temperature, p_min=p_min)
+            stats = SpecStats()
+            for r in runs:
+                stats.merge(r.stats)
+            out["spec_tokens_per_s"][k] = tps
+            out["spec_speedup"][k] = tps / plain
+            out["acceptance_rate"][k] = stats.acceptance_rate
+            out["mean_acceptance_length"][k] = stats.mean_acceptance_length
+            out["accepted_per_position"][k] = stats.accepted_per_position[:k]
+            out["num_rounds"][k] = stats.num_rounds
+            out["num_zero_draft_rounds"][k] = stats.num_zero_draft_rounds
+            if i == 0 and (temperature == 0.7 or len(bench.cfg.temperatures) == 1):
+                res.setdefault("sampled_spec_speedup", {})[k] = tps / plain
+            log(
+                f"bench: T={temperature} K={k} p_min={p_min}: {tps:.1f} tok/s{spread_text(runs)} ({tps / plain:.2f}x) "
+                f"acceptance {stats.acceptance_rate:.2f} mean length {stats.mean_acceptance_length:.2f} "
+                f"zero-draft rounds {stats.num_zero_draft_rounds}/{stats.num_rounds} over seeds "
+                f"{bench.cfg.seed}..{bench.cfg.seed + len(runs) - 1}, accepted per position "
+                f"{stats.accepted_per_position[:k]}"
+            )
 
 
 def profiled_runs(bench: Bench, res: dict, ks: list[int], profile: list[float], reference: list[int], log) -> None:

@@ -267,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         nargs="+",
         default=[0.0],
-        help="the greedy spec runs at each of these draft confidence gates (the first: the main results; "
-        'the others under "p_min_runs")',
+        help="the spec runs, greedy and sampled, at each of these draft confidence gates (the first: the main "
+        'results; the others under "p_min_runs")',
     )
     b.add_argument(
         "--draft-gate",

@@ -425,7 +425,9 @@ def test_bench_reports_the_gate_and_the_round_split(dense_fitted_ckpt):
     from nextn.models.loader import load_model
 
     model = load_model(dense_fitted_ckpt)
-    cfg = bench.BenchConfig(spec_ks=[4], prompt_len=12, gen_len=24, iters=1, repeats=1, p_mins=[0.0, 0.5])
+    cfg = bench.BenchConfig(
+        spec_ks=[4], prompt_len=12, gen_len=24, iters=1, repeats=1, p_mins=[0.0, 0.5], temperatures=[0.7]
+    )
     prompt = list(FIT_PROMPTS[0])
     res = bench.run_bench(model, "dense", cfg, log=lambda s: None, prompt=prompt)
     gated = res["p_min_runs"][0.5]
@@ -436,3 +438,7 @@ def test_bench_reports_the_gate_and_the_round_split(dense_fitted_ckpt):
         assert len(out["accept_length_histogram"][4]) == 5
         assert set(out["round_split_ms"][4]) == {"draft", "verify", "commit"}
         assert all(v > 0 for v in out["round_split_ms"][4].values())
+    sampled = res["sampled"][0.7]  # the sampled runs at each gate too
+    sampled_gated = sampled["p_min_runs"][0.5]
+    assert sampled["p_min"] == 0.0 and sampled_gated["p_min"] == 0.5
+    assert sampled["num_zero_draft_rounds"][4] == 0 and sampled_gated["num_zero_draft_rounds"][4] > 0
