@@ -52,7 +52,7 @@ from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, 
 # Run 72 (bench/results/moe_step_sweep_run72.json, 35B-A3B, bf16, 1 row): gate/up at (2, 1) 27.4 us
 # a block against 34.9 at (16, 4), down fastest at (16, 4). The interpreter takes (16, 4) for both
 # (the same bits by the above; a quarter of the CPU tests' time).
-GATE_UP_BLOCKS = (2, 1)
+GATE_UP_BLOCKS = (1, 1)
 INTERPRETED_GATE_UP_BLOCKS = (16, 4)
 DOWN_BLOCKS = (16, 4)
 BLOCK_K = 256  # reduction tile of both matmuls (it orders the float32 sums: results depend on it)
