@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from nextn.bench_measure import Bench, BenchConfig, copy_bandwidth, spread_text, sync_device, tokens_per_s
-from nextn.bench_sweeps import batched_runs, profiled_runs, sampled_runs, spec_sweep
+from nextn.bench_sweeps import batched_runs, gate_entry, profiled_runs, sampled_runs, spec_sweep
 from nextn.config import EngineConfig, resolve_device, resolve_dtype
 from nextn.model_config import ModelConfig
 from nextn.models.loader import load_model
@@ -159,8 +159,7 @@ def run_bench(
         f"(roofline fraction {res.get('roofline_fraction', float('nan')):.3f})"
     )
     for i, p_min in enumerate(cfg.p_mins):
-        out = res if i == 0 else res.setdefault("p_min_runs", {}).setdefault(p_min, {})
-        spec_sweep(bench, res, out, ks, plain.token_ids, p_min, log)
+        spec_sweep(bench, res, gate_entry(res, i, p_min), ks, plain.token_ids, p_min, log)
     for temperature in cfg.temperatures:
         sampled_runs(bench, res, ks, temperature, log)
     if cfg.acceptance_profile and ks:

@@ -33,34 +33,31 @@ def _round_overhead(
     )
 
 
-_PER_K = (
-    "spec_equals_plain",
-    "spec_tokens_per_s",
-    "spec_tokens_per_s_runs",
-    "spec_speedup",
-    "acceptance_rate",
-    "mean_acceptance_length",
-    "accepted_per_position",
-)
+# a run's acceptance at each K (`_acceptance`), in the greedy and the sampled sections alike
+_ACCEPTANCE = ("acceptance_rate", "mean_acceptance_length", "accepted_per_position", "num_zero_draft_rounds")
+_PER_K = ("spec_equals_plain", "spec_tokens_per_s", "spec_tokens_per_s_runs", "spec_speedup", *_ACCEPTANCE)
+_SAMPLED_PER_K = ("spec_tokens_per_s", "spec_speedup", "num_rounds", *_ACCEPTANCE)
 
 
-# a sampled run's keys per K (nextn.bench_sweeps.sampled_runs)
-_SAMPLED_PER_K = (
-    "spec_tokens_per_s",
-    "spec_speedup",
-    "acceptance_rate",
-    "mean_acceptance_length",
-    "accepted_per_position",
-    "num_rounds",
-    "num_zero_draft_rounds",
-)
+def _acceptance(out: dict, k: int, stats: SpecStats) -> None:
+    """The _ACCEPTANCE keys of out at K = k, from a run's (or runs') counters."""
+    out["acceptance_rate"][k] = stats.acceptance_rate
+    out["mean_acceptance_length"][k] = stats.mean_acceptance_length
+    out["accepted_per_position"][k] = stats.accepted_per_position[:k]
+    out["num_zero_draft_rounds"][k] = stats.num_zero_draft_rounds
+
+
+def gate_entry(parent: dict, i: int, p_min: float) -> dict:
+    """Where the runs at the i-th draft confidence gate p_min go: parent itself for the first gate,
+    parent["p_min_runs"][p_min] for the others."""
+    return parent if i == 0 else parent.setdefault("p_min_runs", {}).setdefault(p_min, {})
 
 
 def spec_sweep(bench: Bench, res: dict, out: dict, ks: list[int], reference: list[int], p_min: float, log) -> None:
     """Greedy spec at each K with a draft confidence gate p_min, into out (res: the costs to compare
     with): speed, exactness, acceptance, and from one traced run more, the time split per round."""
     out["p_min"] = p_min
-    for name in (*_PER_K, "num_zero_draft_rounds", "accept_length_histogram", "head_steps_per_round", "round_split_ms"):
+    for name in (*_PER_K, "accept_length_histogram", "head_steps_per_round", "round_split_ms"):
         out[name] = {}
     for k in ks:
         runs, tps = bench.repeated(k, p_min=p_min)
@@ -72,10 +69,7 @@ def spec_sweep(bench: Bench, res: dict, out: dict, ks: list[int], reference: lis
         out["spec_tokens_per_s"][k] = tps
         out["spec_tokens_per_s_runs"][k] = tokens_per_s(runs)
         out["spec_speedup"][k] = tps / res["decode_tokens_per_s"]
-        out["acceptance_rate"][k] = stats.acceptance_rate
-        out["mean_acceptance_length"][k] = stats.mean_acceptance_length
-        out["accepted_per_position"][k] = stats.accepted_per_position[:k]
-        out["num_zero_draft_rounds"][k] = stats.num_zero_draft_rounds
+        _acceptance(out, k, stats)
         out["accept_length_histogram"][k] = stats.accept_length_histogram[: k + 1]
         rounds = traced.rounds
         steps = k * len(rounds) if traced.head_steps is None else traced.head_steps  # ungated: every step runs
@@ -120,7 +114,7 @@ def sampled_runs(bench: Bench, res: dict, ks: list[int], temperature: float, log
     entry = res.setdefault("sampled", {})[temperature] = {"decode_tokens_per_s": plain}
     log(f"bench: T={temperature} plain {plain:.1f} tok/s{spread_text(runs)}")
     for i, p_min in enumerate(bench.cfg.p_mins):
-        out = entry if i == 0 else entry.setdefault("p_min_runs", {}).setdefault(p_min, {})
+        out = gate_entry(entry, i, p_min)
         out["p_min"] = p_min
         for name in _SAMPLED_PER_K:
             out[name] = {}
@@ -131,11 +125,8 @@ def sampled_runs(bench: Bench, res: dict, ks: list[int], temperature: float, log
                 stats.merge(r.stats)
             out["spec_tokens_per_s"][k] = tps
             out["spec_speedup"][k] = tps / plain
-            out["acceptance_rate"][k] = stats.acceptance_rate
-            out["mean_acceptance_length"][k] = stats.mean_acceptance_length
-            out["accepted_per_position"][k] = stats.accepted_per_position[:k]
             out["num_rounds"][k] = stats.num_rounds
-            out["num_zero_draft_rounds"][k] = stats.num_zero_draft_rounds
+            _acceptance(out, k, stats)
             if i == 0 and (temperature == 0.7 or len(bench.cfg.temperatures) == 1):
                 res.setdefault("sampled_spec_speedup", {})[k] = tps / plain
             log(
