@@ -50,11 +50,11 @@ from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, 
 # results, keep their bits. (A float32 row spreads over two warps when there are two: one-warp
 # programs sum a float32 model's tiles in another order.)
 # Run 72 (bench/results/moe_step_sweep_run72.json, 35B-A3B, bf16, 1 row): gate/up at (2, 1) 27.4 us
-# a block against 34.9 at (16, 4), down fastest at (16, 4). Gate/up at (1, 1), one row a program:
-# 1.5 us a block faster at 1 row and 1.6-1.8 at 4 (runs 96, 109), in the step 413.1 against 408.7
-# tok/s (run 110). A bf16 row keeps its layout there (8 a thread over a warp); an e4m3 row is 8 a thread
-# over 32 lanes instead of 16 over 16, so FP8 experts sum their tiles in another order than at (16, 4)
-# (the interpreter's: a quarter of the CPU tests' time), rows still invariant.
+# a block against 34.9 at (16, 4), down fastest at (16, 4). Gate/up at (1, 1), one row a program, is
+# faster still: 1.5 us a block at 1 row, 1.6-1.8 at 4 (runs 96, 109), 413.1 against 408.7 tok/s in
+# the 35B-A3B step (run 110). There a bf16 row keeps its layout; an e4m3 row is 8 a thread over 32
+# lanes, not 16 over 16, so FP8 experts sum their tiles in another order than at the interpreter's
+# (16, 4) (a quarter of the CPU tests' time of the GPU's sizes); rows stay invariant either way.
 GATE_UP_BLOCKS = (1, 1)
 INTERPRETED_GATE_UP_BLOCKS = (16, 4)
 DOWN_BLOCKS = (16, 4)
