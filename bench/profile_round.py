@@ -4,7 +4,8 @@ where every round launches the same kernels (plain decoding), each launch's time
 (`sequence_us`: the i-th skinny GEMM is the same layer's projection every round, so a shape's time
 in the step can be set against its time alone in `linear_tune`).
 
-python bench/profile_round.py (--model DIR | --preset qwen3.5-9b) [--k 3] [--batch B] [--out profile.json]
+python bench/profile_round.py (--model DIR | --preset qwen3.5-9b) [--k 3] [--batch B]
+    [--sampled 0.7 0.7,20,0.8 ...] [--plain-sampled] [--out profile.json]
 
 --batch B: B requests decoding together (one batched round per step), as continuous batching runs them.
 """
@@ -27,14 +28,14 @@ from nextn.models.random_weights import random_model
 
 
 def kernels_per_round(
-    bench: Bench, k: int, temperature: float, rounds: int = 8, B: int = 1
+    bench: Bench, k: int, sampling: dict, rounds: int = 8, B: int = 1
 ) -> tuple[list, float, list | None]:
     """(rows of (us per round, launches per round, kernel name), GPU ms per round, the round's
     launches in order as [name, mean us] or None where rounds launch different sequences) over eager
     rounds of B requests together."""
     _, runner, proposer = bench.core(k, B)
     runner.use_graphs = False
-    params = SamplingParams(max_tokens=4 * rounds + 8, temperature=temperature, seed=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4 * rounds + 8, seed=0, ignore_eos=True, **sampling)
     loops = [
         RequestRounds(
             runner, proposer, bench.prefilled(k, b, B), params, runner.config.spec, set(), SpecStats(), ahead=False
@@ -75,10 +76,10 @@ def _sequence(kernels: list, rounds: int) -> list | None:
     return [[names[i], sum(kernels[r * n + i].device_time for r in range(rounds)) / rounds] for i in range(n)]
 
 
-def replayed_ms(bench: Bench, k: int, temperature: float, B: int = 1, rounds: int = 20) -> float:
+def replayed_ms(bench: Bench, k: int, sampling: dict, B: int = 1, rounds: int = 20) -> float:
     """Wall ms per engine step of B requests with rounds replayed as CUDA graphs (one queued ahead)."""
     _, runner, proposer = bench.core(k, B)
-    params = SamplingParams(max_tokens=4 * rounds + 32, temperature=temperature, seed=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4 * rounds + 32, seed=0, ignore_eos=True, **sampling)
     loops = [
         RequestRounds(runner, proposer, bench.prefilled(k, b, B), params, runner.config.spec, set(), SpecStats())
         for b in range(B)
@@ -102,25 +103,45 @@ def main() -> None:
     ap.add_argument("--preset", default=None)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument(
+        "--sampled",
+        nargs="+",
+        default=["0.7"],
+        help="sampled cases T[,top_k[,top_p]] (e.g. 0.7,20,0.8: Qwen's suggested law), each profiled at K and, "
+        "with --plain-sampled, at K = 0 too",
+    )
+    ap.add_argument("--plain-sampled", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = load_model(args.model, "cuda", "bfloat16") if args.model else random_model(args.preset, "cuda", "bfloat16")
     prompt = torch.randint(0, model.cfg.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
     bench = Bench(model, prompt, BenchConfig(spec_ks=[args.k], gen_len=64, kernels="triton"))
     report = {}
-    for k, temperature in ((0, 0.0), (args.k, 0.0), (args.k, 0.7)):
-        rows, ms, sequence = kernels_per_round(bench, k, temperature, B=args.batch)
-        wall = replayed_ms(bench, k, temperature, B=args.batch)
+    cases = [(0, "T0.0", {"temperature": 0.0}), (args.k, "T0.0", {"temperature": 0.0})]
+    for spec in args.sampled:
+        values = spec.split(",")
+        law = {"temperature": float(values[0])}
+        label = f"T{law['temperature']}"
+        if len(values) > 1:
+            law["top_k"] = int(values[1])
+            label += f"_k{law['top_k']}"
+        if len(values) > 2:
+            law["top_p"] = float(values[2])
+            label += f"_p{law['top_p']}"
+        cases += [(k, label, law) for k in ((0, args.k) if args.plain_sampled else (args.k,))]
+    for k, label, sampling in cases:
+        rows, ms, sequence = kernels_per_round(bench, k, sampling, B=args.batch)
+        wall = replayed_ms(bench, k, sampling, B=args.batch)
         launches = sum(r[1] for r in rows)
         small = [r for r in rows if r[0] < 5.0]  # the round's bookkeeping kernels (< 5 us each)
         print(
-            f"B={args.batch} K={k} T={temperature}: {ms:.3f} ms of kernels per round (eager), {wall:.3f} ms per "
+            f"B={args.batch} K={k} {label}: {ms:.3f} ms of kernels per round (eager), {wall:.3f} ms per "
             f"replayed round, {launches:.0f} launches; "
             f"{sum(r[1] for r in small):.0f} of them under 5 us ({sum(r[0] for r in small) / 1e3:.3f} ms)"
         )
         for us, n, name in rows[:12]:
             print(f"  {us:9.1f} us  {n:5.1f}x  {name[:100]}")
-        report[f"K{k}_T{temperature}"] = {
+        report[f"K{k}_{label}"] = {
             "gpu_ms_per_round": ms,
             "replayed_ms_per_round": wall,
             "launches": launches,

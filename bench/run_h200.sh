@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device call on the H200: tune the skinny GEMM, kernel tests at real shapes, the benches.
 # Usage (device tool): bash bench/run_h200.sh [stages...]
-#   stages: tune tests engine profile profile35b prefill prefill4k bench9b bench9bquick (K = 1, 3, 8, one repeat) batch9b benchdefault bench35b
+#   stages: tune tests engine profile profile35b profilesampled (9B rounds greedy, T = 0.7, T = 0.7 with top-k 20 and
+#   top-p 0.8; plain and K = 3; baseprofilesampled: the same from .base/) prefill prefill4k bench9b bench9bquick (K = 1, 3, 8, one repeat) batch9b benchdefault bench35b
 #   FP8 weights against bf16 (9B): fp8 (its GPU tests alone: fp8tests); 35B-A3B in FP8 (bench35b for bf16): fp8_35b;
 #   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin); the gate greedy and
 #   sampled (T = 0.7, 100 seeds) at K = 3, 6: pminsampled
@@ -23,6 +24,10 @@ bench35b() {  # the 35B-A3B bench into $1, from the current directory's nextn (s
   timeout 300 python3 -m nextn.cli bench --random-weights qwen3.5-35b-a3b --device cuda --dtype bfloat16 \
     --spec-k 1 3 --acceptance-profile 0.85,0.75,0.65 --json "$1"
 }
+profilesampled() {  # the 9B shape's rounds, greedy and sampled, into $1 (stages profilesampled, baseprofilesampled)
+  timeout 300 python3 bench/profile_round.py --preset qwen3.5-9b --k 3 --sampled 0.7 0.7,20,0.8 --plain-sampled \
+    --out "$1"
+}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee $LOG
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a $LOG
 for stage in "$@"; do
@@ -37,6 +42,11 @@ for stage in "$@"; do
                $m --k 3 --out $OUT/profile_round_$(basename ${m##* }).json 2>&1 | grep -v Warn | head -45 | tee -a $LOG; done ;;
     profile35b) timeout 150 python3 bench/profile_round.py --preset qwen3.5-35b-a3b --k 3 \
                --out $OUT/profile_round_qwen3.5-35b-a3b.json 2>&1 | grep -v Warn | head -45 | tee -a $LOG ;;
+    profilesampled) profilesampled $OUT/profile_sampled_qwen3.5-9b.json 2>&1 | grep -v Warn | head -90 | tee -a $LOG ;;
+    baseprofilesampled) [ -d .base/nextn ] || { echo "$stage: no .base/nextn (git archive REV | tar x -C .base)" \
+                 | tee -a $LOG; continue; }
+               (cd .base && PYTHONPATH=$PWD:${PYTHONPATH#*:} profilesampled $OUT/base_profile_sampled_qwen3.5-9b.json) 2>&1 \
+                 | grep -v Warn | head -90 | tee -a $LOG ;;
     prefill) for p in qwen3.5-9b qwen3.5-35b-a3b; do timeout 150 python3 bench/profile_prefill.py --preset $p \
                --out $OUT/prefill_$p.json 2>&1 | grep -v Warn | grep -v '^  *[0-9.]* *us .*nvjet_sm90_tst_64x8' | head -80 | tee -a $LOG; done ;;
     prefill4k) timeout 100 python3 bench/profile_prefill.py --preset qwen3.5-9b --prompt-len 4096 \
