@@ -11,7 +11,7 @@
 #   the skinny GEMM with PDL off and on: pdlsweep; the step with PDL off per kernel module (35B-A3B, 9B): pdlattr;
 #   the GDN step before / after a change: gdnsweep; a GEMM after its first weight rows were read into L2
 #   (evict_last) and 56 MB streamed past them: l2probe;
-#   the sampling and greedy accept kernels' tests: sample; softmax and argmax over 248,320 columns in split rows
+#   the sampling (one-program and chunked) and greedy accept kernels' tests: sample; softmax and argmax over 248,320 columns in split rows
 #   against torch's: widesoftmax; CUDA-core GEMVs against the skinny GEMM: gemvvar
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 #   a change against its base in one run: base35b runs bench35b's command from .base/ (carried, git-ignored:
@@ -35,7 +35,7 @@ for stage in "$@"; do
   case $stage in
     tune) timeout 90 python3 bench/tune_linear.py --out $OUT/tune.json 2>&1 | grep -E "BEST|Error|error" | tee -a $LOG ;;
     tests) timeout 150 python3 -m pytest -q -x -m gpu tests/test_kernels.py 2>&1 | tail -25 | tee -a $LOG ;;
-    sample) timeout 150 python3 -m pytest -q -x tests/test_sample_kernel.py 2>&1 | tail -8 | tee -a $LOG ;;
+    sample) timeout 200 python3 -m pytest -q -x tests/test_sample_kernel.py tests/test_sample_wide.py 2>&1 | tail -8 | tee -a $LOG ;;
     engine) timeout 200 python3 -m pytest -q -x tests/test_step.py tests/test_rounds.py tests/test_batching.py 2>&1 \
                | tail -25 | tee -a $LOG ;;
     profile) for m in "--model nextn/default_model" "--preset qwen3.5-9b"; do timeout 120 python3 bench/profile_round.py \

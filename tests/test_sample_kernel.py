@@ -8,6 +8,8 @@ On CPU the kernels run under Triton's interpreter (triton_interp.py); on a GPU c
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import triton_interp  # noqa: F401  (before triton)
@@ -18,6 +20,7 @@ import nextn  # noqa: E402
 from nextn.cache.hybrid import NUM_CTL, commit_table  # noqa: E402
 from nextn.engine import rounds  # noqa: E402
 from nextn.engine.sampler import SlotSampler  # noqa: E402
+from nextn.ops import triton_sample, triton_sample_wide  # noqa: E402
 from nextn.ops.triton_sample import MAX_V, accept_greedy, temperature_sample, verify_sampled  # noqa: E402
 from nextn.sampling import RequestRng, SamplingParams, Stream, probs_from_logits, sample  # noqa: E402
 from nextn.spec import verifier  # noqa: E402
@@ -93,11 +96,14 @@ def test_rows_wider_than_one_program_are_refused():
         temperature_sample(wide, torch.tensor(1.0, device=DEVICE))
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("K", [0, 1, 3, 5])
-def test_fused_verify_is_the_reference_rejection_sampling(K):
+def test_fused_verify_is_the_reference_rejection_sampling(K, chunked):
     """n and the emitted ids equal verify_sampled's for sampled drafts, greedy drafts (q one-hot),
     drafts equal to the target (every one accepted), drafts of zero target mass, and every count of
-    drafts that count (a gate's cut), the uniforms read from the request's table at its index."""
+    drafts that count (a gate's cut), the uniforms read from the request's table at its index;
+    chunked: nextn.ops.triton_sample_wide's kernels, the 300 columns in chunks of 64."""
+    verify = partial(triton_sample_wide.verify_sampled, chunk=64) if chunked else verify_sampled
     g = torch.Generator().manual_seed(K)
     V, table = 300, RequestRng(11).table(0, 64)
     for case in range(12):
@@ -120,7 +126,7 @@ def test_fused_verify_is_the_reference_rejection_sampling(K):
                     torch.tensor(counted),
                 )
                 for num in (torch.tensor(counted, device=DEVICE), counted):
-                    n, out = verify_sampled(
+                    n, out = verify(
                         p.to(DEVICE),
                         None if draft_probs is None else draft_probs.to(DEVICE),
                         drafts.to(DEVICE),
@@ -131,26 +137,33 @@ def test_fused_verify_is_the_reference_rejection_sampling(K):
                     assert int(n) == int(want.num_accepted) and torch.equal(out.cpu(), want.out_ids), (case, counted)
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("penalized", [False, True])
 def test_the_slot_sampler_drafts_and_verifies_through_the_kernels_as_through_the_reference(
-    dense_fitted_ckpt, penalized
+    dense_fitted_ckpt, penalized, wide, monkeypatch
 ):
     """A fast SlotSampler (the Triton backend's) draws the drafts, their q and the round's outcome
-    the reference sampler draws, for a temperature law and a filtered one, with and without
-    penalties."""
+    the reference sampler draws, for a temperature law and filtered ones, with and without
+    penalties; wide: with the vocabulary above MAX_V (lowered to the test model's size) it takes the
+    chunked kernels (nextn.ops.triton_sample_wide, at 64-column chunks)."""
     llm = nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=3)
     V, cache, dev = llm.model.cfg.vocab_size, llm.engine.runner.slot(0), llm.engine.runner.device
+    if wide:
+        monkeypatch.setattr(triton_sample, "MAX_V", V - 1)
+        monkeypatch.setattr(triton_sample_wide, "CHUNK", 64)
+        monkeypatch.setattr(triton_sample_wide, "KCAP", 16)
     g = torch.Generator().manual_seed(5)
     extra = dict(repetition_penalty=1.3, frequency_penalty=0.2) if penalized else {}
     for params in (
         nextn.SamplingParams(temperature=0.8, seed=3, **extra),
         nextn.SamplingParams(temperature=0.8, top_k=9, seed=3),
+        nextn.SamplingParams(temperature=0.8, top_k=9, top_p=0.9, seed=3),
     ):
         outcomes = []
         for fast in (False, True):
             sampler = SlotSampler(cache, 0.0, fast=fast)
             sampler.start(params, [1, 2, 3, 2])
-            assert (sampler.kernels is not None) == fast
+            assert sampler.kernels is (None if not fast else triton_sample_wide if wide else triton_sample)
             head = (torch.randn(3, V, generator=g.manual_seed(1)) * 2).to(dev)
             trunk = (torch.randn(4, V, generator=g) * 2).to(dev)
             ids, q = torch.zeros(4, dtype=torch.long, device=dev), torch.zeros(3, V, device=dev)

@@ -56,18 +56,19 @@ def sampler_buffers(vocab_size: int, max_len: int) -> list[tuple[str, tuple[int,
 
 class SlotSampler:
     """fast (the Triton backend's choice): sampled drafts (over the full vocabulary), verify rows
-    and the rejection sampling through the one-launch kernels of nextn.ops.triton_sample (the
-    law after penalties and masks: temperature, top-k, top-p, min-p), when the vocabulary fits one
-    of their programs (MAX_V columns; wider rows are faster through torch's multi-block ops)."""
+    and the rejection sampling through Triton kernels (the law after penalties and masks:
+    temperature, top-k, top-p, min-p): nextn.ops.triton_sample's one-launch kernels where the
+    vocabulary fits one program (MAX_V columns), nextn.ops.triton_sample_wide's chunked ones where it
+    does not (the released models' 248,320)."""
 
     def __init__(self, cache: SlotCache, p_min: float = 0.0, fast: bool = False):
         self.p_min = p_min
         self.kernels = None
         if fast:  # imported here: kernel modules load only where their kernels run
-            from nextn.ops import triton_sample
+            from nextn.ops import triton_sample, triton_sample_wide
 
-            if cache.t("prompt_mask").numel() <= triton_sample.MAX_V:
-                self.kernels = triton_sample
+            narrow = cache.t("prompt_mask").numel() <= triton_sample.MAX_V
+            self.kernels = triton_sample if narrow else triton_sample_wide
         values = cache.t("sampling_values")
         self.values = SimpleNamespace(
             **{name: values[i] for i, name in enumerate(VALUES)}, top_k=cache.t("sampling_top_k")[0]

@@ -46,26 +46,42 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _draw(r, valid, u):
-        """The inverse-CDF draw with uniform u from the row r (float32 >= 0, in registers): the
-        number of entries whose float64 running sum is <= u * total (searchsorted, right), capped
-        at the last entry that adds mass."""
-        cdf = tl.cumsum(r.to(tl.float64), axis=0)
-        total = tl.max(cdf, axis=0)
-        below = tl.sum((valid & (cdf <= u * total)).to(tl.int64), axis=0)
+    def _inverse_cdf(cdf, valid, t, total):
+        """The number of entries of the running sums cdf (float64, non-decreasing) that are <= t
+        (searchsorted, right), capped at the last entry that adds mass (cdf < total): an index of
+        positive mass."""
+        below = tl.sum((valid & (cdf <= t)).to(tl.int64), axis=0)
         rising = tl.sum((valid & (cdf < total)).to(tl.int64), axis=0)
         return tl.minimum(below, rising)
 
     @triton.jit
+    def _draw(r, valid, u):
+        """The inverse-CDF draw with uniform u from the row r (float32 >= 0, in registers) over its
+        float64 running sum."""
+        cdf = tl.cumsum(r.to(tl.float64), axis=0)
+        total = tl.max(cdf, axis=0)
+        return _inverse_cdf(cdf, valid, u * total, total)
+
+    @triton.jit
     def _filters(
-        p, valid, top_k_ptr, top_p_ptr, min_p_ptr, V, TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr
+        p,
+        valid,
+        top_k_ptr,
+        top_p_ptr,
+        min_p_ptr,
+        V,
+        total,
+        TOP_K: tl.constexpr,
+        TOP_P: tl.constexpr,
+        MIN_P: tl.constexpr,
     ):
         """The keep mask of top-k, then top-p, then min-p over p (float32 >= 0: its bit patterns
-        order like its values), with the reference's stable descending order (ties: the lower index
-        first): top-k keeps the values above the k-th largest and, of the ones equal to it, the
-        first by index; top-p keeps a token while the kept mass before it in that order is below
-        top_p of the kept mass. Each threshold is bisected over the bit patterns (p <= 1: below
-        2**30, 31 steps of one reduction each)."""
+        order like its values; entries in index order), with the reference's stable descending
+        order (ties: the lower index first): top-k keeps the values above the k-th largest and, of
+        the ones equal to it, the first by index; top-p keeps a token while the kept mass before it
+        in that order is below top_p of the kept mass (`total`, the row's mass, where top-k is off).
+        Each threshold is bisected over the bit patterns (p <= 1: below 2**30, 31 steps of one
+        reduction each). V: the row's width (top-k keeps at most V)."""
         bits = p.to(tl.int32, bitcast=True)
         keep = valid
         if TOP_K:
@@ -83,7 +99,9 @@ if HAVE_TRITON:
             keep = above | (ties & (tl.cumsum(ties.to(tl.int32), axis=0) <= room))
         if TOP_P:
             kept = tl.where(keep, p, 0.0)
-            target = tl.load(top_p_ptr).to(tl.float32) * tl.sum(kept, axis=0)
+            if TOP_K:
+                total = tl.sum(kept, axis=0)
+            target = tl.load(top_p_ptr).to(tl.float32) * total
             lo = tl.full((), -1, tl.int32)  # kept mass above lo >= target
             hi = tl.full((), 0x3F800000, tl.int32)  # kept mass above hi < target
             for _ in range(31):
@@ -128,11 +146,77 @@ if HAVE_TRITON:
         e = tl.exp(x - tl.max(x, axis=0))
         p = e / tl.sum(e, axis=0)
         if TOP_K or TOP_P or MIN_P:
-            p = tl.where(_filters(p, valid, top_k_ptr, top_p_ptr, min_p_ptr, V, TOP_K, TOP_P, MIN_P), p, 0.0)
+            keep = _filters(p, valid, top_k_ptr, top_p_ptr, min_p_ptr, V, tl.sum(p, axis=0), TOP_K, TOP_P, MIN_P)
+            p = tl.where(keep, p, 0.0)
             p = p / tl.sum(p, axis=0)
         tl.store(probs_ptr + i * stride_p + offs, p, mask=valid)
         if DRAW:
             tl.store(ids_ptr + i, _draw(p, valid, tl.load(u_ptr + i)))
+
+    @triton.jit
+    def _num_accepted(
+        p_ptr,
+        stride_p,
+        q_ptr,
+        stride_q,
+        drafts_ptr,
+        uniforms_ptr,
+        stride_u,
+        index_ptr,
+        num_ptr,
+        num_drafts,
+        K: tl.constexpr,
+        ACCEPT: tl.constexpr,
+        HAS_Q: tl.constexpr,
+        HAS_NUM: tl.constexpr,
+    ):
+        """(g, counted, n): the round's generated index, the drafts that count (num_ptr's with
+        HAS_NUM, else num_drafts), and the first draft rejected (or not counted), K when every one is
+        accepted: draft j is accepted when u * q(x) < p(x) in float64 (q one-hot without HAS_Q), u
+        its ACCEPT uniform."""
+        g = tl.load(index_ptr).to(tl.int64)
+        counted = num_drafts
+        if HAS_NUM:
+            counted = tl.load(num_ptr).to(tl.int32)
+        n = tl.full((), K, tl.int32)
+        for j in tl.static_range(K):
+            x = tl.load(drafts_ptr + j)
+            px = tl.load(p_ptr + j * stride_p + x).to(tl.float64)
+            qx = tl.full((), 1.0, tl.float64)
+            if HAS_Q:
+                qx = tl.load(q_ptr + j * stride_q + x).to(tl.float64)
+            u = tl.load(uniforms_ptr + ACCEPT * stride_u + g + j)
+            accepted = (u * qx < px) & (j < counted)
+            n = tl.where((n == K) & ~accepted, j, n)
+        return g, counted, n
+
+    @triton.jit
+    def _emit(n_ptr, out_ptr, drafts_ptr, n, token, K: tl.constexpr):
+        """The round's outcome: n, then the accepted drafts, the drawn token, -1 after it."""
+        tl.store(n_ptr, n.to(tl.int64))
+        for j in tl.static_range(K + 1):
+            d = tl.full((), -1, tl.int64)
+            if j < K:
+                d = tl.load(drafts_ptr + j)
+            tl.store(out_ptr + j, tl.where(j < n, d, tl.where(j == n, token, -1)))
+
+    @triton.jit
+    def _residual(
+        p_ptr, stride_p, q_ptr, stride_q, drafts_ptr, n, counted, offs, valid, K: tl.constexpr, HAS_Q: tl.constexpr
+    ):
+        """(p_n, max(0, p_n - q_n)) at columns offs: the law the recovered token is drawn from (the
+        caller takes p_n where that has no mass); q_n is zero at the bonus row (no draft there)."""
+        live = (n < counted).to(tl.float32)
+        p = tl.load(p_ptr + n.to(tl.int64) * stride_p + offs, mask=valid, other=0.0).to(tl.float32)
+        r = p
+        if K > 0:
+            last = tl.minimum(n, K - 1).to(tl.int64)
+            if HAS_Q:
+                q = tl.load(q_ptr + last * stride_q + offs, mask=valid, other=0.0).to(tl.float32)
+            else:  # greedy drafts: q_n is one-hot at the draft
+                q = tl.where(offs == tl.load(drafts_ptr + last), 1.0, 0.0)
+            r = tl.maximum(p - q * live, 0.0)
+        return p, r
 
     @triton.jit
     def _verify_kernel(
@@ -156,41 +240,16 @@ if HAVE_TRITON:
         HAS_NUM: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
-        g = tl.load(index_ptr).to(tl.int64)
-        counted = num_drafts
-        if HAS_NUM:
-            counted = tl.load(num_ptr).to(tl.int32)
-        n = tl.full((), K, tl.int32)
-        for j in tl.static_range(K):  # n: the first draft rejected (or not counted)
-            x = tl.load(drafts_ptr + j)
-            px = tl.load(p_ptr + j * stride_p + x).to(tl.float64)
-            qx = tl.full((), 1.0, tl.float64)
-            if HAS_Q:
-                qx = tl.load(q_ptr + j * stride_q + x).to(tl.float64)
-            u = tl.load(uniforms_ptr + ACCEPT * stride_u + g + j)
-            accepted = (u * qx < px) & (j < counted)
-            n = tl.where((n == K) & ~accepted, j, n)
-        # the recovered token ~ max(0, p_n - q_n) (p_n itself when that has no mass), the bonus ~ p_K
+        g, counted, n = _num_accepted(
+            p_ptr, stride_p, q_ptr, stride_q, drafts_ptr, uniforms_ptr, stride_u, index_ptr, num_ptr, num_drafts,
+            K, ACCEPT, HAS_Q, HAS_NUM,
+        )  # fmt: skip
         offs = tl.arange(0, BLOCK_V)
         valid = offs < V
-        live = (n < counted).to(tl.float32)  # 0 at the bonus row (no draft there)
-        p = tl.load(p_ptr + n.to(tl.int64) * stride_p + offs, mask=valid, other=0.0).to(tl.float32)
-        r = p
-        if K > 0:
-            last = tl.minimum(n, K - 1).to(tl.int64)
-            if HAS_Q:
-                q = tl.load(q_ptr + last * stride_q + offs, mask=valid, other=0.0).to(tl.float32)
-            else:  # greedy drafts: q_n is one-hot at the draft
-                q = tl.where(offs == tl.load(drafts_ptr + last), 1.0, 0.0)
-            r = tl.maximum(p - q * live, 0.0)
-            r = tl.where(tl.max(r, axis=0) > 0.0, r, p)
+        p, r = _residual(p_ptr, stride_p, q_ptr, stride_q, drafts_ptr, n, counted, offs, valid, K, HAS_Q)
+        r = tl.where(tl.max(r, axis=0) > 0.0, r, p)
         token = _draw(r, valid, tl.load(uniforms_ptr + SAMPLE * stride_u + g + n))
-        tl.store(n_ptr, n.to(tl.int64))
-        for j in tl.static_range(K + 1):
-            d = tl.full((), -1, tl.int64)
-            if j < K:
-                d = tl.load(drafts_ptr + j)
-            tl.store(out_ptr + j, tl.where(j < n, d, tl.where(j == n, token, -1)))
+        _emit(n_ptr, out_ptr, drafts_ptr, n, token, K)
 
     @triton.jit
     def _accept_greedy_kernel(
