@@ -46,21 +46,22 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _inverse_cdf(cdf, valid, t, total):
-        """The number of entries of the running sums cdf (float64, non-decreasing) that are <= t
-        (searchsorted, right), capped at the last entry that adds mass (cdf < total): an index of
-        positive mass."""
-        below = tl.sum((valid & (cdf <= t)).to(tl.int64), axis=0)
-        rising = tl.sum((valid & (cdf < total)).to(tl.int64), axis=0)
-        return tl.minimum(below, rising)
+    def _inverse_cdf(cdf, positive, t):
+        """The first entry with mass (`positive`) whose running sum cdf (float64) exceeds t, else the
+        last entry with mass (searchsorted, right, capped at the last entry that adds mass, without
+        assuming the parallel scan's sums never fall by rounding): never an entry without mass."""
+        i = tl.arange(0, cdf.shape[0])
+        first = tl.min(tl.where(positive & (cdf > t), i, cdf.shape[0]), axis=0)
+        last = tl.maximum(tl.max(tl.where(positive, i, -1), axis=0), 0)
+        return tl.where(first < cdf.shape[0], first, last).to(tl.int64)
 
     @triton.jit
     def _draw(r, valid, u):
         """The inverse-CDF draw with uniform u from the row r (float32 >= 0, in registers) over its
         float64 running sum."""
         cdf = tl.cumsum(r.to(tl.float64), axis=0)
-        total = tl.max(cdf, axis=0)
-        return _inverse_cdf(cdf, valid, u * total, total)
+        total = tl.max(tl.where(valid, cdf, 0.0), axis=0)
+        return _inverse_cdf(cdf, valid & (r > 0.0), u * total)
 
     @triton.jit
     def _filters(

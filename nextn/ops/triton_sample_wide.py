@@ -297,21 +297,20 @@ if HAVE_TRITON:
 
     @triton.jit
     def _pick_chunk(sums_ptr, u, C, CB: tl.constexpr):
-        """(chunk, t): the chunk drawn with uniform u over the running sum of its C float64 masses,
-        capped at the last chunk with mass, and the draw's point t within it."""
+        """(chunk, t): the chunk drawn with uniform u over the running sum of its C float64 masses
+        (the last chunk with mass at the top), and the draw's point t within it."""
         c = tl.arange(0, CB)
-        run = tl.cumsum(tl.load(sums_ptr + c, mask=c < C, other=0.0), axis=0)
-        total = tl.max(run, axis=0)
-        t = u * total
-        chunk = _inverse_cdf(run, c < C, t, total)
-        return chunk, t - tl.max(tl.where(c < chunk, run, 0.0), axis=0)
+        s = tl.load(sums_ptr + c, mask=c < C, other=0.0)
+        run = tl.cumsum(s, axis=0)
+        t = u * tl.max(tl.where(c < C, run, 0.0), axis=0)
+        chunk = _inverse_cdf(run, (c < C) & (s > 0.0), t)
+        return chunk, t - tl.sum(tl.where(c == chunk - 1, run, 0.0), axis=0)
 
     @triton.jit
     def _pick_column(r, valid, t):
-        """The column of r (float32 >= 0, a chunk) where its float64 running sum passes t, capped at
-        its last column with mass."""
-        cdf = tl.cumsum(r.to(tl.float64), axis=0)
-        return _inverse_cdf(cdf, valid, t, tl.max(cdf, axis=0))
+        """The column of r (float32 >= 0, a chunk) where its float64 running sum passes t (its last
+        column with mass when it does not)."""
+        return _inverse_cdf(tl.cumsum(r.to(tl.float64), axis=0), valid & (r > 0.0), t)
 
     @triton.jit
     def _draw_kernel(probs_ptr, stride_p, sums_ptr, u_ptr, ids_ptr, V, C, CB: tl.constexpr, CHUNK: tl.constexpr):
