@@ -12,7 +12,7 @@
 #   the GDN step before / after a change: gdnsweep; a GEMM after its first weight rows were read into L2
 #   (evict_last) and 56 MB streamed past them: l2probe;
 #   the sampling (one-program and chunked) and greedy accept kernels' tests: sample; softmax and argmax over 248,320 columns in split rows
-#   against torch's: widesoftmax; CUDA-core GEMVs against the skinny GEMM: gemvvar
+#   against torch's: widesoftmax; a draw there through the chunked kernels against torch's ops: widesample; CUDA-core GEMVs against the skinny GEMM: gemvvar
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 #   a change against its base in one run: base35b runs bench35b's command from .base/ (carried, git-ignored:
 #   `mkdir -p .base && git archive BASE | tar x -C .base`), into $OUT/base_qwen3.5-35b-a3b.json; base35b and var35b
@@ -109,6 +109,8 @@ for stage in "$@"; do
     l2probe) timeout 150 python3 bench/l2_prefetch_probe.py --out $OUT/l2_prefetch_probe.json 2>&1 | grep -v Warn \
                | tail -14 | tee -a $LOG ;;
     widesoftmax) timeout 150 python3 bench/wide_softmax_probe.py --out $OUT/wide_softmax_probe.json 2>&1 | grep -v Warn \
+               | tee -a $LOG ;;
+    widesample) timeout 200 python3 bench/wide_sample_probe.py --out $OUT/wide_sample_probe.json 2>&1 | grep -v Warn \
                | tee -a $LOG ;;
     tlbprobe) timeout 150 python3 bench/tlb_probe.py --out $OUT/tlb_probe.json 2>&1 | grep -v Warn | tail -20 | tee -a $LOG ;;
     pdlprobe) timeout 150 python3 bench/pdl_graph_probe.py --out $OUT/pdl_graph_probe.json 2>&1 | grep -v Warn | tee -a $LOG ;;

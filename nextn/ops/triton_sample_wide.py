@@ -9,8 +9,8 @@ The law (the same as the one-program kernel's, up to rounding):
    sum exp(x - m).
 2. `_select` (a program a chunk; filtered laws): the row's max M and normaliser S from its chunks'
    statistics, p = exp(x - M) / S written out, the chunk's mass, and its KCAP most probable
-   columns in the reference's order (probability descending, then index) as candidates, with the
-   largest probability it left out (its floor).
+   columns in the reference's order (probability descending, then index) as candidates (KCAP = 64
+   under top-k, else KCAP_NUCLEUS = 256), with the largest probability it left out (its floor).
 3. `_decide` (a program a row): top-k, then top-p, then min-p over the candidates, which are in
    index order, by nextn.ops.triton_sample's `_filters`. What they keep is a prefix of the order,
    so it is written as a bound (the last kept probability and, of the columns tied at it, the last
@@ -18,8 +18,9 @@ The law (the same as the one-program kernel's, up to rounding):
    lies above every chunk's floor (and, for min-p alone, the threshold does): every column the
    reference keeps is then a candidate, and the bisections see the row's true counts and masses
    above the floor. Otherwise the program decides by streaming the row (the same bisections, each
-   step a pass over the chunks): exact, slow (tens of passes over 1 MB a row); `covered` tells
-   which (top-k above KCAP, or a top-p nucleus wider than a chunk's candidates).
+   step a pass over the chunks, pipelined): exact, slow (~35 passes over 1 MB a row: ~0.9 ms, where
+   torch's sort takes 0.2 ms a row, run 116); `covered` tells which (top-k above KCAP, or a nucleus
+   wider than a chunk's candidates, as on near-uniform rows).
 4. `_write` (a program a chunk): the kept columns' p / kept mass (every column's p without
    filters), and the chunk's float64 mass for the draw.
 5. `_draw_kernel` (a program a row): the inverse-CDF draw in two levels: the chunk, over the chunks'
@@ -44,7 +45,8 @@ from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
 from nextn.sampling import Stream
 
 CHUNK = 8192  # columns a program holds
-KCAP = 64  # candidates a chunk offers the filters: top-k up to KCAP always decides on them
+KCAP = 64  # candidates a chunk offers the filters under top-k: top-k up to KCAP always decides on them
+KCAP_NUCLEUS = 256  # without top-k: a top-p nucleus (or min-p set) up to 256 columns a chunk decides on them
 
 if HAVE_TRITON:
     import triton
@@ -135,7 +137,7 @@ if HAVE_TRITON:
         """(count, mass) of the row's columns within (bound, last) whose bits are above mid."""
         count = tl.full((), 0, tl.int32)
         mass = tl.full((), 0.0, tl.float32)
-        for c in range(C):
+        for c in tl.range(0, C, num_stages=3):
             offs = c * CHUNK + tl.arange(0, CHUNK)
             p = tl.load(probs_ptr + offs, mask=offs < V, other=-1.0)
             bits = p.to(tl.int32, bitcast=True)
@@ -164,7 +166,7 @@ if HAVE_TRITON:
             room = k - _stream_count(probs_ptr, V, C, lo, bound, last, CHUNK)[0]
             seen = tl.full((), 0, tl.int32)
             cut = tl.full((), -1, tl.int32)
-            for c in range(C):  # the room-th column tied at lo, in index order
+            for c in tl.range(0, C, num_stages=3):  # the room-th column tied at lo, in index order
                 offs = c * CHUNK + tl.arange(0, CHUNK)
                 bits = tl.load(probs_ptr + offs, mask=offs < V, other=-1.0).to(tl.int32, bitcast=True)
                 ties = (offs < V) & (bits == lo)
@@ -184,7 +186,9 @@ if HAVE_TRITON:
             heavier = _stream_count(probs_ptr, V, C, hi, bound, last, CHUNK)[1]
             before = tl.full((), 0.0, tl.float32)
             cut = tl.full((), -1, tl.int32)
-            for c in range(C):  # the tokens tied at hi whose kept mass before them stays below target
+            for c in tl.range(
+                0, C, num_stages=3
+            ):  # the tokens tied at hi whose kept mass before them stays below target
                 offs = c * CHUNK + tl.arange(0, CHUNK)
                 p = tl.load(probs_ptr + offs, mask=offs < V, other=-1.0)
                 bits = p.to(tl.int32, bitcast=True)
@@ -250,7 +254,7 @@ if HAVE_TRITON:
             row_ptr = probs_ptr + row * stride_p
             bound, last = _stream_decide(row_ptr, top_k_ptr, top_p_ptr, V, C, TOP_K, TOP_P, CHUNK)
             mass = tl.full((), 0.0, tl.float32)
-            for j in range(C):
+            for j in tl.range(0, C, num_stages=3):
                 offs = j * CHUNK + tl.arange(0, CHUNK)
                 q = tl.load(row_ptr + offs, mask=offs < V, other=-1.0)
                 hit = (offs < V) & _in_bound(q.to(tl.int32, bitcast=True), offs, bound, last) & (q >= threshold)
@@ -408,10 +412,10 @@ def temperature_sample(
     min_p: torch.Tensor | None = None,  # [] float32 (device; None: off)
     bounds: torch.Tensor | None = None,  # [N, 3] int32 out (filtered laws): bound bits, last index, covered
     chunk: int | None = None,  # columns a program holds (default CHUNK)
-    kcap: int | None = None,  # candidates a chunk offers (default KCAP)
+    kcap: int | None = None,  # candidates a chunk offers (default KCAP with top-k, else KCAP_NUCLEUS)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """nextn.ops.triton_sample.temperature_sample for rows of any width, in chunks."""
-    chunk, kcap = chunk or CHUNK, kcap or KCAP
+    chunk, kcap = chunk or CHUNK, kcap or (KCAP if top_k is not None else KCAP_NUCLEUS)
     N, V = logits.shape
     if logits.stride(1) != 1 or (out is not None and out.stride(1) != 1):
         raise ValueError("temperature_sample: rows must be contiguous")
@@ -439,7 +443,8 @@ def temperature_sample(
         _decide_kernel[(N,)](
             out, out.stride(0), mass, cand, cidx, floor, *values, bounds, kept, V, C,
             CB=CB, NB=max(2, next_pow2(C * kcap)), CHUNK=chunk, KCAP=kcap,
-            TOP_K=top_k is not None, TOP_P=top_p is not None, MIN_P=min_p is not None, num_warps=warps,
+            TOP_K=top_k is not None, TOP_P=top_p is not None, MIN_P=min_p is not None,
+            num_warps=warps if top_k is not None else 2 * warps,  # the nucleus's 4x candidates, its passes: run 116
         )  # fmt: skip
     sums = torch.empty(N, C, device=dev, dtype=torch.float64) if u is not None else out
     _write_kernel[(N, C)](
