@@ -116,10 +116,10 @@ def test_a_rows_law_and_draw_do_not_depend_on_the_rows_beside_it():
     the verify's rows equal the decode's."""
     g = torch.Generator().manual_seed(7)
     V = 900
-    rows = torch.randn(7, V, generator=g) * 2
-    u = torch.rand(7, generator=g, dtype=torch.float64)
-    filters = dict(top_k=torch.tensor(20), top_p=torch.tensor(0.8))
-    T = torch.tensor(0.7)
+    rows = (torch.randn(7, V, generator=g) * 2).to(DEVICE)
+    u = torch.rand(7, generator=g, dtype=torch.float64).to(DEVICE)
+    filters = dict(top_k=torch.tensor(20, device=DEVICE), top_p=torch.tensor(0.8, device=DEVICE))
+    T = torch.tensor(0.7, device=DEVICE)
     full, full_ids = temperature_sample(rows, T, u, chunk=CHUNK, kcap=KCAP, **filters)
     for i in (0, 3, 6):
         alone, alone_ids = temperature_sample(rows[i : i + 1], T, u[i : i + 1], chunk=CHUNK, kcap=KCAP, **filters)
