@@ -5,8 +5,8 @@ the zero-mass guard) is ~11 launches per draft, `verify_sampled` ~40 per round, 
 accept (nextn.engine.rounds) ~30; each of these kernels is one.
 
 One program holds a whole row in registers (up to MAX_V columns: the bundled model's 8,192, not the
-released models' 248k, where torch's ops, which spread a row over many blocks, are faster:
-bench/sample_kernels.py); the caller (nextn.engine.sampler) chooses by the vocabulary's size.
+released models' 248k, which nextn.ops.triton_sample_wide splits into chunks with these kernels'
+helpers); the caller (nextn.engine.sampler) chooses by the vocabulary's size.
 
 `temperature_sample`: per row, the law softmax(logits / T), then top-k, top-p and min-p (their
 values device scalars: the request's, read at replay), written out (a draft's q, or a verify's p),
