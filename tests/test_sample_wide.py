@@ -2,7 +2,7 @@
 one program holds, against their references: the temperature law with top-k, top-p and min-p and
 its draw (nextn.sampling.probs_from_logits, sample), decided on the chunks' candidates where they
 cover the cut and by passes over the row where they do not; a row's result whatever rows run beside
-it. Small chunks (64 columns) give many chunks a row at test sizes. Their rejection sampling and
+it. Small chunks (128 columns) give many chunks a row at test sizes. Their rejection sampling and
 the slot sampler's use of them above MAX_V: tests/test_sample_kernel.py.
 
 On CPU the kernels run under Triton's interpreter (triton_interp.py); on a GPU compiled.
@@ -20,10 +20,10 @@ from nextn.ops.triton_sample_wide import temperature_sample  # noqa: E402
 from nextn.sampling import SamplingParams, probs_from_logits, sample  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CHUNK, KCAP = 64, 16
+CHUNK, KCAP = 128, 16
 
 # (filters, logits scale, whether the candidates decide every row): a peaked row's cuts lie among
-# its chunks' 16 best; a flat row's nucleus (or a top-k of 500 > 16 candidates x 16 chunks) does not
+# its chunks' 16 best; a flat row's nucleus (or a top-k of 500 > 16 candidates x 9 chunks) does not
 CASES = [
     (dict(), 3.0, None),
     (dict(top_k=8), 3.0, True),
