@@ -166,7 +166,8 @@ if HAVE_TRITON:
             room = k - _stream_count(probs_ptr, V, C, lo, bound, last, CHUNK)[0]
             seen = tl.full((), 0, tl.int32)
             cut = tl.full((), -1, tl.int32)
-            for c in tl.range(0, C, num_stages=3):  # the room-th column tied at lo, in index order
+            # the room-th column tied at lo, in index order
+            for c in tl.range(0, C, num_stages=3):
                 offs = c * CHUNK + tl.arange(0, CHUNK)
                 bits = tl.load(probs_ptr + offs, mask=offs < V, other=-1.0).to(tl.int32, bitcast=True)
                 ties = (offs < V) & (bits == lo)
@@ -186,9 +187,8 @@ if HAVE_TRITON:
             heavier = _stream_count(probs_ptr, V, C, hi, bound, last, CHUNK)[1]
             before = tl.full((), 0.0, tl.float32)
             cut = tl.full((), -1, tl.int32)
-            for c in tl.range(
-                0, C, num_stages=3
-            ):  # the tokens tied at hi whose kept mass before them stays below target
+            # the tokens tied at hi whose kept mass before them stays below target
+            for c in tl.range(0, C, num_stages=3):
                 offs = c * CHUNK + tl.arange(0, CHUNK)
                 p = tl.load(probs_ptr + offs, mask=offs < V, other=-1.0)
                 bits = p.to(tl.int32, bitcast=True)
