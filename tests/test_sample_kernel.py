@@ -90,6 +90,34 @@ def test_the_filtered_law_keeps_what_the_reference_keeps(V, tied):
     assert (want > 0).sum(-1).max() < V  # the filters cut
 
 
+def test_the_draw_never_lands_on_an_entry_without_mass():
+    """`_inverse_cdf`, the draw of both kernel families, given running sums as a GPU's parallel scan
+    can leave them (run 113: padded entries of no mass summed one ulp above the last real entry,
+    and a count of sums below the point returned an index past the row): the first entry with
+    mass past the point, else the last entry with mass, wherever the sums stand."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(cdf_ptr, mass_ptr, t_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        positive = tl.load(mass_ptr + i) != 0
+        tl.store(out_ptr, triton_sample._inverse_cdf(tl.load(cdf_ptr + i), positive, tl.load(t_ptr)))
+
+    def draw(cdf, mass, t):
+        out = torch.zeros((), dtype=torch.long, device=DEVICE)
+        cdf = torch.tensor(cdf, dtype=torch.float64, device=DEVICE)
+        probe[(1,)](cdf, torch.tensor(mass, device=DEVICE), torch.tensor(t, dtype=torch.float64, device=DEVICE), out, 8)
+        return int(out)
+
+    mass = [1, 0, 1, 1, 0, 0, 0, 0]  # entries 4..7: no mass (padding)
+    ulp_above = 0.75 + 2.0**-53
+    for t, want in ((0.1, 0), (0.25, 2), (0.5, 3), (0.74, 3), (0.75, 3), (0.9, 3)):
+        assert draw([0.25, 0.25, 0.5, 0.75, 0.75, 0.75, 0.75, 0.75], mass, t) == want, t
+        assert draw([0.25, 0.25, 0.5, 0.75, ulp_above, ulp_above, ulp_above, ulp_above], mass, t) == want, t
+    assert draw([0.2, 0.2, 0.5, 0.49, 0.49, 0.49, 0.49, 0.49], mass, 0.495) == 2  # a scan that falls by rounding
+
+
 def test_rows_wider_than_one_program_are_refused():
     wide = torch.zeros(1, MAX_V + 1, device=DEVICE)
     with pytest.raises(ValueError, match="at most"):
