@@ -69,6 +69,13 @@ if HAVE_TRITON:
         return tl.math.div_rn(logit, tl.load(temp_ptr).to(tl.float32))
 
     @triton.jit
+    def _chunk_law(logits_ptr, stride_l, temp_ptr, stats_ptr, row, offs, valid, C, CB: tl.constexpr):
+        """p = exp(x - M) / S at columns offs of the row (0 where masked)."""
+        big, total = _row_norm(stats_ptr, row, C, CB)
+        x = _scaled(logits_ptr, stride_l, temp_ptr, row, offs, valid)
+        return tl.where(x > float("-inf"), tl.exp(x - big), 0.0) / total
+
+    @triton.jit
     def _stats_kernel(logits_ptr, stride_l, temp_ptr, stats_ptr, V, C, CHUNK: tl.constexpr):
         row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
         offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -98,11 +105,9 @@ if HAVE_TRITON:
         KCAP: tl.constexpr,
     ):
         row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        big, total = _row_norm(stats_ptr, row, C, CB)
         offs = c * CHUNK + tl.arange(0, CHUNK)
         valid = offs < V
-        x = _scaled(logits_ptr, stride_l, temp_ptr, row, offs, valid)
-        p = tl.where(x > float("-inf"), tl.exp(x - big), 0.0) / total
+        p = _chunk_law(logits_ptr, stride_l, temp_ptr, stats_ptr, row, offs, valid, C, CB)
         tl.store(probs_ptr + row * stride_p + offs, p, mask=valid)
         tl.store(mass_ptr + row * C + c, tl.sum(p, axis=0))
         # the KCAP-th largest bits: count(bits >= lo) >= KCAP (lo = -1: the chunk has fewer columns)
@@ -236,10 +241,13 @@ if HAVE_TRITON:
         bound = tl.full((), -1, tl.int32)
         last = tl.full((), 0x7FFFFFFF, tl.int32)
         if TOP_K or TOP_P:
+            keep = valid
             if TOP_K:  # the k-th largest must lie above every column left out
                 keep = _filters(p, valid, top_k_ptr, top_p_ptr, min_p_ptr, V, row_mass, True, False, False)
                 covered = (tl.min(tl.where(keep, bits, 0x7FFFFFFF), axis=0) > floor).to(tl.int32)
-            keep = _filters(p, valid, top_k_ptr, top_p_ptr, min_p_ptr, V, row_mass, TOP_K, TOP_P, False)
+                row_mass = tl.sum(tl.where(keep, p, 0.0), axis=0)  # top-p's base: the mass top-k kept
+            if TOP_P:
+                keep = _filters(p, keep, top_k_ptr, top_p_ptr, min_p_ptr, V, row_mass, False, True, False)
             bound = tl.min(tl.where(keep, bits, 0x7FFFFFFF), axis=0)
             last = tl.max(tl.where(keep & (bits == bound), idx, -1), axis=0)
             covered = covered & (bound > floor).to(tl.int32)
@@ -292,9 +300,7 @@ if HAVE_TRITON:
             keep = _in_bound(p.to(tl.int32, bitcast=True), offs, bound, last) & (p >= tl.load(kept_ptr + row * 2))
             p = tl.where(keep, p, 0.0) / tl.load(kept_ptr + row * 2 + 1)
         else:
-            big, total = _row_norm(stats_ptr, row, C, CB)
-            x = _scaled(logits_ptr, stride_l, temp_ptr, row, offs, valid)
-            p = tl.where(x > float("-inf"), tl.exp(x - big), 0.0) / total
+            p = _chunk_law(logits_ptr, stride_l, temp_ptr, stats_ptr, row, offs, valid, C, CB)
         tl.store(probs_ptr + row * stride_p + offs, p, mask=valid)
         if DRAW:
             tl.store(sums_ptr + row * C + c, tl.sum(tl.where(valid, p, 0.0).to(tl.float64), axis=0))
