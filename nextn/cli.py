@@ -120,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     src.add_argument("--prompt-file", help="prompt text from this file")
-    g.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn with the chat template")
+    g.add_argument(
+        "--chat", action="store_true", help="wrap --prompt (or --prompt-file) as a user turn with the chat template"
+    )
     sampling = g.add_argument_group(
         "sampling", "defaults: the checkpoint's generation_config.json, else SamplingParams' own (temperature 1)"
     )
@@ -145,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--trace",
         action="store_true",
-        help="a record per round (K, drafts, accepted, draft / verify / commit wall time) in --json's "
+        help="with --json: a record per round (K, drafts, accepted, draft / verify / commit wall time) in its "
         '"rounds"; rounds then run one at a time',
     )
     g.add_argument(
@@ -164,7 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--served-model-name", default=None)
-    s.add_argument("--max-model-len", type=int, default=8192)
+    s.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens per sequence, at most the checkpoint's max_position_embeddings (default: 8192, or that if less)",
+    )
     s.add_argument(
         "--max-num-seqs",
         type=int,
@@ -301,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
             raise ValueError(f"two models given: {args.model_pos} and --model {args.model}")
         args.model = args.model or args.model_pos
+        _check_combinations(args)
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         return 130
@@ -309,6 +317,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"nextn: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
         return 2
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    """Flags that mean nothing without another are an error, not silently ignored."""
+    if args.command == "generate":
+        if args.chat and args.prompt_ids is not None:
+            raise ValueError("--chat wraps a text prompt (--prompt or --prompt-file), not --prompt-ids")
+        if args.trace and not args.json:
+            raise ValueError('--trace needs --json: the rounds are its "rounds"')
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

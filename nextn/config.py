@@ -5,6 +5,7 @@ The checkpoint's own hyperparameters are nextn.model_config's.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +20,8 @@ FULL = "full_attention"
 # Rows of one decode / verify step: the pending token and up to STEP_ROWS - 1 drafts. Every step
 # computes its rows at this fixed shape, so a row's arithmetic never depends on the row count.
 STEP_ROWS = 16
+# the context a sequence gets unless max_model_len says otherwise (the checkpoint's own, if shorter)
+DEFAULT_MAX_MODEL_LEN = 8192
 KERNELS = ("auto", "torch", "triton")
 PREFILL_MODES = ("chunked", "steps")
 DRAFT_GATES = ("skip", "mask")
@@ -43,14 +46,31 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
 
 
+def check_kernels(kernels: str, device: str) -> None:
+    """The `kernels=` setting on this (resolved) device: one of KERNELS; "triton" needs CUDA (or
+    Triton's CPU interpreter, which tests turn on)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    if kernels == "triton" and not device.startswith("cuda"):
+        from nextn.ops.triton_utils import interpreting
+
+        if not interpreting():
+            raise ValueError(
+                f"kernels='triton' needs a CUDA device (or Triton's interpreter, for CPU tests), got device {device!r}"
+            )
+
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def resolve_device(device: str) -> str:
-    """Device "auto": cuda when torch sees a GPU, else cpu. A CUDA device torch cannot use is an error
-    that says why (a CPU-only build of torch, no visible GPU, an index past the GPU count)."""
+    """Device "auto": cuda when torch sees a GPU, else cpu. Anything but auto, cpu or cuda[:N] is an
+    error, and so is a CUDA device torch cannot use, saying why (a CPU-only build of torch, no
+    visible GPU, an index past the GPU count)."""
     import torch
 
+    if not isinstance(device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", device):
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
@@ -62,7 +82,7 @@ def resolve_device(device: str) -> str:
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r}: torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES?)")
         index = device.partition(":")[2]
-        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+        if index and int(index) >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices")
     return device
 
@@ -124,7 +144,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     spec: SpecConfig = field(default_factory=SpecConfig)
-    max_model_len: int = 8192
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     # cache slots, allocated up front: requests running at once plus conversations kept between turns
     # (None: 16 on a GPU, 8 on the CPU)
     max_num_seqs: int | None = None
@@ -155,8 +175,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.spec.draft_vocab is not None:
             raise ValueError("a draft vocabulary does not run under tensor parallelism yet")
-        if self.kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        check_kernels(self.kernels, self.device)
         if self.kernels == "auto":
             object.__setattr__(self, "kernels", "triton" if self.device.startswith("cuda") else "torch")
         if self.prefill not in PREFILL_MODES:

@@ -6,11 +6,19 @@ Nothing here touches tensors or devices.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, fields
 
 MAX_TRACKED_POSITIONS = 8  # per-position spec counters kept for draft positions 0..7
 # the grammar forms of SamplingParams.structured_outputs (vLLM's names), compiled by nextn.grammar
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+# SamplingParams' numbers by type: an int field takes an int, a float field an int or a float (a
+# bool or a str is neither); None means off for the optional ones
+INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+OPTIONAL_FIELDS = ("seed", "logprobs", "prompt_logprobs")
+# a seed is a signed 64-bit integer: its two's complement is the Philox key (nextn.sampling.RequestRng)
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class SamplingParams:
     structured_outputs: dict | None = None
 
     def __post_init__(self):
+        self._check_types()
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -49,19 +58,48 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0.0:
+        if not self.repetition_penalty > 0.0:  # NaN too
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not (-2.0 <= self.presence_penalty <= 2.0):
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be a signed 64-bit integer, in [-2**63, 2**63 - 1], got {self.seed}")
         if any(n is not None and n < 0 for n in (self.logprobs, self.prompt_logprobs)):
             raise ValueError("logprobs and prompt_logprobs must be >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
         so = self.structured_outputs
         if so is not None and not (isinstance(so, dict) and len(so) == 1 and next(iter(so)) in STRUCTURED_OUTPUT_KEYS):
             raise ValueError(f"structured_outputs must hold exactly one of {STRUCTURED_OUTPUT_KEYS}, got {so!r}")
+
+    def _check_types(self) -> None:
+        """Every number of its type (a float max_tokens would fail deep in the engine, a str
+        temperature in a comparison); `stop` and `stop_token_ids` as tuples, a str one stop string
+        (as in vLLM), not a set of one-character ones."""
+        for name in INT_FIELDS + FLOAT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in OPTIONAL_FIELDS:
+                continue
+            integer = name in INT_FIELDS
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
+                kind = "an integer" if integer else "a number"
+                raise ValueError(f"{name} must be {kind}{' or None' if name in OPTIONAL_FIELDS else ''}, got {value!r}")
+            object.__setattr__(self, name, int(value) if integer else float(value))  # numpy's too, as Python's
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        for name, value, kind in (
+            ("stop", stop, "a str or a list of str"),
+            ("stop_token_ids", self.stop_token_ids, "a list of token ids"),
+        ):
+            value = () if value is None else value  # None: none (as vLLM takes it)
+            if not isinstance(value, list | tuple):
+                raise ValueError(f"{name} must be {kind}, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
 
     @property
     def greedy(self) -> bool:

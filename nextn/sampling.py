@@ -346,7 +346,8 @@ _TWO53 = 9007199254740992.0
 class RequestRng:
     """Seeded uniforms of one request: uniform(i, stream) depends only on (seed, i, stream).
 
-    Philox counter = (i low 32 bits, i high 32 bits, stream, 0), key = the 64-bit seed.
+    Philox counter = (i low 32 bits, i high 32 bits, stream, 0), key = the seed's 64-bit two's
+    complement: one-to-one on the signed 64-bit seeds SamplingParams takes (core.SEED_RANGE).
     Unseeded requests get a fresh 64-bit seed from the OS (`secrets`).
     """
 

@@ -231,6 +231,17 @@ def test_rng_counter_semantics():
     assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean().item() - 0.5) < 0.01
 
 
+def test_seeds_are_the_signed_64_bit_integers():
+    """A seed's 64-bit two's complement is the Philox key: one-to-one on [-2**63, 2**63 - 1], so
+    a seed outside it (which would draw another seed's numbers) is refused, naming `seed`."""
+    lowest, highest = -(2**63), 2**63 - 1
+    assert (SamplingParams(seed=lowest).seed, SamplingParams(seed=highest).seed) == (lowest, highest)
+    assert not torch.equal(RequestRng(-1).table(0, 8), RequestRng(highest).table(0, 8))
+    for seed in (2**63, 2**64, 2**64 - 1, lowest - 1, 2**70):
+        with pytest.raises(ValueError, match=r"^seed must be a signed 64-bit integer"):
+            SamplingParams(seed=seed)
+
+
 # ---------------------------------------------------------------------------------------------
 # Verifier: edge cases
 

@@ -115,6 +115,18 @@ def user(text: str) -> dict:
     return {"role": "user", "content": text}
 
 
+def ok(r: httpx.Response) -> dict:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def sse_events(r: httpx.Response) -> list[dict]:
+    assert r.status_code == 200, r.text
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -231,6 +243,28 @@ def test_stop_strings(client):
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
+def test_streamed_token_ids_and_offsets_equal_the_non_streamed(live):
+    """A token whose text is held back (split UTF-8: the fixture model emits stray bytes; a stop
+    string not yet complete) still streams its id and logprobs; text_offset counts each token's
+    text, as the non-streamed response does, not the text sent so far."""
+    body = {"prompt": "Hello, world! How are you today?", "max_tokens": 16, "return_token_ids": True, **GREEDY}
+    tokens = ok(live.post("/v1/completions", {**body, "logprobs": 1}))["choices"][0]["logprobs"]["tokens"]
+    stop = tokens[1] + tokens[2]  # held back from the second token on, completed by the third
+    for fields in ({}, {"stop": stop}):
+        done = ok(live.post("/v1/completions", {**body, **fields, "logprobs": 1}))["choices"][0]
+        assert done["finish_reason"] == ("stop" if fields else "length") and len(done["token_ids"]) >= 3
+        for logprobs in (None, 1):
+            stream = {**body, **fields, "logprobs": logprobs, "stream": True, "stream_options": {"include_usage": True}}
+            events = sse_events(live.post("/v1/completions", stream))
+            choices = [e["choices"][0] for e in events if e["choices"]]
+            ids = [t for c in choices for t in c.get("token_ids") or ()]
+            assert ids == done["token_ids"] and events[-1]["usage"]["completion_tokens"] == len(ids)
+            if logprobs:
+                offsets = [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+                assert offsets == done["logprobs"]["text_offset"]
+            assert any(c["text"] == "" and c.get("token_ids") for c in choices)  # some text was held back
+
+
 def test_seeded_sampling_reproduces(client):
     kw = dict(
         model=MODEL,
@@ -337,14 +371,112 @@ def test_bad_input_is_a_400(client, make_request):
 
 
 def test_malformed_json_is_a_400_and_the_server_keeps_serving(live, client):
-    r = httpx.post(
-        f"{live.url}/v1/chat/completions",
-        content=b"{not json",
-        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
-        timeout=10,
-    )
-    assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "param", "code"}
+    """The message says what is wrong with the body; `param` names no field (a character offset is none)."""
+    whole = json.dumps({"model": MODEL, "messages": [user("Hello there")], "max_tokens": 4}).encode()
+    for body, says in (
+        (b"{not json", "the body is not valid JSON: Expecting property name enclosed in double quotes at character 1"),
+        (whole[:-1], f"the body is not valid JSON: Expecting ',' delimiter at character {len(whole) - 1}"),
+        (
+            whole[:-12],
+            f"the body is not valid JSON: Unterminated string starting at character {whole.rfind(b'max') - 1}",
+        ),
+        (b"", "the request body is empty"),
+    ):
+        r = live.post("/v1/chat/completions", body)
+        assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "param", "code"}
+        assert r.json()["error"]["message"] == says and r.json()["error"]["param"] is None, r.text
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2, **GREEDY).choices
+
+
+CHAT = ("/v1/chat/completions", {"model": MODEL, "messages": [user("x")], "max_tokens": 2})
+COMPLETION = ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+
+
+@pytest.mark.parametrize(
+    "route, fields, param, says",
+    [
+        (CHAT, {"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+        (CHAT, {"logprobs": False, "top_logprobs": 0}, "top_logprobs", "needs logprobs: true"),
+        # wrong JSON types are refused, not coerced
+        (CHAT, {"max_tokens": True}, "max_tokens", "valid integer"),
+        (CHAT, {"max_tokens": "4"}, "max_tokens", "valid integer"),
+        (CHAT, {"max_tokens": 4.0}, "max_tokens", "valid integer"),
+        (CHAT, {"temperature": "0"}, "temperature", "valid number"),
+        (CHAT, {"temperature": False}, "temperature", "valid number"),
+        (CHAT, {"stream": "yes"}, "stream", "valid boolean"),
+        (CHAT, {"logprobs": "yes"}, "logprobs", "valid boolean"),
+        (CHAT, {"n": True}, "n", "valid integer"),
+        (COMPLETION, {"logprobs": True}, "logprobs", "valid integer"),
+        (COMPLETION, {"echo": 1}, "echo", "valid boolean"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages[0].content[0].text",
+            "missing",
+        ),
+        # fields OpenAI documents and nextn does not implement
+        (CHAT, {"reasoning_effort": "high"}, "reasoning_effort", "not supported"),
+        (CHAT, {"modalities": ["text", "audio"]}, "modalities", 'not supported by this server (send ["text"]'),
+        (CHAT, {"audio": {"voice": "alloy", "format": "wav"}}, "audio", "not supported"),
+        (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
+        (CHAT, {"web_search_options": {}}, "web_search_options", "not supported"),
+        (CHAT, {"functions": [{"name": "f"}]}, "functions", "not supported"),
+        (CHAT, {"function_call": "auto"}, "function_call", "not supported"),
+        (CHAT, {"verbosity": "low"}, "verbosity", "not supported"),
+        (COMPLETION, {"logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+        (COMPLETION, {"suffix": "x"}, "suffix", "not supported"),
+        # a stop id the model cannot emit (the test model's vocabulary is smaller)
+        (COMPLETION, {"stop_token_ids": [3, 1_000_000]}, "stop_token_ids", "out of range"),
+        (CHAT, {"seed": 2**64}, "seed", "signed 64-bit integer"),
+        (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "unknown role 'robot'"),
+    ],
+)
+def test_a_bad_field_is_a_400_naming_it(live, route, fields, param, says):
+    path, body = route
+    r = live.post(path, {**body, **fields})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and says in err["message"], err
+
+
+def test_unknown_fields_are_a_400_and_openai_fields_are_taken(live, client):
+    """A misspelled field is refused (it used to leave its default in force: max_tokens ran to the
+    context's end); OpenAI's informational fields, integer floats and the assistant message as the
+    SDK echoes it back (its null `refusal`, `audio`, ... keys) are taken."""
+    for path, body in (CHAT, COMPLETION, ("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        r = live.post(path, {**body, "foo_bar": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "foo_bar", r.text
+        assert r.json()["error"]["message"] == "foo_bar: unknown field"
+    r = live.post(CHAT[0], {**CHAT[1], "max_token": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_token"
+    assert r.json()["error"]["message"] == "max_token: unknown field; did you mean 'max_tokens'?"
+    assert live.post(COMPLETION[0], {**COMPLETION[1], "store": True}).json()["error"]["param"] == "store"  # chat's only
+
+    informational = dict(
+        user="u-1",
+        metadata={"k": "v"},
+        store=False,
+        service_tier="auto",
+        safety_identifier="s-1",
+        prompt_cache_key="c-1",
+        prompt_cache_retention="24h",
+    )
+    first = client.chat.completions.create(
+        model=MODEL, messages=[user("Hi")], max_tokens=4, temperature=0, top_p=1, **informational
+    )
+    echoed = first.choices[0].message.model_dump()
+    assert {"refusal", "audio", "function_call", "annotations"} <= set(echoed)
+    second = client.chat.completions.create(
+        model=MODEL,
+        messages=[user("Hi"), echoed, user("More")],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"reasoning_effort": None, "modalities": ["text"], "use_beam_search": False, "ignore_eos": True},
+    )
+    assert list(second)[-1].usage.completion_tokens == 4
+    assert ok(live.post(COMPLETION[0], {**COMPLETION[1], "user": "u-1", "suffix": "", "logit_bias": {}}))["choices"]
 
 
 def test_api_key_is_required(live):

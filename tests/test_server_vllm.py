@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from test_server import KEY, MODEL, LiveServer, user  # noqa: E402
+from test_server import KEY, MODEL, LiveServer, ok, sse_events, user  # noqa: E402
 
 from nextn import LLM  # noqa: E402
 from nextn.config import ServeConfig  # noqa: E402
@@ -33,18 +33,6 @@ def llm(dense_ckpt) -> LLM:
 def live(llm):
     with LiveServer(llm, CFG) as srv:
         yield srv
-
-
-def ok(r: httpx.Response) -> dict:
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def sse_events(r: httpx.Response) -> list[dict]:
-    assert r.status_code == 200, r.text
-    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
 
 
 def test_tokenize_detokenize_version(live, llm):

@@ -15,10 +15,12 @@ import subprocess
 import sys
 import tomllib
 import weakref
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 
 import hf_fixtures
+import numpy as np
 import pytest
 import torch
 
@@ -154,7 +156,50 @@ def test_cuda_on_a_cpu_only_torch_is_one_line():
         nextn.LLM(device="cuda")
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["generate", "--prompt", "x", "--max-tokens", "4", "--device", "tpu"],
+            "device must be auto, cpu or cuda[:N], got 'tpu'",
+        ),
+        (["serve", "--device", "tpu"], "device must be auto, cpu or cuda[:N], got 'tpu'"),
+        (["bench", "--device", "tpu"], "device must be auto, cpu or cuda[:N], got 'tpu'"),
+        (["generate", "--prompt-ids", "1,2", "--max-tokens", "4", "--chat"], "--chat wraps a text prompt"),
+        (["generate", "--prompt", "x", "--max-tokens", "4", "--trace"], "--trace needs --json"),
+        (["serve", "--max-model-len", "4097"], "max_model_len=4097 is more than the checkpoint supports: "),
+        (
+            ["generate", "--prompt", "x", "--max-tokens", "4", "--seed", str(2**64)],
+            "seed must be a signed 64-bit integer",
+        ),
+    ],
+    ids=["generate-device", "serve-device", "bench-device", "chat-ids", "trace", "max-model-len", "seed"],
+)
+def test_a_flag_error_is_one_line(argv, message, dense_ckpt, capsys, monkeypatch):
+    """A bad flag, or one that would be silently ignored, is `nextn: error: ...` and status 2, no traceback."""
+    monkeypatch.setattr("nextn.server.app.serve", lambda *a: pytest.fail("the server started"))
+    assert main([argv[0], str(dense_ckpt), *argv[1:], "--log-level", "warning"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"nextn: error: {message}"), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_triton_kernels_without_cuda_is_one_line(dense_ckpt, capsys, monkeypatch):
+    # as outside the tests: Triton's interpreter, which the kernel tests turn on, runs them on the CPU
+    monkeypatch.setattr("nextn.ops.triton_utils.interpreting", lambda: False)
+    assert (
+        main(["generate", str(dense_ckpt), "--prompt-ids", "1,2", "--kernels", "triton", "--log-level", "warning"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("nextn: error: kernels='triton' needs a CUDA device"), err
+    with pytest.raises(ValueError, match="kernels='triton' needs a CUDA device"):
+        nextn.LLM(dense_ckpt, kernels="triton")
+
+
 def test_device_and_dtype_auto(ckpt):
+    for bad in ("tpu", "cuda:x", "cuda:", "cpu:0", "CUDA"):
+        with pytest.raises(ValueError, match="^device must be auto, cpu or cuda"):
+            resolve_device(bad)
     assert resolve_dtype("auto", "cpu", "bfloat16") == "float32"
     assert resolve_dtype("auto", "cuda", "bfloat16") == "bfloat16"
     assert resolve_dtype("auto", "cuda:1", "float16") == "float16"
@@ -411,6 +456,27 @@ def test_the_bundled_model_answers_coding_requests_with_code():
         assert re.search(r"```python|^\s*(def|class|return|import|from) ", text, re.M), (ask, text)
 
 
+def test_chat_refuses_an_unknown_role(dense_ckpt):
+    """The server's roles (a 400 there): "developer" is rendered as "system", anything else is refused."""
+    llm = nextn.LLM(dense_ckpt, max_model_len=256)
+    with pytest.raises(RequestError, match=r"^messages\[1\]: unknown role 'robot'; expected one of system, "):
+        llm.chat([{"role": "user", "content": "hi"}, {"role": "robot", "content": "hi"}], GREEDY)
+    with pytest.raises(RequestError, match=r"^messages\[1\]\[0\]: unknown role None"):
+        llm.chat([[{"role": "user", "content": "hi"}], [{"content": "hi"}]], GREEDY)
+    assert not llm.engine.has_work
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert llm.chat(developer, GREEDY)[0].prompt == llm.tokenizer.apply_chat_template(system)
+
+
+def test_max_model_len_is_at_most_the_checkpoints(dense_ckpt):
+    """Past max_position_embeddings (4096 here) max_model_len is an error, not clamped; unset, it is
+    8192 or the checkpoint's own if less."""
+    with pytest.raises(ValueError, match=r"^max_model_len=4097 .* max_position_embeddings 4096 in .*config.json"):
+        nextn.LLM(dense_ckpt, max_model_len=4097)
+    assert nextn.LLM(dense_ckpt, max_num_seqs=1).config.max_model_len == 4096
+
+
 def test_speculative_config(dense_ckpt):
     llm = nextn.LLM(dense_ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, max_model_len=256)
     assert llm.num_speculative_tokens == 2
@@ -467,6 +533,62 @@ def test_min_tokens_is_validated():
     for bad in ({"min_tokens": -1}, {"max_tokens": 4, "min_tokens": 5}):
         with pytest.raises(ValueError, match="min_tokens"):
             SamplingParams(**bad)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", 4.5),  # slice indices deep in the engine's rounds
+        ("top_k", 1.5),  # ran, as top_k 1.5
+        ("min_tokens", True),
+        ("seed", "x"),
+        ("seed", 1.0),
+        ("logprobs", 2.0),
+        ("temperature", "0.5"),
+        ("top_p", None),
+        ("repetition_penalty", float("nan")),
+        ("ignore_eos", "no"),
+        ("stop", 5),
+        ("stop_token_ids", [1, "2"]),
+    ],
+)
+def test_sampling_params_refuse_a_wrong_type_naming_the_field(field, value):
+    """Messages start with the field's name: the server answers 400 with `param` set from it."""
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_numbers_and_lists():
+    p = SamplingParams(temperature=1, top_p=1, stop=["a", "b"], stop_token_ids=[7])  # an int is a number
+    assert (p.temperature, p.stop, p.stop_token_ids) == (1, ("a", "b"), (7,))
+    assert p == SamplingParams(stop=("a", "b"), stop_token_ids=(7,))
+    # numpy's numbers are numbers (stored as Python's), None is no stop strings (vLLM takes both)
+    q = SamplingParams(max_tokens=np.int64(5), seed=np.uint32(3), temperature=np.float64(0.5), stop=None)
+    assert (q.max_tokens, q.seed, q.temperature, q.stop) == (5, 3, 0.5, ())
+    assert type(q.max_tokens) is int and type(q.seed) is int and type(q.temperature) is float
+
+
+def test_stop_token_ids_past_the_vocabulary_are_refused(dense_ckpt):
+    """A stop id the model cannot emit could never fire: refused naming the field (the server's 400 too)."""
+    llm = nextn.LLM(dense_ckpt, max_model_len=256)
+    vocab = llm.model.cfg.vocab_size
+    with pytest.raises(RequestError, match=rf"^stop_token_ids out of range \[0, {vocab}\): \[{vocab}\]"):
+        llm.generate(prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=2, stop_token_ids=(3, vocab)))
+    out = llm.generate(prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=2, stop_token_ids=(vocab - 1,)))
+    assert len(out.token_ids) >= 1
+
+
+def test_a_str_stop_is_one_stop_string(dense_ckpt):
+    """stop="ab" is the stop string "ab" (vLLM's meaning), not the stop strings "a" and "b"."""
+    assert SamplingParams(stop="mis").stop == ("mis",)
+    llm = nextn.LLM(dense_ckpt, max_model_len=256)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    text = llm.generate(prompt_token_ids=list(PROMPTS[1]), params=greedy).text
+    # a stop string of two characters whose first one occurs earlier on its own
+    i = next(i for i in range(1, len(text) - 1) if text[i] in text[:i] and text.find(text[i : i + 2]) == i)
+    stop = text[i : i + 2]
+    out = llm.generate(prompt_token_ids=list(PROMPTS[1]), params=replace(greedy, stop=stop))
+    assert out.text == text[:i] and out.finish_reason == "stop"
 
 
 # --- the install

@@ -18,8 +18,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from nextn.config import (
+    DEFAULT_MAX_MODEL_LEN,
     EngineConfig,
     SpecConfig,
+    check_kernels,
     check_kv_cache_dtype,
     check_quantization,
     resolve_device,
@@ -40,8 +42,10 @@ log = logging.getLogger(__name__)
 DEFAULT_K_WITH_HEAD = 3
 # speculative_config "method" values that mean the checkpoint's own MTP head (vLLM's names)
 MTP_METHODS = ("mtp", "qwen3_next_mtp")
+# the roles a chat message may have (OpenAI's; "developer" is rendered as "system"): LLM.chat's and the server's
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
-__all__ = ["LLM", "RequestError", "StreamEvent"]
+__all__ = ["CHAT_ROLES", "LLM", "RequestError", "StreamEvent", "template_role"]
 
 
 class RequestError(ValueError):
@@ -58,7 +62,7 @@ class LLM:
         p_min: float = 0.0,
         adaptive_k: bool = False,
         hidden_after_norm: bool = True,
-        max_model_len: int = 8192,
+        max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         kernels: str = "auto",
         prefill: str = "chunked",
@@ -73,6 +77,8 @@ class LLM:
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
+        max_model_len: tokens per sequence, at most the checkpoint's max_position_embeddings (None:
+        DEFAULT_MAX_MODEL_LEN, 8192, or the checkpoint's own if that is less).
         speculative_config (vLLM's): {"method": "mtp", "num_speculative_tokens": K}, the same as
         num_speculative_tokens=K; without either, K is 3 with an MTP head and 0 without one.
         quantization "fp8": a bf16 checkpoint's weights quantized at load (FP8 checkpoints load as
@@ -91,6 +97,7 @@ class LLM:
         check_quantization(quantization)
         check_kv_cache_dtype(kv_cache_dtype)  # before the weights load
         device = resolve_device(device)  # before a download: a CUDA request on a CPU torch fails at once
+        check_kernels(kernels, device)
         model_dir = resolve_model(model)
         self._ranks = _start_ranks(tensor_parallel_size, device, model_dir, settings)
         try:
@@ -104,8 +111,10 @@ class LLM:
         s = settings
         tp, quantization, draft_vocab = s["tensor_parallel_size"], s["quantization"], s["draft_vocab"]
         self.tokenizer = Tokenizer(model_dir)
-        if draft_vocab is not None:  # checked before the weights load
-            draft_vocab = _draft_vocab(draft_vocab, ModelConfig.from_hf(model_dir).vocab_size, self.tokenizer)
+        cfg = ModelConfig.from_hf(model_dir)  # checked before the weights load: the context, the draft vocabulary
+        max_len = _max_model_len(s["max_model_len"], cfg.max_position_embeddings, model_dir)
+        if draft_vocab is not None:
+            draft_vocab = _draft_vocab(draft_vocab, cfg.vocab_size, self.tokenizer)
         self.model = load_model(model_dir, device=device, dtype=dtype, quantization=quantization, tp=(rank(), tp))
         self.model_name = str(model) if model is not None and not Path(model).is_dir() else model_dir.name
         self.sampling_defaults = _read_sampling_defaults(model_dir)
@@ -117,7 +126,6 @@ class LLM:
         if k > 0 and not has_head:
             raise ValueError(f"num_speculative_tokens={k} needs an MTP head; {model_dir} has none")
         spec = SpecConfig(k, s["p_min"], s["adaptive_k"], s["hidden_after_norm"], draft_vocab, s["grammar_draft_mask"])
-        max_len = min(s["max_model_len"], self.model.cfg.max_position_embeddings)
         self.config = EngineConfig(
             str(model_dir),
             device,
@@ -210,8 +218,13 @@ class LLM:
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `chat`: one conversation (a list of {"role", "content"} messages) or a list of
-        them, rendered with the checkpoint's chat template; one RequestOutput per conversation."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        them, rendered with the checkpoint's chat template; one RequestOutput per conversation. A
+        role outside CHAT_ROLES is refused; "developer" is rendered as "system", as the server does."""
+        batch = not (messages and isinstance(messages[0], dict))
+        conversations = messages if batch else [messages]
+        conversations = [
+            _template_messages(c, f"messages[{n}]" if batch else "messages") for n, c in enumerate(conversations)
+        ]
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]
         return self.generate(texts, sampling_params)
@@ -229,6 +242,15 @@ class LLM:
             raise RequestError(
                 f"prompt of {len(prompt_token_ids)} tokens does not fit the context of {self.config.max_model_len}"
             )
+        self.check_params(params)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: its token ids against this model's vocabulary (a
+        stop id past it could never fire)."""
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise RequestError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}")
 
     def prompt_ids(self, prompt_token_ids: list[int] | None, prompt: str | None, params: SamplingParams) -> list[int]:
         if prompt_token_ids is None:
@@ -368,6 +390,35 @@ def _drop_graphs(engine) -> None:
     communicator from being destroyed (destroy_process_group would wait for them forever: runs 33-35)."""
     if engine is not None and engine.runner.use_graphs:
         engine.runner.drop_graphs()
+
+
+def template_role(role, where: str) -> str:
+    """A chat message's role as the chat template takes it: one of CHAT_ROLES, "developer" (OpenAI's
+    newer name) as "system"; any other is a RequestError naming `where` (LLM.chat's and the server's)."""
+    if role not in CHAT_ROLES:
+        shown = repr(role[:50] if isinstance(role, str) else role)
+        raise RequestError(f"{where}: unknown role {shown}; expected one of {', '.join(CHAT_ROLES)}")
+    return "system" if role == "developer" else role
+
+
+def _template_messages(conversation: list[dict], where: str) -> list[dict]:
+    """A conversation's messages as the chat template takes them (template_role)."""
+    return [
+        {**m, "role": template_role(m.get("role") if isinstance(m, dict) else None, f"{where}[{i}]")}
+        for i, m in enumerate(conversation)
+    ]
+
+
+def _max_model_len(max_model_len: int | None, limit: int, model_dir: Path) -> int:
+    """max_model_len, or its default, within the checkpoint's max_position_embeddings."""
+    if max_model_len is None:
+        return min(DEFAULT_MAX_MODEL_LEN, limit)
+    if max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={max_model_len} is more than the checkpoint supports: max_position_embeddings "
+            f"{limit} in {model_dir / 'config.json'}"
+        )
+    return max_model_len
 
 
 def _is_token_ids(x) -> bool:

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from nextn.core import RequestOutput, SamplingParams
+from nextn.engine.engine import StreamEvent
 from nextn.engine.llm import LLM, RequestError
 from nextn.engine.scheduler import QueueFull
 from nextn.server import protocol as P
@@ -187,6 +190,18 @@ def _prompt_logprobs(srv: Server, req: P.SamplingRequest, out: RequestOutput):
     return srv.logprobs.prompt(out.prompt_logprobs, req.prompt_logprobs)
 
 
+def token_fields(req: P.SamplingRequest, ev: StreamEvent, logprobs: Callable[[list[dict]], Any]) -> dict:
+    """A stream event's logprobs (in the route's shape: `logprobs` formats them) and token ids, as
+    chunk fields. They go out even when the event's text is held back (split UTF-8, a pending stop
+    string), so the streamed ones add up to the non-streamed."""
+    fields = {}
+    if ev.logprobs:
+        fields["logprobs"] = logprobs(ev.logprobs)
+    if req.return_token_ids and ev.token_ids:
+        fields["token_ids"] = ev.token_ids
+    return fields
+
+
 def usage_chunk(kind, srv: Server, rid: str, created: int, out: RequestOutput) -> str:
     """A stream's last chunk under `stream_options.include_usage`: no choices, the request's usage."""
     return sse(
@@ -219,11 +234,7 @@ async def chat_stream(
             yield c
         async for ev in job.events():
             text = ev.text + (_stop_tail(srv, req, ev.output) if ev.output is not None else "")
-            fields = {}
-            if ev.logprobs:
-                fields["logprobs"] = srv.logprobs.chat(ev.logprobs)
-            if req.return_token_ids and ev.token_ids:
-                fields["token_ids"] = ev.token_ids
+            fields = token_fields(req, ev, srv.logprobs.chat)
             for c in deltas(parser.push(text), **fields):
                 yield c
             if ev.output is not None:
@@ -319,12 +330,11 @@ async def completion_stream(
             yield chunk(prefix, prompt_token_ids=prompt_ids if req.return_token_ids else None)
         async for ev in job.events():
             text = ev.text + (_stop_tail(srv, req, ev.output) if ev.output is not None else "")
-            if text or ev.logprobs:
-                lp = None
-                if ev.logprobs is not None:
-                    lp = srv.logprobs.completion(ev.logprobs, ev.token_ids, offset)
-                offset += len(text)
-                yield chunk(text, logprobs=lp, token_ids=ev.token_ids if req.return_token_ids else None)
+            fields = token_fields(req, ev, partial(srv.logprobs.completion, token_ids=ev.token_ids, offset=offset))
+            if text or fields:
+                yield chunk(text, **fields)
+            if "logprobs" in fields:  # by each token's text, as the non-streamed offsets (not the text sent)
+                offset += sum(map(len, fields["logprobs"].tokens))
             if ev.output is not None:
                 yield chunk("", finish_reason=ev.output.finish_reason)
                 if req.include_usage:

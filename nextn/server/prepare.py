@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from nextn.core import SamplingParams
-from nextn.engine.llm import LLM, RequestError
+from nextn.engine.llm import LLM, RequestError, template_role
 from nextn.engine.scheduler import common_prefix
 from nextn.server import protocol as P
 from nextn.server import structured
@@ -29,18 +29,7 @@ from nextn.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger("nextn.server")
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_BATCH = 64  # prompts in one (non-streamed) /v1/completions request
-# vLLM request fields nextn does not implement: set to anything but these values, they are a 400
-UNSUPPORTED_EXTRAS = {
-    "use_beam_search": False,
-    "length_penalty": 1.0,
-    "truncate_prompt_tokens": None,
-    "bad_words": None,
-    "allowed_token_ids": None,
-    "continue_final_message": False,
-    "documents": None,
-}
 
 
 class APIError(Exception):
@@ -119,7 +108,7 @@ class Prompts:
 
     def render(self, messages: list[P.ChatMessage], req: P.ChatTemplateFields, add_generation_prompt: bool) -> str:
         kwargs = dict(req.chat_template_kwargs or {})
-        if req.tools and getattr(req, "tool_choice", None) != "none":
+        if req.tools and req.tool_choice != "none":
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
             return self.tok.apply_chat_template(template_messages(messages), add_generation_prompt, **kwargs)
@@ -152,7 +141,6 @@ class Prompts:
         """(prompt ids, params, session checkpoint position, where the reply starts with respect to
         the reasoning: None without a reasoning parser)."""
         self.check_model(req.model)
-        check_extras(req)
         with field_errors():
             tools = structured.tool_grammar(req, self.tok)
             found = structured.request_constraint(req)
@@ -179,9 +167,6 @@ class Prompts:
     def completion(self, req: P.CompletionRequest) -> list[tuple[list[int], str | None, SamplingParams]]:
         """(prompt ids, prompt text if given as text, params) per prompt of the batch."""
         self.check_model(req.model)
-        check_extras(req)
-        if req.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
         p = req.prompt
         prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
         if len(prompts) > 1 and req.stream:
@@ -215,11 +200,10 @@ class Prompts:
         prompt_logprobs: int | None,
         structured_outputs: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """The request's own values over the checkpoint's generation_config defaults over ours."""
-        if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        """The request's own values over the checkpoint's generation_config defaults over ours,
+        checked against the model (stop_token_ids within its vocabulary)."""
         try:
-            return self.llm.default_sampling_params(
+            params = self.llm.default_sampling_params(
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
                 temperature=req.temperature,
@@ -237,8 +221,10 @@ class Prompts:
                 stop=req.stop_list,
                 structured_outputs=structured_outputs,
             )
+            self.llm.check_params(params)
+            return params
         except ValueError as e:
-            name = str(e).split()[0]  # SamplingParams' messages start with the field's name
+            name = str(e).split()[0]  # SamplingParams' (and check_params') messages start with the field's name
             raise APIError(400, str(e), param=name if name in type(req).model_fields else None) from None
 
     # --- /tokenize
@@ -259,20 +245,6 @@ def field_errors():
         raise APIError(400, f"{e.param}: {e.message}", param=e.param) from None
 
 
-def check_extras(req: P.SamplingRequest) -> None:
-    """vLLM fields nextn does not implement are refused, not silently ignored."""
-    extras = req.model_extra or {}
-    for name, default in UNSUPPORTED_EXTRAS.items():
-        if extras.get(name) not in (default, None, [], {}):
-            raise APIError(400, f"'{name}' is not supported by this server", param=name)
-    if not req.skip_special_tokens:
-        raise APIError(
-            400, "skip_special_tokens=false is not supported: output text skips them", param="skip_special_tokens"
-        )
-    if req.prompt_logprobs is not None and req.stream:
-        raise APIError(400, "prompt_logprobs cannot be streamed", param="prompt_logprobs")
-
-
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_len: int, param: str) -> int:
     room = max_len - prompt_len
     if requested is None:
@@ -291,14 +263,12 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_len: int, par
 def template_messages(messages: list[P.ChatMessage]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
-        if m.role not in CHAT_ROLES:
-            raise APIError(
-                400,
-                f"messages[{i}]: unknown role {m.role[:50]!r}; expected one of {', '.join(CHAT_ROLES)}",
-                param=f"messages[{i}].role",
-            )
+        try:
+            role = template_role(m.role, f"messages[{i}]")
+        except RequestError as e:
+            raise APIError(400, str(e), param=f"messages[{i}].role") from None
         d = m.model_dump(exclude_none=True)  # keeps name, tool_calls, tool_call_id, reasoning_content, ...
-        d["role"] = "system" if m.role == "developer" else m.role
+        d["role"] = role
         d["content"] = text_content(m.content, i)
         for j, call in enumerate(d.get("tool_calls") or ()):
             call["function"]["arguments"] = tool_arguments(call["function"]["arguments"], i, j)
@@ -329,12 +299,14 @@ def text_content(content: str | list[P.ContentPart] | None, i: int) -> str:
         return content or ""
     texts = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
+        where = f"messages[{i}].content[{j}]"
+        if part.type != "text":
             raise APIError(
                 400,
-                f"messages[{i}].content[{j}]: content type {part.type[:50]!r} is not supported "
-                f"(this server takes text parts only)",
-                param=f"messages[{i}].content[{j}]",
+                f"{where}: content type {part.type[:50]!r} is not supported (this server takes text parts only)",
+                param=where,
             )
+        if part.text is None:
+            raise APIError(400, f"{where}.text: missing (a text part carries its text)", param=f"{where}.text")
         texts.append(part.text)
     return "\n".join(texts)

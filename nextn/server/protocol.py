@@ -1,10 +1,15 @@
 """The OpenAI wire format, inbound: pydantic models of the requests nextn accepts.
 
-Requests are permissive (unknown fields are kept, not refused: OpenAI clients send many) but
-typed and range-checked wherever a value reaches the chat template, the tokenizer or the engine,
-so a bad value is a 400 naming its field before anything is queued. Text with a lone UTF-16
+A request body's fields are typed strictly (JSON `true` is not an integer, `"4"` not a number; an
+integer is a float) and range-checked wherever a value reaches the chat template, the tokenizer or
+the engine, so a bad value is a 400 naming its field before anything is queued. Every top-level
+key must be known: a misspelled field is a 400, never a default silently used instead. OpenAI's
+informational fields (`user`, `metadata`, ...) are declared and ignored; a field nextn does not
+implement (OpenAI's `reasoning_effort`, vLLM's `use_beam_search`, ...) is a 400 unless sent at the
+value that means off. Nested objects (messages, tools, ...) keep unknown keys: OpenAI clients echo
+an assistant message back with keys such as `refusal` set to null. Text with a lone UTF-16
 surrogate (JSON allows "\ud800"; no tokenizer or UTF-8 encoder does) is refused, not replaced.
-Besides the standard fields they take vLLM's extras (`top_k`/`min_p`/`repetition_penalty`/
+Besides the standard fields, requests take vLLM's extras (`top_k`/`min_p`/`repetition_penalty`/
 `ignore_eos`/`stop_token_ids`/`return_token_ids`/`prompt_logprobs`). Also holds `OpenAIModel`, the
 base of every wire model; the responses nextn sends are in response_models.py. Does not know the
 engine.
@@ -12,8 +17,10 @@ engine.
 
 from __future__ import annotations
 
+import difflib
+import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
@@ -60,13 +67,32 @@ class OpenAIModel(BaseModel):
 
 
 class RequestModel(OpenAIModel):
+    """A request body: strict types, no unknown top-level keys (nested models stay permissive)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    # fields nextn does not implement -> the value meaning off: taken at it or null, else a 400 (an
+    # empty value is not always off: OpenAI's `web_search_options: {}` turns search on)
+    unsupported: ClassVar[dict[str, Any]] = {}
+
     @model_validator(mode="before")
     @classmethod
-    def _no_lone_surrogates(cls, body):
+    def _check_body(cls, body):
         path = lone_surrogate_path(body)
         if path is not None:
             raise FieldError(path, "text holds a lone UTF-16 surrogate (not valid Unicode); send UTF-8 text")
-        return body
+        if not isinstance(body, dict):
+            return body  # pydantic says what it should be
+        for key, value in body.items():
+            if key in cls.model_fields:
+                continue
+            if key not in cls.unsupported:
+                close = difflib.get_close_matches(key, cls.model_fields, 1)
+                raise FieldError(key[:100], "unknown field" + (f"; did you mean '{close[0]}'?" if close else ""))
+            off = cls.unsupported[key]
+            if value is not None and value != off:
+                off_too = f" (send {json.dumps(off)} or leave it out)" if off is not None else ""
+                raise FieldError(key, f"is not supported by this server{off_too}")
+        return {k: v for k, v in body.items() if k in cls.model_fields}
 
 
 class StreamOptions(OpenAIModel):
@@ -139,7 +165,21 @@ class ChatMessage(OpenAIModel):
 class SamplingRequest(RequestModel):
     """Fields /v1/chat/completions and /v1/completions share."""
 
+    unsupported: ClassVar[dict[str, Any]] = {
+        "logit_bias": {},
+        # vLLM's
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "truncate_prompt_tokens": None,
+        "bad_words": [],
+        "allowed_token_ids": None,
+        "continue_final_message": False,
+        "documents": None,
+        "skip_special_tokens": True,  # output text skips them
+    }
+
     model: str | None = None
+    user: str | None = None  # informational (OpenAI's end-user id): ignored
     # None (absent or null) means the OpenAI default
     max_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -156,14 +196,11 @@ class SamplingRequest(RequestModel):
     n: int | None = Field(None, ge=1, le=1)  # one choice per request
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False  # vLLM's extra: the prompt's and the output's token ids
     # vLLM's extras nextn implements
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # a vLLM extra nextn accepts only at its default (prepare.py answers 400 naming the field)
-    skip_special_tokens: bool = True
     # structured outputs: at most one of these per request (structured.py maps them, 400 for two)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json" | "regex" | "choice" | "grammar" | ...}
@@ -182,6 +219,12 @@ class SamplingRequest(RequestModel):
             raise ValueError("at most 16 stop strings")
         return v
 
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise FieldError("prompt_logprobs", "cannot be streamed")
+        return self
+
     @property
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -195,8 +238,16 @@ class ChatTemplateFields(RequestModel):
     """What the chat template is rendered with, besides the messages (chat completions and /tokenize)."""
 
     tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # "none": no tools rendered
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v):
+        if isinstance(v, str) and v not in ("none", "auto", "required"):
+            raise ValueError(f"must be 'none', 'auto', 'required' or a named function, got {v[:50]!r}")
+        return v
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -216,32 +267,53 @@ class ChatTemplateFields(RequestModel):
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
+    unsupported: ClassVar[dict[str, Any]] = {
+        **SamplingRequest.unsupported,
+        # OpenAI's, each changes the reply
+        "modalities": ["text"],
+        "audio": None,
+        "prediction": None,
+        "reasoning_effort": None,
+        "verbosity": None,
+        "web_search_options": None,
+        "moderation": None,
+        "functions": None,  # the deprecated forms of tools and tool_choice
+        "function_call": None,
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     echo: bool = False  # vLLM's: the reply starts with the last message's content when it is the assistant's
+    # informational (billing, storage, caching, tracking at OpenAI): taken and ignored
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
 
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _tool_choice(cls, v):
-        if isinstance(v, str) and v not in ("none", "auto", "required"):
-            raise ValueError(f"must be 'none', 'auto', 'required' or a named function, got {v[:50]!r}")
-        return v
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise FieldError("top_logprobs", "needs logprobs: true")
+        return self
 
 
 _TOOLS = TypeAdapter(list[Tool])
 
 
 class CompletionRequest(SamplingRequest):
+    unsupported: ClassVar[dict[str, Any]] = {**SamplingRequest.unsupported, "suffix": ""}
+
     # a string, token ids, or a batch of either (non-streamed batches only)
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=1)
-    suffix: str | None = None
 
 
 class TokenizeRequest(ChatTemplateFields):

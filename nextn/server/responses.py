@@ -59,7 +59,13 @@ _UNION_MEMBER = re.compile(r"(str|int|float|bool|none|list|dict)|[\w-]+\[.*\]")
 
 
 def validation_error(err: dict) -> tuple[str, str]:
-    """(the request field a pydantic error is about, as "messages[0].content"; its message)."""
+    """(the request field a pydantic error is about, as "messages[0].content"; its message). A body
+    that is no JSON, or none, is about no field."""
+    if err["type"] == "json_invalid":  # FastAPI's: loc ends at the character offset of the error
+        what = str((err.get("ctx") or {}).get("error")).removesuffix(" at")  # "Unterminated string starting at"
+        return "", f"the body is not valid JSON: {what} at character {err['loc'][-1]}"
+    if err["type"] == "missing" and tuple(err["loc"]) == ("body",):
+        return "", "the request body is empty"
     loc = _path([x for x in err["loc"] if x != "body" and not (isinstance(x, str) and _UNION_MEMBER.fullmatch(x))])
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, P.FieldError):
