@@ -28,7 +28,7 @@ def seeded(params: SamplingParams, draw: bool) -> SamplingParams:
         return params
     if not draw:
         raise ValueError("under tensor parallelism started outside nextn, a sampled request needs a seed")
-    return replace(params, seed=secrets.randbits(64))
+    return replace(params, seed=secrets.randbits(64) - 2**63)  # any 64-bit key, as a signed seed (core.SEED_RANGE)
 
 
 class Leader:
