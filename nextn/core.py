@@ -143,7 +143,8 @@ def with_defaults(defaults: dict, **request) -> SamplingParams:
 @dataclass
 class SpecStats:
     """Draft/accept counters of one request (or an aggregate of many). Drafts a confidence gate
-    cut are counted in neither drafted nor accepted."""
+    cut are counted in neither drafted nor accepted; a round cut short by max_tokens or a stop
+    counts the tokens it emitted (nextn.engine.rounds), so 1 + rounds + accepted is the output's length."""
 
     num_rounds: int = 0
     num_drafted: int = 0

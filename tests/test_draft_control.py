@@ -218,8 +218,8 @@ def test_the_engine_drafts_the_k_the_law_chooses(dense_fitted_ckpt):
     out = _generate(llm, prompt)
     assert out.token_ids == ref
     law, committed = AdaptiveK(6, True, llm.model.cfg.hidden_size), len(prompt)
-    for r in out.rounds:
-        assert r.k == r.drafted == law.k
+    for i, r in enumerate(out.rounds):  # the last round may be cut by max_tokens: it counts what it emitted
+        assert r.k == law.k and (r.drafted == r.k or i == len(out.rounds) - 1)
         committed += r.accepted + 1
         law.update(r.accepted, committed)
     assert len({r.k for r in out.rounds}) > 1
@@ -254,6 +254,32 @@ def test_generate_json_trace_usage_and_metrics(dense_fitted_ckpt, capsys):
     for le, count in (("0", 2), ("1", 3), ("2", 3), ("3", 4), ("+Inf", 4)):
         assert f'nextn:spec_decode_accept_length_bucket{{le="{le}"}} {count}' in text
     assert "nextn:spec_decode_accept_length_sum 4" in text and "nextn:spec_decode_accept_length_count 4" in text
+
+
+def test_the_counts_are_of_the_tokens_emitted(dense_fitted_ckpt):
+    """A round cut by max_tokens or a stop string counts what it emitted: the first token plus each
+    round's 1 + accepted is the output's length (it counted the whole verify before), in the
+    stats and in the trace."""
+    llm = nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=4, trace=True)
+    prompt = list(FIT_PROMPTS[0])
+    full = _generate(llm, prompt)
+    assert full.spec.num_accepted > full.spec.num_rounds  # rounds emit several tokens: the cases below cut some
+    cases = [dict(max_tokens=n) for n in range(2, 14)]
+    text = full.text
+    for j in range(2, 14):  # stop strings: a token's text that the output has not shown before
+        piece = llm.tokenizer.decode(full.token_ids[j : j + 1])
+        if piece.strip() and piece not in llm.tokenizer.decode(full.token_ids[:j]):
+            cases.append(dict(stop=piece))
+    assert len(cases) > 14, text
+    cut = 0
+    for case in cases:
+        out = _generate(llm, prompt, nextn.SamplingParams(**{**GREEDY.__dict__, **case}))
+        spec = out.spec
+        assert 1 + spec.num_rounds + spec.num_accepted == len(out.token_ids), (case, spec)
+        assert spec.num_accepted <= spec.num_drafted and sum(spec.accept_length_histogram) == spec.num_rounds
+        assert [sum(r.accepted for r in out.rounds), len(out.rounds)] == [spec.num_accepted, spec.num_rounds]
+        cut += len(out.token_ids) < len(full.token_ids)
+    assert cut == len(cases)
 
 
 def _rounds(stats: SpecStats, rounds) -> SpecStats:

@@ -321,6 +321,8 @@ class RequestRounds:
             self.host = [torch.empty_like(self.buf.out, device="cpu", pin_memory=True) for _ in range(2)]
             self.events = [torch.cuda.Event(), torch.cuda.Event()]
         self.reads: list[_Read] = []  # the last two rounds read
+        # the last round read, counted in stats once what it emits is final (a stop string may cut it)
+        self.unrecorded: RoundTrace | None = None
         self.emitted: list[int] = []  # tokens handed out
         self.handed = 0  # of them, from the last round read
         self.prompt_len = len(seq.tokens)
@@ -377,18 +379,33 @@ class RequestRounds:
         n, tokens, before = out[_N], out[_TOKENS : _TOKENS + out[_N] + 1], out[_TOKENS + R :]
         self.reads = (self.reads + [_Read(index, n, tokens, before)])[-2:]
         room = 1  # the first token commits nothing
+        self._record(None)
         if index > 0:
             room = self.max_len - before[SEQ_LEN]  # a round commits what it emits but the last
             self.next_start = before[SEQ_LEN] + n + 1
             if room > 0:  # (a round queued ahead into a full context counts for nothing)
-                self.stats.record_round(out[_DRAFTED], n)
                 self.k_ctl.update(n, self.next_start)
-                if self.trace is not None:
-                    self.trace.append(RoundTrace(k, out[_DRAFTED], n, *clock.split()))
+                self.unrecorded = RoundTrace(k, out[_DRAFTED], n, *clock.split() if clock else (0.0, 0.0, 0.0))
         read = self._cut(index, tokens, room)
         if self.grammar is not None and read.finish_reason is None:  # masks row 0 of the next round
             self.grammar.commit(read.token_ids)
         return read
+
+    def _record(self, kept: int | None) -> None:
+        """Count the last round read in stats (and the trace) with the `kept` tokens it emitted (None:
+        all it handed out). Counted are the tokens a user gets: a round that emitted m tokens of its
+        n accepted drafts + 1 (max_tokens, a stop token or string came first) counts m - 1 accepted
+        of min(drafted, m - 1) drafted, and one that emitted none is not counted, so the first token
+        plus each round's 1 + accepted is the output's length."""
+        r, self.unrecorded = self.unrecorded, None
+        m = self.handed if kept is None else kept
+        if r is None or m == 0:
+            return
+        if m < r.accepted + 1:
+            r = r._replace(drafted=min(r.drafted, m - 1), accepted=m - 1)
+        self.stats.record_round(r.drafted, r.accepted)
+        if self.trace is not None:
+            self.trace.append(r)
 
     def _cut(self, index: int, tokens: list[int], room: int) -> Round:
         budget, done = self.params.max_tokens, None
@@ -419,6 +436,7 @@ class RequestRounds:
         if kept > self.handed:
             raise ValueError(f"close({kept}) after a round that handed out {self.handed} tokens")
         del self.emitted[len(self.emitted) - (self.handed - kept) :]
+        self._record(kept)
         self.closed = True
         self._settle(self.reads[-1], kept, ahead=bool(self.inflight))
         self.inflight.clear()
