@@ -289,8 +289,10 @@ def _bench(args, cfg: BenchConfig, prompt_text: str | None) -> dict:
 
 
 def bench_from_args(args) -> int:
-    if (args.model is None) == (args.random_weights is None):
-        raise ValueError("nextn bench needs exactly one of --model DIR and --random-weights PRESET")
+    if args.model is not None and args.random_weights is not None:
+        raise ValueError("nextn bench runs MODEL or --random-weights PRESET, not both")
+    if min(counts := (args.prompt_len, args.gen_len, args.repeats)) < 1:
+        raise ValueError(f"--prompt-len, --gen-len and --repeats must be >= 1, got {' / '.join(map(str, counts))}")
     profile = None
     if args.acceptance_profile:
         try:

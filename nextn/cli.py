@@ -326,6 +326,19 @@ def _check_combinations(args: argparse.Namespace) -> None:
             raise ValueError("--chat wraps a text prompt (--prompt or --prompt-file), not --prompt-ids")
         if args.trace and not args.json:
             raise ValueError('--trace needs --json: the rounds are its "rounds"')
+        if args.no_grammar_draft_mask and args.structured_outputs is None:
+            raise ValueError("--no-grammar-draft-mask needs --structured-outputs: without a grammar no draft is masked")
+    if args.command in ("generate", "serve"):
+        # K unknown here (None) is the checkpoint's default; only an explicit 0 is known to draw no drafts
+        if 0 in (args.spec_k, (args.speculative_config or {}).get("num_speculative_tokens")):
+            draft_flags = {
+                "--p-min": args.p_min != 0.0,
+                "--adaptive-k": args.adaptive_k,
+                "--hidden-before-norm": args.hidden_before_norm,
+                "--no-grammar-draft-mask": args.no_grammar_draft_mask,
+            }
+            if given := [flag for flag, on in draft_flags.items() if on]:
+                raise ValueError(f"{', '.join(given)} would do nothing: speculation is off (K=0), nothing is drafted")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -37,7 +37,7 @@ def _replay(args) -> int:
 def _bench(args) -> int:
     from nextn.bench import bench_from_args
 
-    _local(args, default_model=False)  # bench runs --model or --random-weights
+    _local(args, default_model=args.random_weights is None)  # MODEL (default: the bundled one) or --random-weights
     return bench_from_args(args)
 
 

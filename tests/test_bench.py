@@ -9,6 +9,7 @@ import torch
 
 from nextn import bench, bench_measure
 from nextn.cli import main
+from nextn.config import DEFAULT_MODEL_DIR
 from nextn.models import random_weights
 
 
@@ -88,6 +89,14 @@ def test_random_preset_builds_and_decodes(monkeypatch, tmp_path):
     res = json.loads(out.read_text())
     assert res["spec_equals_plain"] == {"1": True}
     assert (tmp_path / "res_tokens_per_s.png").is_file() or pytest.importorskip("matplotlib") is None
+
+
+def test_bench_without_a_model_runs_the_bundled_one(monkeypatch):
+    """As the usage line says: neither MODEL nor --random-weights is the bundled checkpoint."""
+    models = []
+    monkeypatch.setattr(bench, "_bench", lambda args, cfg, prompt_text: models.append(args.model) or {})
+    assert main(["bench", "--spec-k", "0", "--prompt-len", "4", "--gen-len", "2", "--log-level", "warning"]) == 0
+    assert models == [str(DEFAULT_MODEL_DIR)]
 
 
 def test_weight_bytes_count_routed_experts_only(moe_ckpt):

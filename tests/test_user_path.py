@@ -172,12 +172,34 @@ def test_cuda_on_a_cpu_only_torch_is_one_line():
             ["generate", "--prompt", "x", "--max-tokens", "4", "--seed", str(2**64)],
             "seed must be a signed 64-bit integer",
         ),
+        (["generate", "--prompt", "x", "--spec-k", "0", "--p-min", "0.5"], "--p-min would do nothing"),
+        (["generate", "--prompt", "x", "--spec-k", "0", "--adaptive-k"], "--adaptive-k would do nothing"),
+        (["generate", "--prompt", "x", "--spec-k", "0", "--hidden-before-norm"], "--hidden-before-norm would do"),
+        (["generate", "--prompt", "x", "--no-grammar-draft-mask"], "--no-grammar-draft-mask needs --structured-"),
+        (
+            ["serve", "--speculative-config", '{"num_speculative_tokens": 0}', "--p-min", "0.5", "--adaptive-k"],
+            "--p-min, --adaptive-k would do nothing: speculation is off (K=0)",
+        ),
+        (["bench", "--gen-len", "0", "--spec-k", "0"], "--prompt-len, --gen-len and --repeats must be >= 1"),
+        (["bench", "--repeats", "0", "--spec-k", "0"], "--prompt-len, --gen-len and --repeats must be >= 1"),
+        (["bench", "--random-weights", "qwen3.5-9b"], "nextn bench runs MODEL or --random-weights PRESET, not both"),
+        (["train", "--out", "run", "--max-steps", "2", "--num-hidden-layers", "2"], "num_hidden_layers must be"),
+        (["train", "--out", "run", "--max-steps", "2", "--vocab-size", "300"], "vocab_size must be >= 512"),
+        (["train", "--out", "run"], "give --minutes, --max-steps or --wall-minutes"),
+        (["train", "--out", "run", "--max-steps", "-1"], "max_steps must be > 0, got -1"),
+        (["train", "--out", "run", "--minutes", "0"], "minutes must be > 0, got 0.0"),
     ],
-    ids=["generate-device", "serve-device", "bench-device", "chat-ids", "trace", "max-model-len", "seed"],
+    ids=[
+        *("generate-device", "serve-device", "bench-device", "chat-ids", "trace", "max-model-len", "seed"),
+        *("p-min-k0", "adaptive-k0", "hidden-before-norm-k0", "grammar-mask", "serve-k0"),
+        *("bench-gen-len", "bench-repeats", "bench-two-models"),
+        *("train-layers", "train-vocab", "train-duration", "train-max-steps", "train-minutes"),
+    ],
 )
-def test_a_flag_error_is_one_line(argv, message, dense_ckpt, capsys, monkeypatch):
+def test_a_flag_error_is_one_line(argv, message, dense_ckpt, capsys, monkeypatch, tmp_path):
     """A bad flag, or one that would be silently ignored, is `nextn: error: ...` and status 2, no traceback."""
     monkeypatch.setattr("nextn.server.app.serve", lambda *a: pytest.fail("the server started"))
+    monkeypatch.chdir(tmp_path)  # train's --out run, were it to start
     assert main([argv[0], str(dense_ckpt), *argv[1:], "--log-level", "warning"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"nextn: error: {message}"), err

@@ -8,4 +8,7 @@ from nextn.train import add_train_args, run_from_args
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m nextn.train")
     add_train_args(parser)
-    sys.exit(run_from_args(parser.parse_args()))
+    try:
+        sys.exit(run_from_args(parser.parse_args()))
+    except ValueError as e:  # a setting to fix: one line, status 2, as `nextn train` says it
+        parser.exit(2, f"{parser.prog}: error: {e}\n")

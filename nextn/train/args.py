@@ -116,10 +116,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     distill = ns.distill_from or (None if ns.finetune_from else ns.model)
     if ns.distill_from and ns.model and ns.distill_from != ns.model:
-        raise SystemExit("nextn train: --model and --distill-from name different checkpoints")
+        raise ValueError("--model and --distill-from name different checkpoints")
     dtype = ns.dtype or ("bfloat16" if ns.device.startswith("cuda") else "float32")
     if ns.minutes is None and ns.max_steps is None and ns.wall_minutes is None:
-        raise SystemExit("nextn train: give --minutes, --max-steps or --wall-minutes")
+        raise ValueError("give --minutes, --max-steps or --wall-minutes")
     shape = ModelShape(**{f: getattr(ns, f) for f in ModelShape.__dataclass_fields__ if hasattr(ns, f)})
     data = DataSettings(
         roots=tuple(ns.data),
@@ -167,9 +167,5 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
 def run_from_args(ns: argparse.Namespace) -> int:
     from nextn.train.trainer import train
 
-    try:
-        cfg = config_from_args(ns)
-    except ValueError as e:
-        raise SystemExit(f"nextn train: {e}") from e
-    train(cfg)
+    train(config_from_args(ns))
     return 0

@@ -137,6 +137,9 @@ class TrainConfig:
     def __post_init__(self):
         if self.minutes is None and self.max_steps is None and self.wall_minutes is None:
             raise ValueError("give a duration: minutes, max_steps or wall_minutes")
+        for name in ("minutes", "max_steps", "wall_minutes"):
+            if (value := getattr(self, name)) is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if self.gdn_kernel not in GDN_KERNELS:
             raise ValueError(f"gdn_kernel must be one of {GDN_KERNELS}, got {self.gdn_kernel!r}")
         if self.gdn_kernel == "fla" and not self.device.startswith("cuda"):
