@@ -51,7 +51,7 @@ import torch
 
 from nextn.bench_measure import Bench, BenchConfig, copy_bandwidth, spread_text, sync_device, tokens_per_s
 from nextn.bench_sweeps import batched_runs, gate_entry, profiled_runs, sampled_runs, spec_sweep
-from nextn.config import EngineConfig, resolve_device, resolve_dtype
+from nextn.config import STEP_ROWS, EngineConfig, resolve_device, resolve_dtype
 from nextn.model_config import ModelConfig
 from nextn.models.loader import load_model
 from nextn.models.qwen3_5 import CausalLM
@@ -291,6 +291,8 @@ def _bench(args, cfg: BenchConfig, prompt_text: str | None) -> dict:
 def bench_from_args(args) -> int:
     if args.model is not None and args.random_weights is not None:
         raise ValueError("nextn bench runs MODEL or --random-weights PRESET, not both")
+    if any(not 0 <= k < STEP_ROWS for k in args.spec_k):
+        raise ValueError(f"--spec-k values must be in 0..{STEP_ROWS - 1}, got {' '.join(map(str, args.spec_k))}")
     if min(counts := (args.prompt_len, args.gen_len, args.repeats)) < 1:
         raise ValueError(f"--prompt-len, --gen-len and --repeats must be >= 1, got {' / '.join(map(str, counts))}")
     profile = None

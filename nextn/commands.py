@@ -170,12 +170,16 @@ def _generate_with(llm, args) -> int:
     if streamed:
         sys.stdout.write("\n")
     s, k = out.spec, min(llm.num_speculative_tokens, MAX_TRACKED_POSITIONS)
+    spec = "plain decoding (K=0: nothing drafted)"  # every step verifies the pending token alone
+    if llm.num_speculative_tokens:
+        spec = (
+            f"spec K={llm.num_speculative_tokens}: drafted {s.num_drafted}, accepted {s.num_accepted} "
+            f"({s.acceptance_rate:.1%}), mean acceptance length {s.mean_acceptance_length:.2f}, "
+            f"zero-draft rounds {s.num_zero_draft_rounds} of {s.num_rounds}"
+        )
     print(
         f"nextn: {len(out.token_ids)} tokens, prefill {out.prefill_tokens_per_s:.1f} tok/s, "
-        f"decode {out.decode_tokens_per_s:.1f} tok/s, spec K={llm.num_speculative_tokens}: "
-        f"drafted {s.num_drafted}, accepted {s.num_accepted} ({s.acceptance_rate:.1%}), "
-        f"mean acceptance length {s.mean_acceptance_length:.2f}, zero-draft rounds {s.num_zero_draft_rounds} "
-        f"of {s.num_rounds}",
+        f"decode {out.decode_tokens_per_s:.1f} tok/s, {spec}",
         file=sys.stderr,
     )
     if args.json:

@@ -205,6 +205,19 @@ def test_a_flag_error_is_one_line(argv, message, dense_ckpt, capsys, monkeypatch
     assert err.count("\n") == 1 and err.startswith(f"nextn: error: {message}"), err
 
 
+def test_bench_checks_its_k_before_loading(dense_ckpt, capsys, monkeypatch):
+    monkeypatch.setattr("nextn.bench._bench", lambda *a: pytest.fail("the bench ran"))
+    assert main(["bench", str(dense_ckpt), "--spec-k", "3", "-1", "--log-level", "warning"]) == 2
+    assert capsys.readouterr().err == "nextn: error: --spec-k values must be in 0..15, got 3 -1\n"
+
+
+def test_plain_generate_reports_no_spec_counters(dense_ckpt, capsys):
+    """K=0 drafts nothing: the summary says plain decoding, not "zero-draft rounds 3 of 3"."""
+    assert main(["generate", str(dense_ckpt), "--prompt-ids", "1,2", "--max-tokens", "4", "--spec-k", "0"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("nextn: 4 tokens") and line.endswith("plain decoding (K=0: nothing drafted)"), line
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_triton_kernels_without_cuda_is_one_line(dense_ckpt, capsys, monkeypatch):
     # as outside the tests: Triton's interpreter, which the kernel tests turn on, runs them on the CPU
