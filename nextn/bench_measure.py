@@ -125,7 +125,7 @@ class Bench:
             gc.collect()
             spec = SpecConfig(
                 num_speculative_tokens=k,
-                p_min=p_min,
+                p_min=p_min if k > 0 else 0.0,
                 draft_vocab=self.draft_vocab if k > 0 else None,
                 draft_gate=self.cfg.draft_gate,
             )

@@ -5,6 +5,7 @@ The checkpoint's own hyperparameters are nextn.model_config's.
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,12 +90,24 @@ def resolve_device(device: str) -> str:
 
 def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None) -> str:
     """Dtype "auto": float32 on the CPU (its bfloat16 matmuls are slow and inexact), the checkpoint's own
-    dtype on CUDA (bfloat16 when it names none nextn runs: released Qwen3.5 checkpoints are bf16)."""
+    dtype on CUDA (bfloat16 when it names none nextn runs: released Qwen3.5 checkpoints are bf16).
+    Any other name than auto or one of DTYPE_NAMES is an error."""
     if dtype != "auto":
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {('auto', *DTYPE_NAMES)}, got {dtype!r}")
         return dtype
     if not device.startswith("cuda"):
         return "float32"
     return checkpoint_dtype if checkpoint_dtype in DTYPE_NAMES else "bfloat16"
+
+
+def _check_ints(config, *names: str) -> None:
+    """The named fields of a config are integers (numpy's too), not bools or floats: a float count
+    would fail deep inside an allocation, and True would silently mean 1."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -120,6 +133,9 @@ class SpecConfig:
     draft_gate: str = "skip"
 
     def __post_init__(self):
+        _check_ints(self, "num_speculative_tokens")
+        if isinstance(self.p_min, bool) or not isinstance(self.p_min, numbers.Real):
+            raise ValueError(f"p_min must be a number, got {self.p_min!r}")
         # a verify step holds the pending token and the drafts in STEP_ROWS rows
         if not 0 <= self.num_speculative_tokens < STEP_ROWS:
             raise ValueError(f"num_speculative_tokens must be in 0..{STEP_ROWS - 1}, got {self.num_speculative_tokens}")
@@ -127,6 +143,13 @@ class SpecConfig:
             raise ValueError(f"p_min must be in [0, 1), got {self.p_min}")
         if self.draft_gate not in DRAFT_GATES:
             raise ValueError(f"draft_gate must be one of {DRAFT_GATES}, got {self.draft_gate!r}")
+        # draft controls with nothing drafted would be silently ignored (the CLI refuses its flags the same way)
+        ignored = [name for name, on in (("p_min", self.p_min > 0.0), ("adaptive_k", self.adaptive)) if on]
+        if ignored and self.num_speculative_tokens == 0:
+            raise ValueError(
+                f"{' and '.join(ignored)} would do nothing: speculation is off (num_speculative_tokens=0), "
+                "nothing is drafted"
+            )
         if self.draft_vocab is not None:
             from nextn.spec.draft_vocab import DraftVocab
 
@@ -169,6 +192,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
+        _check_ints(self, "max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
         check_quantization(self.quantization)
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.tensor_parallel_size < 1:

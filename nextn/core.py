@@ -21,6 +21,10 @@ OPTIONAL_FIELDS = ("seed", "logprobs", "prompt_logprobs")
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
+class RequestError(ValueError):
+    """A request the engine refuses (the engine stays usable)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens. temperature 0 means greedy."""
@@ -155,11 +159,13 @@ class SpecStats:
     # rounds by drafts accepted, 0..MAX_TRACKED_POSITIONS (more counts in the last)
     accept_length_histogram: list[int] = field(default_factory=lambda: [0] * (MAX_TRACKED_POSITIONS + 1))
 
-    def record_round(self, num_drafted: int, num_accepted: int) -> None:
+    def record_round(self, num_drafted: int, num_accepted: int, zero_draft: bool | None = None) -> None:
+        """zero_draft: the round verified the pending token alone (default: num_drafted == 0; a
+        round cut to its first token counts no drafts, though it verified some)."""
         self.num_rounds += 1
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
-        self.num_zero_draft_rounds += num_drafted == 0
+        self.num_zero_draft_rounds += (num_drafted == 0) if zero_draft is None else zero_draft
         self.accept_length_histogram[min(num_accepted, MAX_TRACKED_POSITIONS)] += 1
         for j in range(min(num_drafted, MAX_TRACKED_POSITIONS)):
             self.drafted_per_position[j] += 1

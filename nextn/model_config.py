@@ -241,10 +241,13 @@ class ModelConfig:
         wrapped = "text_config" in raw
         prefix = "model.language_model." if wrapped else "model."
 
-        def need(key):
+        def need(key):  # a size or count the model cannot do without: a positive integer
             if key not in text:
                 raise ConfigError(f"config.json lacks {key!r}")
-            return text[key]
+            value = text[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"config.json's {key!r} must be a positive integer, got {value!r}")
+            return value
 
         n_layers = need("num_hidden_layers")
         layer_types = text.get("layer_types")

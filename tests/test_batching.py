@@ -139,3 +139,21 @@ def engine_output(engine, prompt, sampling, k, max_tokens, **kw) -> list[int]:
                 raise ev
             if r is req and ev.output is not None:
                 return ev.output.token_ids
+
+
+def test_prompt_ids_from_numpy_or_torch_are_token_ids(dense_ckpt):
+    """Ids of an array (numpy's or torch's integers) were refused as "out of range [0, V)" although
+    in range, and a list holding an array failed numpy's broadcast of `p == []`; they run as the same
+    Python ints, and what is not an integer is named as such."""
+    import numpy as np
+
+    llm = nextn.LLM(model=dense_ckpt, num_speculative_tokens=2, max_model_len=32, max_num_seqs=2)
+    params = nextn.SamplingParams(max_tokens=4, temperature=0)
+    ref = llm.generate(prompt_token_ids=[5, 6, 7], params=params).token_ids
+    for ids in (np.array([5, 6, 7]), [np.int64(5), np.int32(6), 7], torch.tensor([5, 6, 7])):
+        assert llm.generate(prompt_token_ids=ids, params=params).token_ids == ref
+    assert llm.generate([[np.int64(5), 6, 7]], params)[0].token_ids == ref
+    with pytest.raises(nextn.RequestError, match="must be integers, got \\[True\\]"):
+        llm.generate(prompt_token_ids=[True, 6], params=params)
+    with pytest.raises(nextn.RequestError, match="a str or a list of token ids, got ndarray"):
+        llm.generate([np.array([5, 6, 7])], params)

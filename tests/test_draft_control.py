@@ -48,7 +48,8 @@ def test_p_min_cuts_chains_on_the_device_and_keeps_output(dense_fitted_ckpt):
         assert out.token_ids == ref, (p_min, gate)
         s, steps = out.spec, llm.engine.proposer.head_steps
         assert sum(s.accept_length_histogram) == s.num_rounds == len(out.rounds)
-        assert [r.drafted for r in out.rounds].count(0) == s.num_zero_draft_rounds
+        assert sum(r.zero_draft for r in out.rounds) == s.num_zero_draft_rounds
+        assert all(r.drafted == 0 for r in out.rounds if r.zero_draft)
         assert sum(r.drafted for r in out.rounds) == s.num_drafted
         runs[p_min, gate] = (s, out.rounds, None if steps is None else int(steps))
     plain, _, _ = runs[0.0, "skip"]
@@ -58,6 +59,21 @@ def test_p_min_cuts_chains_on_the_device_and_keeps_output(dense_fitted_ckpt):
     # the first pass, then a chain step per draft that passed while the chain goes on
     assert steps == sum(1 + min(r.drafted, 3) for r in rounds) < 4 * gated.num_rounds
     assert all_steps == 4 * masked.num_rounds and masked == gated
+
+
+def test_a_round_cut_to_its_first_token_is_not_zero_draft(dense_fitted_ckpt):
+    """Without a gate no round verifies the pending token alone, whatever max_tokens cuts: a round
+    that drafted 3 but emits only its first token (the budget's end) counts no drafts, yet it is
+    not a zero-draft round. Some max_tokens here ends a request that way."""
+    llm = nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=3, trace=True)
+    cut_to_one = 0
+    for max_tokens in range(2, 14):
+        params = nextn.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        out = _generate(llm, FIT_PROMPTS[0], params)
+        assert out.spec.num_zero_draft_rounds == 0, max_tokens
+        assert not any(r.zero_draft for r in out.rounds)
+        cut_to_one += out.rounds[-1].drafted == 0
+    assert cut_to_one > 0  # the case under test happened
 
 
 def _with_gate(llm, gate: str):
@@ -225,6 +241,40 @@ def test_the_engine_drafts_the_k_the_law_chooses(dense_fitted_ckpt):
     assert len({r.k for r in out.rounds}) > 1
 
 
+def test_draft_controls_without_drafts_are_refused(dense_ckpt):
+    """LLM(num_speculative_tokens=0, p_min=0.5) (or adaptive_k=True) ran plain decoding and ignored
+    the setting; the CLI refuses those flags at K=0, and so does the configuration itself. Bench
+    runs its plain baseline beside gated spec runs without the gate."""
+    from nextn.config import SpecConfig
+
+    for setting in (dict(p_min=0.5), dict(adaptive_k=True)):
+        with pytest.raises(ValueError, match=f"{next(iter(setting))} would do nothing"):
+            nextn.LLM(model=dense_ckpt, num_speculative_tokens=0, **setting)
+    with pytest.raises(ValueError, match="p_min and adaptive_k would do nothing"):
+        SpecConfig(0, p_min=0.2, adaptive=True)
+    assert SpecConfig(2, p_min=0.2, adaptive=True).p_min == 0.2
+
+
+def test_config_counts_are_integers():
+    """LLM(num_speculative_tokens=True) ran as K=1 and LLM(max_model_len=2.5) failed inside a
+    tensor allocation: counts are integers (numpy's too), named when they are not."""
+    import numpy as np
+
+    from nextn.config import EngineConfig, SpecConfig
+
+    for kwargs, name in (
+        (dict(num_speculative_tokens=True), "num_speculative_tokens"),
+        (dict(num_speculative_tokens=2.0), "num_speculative_tokens"),
+        (dict(max_model_len=2.5), "max_model_len"),
+        (dict(max_num_seqs=True), "max_num_seqs"),
+    ):
+        with pytest.raises(ValueError, match=f"{name} must be an integer, got"):
+            nextn.LLM(**kwargs)
+    with pytest.raises(ValueError, match="p_min must be a number, got '0.5'"):
+        SpecConfig(2, p_min="0.5")
+    assert EngineConfig("m", max_model_len=np.int64(64), spec=SpecConfig(np.int32(3))).max_model_len == 64
+
+
 # ---------------------------------------------------------------------------------------------
 # what is reported
 
@@ -236,7 +286,7 @@ def test_generate_json_trace_usage_and_metrics(dense_fitted_ckpt, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["accept_length_histogram"]) == 4 and sum(out["accept_length_histogram"]) == out["num_rounds"]
     assert out["num_zero_draft_rounds"] > 0 and len(out["rounds"]) == out["num_rounds"]
-    assert [r["drafted"] for r in out["rounds"]].count(0) == out["num_zero_draft_rounds"]
+    assert sum(r["zero_draft"] for r in out["rounds"]) == out["num_zero_draft_rounds"]
     assert all(r["k"] == 3 and min(r["draft_s"], r["verify_s"], r["commit_s"]) > 0 for r in out["rounds"])
 
     from nextn.server.metrics import Metrics

@@ -90,6 +90,8 @@ def tokenizer() -> Tokenizer:
         ({"json_object": False}, "must be true"),
         ({"xml": "<a/>"}, "'xml'"),
         ({"regex": "a", "choice": ["a"]}, "exactly one"),
+        ({"json": False}, "no value matches it"),
+        ({"regex": "[a&&b]"}, "no text matches it"),  # (it compiles; its matcher would allow only EOS)
     ],
 )
 def test_a_bad_grammar_is_a_value_error_naming_it(tokenizer, structured_outputs, reason):
@@ -108,6 +110,25 @@ def test_valid_grammars_compile(tokenizer):
     for so in [*GRAMMARS, {"json": json.dumps(PERSON)}, {"json_object": True}, {"grammar": 'start: "x" /[0-9]+/'}]:
         compile_grammar(so, tokenizer).matcher()
     compile_grammar({"grammar": 'root ::= "x" [0-9]+'}, tokenizer)  # GBNF is converted to Lark
+
+
+def test_a_long_choice_list_is_taken_whole(tokenizer):
+    """Past 2000 choices (llguidance's parser row limit when each choice was a rule alternative) the
+    output is still one of them; a choice that prefixes another is matched as itself."""
+    choices = [f"label {i}" for i in range(5000)] + ["a", "ab"]
+    for text in ("label 2718", "a", "ab"):
+        matcher = compile_grammar({"choice": choices}, tokenizer).matcher()
+        assert matcher.consume_tokens(tokenizer.encode(text)) and matcher.is_accepting(), text
+    matcher = compile_grammar({"choice": choices}, tokenizer).matcher()
+    assert not (matcher.consume_tokens(tokenizer.encode("label 5000")) and matcher.is_accepting())
+
+
+@pytest.mark.parametrize("schema", [True, "true"])
+def test_the_true_schema_takes_any_json_written_compactly(tokenizer, schema):
+    """JSON Schema's `true` is any value (llguidance takes its options only in an object schema)."""
+    for text, ok in [('{"a": [1, "b"]}', True), ("7", True), ('{ "a":1}', False), ("nope", False)]:
+        matcher = compile_grammar({"json": schema}, tokenizer).matcher()
+        assert (matcher.consume_tokens(tokenizer.encode(text)) and matcher.is_accepting()) == ok, text
 
 
 # --- the matcher: walk, rollback, commit
@@ -202,6 +223,18 @@ def test_a_bad_grammar_fails_before_anything_runs(bundled):
     with pytest.raises(ValueError, match="regex"):
         bundled.generate(["x = ", "y = "], [good, bad])
     assert not bundled.engine.has_work  # the good request was aborted with it
+
+
+def test_a_grammar_llguidance_fails_on_mid_output_is_the_request_s_error(bundled):
+    """a{1000}{1000} validates and masks the first token, then outgrows llguidance's lexer when it
+    consumes it: the request's error (a 400 from the server), not the engine's RuntimeError (a
+    500), and the engine serves the next request."""
+    params = nextn.SamplingParams(max_tokens=6, temperature=0, structured_outputs={"regex": "a{1000}{1000}"})
+    with pytest.raises(nextn.RequestError, match="llguidance failed on the grammar .lexer error"):
+        bundled.generate(prompt="x", params=params)
+    assert not bundled.engine.has_work
+    again = nextn.SamplingParams(max_tokens=6, temperature=0, structured_outputs={"regex": "[a-z]+"})
+    assert bundled.generate(prompt="x", params=again).text.isalpha()
 
 
 def test_draft_masking_raises_acceptance_and_changes_no_token(bundled):

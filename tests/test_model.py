@@ -199,6 +199,12 @@ def test_bad_configs_are_clear(dense_ckpt, tmp_path):
         ModelConfig.from_dict(broken)
     with pytest.raises(ConfigError, match="layer_types"):
         ModelConfig.from_dict({**raw, "layer_types": ["linear_attention"]})
+    # a hand-edited size of the wrong type was a TypeError deep in the model's construction
+    for key, value in (("vocab_size", "352"), ("hidden_size", 64.0), ("num_key_value_heads", 0)):
+        with pytest.raises(ConfigError, match=f"'{key}' must be a positive integer, got {value!r}"):
+            ModelConfig.from_dict({**raw, key: value})
+    with pytest.raises(ValueError, match="dtype must be one of"):  # was a KeyError
+        load_model(ckpt, dtype="float8")
     (ckpt / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         load_model(ckpt)

@@ -81,3 +81,24 @@ def test_replay_cli_reports_rates(dense_fitted_ckpt, tmp_path):
     assert len(rates) == 3 and all(0.0 <= r <= 1.0 for r in rates) and rates[0] >= rates[1] >= rates[2]
     assert abs(out["mean_acceptance_length"] - (1 + sum(rates))) < 1e-9
     assert out["ppl"] > 1.0 and "replay:" in proc.stderr
+
+
+def test_replay_refuses_a_bad_max_tokens_or_file_before_loading(tmp_path, capsys, monkeypatch):
+    """A negative --max-tokens sliced tokens off the end of the text (ids[:-5]) and replayed the
+    rest as if asked; it and a missing --file are one-line errors before the model loads."""
+    from nextn.cli import main
+    from nextn.spec import replay
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(replay, "load_model", no_load)
+    f = tmp_path / "text.txt"
+    f.write_text("def add(a, b):\n    return a + b\n" * 8)
+    for argv, message in (
+        (["--file", str(f), "--max-tokens", "-5"], "--max-tokens must be >= 1, got -5"),
+        (["--file", str(f), "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+        (["--file", str(tmp_path / "missing.txt")], "missing.txt: not a file"),
+    ):
+        assert main(["replay", *argv]) == 2
+        assert message in capsys.readouterr().err

@@ -133,6 +133,10 @@ def sse_events(r: httpx.Response) -> list[dict]:
 def test_models_and_health(live, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/other")
+    assert e.value.code == "model_not_found" and "org/other" in e.value.message
     assert httpx.get(f"{live.url}/health", timeout=10).status_code == 200
 
 

@@ -275,9 +275,22 @@ def test_the_reasoning_grammar_lets_the_thinking_through_then_applies(tok):
         ({"json": PERSON}, '{"name": "Al", "age": 3}'),
         ({"json_object": True}, "{}"),
         ({"choice": ["yes", 'n"o']}, 'n"o'),
+        ({"choice": [f"c{i}" for i in range(3000)]}, "c2999"),
         ({"grammar": 'start: "a" b\nb: "}"'}, "a}"),
     ]:
         assert accepts(structured.reasoning_grammar(constraint, "inside"), tok, f"x</think>{good}"), constraint
+
+
+@pytest.mark.parametrize("constraint", [{"json": PERSON}, {"json": json.dumps(PERSON)}, {"json_object": True}])
+def test_after_the_reasoning_json_is_written_as_without_it(tok, constraint):
+    """The JSON options (one line, json.dumps' separators) hold after `</think>` too: free whitespace
+    would let a small model fill its budget with newlines."""
+    good, loose = '{"name": "Al", "age": 3}', '{\n  "name": "Al",\n  "age":3}'
+    for start in ("inside", "maybe"):
+        wrapped = structured.reasoning_grammar(constraint, start)
+        head = "x</think>" if start == "inside" else ""
+        assert accepts(constraint, tok, good) and accepts(wrapped, tok, head + good)
+        assert not accepts(constraint, tok, loose) and not accepts(wrapped, tok, head + loose)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,6 +367,19 @@ def test_each_field_constrains_the_output(client, body, check):
         assert choice.finish_reason == "stop" and holds(check, text), text
 
 
+def test_a_choice_among_thousands(live):
+    """More choices than llguidance's parser holds in a row (2000): one of them, not a 500."""
+    labels = [f"label {i}" for i in range(3000)]
+    for path, base in [
+        ("/v1/chat/completions", {"messages": [user("Pick one.")]}),
+        ("/v1/completions", {"prompt": "x"}),
+    ]:
+        body = {"model": MODEL, "temperature": 0.0, "max_tokens": 16, "guided_choice": labels, **base}
+        choice = live.post(path, body).json()["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        assert choice["finish_reason"] == "stop" and text in labels, choice
+
+
 def test_without_a_constraint_the_checks_fail(client):
     """The unconstrained replies pass none of the checks above (so those test the constraints)."""
     texts = [chat(client).choices[0].message.content, complete(client).choices[0].text]
@@ -368,6 +394,9 @@ BAD = [
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "a(b"}, "guided_regex"),
     ({"structured_outputs": {"regex": "[z-a]"}}, "structured_outputs.regex"),
+    ({"guided_regex": "[a&&b]"}, "guided_regex"),  # compiles, but no text matches it
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+     "response_format.json_schema.schema"),
     ({"guided_grammar": "start: (("}, "guided_grammar"),
     ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar"),
     ({"guided_choice": []}, "guided_choice"),

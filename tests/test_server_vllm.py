@@ -134,6 +134,20 @@ def test_streamed_prompt_logprobs_are_a_400(live):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 
+def test_stream_options_without_a_stream_are_a_400(live):
+    """stream_options on a request that does not stream would do nothing (it was taken silently);
+    OpenAI answers 400, and so does nextn, naming it. With a stream it is taken."""
+    options = {"include_usage": True}
+    for path, body in (
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [user("x")], "max_tokens": 2}),
+    ):
+        r = live.post(path, {**body, "stream_options": options})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+        assert live.post(path, {**body, "stream_options": None}).status_code == 200
+        assert live.post(path, {**body, "stream": True, "stream_options": options}).status_code == 200
+
+
 def test_min_tokens_reaches_the_engine(live, monkeypatch):
     """min_tokens is passed through (the engine enforces it); one past max_tokens is a 400 naming it."""
     worker, submitted = live.app.state.server.worker, []

@@ -14,6 +14,7 @@ decides how they share it.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from nextn.config import (
     resolve_device,
     resolve_dtype,
 )
-from nextn.core import RequestOutput, SamplingParams, sampling_defaults, with_defaults
+from nextn.core import RequestError, RequestOutput, SamplingParams, sampling_defaults, with_defaults
 from nextn.engine.engine import Engine, StreamEvent
 from nextn.engine.replica import Leader, follow
 from nextn.hub import resolve_model
@@ -46,10 +47,6 @@ MTP_METHODS = ("mtp", "qwen3_next_mtp")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 __all__ = ["CHAT_ROLES", "LLM", "RequestError", "StreamEvent", "template_role"]
-
-
-class RequestError(ValueError):
-    """A request the engine refuses (the engine stays usable)."""
 
 
 class LLM:
@@ -235,7 +232,10 @@ class LLM:
         if not prompt_token_ids:
             raise RequestError("the prompt is empty")
         vocab = self.model.cfg.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        bad = [t for t in prompt_token_ids if _token_id(t) is None]
+        if bad:
+            raise RequestError(f"prompt token ids must be integers, got {bad[:5]}")
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         if len(prompt_token_ids) >= self.config.max_model_len:
@@ -257,7 +257,7 @@ class LLM:
             if prompt is None:
                 raise RequestError("give prompt_token_ids or prompt")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        prompt_token_ids = list(prompt_token_ids)
+        prompt_token_ids = _as_ints(prompt_token_ids)
         self.check_prompt(prompt_token_ids, params)
         return prompt_token_ids
 
@@ -317,9 +317,9 @@ class LLM:
             if isinstance(p, str):
                 texts.append(p)
                 ids.append(self.tokenizer.encode(p))
-            elif _is_token_ids(p) or p == []:  # an empty prompt is refused by check_prompt, by name
+            elif _is_token_ids(p) or (isinstance(p, list | tuple) and not p):  # empty: check_prompt names it
                 texts.append(None)
-                ids.append(list(p))
+                ids.append(_as_ints(p))
             else:
                 raise RequestError(f"a prompt is a str or a list of token ids, got {type(p).__name__}")
         return texts, ids
@@ -421,8 +421,26 @@ def _max_model_len(max_model_len: int | None, limit: int, model_dir: Path) -> in
     return max_model_len
 
 
+def _token_id(t) -> int | None:
+    """t as a token id: an integer, Python's, numpy's or a 0-d torch tensor's (what iterating an
+    array of ids gives); None for anything else, a bool included."""
+    if isinstance(t, bool):
+        return None
+    try:
+        return operator.index(t)
+    except TypeError:
+        return None
+
+
 def _is_token_ids(x) -> bool:
-    return isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0 and all(isinstance(t, int) for t in x)
+    return (
+        isinstance(x, Sequence) and not isinstance(x, str) and len(x) > 0 and all(_token_id(t) is not None for t in x)
+    )
+
+
+def _as_ints(ids) -> list:
+    """A prompt's ids as Python ints; anything that is not a token id is left for check_prompt to name."""
+    return [t if (i := _token_id(t)) is None else i for t in ids]
 
 
 def _speculative_tokens(num_speculative_tokens: int | None, speculative_config: dict | None) -> int | None:

@@ -266,7 +266,9 @@ class _Queued(NamedTuple):
 
 class RoundTrace(NamedTuple):
     """One verify round as traced: K drafted, the drafts that counted (a gate may cut), accepted,
-    and the wall time of the round's phases (a batched round's, shared by its requests)."""
+    the wall time of the round's phases (a batched round's, shared by its requests), and whether it
+    verified the pending token alone (K = 0, or the gate cut draft 1; a round that drafted but was
+    cut to its first token by max_tokens or a stop counts 0 drafted too, and is not one)."""
 
     k: int
     drafted: int
@@ -274,6 +276,7 @@ class RoundTrace(NamedTuple):
     draft_s: float
     verify_s: float
     commit_s: float
+    zero_draft: bool
 
 
 class RequestRounds:
@@ -385,7 +388,8 @@ class RequestRounds:
             self.next_start = before[SEQ_LEN] + n + 1
             if room > 0:  # (a round queued ahead into a full context counts for nothing)
                 self.k_ctl.update(n, self.next_start)
-                self.unrecorded = RoundTrace(k, out[_DRAFTED], n, *clock.split() if clock else (0.0, 0.0, 0.0))
+                times = clock.split() if clock else (0.0, 0.0, 0.0)
+                self.unrecorded = RoundTrace(k, out[_DRAFTED], n, *times, zero_draft=out[_DRAFTED] == 0)
         read = self._cut(index, tokens, room)
         if self.grammar is not None and read.finish_reason is None:  # masks row 0 of the next round
             self.grammar.commit(read.token_ids)
@@ -403,7 +407,7 @@ class RequestRounds:
             return
         if m < r.accepted + 1:
             r = r._replace(drafted=min(r.drafted, m - 1), accepted=m - 1)
-        self.stats.record_round(r.drafted, r.accepted)
+        self.stats.record_round(r.drafted, r.accepted, r.zero_draft)
         if self.trace is not None:
             self.trace.append(r)
 

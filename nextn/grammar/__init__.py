@@ -12,7 +12,20 @@ before its own transforms (nextn.engine.sampler), the rounds decide when they ar
 (nextn.engine.rounds).
 """
 
-from nextn.grammar.compile import STRUCTURED_OUTPUT_KEYS, CompiledGrammar, compile_grammar
+from nextn.grammar.compile import (
+    STRUCTURED_OUTPUT_KEYS,
+    CompiledGrammar,
+    choice_terminal,
+    compile_grammar,
+    json_schema,
+)
 from nextn.grammar.state import GrammarState
 
-__all__ = ["STRUCTURED_OUTPUT_KEYS", "CompiledGrammar", "GrammarState", "compile_grammar"]
+__all__ = [
+    "STRUCTURED_OUTPUT_KEYS",
+    "CompiledGrammar",
+    "GrammarState",
+    "choice_terminal",
+    "compile_grammar",
+    "json_schema",
+]

@@ -2,7 +2,8 @@
 
 The llguidance tokenizer is made once per nextn Tokenizer (from its tokenizer.json, with its EOS);
 ids the model's vocabulary has beyond the tokenizer's (padding rows of the embedding) are never
-allowed by a mask (nextn.grammar.state).
+allowed by a mask (nextn.grammar.state). A grammar that matches no text at all (a regex such as
+`[a&&b]`) is refused too: its matcher would allow only EOS, an empty reply that does not match it.
 """
 
 from __future__ import annotations
@@ -65,24 +66,49 @@ def _compile(key: str, value, tokenizer: Tokenizer) -> CompiledGrammar:
     error = llg.LLMatcher.validate_grammar(grammar, lt)
     if error:
         raise ValueError(f"structured_outputs {key!r}: {error.strip()}")
-    return CompiledGrammar(grammar, lt)
+    compiled = CompiledGrammar(grammar, lt)
+    matcher = compiled.matcher()
+    matcher.compute_bitmask()  # the matcher finds that nothing can start only when it computes a mask
+    if matcher.is_error():
+        raise ValueError(f"structured_outputs {key!r}: no text matches it")
+    return compiled
+
+
+def json_schema(value) -> dict:
+    """A request's JSON schema (an object, a boolean, or its JSON text) as llguidance takes it: an
+    object, with JSON_OPTIONS under its own "x-guidance" options, alike alone and in a Lark `%json`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs 'json': the schema is not valid JSON ({e})") from None
+    if value is True:  # JSON Schema's "anything"; llguidance takes options only in an object
+        value = {}
+    if value is False:
+        raise ValueError("structured_outputs 'json': the schema is false: no value matches it")
+    if not isinstance(value, dict):
+        raise ValueError(f"structured_outputs 'json': a schema is a JSON object, got {type(value).__name__}")
+    own = value.get("x-guidance")
+    if own is None or isinstance(own, dict):  # else llguidance names what is wrong with it
+        value = {**value, "x-guidance": {**JSON_OPTIONS, **(own or {})}}
+    return value
+
+
+def choice_terminal(choices) -> str:
+    """The Lark terminal CHOICE that matches one of `choices`: one lexeme, not a rule of
+    alternatives (llguidance's parser holds at most 2000 items in a row, so a rule of more choices
+    failed at the first token of the output)."""
+    return "CHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 def _grammar_of(key: str, value) -> str:
     """llguidance's grammar definition for one structured_outputs entry (not yet validated)."""
     if key == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs 'json': the schema is not valid JSON ({e})") from None
-        if not isinstance(value, dict | bool):
-            raise ValueError(f"structured_outputs 'json': a schema is a JSON object, got {type(value).__name__}")
-        return llg.LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(json_schema(value))
     if key == "json_object":
         if value is not True:
             raise ValueError(f"structured_outputs 'json_object' must be true, got {value!r}")
-        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(json_schema({"type": "object"}))
     if key == "regex":
         if not isinstance(value, str):
             raise ValueError(f"structured_outputs 'regex' must be a string, got {type(value).__name__}")
@@ -92,7 +118,7 @@ def _grammar_of(key: str, value) -> str:
             raise ValueError(
                 f"structured_outputs 'choice' must be a non-empty list of non-empty strings, got {value!r}"
             )
-        return llg.grammar_from("choice", list(value))
+        return llg.grammar_from("grammar", f"start: CHOICE\n{choice_terminal(value)}")
     if key == "grammar":
         if not isinstance(value, str) or not value.strip():
             raise ValueError("structured_outputs 'grammar' must be a non-empty Lark (or GBNF) grammar string")

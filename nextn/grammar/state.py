@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from nextn.core import RequestError
 from nextn.grammar.compile import CompiledGrammar
 
 
@@ -88,6 +89,12 @@ class GrammarState:
         self.walked, self.legal = [], True
         for t in token_ids[same:]:
             if not self._consume(t):
+                # a refused token leaves the matcher as it was; one in error failed on the request's
+                # grammar itself (a regex such as a{1000}{1000} validates and masks its first token,
+                # then outgrows llguidance's lexer limits): the request's fault, not the engine's
+                if self.matcher.is_error():
+                    error = self.matcher.get_error().splitlines()[0]
+                    raise RequestError(f"structured_outputs: llguidance failed on the grammar ({error})")
                 raise RuntimeError(f"token {t} was emitted against the grammar: {self.matcher.get_error()}")
         self._write(0)
 

@@ -112,11 +112,20 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     llm, worker, metrics = srv.llm, srv.worker, srv.metrics
     v1 = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
+    def card() -> R.ModelCard:
+        return R.ModelCard(id=srv.model_name, created=srv.created, max_model_len=llm.config.max_model_len)
+
     @v1.get("/models")
     async def models() -> R.ModelList:
-        return R.ModelList(
-            data=[R.ModelCard(id=srv.model_name, created=srv.created, max_model_len=llm.config.max_model_len)]
-        )
+        return R.ModelList(data=[card()])
+
+    @v1.get("/models/{model:path}")  # OpenAI's retrieve; a model name may hold "/" (org/name)
+    async def model(model: str) -> R.ModelCard:
+        try:
+            srv.prompts.check_model(model)
+        except APIError as e:
+            raise APIError(404, e.message, param=e.param, code=e.code) from None
+        return card()
 
     @v1.post("/chat/completions")
     async def chat(req: P.ChatCompletionRequest, request: Request) -> Response:

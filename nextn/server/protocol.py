@@ -225,6 +225,12 @@ class SamplingRequest(RequestModel):
             raise FieldError("prompt_logprobs", "cannot be streamed")
         return self
 
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self):
+        if self.stream_options is not None and not self.stream:  # OpenAI's 400 too: it would do nothing
+            raise FieldError("stream_options", "is only allowed when stream is true")
+        return self
+
     @property
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

@@ -17,7 +17,7 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from nextn.core import STRUCTURED_OUTPUT_KEYS
-from nextn.grammar import compile_grammar
+from nextn.grammar import choice_terminal, compile_grammar, json_schema
 from nextn.server import protocol as P
 from nextn.server.chat_output import CALL_END, CALL_START, THINK_END, THINK_START, ReasoningStart, schema_properties
 from nextn.server.protocol import FieldError
@@ -136,14 +136,12 @@ def reasoning_grammar(constraint: dict[str, Any], start: ReasoningStart) -> dict
     if start == "after":
         return constraint
     ((kind, value),) = constraint.items()
-    if kind == "json_object":
-        body = '%json {"type": "object"}'
-    elif kind == "json":
-        body = f"%json {value if isinstance(value, str) else json.dumps(value)}"
+    if kind in ("json", "json_object"):  # with the same JSON_OPTIONS as without the reasoning
+        body = f"%json {json.dumps(json_schema({'type': 'object'} if kind == 'json_object' else value))}"
     elif kind == "regex":
         body = f"/{llguidance.regex_to_lark(value, '')}/"
     elif kind == "choice":
-        body = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+        body = f"CHOICE\n{choice_terminal(value)}"
     else:
         body = f"%lark {{\n{any_to_lark(value)}\n}}"  # GBNF given as Lark
     think = rf"/(?s:.*)/ {THINK_END} /[ \t\r\n]*/"  # "<x>" is Lark for the token <x>
