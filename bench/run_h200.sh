@@ -75,6 +75,10 @@ for stage in "$@"; do
     pmin) timeout 200 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \
              --prompt-file nextn/engine/scheduler.py --spec-k 6 --p-min 0 0.5 --json $OUT/pmin_default_model.json \
              2>&1 | grep -v '^ ' | tail -12 | tee -a $LOG ;;
+    # the gate near 1 (draft 1 cut in almost every round: one head step run, K - 1 skipped) prices a skipped step
+    pminbound) for f in scheduler rounds; do timeout 150 python3 -m nextn.cli bench --model nextn/default_model \
+             --device cuda --dtype bfloat16 --prompt-file nextn/engine/$f.py --spec-k 6 --p-min 0 0.5 0.999 \
+             --json $OUT/pmin_bound_default_model_$f.json 2>&1 | grep -v '^ ' | tail -14 | tee -a $LOG; done ;;
     pminsampled) timeout 300 python3 -m nextn.cli bench --model nextn/default_model --device cuda --dtype bfloat16 \
              --prompt-file nextn/engine/scheduler.py --spec-k 3 6 --p-min 0 0.5 --temperature 0.7 --repeats 100 \
              --json $OUT/pmin_sampled_default_model.json 2>&1 | grep -v '^ ' | tail -24 | tee -a $LOG ;;
