@@ -5,7 +5,7 @@
 #   top-p 0.8; plain and K = 3; baseprofilesampled: the same from .base/) prefill prefill4k bench9b bench9bquick (K = 1, 3, 8, one repeat) batch9b benchdefault bench35b
 #   FP8 weights against bf16 (9B): fp8 (its GPU tests alone: fp8tests); 35B-A3B in FP8 (bench35b for bf16): fp8_35b;
 #   FP8 K/V and the p_min gate: kvfp8 pmin gate (the fused gated draft's tests, then pmin); the gate greedy and
-#   sampled (T = 0.7, 100 seeds) at K = 3, 6: pminsampled
+#   sampled (T = 0.7, 100 seeds) at K = 3, 6: pminsampled; at 0, 0.5, 0.999 on two prompts (a skipped step's cost): pminbound
 #   the MoE decode kernels' tests: moe; their block sizes: moesweep; a graph of MoE blocks replayed alone / back to back /
 #   pipelined, PDL off and on: pdlprobe; a GEMM's time against the memory its weight copies span: tlbprobe;
 #   the skinny GEMM with PDL off and on: pdlsweep; the step with PDL off per kernel module (35B-A3B, 9B): pdlattr;
