@@ -47,6 +47,8 @@ def _draft_vocab(args) -> int:
     from nextn.spec.draft_vocab import build_draft_vocab
     from nextn.tokenizer import Tokenizer
 
+    if not Path(args.out).resolve().parent.is_dir():  # before counting a corpus, not after
+        raise ValueError(f"--out {args.out}: its folder does not exist")
     model_dir = resolve_model(args.model)
     cfg, tokenizer = ModelConfig.from_hf(model_dir), Tokenizer(model_dir)
     # a draft vocabulary that can end a reply

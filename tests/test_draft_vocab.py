@@ -73,6 +73,9 @@ def test_cli_ranks_token_frequencies_of_files_folders_and_chats(dense_ckpt, tmp_
     assert vocab.tokenizer_sha256 == tokenizer_fingerprint(tok)
     vocab.save(tmp_path / "again.json")
     assert load_draft_vocab(tmp_path / "again.json", VOCAB_SIZE, tok) == vocab
+    # an --out whose folder is missing is refused before the corpus is counted (it failed after, with [Errno 2])
+    assert main([*argv[:-1], str(tmp_path / "missing" / "vocab.json")]) == 2
+    assert "its folder does not exist" in capsys.readouterr().err
 
 
 def test_a_vocabulary_that_cannot_serve_the_model_is_refused(dense_ckpt, tmp_path, capsys):

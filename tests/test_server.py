@@ -138,6 +138,7 @@ def test_models_and_health(live, client):
         client.models.retrieve("org/other")
     assert e.value.code == "model_not_found" and "org/other" in e.value.message
     assert httpx.get(f"{live.url}/health", timeout=10).status_code == 200
+    assert httpx.head(f"{live.url}/health", timeout=10).status_code == 200  # was 405
 
 
 def test_chat_completion(client, llm, cold):

@@ -156,7 +156,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     async def version_route() -> dict[str, str]:
         return {"version": nextn_version()}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and uptime probes' check
     async def health() -> Response:
         if not worker.alive or worker.draining:
             why = "The server is shutting down." if worker.draining else "The engine is not running."
