@@ -138,6 +138,52 @@ def test_xml_values_follow_the_schema_types():
     assert json.loads(calls[0][1]) == {"s": "42", "n": 4.5, "o": {"a": [1]}, "x": "7"}
 
 
+def test_without_parallel_tool_calls_a_reply_keeps_its_first_call():
+    """tool_choice "auto" has no grammar to hold the model to one call: the calls past the first are
+    dropped (vLLM's), streamed or not."""
+    from nextn.server.completions import output_parser
+
+    text = f"Let me check. {JSON_CALL}\n{JSON_CALL.replace('Paris', 'Oslo')} done"
+    for parallel, names in [(True, ["Paris", "Oslo"]), (False, ["Paris"])]:
+        req = P.ChatCompletionRequest(messages=[user("x")], tools=TOOLS, parallel_tool_calls=parallel)
+        for cut in (1, 7, len(text)):
+            parser, got = output_parser(req, None), Parts()
+            for parts in [parser.push(text[i : i + cut]) for i in range(0, len(text), cut)] + [parser.finish()]:
+                got.content += parts.content
+                got.tool_calls += parts.tool_calls
+            assert [json.loads(c.function.arguments)["city"] for c in got.tool_calls] == names
+            assert got.content == "Let me check.done" and parser.num_calls == len(names)
+
+
+def test_xml_values_of_schemas_without_a_type():
+    """anyOf (pydantic's Optional), $ref, enum, {}: the JSON the tool_choice grammar writes for them
+    is read as JSON (a $ref'd object was its JSON text, a string kept its quotes); raw text stays text."""
+    schema = {
+        "$defs": {"Unit": {"enum": ["C", "F"]}, "Point": {"type": "object"}},
+        "properties": {
+            "opt": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "unit": {"$ref": "#/$defs/Unit"},
+            "at": {"$ref": "#/$defs/Point"},
+            "any": {},
+        },
+    }
+    tool = P.Tool(function=P.FunctionDefinition(name="f", parameters=schema))
+
+    def args(**values):
+        body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+        return json.loads(parse(f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>", tools=[tool])[2][0][1])
+
+    assert args(opt='"x"', unit="C", at='{"x": 1}', any="[1]") == {
+        "opt": "x",
+        "unit": "C",
+        "at": {"x": 1},
+        "any": [1],
+    }
+    assert args(opt="null", any='"s"') == {"opt": None, "any": "s"}
+    assert args(opt="Oslo", unit="F", any="free text") == {"opt": "Oslo", "unit": "F", "any": "free text"}
+    assert args(opt="123") == {"opt": "123"}  # a string-or-null parameter: the digits as written
+
+
 def test_streamed_deltas_carry_each_call_as_header_then_arguments():
     parser = ChatOutputParser(None, TOOLS)
     deltas = parser.push(JSON_CALL + JSON_CALL).delta(0) + parser.finish().delta(2)
@@ -229,7 +275,7 @@ XML_TEMPLATE = (
     "{{- '<parameter=' + args_name + '>\\n' }}"
     "{%- set args_value = args_value | tojson | safe if args_value is mapping or (args_value is sequence and "
     "args_value is not string) else args_value | string %}"
-    "{{- args_value + '\\n</parameter>\\n' }}{%- endfor %}"
+    "{{- args_value }}{{- '\\n</parameter>\\n' }}{%- endfor %}"  # apart, as Qwen3-Coder's: Markup + str escapes
     "{{- '</function>\\n</tool_call>' }}{%- endfor %}"
     "{{- '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}"
@@ -260,6 +306,59 @@ def test_the_tool_choice_grammar_takes_what_the_template_writes(form, xml_model_
         messages=[user("x")], tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}
     )
     assert not accepts({"grammar": structured.tool_grammar(named_time, template_tok)}, template_tok, text)
+
+
+ADDRESS_BOOK = {  # as pydantic (and openai.pydantic_function_tool) write a model: $defs, $ref, nesting
+    "type": "function",
+    "function": {
+        "name": "add_contact",
+        "parameters": {
+            "$defs": {
+                "Address": {
+                    "type": "object",
+                    "properties": {"street": {"type": "string"}, "zip": {"type": "integer"}},
+                    "required": ["street", "zip"],
+                }
+            },
+            "type": "object",
+            "properties": {
+                "home": {"$ref": "#/$defs/Address"},
+                "tags": {"type": "array", "items": {"type": "string", "enum": ["work", "family"]}},
+            },
+            "required": ["home", "tags"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("form", ["json", "xml"])
+def test_tool_choice_grammars_take_refs_and_write_json_as_tojson(form, xml_model_dir):
+    """A tool's parameters are their own JSON schema root (its `$ref`s resolve: they were a 400), and
+    the JSON in a forced call is written as the template's tojson writes it (no free whitespace)."""
+    model_dir = DEFAULT_MODEL_DIR if form == "json" else xml_model_dir
+    call = {"name": "add_contact", "arguments": {"home": {"street": "Storgata 1", "zip": 150}, "tags": ["work"]}}
+    text = rendered_call(model_dir, [ADDRESS_BOOK], call)
+    template_tok = Tokenizer(model_dir)
+    req = P.ChatCompletionRequest(messages=[user("x")], tools=[ADDRESS_BOOK, WEATHER], tool_choice="required")
+    grammar = structured.checked("tool_choice", {"grammar": structured.tool_grammar(req, template_tok)}, template_tok)
+    assert accepts(grammar, template_tok, text), text
+    assert not accepts(grammar, template_tok, text.replace('{"street"', '{ "street"'))
+    assert not accepts(grammar, template_tok, text.replace('"zip": 150', '"zip": "150"'))
+    assert parse(text, tools=[P.Tool.model_validate(ADDRESS_BOOK)]) == (
+        "",
+        "",
+        [(call["name"], json.dumps(call["arguments"]))],
+    )
+
+
+def test_a_forced_call_of_a_tool_without_parameters_has_no_arguments(tok):
+    """OpenAI: leaving out `parameters` defines a function with an empty parameter list (the model
+    filled the arguments with anything)."""
+    ping = {"type": "function", "function": {"name": "ping"}}
+    req = P.ChatCompletionRequest(messages=[user("x")], tools=[ping], tool_choice="required")
+    grammar = {"grammar": structured.tool_grammar(req, tok)}
+    text = rendered_call(DEFAULT_MODEL_DIR, [ping], {"name": "ping", "arguments": {}})
+    assert accepts(grammar, tok, text) and not accepts(grammar, tok, text.replace("{}", '{"x": 1}'))
 
 
 def test_the_reasoning_grammar_lets_the_thinking_through_then_applies(tok):

@@ -44,6 +44,14 @@ def test_tokenize_detokenize_version(live, llm):
     chat = ok(live.post("/tokenize", {"messages": [user("Hi")]}))
     assert chat["tokens"] == tok.encode(tok.apply_chat_template([user("Hi")])) and chat.get("token_strs") is None
     assert ok(live.post("/detokenize", {"tokens": r["tokens"]})) == {"prompt": text}
+    # the chat prompt round-trips, its special tokens too (they were dropped)
+    assert ok(live.post("/detokenize", {"tokens": chat["tokens"]})) == {"prompt": tok.apply_chat_template([user("Hi")])}
+    # vLLM's add_special_tokens: known; nextn adds none, so only false is taken
+    plain = ok(live.post("/tokenize", {"prompt": text, "add_special_tokens": False}))
+    assert plain["tokens"] == r["tokens"]
+    special = live.post("/tokenize", {"prompt": text, "add_special_tokens": True})
+    assert special.status_code == 400 and special.json()["error"]["param"] == "add_special_tokens"
+    assert "not supported" in special.json()["error"]["message"]
     bad = live.post("/detokenize", {"tokens": [1, 10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     both = live.post("/tokenize", {"prompt": "x", "messages": [user("x")]})

@@ -150,7 +150,8 @@ def add_routes(app: FastAPI, srv: Server) -> None:
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
-        return R.DetokenizeResponse(prompt=llm.tokenizer.decode(req.tokens))
+        # special tokens kept (as vLLM's): /tokenize of chat messages round-trips to the rendered prompt
+        return R.DetokenizeResponse(prompt=llm.tokenizer.decode(req.tokens, skip_special_tokens=False))
 
     @app.get("/version")
     async def version_route() -> dict[str, str]:

@@ -68,9 +68,10 @@ class ChatOutputParser:
 
     `reasoning`: None without a reasoning parser (all text is content), else where the reply starts.
     `tools`: the request's tools when their calls are parsed (None: `<tool_call>` is plain content).
+    `parallel`: False (the request's parallel_tool_calls) keeps the first call only, as vLLM does.
     """
 
-    def __init__(self, reasoning: ReasoningStart | None, tools: list[P.Tool] | None):
+    def __init__(self, reasoning: ReasoningStart | None, tools: list[P.Tool] | None, parallel: bool = True):
         self.state = {None: "text", "after": "text", "inside": "think", "maybe": "maybe"}[reasoning]
         self.schemas = {t.function.name: t.function.parameters or {} for t in tools} if tools is not None else None
         self.buf = ""  # text received and not yet given out
@@ -78,6 +79,7 @@ class ChatOutputParser:
         self.strip_lead = False  # drop the content's leading whitespace (after </think> or a call)
         self.ws_before_call = ""  # pending_ws when a block opened: given back if it is no call
         self.num_calls = 0
+        self.parallel = parallel
 
     def push(self, text: str) -> Parts:
         self.buf += text
@@ -155,6 +157,8 @@ class ChatOutputParser:
             self.pending_ws = self.ws_before_call
             self._content(CALL_START + body + (CALL_END if closed else ""), parts)
             return
+        if self.num_calls and not self.parallel:  # a call past the first: dropped, not content
+            return
         name, args = call
         self.num_calls += 1
         fn = R.FunctionCallOut(name=name, arguments=json.dumps(args, ensure_ascii=False))
@@ -175,9 +179,10 @@ def parse_tool_call(body: str, schemas: dict[str, dict]) -> tuple[str, dict[str,
     """(name, arguments) of one `<tool_call>` body, JSON or XML; None if it is neither."""
     m = _FUNCTION.fullmatch(body)
     if m:
-        props, _ = schema_properties(schemas.get(m.group(1)))
+        parameters = schemas.get(m.group(1))
+        props, _ = schema_properties(parameters)
         return m.group(1), {
-            p: _xml_value(v.removeprefix("\n").removesuffix("\n"), props.get(p))
+            p: _xml_value(v.removeprefix("\n").removesuffix("\n"), props.get(p), parameters)
             for p, v in _PARAMETER.findall(m.group(2))
         }
     try:
@@ -198,20 +203,50 @@ def schema_properties(parameters: dict | None) -> tuple[dict, set[str]]:
     return (props if isinstance(props, dict) else {}), {r for r in required if isinstance(r, str)}
 
 
-def _xml_value(text: str, schema: Any) -> Any:
-    """An XML parameter's text as its schema's type: strings as written (the templates write them
-    raw), booleans as the templates write them (Python's True/False) or JSON, the rest as JSON."""
-    types = schema.get("type") if isinstance(schema, dict) else None
-    types = (
-        {t for t in types if isinstance(t, str)}
-        if isinstance(types, list)
-        else {types if isinstance(types, str) else None}
-    )
-    if not types - {None, "string"}:
+def _xml_value(text: str, schema: Any, parameters: Any) -> Any:
+    """An XML parameter's text as its schema's types (`parameters`: the tool's schema, the root of
+    its `$ref`s): strings as written (the templates write them raw), booleans as the templates write
+    them (Python's True/False) or JSON, the rest as JSON. A schema that names no type (`anyOf`, `$ref`,
+    `enum`, {}) takes JSON when the text is JSON, as the tool_choice grammar writes such a value
+    (a string-only one, as `{"enum": ["C", "F"]}`, it writes raw, as a string schema's)."""
+    if schema is None:  # a parameter the tool does not declare
+        return text
+    types = schema_types(schema, parameters)
+    if types <= {"string"}:
         return text
     if "boolean" in types and text.strip().lower() in ("true", "false"):
         return text.strip().lower() == "true"
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except ValueError:
         return text
+    kind = _JSON_TYPES.get(type(value))
+    if "string" in types and None not in types and kind not in types and not (kind == "integer" and "number" in types):
+        return text  # `123` for a string-or-null parameter: the string, as written
+    return value
+
+
+_JSON_TYPES = {type(None): "null", bool: "boolean", int: "integer", float: "number"}
+_JSON_TYPES |= {str: "string", list: "array", dict: "object"}
+
+
+def schema_types(schema: Any, root: Any, depth: int = 0) -> set[str | None]:
+    """The JSON types `schema` allows, read from `type`, or through `$ref` (into `root`), `anyOf` /
+    `oneOf`, `enum` and `const`; None in the set when a schema says nothing it can read."""
+    if not isinstance(schema, dict) or depth > 16:
+        return {None}
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        return {t for t in types if isinstance(t, str)} or {"string"}  # a type it cannot read: the text
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        target = root
+        for key in filter(None, ref[1:].split("/")):
+            key = key.replace("~1", "/").replace("~0", "~")
+            target = target.get(key) if isinstance(target, dict) else None
+        return schema_types(target, root, depth + 1)
+    branches = [b for k in ("anyOf", "oneOf") if isinstance(schema.get(k), list) for b in schema[k]]
+    if branches:
+        return set().union(*(schema_types(b, root, depth + 1) for b in branches))
+    values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else []
+    return {_JSON_TYPES.get(type(v)) for v in values} or {None}

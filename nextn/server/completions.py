@@ -137,9 +137,10 @@ def echo_prefix(req: P.ChatCompletionRequest) -> str:
 
 
 def output_parser(req: P.ChatCompletionRequest, reasoning: ReasoningStart | None) -> ChatOutputParser:
-    """The reply's parser: tool calls are parsed when the request gives tools and allows calls."""
+    """The reply's parser: tool calls are parsed when the request gives tools and allows calls
+    (without parallel_tool_calls, one: "auto" has no grammar to hold the model to it)."""
     tools = req.tools if req.tools and req.tool_choice != "none" else None
-    return ChatOutputParser(reasoning, tools)
+    return ChatOutputParser(reasoning, tools, req.parallel_tool_calls)
 
 
 def finish_reason(out: RequestOutput, num_calls: int) -> str | None:

@@ -325,6 +325,9 @@ class CompletionRequest(SamplingRequest):
 class TokenizeRequest(ChatTemplateFields):
     """vLLM's /tokenize: a `prompt`, or chat `messages` rendered with the chat template."""
 
+    # vLLM's; nextn's prompts never get special tokens added by the tokenizer (as the engine sees them)
+    unsupported: ClassVar[dict[str, Any]] = {"add_special_tokens": False, "continue_final_message": False}
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)

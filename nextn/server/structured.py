@@ -19,7 +19,15 @@ from llguidance.gbnf_to_lark import any_to_lark
 from nextn.core import STRUCTURED_OUTPUT_KEYS
 from nextn.grammar import choice_terminal, compile_grammar, json_schema
 from nextn.server import protocol as P
-from nextn.server.chat_output import CALL_END, CALL_START, THINK_END, THINK_START, ReasoningStart, schema_properties
+from nextn.server.chat_output import (
+    CALL_END,
+    CALL_START,
+    THINK_END,
+    THINK_START,
+    ReasoningStart,
+    schema_properties,
+    schema_types,
+)
 from nextn.server.protocol import FieldError
 from nextn.tokenizer import Tokenizer
 
@@ -84,20 +92,17 @@ def tool_grammar(req: P.ChatCompletionRequest, tok: Tokenizer) -> str | None:
 
 
 def _json_calls(tools: list[P.Tool]) -> str:
-    """`{"name": ..., "arguments": {...}}`: one JSON schema for the tools' calls."""
-    schemas = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    return f"fn: %json {json.dumps(schemas[0] if len(schemas) == 1 else {'anyOf': schemas})}"
+    """`{"name": ..., "arguments": {...}}` as the template writes it: the head as text, the arguments
+    as JSON against the tool's parameters schema at its own root (so its `$ref`s resolve)."""
+    rules = [f"fn: {' | '.join(f'f{i}' for i in range(len(tools)))}"]
+    for i, t in enumerate(tools):
+        head = json.dumps(f'{{"name": {json.dumps(t.function.name, ensure_ascii=False)}, "arguments": ')
+        rules.append(f'f{i}: {head} a{i} "}}"')
+        parameters = t.function.parameters
+        if parameters is None:  # OpenAI's "no parameters": the arguments are {}, not any object
+            parameters = {"properties": {}, "additionalProperties": False}
+        rules.append(f"a{i}: {_json_value({'type': 'object', **parameters}, {})}")
+    return "\n".join(rules)
 
 
 def _xml_calls(tools: list[P.Tool]) -> str:
@@ -108,16 +113,29 @@ def _xml_calls(tools: list[P.Tool]) -> str:
         props, required = schema_properties(t.function.parameters)
         items = []
         for j, (name, schema) in enumerate(props.items()):
-            is_str = isinstance(schema, dict) and schema.get("type") == "string"
+            # strings raw, as the parser reads them (by its types: `{"enum": ["C", "F"]}` is one too)
+            is_str = schema_types(schema, t.function.parameters) <= {"string"}
             value = "xstr" if is_str else f'v{i}_{j} "\\n"'
             if not is_str:
-                rules.append(f"v{i}_{j}: %json {json.dumps(schema)}")
+                rules.append(f"v{i}_{j}: {_json_value(schema, t.function.parameters or {})}")
             head = json.dumps(f"<parameter={name}>\n")
             rules.append(f'p{i}_{j}: {head} {value} "</parameter>\\n"')
             items.append(f"p{i}_{j}" + ("" if name in required else "?"))
         head = json.dumps(f"<function={t.function.name}>\n")
         rules.append(f'f{i}: {head} {" ".join(items)} "</function>"')
     return "\n".join(rules)
+
+
+def _json_value(schema: Any, parameters: dict) -> str:
+    """`%json` of `schema` (a tool's parameters, or one parameter's schema in them), written as the
+    template's `tojson` writes it (json.dumps' separators, one line: a bare `%json` lets a small
+    model fill its budget with whitespace), with the parameters' definitions for its `$ref`s."""
+    if isinstance(schema, dict):
+        schema = {**{k: parameters[k] for k in ("$defs", "definitions") if k in parameters}, **schema}
+    try:
+        return f"%json {json.dumps(json_schema(schema))}"
+    except ValueError as e:
+        raise FieldError("tool_choice", f"a tool's parameters schema: {e}") from None
 
 
 def _marker(text: str, tok: Tokenizer) -> str:
