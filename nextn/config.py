@@ -21,6 +21,7 @@ FULL = "full_attention"
 # Rows of one decode / verify step: the pending token and up to STEP_ROWS - 1 drafts. Every step
 # computes its rows at this fixed shape, so a row's arithmetic never depends on the row count.
 STEP_ROWS = 16
+PREFILL_CHUNK = 2048  # at most this many tokens per chunked prefill forward: bounds attention score memory
 # the context a sequence gets unless max_model_len says otherwise (the checkpoint's own, if shorter)
 DEFAULT_MAX_MODEL_LEN = 8192
 KERNELS = ("auto", "torch", "triton")
@@ -216,6 +217,15 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < STEP_ROWS:
             raise ValueError(f"max_num_batched_tokens must be >= {STEP_ROWS}, got {self.max_num_batched_tokens}")
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Tokens per chunked prefill forward. Where a prompt is cut changes its arithmetic, so it is
+        cut at the same places (multiples of this from its first uncached token) whatever runs beside
+        it: a step prefills whole chunks only, and a chunk fits the budget a step leaves when every
+        slot's round (up to STEP_ROWS rows each) runs beside it (at most PREFILL_CHUNK, a multiple of 64)."""
+        room = self.max_num_batched_tokens - self.max_num_seqs * STEP_ROWS
+        return max(STEP_ROWS, min(PREFILL_CHUNK, room) // 64 * 64)
 
 
 # the checkpoint bundled with the package: the default model of every command

@@ -73,7 +73,9 @@ def test_a_request_asking_for_more_drafts_than_the_engine_is_refused(engine):
 
 def test_a_long_prompt_is_prefilled_over_steps_while_a_stream_runs(dense_fitted_ckpt):
     """With a small token budget a long prompt is prefilled a chunk per step; the running stream
-    gets a round every step meanwhile; both outputs equal their outputs alone."""
+    gets a round every step meanwhile; both outputs equal their outputs alone, bitwise: the prompt's
+    and the tokens' logprobs too (the prompt was cut where the budget left by the stream's rows
+    fell, 28 tokens a step here against 32 alone, and those cuts changed its logits by ~1e-5)."""
     llm = nextn.LLM(
         model=dense_fitted_ckpt,
         device=DEVICE,
@@ -85,14 +87,17 @@ def test_a_long_prompt_is_prefilled_over_steps_while_a_stream_runs(dense_fitted_
     )
     engine = llm.engine
     short, long = _P[1], (_P[0] + _P[1] + _P[2]) * 2 + _P[0]  # 11 and 88 tokens
-    params = nextn.SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+    params = nextn.SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0, logprobs=2, prompt_logprobs=2)
+
+    def result(out):
+        return out.token_ids, out.logprobs, out.prompt_logprobs
 
     def alone(prompt):
         req = engine.add(prompt, params)
         while True:
             for r, ev in engine.step():
                 if r is req and ev.output is not None:
-                    return ev.output.token_ids
+                    return result(ev.output)
 
     expected = [alone(short), alone(long)]
     stream = engine.add(short, params)
@@ -110,7 +115,7 @@ def test_a_long_prompt_is_prefilled_over_steps_while_a_stream_runs(dense_fitted_
             assert stream_events, "the stream stalled while a prompt was prefilled"
         for r, ev in events:
             if ev.output is not None:
-                outputs[r.request_id] = ev.output.token_ids
+                outputs[r.request_id] = result(ev.output)
     assert prefill_steps >= 3  # 88 tokens at most 28 a step (the stream's 4 rows take the rest)
     assert [outputs[stream.request_id], outputs[late.request_id]] == expected
 
@@ -157,3 +162,44 @@ def test_prompt_ids_from_numpy_or_torch_are_token_ids(dense_ckpt):
         llm.generate(prompt_token_ids=[True, 6], params=params)
     with pytest.raises(nextn.RequestError, match="a str or a list of token ids, got ndarray"):
         llm.generate([np.array([5, 6, 7])], params)
+
+
+def test_a_request_failing_mid_output_fails_alone(engine):
+    """A grammar llguidance fails on once its first token is consumed (a RequestError read with its
+    round) failed every request of its batch; the others now run on, as they run alone."""
+    bad = nextn.SamplingParams(max_tokens=6, temperature=0, structured_outputs={"regex": "a{1000}{1000}"})
+    free = [(_P[0], dict(temperature=0.0)), (_P[1], dict(_SAMPLED, seed=5))]
+    alone = [engine_output(engine, p, sampling, k=3, max_tokens=12, ignore_eos=True) for p, sampling in free]
+    params = [nextn.SamplingParams(max_tokens=12, ignore_eos=True, **sampling) for _, sampling in free]
+    reqs = [engine.add(free[0][0], params[0]), engine.add(_P[2], bad), engine.add(free[1][0], params[1])]
+    results = {}
+    while len(results) < 3:
+        for req, ev in engine.step():
+            if isinstance(ev, BaseException) or ev.output is not None:
+                results[req.request_id] = ev
+    assert isinstance(results[reqs[1].request_id], nextn.RequestError)
+    assert [results[r.request_id].output.token_ids for r in (reqs[0], reqs[2])] == alone
+    assert not engine.has_work and len(engine.scheduler.free) == engine.scheduler.num_slots
+
+
+def test_open_streams_and_generate_interleave(engine, monkeypatch):
+    """Each LLM loop stepped the engine for its own request and dropped the events of the others: a
+    stream left open across a generate (or another stream) never got its output and stepped an idle
+    engine forever. Now every request's events wait for their reader; each equals its output alone."""
+    llm = nextn.LLM.of_engine(engine)  # the module's engine, through the API's loops
+    params = [nextn.SamplingParams(max_tokens=8 + 3 * i, ignore_eos=True, temperature=0.0) for i in range(3)]
+    alone = [llm.generate(prompt_token_ids=_P[i], params=params[i]).token_ids for i in range(3)]
+    step = engine.step
+
+    def guarded():
+        assert engine.has_work, "stepped an idle engine: a request's events were lost"
+        return step()
+
+    monkeypatch.setattr(engine, "step", guarded)
+    first, second = llm.stream(_P[0], params[0]), llm.stream(_P[1], params[1])
+    head = [next(first), next(second), next(first)]
+    third = llm.generate([_P[2]], params[2])[0]  # runs the open streams' rounds too
+    streamed = [head[0::2] + list(first), head[1:2] + list(second)]
+    assert [sum((ev.token_ids for ev in evs), []) for evs in streamed] + [third.token_ids] == alone
+    assert [evs[-1].output.token_ids for evs in streamed] == alone[:2]
+    assert not llm._boxes and not engine.has_work

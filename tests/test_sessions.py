@@ -59,3 +59,22 @@ def test_resumed_equals_cold_on_the_gpu(dense_fitted_ckpt, sampling):
         assert resumed.token_ids == cold.generate(prompt_token_ids=prompt, params=params).token_ids
         prompt = prompt + resumed.token_ids
     assert resumed.cached_tokens > 0
+
+
+def test_a_request_waiting_for_a_slot_is_one_session_lookup():
+    """The scheduler counted a lookup each step a session request waited for a slot (every slot
+    running), inflating nextn:session_lookups_total against its hits."""
+    from nextn.engine.scheduler import Request, Scheduler
+
+    sched = Scheduler(1)
+    first = Request([1, 2, 3], GREEDY, use_sessions=True)
+    sched.add(first)
+    assert sched.admit() == [first]
+    waiting = Request([1, 2, 3, 4], GREEDY, use_sessions=True)
+    sched.add(waiting)
+    for _ in range(3):
+        assert sched.admit() == []
+    first.seq.tokens = [1, 2, 3]
+    sched.finish(first, keep=True)
+    assert sched.admit() == [waiting] and waiting.cached == 3
+    assert (sched.counters.lookups, sched.counters.hits) == (2, 1)

@@ -171,8 +171,7 @@ def test_a_step_not_committed_leaves_the_committed_state(dense_ckpt):
 def _generate(ckpt, k, prompt, max_tokens, graphs=True):
     engine = _engine(ckpt, "bfloat16", k=k)
     engine.runner.use_graphs = graphs and DEVICE == "cuda"
-    llm = nextn.LLM.__new__(nextn.LLM)  # the engine above, through the API's loop
-    llm.engine, llm.config, llm.tokenizer, llm.model = engine, engine.config, engine.tokenizer, engine.model
+    llm = nextn.LLM.of_engine(engine)  # the engine above, through the API's loop
     out = llm.generate(
         prompt_token_ids=list(prompt),
         params=nextn.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
@@ -208,8 +207,7 @@ def test_greedy_spec_equals_plain_bf16(name, ks, prompt, n, request):
 def test_graph_rounds_equal_eager_rounds(dense_fitted_ckpt, temperature):
     """Rounds replayed as CUDA graphs draft, accept and emit what the same rounds run eagerly do."""
     engine = _engine(dense_fitted_ckpt, "bfloat16", k=3)
-    llm = nextn.LLM.__new__(nextn.LLM)
-    llm.engine, llm.config, llm.tokenizer, llm.model = engine, engine.config, engine.tokenizer, engine.model
+    llm = nextn.LLM.of_engine(engine)
     params = nextn.SamplingParams(max_tokens=24, temperature=temperature, seed=7, ignore_eos=True)
     runs = []
     for graphs in (True, False):

@@ -206,7 +206,10 @@ class Engine:
         state, prompt, seq = self.prefilling[req.request_id], req.prompt_ids, req.seq
         t0 = time.perf_counter()
         lo = state.done
-        hi = min(len(prompt), lo + budget, state.split if lo < state.split else len(prompt))
+        end = state.split if lo < state.split else len(prompt)
+        hi = min(end, lo + budget)
+        if self.config.prefill == "chunked" and hi < end:  # whole chunks (EngineConfig.prefill_chunk)
+            hi = lo + (hi - lo) // self.config.prefill_chunk * self.config.prefill_chunk
         if hi > lo:
             self.runner.extend(seq, prompt[lo:hi], on_logits=self._prompt_logprobs(req, state, lo))
             state.done = hi
@@ -279,12 +282,14 @@ class Engine:
         """One engine step of the running requests (nextn.engine.rounds.advance), each request's
         round turned into its event."""
         lives = [self.live[req.request_id] for req in reqs]
-        try:
-            rounds, sizes = advance(self.runner, self.proposer, [live.rounds for live in lives])
-        except Exception as e:  # a round that cannot run fails its requests (the engine serves on)
-            return [self._fail(req, e) for req in reqs]
+        # a round that cannot run, or a read that fails (a grammar failing mid-output), fails its
+        # request alone: the others' rounds stand (the engine serves on)
+        rounds, sizes = advance(self.runner, self.proposer, [live.rounds for live in lives], isolate=True)
         self.batch_sizes.update(sizes)
-        return [(req, self._postprocess(req, live, r)) for req, live, r in zip(reqs, lives, rounds, strict=True)]
+        return [
+            self._fail(req, r) if isinstance(r, Exception) else (req, self._postprocess(req, live, r))
+            for req, live, r in zip(reqs, lives, rounds, strict=True)
+        ]
 
     def _postprocess(self, req: Request, live: _Live, r: Round) -> StreamEvent:
         ids, finish_reason = r.token_ids, r.finish_reason

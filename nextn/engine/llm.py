@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -96,6 +97,7 @@ class LLM:
         device = resolve_device(device)  # before a download: a CUDA request on a CPU torch fails at once
         check_kernels(kernels, device)
         model_dir = resolve_model(model)
+        self._boxes: dict[int, deque] = {}
         self._ranks = _start_ranks(tensor_parallel_size, device, model_dir, settings)
         try:
             self._load(model, model_dir, rank_device(device), dtype, k, settings)
@@ -279,25 +281,53 @@ class LLM:
         """
         params = params or self.default_sampling_params()
         ids = self.prompt_ids(prompt_token_ids, prompt, params)
-        return self._run(self.engine.add(ids, params, use_sessions, checkpoint_at), prompt, ids)
+        return self._run(self._add(ids, params, use_sessions, checkpoint_at), prompt, ids)
 
     def _run(self, req, prompt: str | None, ids: list[int]) -> Iterator[StreamEvent]:
         done = False
         try:
             while not done:
-                for r, ev in self.engine.step():
-                    if r is not req:
-                        continue
-                    if isinstance(ev, BaseException):
-                        done = True
-                        raise ev
-                    if ev.output is not None:
-                        done = True
-                        ev.output.prompt, ev.output.prompt_token_ids = prompt, ids
-                    yield ev
+                ev = self._next_event(req)
+                if isinstance(ev, BaseException):
+                    done = True
+                    raise ev
+                if ev.output is not None:
+                    done = True
+                    ev.output.prompt, ev.output.prompt_token_ids = prompt, ids
+                yield ev
         finally:
+            self._boxes.pop(req.request_id, None)
             if not done:  # the consumer stopped early: rounds are atomic, the slot stays consistent
                 self.engine.abort(req)
+
+    # --- the engine loop, shared by every open caller: any caller's engine step (a stream,
+    # generate) advances every request, so each event goes to its request's box in self._boxes
+    # (request id -> its events not yet taken): open streams interleave with each other and with
+    # generate, none losing its events
+
+    @classmethod
+    def of_engine(cls, engine: Engine) -> LLM:
+        """An LLM over an engine built elsewhere (tests drive a hand-made engine through its loops)."""
+        llm = cls.__new__(cls)
+        llm._ranks, llm._boxes = None, {}
+        llm.engine, llm.config, llm.tokenizer, llm.model = engine, engine.config, engine.tokenizer, engine.model
+        return llm
+
+    def _add(self, ids: list[int], params: SamplingParams, use_sessions: bool, checkpoint_at: int | None = None):
+        req = self.engine.add(ids, params, use_sessions, checkpoint_at)
+        self._boxes[req.request_id] = deque()
+        return req
+
+    def _next_event(self, req) -> StreamEvent | BaseException:
+        """The request's next event, stepping the engine until there is one."""
+        box = self._boxes[req.request_id]
+        while not box:
+            if not self.engine.has_work:  # (its last event was taken: no step would bring another)
+                raise RuntimeError(f"request {req.request_id} is no longer in the engine")
+            for r, ev in self.engine.step():
+                if r.request_id in self._boxes:  # else nobody waits for it (aborted)
+                    self._boxes[r.request_id].append(ev)
+        return box.popleft()
 
     # --- many requests
 
@@ -341,13 +371,10 @@ class LLM:
         reqs, outputs = [], [None] * len(ids)
         try:
             for p, sp in zip(ids, params, strict=True):  # a bad grammar raises here: the ones added are aborted
-                reqs.append(self.engine.add(p, sp, use_sessions))
-            order = {req.request_id: i for i, req in enumerate(reqs)}
-            while any(o is None for o in outputs):
-                for req, ev in self.engine.step():
-                    i = order.get(req.request_id)
-                    if i is None:
-                        continue
+                reqs.append(self._add(p, sp, use_sessions))
+            for i, req in enumerate(reqs):  # the steps run for one advance them all
+                while outputs[i] is None:
+                    ev = self._next_event(req)
                     if isinstance(ev, BaseException):
                         raise ev
                     if ev.output is not None:
@@ -355,6 +382,7 @@ class LLM:
                         ev.output.prompt, ev.output.prompt_token_ids = texts[i], ids[i]
         finally:
             for req, out in zip(reqs, outputs, strict=False):
+                self._boxes.pop(req.request_id, None)
                 if out is None:
                     self.engine.abort(req)
         return outputs

@@ -188,19 +188,40 @@ def _accept(m: Member, before: torch.Tensor, num_drafts: torch.Tensor, heads: bo
 
 
 @torch.inference_mode()
-def advance(runner, proposer, rounds: list[RequestRounds]) -> tuple[list[Round], list[int]]:
+def advance(
+    runner, proposer, rounds: list[RequestRounds], isolate: bool = False
+) -> tuple[list[Round | Exception], list[int]]:
     """One engine step of these requests: a batched round for those with none in flight, one
     queued ahead for those that can, then (eagerly, apart) a round of the constrained requests
     with none in flight, then each one's oldest round read. Returns the rounds read and the sizes
-    of the batches launched."""
+    of the batches launched. isolate: a request whose launch or read raises (its grammar failing
+    mid-output is a RequestError of that request alone) gets the exception in place of its Round
+    and the others' rounds stand (no round writes another slot); else the exception propagates."""
     sizes, needs, ahead = [], RequestRounds.needs_round, RequestRounds.wants_ahead
     free, constrained = [r for r in rounds if r.grammar is None], [r for r in rounds if r.grammar is not None]
+    failed: dict[int, Exception] = {}  # id of a request's rounds -> what its launch raised
     for wanted, among in ((needs, free), (ahead, free), (needs, constrained)):
-        group = [r for r in among if wanted(r)]
+        group = [r for r in among if wanted(r) and id(r) not in failed]
         if group:
-            launch(runner, proposer, group)
+            try:
+                launch(runner, proposer, group)
+            except Exception as e:
+                if not isolate:
+                    raise
+                failed.update(dict.fromkeys(map(id, group), e))
+                continue
             sizes.append(len(group))
-    return [r.read() for r in rounds], sizes
+    return [failed[id(r)] if id(r) in failed else _read(r, isolate) for r in rounds], sizes
+
+
+def _read(rounds: RequestRounds, isolate: bool) -> Round | Exception:
+    """The request's oldest round (isolate: what reading it raised, in its place)."""
+    if not isolate:
+        return rounds.read()
+    try:
+        return rounds.read()
+    except Exception as e:
+        return e
 
 
 @torch.inference_mode()

@@ -31,7 +31,6 @@ from nextn.ops import OPS
 
 log = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 2048  # tokens per chunked prefill forward: bounds attention score memory
 MAX_GRAPHS = 128  # captured graphs kept (one per batch composition); past it they are dropped and recaptured
 STEPS = {"torch": ReferenceStep, "triton": TritonStep}
 
@@ -179,7 +178,7 @@ class ModelRunner:
     ) -> None:
         """Prefill token_ids after the sequence's committed tokens and commit them.
 
-        "chunked": the module forward over up to PREFILL_CHUNK tokens per call (states to the
+        "chunked": the module forward over config.prefill_chunk tokens per call (states to the
         slot's home); "steps": the decode step over STEP_ROWS tokens at a time, so every token's
         state is computed with the same per-row arithmetic however the sequence was split into
         requests (a resumed session equals a cold run bitwise). on_logits(start, logits [T, V]):
@@ -189,7 +188,7 @@ class ModelRunner:
         if len(seq.tokens) + len(token_ids) > cache.max_len:
             raise ValueError(f"{len(seq.tokens) + len(token_ids)} tokens exceed the context of {cache.max_len}")
         steps = self.config.prefill == "steps"
-        chunk = STEP_ROWS if steps else PREFILL_CHUNK
+        chunk = STEP_ROWS if steps else self.config.prefill_chunk
         for s in range(0, len(token_ids), chunk):
             piece = token_ids[s : s + chunk]
             if steps:
@@ -228,7 +227,7 @@ class ModelRunner:
         own arithmetic, however the sequence was split)."""
         ids, hidden = seq.take_rows()
         cache, first = self.slot(seq.slot), seq.draft_len + 1
-        chunk = STEP_ROWS if self.config.prefill == "steps" else PREFILL_CHUNK
+        chunk = STEP_ROWS if self.config.prefill == "steps" else self.config.prefill_chunk
         for s in range(0, len(ids), chunk):
             piece, rows = torch.tensor(ids[s : s + chunk], device=self.device), hidden[s : s + chunk]
             if chunk == STEP_ROWS:

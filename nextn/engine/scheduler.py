@@ -90,12 +90,13 @@ class Scheduler:
                     break
                 req.seq = Sequence(slot, heads=False)
             self.waiting.popleft()
+            # counted once admitted: a request that waits for a slot looks again every step
+            self.counters.lookups += int(req.use_sessions)
             self.running.append(req)
             admitted.append(req)
         return admitted
 
     def _session_for(self, req: Request) -> Sequence | None:
-        self.counters.lookups += 1
         best, best_len, best_rewind = None, 0, False
         for slot, seq in self.sessions.items():
             n, rewind = usable_prefix(seq, req.prompt_ids)
