@@ -182,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
-        help="tokens per engine step: the running requests' rows, then chunks of prompts being prefilled",
+        default=None,
+        help="tokens per engine step: the running requests' rows, then chunks of prompts being prefilled "
+        "(default 2048 plus 16 per slot: prompts then prefill in 2048-token chunks)",
     )
     s.add_argument("--max-queue", type=int, default=64)
     s.add_argument(

@@ -178,8 +178,9 @@ class EngineConfig:
     # prompt prefill: "chunked" (fast) or "steps" (the decode step's arithmetic: resumed == cold bitwise)
     prefill: str = "chunked"
     # tokens one engine step computes: the running requests' round rows, then prompt tokens of
-    # requests being prefilled (a long prompt is prefilled over several steps while streams run)
-    max_num_batched_tokens: int = 2048
+    # requests being prefilled (a long prompt is prefilled over several steps while streams run);
+    # None: PREFILL_CHUNK plus every slot's round rows, so prompts prefill in whole PREFILL_CHUNKs
+    max_num_batched_tokens: int | None = None
     # "fp8": the checkpoint's bf16 weights quantized at load (an FP8 checkpoint loads as it is either way)
     quantization: str | None = None
     # ranks the model is sharded over (nextn.parallel: one process per rank, cuda:<rank> on CUDA);
@@ -215,6 +216,8 @@ class EngineConfig:
             object.__setattr__(self, "max_num_seqs", 16 if self.device.startswith("cuda") else 8)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", PREFILL_CHUNK + self.max_num_seqs * STEP_ROWS)
         if self.max_num_batched_tokens < STEP_ROWS:
             raise ValueError(f"max_num_batched_tokens must be >= {STEP_ROWS}, got {self.max_num_batched_tokens}")
 

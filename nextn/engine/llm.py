@@ -64,7 +64,7 @@ class LLM:
         max_num_seqs: int | None = None,
         kernels: str = "auto",
         prefill: str = "chunked",
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         speculative_config: dict | None = None,
         quantization: str | None = None,
         draft_vocab: str | Path | DraftVocab | None = None,
