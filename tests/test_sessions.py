@@ -78,3 +78,19 @@ def test_a_request_waiting_for_a_slot_is_one_session_lookup():
     sched.finish(first, keep=True)
     assert sched.admit() == [waiting] and waiting.cached == 3
     assert (sched.counters.lookups, sched.counters.hits) == (2, 1)
+
+
+def test_a_session_request_ended_before_its_prefill_frees_its_slot():
+    """A session request aborted before any prompt chunk was prefilled was kept as a session of no
+    tokens: it matched no prompt and held its slot until evicted. Its slot goes back free."""
+    from nextn.engine.scheduler import Request, Scheduler
+
+    sched = Scheduler(2)
+    empty, full = Request([1, 2, 3], GREEDY, use_sessions=True), Request([4, 5], GREEDY, use_sessions=True)
+    sched.add(empty)
+    sched.add(full)
+    assert sched.admit() == [empty, full]
+    full.seq.tokens = [4, 5]
+    sched.finish(empty, keep=True)
+    sched.finish(full, keep=True)
+    assert list(sched.sessions) == [full.seq.slot] and sched.free == [empty.seq.slot]

@@ -120,9 +120,10 @@ class Scheduler:
         return None
 
     def finish(self, req: Request, keep: bool) -> None:
-        """The request is over: its slot becomes a kept session (keep) or free."""
+        """The request is over: its slot becomes a kept session (keep, and it holds tokens: one aborted
+        before its first prefill chunk could match no prompt and would hold the slot till evicted) or free."""
         self.running.remove(req)
-        if keep:
+        if keep and req.seq.tokens:
             self.sessions[req.seq.slot] = req.seq
         else:
             self.free.append(req.seq.slot)
