@@ -171,6 +171,8 @@ class Bench:
         while live:
             reads, _ = advance(runner, proposer, [rounds[b] for b in live])
             for b, r in zip(list(live), reads, strict=True):
+                if isinstance(r, Exception):
+                    raise r
                 ids[b] += r.token_ids
                 if r.finish_reason is not None:
                     rounds[b].close()

@@ -5,11 +5,12 @@ The checkpoint's own hyperparameters are nextn.model_config's.
 
 from __future__ import annotations
 
-import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from nextn.core import checked_number
 
 if TYPE_CHECKING:
     from nextn.spec.draft_vocab import DraftVocab
@@ -103,12 +104,11 @@ def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str | None) -> str:
 
 
 def _check_ints(config, *names: str) -> None:
-    """The named fields of a config are integers (numpy's too), not bools or floats: a float count
-    would fail deep inside an allocation, and True would silently mean 1."""
+    """The named fields of a frozen config as Python ints (nextn.core.checked_number; None stays)."""
     for name in names:
         value = getattr(config, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if value is not None:
+            object.__setattr__(config, name, checked_number(name, value, integer=True))
 
 
 @dataclass(frozen=True)
@@ -135,8 +135,7 @@ class SpecConfig:
 
     def __post_init__(self):
         _check_ints(self, "num_speculative_tokens")
-        if isinstance(self.p_min, bool) or not isinstance(self.p_min, numbers.Real):
-            raise ValueError(f"p_min must be a number, got {self.p_min!r}")
+        object.__setattr__(self, "p_min", checked_number("p_min", self.p_min, integer=False))
         # a verify step holds the pending token and the drafts in STEP_ROWS rows
         if not 0 <= self.num_speculative_tokens < STEP_ROWS:
             raise ValueError(f"num_speculative_tokens must be in 0..{STEP_ROWS - 1}, got {self.num_speculative_tokens}")

@@ -21,6 +21,18 @@ OPTIONAL_FIELDS = ("seed", "logprobs", "prompt_logprobs")
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
+def checked_number(name: str, value, integer: bool, optional: bool = False):
+    """value as Python's int (integer) or float, numpy's numbers included; a bool, a str or a float
+    where an integer is due is a ValueError naming the field (it would fail deep in the engine, or
+    True would silently mean 1). None passes when optional."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{name} must be {kind}{' or None' if optional else ''}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
 class RequestError(ValueError):
     """A request the engine refuses (the engine stays usable)."""
 
@@ -85,14 +97,8 @@ class SamplingParams:
         temperature in a comparison); `stop` and `stop_token_ids` as tuples, a str one stop string
         (as in vLLM), not a set of one-character ones."""
         for name in INT_FIELDS + FLOAT_FIELDS:
-            value = getattr(self, name)
-            if value is None and name in OPTIONAL_FIELDS:
-                continue
-            integer = name in INT_FIELDS
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
-                kind = "an integer" if integer else "a number"
-                raise ValueError(f"{name} must be {kind}{' or None' if name in OPTIONAL_FIELDS else ''}, got {value!r}")
-            object.__setattr__(self, name, int(value) if integer else float(value))  # numpy's too, as Python's
+            value = checked_number(name, getattr(self, name), name in INT_FIELDS, name in OPTIONAL_FIELDS)
+            object.__setattr__(self, name, value)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop

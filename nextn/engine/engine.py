@@ -284,7 +284,7 @@ class Engine:
         lives = [self.live[req.request_id] for req in reqs]
         # a round that cannot run, or a read that fails (a grammar failing mid-output), fails its
         # request alone: the others' rounds stand (the engine serves on)
-        rounds, sizes = advance(self.runner, self.proposer, [live.rounds for live in lives], isolate=True)
+        rounds, sizes = advance(self.runner, self.proposer, [live.rounds for live in lives])
         self.batch_sizes.update(sizes)
         return [
             self._fail(req, r) if isinstance(r, Exception) else (req, self._postprocess(req, live, r))

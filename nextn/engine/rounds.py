@@ -188,36 +188,30 @@ def _accept(m: Member, before: torch.Tensor, num_drafts: torch.Tensor, heads: bo
 
 
 @torch.inference_mode()
-def advance(
-    runner, proposer, rounds: list[RequestRounds], isolate: bool = False
-) -> tuple[list[Round | Exception], list[int]]:
+def advance(runner, proposer, rounds: list[RequestRounds]) -> tuple[list[Round | Exception], list[int]]:
     """One engine step of these requests: a batched round for those with none in flight, one
     queued ahead for those that can, then (eagerly, apart) a round of the constrained requests
     with none in flight, then each one's oldest round read. Returns the rounds read and the sizes
-    of the batches launched. isolate: a request whose launch or read raises (its grammar failing
-    mid-output is a RequestError of that request alone) gets the exception in place of its Round
-    and the others' rounds stand (no round writes another slot); else the exception propagates."""
+    of the batches launched. A request whose launch or read raises (its grammar failing mid-output
+    is a RequestError of that request alone) gets the exception in place of its Round; the others'
+    rounds stand (no round writes another slot)."""
     sizes, needs, ahead = [], RequestRounds.needs_round, RequestRounds.wants_ahead
     free, constrained = [r for r in rounds if r.grammar is None], [r for r in rounds if r.grammar is not None]
-    failed: dict[int, Exception] = {}  # id of a request's rounds -> what its launch raised
+    failed: dict[RequestRounds, Exception] = {}  # what a request's launch raised
     for wanted, among in ((needs, free), (ahead, free), (needs, constrained)):
-        group = [r for r in among if wanted(r) and id(r) not in failed]
+        group = [r for r in among if wanted(r) and r not in failed]
         if group:
             try:
                 launch(runner, proposer, group)
             except Exception as e:
-                if not isolate:
-                    raise
-                failed.update(dict.fromkeys(map(id, group), e))
+                failed.update(dict.fromkeys(group, e))
                 continue
             sizes.append(len(group))
-    return [failed[id(r)] if id(r) in failed else _read(r, isolate) for r in rounds], sizes
+    return [failed.get(r) or _read(r) for r in rounds], sizes
 
 
-def _read(rounds: RequestRounds, isolate: bool) -> Round | Exception:
-    """The request's oldest round (isolate: what reading it raised, in its place)."""
-    if not isolate:
-        return rounds.read()
+def _read(rounds: RequestRounds) -> Round | Exception:
+    """The request's oldest round, or what reading it raised."""
     try:
         return rounds.read()
     except Exception as e:
@@ -388,7 +382,10 @@ class RequestRounds:
         """Run alone: launch this request's round if none is in flight, one ahead, read the oldest."""
         if self.closed:
             raise RuntimeError("the request's rounds are closed")
-        return advance(self.runner, self.proposer, [self])[0][0]
+        r = advance(self.runner, self.proposer, [self])[0][0]
+        if isinstance(r, Exception):
+            raise r
+        return r
 
     @torch.inference_mode()
     def read(self) -> Round:
