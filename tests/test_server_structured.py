@@ -564,6 +564,7 @@ def test_a_named_tool_choice_calls_that_function(client):
     )
     calls = out.choices[0].message.tool_calls
     assert [c.function.name for c in calls] == ["get_time"] and "zone" in json.loads(calls[0].function.arguments)
+    assert out.choices[0].finish_reason == "stop"  # OpenAI's and vLLM's for a forced call
 
 
 def test_tool_choice_none_renders_no_tools(live):
@@ -614,6 +615,9 @@ def test_streamed_tool_calls_reassemble_to_the_non_streamed(live):
     assert calls and [(c["name"], c["arguments"]) for c in streamed["tool_calls"]] == calls
     assert finish == whole["finish_reason"] == "tool_calls"
     assert streamed["content"] == (whole["message"]["content"] or "")
+    named = {**body, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    streamed, finish = stream_message(live, named)
+    assert [c["name"] for c in streamed["tool_calls"]] == ["get_weather"] and finish == "stop"
 
 
 @pytest.fixture(scope="module")

@@ -143,8 +143,11 @@ def output_parser(req: P.ChatCompletionRequest, reasoning: ReasoningStart | None
     return ChatOutputParser(reasoning, tools, req.parallel_tool_calls)
 
 
-def finish_reason(out: RequestOutput, num_calls: int) -> str | None:
-    return "tool_calls" if num_calls and out.finish_reason == "stop" else out.finish_reason
+def finish_reason(req: P.ChatCompletionRequest, out: RequestOutput, num_calls: int) -> str | None:
+    """"tool_calls" when the model chose to call (OpenAI's and vLLM's: a call forced by a named
+    tool_choice finishes "stop")."""
+    named = isinstance(req.tool_choice, P.NamedToolChoice)
+    return "tool_calls" if num_calls and out.finish_reason == "stop" and not named else out.finish_reason
 
 
 async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Request) -> Response:
@@ -165,7 +168,7 @@ async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Re
     )
     choice = R.ChatChoice(
         message=message,
-        finish_reason=finish_reason(out, len(calls)),
+        finish_reason=finish_reason(req, out, len(calls)),
         logprobs=srv.logprobs.chat(out.logprobs) if out.logprobs is not None else None,
         token_ids=out.token_ids if req.return_token_ids else None,
     )
@@ -241,7 +244,7 @@ async def chat_stream(
             if ev.output is not None:
                 for c in deltas(parser.finish()):
                     yield c
-                yield chunk(R.DeltaMessage(), finish_reason=finish_reason(ev.output, parser.num_calls))
+                yield chunk(R.DeltaMessage(), finish_reason=finish_reason(req, ev.output, parser.num_calls))
                 if req.include_usage:
                     yield usage_chunk(R.ChatCompletionChunk, srv, rid, created, ev.output)
         yield SSE_DONE
