@@ -1,4 +1,5 @@
-"""Compile the prefill Triton kernels for Hopper (sm90) on the CPU and check their shared memory.
+"""Compile the prefill Triton kernels for Hopper (sm90) on the CPU and check their shared memory
+(and which tensor-core instructions the FP8 skinny GEMM's two ways compile to).
 
 A kernel whose tiles and pipeline stages need more shared memory than an H200 block may have
 (232448 bytes) compiles anywhere but fails on the GPU at its first launch ("OutOfResources: shared
@@ -7,7 +8,9 @@ memory"). This script catches that without a GPU: it compiles `triton_gdn_chunk`
 real model shapes (Qwen3.5-9B's GDN heads, Qwen3.5-35B-A3B's experts), with the constexprs and
 launch options their wrappers use (imported from the kernel modules), and with the argument
 specialisations (16-divisible ints and pointers) a launch at those shapes gets. It prints one line
-per kernel and exits 1 if one fails to compile or does not fit.
+per kernel and exits 1 if one fails to compile or does not fit. The FP8 skinny GEMM's chained dots
+(nextn.ops.triton_linear) compile to wgmma with the weights as the dot's M and to mma.sync x-major
+(config way 2); a build that lost either way fails here too.
 
     python bench/sm90_compile.py      # TRITON_INTERPRET unset (or 0): interpreted kernels do not compile
 
@@ -27,6 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from nextn.ops import triton_gdn_chunk as gdn  # noqa: E402
+from nextn.ops import triton_linear as linear  # noqa: E402
 from nextn.ops import triton_moe_grouped as moe  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -83,6 +87,25 @@ def gdn_cases(B=1, T=517, H=16, HV=32, K=128, V=128):
     return [
         ("gdn_chunk_prep", gdn._chunk_prep_kernel, args, prep, gdn.PREP_OPTIONS),
         ("gdn_chunk_scan", gdn._chunk_scan_kernel, args, scan, gdn.SCAN_OPTIONS),
+    ]
+
+
+def skinny_fp8_cases(M=4, N=12288, K=4096):
+    """The FP8 skinny GEMM at the 9B's gate|up shape (chained block scales, the SwiGLU epilogue), as
+    `skinny_linear` launches it, each way with the MMA it must compile to: (.., ptx has, ptx lacks).
+    (The x-major kernel keeps wgmma in its fallback for rows past fp16's range.)"""
+    args = {n: "*fp8e4nv" if n in ("w_ptr", "w2_ptr") else "*bf16" for n in ("x_ptr", "w_ptr", "w2_ptr", "y_ptr")}
+    args.update({n: "*fp32" for n in ("s_ptr", "s2_ptr", "part_ptr", "ss_in_ptr", "ss_out_ptr")})
+    args.update(res_ptr="*bf16", count_ptr="*i32", flag_ptr="*i32", nw_ptr="*bf16", xn_ptr="*bf16")
+    args.update(M=M, N=N, K=K, K_SPLIT=K // 2, stride_x=K, stride_y=N, stride_res=0, stride_s=N // 128)
+    args.update(stride_s2=N // 128, shift=1.0, shift2=1.0, P=1, eps=1e-6)
+    consts = dict(EPILOGUE=2, BLOCK_M=linear.TILE_ROWS, BLOCK_N=128, BLOCK_K=128, EVEN_K=True, DOT_F32=False, SPLIT=2,
+                  FP8=True, SCALE_ROWS=128, SCALE_ROWS2=128, HAS_FLAG=False, TMA=False, CHAIN=True, RMS=False,
+                  P_BLOCK=1, NORM_OUT=False, PDL=False)  # fmt: skip
+    options = dict(num_warps=4, num_stages=4)
+    return [
+        ("skinny_fp8_wgmma", linear._skinny_kernel, args, dict(consts, XMAJOR=False), options, ("wgmma", "mma.sync")),
+        ("skinny_fp8_xmajor", linear._skinny_kernel, args, dict(consts, XMAJOR=True), options, ("mma.sync", None)),
     ]
 
 
@@ -148,7 +171,7 @@ def specialise(fn: JITFunction, args: dict, constexprs: dict) -> tuple[dict, dic
 
 def main() -> int:
     failures = []
-    for name, fn, args, constexprs, options in gdn_cases() + moe_cases():
+    for name, fn, args, constexprs, options, *ptx in gdn_cases() + moe_cases() + skinny_fp8_cases():
         opts = " ".join(f"{k}={v}" for k, v in options.items())
         if not isinstance(fn, JITFunction):
             print(
@@ -171,6 +194,11 @@ def main() -> int:
             failures.append(f"{name} does not compile for sm90: {type(e).__name__}: {last}")
             continue
         shared = kernel.metadata.shared
+        if ptx:  # the instruction the way must compile to, and the one it must not
+            has, lacks = ptx[0]
+            code = kernel.asm["ptx"]
+            if has not in code or (lacks and lacks in code):
+                failures.append(f"{name} compiles to {'no ' + has if has not in code else lacks} (expected {has})")
         fits = shared <= SHARED_LIMIT
         print(f"{name:22s} shared {shared:7d} bytes  {opts:26s} {'ok' if fits else 'TOO MUCH'}")
         if not fits:

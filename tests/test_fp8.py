@@ -179,10 +179,12 @@ def test_fp8_compact_scales_compute_the_same_bits():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", [(128, 128, 4, 2, 1), (64, 64, 4, 2, 2)])
+@pytest.mark.parametrize(
+    "config", [(128, 128, 4, 2, 1), (64, 64, 4, 2, 2), (128, 128, 4, 2, 1, 2), (64, 64, 4, 2, 2, 2)]
+)
 def test_fp8_chained_blocks_match_the_reference_and_keep_rows_invariant(config, dtype):
     """One scale per 128x128 block and BLOCK_N dividing 128: the block's scale goes onto x's tile and
-    the dots chain (the e4m3 bytes moved into bf16's fields). Every fusion matches the dequantized
+    the dots chain (weights as the dot's M, or x-major: way 2). Every fusion matches the dequantized
     reference, e4m3 subnormals and zeros included, and a row of 21 equals that row alone, bitwise."""
     from nextn.ops.triton_linear import skinny_linear
 
@@ -205,8 +207,9 @@ def test_fp8_chained_blocks_match_the_reference_and_keep_rows_invariant(config, 
             assert torch.equal(skinny_linear(x[m : m + 1], compact, config=config, **one)[0], full[m]), (name, m)
 
 
+@pytest.mark.parametrize("way", [0, 2])
 @pytest.mark.parametrize("split", [1, 2])
-def test_fp8_chained_blocks_read_a_norm_input(split):
+def test_fp8_chained_blocks_read_a_norm_input(split, way):
     """The chained dots reading a norm's input (skinny_linear's `rms`) scale x's tiles by each row's
     rstd with the block scale, so rows whose values before the norm are far past fp16's range match
     the norm then the dequantized GEMM, in every fusion; rows invariant."""
@@ -218,7 +221,7 @@ def test_fp8_chained_blocks_read_a_norm_input(split):
     nw = (torch.randn(256, device=DEVICE) * 0.3).to(torch.bfloat16)
     h = rms_norm_reference(x, nw, 1e-6)
     compact, compact2 = compact_scales(w8), compact_scales(w28)
-    config = (64, 128, 4, 2, split)
+    config = (64, 128, 4, 2, split, way)
     ni = norm_input(x, nw)
     for kw, ref in _fp8_variants(h, w8, w28, res).values():
         kw = dict(kw, up_weight=compact2) if "up_weight" in kw else kw
@@ -230,8 +233,9 @@ def test_fp8_chained_blocks_read_a_norm_input(split):
             assert torch.equal(skinny_linear(None, compact, rms=row, eps=1e-6, config=config, **one)[0], out[m])
 
 
+@pytest.mark.parametrize("way", [0, 2])
 @pytest.mark.parametrize("split", [1, 2])
-def test_fp8_chained_rows_past_fp16_range_are_computed_again(split):
+def test_fp8_chained_rows_past_fp16_range_are_computed_again(split, way):
     """A row whose scaled values pass fp16's range (the chained dots' operands) is computed again tile
     by tile: finite and the reference's, in every fusion; the other rows keep the chained bits."""
     from nextn.ops.triton_linear import skinny_linear
@@ -240,7 +244,7 @@ def test_fp8_chained_rows_past_fp16_range_are_computed_again(split):
     x[2] = x[2] * 3e5  # past 65504 times the largest block scale (in [1, 2) after the shift)
     x[4, 7] = 1e6
     compact, compact2 = compact_scales(w8), compact_scales(w28)
-    config = (64, 128, 4, 2, split)
+    config = (64, 128, 4, 2, split, way)
     for name, (kw, ref) in _fp8_variants(x, w8, w28, res).items():
         kw = dict(kw, up_weight=compact2) if "up_weight" in kw else kw
         out = skinny_linear(x, compact, config=config, **kw)
@@ -251,6 +255,18 @@ def test_fp8_chained_rows_past_fp16_range_are_computed_again(split):
             assert torch.equal(skinny_linear(x[m : m + 1], compact, config=config, **one)[0], out[m]), (name, m)
     calm = skinny_linear(x[[0, 1, 3]], compact, config=config)
     assert torch.equal(skinny_linear(x, compact, config=config)[[0, 1, 3]], calm)
+
+
+def test_skinny_linear_config_ways_name_the_weights_they_take():
+    """A config's sixth field picks how the tiles are read: TMA descriptors take bf16 weights, the
+    x-major chained dots FP8 ones; the wrong kind, or an unknown way, is an error naming the way."""
+    from nextn.ops.triton_linear import skinny_linear
+
+    x, w8, _, _ = _fp8_case(2, 128, 256, torch.bfloat16, seed=3)
+    bf16 = dequantize(w8.weight, w8.scale, torch.bfloat16)
+    for weight, way in ((bf16, 2), (compact_scales(w8), 1), (bf16, 3)):
+        with pytest.raises(ValueError, match=f"config way {way}"):
+            skinny_linear(x, weight, config=(64, 128, 4, 2, 1, way))
 
 
 @pytest.mark.parametrize("magnitude", [1e-7, 1e5])
@@ -268,8 +284,9 @@ def test_fp8_chained_blocks_shift_the_scales_into_fp16_range(magnitude):
     assert (out - ref).abs().max().item() <= 2**-9 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("way", [0, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_chained_blocks_are_exact_on_every_e4m3_value(dtype):
+def test_fp8_chained_blocks_are_exact_on_every_e4m3_value(dtype, way):
     """Every finite e4m3 value (subnormals and zeros included) read by one-hot rows with a power-of-two
     block scale: the chained path gives value * scale exactly (no flush of the moved subnormals)."""
     from nextn.ops.triton_linear import skinny_linear
@@ -283,7 +300,7 @@ def test_fp8_chained_blocks_are_exact_on_every_e4m3_value(dtype):
     w = FP8Weight(q, torch.full((2, 1), 2.0**-3, device=DEVICE), 128)
     x = torch.zeros(16, 256, device=DEVICE, dtype=dtype)
     x[torch.arange(16, device=DEVICE), cols] = 1.0
-    out = skinny_linear(x, w, config=(64, 128, 4, 2, 1), out_dtype=torch.float32)
+    out = skinny_linear(x, w, config=(64, 128, 4, 2, 1, way), out_dtype=torch.float32)
     assert torch.equal(out, (q.float() * 2.0**-3)[:, cols].T)
 
 
@@ -299,9 +316,11 @@ def test_fp8_chained_blocks_are_exact_on_every_e4m3_value(dtype):
         (4096, 12288, "residual"),
     ],
 )
-def test_fp8_skinny_linear_9b_shapes_gpu(N, K, kind):
+@pytest.mark.parametrize("config", [None, (128, 128, 4, 4, 2, 2), (64, 128, 4, 4, 1, 2)])
+def test_fp8_skinny_linear_9b_shapes_gpu(N, K, kind, config):
     """Qwen3.5-9B's FP8 projections (GDN qkv|z, attention q|k|v, gate|up, o/out, down) with the scales
-    the step reads (one per 128x128 block), compiled: the reference, and 9 rows == each row alone."""
+    the step reads (one per 128x128 block), compiled (the picked config, and x-major ones): the
+    reference, and 9 rows == each row alone."""
     from nextn.ops.triton_linear import skinny_linear
 
     x, w8, w28, res = _fp8_case(9, N, K, torch.bfloat16, seed=N + K)
@@ -309,11 +328,11 @@ def test_fp8_skinny_linear_9b_shapes_gpu(N, K, kind):
     w8 = compact_scales(w8)
     kw = dict(kw, up_weight=compact_scales(w28)) if "up_weight" in kw else kw
     assert w8.rows == 128
-    out = skinny_linear(x, w8, **kw)
+    out = skinny_linear(x, w8, config=config, **kw)
     _close(out, ref, torch.bfloat16)
     for m in (0, 3, 8):
         one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
-        assert torch.equal(skinny_linear(x[m : m + 1], w8, **one)[0], out[m]), m
+        assert torch.equal(skinny_linear(x[m : m + 1], w8, config=config, **one)[0], out[m]), m
 
 
 # ---------------------------------------------------------------------------------------------

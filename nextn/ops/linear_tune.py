@@ -10,7 +10,7 @@ import torch
 
 from nextn.ops.fp8 import BLOCK as FP8_BLOCK
 from nextn.ops.fp8 import FP8Weight, compact_scales, quantize
-from nextn.ops.triton_linear import CONFIGS, FP8_CONFIGS, pick_config, skinny_linear
+from nextn.ops.triton_linear import CONFIGS, FP8_CONFIGS, WAY_TMA, WAY_XMAJOR, pick_config, skinny_linear
 
 
 def graph_us(launch, num_copies: int, reps: int) -> float:
@@ -61,8 +61,11 @@ TMA_CANDIDATES = [
     (64, 128, 4, 4, 4, 1),
     (128, 256, 8, 3, 1, 1),
 ]
-# more candidates for FP8 weights (BLOCK_N <= 128, so a program's rows share each block scale)
+# more candidates for FP8 weights (BLOCK_N <= 128, so a program's rows share each block scale), the chained
+# dots with the weights as the dot's M, then x-major (way 2: the best of bench/fp8_dot_variants.py's, run 126)
 FP8_CANDIDATES = [(128, 128, 8, 4, 1), (128, 128, 8, 3, 4), (128, 128, 4, 3, 4), (32, 128, 4, 4, 4), (32, 128, 4, 4, 8)]
+FP8_CANDIDATES += [(128, 128, 4, 4, 2, 2), (64, 128, 4, 4, 4, 2), (128, 128, 4, 4, 1, 2), (64, 128, 4, 4, 1, 2),
+                   (64, 128, 4, 6, 2, 2), (128, 128, 8, 5, 2, 2), (64, 128, 4, 4, 2, 2)]  # fmt: skip
 
 
 def config_key(N: int, K: int, fp8: bool = False) -> str:
@@ -94,8 +97,11 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
         reps = max(copies, min(200, int(2e11 // nbytes)))
         best = None
         for cfg in [default] + [c for c in candidates + (FP8_CANDIDATES if fp8 else []) if c != default]:
-            bn, bk, _, _, split, *tma = cfg
-            if (split > 1 and K % (split * bk)) or bk > K or (fp8 and (FP8_BLOCK % bk or tma)):
+            bn, bk, _, _, split, *way = cfg
+            way = way[0] if way else 0
+            if (split > 1 and K % (split * bk)) or bk > K or (fp8 and (FP8_BLOCK % bk or way == WAY_TMA)):
+                continue
+            if way == WAY_XMAJOR and not fp8:
                 continue
             times = []
             try:

@@ -30,6 +30,12 @@ columns; k-tiles of at most 128 columns, so one scale per row covers a tile), tw
   the last, no product scaled on its own (the compiled dot still waits each tile: its weight operand
   comes from registers; bench/NOTES.md, runs 64-68). A row whose scaled values pass fp16's range (|x| above
   ~32k on the largest-scale block) comes out inf / NaN; such rows are computed again the second way.
+  A config's sixth field 2 (`XMAJOR`) turns these dots around, x's 16 rows times w's tile transposed:
+  with the rows as the dot's M, Triton compiles sm80's warp MMA (mma.sync), whose e4m3 operand goes
+  from shared memory straight into registers, widened there while the next tiles' copies are in
+  flight, where the weights-as-M dot is a wgmma that waits each tile (bench/fp8_dot_variants.py, run
+  126: 1.1-1.2x at the 9B's large shapes). The arithmetic is the chain's, products summed in the
+  MMA's order; a config computes every row the same way, so rows stay invariant.
 - otherwise (per-channel scales, fused rows not aligned to 128): the tile widened to x's dtype
   (exact: every e4m3 value is a bf16 / fp16 value), a dot of its own, the product scaled by the
   tile's row scales, then added.
@@ -120,6 +126,45 @@ if HAVE_TRITON:
         return acc, acc2
 
     @triton.jit
+    def _k_loop_xmajor(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n, k_start,
+                       K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd, EPILOGUE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                       DOT_F32: tl.constexpr, SCALE_ROWS: tl.constexpr):  # fmt: skip
+        """_k_loop's chained dots with x's rows as the dot's M (module docstring): the same
+        [BLOCK_N, BLOCK_M] float32 results."""
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        s_col = (n_block * BLOCK_N) // SCALE_ROWS
+        for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                x_mask = mask_m[:, None]
+                w_mask = mask_n[None, :]
+            else:
+                x_mask = mask_m[:, None] & (offs_k[None, :] < K)
+                w_mask = mask_n[None, :] & (offs_k[:, None] < K)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=x_mask, other=0.0)
+            w = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+            s = tl.load(s_ptr + (k0 // 128) * stride_s + s_col)
+            acc = _chain_dot_xmajor(w, x, s * shift * rstd, acc, DOT_F32)
+            if EPILOGUE == 2:
+                w2 = tl.load(w2_ptr + offs_n[None, :] * K + offs_k[:, None], mask=w_mask, other=0.0)
+                s2 = tl.load(s2_ptr + (k0 // 128) * stride_s2 + s_col)
+                acc2 = _chain_dot_xmajor(w2, x, s2 * shift2 * rstd, acc2, DOT_F32)
+        return tl.trans(acc), tl.trans(acc2)
+
+    @triton.jit
+    def _chain_dot_xmajor(wt, x, scale, acc, DOT_F32: tl.constexpr):
+        """acc + (x * scale) @ wt for an e4m3 tile wt [BLOCK_K, BLOCK_N] (w's tile transposed): the
+        chain's fp16 operands, acc [BLOCK_M, BLOCK_N]."""
+        xs = x.to(tl.float32) * scale
+        if DOT_F32:
+            if x.dtype != tl.float32:  # the interpreter: fp16 operands as the GPU's, products in float32
+                xs = xs.to(tl.float16).to(tl.float32)
+            return tl.dot(xs, wt.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(xs.to(tl.float16), wt.to(tl.float16), acc)
+
+    @triton.jit
     def _tile_dot(w, x, acc, s_ptr, stride_s, k0, s_col, shift, rstd, offs_n, mask_n, SCALE_ROWS: tl.constexpr,
                   FP8: tl.constexpr, CHAIN: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
         """acc + w @ x.T for a weight tile w [BLOCK_N, BLOCK_K] at columns k0.. and rows x [BLOCK_M, BLOCK_K]."""
@@ -192,6 +237,7 @@ if HAVE_TRITON:
         HAS_FLAG: tl.constexpr,  # flag_ptr: run_if (nextn.engine.runner.ModelRunner.when), 0 skips the call
         TMA: tl.constexpr,  # w_ptr (and w2_ptr) are [BLOCK_N, BLOCK_K] tensor descriptors (bf16 weights)
         CHAIN: tl.constexpr,  # FP8 whose BLOCK_N rows share each scale (SCALE_ROWS % BLOCK_N == 0)
+        XMAJOR: tl.constexpr,  # CHAIN with x's rows as the dot's M (config way 2)
         RMS: tl.constexpr,  # x is a norm's input times its weight: scale each row's products by its rstd
         P_BLOCK: tl.constexpr,  # RMS: next_pow2(P)
         NORM_OUT: tl.constexpr,  # EPILOGUE 1: also store the next norm's input (xn_ptr, ss_out_ptr)
@@ -220,9 +266,16 @@ if HAVE_TRITON:
             ss = tl.load(ss_in_ptr + offs_p[:, None] * M + offs_m[None, :],
                          mask=(offs_p[:, None] < P) & mask_m[None, :], other=0.0)  # fmt: skip
             rstd = rms_rstd(tl.sum(ss, axis=0), K, eps)
-        acc, acc2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n, k_start,
-                            K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd[:, None], EPILOGUE, BLOCK_M,
-                            BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2, TMA, CHAIN)  # fmt: skip
+        if XMAJOR:
+            acc, acc2 = _k_loop_xmajor(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
+                                       k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2,
+                                       rstd[:, None], EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32,
+                                       SCALE_ROWS)  # fmt: skip
+        else:
+            acc, acc2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
+                                k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd[:, None],
+                                EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2,
+                                TMA, CHAIN)  # fmt: skip
         if PDL:  # the next launch may start once every program has streamed its weights
             tl.extra.cuda.gdc_launch_dependents()
         if CHAIN:
@@ -283,7 +336,8 @@ if HAVE_TRITON:
             tl.store(ss_out_ptr + n_block * M + offs_m, sumsq, mask=last)
 
 
-# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT[, TMA]). `linear_tune.tune` measures candidates per shape
+# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT[, WAY]), WAY 1: weight tiles through tensor descriptors
+# (TMA, bf16 weights), 2: FP8 chained dots x-major (XMAJOR). `linear_tune.tune` measures candidates per shape
 # and overwrites entries; the defaults are Qwen3.5-9B's shapes as swept on an H200 (CUDA graphs,
 # weights out of L2: bench/results/gemv_sweep_qwen3.5-9b_run4.json).
 CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
@@ -297,7 +351,8 @@ CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
 }
 # the same for FP8 weights (BLOCK_K <= 128); a shape without an entry takes its bf16 config
 # with BLOCK_K capped at 128. `tune` fills it for the shapes a model runs in FP8.
-FP8_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
+FP8_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
+WAY_TMA, WAY_XMAJOR = 1, 2
 NUM_SMS = 132  # H200; only sets how many programs a launch aims for
 
 
@@ -376,10 +431,12 @@ def skinny_linear(
         raise ValueError("skinny_linear: norm_out takes a residual GEMM and the norm's [N] weight")
     if rms is not None and (rms.ss.dim() != 2 or rms.ss.shape[1] != M or not rms.ss.is_contiguous()):
         raise ValueError(f"skinny_linear: rms sums {tuple(rms.ss.shape)} for {M} rows")
-    block_n, block_k, warps, stages, split, *tma = config or pick_config(N, K, fp8)
-    tma = bool(tma and tma[0])
-    if tma and fp8:
-        raise ValueError("skinny_linear: tensor-descriptor (TMA) loads take bf16 / fp16 weights")
+    block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, fp8)
+    way = way[0] if way else 0
+    if way not in (0, WAY_TMA, WAY_XMAJOR) or (way == WAY_TMA and fp8) or (way == WAY_XMAJOR and not fp8):
+        raise ValueError(f"skinny_linear: config way {way}: 1 (TMA loads) takes bf16 / fp16 weights, 2 (x-major) FP8")
+    tma = way == WAY_TMA
+    chain = fp8 and rows % block_n == 0 and (up_weight is None or rows2 % block_n == 0)
     if split > 1 and K % (split * block_k):
         raise ValueError(f"split {split} does not fit K={K}, BLOCK_K={block_k}")
     if fp8 and FP8_BLOCK % block_k:
@@ -438,7 +495,8 @@ def skinny_linear(
         SCALE_ROWS2=rows2,
         HAS_FLAG=run_if is not None,
         TMA=tma,
-        CHAIN=fp8 and rows % block_n == 0 and (up_weight is None or rows2 % block_n == 0),
+        CHAIN=chain,
+        XMAJOR=chain and way == WAY_XMAJOR,  # (per-channel scales: the tile-by-tile way, weights as M)
         RMS=rms is not None,
         P_BLOCK=next_pow2(rms.ss.shape[0]) if rms is not None else 1,
         NORM_OUT=norm_out is not None,
