@@ -351,6 +351,45 @@ def test_tool_choice_grammars_take_refs_and_write_json_as_tojson(form, xml_model
     )
 
 
+UNITS = {
+    "type": "function",
+    "function": {
+        "name": "set_unit",
+        "parameters": {
+            "$defs": {"Scale": {"enum": ["kelvin", "Grad Celsius"]}},
+            "type": "object",
+            "properties": {
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "scale": {"anyOf": [{"$ref": "#/$defs/Scale"}, {"const": "rankine"}]},
+                "note": {"enum": ["", "äh"]},
+                "city": {"type": "string"},
+            },
+            "required": ["unit", "city"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("form", ["json", "xml"])
+def test_tool_choice_grammars_hold_string_parameters_to_their_enums(form, xml_model_dir):
+    """A string parameter that lists its values (`enum`, `const`, through `$ref` / `anyOf`) takes one
+    of them in a forced call, in the JSON form and in the XML form (there written raw, as a line)."""
+    model_dir = DEFAULT_MODEL_DIR if form == "json" else xml_model_dir
+    template_tok = Tokenizer(model_dir)
+    req = P.ChatCompletionRequest(messages=[user("x")], tools=[UNITS], tool_choice="required")
+    grammar = structured.checked("tool_choice", {"grammar": structured.tool_grammar(req, template_tok)}, template_tok)
+    ok = {"unit": "fahrenheit", "scale": "Grad Celsius", "note": "", "city": "Oslo"}
+    for args in (ok, {**ok, "scale": "rankine", "note": "äh"}, {"unit": "celsius", "city": "Bergen"}):
+        text = rendered_call(model_dir, [UNITS], {"name": "set_unit", "arguments": args})
+        assert accepts(grammar, template_tok, text), text
+        assert parse(text, tools=[P.Tool.model_validate(UNITS)])[2] == [
+            ("set_unit", json.dumps(args, ensure_ascii=False))
+        ]
+    for bad in ({"unit": "kelvin"}, {"scale": "celsius"}, {"note": "x"}):
+        text = rendered_call(model_dir, [UNITS], {"name": "set_unit", "arguments": {**ok, **bad}})
+        assert not accepts(grammar, template_tok, text), text
+
+
 def test_a_forced_call_of_a_tool_without_parameters_has_no_arguments(tok):
     """OpenAI: leaving out `parameters` defines a function with an empty parameter list (the model
     filled the arguments with anything)."""

@@ -238,15 +238,47 @@ def schema_types(schema: Any, root: Any, depth: int = 0) -> set[str | None]:
     if "type" in schema:
         types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
         return {t for t in types if isinstance(t, str)} or {"string"}  # a type it cannot read: the text
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        target = root
-        for key in filter(None, ref[1:].split("/")):
-            key = key.replace("~1", "/").replace("~0", "~")
-            target = target.get(key) if isinstance(target, dict) else None
-        return schema_types(target, root, depth + 1)
-    branches = [b for k in ("anyOf", "oneOf") if isinstance(schema.get(k), list) for b in schema[k]]
+    if _ref_target(schema, root) is not None:
+        return schema_types(_ref_target(schema, root), root, depth + 1)
+    branches = _branches(schema)
     if branches:
         return set().union(*(schema_types(b, root, depth + 1) for b in branches))
-    values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else []
-    return {_JSON_TYPES.get(type(v)) for v in values} or {None}
+    return {_JSON_TYPES.get(type(v)) for v in _values(schema) or []} or {None}
+
+
+def string_choices(schema: Any, root: Any, depth: int = 0) -> list[str] | None:
+    """The strings a string schema allows when it lists them (`enum`, `const`, through `$ref` and
+    `anyOf` / `oneOf`), in order; None when it allows any string (or says nothing it can read)."""
+    if not isinstance(schema, dict) or depth > 16:
+        return None
+    values = _values(schema)
+    if values is not None:
+        return values if all(isinstance(v, str) for v in values) else None
+    if _ref_target(schema, root) is not None:
+        return string_choices(_ref_target(schema, root), root, depth + 1)
+    branches = _branches(schema)
+    if not branches:
+        return None
+    parts = [string_choices(b, root, depth + 1) for b in branches]
+    return None if any(p is None for p in parts) else list(dict.fromkeys(v for p in parts for v in p))
+
+
+def _values(schema: dict) -> list | None:
+    """A schema's listed values (`enum`, or `const` as one), None when it lists none."""
+    return schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+
+
+def _branches(schema: dict) -> list:
+    return [b for k in ("anyOf", "oneOf") if isinstance(schema.get(k), list) for b in schema[k]]
+
+
+def _ref_target(schema: dict, root: Any) -> Any:
+    """What a local `$ref` ("#/$defs/X") points at in `root`, None without one."""
+    ref = schema.get("$ref")
+    if not (isinstance(ref, str) and ref.startswith("#")):
+        return None
+    target = root
+    for key in filter(None, ref[1:].split("/")):
+        key = key.replace("~1", "/").replace("~0", "~")
+        target = target.get(key) if isinstance(target, dict) else None
+    return target

@@ -27,6 +27,7 @@ from nextn.server.chat_output import (
     ReasoningStart,
     schema_properties,
     schema_types,
+    string_choices,
 )
 from nextn.server.protocol import FieldError
 from nextn.tokenizer import Tokenizer
@@ -107,7 +108,7 @@ def _json_calls(tools: list[P.Tool]) -> str:
 
 def _xml_calls(tools: list[P.Tool]) -> str:
     """`<function=NAME>` with a `<parameter=P>` block per argument, in the schema's order (the
-    required ones always): strings as lines, other types as JSON."""
+    required ones always): strings as lines (one of a listed few as that line), other types as JSON."""
     rules = [f"fn: {' | '.join(f'f{i}' for i in range(len(tools)))}", f"xstr: {_XML_STRING}"]
     for i, t in enumerate(tools):
         props, required = schema_properties(t.function.parameters)
@@ -115,9 +116,13 @@ def _xml_calls(tools: list[P.Tool]) -> str:
         for j, (name, schema) in enumerate(props.items()):
             # strings raw, as the parser reads them (by its types: `{"enum": ["C", "F"]}` is one too)
             is_str = schema_types(schema, t.function.parameters) <= {"string"}
-            value = "xstr" if is_str else f'v{i}_{j} "\\n"'
+            choices = string_choices(schema, t.function.parameters) if is_str else None
+            value = "xstr" if is_str and not choices else f'v{i}_{j} "\\n"' if not is_str else f"v{i}_{j}"
             if not is_str:
                 rules.append(f"v{i}_{j}: {_json_value(schema, t.function.parameters or {})}")
+            elif choices:  # each as the template writes it: its text, then the line's end
+                alts = " | ".join(json.dumps(c + "\n", ensure_ascii=False) for c in choices)
+                rules.append(f"v{i}_{j}: {alts}")
             head = json.dumps(f"<parameter={name}>\n")
             rules.append(f'p{i}_{j}: {head} {value} "</parameter>\\n"')
             items.append(f"p{i}_{j}" + ("" if name in required else "?"))
