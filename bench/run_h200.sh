@@ -13,7 +13,7 @@
 #   (evict_last) and 56 MB streamed past them: l2probe;
 #   the sampling (one-program and chunked) and greedy accept kernels' tests: sample; softmax and argmax over 248,320 columns in split rows
 #   against torch's: widesoftmax; a draw there through the chunked kernels against torch's ops: widesample; CUDA-core GEMVs against the skinny GEMM: gemvvar
-#   FP8 and bf16 skinny dots, wgmma against mma.sync (x-major) at 1, 4, 9 rows: xmdot
+#   FP8 and bf16 skinny dots, wgmma against mma.sync (x-major) at 1, 4, 9 rows: xmdot; a CUDA (NVRTC) FP8 GEMV: cudafp8
 #   tensor parallelism (nvidia-h200-x2): tptests ar (the IPC all-reduce's tests) tp27b tp35b
 #   a change against its base in one run: base35b runs bench35b's command from .base/ (carried, git-ignored:
 #   `mkdir -p .base && git archive BASE | tar x -C .base`), into $OUT/base_qwen3.5-35b-a3b.json; base35b and var35b
@@ -110,6 +110,9 @@ for stage in "$@"; do
                | tee -a $LOG ;;
     xmdot) timeout 450 python3 bench/fp8_dot_variants.py --rows 1 4 9 --modes bf16 "f16 chain" "bf16 xm" "f16 chain xm" \
              "bf16 tile xm" --out $OUT/fp8_dot_variants.json 2>&1 | grep -v Warn | tail -80 | tee -a $LOG ;;
+    cudafp8) (which nvcc || echo "no nvcc"; ls -d /usr/local/cuda* 2>/dev/null) | tee -a $LOG
+             timeout 400 python3 bench/cuda_fp8_probe.py --out $OUT/cuda_fp8_probe.json 2>&1 | grep -v Warn | tail -100 \
+               | tee -a $LOG ;;
     pdlsweep) timeout 150 python3 bench/pdl_sweep.py --out $OUT/pdl_sweep.json 2>&1 | grep -v Warn | tail -12 | tee -a $LOG ;;
     pdlattr) timeout 480 python3 bench/pdl_attribution.py --preset qwen3.5-35b-a3b qwen3.5-9b \
                --out $OUT/pdl_attribution.json 2>&1 | grep -v Warn | tail -20 | tee -a $LOG ;;
