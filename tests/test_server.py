@@ -627,3 +627,75 @@ def test_metrics_show_batched_rounds(live, client):
 
 def test_health_after_everything(live):
     assert httpx.get(f"{live.url}/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_max_tokens_0_with_logprobs_scores_the_prompt(live, llm):
+    """lm-eval's loglikelihood request, max_tokens 0 with echo and logprobs, lists the prompt's
+    logprobs alone (it was a 500: no token, so no logprobs list); chat's logprobs are an empty list."""
+    prompt = "The cache keeps the keys and values"
+    ids = llm.tokenizer.encode(prompt)
+    body = {"prompt": prompt, "max_tokens": 0, "logprobs": 1, **GREEDY}
+    echo = ok(live.post("/v1/completions", {**body, "echo": True}))["choices"][0]
+    lp = echo["logprobs"]
+    assert echo["text"] == prompt and echo["finish_reason"] == "length"
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None
+    assert all(v is not None and v <= 0 for v in lp["token_logprobs"][1:])
+    plain = ok(live.post("/v1/completions", body))["choices"][0]
+    assert plain["text"] == "" and plain["logprobs"] == {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    chat = {"messages": [user("Hi")], "max_tokens": 0, "logprobs": True, "top_logprobs": 2}
+    assert ok(live.post("/v1/chat/completions", chat))["choices"][0]["logprobs"] == {"content": []}
+
+
+def test_metrics_declare_the_type_of_every_sample():
+    """Text format 0.0.4 (the Content-Type /metrics sends): a sample's TYPE line names it, a
+    counter's `_total` included, as prometheus_client writes it (the TYPE lines named counters
+    without it, so a strict parser took every counter for an untyped metric)."""
+    from nextn.server.metrics import Metrics
+
+    declared: dict[str, str] = {}
+    for line in Metrics(3).render().splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            declared[name] = kind
+        elif line and not line.startswith("#"):
+            name = line.split("{")[0].split()[0]
+            family = next((name.removesuffix(s) for s in ("_bucket", "_sum", "_count") if name.endswith(s)), name)
+            kind = declared.get(name) or declared.get(family)
+            assert kind is not None, line
+            assert kind != "counter" or name.endswith("_total"), line
+    assert declared["nextn:request_success_total"] == "counter"
+
+
+def test_a_body_not_sent_as_json_says_so(live):
+    """`curl -d` sends a JSON body as a form: the 400 names the Content-Type (it said "Input should
+    be a valid dictionary", of a body that is one); a JSON body that is no object says that."""
+    body = json.dumps(COMPLETION[1]).encode()
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):
+        r = httpx.post(
+            f"{live.url}/v1/completions",
+            content=body,
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": content_type},
+            timeout=30,
+        )
+        assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+    for not_an_object in ([COMPLETION[1]], 5, "x"):
+        r = live.post("/v1/completions", not_an_object)
+        assert r.status_code == 400 and r.json()["error"]["message"] == "the body must be a JSON object", r.text
+
+
+def test_echoed_logprobs_offsets_never_go_back(live, llm):
+    """Echo with logprobs: text_offset counts each token's text from the prompt's first token on
+    (vLLM's); the generated tokens' offsets started at the prompt's length instead, behind the
+    echoed ones where a character of the prompt is split over tokens (their texts are each "�")."""
+    prompt = "a \U0001d518 b"
+    ids = llm.tokenizer.encode(prompt)
+    assert len(ids) > len(prompt) - 1  # the character is split
+    body = {"prompt": prompt, "max_tokens": 3, "logprobs": 0, "echo": True, **GREEDY}
+    lp = ok(live.post("/v1/completions", body))["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 3
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))]

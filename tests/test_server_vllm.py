@@ -183,3 +183,49 @@ def test_generation_config_defaults_apply_and_a_request_wins(dense_ckpt, tmp_pat
         ok(srv.post("/v1/completions", body))
         ok(srv.post("/v1/completions", {**body, "temperature": 0.7, "top_k": 50}))
     assert [(p.temperature, p.top_k) for p in submitted] == [(0.0, 5), (0.7, 50)]
+
+
+def test_streams_send_prompt_token_ids_on_their_first_chunk(live, llm):
+    """return_token_ids streamed: the prompt's ids ride on the first chunk, as vLLM's (they were
+    sent only by an echoing completion)."""
+    text, common = "Hello, world! How are you today?", {"max_tokens": 4, "return_token_ids": True, **GREEDY}
+    for path, body in (("/v1/completions", {"prompt": text}), ("/v1/chat/completions", {"messages": [user(text)]})):
+        body = {**body, **common}
+        done = ok(live.post(path, body))
+        ids = done.get("prompt_token_ids") or done["choices"][0]["prompt_token_ids"]
+        events = sse_events(live.post(path, {**body, "stream": True}))
+        sent = [e.get("prompt_token_ids") or e["choices"][0].get("prompt_token_ids") for e in events]
+        assert sent[0] == ids and not any(sent[1:])
+    ids = llm.tokenizer.encode(text)
+    echoed = sse_events(live.post("/v1/completions", {**common, "prompt": text, "echo": True, "stream": True}))
+    assert echoed[0]["choices"][0]["text"] == text and echoed[0]["choices"][0]["prompt_token_ids"] == ids
+    assert not any(e["choices"][0].get("prompt_token_ids") for e in echoed[1:])
+
+
+def test_continuous_usage_stats(live):
+    """vLLM's stream_options.continuous_usage_stats puts the usage so far on every chunk (it was
+    taken and ignored, as was any unknown stream_options key)."""
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hello, world!"}),
+        ("/v1/chat/completions", {"messages": [user("Hello")]}),
+    ):
+        body = {**body, "max_tokens": 5, "stream": True, **GREEDY}
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        events = sse_events(live.post(path, {**body, "stream_options": options}))
+        final = events[-1]["usage"]
+        assert events[-1]["choices"] == [] and final["completion_tokens"] == 5
+        counts = [e["usage"]["completion_tokens"] for e in events[:-1]]
+        assert counts == sorted(counts) and counts[-1] == 5 and len(counts) == len(events) - 1
+        assert all(e["usage"]["prompt_tokens"] == final["prompt_tokens"] for e in events)
+        assert all(
+            e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"] for e in events
+        )
+        plain = sse_events(live.post(path, {**body, "stream_options": {"include_usage": True}}))
+        assert all(e["usage"] is None for e in plain[:-1])
+        for options, param in (
+            ({"continuous_usage_stats": True}, "stream_options.continuous_usage_stats"),
+            ({"include_usage": "yes"}, "stream_options.include_usage"),
+            ({"include_usag": True}, "stream_options.include_usag"),
+        ):
+            r = live.post(path, {**body, "stream_options": options})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

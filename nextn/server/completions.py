@@ -144,8 +144,8 @@ def output_parser(req: P.ChatCompletionRequest, reasoning: ReasoningStart | None
 
 
 def finish_reason(req: P.ChatCompletionRequest, out: RequestOutput, num_calls: int) -> str | None:
-    """"tool_calls" when the model chose to call (OpenAI's and vLLM's: a call forced by a named
-    tool_choice finishes "stop")."""
+    """The reason, "tool_calls" when the model chose to call (OpenAI's and vLLM's: a call forced by
+    a named tool_choice finishes "stop")."""
     named = isinstance(req.tool_choice, P.NamedToolChoice)
     return "tool_calls" if num_calls and out.finish_reason == "stop" and not named else out.finish_reason
 
@@ -169,7 +169,7 @@ async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Re
     choice = R.ChatChoice(
         message=message,
         finish_reason=finish_reason(req, out, len(calls)),
-        logprobs=srv.logprobs.chat(out.logprobs) if out.logprobs is not None else None,
+        logprobs=srv.logprobs.chat(out.logprobs or []) if req.logprobs else None,  # none at max_tokens 0
         token_ids=out.token_ids if req.return_token_ids else None,
     )
     resp = R.ChatCompletionResponse(
@@ -206,6 +206,14 @@ def token_fields(req: P.SamplingRequest, ev: StreamEvent, logprobs: Callable[[li
     return fields
 
 
+def running_usage(req: P.SamplingRequest, job: Job, num_tokens: int) -> R.Usage | None:
+    """A chunk's usage under vLLM's `stream_options.continuous_usage_stats`: the tokens so far."""
+    if not req.continuous_usage:
+        return None
+    prompt = len(job.prompt_ids)
+    return R.Usage(prompt_tokens=prompt, completion_tokens=num_tokens, total_tokens=prompt + num_tokens)
+
+
 def usage_chunk(kind, srv: Server, rid: str, created: int, out: RequestOutput) -> str:
     """A stream's last chunk under `stream_options.include_usage`: no choices, the request's usage."""
     return sse(
@@ -222,9 +230,21 @@ def usage_chunk(kind, srv: Server, rid: str, created: int, out: RequestOutput) -
 async def chat_stream(
     srv: Server, req: P.ChatCompletionRequest, job: Job, parser: ChatOutputParser, rid: str, created: int
 ) -> AsyncIterator[str]:
-    def chunk(delta: R.DeltaMessage, **fields) -> str:
+    num_tokens = 0  # generated so far
+
+    def chunk(delta: R.DeltaMessage, prompt_token_ids: list[int] | None = None, **fields) -> str:
         choice = R.ChatChunkChoice(delta=delta, **fields)
-        return sse(R.ChatCompletionChunk(id=rid, created=created, model=srv.model_name, choices=[choice]))
+        usage = running_usage(req, job, num_tokens)
+        return sse(
+            R.ChatCompletionChunk(
+                id=rid,
+                created=created,
+                model=srv.model_name,
+                choices=[choice],
+                usage=usage,
+                prompt_token_ids=prompt_token_ids,
+            )
+        )
 
     def deltas(parts: Parts, **fields) -> list[str]:
         """The parts as chunks; the event's logprobs and token ids ride on the first (on an empty
@@ -233,10 +253,11 @@ async def chat_stream(
         return [chunk(d, **(fields if i == 0 else {})) for i, d in enumerate(out)]
 
     try:
-        yield chunk(R.DeltaMessage(role="assistant", content=""))
+        yield chunk(R.DeltaMessage(role="assistant", content=""), job.prompt_ids if req.return_token_ids else None)
         for c in deltas(parser.push(echo_prefix(req))):
             yield c
         async for ev in job.events():
+            num_tokens += len(ev.token_ids)
             text = ev.text + (_stop_tail(srv, req, ev.output) if ev.output is not None else "")
             fields = token_fields(req, ev, srv.logprobs.chat)
             for c in deltas(parser.push(text), **fields):
@@ -298,9 +319,12 @@ def completion_choice(
         prefix = prompt_text if prompt_text is not None else srv.llm.tokenizer.decode(prompt_ids)
     logprobs = None
     if req.logprobs is not None:
-        logprobs = srv.logprobs.completion(out.logprobs, out.token_ids, len(prefix))
-        if req.echo:
-            echoed = srv.logprobs.completion(out.prompt_logprobs, prompt_ids, 0, req.logprobs)
+        # offsets count each token's text (vLLM's), the echoed prompt's too: where the prompt has a
+        # character split over tokens, its tokens' texts are longer than the prompt
+        echoed = srv.logprobs.completion(out.prompt_logprobs, prompt_ids, 0, req.logprobs) if req.echo else None
+        offset = sum(map(len, echoed.tokens)) if echoed is not None else 0
+        logprobs = srv.logprobs.completion(out.logprobs or [], out.token_ids, offset)  # none at max_tokens 0
+        if echoed is not None:
             logprobs = merge_completion_logprobs(echoed, logprobs)
     return R.CompletionChoice(
         index=index,
@@ -322,21 +346,28 @@ async def completion_stream(
     rid: str,
     created: int,
 ) -> AsyncIterator[str]:
+    num_tokens = 0  # generated so far
+
     def chunk(text: str, **fields) -> str:
         choice = R.CompletionChoice(text=text, **fields)
-        return sse(R.CompletionResponse(id=rid, created=created, model=srv.model_name, choices=[choice]))
+        usage = running_usage(req, job, num_tokens)
+        return sse(R.CompletionResponse(id=rid, created=created, model=srv.model_name, choices=[choice], usage=usage))
 
     try:
         offset = 0
+        first = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}  # on the first chunk (vLLM's)
         if req.echo:
             prefix = prompt_text if prompt_text is not None else srv.llm.tokenizer.decode(prompt_ids)
             offset = len(prefix)
-            yield chunk(prefix, prompt_token_ids=prompt_ids if req.return_token_ids else None)
+            yield chunk(prefix, **first)
+            first = {}
         async for ev in job.events():
+            num_tokens += len(ev.token_ids)
             text = ev.text + (_stop_tail(srv, req, ev.output) if ev.output is not None else "")
             fields = token_fields(req, ev, partial(srv.logprobs.completion, token_ids=ev.token_ids, offset=offset))
-            if text or fields:
-                yield chunk(text, **fields)
+            if text or fields or first:
+                yield chunk(text, **first, **fields)
+                first = {}
             if "logprobs" in fields:  # by each token's text, as the non-streamed offsets (not the text sent)
                 offset += sum(map(len, fields["logprobs"].tokens))
             if ev.output is not None:

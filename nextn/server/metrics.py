@@ -160,8 +160,8 @@ class Metrics:
             lines: list[str] = []
 
             def metric(name: str, kind: str, help_: str, samples: list[str]) -> None:
-                base = name.removesuffix("_total") if kind == "counter" else name
-                lines.extend([f"# HELP {base} {help_}", f"# TYPE {base} {kind}", *samples])
+                # text format 0.0.4: a counter's TYPE names its samples, `_total` included
+                lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples])
 
             def counter(name: str, help_: str, value, labels: str = "") -> None:
                 metric(name, "counter", help_, [f"{name}{labels} {value}"])

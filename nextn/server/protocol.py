@@ -96,7 +96,19 @@ class RequestModel(OpenAIModel):
 
 
 class StreamOptions(OpenAIModel):
+    """Strict as a request body is (a client never echoes it back with keys of its own)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (with include_usage)
+    include_obfuscation: bool | None = None  # OpenAI's padding of the chunks against side channels: none sent
+
+    @model_validator(mode="after")
+    def _continuous_needs_usage(self):
+        if self.continuous_usage_stats and not self.include_usage:  # it would do nothing
+            raise FieldError("continuous_usage_stats", "needs include_usage: true")
+        return self
 
 
 class FunctionCall(OpenAIModel):
@@ -238,6 +250,10 @@ class SamplingRequest(RequestModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ChatTemplateFields(RequestModel):

@@ -140,6 +140,7 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, on the first chunk
 
 
 class CompletionLogprobs(OpenAIModel):

@@ -66,6 +66,10 @@ def validation_error(err: dict) -> tuple[str, str]:
         return "", f"the body is not valid JSON: {what} at character {err['loc'][-1]}"
     if err["type"] == "missing" and tuple(err["loc"]) == ("body",):
         return "", "the request body is empty"
+    if err["type"] == "model_attributes_type" and tuple(err["loc"]) == ("body",):
+        if isinstance(err.get("input"), bytes):  # FastAPI parses a body as JSON only under a JSON Content-Type
+            return "", "the body was not read as JSON: send it with the header Content-Type: application/json"
+        return "", "the body must be a JSON object"
     loc = _path([x for x in err["loc"] if x != "body" and not (isinstance(x, str) and _UNION_MEMBER.fullmatch(x))])
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, P.FieldError):
