@@ -42,6 +42,7 @@ are nextn.bench_measure's.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -51,7 +52,7 @@ import torch
 
 from nextn.bench_measure import Bench, BenchConfig, copy_bandwidth, spread_text, sync_device, tokens_per_s
 from nextn.bench_sweeps import batched_runs, gate_entry, profiled_runs, sampled_runs, spec_sweep
-from nextn.config import STEP_ROWS, EngineConfig, resolve_device, resolve_dtype
+from nextn.config import STEP_ROWS, EngineConfig, check_kernels, resolve_device, resolve_dtype
 from nextn.model_config import ModelConfig
 from nextn.models.loader import load_model
 from nextn.models.qwen3_5 import CausalLM
@@ -264,6 +265,7 @@ def _bench(args, cfg: BenchConfig, prompt_text: str | None) -> dict:
     tp, t0 = (rank(), args.tensor_parallel_size), time.perf_counter()
     device = rank_device(resolve_device(args.device))
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if tp[0] == 0 else (lambda s: None)
+    draft_vocab = _draft_vocab(args, _model_config(args).vocab_size)  # checked before the weights load
     if args.random_weights is not None:  # released presets are bfloat16 checkpoints
         dtype = resolve_dtype(args.dtype, device, "bfloat16")
         model = random_model(args.random_weights, device, dtype, quantization=args.quantization, tp=tp)
@@ -273,13 +275,6 @@ def _bench(args, cfg: BenchConfig, prompt_text: str | None) -> dict:
         name = Path(args.model).name
     sync_device(next(model.parameters()).device)
     log(f"bench: model ready in {time.perf_counter() - t0:.1f} s")
-    draft_vocab = None
-    if args.draft_vocab_size is not None:
-        draft_vocab = DraftVocab.first(args.draft_vocab_size, model.cfg.vocab_size)
-    elif args.draft_vocab is not None:
-        from nextn.tokenizer import Tokenizer
-
-        draft_vocab = load_draft_vocab(args.draft_vocab, model.cfg.vocab_size, Tokenizer(args.model))
     prompt = None
     if args.model is not None:
         prompt = text_prompt(args.model, args.prompt_len, prompt_text or PROMPT_TEXT)
@@ -288,14 +283,34 @@ def _bench(args, cfg: BenchConfig, prompt_text: str | None) -> dict:
     return run_bench(model, name, cfg, log=log, prompt=prompt, draft_vocab=draft_vocab)
 
 
-def bench_from_args(args) -> int:
+def _model_config(args) -> ModelConfig:
+    """The whole model's config: the --random-weights preset's or the checkpoint's (no weight read)."""
+    if args.random_weights is None:
+        return ModelConfig.from_hf(args.model)
+    if args.random_weights not in PRESETS:
+        raise ValueError(f"unknown preset {args.random_weights!r}; choose from {sorted(PRESETS)}")
+    return ModelConfig.from_dict(PRESETS[args.random_weights])
+
+
+def _draft_vocab(args, vocab_size: int) -> DraftVocab | None:
+    """--draft-vocab-size N (the first N ids) or --draft-vocab FILE, checked against the model."""
+    if args.draft_vocab_size is not None:
+        return DraftVocab.first(args.draft_vocab_size, vocab_size)
+    if args.draft_vocab is not None:
+        from nextn.tokenizer import Tokenizer
+
+        return load_draft_vocab(args.draft_vocab, vocab_size, Tokenizer(args.model))
+    return None
+
+
+def check_args(args) -> None:
+    """The flags that need no model, checked before one is downloaded or loaded."""
     if args.model is not None and args.random_weights is not None:
         raise ValueError("nextn bench runs MODEL or --random-weights PRESET, not both")
     if any(not 0 <= k < STEP_ROWS for k in args.spec_k):
         raise ValueError(f"--spec-k values must be in 0..{STEP_ROWS - 1}, got {' '.join(map(str, args.spec_k))}")
     if min(counts := (args.prompt_len, args.gen_len, args.repeats)) < 1:
         raise ValueError(f"--prompt-len, --gen-len and --repeats must be >= 1, got {' / '.join(map(str, counts))}")
-    profile = None
     if args.acceptance_profile:
         try:
             profile = [float(p) for p in args.acceptance_profile.split(",")]
@@ -305,7 +320,7 @@ def bench_from_args(args) -> int:
             ) from None
         if not profile or not all(0.0 <= p <= 1.0 for p in profile):
             raise ValueError(f"--acceptance-profile probabilities must be in [0, 1], got {args.acceptance_profile!r}")
-    if args.draft_vocab is not None and args.model is None:
+    if args.draft_vocab is not None and args.random_weights is not None:
         raise ValueError("--draft-vocab needs --model (a file is checked against the checkpoint's tokenizer)")
     if any(b < 1 for b in args.batch) or (args.prefill_len is not None and args.prefill_len < 1):
         raise ValueError(f"--batch and --prefill-len take positive sizes, got {args.batch} / {args.prefill_len}")
@@ -313,11 +328,27 @@ def bench_from_args(args) -> int:
         raise ValueError(f"--p-min takes values in [0, 1), got {args.p_min}")
     if any(not 0.0 < t <= 100.0 for t in args.temperature):
         raise ValueError(f"--temperature takes values in (0, 100] (greedy always runs), got {args.temperature}")
-    prompt_text = None
     if args.prompt_file is not None:
         if args.random_weights is not None:
             raise ValueError("--prompt-file needs --model (a checkpoint with a tokenizer)")
-        prompt_text = Path(args.prompt_file).read_text(errors="replace")
+        if not Path(args.prompt_file).is_file():
+            raise ValueError(f"--prompt-file {args.prompt_file}: not a file")
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    check_kernels(args.kernels, resolve_device(args.device))
+    if args.json_out is not None:  # a report that cannot be written fails now, not after the runs
+        out = Path(args.json_out)
+        if out.is_dir():
+            raise ValueError(f"--json {out}: a directory; give the report's file name")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(out.parent, os.W_OK):
+            raise ValueError(f"--json {out}: its folder is not writable")
+
+
+def bench_from_args(args) -> int:
+    check_args(args)
+    profile = [float(p) for p in args.acceptance_profile.split(",")] if args.acceptance_profile else None
+    prompt_text = None if args.prompt_file is None else Path(args.prompt_file).read_text(errors="replace")
     cfg = BenchConfig(
         spec_ks=list(args.spec_k),
         prompt_len=args.prompt_len,
@@ -338,8 +369,7 @@ def bench_from_args(args) -> int:
         check_ranks(size, args.device)
         if args.draft_vocab is not None or args.draft_vocab_size is not None:
             raise ValueError("a draft vocabulary does not run under tensor parallelism yet")
-        whole = ModelConfig.from_dict(PRESETS[args.random_weights]) if args.random_weights else None
-        (whole or ModelConfig.from_hf(args.model)).shard(0, size)
+        _model_config(args).shard(0, size)
         ranks = start(size, args.device, _bench_rank, args, cfg, prompt_text)
         try:
             res = _bench(args, cfg, prompt_text)
@@ -350,7 +380,6 @@ def bench_from_args(args) -> int:
     res["prompt_file"], res["draft_vocab"] = args.prompt_file, args.draft_vocab
     text = json.dumps(res, indent=1)
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(text + "\n")
         try:
             plot(res, str(Path(args.json_out).with_suffix("")))

@@ -28,15 +28,32 @@ def _local(args, default_model: bool = True) -> None:
 
 
 def _replay(args) -> int:
+    from nextn.model_config import ModelConfig
+    from nextn.spec.draft_vocab import load_draft_vocab
     from nextn.spec.replay import replay_from_args
+    from nextn.tokenizer import Tokenizer
 
+    _check_out("--dump-hidden", args.dump_hidden)  # written after the trunk pass: refused before the load
     _local(args)
+    if args.draft_vocab is not None:  # checked against the checkpoint before it loads (replay reads it again)
+        load_draft_vocab(args.draft_vocab, ModelConfig.from_hf(args.model).vocab_size, Tokenizer(args.model))
     return replay_from_args(args)
 
 
-def _bench(args) -> int:
-    from nextn.bench import bench_from_args
+def _check_out(flag: str, path: str | None) -> None:
+    """A file a command writes at its end: a name in a folder that exists, not a folder."""
+    if path is None:
+        return
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path}: a directory; give a file name")
+    if not Path(path).resolve().parent.is_dir():
+        raise ValueError(f"{flag} {path}: its folder does not exist")
 
+
+def _bench(args) -> int:
+    from nextn.bench import bench_from_args, check_args
+
+    check_args(args)  # before a download
     _local(args, default_model=args.random_weights is None)  # MODEL (default: the bundled one) or --random-weights
     return bench_from_args(args)
 
@@ -47,8 +64,7 @@ def _draft_vocab(args) -> int:
     from nextn.spec.draft_vocab import build_draft_vocab
     from nextn.tokenizer import Tokenizer
 
-    if not Path(args.out).resolve().parent.is_dir():  # before counting a corpus, not after
-        raise ValueError(f"--out {args.out}: its folder does not exist")
+    _check_out("--out", args.out)  # before counting a corpus, not after
     model_dir = resolve_model(args.model)
     cfg, tokenizer = ModelConfig.from_hf(model_dir), Tokenizer(model_dir)
     # a draft vocabulary that can end a reply
@@ -104,12 +120,7 @@ def _serve(args) -> int:
     from nextn.server.app import serve
     from nextn.server.options import ServerOptions
 
-    llm = _llm(
-        args,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    # the server's settings checked before the model loads
     cfg = ServeConfig(
         host=args.host,
         port=args.port,
@@ -124,44 +135,73 @@ def _serve(args) -> int:
         log_interval=args.log_interval,
         reasoning_parser=args.reasoning_parser,
     )
+    _check_address(cfg.host, cfg.port)
+    llm = _llm(
+        args,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     try:
         return serve(llm, cfg, opts)
     finally:
         llm.close()
 
 
+def _check_address(host: str, port: int) -> None:
+    """The server's address free to bind, before the model loads (uvicorn would fail only after it,
+    binding as here: IPv6 for a host with a colon, SO_REUSEADDR)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+
+
 def _generate(args) -> int:
-    llm = _llm(args, trace=args.trace)
-    try:
-        return _generate_with(llm, args)
-    finally:
-        llm.close()
+    from nextn.core import with_defaults
 
-
-def _generate_with(llm, args) -> int:
+    # the prompt and the sampling flags checked before the model loads
+    prompt_ids, text = None, args.prompt
     if args.prompt_ids is not None:
         try:
             prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
         except ValueError:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    else:
-        text = args.prompt if args.prompt_file is None else Path(args.prompt_file).read_text(errors="replace")
+        if not prompt_ids:
+            raise ValueError("--prompt-ids is empty")
+    elif args.prompt_file is not None:
+        text = Path(args.prompt_file).read_text(errors="replace")
+    request = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "presence_penalty": args.presence_penalty,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+        "structured_outputs": args.structured_outputs,
+    }
+    with_defaults({}, **request)
+    llm = _llm(args, trace=args.trace)
+    try:
+        return _generate_with(llm, args, prompt_ids, text, request)
+    finally:
+        llm.close()
+
+
+def _generate_with(llm, args, prompt_ids: list[int] | None, text: str | None, request: dict) -> int:
+    if prompt_ids is None:
         if args.chat:
             text = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
         prompt_ids = llm.tokenizer.encode(text)
-    params = llm.default_sampling_params(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        frequency_penalty=args.frequency_penalty,
-        presence_penalty=args.presence_penalty,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-        structured_outputs=args.structured_outputs,
-    )
+    params = llm.default_sampling_params(**request)
     streamed = not args.json
     out = None
     for ev in llm.stream(prompt_ids, params):

@@ -114,3 +114,40 @@ def test_weight_bytes_count_routed_experts_only(moe_ckpt):
     expected = all_trunk - experts + experts * cfg.num_experts_per_tok // cfg.num_experts
     expected += (model.lm_head_weight.numel() * 4 if cfg.tie_word_embeddings else 0) + cfg.hidden_size * 4
     assert dense_part == expected
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--kernels", "triton"], "kernels='triton' needs a CUDA device"),
+        (["--draft-vocab-size", "0"], "a draft vocabulary size must be in 1..352, got 0"),
+        (["--draft-vocab-size", "353"], "a draft vocabulary size must be in 1..352, got 353"),
+        (["--draft-vocab", "missing.json"], "[Errno 2] No such file or directory: 'missing.json'"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1, got 0"),
+        (["--json", "."], "--json .: a directory; give the report's file name"),
+    ],
+    ids=("triton-on-cpu", "vocab-size-0", "vocab-size-past", "vocab-file", "tp-0", "json-dir"),
+)
+def test_bench_checks_its_settings_before_loading(argv, message, dense_ckpt, capsys, monkeypatch, tmp_path):
+    """Each was refused only after the model loaded (a --json folder: after every run, the report lost)."""
+    monkeypatch.setattr(bench, "load_model", lambda *a, **kw: pytest.fail("the model loaded"))
+    monkeypatch.setattr("nextn.ops.triton_utils.interpreting", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", str(dense_ckpt), "--device", "cpu", "--spec-k", "1", *argv, "--log-level", "warning"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"nextn: error: {message}"), err
+
+
+def test_bench_checks_its_flags_before_a_download(capsys, monkeypatch, tmp_path):
+    """A hub id was fetched (the whole checkpoint) before a flag that needs no model was refused."""
+    monkeypatch.setattr("nextn.hub.download", lambda *a: pytest.fail("the model downloaded"))
+    monkeypatch.chdir(tmp_path)
+    for argv, message in (
+        (["--spec-k", "16"], "--spec-k values must be in 0..15, got 16"),
+        (["--p-min", "1"], "--p-min takes values in [0, 1), got [1.0]"),
+        (["--prompt-file", "missing.txt"], "--prompt-file missing.txt: not a file"),
+        (["--json", "."], "--json .: a directory"),
+    ):
+        assert main(["bench", "org/tiny", "--device", "cpu", *argv, "--log-level", "warning"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"nextn: error: {message}"), err

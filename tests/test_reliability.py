@@ -376,6 +376,26 @@ def test_sigterm_with_open_streams_exits_within_the_timeout(dense_ckpt, tmp_path
             proc.wait()
 
 
+def test_serve_refuses_an_address_in_use_before_loading(dense_ckpt, monkeypatch, capsys):
+    """A taken port was uvicorn's exit status 3 and its log lines, after the model loaded; now one
+    line before it loads. A free port still serves."""
+    from nextn.cli import main
+
+    monkeypatch.setattr("nextn.engine.llm.load_model", lambda *a, **kw: pytest.fail("the weights loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(dense_ckpt), "--port", str(port), "--log-level", "warning"]) == 2
+        err = capsys.readouterr().err
+        assert err == f"nextn: error: cannot serve on 127.0.0.1:{port}: Address already in use\n", err
+    monkeypatch.undo()
+    served = []
+    monkeypatch.setattr("nextn.server.app.serve", lambda llm, cfg, opts: served.append(cfg.port) or 0)
+    assert main(["serve", str(dense_ckpt), "--port", str(port), "--max-model-len", "64", "--log-level", "warning"]) == 0
+    assert served == [port]
+
+
 # ---------------------------------------------------------------------------------------------
 # Metrics, logging, schema
 

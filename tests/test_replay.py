@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from hf_fixtures import FIT_PROMPTS
 
@@ -102,3 +103,31 @@ def test_replay_refuses_a_bad_max_tokens_or_file_before_loading(tmp_path, capsys
     ):
         assert main(["replay", *argv]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_files_written_at_the_end_are_checked_before_the_work(tmp_path, capsys, monkeypatch):
+    """replay --dump-hidden into a missing folder was a SafetensorError traceback after the load and
+    the trunk pass, a missing --draft-vocab an error after the load; draft-vocab --out naming a folder
+    failed after counting the whole corpus. Each is now a one-line error before the work."""
+    from nextn import commands
+    from nextn.cli import main
+    from nextn.spec import replay
+
+    monkeypatch.setattr(replay, "load_model", lambda *a, **kw: pytest.fail("the model loaded"))
+    monkeypatch.setattr(commands, "_local", lambda *a, **kw: pytest.fail("the model was resolved"), raising=True)
+    f = tmp_path / "text.txt"
+    f.write_text("def add(a, b):\n    return a + b\n" * 8)
+    for argv, message in (
+        (["--dump-hidden", str(tmp_path / "no" / "h.safetensors")], "h.safetensors: its folder does not exist"),
+        (["--dump-hidden", str(tmp_path)], f"--dump-hidden {tmp_path}: a directory"),
+    ):
+        assert main(["replay", "--file", str(f), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    monkeypatch.undo()
+    monkeypatch.setattr(replay, "load_model", lambda *a, **kw: pytest.fail("the model loaded"))
+    assert main(["replay", "--file", str(f), "--draft-vocab", str(tmp_path / "v.json")]) == 2
+    assert "No such file or directory" in capsys.readouterr().err
+    monkeypatch.setattr("nextn.spec.draft_vocab.build_draft_vocab", lambda *a, **kw: pytest.fail("counted"))
+    assert main(["draft-vocab", "--data", str(f), "--size", "8", "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path}: a directory" in capsys.readouterr().err

@@ -205,6 +205,33 @@ def test_a_flag_error_is_one_line(argv, message, dense_ckpt, capsys, monkeypatch
     assert err.count("\n") == 1 and err.startswith(f"nextn: error: {message}"), err
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["generate", "--prompt", "x", "--max-tokens", "-1"], "max_tokens must be >= 0, got -1"),
+        (["generate", "--prompt", "x", "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+        (["generate", "--prompt", "x", "--structured-outputs", '{"jsn": {}}'], "structured_outputs must hold"),
+        (["generate", "--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers, got '1,x'"),
+        (["generate", "--prompt-ids", ","], "--prompt-ids is empty"),
+        (["generate", "--prompt-file", "missing.txt"], "[Errno 2] No such file or directory: 'missing.txt'"),
+        (["serve", "--port", "0"], "port must be in 1..65535, got 0"),
+        (["serve", "--max-queue", "0"], "max_queue must be >= 1"),
+        (["serve", "--max-request-bytes", "10"], "max_request_bytes must be >= 1024, got 10"),
+        (["serve", "--reasoning-parser", "qwen3", "--shutdown-timeout", "-1"], "shutdown_timeout must be >= 0"),
+    ],
+    ids=lambda a: a[-2].strip("-") if isinstance(a, list) else None,
+)
+def test_generate_and_serve_check_their_flags_before_loading(argv, message, ckpt, monkeypatch, capsys, tmp_path):
+    """A bad sampling flag, prompt or server setting was refused only after the model loaded."""
+    monkeypatch.setattr("nextn.engine.llm.load_model", lambda *a, **kw: pytest.fail("the weights loaded"))
+    monkeypatch.setattr("nextn.hub.download", lambda *a: pytest.fail("the model downloaded"))
+    monkeypatch.chdir(tmp_path)
+    for model in (str(ckpt), "org/tiny"):
+        assert main([argv[0], model, *argv[1:], "--log-level", "warning"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"nextn: error: {message}"), err
+
+
 def test_bench_checks_its_k_before_loading(dense_ckpt, capsys, monkeypatch):
     monkeypatch.setattr("nextn.bench._bench", lambda *a: pytest.fail("the bench ran"))
     assert main(["bench", str(dense_ckpt), "--spec-k", "3", "-1", "--log-level", "warning"]) == 2
@@ -359,6 +386,34 @@ def test_tensors_stream_one_at_a_time_and_are_checked_before_any_is_read(
     with pytest.raises(CheckpointError):
         load_model(bad, device="cpu")
     assert reads[0] == 0
+
+
+@pytest.mark.parametrize(
+    "setting,message",
+    [
+        ({"p_min": 1.5}, "p_min must be in"),
+        ({"num_speculative_tokens": 16}, "num_speculative_tokens must be in"),
+        ({"num_speculative_tokens": 0, "adaptive_k": True}, "adaptive_k would do nothing"),
+        ({"num_speculative_tokens": 0, "draft_vocab": "v.json"}, "a draft vocabulary needs speculative"),
+        ({"draft_vocab": 7}, "draft_vocab must be a DraftVocab"),
+        ({"prefill": "fast"}, "prefill must be one of"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
+        ({"max_num_batched_tokens": 8}, "max_num_batched_tokens must be >= 16"),
+        ({"max_model_len": 1}, "max_model_len must be >= 2"),
+        ({"dtype": "float64"}, "dtype must be one of"),
+    ],
+    ids=lambda v: "-".join(v) if isinstance(v, dict) else None,
+)
+def test_settings_are_checked_before_a_download_or_a_weight_is_read(setting, message, ckpt, monkeypatch, capsys):
+    """A bad setting is refused before the weights load (and before a hub download), not after."""
+    monkeypatch.setattr("nextn.engine.llm.load_model", lambda *a, **kw: pytest.fail("the weights loaded"))
+    monkeypatch.setattr("nextn.hub.download", lambda *a: pytest.fail("the model downloaded"))
+    for model in (ckpt, "org/tiny"):
+        with pytest.raises(ValueError, match=message):
+            nextn.LLM(model, device="cpu", **setting)
+    if "p_min" in setting:  # the CLI's path
+        assert main(["generate", str(ckpt), "--prompt", "x", "--p-min", "1.5", "--log-level", "warning"]) == 2
+        assert capsys.readouterr().err == "nextn: error: p_min must be in [0, 1), got 1.5\n"
 
 
 def test_a_progress_bar_counts_the_shards(vlm_ckpt, caplog, capsys):

@@ -96,6 +96,11 @@ class LLM:
         check_kv_cache_dtype(kv_cache_dtype)  # before the weights load
         device = resolve_device(device)  # before a download: a CUDA request on a CPU torch fails at once
         check_kernels(kernels, device)
+        # every setting checked before a download or a weight is read: K and the context provisional
+        # (the checkpoint's head and limit are known later), a draft vocabulary file not yet read
+        vocab = DraftVocab((0,)) if isinstance(draft_vocab, str | Path) else draft_vocab
+        dtype_name = resolve_dtype(dtype, device, None)
+        _engine_config(model, device, dtype_name, DEFAULT_K_WITH_HEAD if k is None else k, settings, vocab)
         model_dir = resolve_model(model)
         self._boxes: dict[int, deque] = {}
         self._ranks = _start_ranks(tensor_parallel_size, device, model_dir, settings)
@@ -114,6 +119,9 @@ class LLM:
         max_len = _max_model_len(s["max_model_len"], cfg.max_position_embeddings, model_dir)
         if draft_vocab is not None:
             draft_vocab = _draft_vocab(draft_vocab, cfg.vocab_size, self.tokenizer)
+        dtype = resolve_dtype(dtype, device, cfg.dtype)  # what load_model resolves it to
+        # the configuration checked again before the weights load (K provisional while no head is known)
+        _engine_config(model_dir, device, dtype, DEFAULT_K_WITH_HEAD if k is None else k, s, draft_vocab, max_len)
         self.model = load_model(model_dir, device=device, dtype=dtype, quantization=quantization, tp=(rank(), tp))
         self.model_name = str(model) if model is not None and not Path(model).is_dir() else model_dir.name
         self.sampling_defaults = _read_sampling_defaults(model_dir)
@@ -124,22 +132,7 @@ class LLM:
                 log.warning("%s has no MTP head; plain decoding (spec K=0)", model_dir)
         if k > 0 and not has_head:
             raise ValueError(f"num_speculative_tokens={k} needs an MTP head; {model_dir} has none")
-        spec = SpecConfig(k, s["p_min"], s["adaptive_k"], s["hidden_after_norm"], draft_vocab, s["grammar_draft_mask"])
-        self.config = EngineConfig(
-            str(model_dir),
-            device,
-            resolve_dtype(dtype, device, self.model.cfg.dtype),  # what load_model resolved it to
-            spec,
-            max_len,
-            s["max_num_seqs"],
-            s["kernels"],
-            s["prefill"],
-            s["max_num_batched_tokens"],
-            quantization=quantization,
-            tensor_parallel_size=tp,
-            trace=s["trace"],
-            kv_cache_dtype=s["kv_cache_dtype"],
-        )
+        self.config = _engine_config(model_dir, device, dtype, k, s, draft_vocab, max_len)
         leader = None if self._ranks is None else Leader(self._ranks)
         self.engine = Engine(self.model, self.tokenizer, self.config, leader)
         if self._ranks is not None:
@@ -447,6 +440,30 @@ def _max_model_len(max_model_len: int | None, limit: int, model_dir: Path) -> in
             f"{limit} in {model_dir / 'config.json'}"
         )
     return max_model_len
+
+
+def _engine_config(
+    model, device: str, dtype: str, k: int, s: dict, draft_vocab: DraftVocab | None, max_len: int | None = None
+) -> EngineConfig:
+    """The engine's configuration from LLM's settings `s` (max_len None: theirs, else the default)."""
+    spec = SpecConfig(k, s["p_min"], s["adaptive_k"], s["hidden_after_norm"], draft_vocab, s["grammar_draft_mask"])
+    if max_len is None:
+        max_len = DEFAULT_MAX_MODEL_LEN if s["max_model_len"] is None else s["max_model_len"]
+    return EngineConfig(
+        str(model),
+        device,
+        dtype,
+        spec,
+        max_len,
+        s["max_num_seqs"],
+        s["kernels"],
+        s["prefill"],
+        s["max_num_batched_tokens"],
+        quantization=s["quantization"],
+        tensor_parallel_size=s["tensor_parallel_size"],
+        trace=s["trace"],
+        kv_cache_dtype=s["kv_cache_dtype"],
+    )
 
 
 def _token_id(t) -> int | None:
