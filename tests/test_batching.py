@@ -203,3 +203,19 @@ def test_open_streams_and_generate_interleave(engine, monkeypatch):
     assert [sum((ev.token_ids for ev in evs), []) for evs in streamed] + [third.token_ids] == alone
     assert [evs[-1].output.token_ids for evs in streamed] == alone[:2]
     assert not llm._boxes and not engine.has_work
+
+
+def test_a_stream_dropped_before_its_first_event_frees_its_slot(engine):
+    """LLM.stream queues its request at once; a stream dropped unread never ran its cleanup, so the
+    request kept a slot, ran beside later requests and piled its events up. The next step aborts it."""
+    import gc
+
+    llm = nextn.LLM.of_engine(engine)
+    params = nextn.SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)
+    alone = llm.generate(prompt_token_ids=_P[1], params=params).token_ids
+    dropped = llm.stream(_P[0], params)
+    del dropped
+    gc.collect()
+    assert llm.generate(prompt_token_ids=_P[1], params=params).token_ids == alone
+    assert not llm._boxes and not engine.has_work
+    assert len(engine.scheduler.free) == engine.scheduler.num_slots

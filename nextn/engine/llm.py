@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -103,6 +104,7 @@ class LLM:
         _engine_config(model, device, dtype_name, DEFAULT_K_WITH_HEAD if k is None else k, settings, vocab)
         model_dir = resolve_model(model)
         self._boxes: dict[int, deque] = {}
+        self._abandoned: list = []  # streams dropped before their first event (see stream)
         self._ranks = _start_ranks(tensor_parallel_size, device, model_dir, settings)
         try:
             self._load(model, model_dir, rank_device(device), dtype, k, settings)
@@ -274,7 +276,12 @@ class LLM:
         """
         params = params or self.default_sampling_params()
         ids = self.prompt_ids(prompt_token_ids, prompt, params)
-        return self._run(self._add(ids, params, use_sessions, checkpoint_at), prompt, ids)
+        req = self._add(ids, params, use_sessions, checkpoint_at)
+        events = self._run(req, prompt, ids)
+        # a stream dropped unstarted never runs _run's cleanup: its request would hold a slot and
+        # gather events; the next engine step aborts it (marked here, not aborted inside the GC)
+        weakref.finalize(events, self._abandoned.append, req)
+        return events
 
     def _run(self, req, prompt: str | None, ids: list[int]) -> Iterator[StreamEvent]:
         done = False
@@ -302,7 +309,7 @@ class LLM:
     def of_engine(cls, engine: Engine) -> LLM:
         """An LLM over an engine built elsewhere (tests drive a hand-made engine through its loops)."""
         llm = cls.__new__(cls)
-        llm._ranks, llm._boxes = None, {}
+        llm._ranks, llm._boxes, llm._abandoned = None, {}, []
         llm.engine, llm.config, llm.tokenizer, llm.model = engine, engine.config, engine.tokenizer, engine.model
         return llm
 
@@ -315,6 +322,10 @@ class LLM:
         """The request's next event, stepping the engine until there is one."""
         box = self._boxes[req.request_id]
         while not box:
+            while self._abandoned:  # streams dropped unstarted (their boxes still here)
+                gone = self._abandoned.pop()
+                if self._boxes.pop(gone.request_id, None) is not None:
+                    self.engine.abort(gone)
             if not self.engine.has_work:  # (its last event was taken: no step would bring another)
                 raise RuntimeError(f"request {req.request_id} is no longer in the engine")
             for r, ev in self.engine.step():
