@@ -184,6 +184,17 @@ def test_xml_values_of_schemas_without_a_type():
     assert args(opt="123") == {"opt": "123"}  # a string-or-null parameter: the digits as written
 
 
+def test_xml_nulls_read_back_as_the_template_writes_them(xml_model_dir):
+    """The XML templates write a null argument as Python's `None` (`| string`): a nullable
+    parameter reads it back as null (it was the string "None"), as it reads `True` as true."""
+    optional = {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+    schema = {"properties": {"n": optional, "s": {"type": ["string", "null"]}, "b": {"type": ["boolean", "null"]}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    for args in ({"n": None, "s": None, "b": None}, {"n": 3, "s": "x", "b": True}):
+        text = rendered_call(xml_model_dir, [tool], {"name": "f", "arguments": args})
+        assert parse(text, tools=[P.Tool.model_validate(tool)])[2] == [("f", json.dumps(args))], text
+
+
 def test_streamed_deltas_carry_each_call_as_header_then_arguments():
     parser = ChatOutputParser(None, TOOLS)
     deltas = parser.push(JSON_CALL + JSON_CALL).delta(0) + parser.finish().delta(2)

@@ -205,10 +205,11 @@ def schema_properties(parameters: dict | None) -> tuple[dict, set[str]]:
 
 def _xml_value(text: str, schema: Any, parameters: Any) -> Any:
     """An XML parameter's text as its schema's types (`parameters`: the tool's schema, the root of
-    its `$ref`s): strings as written (the templates write them raw), booleans as the templates write
-    them (Python's True/False) or JSON, the rest as JSON. A schema that names no type (`anyOf`, `$ref`,
-    `enum`, {}) takes JSON when the text is JSON, as the tool_choice grammar writes such a value
-    (a string-only one, as `{"enum": ["C", "F"]}`, it writes raw, as a string schema's)."""
+    its `$ref`s): strings as written (the templates write them raw), booleans and null as the
+    templates write them (Python's True/False/None) or JSON, the rest as JSON. A schema that names no
+    type (`anyOf`, `$ref`, `enum`, {}) takes JSON when the text is JSON, as the tool_choice grammar
+    writes such a value (a string-only one, as `{"enum": ["C", "F"]}`, it writes raw, as a string
+    schema's)."""
     if schema is None:  # a parameter the tool does not declare
         return text
     types = schema_types(schema, parameters)
@@ -216,6 +217,8 @@ def _xml_value(text: str, schema: Any, parameters: Any) -> Any:
         return text
     if "boolean" in types and text.strip().lower() in ("true", "false"):
         return text.strip().lower() == "true"
+    if "null" in types and text.strip() == "None":
+        return None
     try:
         value = json.loads(text)
     except ValueError:
