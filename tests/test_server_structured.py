@@ -401,6 +401,29 @@ def test_tool_choice_grammars_hold_string_parameters_to_their_enums(form, xml_mo
         assert not accepts(grammar, template_tok, text), text
 
 
+def test_a_forced_xml_call_takes_any_string_the_parser_reads_back(xml_model_dir):
+    """A string argument in the XML form is any lines (HTML, a line starting with "<": the grammar
+    refused them), but none holding `</parameter>` or `</tool_call>`, where the parser would cut it."""
+    write = {
+        "type": "function",
+        "function": {"name": "write", "parameters": {"properties": {"text": {"type": "string"}}}},
+    }
+    template_tok = Tokenizer(xml_model_dir)
+    req = P.ChatCompletionRequest(messages=[user("x")], tools=[write], tool_choice="required")
+    grammar = structured.checked("tool_choice", {"grammar": structured.tool_grammar(req, template_tok)}, template_tok)
+    for text, ok in [("<html>\n  <b>hi</b>\n</html>", True), ("a\n<", True), ("", True), ("a </parameter> b", False)]:
+        call = rendered_call(xml_model_dir, [write], {"name": "write", "arguments": {"text": text}})
+        assert accepts(grammar, template_tok, call) == ok, call
+        if ok:
+            assert parse(call, tools=[P.Tool.model_validate(write)])[2] == [("write", json.dumps({"text": text}))]
+    head = rendered_call(xml_model_dir, [write], {"name": "write", "arguments": {"text": "a"}}).split("a\n")[0]
+    for marker, ok in [("</tool_call>", False), ("</tool_cal>", True)]:  # the marker as text, not its token
+        cut = marker.index("tool")
+        ids = template_tok.encode(head + "a" + marker[:cut]) + template_tok.encode(marker[cut:] + "\n</parameter>\n")
+        matcher = compile_grammar(grammar, template_tok).matcher()
+        assert matcher.consume_tokens(ids) == ok, marker
+
+
 def test_a_forced_call_of_a_tool_without_parameters_has_no_arguments(tok):
     """OpenAI: leaving out `parameters` defines a function with an empty parameter list (the model
     filled the arguments with anything)."""

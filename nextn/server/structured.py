@@ -33,8 +33,9 @@ from nextn.server.protocol import FieldError
 from nextn.tokenizer import Tokenizer
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-# an XML tool-call string value: lines, none starting with "<" (so "</parameter>" ends it)
-_XML_STRING = r"/(([^<\n][^\n]*)?\n)*/"
+# a line of an XML tool-call string value (one lexeme a line: the line "</parameter>" ends the
+# value): any text without the markers the parser ends a value or a call at
+_XML_LINE = r"/[^\n]*\n/ & ~/(?s:.*<\/(parameter|tool_call)>.*)/"
 
 
 def request_constraint(req: P.SamplingRequest) -> tuple[str, dict[str, Any]] | None:
@@ -109,7 +110,7 @@ def _json_calls(tools: list[P.Tool]) -> str:
 def _xml_calls(tools: list[P.Tool]) -> str:
     """`<function=NAME>` with a `<parameter=P>` block per argument, in the schema's order (the
     required ones always): strings as lines (one of a listed few as that line), other types as JSON."""
-    rules = [f"fn: {' | '.join(f'f{i}' for i in range(len(tools)))}", f"xstr: {_XML_STRING}"]
+    rules = [f"fn: {' | '.join(f'f{i}' for i in range(len(tools)))}", "xstr: XLINE*", f"XLINE: {_XML_LINE}"]
     for i, t in enumerate(tools):
         props, required = schema_properties(t.function.parameters)
         items = []
