@@ -184,6 +184,21 @@ def test_xml_values_of_schemas_without_a_type():
     assert args(opt="123") == {"opt": "123"}  # a string-or-null parameter: the digits as written
 
 
+def test_tool_call_arguments_are_always_json_a_client_can_read():
+    """A lone surrogate escape in a call (the model's, under "auto") stays escaped in the arguments
+    (written raw it could not be encoded: a 500); NaN / Infinity are not JSON: no call takes them."""
+    for value, expected in [("\\ud83d", '{"city": "\\ud83d"}'), ("\\ud83d\\ude00", '{"city": "\U0001f600"}')]:
+        text = f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{value}"}}}}\n</tool_call>'
+        assert parse(text) == ("", "", [("get_weather", expected)])
+    lone = text.replace("get_weather", "\\ud83d")  # not a name: the block stays content, as written
+    assert parse(lone) == ("", lone, [])
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "x", "days": NaN}}\n</tool_call>'
+    assert parse(text) == ("", text, [])
+    tool = P.Tool(function=P.FunctionDefinition(name="f", parameters={"properties": {"n": {"type": "number"}}}))
+    xml = "<tool_call>\n<function=f>\n<parameter=n>\n-Infinity\n</parameter>\n</function>\n</tool_call>"
+    assert parse(xml, tools=[tool])[2] == [("f", '{"n": "-Infinity"}')]
+
+
 def test_xml_nulls_read_back_as_the_template_writes_them(xml_model_dir):
     """The XML templates write a null argument as Python's `None` (`| string`): a nullable
     parameter reads it back as null (it was the string "None"), as it reads `True` as true."""

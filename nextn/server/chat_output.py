@@ -161,7 +161,7 @@ class ChatOutputParser:
             return
         name, args = call
         self.num_calls += 1
-        fn = R.FunctionCallOut(name=name, arguments=json.dumps(args, ensure_ascii=False))
+        fn = R.FunctionCallOut(name=name, arguments=_arguments_text(args))
         parts.tool_calls.append(R.ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}", function=fn))
 
 
@@ -186,14 +186,40 @@ def parse_tool_call(body: str, schemas: dict[str, dict]) -> tuple[str, dict[str,
             for p, v in _PARAMETER.findall(m.group(2))
         }
     try:
-        obj = json.loads(body)
+        obj = _loads(body)
         args = obj.get("arguments", obj.get("parameters", {}))
-        args = json.loads(args) if isinstance(args, str) else args
+        args = _loads(args) if isinstance(args, str) else args
     except (ValueError, AttributeError):
         return None
-    if not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+    if not isinstance(obj.get("name"), str) or not _is_text(obj["name"]) or not isinstance(args, dict):
         return None
     return obj["name"], args
+
+
+def _loads(text: str) -> Any:
+    """JSON, strictly: NaN and Infinity are not JSON (json.loads takes them, and json.dumps would
+    write them into the arguments, which a client's JSON parser refuses)."""
+    return json.loads(text, parse_constant=_not_json)
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _is_text(text: str) -> bool:
+    """False for a string holding a lone surrogate (from a JSON escape the model wrote): no UTF-8."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _arguments_text(args: dict) -> str:
+    """A call's arguments as JSON text: as written, but a lone surrogate escaped again (written raw
+    it cannot be encoded, and the response failed)."""
+    text = json.dumps(args, ensure_ascii=False)
+    return text if _is_text(text) else json.dumps(args)
 
 
 def schema_properties(parameters: dict | None) -> tuple[dict, set[str]]:
@@ -220,7 +246,7 @@ def _xml_value(text: str, schema: Any, parameters: Any) -> Any:
     if "null" in types and text.strip() == "None":
         return None
     try:
-        value = json.loads(text)
+        value = _loads(text)
     except ValueError:
         return text
     kind = _JSON_TYPES.get(type(value))
