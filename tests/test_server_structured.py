@@ -258,6 +258,10 @@ def tok() -> Tokenizer:
             {"structured_outputs": {"choice": ["x"], "disable_any_whitespace": False}},
             ("structured_outputs.choice", {"choice": ["x"]}),
         ),
+        (  # vLLM's options that ask for what the server does anyway (compact JSON, no fallback)
+            {"structured_outputs": {"json": PERSON, "disable_any_whitespace": True, "disable_fallback": True}},
+            ("structured_outputs.json", {"json": PERSON}),
+        ),
         ({"guided_json": PERSON}, ("guided_json", {"json": PERSON})),
         ({"guided_regex": "[0-9]+"}, ("guided_regex", {"regex": "[0-9]+"})),
         ({"guided_choice": ["yes", "no"]}, ("guided_choice", {"choice": ["yes", "no"]})),

@@ -33,6 +33,9 @@ from nextn.server.protocol import FieldError
 from nextn.tokenizer import Tokenizer
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# vLLM's structured_outputs options that ask for what nextn does anyway: JSON without free
+# whitespace (JSON_OPTIONS), and no fallback to another backend
+_AS_DONE = ("disable_any_whitespace", "disable_fallback")
 # a line of an XML tool-call string value (one lexeme a line: the line "</parameter>" ends the
 # value): any text without the markers the parser ends a value or a call at
 _XML_LINE = r"/[^\n]*\n/ & ~/(?s:.*<\/(parameter|tool_call)>.*)/"
@@ -49,6 +52,7 @@ def request_constraint(req: P.SamplingRequest) -> tuple[str, dict[str, Any]] | N
         found.append(("response_format.json_schema.schema", {"json": fmt.json_schema.schema_}))
     if req.structured_outputs:
         given = {k: v for k, v in req.structured_outputs.items() if v not in (None, False)}
+        given = {k: v for k, v in given.items() if not (k in _AS_DONE and v is True)}
         for key in given:
             if key not in STRUCTURED_OUTPUT_KEYS:
                 keys = ", ".join(STRUCTURED_OUTPUT_KEYS)
