@@ -114,6 +114,20 @@ REPLIES = [
     ),
     ("still thinking </thi", "inside", ("still thinking </thi", "", [])),
     ("<think>x</think>y", "after", ("", "<think>x</think>y", [])),
+    (  # "</tool_call>" as an argument's text (a forced call's grammar lets a JSON string hold it)
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "\\"</tool_call>\\\\"}}\n</tool_call> ok',
+        None,
+        ("", "ok", [("get_weather", '{"city": "\\"</tool_call>\\\\"}')]),
+    ),
+    (  # a string never closed: the block ends at its first </tool_call> after all, as content
+        f'<tool_call>{{"name": "f", "arguments": {{"a": "b}}</tool_call> x {JSON_CALL}',
+        None,
+        (
+            "",
+            '<tool_call>{"name": "f", "arguments": {"a": "b}</tool_call> x',
+            [("get_weather", '{"city": "Paris", "days": 2}')],
+        ),
+    ),
 ]
 
 

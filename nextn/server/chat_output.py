@@ -7,7 +7,8 @@ One state machine serves both modes: a stream pushes each text delta and sends b
 gets; a full reply pushes its whole text once. So streamed parts always reassemble into the
 non-streamed message. A marker split across deltas is held back until it is whole. Whitespace
 right after `</think>`, before `<tool_call>` and after `</tool_call>` is dropped; a block whose
-body does not parse stays in the content as it was written. Does not know HTTP or the engine.
+body does not parse stays in the content as it was written (a `</tool_call>` inside a JSON body's
+string is that string's text). Does not know HTTP or the engine.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class ChatOutputParser:
         self.ws_before_call = ""  # pending_ws when a block opened: given back if it is no call
         self.num_calls = 0
         self.parallel = parallel
+        self.in_strings = True  # a </tool_call> inside a JSON body's string is its text, not the end
 
     def push(self, text: str) -> Parts:
         self.buf += text
@@ -93,6 +95,10 @@ class ChatOutputParser:
         parts = Parts()
         while self._step(parts, final=True):
             pass
+        if self.state == "call" and CALL_END in self.buf:  # a string never closed: the first one ends it
+            self.in_strings = False
+            while self._step(parts, final=True):
+                pass
         if self.state == "think":
             parts.reasoning += self.buf
         elif self.state == "call":  # cut short (or </tool_call> left out): a call if it parses
@@ -130,11 +136,11 @@ class ChatOutputParser:
             if found:
                 self.state, self.ws_before_call, self.pending_ws = "call", self.pending_ws, ""
             return found
-        body, found, rest = self.buf.partition(CALL_END)
-        if found:
-            self.buf = rest
+        at = _call_end(self.buf, self.in_strings)
+        if at >= 0:
+            body, self.buf = self.buf[:at], self.buf[at + len(CALL_END) :]
             self._end_call(body, parts, closed=True)
-        return bool(found)
+        return at >= 0
 
     def _content(self, text: str, parts: Parts) -> None:
         if self.strip_lead:
@@ -173,6 +179,20 @@ def _split(buf: str, marker: str, final: bool) -> tuple[str, bool, str]:
         return head, True, rest
     keep = 0 if final else next((n for n in range(len(marker) - 1, 0, -1) if buf.endswith(marker[:n])), 0)
     return buf[: len(buf) - keep], False, buf[len(buf) - keep :]
+
+
+def _call_end(buf: str, in_strings: bool) -> int:
+    """Where the `</tool_call>` that ends a block's body `buf` is (-1: none yet). In a JSON body, one
+    inside a string is its text (a forced call's grammar lets an argument hold it), unless not
+    `in_strings`."""
+    at = buf.find(CALL_END)
+    if in_strings and buf.lstrip().startswith("{"):
+        while at >= 0 and len(_JSON_QUOTE.findall(buf, 0, at)) % 2:
+            at = buf.find(CALL_END, at + 1)
+    return at
+
+
+_JSON_QUOTE = re.compile(r'(?<!\\)(?:\\\\)*"')  # a quote not escaped: starts or ends a JSON string
 
 
 def parse_tool_call(body: str, schemas: dict[str, dict]) -> tuple[str, dict[str, Any]] | None:
