@@ -30,9 +30,10 @@ def _local(args, default_model: bool = True) -> None:
 def _replay(args) -> int:
     from nextn.model_config import ModelConfig
     from nextn.spec.draft_vocab import load_draft_vocab
-    from nextn.spec.replay import replay_from_args
+    from nextn.spec.replay import check_args, replay_from_args
     from nextn.tokenizer import Tokenizer
 
+    check_args(args)  # before a download or the load
     _check_out("--dump-hidden", args.dump_hidden)  # written after the trunk pass: refused before the load
     _local(args)
     if args.draft_vocab is not None:  # checked against the checkpoint before it loads (replay reads it again)

@@ -84,25 +84,29 @@ def test_replay_cli_reports_rates(dense_fitted_ckpt, tmp_path):
     assert out["ppl"] > 1.0 and "replay:" in proc.stderr
 
 
-def test_replay_refuses_a_bad_max_tokens_or_file_before_loading(tmp_path, capsys, monkeypatch):
+def test_replay_refuses_bad_flags_before_resolving_or_loading(tmp_path, capsys, monkeypatch):
     """A negative --max-tokens sliced tokens off the end of the text (ids[:-5]) and replayed the
-    rest as if asked; it and a missing --file are one-line errors before the model loads."""
+    rest as if asked. It, --k 0, --stride 0 and a missing --file were checked only after the model
+    was resolved (a hub download for a hub id) and loaded; each is now a one-line error before."""
     from nextn.cli import main
     from nextn.spec import replay
 
-    def no_load(*args, **kwargs):
-        raise AssertionError("the model loaded")
-
-    monkeypatch.setattr(replay, "load_model", no_load)
+    monkeypatch.setattr(replay, "load_model", lambda *a, **kw: pytest.fail("the model loaded"))
+    monkeypatch.setattr("nextn.hub.resolve_model", lambda *a, **kw: pytest.fail("the model was resolved"))
+    monkeypatch.setattr("nextn.hub.download", lambda *a, **kw: pytest.fail("the model downloaded"))
     f = tmp_path / "text.txt"
     f.write_text("def add(a, b):\n    return a + b\n" * 8)
     for argv, message in (
         (["--file", str(f), "--max-tokens", "-5"], "--max-tokens must be >= 1, got -5"),
         (["--file", str(f), "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+        (["--file", str(f), "--k", "0"], "--k and --stride must be >= 1"),
+        (["--file", str(f), "--stride", "0"], "--k and --stride must be >= 1"),
         (["--file", str(tmp_path / "missing.txt")], "missing.txt: not a file"),
     ):
-        assert main(["replay", *argv]) == 2
-        assert message in capsys.readouterr().err
+        for model in ([], ["--model", "org/tiny"]):
+            assert main(["replay", *model, *argv]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and message in err, err
 
 
 def test_files_written_at_the_end_are_checked_before_the_work(tmp_path, capsys, monkeypatch):

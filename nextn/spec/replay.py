@@ -156,15 +156,19 @@ def replay(
     )
 
 
-def replay_from_args(args) -> int:
+def check_args(args) -> None:
+    """replay's own flags, checked before the model is resolved (a hub download) or loaded."""
     if args.k < 1 or args.stride < 1:
         raise ValueError("--k and --stride must be >= 1")
-    # a negative N would slice tokens off the end of the text: refused, as a file that is not one,
-    # before the model loads
+    # a negative N would slice tokens off the end of the text: refused, as a file that is not one
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not Path(args.file).is_file():
         raise ValueError(f"--file {args.file}: not a file")
+
+
+def replay_from_args(args) -> int:
+    check_args(args)  # again for callers that come here without nextn.commands._replay
     from nextn.config import DEFAULT_MODEL_DIR
 
     model_dir = Path(args.model) if args.model else DEFAULT_MODEL_DIR
