@@ -272,13 +272,14 @@ class TopLogprobs(NamedTuple):
 
 
 def top_logprobs(logits: Tensor, n: int) -> TopLogprobs:
-    """The n most likely tokens of log_softmax(logits) per row. logits [N, V].
+    """The n most likely tokens of log_softmax(logits) per row (all V of them when n > V: a request's
+    logprobs past the vocabulary ask for the whole distribution). logits [N, V].
 
     Pass raw logits for the model's own logprobs (vLLM's default `raw_logprobs`), or penalized /
     tempered logits for the sampled distribution; this function applies nothing itself.
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
-    values, ids = logprobs.topk(n, dim=-1)
+    values, ids = logprobs.topk(min(n, logprobs.shape[-1]), dim=-1)
     return TopLogprobs(values, ids)
 
 

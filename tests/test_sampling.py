@@ -186,6 +186,10 @@ def test_logprobs():
     assert top.ids.shape == (3, 4)
     torch.testing.assert_close(top.logprobs, ref.topk(4, -1).values)
     torch.testing.assert_close(token_logprobs(logits, top.ids[:, 0]), top.logprobs[:, 0])
+    # more than the vocabulary (SamplingParams cannot know it): every token, not a topk RuntimeError
+    every = top_logprobs(logits, 25)
+    assert every.ids.shape == (3, 20) and sorted(every.ids[0].tolist()) == list(range(20))
+    torch.testing.assert_close(every.logprobs, ref.sort(-1, descending=True).values)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -668,6 +668,23 @@ def test_stop_token_ids_past_the_vocabulary_are_refused(dense_ckpt):
     assert len(out.token_ids) >= 1
 
 
+def test_logprobs_past_the_vocabulary_are_every_token(dense_ckpt):
+    """logprobs (or prompt_logprobs) above the vocabulary size was a topk RuntimeError ("selected
+    index k out of range") raised out of the engine's step: it failed the requests beside it too
+    while it stayed in the engine. It returns every token's logprob, as vLLM's logprobs=-1 does."""
+    llm = nextn.LLM(dense_ckpt, max_model_len=256)
+    vocab = llm.model.cfg.vocab_size
+    alone = llm.generate(prompt_token_ids=PROMPTS[0], params=GREEDY)
+    beside = llm.stream(PROMPTS[0], GREEDY)
+    wide = llm.stream(PROMPTS[1], replace(GREEDY, logprobs=vocab + 7, prompt_logprobs=vocab + 7))
+    assert next(beside).output is None
+    out = [ev.output for ev in wide][-1]
+    assert [ev.output for ev in beside][-1].token_ids == alone.token_ids
+    assert [e["token_id"] for e in out.logprobs] == out.token_ids
+    for entry in (*out.logprobs, *out.prompt_logprobs[1:]):
+        assert sorted(t for t, _ in entry["top_logprobs"]) == list(range(vocab))
+
+
 def test_a_str_stop_is_one_stop_string(dense_ckpt):
     """stop="ab" is the stop string "ab" (vLLM's meaning), not the stop strings "a" and "b"."""
     assert SamplingParams(stop="mis").stop == ("mis",)
