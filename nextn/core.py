@@ -19,6 +19,9 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequenc
 OPTIONAL_FIELDS = ("seed", "logprobs", "prompt_logprobs")
 # a seed is a signed 64-bit integer: its two's complement is the Philox key (nextn.sampling.RequestRng)
 SEED_RANGE = (-(2**63), 2**63 - 1)
+# the least temperature above 0 (greedy): below it logits / temperature overflows float32 (the
+# sampler's dtype) and the draws come out of NaN or infinite probabilities, silently wrong tokens
+MIN_TEMPERATURE = 1e-30
 
 
 def checked_number(name: str, value, integer: bool, optional: bool = False):
@@ -66,8 +69,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if not (0.0 <= self.temperature <= 100.0):
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= 100.0):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 100], got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):

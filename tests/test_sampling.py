@@ -246,6 +246,21 @@ def test_seeds_are_the_signed_64_bit_integers():
             SamplingParams(seed=seed)
 
 
+def test_a_temperature_too_small_for_float32_is_refused():
+    """A temperature of 3e-38 (accepted: in [0, 100]) made logits / temperature overflow float32:
+    NaN / infinite probabilities drew token 0 or stray ids, silently. Below MIN_TEMPERATURE it is
+    refused naming the field; at it, even logits of 1e4 keep a finite law (the argmax's one-hot)."""
+    from nextn.core import MIN_TEMPERATURE
+
+    logits = torch.tensor([[1e4, -1e4, 3.0, 1e4 - 1.0], [-5.0, 2.0, -1e4, 1.0]])
+    probs = probs_from_logits(logits, SamplingParams(temperature=MIN_TEMPERATURE))
+    assert torch.equal(probs, torch.eye(4)[[0, 1]])
+    for t in (3e-38, 1e-40, 5e-324, MIN_TEMPERATURE / 2):
+        with pytest.raises(ValueError, match=r"^temperature must be 0 \(greedy\) or in \[1e-30, 100\]"):
+            SamplingParams(temperature=t)
+    assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=MIN_TEMPERATURE).temperature > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Verifier: edge cases
 
