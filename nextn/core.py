@@ -19,9 +19,12 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequenc
 OPTIONAL_FIELDS = ("seed", "logprobs", "prompt_logprobs")
 # a seed is a signed 64-bit integer: its two's complement is the Philox key (nextn.sampling.RequestRng)
 SEED_RANGE = (-(2**63), 2**63 - 1)
-# the least temperature above 0 (greedy): below it logits / temperature overflows float32 (the
-# sampler's dtype) and the draws come out of NaN or infinite probabilities, silently wrong tokens
-MIN_TEMPERATURE = 1e-30
+# the least temperature above 0 (greedy) and repetition_penalty's range: a logit is divided by
+# both (by the penalty where positive, multiplied by it where negative); past them the result
+# overflows float32 (the sampler's dtype), even together, for logits up to 1e8, and the draws come
+# out of NaN or infinite probabilities: token 0 or stray ids, silently
+MIN_TEMPERATURE = 1e-15
+REPETITION_PENALTY_RANGE = (1e-15, 1e15)
 
 
 def checked_number(name: str, value, integer: bool, optional: bool = False):
@@ -77,8 +80,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:  # NaN too
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:  # NaN too
+            raise ValueError(f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
         if not (-2.0 <= self.frequency_penalty <= 2.0):
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not (-2.0 <= self.presence_penalty <= 2.0):

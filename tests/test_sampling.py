@@ -246,18 +246,25 @@ def test_seeds_are_the_signed_64_bit_integers():
             SamplingParams(seed=seed)
 
 
-def test_a_temperature_too_small_for_float32_is_refused():
-    """A temperature of 3e-38 (accepted: in [0, 100]) made logits / temperature overflow float32:
-    NaN / infinite probabilities drew token 0 or stray ids, silently. Below MIN_TEMPERATURE it is
-    refused naming the field; at it, even logits of 1e4 keep a finite law (the argmax's one-hot)."""
-    from nextn.core import MIN_TEMPERATURE
+def test_values_that_overflow_float32_are_refused():
+    """A temperature of 3e-38 (accepted: in [0, 100]) or a repetition_penalty of 1e-40 (accepted:
+    > 0) made the tempered logits overflow float32: NaN / infinite probabilities drew token 0 or
+    stray ids, silently. Past MIN_TEMPERATURE / REPETITION_PENALTY_RANGE they are refused naming
+    the field; at the bounds, both at once, logits of 1e4 keep a finite law."""
+    from nextn.core import MIN_TEMPERATURE, REPETITION_PENALTY_RANGE
 
+    low, high = REPETITION_PENALTY_RANGE
     logits = torch.tensor([[1e4, -1e4, 3.0, 1e4 - 1.0], [-5.0, 2.0, -1e4, 1.0]])
-    probs = probs_from_logits(logits, SamplingParams(temperature=MIN_TEMPERATURE))
-    assert torch.equal(probs, torch.eye(4)[[0, 1]])
+    history = TokenHistory.from_ids([0, 1, 2, 3], [], 4)
+    for t, rp in ((MIN_TEMPERATURE, 1.0), (MIN_TEMPERATURE, low), (MIN_TEMPERATURE, high), (1.0, high)):
+        probs = probs_from_logits(logits, SamplingParams(temperature=t, repetition_penalty=rp), history)
+        assert torch.isfinite(probs).all() and torch.equal(probs.argmax(-1), torch.tensor([0, 1])), (t, rp)
     for t in (3e-38, 1e-40, 5e-324, MIN_TEMPERATURE / 2):
-        with pytest.raises(ValueError, match=r"^temperature must be 0 \(greedy\) or in \[1e-30, 100\]"):
+        with pytest.raises(ValueError, match=r"^temperature must be 0 \(greedy\) or in \[1e-15, 100\]"):
             SamplingParams(temperature=t)
+    for rp in (1e-40, low / 2, high * 2, math.inf):
+        with pytest.raises(ValueError, match=r"^repetition_penalty must be in \[1e-15, 1e\+15\]"):
+            SamplingParams(repetition_penalty=rp)
     assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=MIN_TEMPERATURE).temperature > 0
 
 
