@@ -93,8 +93,10 @@ class SamplingParams:
             raise ValueError("logprobs and prompt_logprobs must be >= 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
+        ids = self.stop_token_ids
+        if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))  # numpy's as Python's
         so = self.structured_outputs
         if so is not None and not (isinstance(so, dict) and len(so) == 1 and next(iter(so)) in STRUCTURED_OUTPUT_KEYS):
             raise ValueError(f"structured_outputs must hold exactly one of {STRUCTURED_OUTPUT_KEYS}, got {so!r}")

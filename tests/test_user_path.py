@@ -656,6 +656,13 @@ def test_sampling_params_numbers_and_lists():
     q = SamplingParams(max_tokens=np.int64(5), seed=np.uint32(3), temperature=np.float64(0.5), stop=None)
     assert (q.max_tokens, q.seed, q.temperature, q.stop) == (5, 3, 0.5, ())
     assert type(q.max_tokens) is int and type(q.seed) is int and type(q.temperature) is float
+    # stop ids too (they were refused as "not token ids"): list(np.array(...)) holds numpy's ints
+    r = SamplingParams(stop_token_ids=list(np.array([198, 7])))
+    assert r.stop_token_ids == (198, 7) and all(type(t) is int for t in r.stop_token_ids)
+    assert r == SamplingParams(stop_token_ids=[198, 7])
+    for bad in ([np.int64(-1)], [np.float64(3.0)], [np.bool_(True)]):
+        with pytest.raises(ValueError, match=r"^stop_token_ids must be token ids"):
+            SamplingParams(stop_token_ids=bad)
 
 
 def test_stop_token_ids_past_the_vocabulary_are_refused(dense_ckpt):
