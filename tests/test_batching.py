@@ -135,7 +135,8 @@ def test_min_tokens_bans_stop_tokens_until_reached(engine):
     assert outs[0][:2] == free[:2]  # the ban changes nothing before the stop token's first chance
 
 
-def engine_output(engine, prompt, sampling, k, max_tokens, **kw) -> list[int]:
+def engine_output(engine, prompt, sampling, k, max_tokens, whole=False, **kw):
+    """The request's token ids (whole: its RequestOutput)."""
     params = nextn.SamplingParams(max_tokens=max_tokens, **sampling, **kw)
     req = engine.add(prompt, params, num_speculative_tokens=k)
     while True:
@@ -143,7 +144,51 @@ def engine_output(engine, prompt, sampling, k, max_tokens, **kw) -> list[int]:
             if isinstance(ev, BaseException):
                 raise ev
             if r is req and ev.output is not None:
-                return ev.output.token_ids
+                return ev.output if whole else ev.output.token_ids
+
+
+def test_ignore_eos_keeps_the_stop_token_ids(engine):
+    """ignore_eos ignores EOS alone (vLLM's): a request's stop_token_ids still end it (they were
+    dropped with EOS), at K = 0 and 3 alike."""
+    free = engine_output(engine, _P[0], dict(temperature=0.0), k=0, max_tokens=24, ignore_eos=True)
+    stop = free[5]
+    expected = free[: free.index(stop) + 1]
+    for k in (0, 3):
+        kw = dict(ignore_eos=True, stop_token_ids=[stop])
+        assert engine_output(engine, _P[0], dict(temperature=0.0), k=k, max_tokens=24, **kw) == expected
+
+
+def test_min_tokens_holds_stop_strings_back(engine):
+    """min_tokens: a stop string is looked for from the min_tokens-th token on (vLLM's); one that
+    ends in the text of the first min_tokens - 1 tokens does not end the request (it did)."""
+    tok = engine.tokenizer
+    free = engine_output(engine, _P[1], dict(temperature=0.0), k=0, max_tokens=32, ignore_eos=True)
+    text = tok.decode(free)
+    stop = tok.decode(free[:3])[len(tok.decode(free[:1])) :]  # the text of tokens 2 and 3
+    assert stop and text.find(stop) < len(tok.decode(free[:3]))  # a hit without min_tokens
+    floor = len(tok.decode(free[:9]))  # min_tokens 10
+    later = text.find(stop, 0)
+    while 0 <= later and later + len(stop) <= floor:
+        later = text.find(stop, later + 1)
+    expected = text if later < 0 else text[:later]
+    for k in (0, 3):
+        kw = dict(ignore_eos=True, stop=[stop], min_tokens=10)
+        out = engine_output(engine, _P[1], dict(temperature=0.0), k=k, max_tokens=32, whole=True, **kw)
+        assert out.text == expected and len(out.token_ids) >= 10
+
+
+def test_a_stop_string_ending_in_a_split_character_keeps_that_character():
+    """The tokens kept for a stop string's text cover its last character whole: a character split
+    over tokens decodes to "\ufffd" until its last byte, which counted as reaching it."""
+    from nextn.config import DEFAULT_MODEL_DIR
+    from nextn.engine.engine import _num_covering
+    from nextn.tokenizer import Tokenizer
+
+    tok = Tokenizer(DEFAULT_MODEL_DIR)
+    ids = tok.encode("naïve café au lait")
+    assert "\ufffd" in "".join(tok.decode(ids[:n]) for n in range(len(ids)))  # "é" spans tokens
+    n = _num_covering(tok, [], ids, len("naïve café"))
+    assert tok.decode(ids[:n]).startswith("naïve café")
 
 
 def test_prompt_ids_from_numpy_or_torch_are_token_ids(dense_ckpt):

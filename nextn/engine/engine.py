@@ -57,6 +57,7 @@ class _Live:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] | None = None
     released: int = 0  # characters handed out
+    stop_floor: int | None = None  # min_tokens: the text of the first min_tokens - 1 tokens, its length
 
 
 @dataclass
@@ -250,7 +251,7 @@ class Engine:
             seq,
             params,
             self.config.spec,
-            set() if params.ignore_eos else self.stop_ids | set(params.stop_token_ids),
+            (set() if params.ignore_eos else self.stop_ids) | set(params.stop_token_ids),  # (vLLM's ignore_eos)
             SpecStats(),
             want_logits=params.logprobs is not None,
             num_speculative_tokens=req.num_speculative_tokens,
@@ -293,7 +294,7 @@ class Engine:
 
     def _postprocess(self, req: Request, live: _Live, r: Round) -> StreamEvent:
         ids, finish_reason = r.token_ids, r.finish_reason
-        text = live.stops.push(live.decoder.push(ids))
+        text = live.stops.push(live.decoder.push(ids), self._stop_floor(req, live, ids))
         if live.stops.hit is not None:  # keep tokens up to the one completing the stop string
             ids, finish_reason = ids[: _num_covering(self.tokenizer, live.token_ids, ids, live.stops.hit)], "stop"
         live.token_ids.extend(ids)
@@ -325,6 +326,19 @@ class Engine:
         # the last delta also carries text held back (a stop-string prefix, split UTF-8)
         return StreamEvent(ids, final_text[live.released :], output, entries)
 
+    def _stop_floor(self, req: Request, live: _Live, ids: list[int]) -> float:
+        """Where a stop string may end, past min_tokens (vLLM's: stop strings are looked for from the
+        min_tokens-th token on): beyond the text of the first min_tokens - 1 tokens."""
+        before = req.params.min_tokens - 1
+        if before < 1 or not live.stops.stops:
+            return -1
+        if live.stop_floor is None:
+            done = live.token_ids + ids
+            if len(done) < before:
+                return float("inf")
+            live.stop_floor = len(self.tokenizer.decode(done[:before]).rstrip("\ufffd"))
+        return live.stop_floor
+
     def _output(
         self,
         req: Request,
@@ -355,8 +369,8 @@ class Engine:
 
 def _num_covering(tokenizer, prior_ids: list[int], round_ids: list[int], text_len: int) -> int:
     """How many of `round_ids` it takes for the decoded text to reach `text_len` characters."""
-    for n in range(1, len(round_ids)):
-        if len(tokenizer.decode(prior_ids + round_ids[:n])) >= text_len:
+    for n in range(1, len(round_ids)):  # (a character split over tokens decodes to "\ufffd" until whole)
+        if len(tokenizer.decode(prior_ids + round_ids[:n]).rstrip("\ufffd")) >= text_len:
             return n
     return len(round_ids)
 

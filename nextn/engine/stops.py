@@ -15,14 +15,21 @@ class StopStrings:
         self.released = 0  # characters of `text` already handed out
         self.hit: int | None = None  # end of the stop string in the uncut text, once found
 
-    def push(self, delta: str) -> str:
-        """Add a text delta; return what may be released now. Sets `hit` when a stop string appears."""
+    def push(self, delta: str, floor: float = -1) -> str:
+        """Add a text delta; return what may be released now. Sets `hit` when a stop string appears
+        ending past `floor` characters (min_tokens: none before it counts)."""
         if self.hit is not None:
             return ""
         # a stop string may straddle the old end of the text, so look back max_len - 1 characters
         start = max(0, len(self.text) - self.max_len + 1)
         self.text += delta
-        found = [(i, i + len(s)) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        found = []
+        for s in self.stops:
+            i = self.text.find(s, start)
+            while i >= 0 and i + len(s) <= floor:
+                i = self.text.find(s, i + 1)
+            if i >= 0:
+                found.append((i, i + len(s)))
         if found:
             cut, self.hit = min(found)
             self.text = self.text[:cut]
