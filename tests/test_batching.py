@@ -227,6 +227,28 @@ def test_a_request_failing_mid_output_fails_alone(engine):
     assert not engine.has_work and len(engine.scheduler.free) == engine.scheduler.num_slots
 
 
+def test_a_request_whose_host_work_fails_fails_alone(engine):
+    """A request's own host work after its round (decoding, stop strings, logprobs) raising went out
+    of the engine's step and failed every request beside it; it now ends that request alone (its
+    slot back), and the others run on as they run alone."""
+    free = [(_P[0], dict(temperature=0.0)), (_P[1], dict(_SAMPLED, seed=5))]
+    alone = [engine_output(engine, p, sampling, k=3, max_tokens=12, ignore_eos=True) for p, sampling in free]
+    params = [nextn.SamplingParams(max_tokens=12, ignore_eos=True, **sampling) for _, sampling in free]
+    reqs = [engine.add(free[0][0], params[0]), engine.add(_P[2], params[0]), engine.add(free[1][0], params[1])]
+    results = {}
+    while reqs[1].request_id not in engine.live:
+        for _, ev in engine.step():
+            assert ev.output is None
+    engine.live[reqs[1].request_id].decoder.push = lambda ids: 1 / 0  # its next round's decode fails
+    while len(results) < 3:
+        for req, ev in engine.step():
+            if isinstance(ev, BaseException) or ev.output is not None:
+                results[req.request_id] = ev
+    assert isinstance(results[reqs[1].request_id], ZeroDivisionError)
+    assert [results[r.request_id].output.token_ids for r in (reqs[0], reqs[2])] == alone
+    assert not engine.has_work and len(engine.scheduler.free) == engine.scheduler.num_slots
+
+
 def test_open_streams_and_generate_interleave(engine, monkeypatch):
     """Each LLM loop stepped the engine for its own request and dropped the events of the others: a
     stream left open across a generate (or another stream) never got its output and stepped an idle

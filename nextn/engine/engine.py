@@ -287,10 +287,20 @@ class Engine:
         # request alone: the others' rounds stand (the engine serves on)
         rounds, sizes = advance(self.runner, self.proposer, [live.rounds for live in lives])
         self.batch_sizes.update(sizes)
-        return [
-            self._fail(req, r) if isinstance(r, Exception) else (req, self._postprocess(req, live, r))
-            for req, live, r in zip(reqs, lives, rounds, strict=True)
-        ]
+        return [self._event(req, live, r) for req, live, r in zip(reqs, lives, rounds, strict=True)]
+
+    def _event(self, req: Request, live: _Live, r: Round | Exception) -> tuple:
+        """A request's round as its event; a failed round, or its host work failing (decoding, stop
+        strings, logprobs), fails that request alone."""
+        if isinstance(r, Exception):
+            return self._fail(req, r)
+        try:
+            return req, self._postprocess(req, live, r)
+        except Exception as e:  # noqa: BLE001 (any of this request's own failures: it ends with it)
+            if req.request_id not in self.live:  # (it had finished: its slot is already back)
+                raise
+            live.rounds.close()
+            return self._fail(req, e)
 
     def _postprocess(self, req: Request, live: _Live, r: Round) -> StreamEvent:
         ids, finish_reason = r.token_ids, r.finish_reason
