@@ -62,6 +62,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token (None = off)
     prompt_logprobs: int | None = None  # the same for every prompt token (prefills cold: no session reuse)
     stop: tuple[str, ...] = ()  # stop strings: the output text ends before the first one
+    include_stop_str_in_output: bool = False  # ... or with it (vLLM's)
     # a grammar the output must match, one of STRUCTURED_OUTPUT_KEYS: {"json": schema (dict or str)},
     # {"regex": r}, {"choice": [str, ...]}, {"grammar": Lark or GBNF}, {"json_object": True}
     structured_outputs: dict | None = None
@@ -108,8 +109,9 @@ class SamplingParams:
         for name in INT_FIELDS + FLOAT_FIELDS:
             value = checked_number(name, getattr(self, name), name in INT_FIELDS, name in OPTIONAL_FIELDS)
             object.__setattr__(self, name, value)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         for name, value, kind in (
             ("stop", stop, "a str or a list of str"),

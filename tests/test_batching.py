@@ -177,6 +177,26 @@ def test_min_tokens_holds_stop_strings_back(engine):
         assert out.text == expected and len(out.token_ids) >= 10
 
 
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(engine):
+    """SamplingParams.include_stop_str_in_output (vLLM's): the text runs through the stop string, its
+    tokens those the text without it keeps; streamed deltas add up to it, at K = 0 and 3 alike."""
+    tok = engine.tokenizer
+    free = engine_output(engine, _P[1], dict(temperature=0.0), k=0, max_tokens=32, ignore_eos=True)
+    text = tok.decode(free)
+    stop = text[len(tok.decode(free[:4])) :][:3]
+    assert stop.strip()
+    for k in (0, 3):
+        kw = dict(ignore_eos=True, stop=[stop], temperature=0.0)
+        cut = engine_output(engine, _P[1], kw, k=k, max_tokens=32, whole=True)
+        params = nextn.SamplingParams(max_tokens=32, include_stop_str_in_output=True, **kw)
+        req, deltas = engine.add(_P[1], params, num_speculative_tokens=k), []
+        while not deltas or deltas[-1].output is None:
+            deltas += [ev for r, ev in engine.step() if r is req]
+        kept = deltas[-1].output
+        assert cut.text == text[: text.find(stop)] and kept.text == cut.text + stop
+        assert kept.token_ids == cut.token_ids and "".join(ev.text for ev in deltas) == kept.text
+
+
 def test_a_stop_string_ending_in_a_split_character_keeps_that_character():
     """The tokens kept for a stop string's text cover its last character whole: a character split
     over tokens decodes to "\ufffd" until its last byte, which counted as reaching it."""

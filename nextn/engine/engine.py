@@ -261,7 +261,7 @@ class Engine:
         self.live[req.request_id] = _Live(
             rounds,
             IncrementalDecoder(self.tokenizer),
-            StopStrings(params.stop),
+            StopStrings(params.stop, params.include_stop_str_in_output),
             rounds.stats,
             now,
             state.seconds,

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 
 class StopStrings:
-    def __init__(self, stops: tuple[str, ...]):
+    def __init__(self, stops: tuple[str, ...], keep: bool = False):
         self.stops = tuple(stops)
+        self.keep = keep  # the text ends with the stop string (vLLM's include_stop_str_in_output)
         self.max_len = max((len(s) for s in self.stops), default=0)
-        self.text = ""  # all text so far; after a hit, the text up to the stop string
+        self.text = ""  # all text so far; after a hit, the text up to the stop string (through it: keep)
         self.released = 0  # characters of `text` already handed out
         self.hit: int | None = None  # end of the stop string in the uncut text, once found
 
@@ -32,7 +33,7 @@ class StopStrings:
                 found.append((i, i + len(s)))
         if found:
             cut, self.hit = min(found)
-            self.text = self.text[:cut]
+            self.text = self.text[: self.hit if self.keep else cut]
             return self.flush()
         end = max(self.released, len(self.text) - self._held_back())
         out, self.released = self.text[self.released : end], end

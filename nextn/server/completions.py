@@ -36,7 +36,6 @@ from nextn.server.responses import (
     LogprobFormatter,
     merge_completion_logprobs,
     sse,
-    stop_string_tail,
     to_json,
     usage,
 )
@@ -158,7 +157,7 @@ async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Re
     if req.stream:
         return StreamingResponse(chat_stream(srv, req, job, parser, rid, created), media_type="text/event-stream")
     out = await run_to_end(job, request)
-    parts = parser.push(echo_prefix(req) + out.text + _stop_tail(srv, req, out))
+    parts = parser.push(echo_prefix(req) + out.text)
     rest = parser.finish()
     calls = parts.tool_calls + rest.tool_calls
     message = R.AssistantMessage(
@@ -182,10 +181,6 @@ async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Re
         prompt_logprobs=_prompt_logprobs(srv, req, out),
     )
     return Response(to_json(resp), media_type="application/json")
-
-
-def _stop_tail(srv: Server, req: P.SamplingRequest, out: RequestOutput) -> str:
-    return stop_string_tail(srv.llm.tokenizer, out, req.stop_list) if req.include_stop_str_in_output else ""
 
 
 def _prompt_logprobs(srv: Server, req: P.SamplingRequest, out: RequestOutput):
@@ -258,7 +253,7 @@ async def chat_stream(
             yield c
         async for ev in job.events():
             num_tokens += len(ev.token_ids)
-            text = ev.text + (_stop_tail(srv, req, ev.output) if ev.output is not None else "")
+            text = ev.text
             fields = token_fields(req, ev, srv.logprobs.chat)
             for c in deltas(parser.push(text), **fields):
                 yield c
@@ -328,7 +323,7 @@ def completion_choice(
             logprobs = merge_completion_logprobs(echoed, logprobs)
     return R.CompletionChoice(
         index=index,
-        text=prefix + out.text + _stop_tail(srv, req, out),
+        text=prefix + out.text,
         logprobs=logprobs,
         finish_reason=out.finish_reason,
         token_ids=out.token_ids if req.return_token_ids else None,
@@ -363,7 +358,7 @@ async def completion_stream(
             first = {}
         async for ev in job.events():
             num_tokens += len(ev.token_ids)
-            text = ev.text + (_stop_tail(srv, req, ev.output) if ev.output is not None else "")
+            text = ev.text
             fields = token_fields(req, ev, partial(srv.logprobs.completion, token_ids=ev.token_ids, offset=offset))
             if text or fields or first:
                 yield chunk(text, **first, **fields)

@@ -219,6 +219,7 @@ class Prompts:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 stop=req.stop_list,
+                include_stop_str_in_output=req.include_stop_str_in_output,
                 structured_outputs=structured_outputs,
             )
             self.llm.check_params(params)

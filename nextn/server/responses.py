@@ -44,16 +44,6 @@ def _drop_unset_extras(obj, in_delta: bool = False):
     return obj
 
 
-def stop_string_tail(tokenizer: Tokenizer, out: RequestOutput, stops: tuple[str, ...]) -> str:
-    """The stop string that ended `out` (vLLM's include_stop_str_in_output), or "". The engine cuts
-    the text before the first stop string and keeps the tokens up to the one completing it, so the
-    stop string starts the rest of their decoded text (the shortest one, when several start there)."""
-    if out.finish_reason != "stop" or not stops:
-        return ""
-    rest = tokenizer.decode(out.token_ids)[len(out.text) :]
-    return min((s for s in stops if rest.startswith(s)), key=len, default="")
-
-
 # pydantic's loc entries that name a member of a union type, not a field ("str", "list[int]", ...)
 _UNION_MEMBER = re.compile(r"(str|int|float|bool|none|list|dict)|[\w-]+\[.*\]")
 
