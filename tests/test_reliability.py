@@ -249,6 +249,14 @@ def test_auth_is_checked_before_the_body_is_read(live):
     assert time.monotonic() - t0 < 2
 
 
+def test_the_bearer_scheme_is_case_insensitive(live):
+    """RFC 7235: an auth scheme is case-insensitive (`bearer <key>` was a 401); the key is not."""
+    for value in (f"bearer {KEY}", f"BEARER {KEY}", f"Bearer  {KEY}"):
+        assert httpx.get(f"{live.url}/v1/models", headers={"Authorization": value}, timeout=10).status_code == 200
+    for value in (f"Bearer {KEY.upper()}", f"Basic {KEY}", KEY, f"Bearer{KEY}", "Bearer"):
+        error_of(httpx.get(f"{live.url}/v1/models", headers={"Authorization": value}, timeout=10), 401)
+
+
 def test_metrics_open_leaves_only_metrics_open(llm):
     with LiveServer(llm, CFG, ServerOptions(metrics_open=True)) as srv:
         assert httpx.get(f"{srv.url}/metrics", timeout=10).status_code == 200

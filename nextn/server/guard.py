@@ -31,7 +31,7 @@ class Guard:
         on_reject: Callable[[str], None],
     ):
         self.app, self.max_bytes, self.open_paths, self.on_reject = app, max_request_bytes, open_paths, on_reject
-        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.key = api_key.encode() if api_key is not None else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -44,8 +44,8 @@ class Guard:
             message = f"The request body exceeds the server's limit of {self.max_bytes} bytes."
             await self._refuse(receive, send, pending, 413, message, "invalid_request_error", "request_too_large")
 
-        if self.expected is not None and scope["path"] not in self.open_paths:
-            if not secrets.compare_digest(headers.get(b"authorization", b""), self.expected):
+        if self.key is not None and scope["path"] not in self.open_paths:
+            if not self._authorized(headers.get(b"authorization", b"")):
                 message = "Incorrect API key provided."
                 return await self._refuse(
                     receive, send, unsent, 401, message, "authentication_error", "invalid_api_key"
@@ -72,6 +72,11 @@ class Guard:
             return {"type": "http.request", "body": bytes(body), "more_body": False}
 
         await self.app(scope, replay, send)
+
+    def _authorized(self, header: bytes) -> bool:
+        """`Bearer <key>`, the scheme in any case (RFC 7235: auth schemes are case-insensitive)."""
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.lstrip(b" "), self.key)
 
     async def _refuse(self, receive, send, pending: bool, status: int, message: str, type_: str, code: str) -> None:
         """Answer an error before the app sees the request; first drop what the client still sends."""
