@@ -32,6 +32,7 @@ from test_server import KEY, MODEL, LiveServer, user, wait_for  # noqa: E402
 from nextn import LLM, SamplingParams  # noqa: E402
 from nextn.config import DEFAULT_MODEL_DIR, ServeConfig  # noqa: E402
 from nextn.server.completions import stream_error  # noqa: E402
+from nextn.server.guard import Guard  # noqa: E402
 from nextn.server.metrics import Metrics, ThroughputLog  # noqa: E402
 from nextn.server.options import ServerOptions  # noqa: E402
 from nextn.server.prepare import max_chars_per_token  # noqa: E402
@@ -170,6 +171,37 @@ def test_a_chunked_body_over_the_limit_is_a_413(live):
 
     r = httpx.post(f"{live.url}/v1/completions", content=chunks(), headers=AUTH, timeout=30)
     assert error_of(r, 413)["code"] == "request_too_large"
+
+
+def test_a_content_length_not_a_number_is_a_400():
+    """The guard is plain ASGI (uvicorn's h11 refuses such a header first; a server or proxy in
+    front may pass it on): a Content-Length that is no number is a 400 that closes the connection,
+    not a 413 that says the body is too large."""
+    answered, rejected = [], []
+
+    async def app(scope, receive, send):
+        answered.append(scope["path"])
+
+    async def call(length: bytes) -> list[dict]:
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        guard = Guard(app, KEY, 1024, frozenset(), rejected.append)
+        headers = [(b"authorization", f"Bearer {KEY}".encode()), (b"content-length", length)]
+        await guard({"type": "http", "path": "/v1/completions", "headers": headers}, receive, send)
+        return sent
+
+    for length in (b"abc", b"-1", b"1e3", b""):
+        start, body = asyncio.run(call(length))
+        assert start["status"] == 400 and (b"connection", b"close") in start["headers"]
+        assert "Content-Length" in json.loads(body["body"])["error"]["message"]
+    assert rejected == ["bad_request"] * 4 and answered == []
+    assert asyncio.run(call(b"2")) == [] and answered == ["/v1/completions"]
 
 
 def test_a_long_prompt_is_refused_on_its_characters_before_tokenizing(live, llm, monkeypatch):

@@ -1,11 +1,12 @@
 """The gate in front of the routes (plain ASGI, outside FastAPI): the API key, then the body-size
 limit, both decided before a byte of the body is parsed. A body announced larger than the limit is
-refused from its headers alone; a chunked one is read only up to the limit. Before a 401 or 413
-goes out, what the client is still sending is read and dropped for up to DRAIN_S seconds: a server that
-closes on unread data makes the client's kernel see a reset, and most clients then report a broken
-connection instead of the 413 (a client that asked `Expect: 100-continue` sends nothing, so nothing
-is drained). The body read here is handed on whole, and the client's later messages (a
-disconnect) pass through untouched. Does not know the engine or the routes.
+refused from its headers alone (a Content-Length that is no number: a 400); a chunked one is read
+only up to the limit. Before a 401 or 413 goes out, what the client is still sending is read and
+dropped for up to DRAIN_S seconds: a server that closes on unread data makes the client's kernel
+see a reset, and most clients then report a broken connection instead of the 413 (a client that
+asked `Expect: 100-continue` sends nothing, so nothing is drained). The body read here is handed on
+whole, and the client's later messages (a disconnect) pass through untouched. Does not know the
+engine or the routes.
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ class Guard:
                     receive, send, unsent, 401, message, "authentication_error", "invalid_api_key"
                 )
         length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > self.max_bytes:
+        if not length.isdigit():  # its body's end is unknown: nothing is drained, the connection closes
+            message = "The Content-Length header is not a number of bytes."
+            return await self._refuse(receive, send, False, 400, message, "invalid_request_error", None)
+        if int(length) > self.max_bytes:
             return await too_large(unsent)
         body, more = bytearray(), True
         while more:
@@ -78,15 +82,17 @@ class Guard:
         scheme, _, token = header.partition(b" ")
         return scheme.lower() == b"bearer" and secrets.compare_digest(token.lstrip(b" "), self.key)
 
-    async def _refuse(self, receive, send, pending: bool, status: int, message: str, type_: str, code: str) -> None:
+    async def _refuse(
+        self, receive, send, pending: bool, status: int, message: str, type_: str, code: str | None
+    ) -> None:
         """Answer an error before the app sees the request; first drop what the client still sends."""
-        self.on_reject("unauthorized" if status == 401 else "too_large")
+        self.on_reject({401: "unauthorized", 413: "too_large"}.get(status, "bad_request"))
         if pending:
             await _drain(receive)
         body = R.ErrorResponse(error=R.ErrorInfo(message=message, type=type_, code=code)).model_dump()
         content = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(content)).encode())]
-        if status == 413:  # a body past the drain's bound may still be arriving: the connection is done
+        if status != 401:  # a body past the drain's bound (or of unknown length) may still be arriving
             headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": content})
