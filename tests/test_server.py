@@ -554,6 +554,24 @@ def test_disconnect_while_waiting_for_a_full_response_cancels_the_work(live):
     assert wait_for(lambda: live.metrics()["nextn:num_requests_running"] == 0)
 
 
+def test_disconnect_after_a_batch_s_first_prompt_finished_cancels_the_rest(dense_ckpt):
+    """A batch of two prompts, the first ending at once on a stop string (the dense fixture's
+    greedy text after [5, 9, 11] starts with it; after [14, 9, 11] it never comes): the client
+    gone, the second prompt's job is aborted (it ran on to max_tokens, as only the first job
+    watched for the disconnect)."""
+    llm = LLM(model=dense_ckpt, max_model_len=512)
+    step = llm.engine.step
+    llm.engine.step = lambda: (time.sleep(0.02), step())[1]  # a slow model: the second job runs for seconds
+    with LiveServer(llm, ServeConfig(api_key=KEY, served_model_name=MODEL)) as srv:
+        body = {"prompt": [[5, 9, 11], [14, 9, 11]], "max_tokens": 480, "stop": ["|"], **GREEDY, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{srv.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=1)
+        assert wait_for(lambda: srv.metrics()["nextn:request_aborted_total"] == 1, timeout=10)
+        m = srv.metrics()
+        assert m['nextn:request_success_total{finished_reason="stop"}'] == 1  # the first prompt's job
+        assert m["nextn:num_requests_running"] == 0 and srv.app.state.server.worker.num_open == 0
+
+
 def test_a_full_queue_answers_503_at_once(dense_ckpt):
     llm = LLM(model=dense_ckpt, max_model_len=512, max_num_seqs=1)
     with LiveServer(llm, ServeConfig(api_key=KEY, served_model_name=MODEL, max_queue=1)) as srv:

@@ -113,12 +113,21 @@ async def run_to_end(job: Job, request: Request | None) -> RequestOutput:
         job.cancel()  # a no-op once the job is over; stops the work if this coroutine was cancelled
 
 
+async def _watch(request: Request, tasks: list[asyncio.Task], poll_s: float = 1.0) -> None:
+    """ClientGone (ending the batch's task group) if the client leaves before every task is done
+    (the request's receive channel read by one task alone)."""
+    while (await asyncio.wait(tasks, timeout=poll_s))[1]:  # some still pending
+        if await request.is_disconnected():
+            raise ClientGone()
+
+
 async def run_all(jobs: list[Job], request: Request) -> list[RequestOutput]:
     if len(jobs) == 1:
         return [await run_to_end(jobs[0], request)]
     try:
-        async with asyncio.TaskGroup() as tg:  # the first job polls for a disconnect for all of them
-            tasks = [tg.create_task(run_to_end(job, request if i == 0 else None)) for i, job in enumerate(jobs)]
+        async with asyncio.TaskGroup() as tg:  # one watcher polls for a disconnect while any job runs
+            tasks = [tg.create_task(run_to_end(job, None)) for job in jobs]
+            tg.create_task(_watch(request, tasks))
     except* (APIError, ClientGone) as group:
         raise group.exceptions[0] from None
     finally:
