@@ -572,6 +572,18 @@ def test_disconnect_after_a_batch_s_first_prompt_finished_cancels_the_rest(dense
         assert m["nextn:num_requests_running"] == 0 and srv.app.state.server.worker.num_open == 0
 
 
+def test_a_batch_past_the_server_s_capacity_is_a_400(dense_ckpt):
+    """A batch of more prompts than slots plus queue could never be admitted: it was a 503 asking to
+    retry (its own prompts counted as the load); now a 400 naming the prompt. One that fits runs."""
+    llm = LLM(model=dense_ckpt, max_model_len=512, max_num_seqs=2)
+    with LiveServer(llm, ServeConfig(api_key=KEY, served_model_name=MODEL, max_queue=1)) as srv:
+        body = {"model": MODEL, "max_tokens": 2, **GREEDY}
+        r = srv.post("/v1/completions", {**body, "prompt": [[5, 9, 11]] * 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "fewer" in r.text
+        r = srv.post("/v1/completions", {**body, "prompt": [[5, 9, 11]] * 3})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
+
+
 def test_a_full_queue_answers_503_at_once(dense_ckpt):
     llm = LLM(model=dense_ckpt, max_model_len=512, max_num_seqs=1)
     with LiveServer(llm, ServeConfig(api_key=KEY, served_model_name=MODEL, max_queue=1)) as srv:

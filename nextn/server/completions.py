@@ -281,6 +281,13 @@ async def chat_stream(
 
 async def completion(srv: Server, req: P.CompletionRequest, request: Request) -> Response:
     prepared = await run_in_threadpool(srv.prompts.completion, req)
+    if len(prepared) > srv.worker.capacity:  # it could never be admitted whole: no retry would help
+        raise APIError(
+            400,
+            f"a batch of {len(prepared)} prompts is more than the server holds at once ({srv.worker.capacity}: "
+            "--max-num-seqs plus --max-queue); send fewer",
+            param="prompt",
+        )
     jobs = []
     try:
         for ids, _, params in prepared:
