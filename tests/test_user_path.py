@@ -240,7 +240,8 @@ def test_bench_checks_its_k_before_loading(dense_ckpt, capsys, monkeypatch):
 
 def test_plain_generate_reports_no_spec_counters(dense_ckpt, capsys):
     """K=0 drafts nothing: the summary says plain decoding, not "zero-draft rounds 3 of 3"."""
-    assert main(["generate", str(dense_ckpt), "--prompt-ids", "1,2", "--max-tokens", "4", "--spec-k", "0"]) == 0
+    args = ["--prompt-ids", "1,2", "--max-tokens", "4", "--spec-k", "0", "--ignore-eos"]  # (sampled: EOS could end it)
+    assert main(["generate", str(dense_ckpt), *args]) == 0
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("nextn: 4 tokens") and line.endswith("plain decoding (K=0: nothing drafted)"), line
 
