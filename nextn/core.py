@@ -225,6 +225,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str
     logprobs: list[dict] | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -245,10 +246,11 @@ class RequestOutput:
     prompt: str | None = None  # the prompt text, when it was given as text
     prompt_token_ids: list[int] | None = None
     rounds: list | None = None  # with EngineConfig.trace: a RoundTrace per verify round (nextn.engine.rounds)
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (None: EOS, length)
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs, self.stop_reason)]
 
     @property
     def num_drafted(self) -> int:

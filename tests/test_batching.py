@@ -197,6 +197,22 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(engine):
         assert kept.token_ids == cut.token_ids and "".join(ev.text for ev in deltas) == kept.text
 
 
+def test_stop_reason_names_what_ended_the_output(engine):
+    """vLLM's stop_reason: the stop string, or the request's stop token id, that ended the output;
+    None at max_tokens."""
+    tok = engine.tokenizer
+    greedy = dict(temperature=0.0)
+    free = engine_output(engine, _P[0], greedy, k=3, max_tokens=24, ignore_eos=True, whole=True)
+    assert free.finish_reason == "length" and free.stop_reason is None
+    by_id = engine_output(engine, _P[0], greedy, k=3, max_tokens=24, ignore_eos=True, whole=True,
+                          stop_token_ids=[free.token_ids[5]])  # fmt: skip
+    assert by_id.stop_reason == free.token_ids[5] == by_id.outputs[0].stop_reason
+    stop = tok.decode(free.token_ids)[len(tok.decode(free.token_ids[:6])) :][:2]
+    by_text = engine_output(engine, _P[0], greedy, k=3, max_tokens=24, ignore_eos=True, whole=True,
+                            stop=["\x00never", stop])  # fmt: skip
+    assert by_text.finish_reason == "stop" and by_text.stop_reason == stop
+
+
 def test_a_stop_string_ending_in_a_split_character_keeps_that_character():
     """The tokens kept for a stop string's text cover its last character whole: a character split
     over tokens decodes to "\ufffd" until its last byte, which counted as reaching it."""

@@ -76,6 +76,9 @@ def test_include_stop_str_in_output(live):
     # a request that ends on length keeps its text as it is
     no_hit = ok(live.post("/v1/completions", {**body, "stop": ["\x00"], "include_stop_str_in_output": True}))
     assert no_hit["choices"][0]["text"] == full
+    # vLLM's stop_reason: the stop string that ended it, streamed and not (left out when nothing did)
+    assert plain["stop_reason"] == stop and "stop_reason" not in no_hit["choices"][0]
+    assert [e["choices"][0].get("stop_reason") for e in streamed if e["choices"][0]["finish_reason"]] == [stop]
 
 
 def test_chat_echo_continues_the_assistant_message(live):

@@ -330,11 +330,22 @@ class Engine:
             final_text,
             live.rounds.trace,
         )
+        output.stop_reason = self._stop_reason(req, live, finish_reason)
         self.stats.merge(live.stats)
         del self.live[req.request_id]
         self.scheduler.finish(req, keep=req.use_sessions)
         # the last delta also carries text held back (a stop-string prefix, split UTF-8)
         return StreamEvent(ids, final_text[live.released :], output, entries)
+
+    def _stop_reason(self, req: Request, live: _Live, finish_reason: str) -> int | str | None:
+        """vLLM's stop_reason: the stop string that ended the output, or the request's stop token id
+        (EOS, unless ignored, comes first, as there), else None."""
+        if live.stops.hit is not None:
+            return live.stops.matched
+        last = live.token_ids[-1] if finish_reason == "stop" and live.token_ids else None
+        if last in req.params.stop_token_ids and (req.params.ignore_eos or last not in self.stop_ids):
+            return last
+        return None
 
     def _stop_floor(self, req: Request, live: _Live, ids: list[int]) -> float:
         """Where a stop string may end, past min_tokens (vLLM's: stop strings are looked for from the

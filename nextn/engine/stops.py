@@ -15,6 +15,7 @@ class StopStrings:
         self.text = ""  # all text so far; after a hit, the text up to the stop string (through it: keep)
         self.released = 0  # characters of `text` already handed out
         self.hit: int | None = None  # end of the stop string in the uncut text, once found
+        self.matched: str | None = None  # that stop string
 
     def push(self, delta: str, floor: float = -1) -> str:
         """Add a text delta; return what may be released now. Sets `hit` when a stop string appears
@@ -30,9 +31,9 @@ class StopStrings:
             while i >= 0 and i + len(s) <= floor:
                 i = self.text.find(s, i + 1)
             if i >= 0:
-                found.append((i, i + len(s)))
+                found.append((i, i + len(s), s))
         if found:
-            cut, self.hit = min(found)
+            cut, self.hit, self.matched = min(found)
             self.text = self.text[: self.hit if self.keep else cut]
             return self.flush()
         end = max(self.released, len(self.text) - self._held_back())

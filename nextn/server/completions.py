@@ -177,6 +177,7 @@ async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Re
     choice = R.ChatChoice(
         message=message,
         finish_reason=finish_reason(req, out, len(calls)),
+        stop_reason=out.stop_reason,
         logprobs=srv.logprobs.chat(out.logprobs or []) if req.logprobs else None,  # none at max_tokens 0
         token_ids=out.token_ids if req.return_token_ids else None,
     )
@@ -269,7 +270,8 @@ async def chat_stream(
             if ev.output is not None:
                 for c in deltas(parser.finish()):
                     yield c
-                yield chunk(R.DeltaMessage(), finish_reason=finish_reason(req, ev.output, parser.num_calls))
+                reason = finish_reason(req, ev.output, parser.num_calls)
+                yield chunk(R.DeltaMessage(), finish_reason=reason, stop_reason=ev.output.stop_reason)
                 if req.include_usage:
                     yield usage_chunk(R.ChatCompletionChunk, srv, rid, created, ev.output)
         yield SSE_DONE
@@ -342,6 +344,7 @@ def completion_choice(
         text=prefix + out.text,
         logprobs=logprobs,
         finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
         token_ids=out.token_ids if req.return_token_ids else None,
         prompt_token_ids=prompt_ids if req.return_token_ids else None,
         prompt_logprobs=_prompt_logprobs(srv, req, out),
@@ -382,7 +385,7 @@ async def completion_stream(
             if "logprobs" in fields:  # by each token's text, as the non-streamed offsets (not the text sent)
                 offset += sum(map(len, fields["logprobs"].tokens))
             if ev.output is not None:
-                yield chunk("", finish_reason=ev.output.finish_reason)
+                yield chunk("", finish_reason=ev.output.finish_reason, stop_reason=ev.output.stop_reason)
                 if req.include_usage:
                     yield usage_chunk(R.CompletionResponse, srv, rid, created, ev.output)
         yield SSE_DONE

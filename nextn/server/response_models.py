@@ -89,6 +89,7 @@ class ChatChoice(OpenAIModel):
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
     token_ids: list[int] | None = None
 
 
@@ -130,6 +131,7 @@ class ChatChunkChoice(OpenAIModel):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     token_ids: list[int] | None = None
 
 
@@ -155,6 +157,7 @@ class CompletionChoice(OpenAIModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None

@@ -17,7 +17,7 @@ from nextn.tokenizer import Tokenizer
 # nextn/vLLM extras left out of a response when unset, so plain OpenAI payloads stay plain
 _OPTIONAL_EXTRAS = {
     *("token_ids", "prompt_token_ids", "prompt_logprobs", "spec_decode", "prompt_tokens_details", "bytes"),
-    *("reasoning_content", "tool_calls"),
+    *("reasoning_content", "tool_calls", "stop_reason"),
 }
 
 
