@@ -243,10 +243,12 @@ class StepBatch:
     offsets[b+1] of the step's ids, logits and hiddens. Host tuples for the reference modules;
     int32 device tensors for the kernels, made once (a CUDA graph holds them)."""
 
-    def __init__(self, caches: list[SlotCache], rows: list[int]):
+    def __init__(self, caches: list[SlotCache], rows: list[int], max_pos: int | None = None):
+        """max_pos: a bound on every row's position known on the host (an eager prefill step's: the
+        attention then launches for the positions rows can reach), None in a graph."""
         if not caches or len(caches) != len(rows) or min(rows) < 1:
             raise ValueError(f"a step batch needs one row count >= 1 per sequence, got {list(rows)}")
-        self.caches, self.rows = tuple(caches), tuple(rows)
+        self.caches, self.rows, self.max_pos = tuple(caches), tuple(rows), max_pos
         self.cache = caches[0].cache
         self.offsets = tuple(itertools.accumulate(rows, initial=0))
         self.num_rows = self.offsets[-1]
@@ -260,6 +262,26 @@ class StepBatch:
         self.row_idx = torch.tensor([i for r in rows for i in range(r)], dtype=torch.int32, device=device)
         self.row_slot = self.seqs[0][self.row_seq]  # [M] int32
         self._flat: dict[int, torch.Tensor] = {}
+        self._source: torch.Tensor | None = None
+
+    def follow(self, slots: torch.Tensor) -> None:
+        """Take the sequences' slots from slots (int32 [B] on the device) from now on: `refresh`
+        derives every slot tensor from it, in device ops a CUDA graph captures, so one graph of a
+        batch size serves whichever slots run (the caller writes slots before each replay)."""
+        if slots.dtype != torch.int32 or slots.shape != (len(self.caches),):
+            raise ValueError(f"a step batch of {len(self.caches)} sequences follows int32 [{len(self.caches)}] slots")
+        self._source = slots
+
+    def refresh(self, caches: list[SlotCache]) -> None:
+        """The batch now runs these slots' sequences (same row counts): the host tuple, and the slot
+        tensors re-derived from the followed device slots (which hold these slots)."""
+        self.caches = tuple(caches)
+        src = self._source
+        self.seqs[0].copy_(src)
+        self.slot_index.copy_(src)
+        torch.index_select(src, 0, self.row_seq, out=self.row_slot)
+        for R, flat in self._flat.items():
+            flat.copy_(self.slot_index[self.row_seq] * R + self.row_idx)
 
     def __len__(self) -> int:
         return len(self.caches)
@@ -286,7 +308,9 @@ def commit_ctl(
     """ctl [NUM_CTL] (or [B, NUM_CTL], kept [B, 1]) after keeping `kept` (an int, or a device
     tensor: no host read) tokens of a step that wrote the halves at STATE_WRITE / CONV_WRITE; the
     next step writes the other halves.
-    store_all: the step kept every token's state (a verify), else only its last (a prefill step).
+    store_all: the step kept every token's state and its whole conv window (a verify), else only the
+    last state and the window's last W-1 columns, at STATE_WRITE / CONV_WRITE (a prefill step, of
+    any number of rows; kept is then all of them).
     round_: the step was a round's verify: also DRAFT_LEN += ACCEPTED + 1 (the rows the round's
     head pass wrote), NUM_GEN += kept, ACCEPTED = kept - 1. The one commit rule of the engine."""
     a_idx, a, b_idx, b, k, c = commit_table(rows, cols, store_all, round_, ctl.device)
@@ -305,7 +329,7 @@ def commit_table(rows: int, cols: int, store_all: bool, round_: bool, device) ->
             SEQ_LEN: (SEQ_LEN, 1, SEQ_LEN, 0, 1, 0),
             STATE_AT: (STATE_WRITE, 1, SEQ_LEN, 0, int(store_all), -int(store_all)),
             STATE_WRITE: (STATE_WRITE, -1, SEQ_LEN, 0, 0, rows),
-            CONV_AT: (CONV_WRITE, 1, SEQ_LEN, 0, 1, 0),
+            CONV_AT: (CONV_WRITE, 1, SEQ_LEN, 0, int(store_all), 0),  # a prefill step writes the last columns only
             CONV_WRITE: (CONV_WRITE, -1, SEQ_LEN, 0, 0, cols),
             DRAFT_LEN: (DRAFT_LEN, 1, ACCEPTED, int(round_), 0, int(round_)),
             NUM_GEN: (NUM_GEN, 1, SEQ_LEN, 0, int(round_), 0),

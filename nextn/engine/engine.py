@@ -24,7 +24,7 @@ from nextn.config import STEP_ROWS, EngineConfig
 from nextn.core import RequestOutput, SamplingParams, SpecStats
 from nextn.engine.replica import Leader, seeded
 from nextn.engine.rounds import RequestRounds, Round, advance, round_buffers
-from nextn.engine.runner import ModelRunner
+from nextn.engine.runner import ModelRunner, Piece
 from nextn.engine.sampler import sampler_buffers
 from nextn.engine.scheduler import Request, Scheduler
 from nextn.engine.stops import StopStrings
@@ -161,17 +161,7 @@ class Engine:
                 events += self._begin(req)
             except Exception as e:
                 events.append(self._fail(req, e))
-        rows = sum(live.rounds.k_ctl.k + 1 for live in self.live.values())
-        budget = max(self.config.max_num_batched_tokens - rows, STEP_ROWS)
-        for req in [r for r in self.scheduler.running if r.request_id in self.prefilling]:
-            if budget <= 0:
-                break
-            try:
-                used, started = self._prefill_some(req, budget)
-                events += started
-                budget -= used
-            except Exception as e:
-                events.append(self._fail(req, e))
+        events += self._prefill()
         running = [req for req in self.scheduler.running if req.request_id in self.live]
         if running:
             events += self._run(running)
@@ -200,32 +190,57 @@ class Engine:
         self.prefilling[req.request_id] = _Prefill(req.cached, split, entries)
         return []
 
-    def _prefill_some(self, req: Request, budget: int) -> tuple[int, list]:
-        """Prefill up to `budget` more prompt tokens (stopping at the session checkpoint, taken
-        after prompt[:split]); the request starts its rounds once its prompt is in. Returns
-        (tokens prefilled, events)."""
-        state, prompt, seq = self.prefilling[req.request_id], req.prompt_ids, req.seq
+    def _prefill(self) -> list:
+        """The next pieces of the prompts being prefilled, in admission order, within the step's
+        token budget (what the running requests' rounds leave of max_num_batched_tokens, at least
+        STEP_ROWS), all in one runner.prefill; a piece stops at its session checkpoint (taken after
+        prompt[:split]). Requests whose prompt is in start their rounds. Returns their events."""
+        rows = sum(live.rounds.k_ctl.k + 1 for live in self.live.values())
+        budget = max(self.config.max_num_batched_tokens - rows, STEP_ROWS)
+        todo = []  # (request, its state, piece end)
+        for req in [r for r in self.scheduler.running if r.request_id in self.prefilling]:
+            if budget <= 0:
+                break
+            state = self.prefilling[req.request_id]
+            lo = state.done
+            end = state.split if lo < state.split else len(req.prompt_ids)
+            hi = min(end, lo + budget)
+            if self.config.prefill == "chunked" and hi < end:  # whole chunks (EngineConfig.prefill_chunk)
+                hi = lo + (hi - lo) // self.config.prefill_chunk * self.config.prefill_chunk
+            todo.append((req, state, hi))
+            budget -= hi - state.done
+        pieces = [
+            Piece(req.seq, req.prompt_ids[state.done : hi], self._prompt_logprobs(req, state, state.done))
+            for req, state, hi in todo
+            if hi > state.done
+        ]
         t0 = time.perf_counter()
-        lo = state.done
-        end = state.split if lo < state.split else len(prompt)
-        hi = min(end, lo + budget)
-        if self.config.prefill == "chunked" and hi < end:  # whole chunks (EngineConfig.prefill_chunk)
-            hi = lo + (hi - lo) // self.config.prefill_chunk * self.config.prefill_chunk
-        if hi > lo:
-            self.runner.extend(seq, prompt[lo:hi], on_logits=self._prompt_logprobs(req, state, lo))
+        try:
+            self.runner.prefill(pieces)
+        except Exception as e:  # the step's pieces fail together (their slots are taken back whole)
+            return [self._fail(req, e) for req, _, _ in todo]
+        events = []
+        for req, state, hi in todo:
             state.done = hi
-        if req.use_sessions and state.done == state.split and not state.checkpointed:
-            self.runner.checkpoint(seq)
-            state.checkpointed = True
+            if req.use_sessions and state.done == state.split and not state.checkpointed:
+                self.runner.checkpoint(req.seq)
+                state.checkpointed = True
         _sync(self.runner.device)
-        state.seconds += time.perf_counter() - t0
-        if state.done < len(prompt):
-            return hi - lo, []
-        del self.prefilling[req.request_id]
-        return hi - lo, self._start(req, state)
+        seconds = time.perf_counter() - t0
+        for req, state, _ in todo:
+            state.seconds += seconds
+            if state.done < len(req.prompt_ids):
+                continue
+            del self.prefilling[req.request_id]
+            try:
+                events += self._start(req, state)
+            except Exception as e:
+                events.append(self._fail(req, e))
+        return events
 
     def _prompt_logprobs(self, req: Request, state: _Prefill, lo: int):
-        """The on_logits callback of runner.extend that collects prompt logprobs (None: not asked)."""
+        """The on_logits callback of a prefill piece starting at prompt[lo] that collects prompt
+        logprobs (None: not asked)."""
         if state.entries is None:
             return None
         prompt, num_top = req.prompt_ids, req.params.prompt_logprobs

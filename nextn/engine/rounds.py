@@ -98,18 +98,19 @@ def device_round(runner, proposer, members: list[Member], clock=None) -> None:
     """One round of every member, device work only (clock: marks its draft, verify and commit)."""
     tensors = members[0].cache.cache.tensors
     _mark(clock, 0)
-    befores = tensors["ctl"].index_select(0, runner.index([m.cache.slot for m in members]))
+    # the trunk step's batch: every member's [pending, drafts] rows (its slots as device values)
+    batch = runner.batch([m.cache for m in members], [m.k + 1 for m in members])
+    slots = batch.slot_index
+    befores = tensors["ctl"].index_select(0, slots)
     drafting = [b for b, m in enumerate(members) if m.k > 0]
     counted = proposer.propose([members[b] for b in drafting]) if drafting else None
     num_drafts = runner.index([m.k for m in members])  # [B] the drafts that count
     if counted is not None:  # a confidence gate cut some
         num_drafts = num_drafts.index_copy(0, runner.index(drafting), counted)
-    for m in members:  # what a request ending in the last round reads
-        m.buf.prev_logits.copy_(m.buf.logits)
-        m.buf.prev_hidden.copy_(m.buf.hidden)
+    for name in ("logits", "hidden"):  # what a request ending in the last round reads
+        tensors[f"prev_{name}"].index_copy_(0, slots, tensors[name].index_select(0, slots))
     _mark(clock, 1)
-    # one trunk step over every member's [pending, drafts] rows, out of and into the slots' buffers
-    batch = runner.batch([m.cache for m in members], [m.k + 1 for m in members])
+    # one trunk step over every member's rows, out of and into the slots' buffers
     flat = batch.flat_rows(members[0].buf.verify_ids.shape[0])
     logits, hidden = runner.step_logits[: batch.num_rows], runner.step_hidden[: batch.num_rows]
     live = None if counted is None else (num_drafts + 1).to(torch.int32)  # a gate cut: the rows that count
@@ -143,7 +144,7 @@ def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores
     commit and the outcomes. With the Triton kernels one launch after the argmax
     (nextn.ops.triton_sample.accept_greedy); this is its reference."""
     R, tensors, G, cache = group[0].buf.verify_ids.shape[0], group[0].cache.cache.tensors, len(group), group[0].cache
-    slots = runner.index([m.cache.slot for m in group])
+    slots = batch.slot_index if G == len(batch) else batch.slot_index.index_select(0, runner.index(index))
     ks = runner.index([m.k for m in group])
     if runner.config.kernels == "triton":  # imported here: kernel modules load only where their kernels run
         from nextn.ops import triton_sample
@@ -224,13 +225,20 @@ def launch(runner, proposer, rounds: list[RequestRounds]) -> None:
     eagerly when they are constrained: all or none); each queues the read of its outcome."""
     members = [r.member() for r in rounds]
     traced = rounds[0].trace is not None
-    key = ("round", tuple((m.cache.slot, m.k, m.sampler.kind) for m in members), id(proposer), traced)
-    clock = runner.clock(key) if traced else None
+    slots = [m.cache.slot for m in members]
     if rounds[0].grammar is not None:  # host masks inside the round: never captured
-        device_round(runner, proposer, members, clock)
-    else:
-        slots = tuple(m.cache.slot for m in members)
-        runner.run(key, lambda: device_round(runner, proposer, members, clock), slots)
+        key = ("round", tuple(zip(slots, (m.k for m in members), strict=True)), id(proposer), traced)
+        runner.graph_counts["eager"] += 1
+        device_round(runner, proposer, members, runner.clock(key) if traced else None)
+    elif all(m.sampler.plain_greedy for m in members):  # one graph per batch size and Ks, any slots
+        key = ("greedy round", tuple(m.k for m in members), id(proposer), traced)
+        clock = runner.clock(key) if traced else None
+        with runner.follow_slots(slots):
+            runner.run(key, lambda: device_round(runner, proposer, members, clock))
+    else:  # per-slot sampling values and uniforms in the graph: one per batch of (slot, K, sampler kind)
+        key = ("round", tuple((m.cache.slot, m.k, m.sampler.kind) for m in members), id(proposer), traced)
+        clock = runner.clock(key) if traced else None
+        runner.run(key, lambda: device_round(runner, proposer, members, clock), tuple(slots))
     for r in rounds:
         r.queue_read(clock)
 

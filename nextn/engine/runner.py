@@ -15,14 +15,16 @@ Does not choose tokens (nextn.engine.sampler) or decide what a round keeps (next
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from itertools import pairwise
+from typing import NamedTuple
 
 import torch
 
-from nextn.cache import SlotCache, SlotPool, StepBatch
+from nextn.cache import SlotCache, SlotPool, StepBatch, commit_ctl
 from nextn.config import STEP_ROWS, EngineConfig
 from nextn.engine.sequence import Sequence
 from nextn.models.qwen3_5 import CausalLM, ReferenceStep
@@ -31,7 +33,7 @@ from nextn.ops import OPS
 
 log = logging.getLogger(__name__)
 
-MAX_GRAPHS = 128  # captured graphs kept (one per batch composition); past it they are dropped and recaptured
+MAX_GRAPHS = 512  # captured graphs kept (one per batch kind); past it they are dropped and recaptured
 STEPS = {"torch": ReferenceStep, "triton": TritonStep}
 
 
@@ -60,14 +62,43 @@ class ModelRunner:
         self._batches: dict = {}
         self._indices: dict = {}
         self._clocks: dict = {}
+        # a batch size's device slots (int32 [B], never freed: graphs read them), written before each
+        # launch of a round keyed by its size (`follow_slots`), and the one in force (None: keys by slot)
+        self._slot_sets: dict[int, torch.Tensor] = {}
+        self._following: torch.Tensor | None = None
+        # device work by how it ran: captured into a graph, replayed, run eagerly (/metrics)
+        self.graph_counts = {"captures": 0, "replays": 0, "eager": 0}
 
     def slot(self, slot: int) -> SlotCache:
         return self.slots[slot]
 
     def batch(self, caches: list[SlotCache], rows: list[int]) -> StepBatch:
-        """The step batch of these slots and row counts (made once: graphs hold its tensors)."""
-        key = (tuple(c.slot for c in caches), tuple(rows))
-        return self._made_once(self._batches, key, lambda: StepBatch(caches, rows))
+        """The step batch of these slots and row counts (made once: graphs hold its tensors). While
+        `follow_slots` holds, one per batch size and row counts, whatever the slots: its slot
+        tensors are re-derived on the device from the size's slot set (a graph replays that too)."""
+        if self._following is None:
+            key = (tuple(c.slot for c in caches), tuple(rows))
+            return self._made_once(self._batches, key, lambda: StepBatch(caches, rows))
+        key = ("follow", len(caches), tuple(rows))
+        batch = self._made_once(self._batches, key, lambda: StepBatch(caches, rows))
+        batch.follow(self._following)
+        batch.refresh(caches)
+        return batch
+
+    @contextlib.contextmanager
+    def follow_slots(self, slots: list[int]):
+        """Within: the step batches `batch` makes take their slots from a device tensor of this
+        batch size, written here (stream-ordered after any work that read it), so the device work
+        run within (`run`, keyed without the slots) serves any slots of the same kind."""
+        held = self._slot_sets.get(len(slots))
+        if held is None:
+            held = self._slot_sets[len(slots)] = torch.zeros(len(slots), dtype=torch.int32, device=self.device)
+        held.copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
+        self._following = held
+        try:
+            yield
+        finally:
+            self._following = None
 
     def index(self, values: list[int]) -> torch.Tensor:
         """A long device tensor of these values (made once)."""
@@ -97,12 +128,14 @@ class ModelRunner:
         and replayed from then on; slots: the cache slots it serves (its graph's memory counts
         with them). Without graphs, always eagerly."""
         if not self.use_graphs:
+            self.graph_counts["eager"] += 1
             return fn()
         if key not in self.graphs:
             # batches come and go: past the count or the memory budget, start over rather than grow
             if len(self.graphs) >= MAX_GRAPHS or self.graph_memory.full():
                 self.drop_graphs()
             self.graphs[key] = None
+            self.graph_counts["eager"] += 1
             return fn()
         graph = self.graphs[key]
         if graph is None:
@@ -115,7 +148,9 @@ class ModelRunner:
                 self._capturing = None
             self.graph_memory.add(key, slots, torch.cuda.memory_reserved(self.device) - reserved)
             self.graphs[key] = graph
+            self.graph_counts["captures"] += 1
         graph.replay()
+        self.graph_counts["replays"] += 1
 
     def when(self, pred: torch.Tensor, fn: Callable[[], None]) -> None:
         """fn (head steps and their drafts) only where pred (a bool device scalar) holds, with no
@@ -176,28 +211,44 @@ class ModelRunner:
     def extend(
         self, seq: Sequence, token_ids: list[int], on_logits: Callable[[int, torch.Tensor], None] | None = None
     ) -> None:
-        """Prefill token_ids after the sequence's committed tokens and commit them.
-
-        "chunked": the module forward over config.prefill_chunk tokens per call (states to the
-        slot's home); "steps": the decode step over STEP_ROWS tokens at a time, so every token's
-        state is computed with the same per-row arithmetic however the sequence was split into
-        requests (a resumed session equals a cold run bitwise). on_logits(start, logits [T, V]):
-        called with the logits of every row (row i follows token_ids[start + i]).
-        """
-        cache = self.slot(seq.slot)
-        if len(seq.tokens) + len(token_ids) > cache.max_len:
-            raise ValueError(f"{len(seq.tokens) + len(token_ids)} tokens exceed the context of {cache.max_len}")
-        steps = self.config.prefill == "steps"
-        chunk = STEP_ROWS if steps else self.config.prefill_chunk
+        """Prefill token_ids after the sequence's committed tokens and commit them, in pieces of
+        config.prefill_chunk tokens (`prefill` on one sequence; "chunked": the module forward).
+        on_logits(start, logits [T, V]): called with the logits of every row (row i follows
+        token_ids[start + i])."""
+        chunk = self.config.prefill_chunk
         for s in range(0, len(token_ids), chunk):
-            piece = token_ids[s : s + chunk]
-            if steps:
-                logits, hidden = self._prefill_steps(cache, piece)
-            else:
-                logits, hidden = self._prefill_chunk(cache, piece, on_logits is not None)
-            if on_logits:
-                on_logits(s, logits)
-            seq.commit(piece, hidden.clone(), logits[-1].clone())
+            take = None if on_logits is None else (lambda start, rows, s=s: on_logits(s + start, rows))
+            self.prefill([Piece(seq, token_ids[s : s + chunk], take)])
+
+    @torch.inference_mode()
+    def prefill(self, pieces: list[Piece]) -> None:
+        """Prefill each piece's tokens after its sequence's committed tokens and commit them.
+
+        "steps" (the server's default): one trunk step over every piece, its rows packed, whatever
+        their number, with the decode step's per-row arithmetic (a prefill step keeps the last GDN
+        state and conv columns only), then one head step writing their MTP rows into the draft K/V.
+        A row's bits depend on its token and position alone, so a prompt prefilled in any pieces,
+        beside any others, equals a decode of the same tokens: a resumed or rewound session emits
+        bitwise what a cold run emits. "chunked": the module forward over each piece alone (the
+        chunked delta rule; states home), the head caught up when the sequence's rounds start.
+        A piece's `on_logits(start, rows [T, V])` gets the logits of all its rows (row i follows
+        token_ids[start + i]); the others' last only."""
+        for p in pieces:
+            total, max_len = len(p.seq.tokens) + len(p.token_ids), self.slot(p.seq.slot).max_len
+            if total > max_len:
+                raise ValueError(f"{total} tokens exceed the context of {max_len}")
+        if self.config.prefill == "chunked":  # chunks of prefill_chunk from each piece's start
+            chunk = self.config.prefill_chunk
+            for p in pieces:
+                cache = self.slot(p.seq.slot)
+                for s in range(0, len(p.token_ids), chunk):
+                    ids = p.token_ids[s : s + chunk]
+                    logits, hidden = self._prefill_chunk(cache, ids, p.on_logits is not None)
+                    if p.on_logits is not None:
+                        p.on_logits(s, logits)
+                    p.seq.commit(ids, hidden.clone(), logits[-1].clone())
+            return
+        self._prefill_step(pieces)
 
     def _prefill_chunk(self, cache: SlotCache, piece: list[int], all_rows: bool):
         h = self.model(torch.tensor([piece], device=self.device), cache, ops=self.ops)[0]
@@ -208,36 +259,87 @@ class ModelRunner:
         cache.commit_home(len(piece))
         return logits, normed if self.after_norm else h
 
-    def _prefill_steps(self, cache: SlotCache, piece: list[int]):
-        T = len(piece)
-        self.step_ids[:T].copy_(torch.tensor(piece), non_blocking=True)
-        logits, hidden, batch = self.step_logits[:T], self.step_hidden[:T], self.batch([cache], [T])
-        self.run(
-            ("prefill", cache.slot, T),
-            lambda: self.step.trunk(batch, self.step_ids[:T], logits, hidden, store_all=False),
-            (cache.slot,),
-        )
-        cache.commit(T, store_all=False)
-        return logits, hidden
+    def _prefill_step(self, pieces: list[Piece]) -> None:
+        """The "steps" prefill: one eager trunk step over every piece (store_all=False), the slots
+        committed together, then the head's catch-up of the sequences that draft, in one head step."""
+        pieces = [p for p in pieces if p.token_ids]
+        if not pieces:
+            return
+        caches = [self.slot(p.seq.slot) for p in pieces]
+        rows = [len(p.token_ids) for p in pieces]
+        starts = [len(p.seq.tokens) for p in pieces]  # (a sequence's committed tokens: its slot's SEQ_LEN)
+        batch = StepBatch(caches, rows, max_pos=max(s + n for s, n in zip(starts, rows, strict=True)))
+        ids = torch.tensor([t for p in pieces for t in p.token_ids], device=self.device)
+        # logits of each piece's last row, or of all its rows where asked (prompt logprobs)
+        offsets = batch.offsets[:-1]
+        wanted = [
+            range(o, o + n) if p.on_logits else range(o + n - 1, o + n)
+            for p, o, n in zip(pieces, offsets, rows, strict=True)
+        ]
+        logit_rows = torch.tensor([r for w in wanted for r in w], device=self.device)
+        logits = torch.empty(logit_rows.numel(), self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        hidden = torch.empty(batch.num_rows, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        self.step.trunk(batch, ids, logits, hidden, store_all=False, logit_rows=logit_rows)
+        slots = batch.slot_index
+        cache = caches[0]
+        kept = torch.tensor(rows, dtype=torch.int32, device=self.device)[:, None]
+        ctl = self.pool.cache.ctl
+        ctl.index_copy_(0, slots, commit_ctl(ctl.index_select(0, slots), kept, cache.rows, cache.cols, store_all=False))
+        at = 0
+        for p, o, n, w in zip(pieces, offsets, rows, wanted, strict=True):
+            own = logits[at : at + len(w)]
+            at += len(w)
+            if p.on_logits is not None:
+                p.on_logits(0, own)
+            p.seq.commit(p.token_ids, hidden[o : o + n], own[-1].clone())
+        self._catch_up([p.seq for p in pieces if p.seq.heads])
 
     @torch.inference_mode()
     def catch_up(self, seq: Sequence) -> None:
-        """Write the sequence's pending MTP rows into its draft K/V (a whole prompt after a prefill),
-        in prefill-sized chunks, or in step-sized head passes under prefill="steps" (the rounds'
-        own arithmetic, however the sequence was split)."""
-        ids, hidden = seq.take_rows()
-        cache, first = self.slot(seq.slot), seq.draft_len + 1
-        chunk = STEP_ROWS if self.config.prefill == "steps" else self.config.prefill_chunk
-        for s in range(0, len(ids), chunk):
-            piece, rows = torch.tensor(ids[s : s + chunk], device=self.device), hidden[s : s + chunk]
-            if chunk == STEP_ROWS:
-                pos = torch.tensor([first + s - 1], dtype=torch.int32, device=self.device)
-                batch, last = self.batch([cache], [piece.numel()]), self.index([piece.numel() - 1])
-                self.step.head(batch, piece, rows, pos, last, self.head_logits[:1], self.head_hidden[:1])
-            else:
+        """Write the sequence's pending MTP rows into its draft K/V (a whole prompt after a chunked
+        prefill; after a "steps" prefill, rows its rounds kept since: none, or a session's)."""
+        if self.config.prefill == "chunked":
+            ids, hidden = seq.take_rows()
+            cache, first, chunk = self.slot(seq.slot), seq.draft_len + 1, self.config.prefill_chunk
+            for s in range(0, len(ids), chunk):
+                piece, rows = torch.tensor(ids[s : s + chunk], device=self.device), hidden[s : s + chunk]
                 self.model.head_rows(cache.draft_kv(), piece, rows, first + s, ops=self.ops)
+            self._caught_up(seq)
+            return
+        self._catch_up([seq])
+
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """The sequences' pending MTP rows through one head step, every sequence's rows packed (the
+        rounds' head arithmetic per row, however many)."""
+        taken = [(seq, *seq.take_rows()) for seq in seqs]
+        taken = [(seq, ids, hidden) for seq, ids, hidden in taken if ids]
+        if taken:
+            caches = [self.slot(seq.slot) for seq, _, _ in taken]
+            rows = [len(ids) for _, ids, _ in taken]
+            first = [seq.draft_len for seq, _, _ in taken]  # row draft_len + 1 sits in draft slot draft_len
+            batch = StepBatch(caches, rows, max_pos=max(f + n for f, n in zip(first, rows, strict=True)))
+            ids = torch.tensor([t for _, piece, _ in taken for t in piece], device=self.device)
+            hidden = torch.cat([h for _, _, h in taken]) if len(taken) > 1 else taken[0][2]
+            last = torch.tensor([o + n - 1 for o, n in zip(batch.offsets[:-1], rows, strict=True)], device=self.device)
+            pos = torch.tensor(first, dtype=torch.int32, device=self.device)
+            B = len(taken)
+            self.step.head(batch, ids, hidden, pos, last, self.head_logits[:B], self.head_hidden[:B])
+        for seq in seqs:
+            self._caught_up(seq)
+
+    def _caught_up(self, seq: Sequence) -> None:
         seq.draft_len = max(seq.draft_len, len(seq.tokens) - 1)
-        cache.set(draft_len=seq.draft_len)
+        self.slot(seq.slot).set(draft_len=seq.draft_len)
+
+
+class Piece(NamedTuple):
+    """A prefill's tokens for one sequence, after its committed ones; on_logits(start, rows [T, V])
+    takes the logits of all its rows (prompt logprobs; row i follows token_ids[start + i]), None:
+    only its last row's are made."""
+
+    seq: Sequence
+    token_ids: list[int]
+    on_logits: Callable[[int, torch.Tensor], None] | None = None
 
 
 class GraphMemory:

@@ -46,7 +46,7 @@ class Sequence:
         first = len(self.tokens)
         before = self.last_hidden
         self.tokens.extend(token_ids)
-        self.last_hidden, self.last_logits = hidden[-1], logits
+        self.last_hidden, self.last_logits = hidden[-1].clone(), logits  # (not a view holding the step's rows)
         if not self.heads:
             return
         pred = hidden[:-1] if before is None else torch.cat([before[None], hidden[:-1]])

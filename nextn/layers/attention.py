@@ -95,8 +95,15 @@ def read_kv(kv: KV, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def attend_step(q: torch.Tensor, kv: KV, start: int) -> torch.Tensor:
-    """Attention of one sequence's step rows: q [B, n <= STEP_ROWS, Hq, D] at positions start..
-    over the cache.
+    """Attention of one sequence's step rows q [B, n, Hq, D] at positions start.. over the cache:
+    in tiles of STEP_ROWS rows (a prefill step's many rows are its tiles one after another)."""
+    n = q.shape[1]
+    tiles = [_attend_tile(q[:, t : t + STEP_ROWS], kv, start + t) for t in range(0, n, STEP_ROWS)]
+    return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
+
+
+def _attend_tile(q: torch.Tensor, kv: KV, start: int) -> torch.Tensor:
+    """Attention of q [B, n <= STEP_ROWS, Hq, D] at positions start.. over the cache.
 
     The rows are padded to STEP_ROWS and keys visited in fixed blocks of ATTN_BLOCK with an
     online softmax, always at the same shapes, so a row's result does not depend on how many rows

@@ -71,11 +71,11 @@ class GatedDeltaNet(nn.Module):
         the state after each token (or the last only if not store_all) go to its step buffers."""
         B, T, _ = x.shape
         mixed_qkv, z, b, a = self.project(x)
-        if isinstance(cache, StepBatch):  # each sequence's rows padded to STEP_ROWS, like a step alone
+        if isinstance(cache, StepBatch):  # each sequence's rows padded to whole STEP_ROWS tiles, like a step alone
             parts = []
             for s, slot in enumerate(cache.caches):
                 rows, n = slice(cache.offsets[s], cache.offsets[s + 1]), cache.rows[s]
-                mixed = [pad_dim1(t[:, rows], STEP_ROWS) for t in (mixed_qkv, b, a)]
+                mixed = [pad_dim1(t[:, rows], -(-n // STEP_ROWS) * STEP_ROWS) for t in (mixed_qkv, b, a)]
                 parts.append(self._mix(*mixed, slot, None, store_all, n)[:, :n])
             o = pad_dim1(torch.cat(parts, dim=1), T)  # the batch's pad rows stay zero
         else:
@@ -105,7 +105,10 @@ class GatedDeltaNet(nn.Module):
         W = self.conv1d.weight.shape[-1]
         if ops is None:
             o, states = gdn_ops.recurrent_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], initial)
-            cache.write_step(i, window[0, :, : W - 1 + n], states[0] if store_all else states[0, -1:])
+            if store_all:  # a verify's whole window and every token's state
+                cache.write_step(i, window[0, :, : W - 1 + n], states[0])
+            else:  # a prefill step (any number of rows): the window's last W-1 columns, the last state
+                cache.write_step(i, window[0, :, n : n + W - 1], states[0, -1:])
         else:
             o, final = ops.chunk_rule(q, k, v, g, beta, initial)
             if cache is not None:

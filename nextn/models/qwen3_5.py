@@ -76,7 +76,7 @@ class CausalLM(nn.Module):
         if isinstance(cache, StepBatch):
             start = [c.seq_len for c in cache.caches]
             for first, rows in zip(start, cache.rows, strict=True):
-                if rows > STEP_ROWS or first + rows > cache.cache.layout.capacity:
+                if (store_all and rows > STEP_ROWS) or first + rows > cache.cache.layout.capacity:
                     raise ValueError(f"a step of {rows} rows at position {first} does not fit the cache")
             positions = [first + i for first, rows in zip(start, cache.rows, strict=True) for i in range(rows)]
             # whole tiles of STEP_ROWS rows: every op's shape is a multiple of the step's, so a
@@ -145,13 +145,14 @@ class ReferenceStep:
         hidden: torch.Tensor,
         store_all: bool = True,
         live: torch.Tensor | None = None,
+        logit_rows: torch.Tensor | None = None,
     ) -> None:
-        """ids [M]: the batch's rows; logits [M, V] float32 and head-input hiddens [M, H] written.
-        live (the rows of each sequence that count, as the fused step takes it): every row is
-        computed here; the rows that count are the same either way."""
+        """ids [M]: the batch's rows; logits [M, V] float32 (or [n, V] of the rows logit_rows [n]
+        long) and head-input hiddens [M, H] written. live (the rows of each sequence that count, as
+        the fused step takes it): every row is computed here; the rows that count are the same either way."""
         h = self.model(ids[None], batch, store_all=store_all)[0]
         normed = self.model.final_norm(h)
-        logits.copy_(self.model.logits(normed))
+        logits.copy_(self.model.logits(normed if logit_rows is None else normed.index_select(0, logit_rows)))
         hidden.copy_(normed if self.after_norm else h)
 
     def head(

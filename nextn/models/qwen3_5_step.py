@@ -323,8 +323,9 @@ class TritonStep:
         act = self._project(ni, w.gate, up_weight=w.up)
         return self._add(x, act, w.down, next_norm)
 
-    def _attn(self, x, ni, w: AttnWeights, kv: KV, row_slot, row_pos, rope_offset: int, next_norm):
-        """(the layer's output, the next norm's NormInput or None); ni: the input norm's."""
+    def _attn(self, x, ni, w: AttnWeights, kv: KV, row_slot, row_pos, rope_offset: int, next_norm, max_pos=None):
+        """(the layer's output, the next norm's NormInput or None); ni: the input norm's; max_pos: a
+        host bound on the rows' positions (an eager prefill step's), else None."""
         qkv = self._project(ni, w.qkv)
         cos, sin = self.rope_tables(kv.key.shape[1] + 1)
         heads = self.cfg.num_attention_heads
@@ -344,7 +345,7 @@ class TritonStep:
             rope_offset,
             **scales,
         )
-        o = self.attn.attend_step(q, qkv, kv.key, kv.value, row_slot, row_pos, **scales)
+        o = self.attn.attend_step(q, qkv, kv.key, kv.value, row_slot, row_pos, max_pos=max_pos, **scales)
         return self._mlp(*self._add(x, o, w.o_proj, self._mlp_norm(w.mlp)), w.mlp, next_norm)
 
     def _gdn(self, x, ni, w: GDNWeights, batch: StepBatch, j: int, store_all: bool, live, next_norm):
@@ -385,10 +386,13 @@ class TritonStep:
         hidden: torch.Tensor,
         store_all: bool = True,
         live: torch.Tensor | None = None,
+        logit_rows: torch.Tensor | None = None,
     ) -> None:
-        """ids [M]: each sequence's rows at its positions SEQ_LEN..: logits [M, V] float32 and
-        head-input hiddens [M, H] into the given buffers; K/V and the GDN step buffers written,
-        nothing committed. live (int32 [B] device, default all): the rows of each sequence that
+        """ids [M]: each sequence's rows at its positions SEQ_LEN..: logits [M, V] float32 (or [n, V]
+        of the rows logit_rows [n] long: a prefill step's last rows) and head-input hiddens [M, H]
+        into the given buffers; K/V and the GDN step buffers written, nothing committed.
+        store_all=False: a prefill step of any number of rows per sequence, which keeps them all.
+        live (int32 [B] device, default all): the rows of each sequence that
         count (a verify whose gate cut drafts): the GDN recurrences stop there (their serial
         per-row work is what rows cost a small model), and rows past them are garbage."""
         norm = self.norm.rms_norm
@@ -402,11 +406,11 @@ class TritonStep:
             if ni is None:
                 ni = self._norm_input(x, w.norm)
             if layer.kind == FULL:
-                x, ni = self._attn(x, ni, w, batch.cache.kv(i), batch.row_slot, pos, 0, next_norm)
+                x, ni = self._attn(x, ni, w, batch.cache.kv(i), batch.row_slot, pos, 0, next_norm, batch.max_pos)
             else:
                 x, ni = self._gdn(x, ni, w, batch, batch.cache.gdn_index[i], store_all, live, next_norm)
         normed = norm(x, self.final_norm, self.eps, out=hidden if self.after_norm else None)
-        self._logits(normed, None, logits)
+        self._logits(normed if logit_rows is None else normed.index_select(0, logit_rows), None, logits)
         if not self.after_norm:
             hidden.copy_(x)
 
@@ -434,9 +438,8 @@ class TritonStep:
         norm(hidden, norm_hidden, out=cat[:, H:])
         pos = batch.row_positions(first)
         x = self._lin(cat, fc)
-        x, _ = self._attn(
-            x, self._norm_input(x, layer.norm), layer, batch.cache.draft_kv(), batch.row_slot, pos, 1, None
-        )
+        ni, kv = self._norm_input(x, layer.norm), batch.cache.draft_kv()
+        x, _ = self._attn(x, ni, layer, kv, batch.row_slot, pos, 1, None, batch.max_pos)
         out = x if rows is None else x.index_select(0, rows)
         normed = norm(out, final, out=chained if self.after_norm else None)
         self._logits(normed, lm_head, logits)

@@ -323,10 +323,15 @@ def attend_step(
     value_scale: torch.Tensor | None = None,
     run_if: torch.Tensor | None = None,  # [] device flag: 0 skips the call (out is left as it was)
     pdl: bool = True,  # over one row, both launches programmatic dependent ones where the GPU has them
+    max_pos: int | None = None,  # a bound on row_pos known on the host (an eager prefill step): fewer chunks
 ) -> torch.Tensor:
     T, Hq, D = q.shape
     max_len, Hkv = key.shape[1], key.shape[2]
     num_chunks = triton.cdiv(max_len, chunk)
+    block_c = min(16, next_pow2(num_chunks))  # the combine's blocks: fixed by the cache, not by max_pos
+    if max_pos is not None:  # programs and partials for the chunks rows can reach, in whole combine blocks
+        # (a block past a row's chunks adds exact zeros: the row's bits do not depend on it)
+        num_chunks = min(num_chunks, max(block_c, next_pow2(triton.cdiv(max_pos + 1, chunk))))
     part_m = torch.empty(T, Hq, num_chunks, device=q.device, dtype=torch.float32)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(T, Hq, num_chunks, D, device=q.device, dtype=torch.float32)
@@ -372,7 +377,7 @@ def attend_step(
         D=D,
         NUM_CHUNKS=num_chunks,
         CHUNK_SIZE=chunk,
-        BLOCK_C=min(16, next_pow2(num_chunks)),
+        BLOCK_C=block_c,
         HAS_FLAG=run_if is not None,
         PDL=pdl,
         RELEASE=release,

@@ -22,7 +22,9 @@ read: one CUDA graph serves every round):
 the state before the step is `state_home` if state_at < 0 else states[state_at]; the state after
 token t goes to states[state_write + t] (or, with store_all=False, only the last token's to
 states[state_write]); carried conv column j is conv_home[:, j] if conv_at < 0 else
-window[:, conv_at + j]; the step's window goes to window[:, conv_write:conv_write + W-1+T].
+window[:, conv_at + j]; the step's window goes to window[:, conv_write:conv_write + W-1+T] (with
+store_all=False, a prefill step of any number of rows, only its last W-1 columns, to
+window[:, conv_write:conv_write + W-1]).
 """
 
 from __future__ import annotations
@@ -62,6 +64,19 @@ if HAVE_TRITON:
         j = tl.arange(0, W_BLOCK)
         m = (j[:, None] < W - 1) & mask[None, :]
         return tl.load(carried_ptr + ch[None, :] * stride_c + j[:, None], mask=m, other=0.0).to(dtype)
+
+    @triton.jit
+    def _last_cols(carried_ptr, stride_c, proj_ptr, stride_p, ch, mask, T, W: tl.constexpr, W_BLOCK: tl.constexpr,
+                   dtype: tl.constexpr):  # fmt: skip
+        """The last W-1 columns of [carried | the step's T inputs] of channels ch, a [W_BLOCK, n] tile
+        (rows past W-1: 0): column T + j of the concatenation is row j."""
+        j = tl.arange(0, W_BLOCK)
+        c = T + j
+        live = (j[:, None] < W - 1) & mask[None, :]
+        early = c[:, None] < W - 1
+        carried = tl.load(carried_ptr + ch[None, :] * stride_c + c[:, None], mask=live & early, other=0.0)
+        inputs = tl.load(proj_ptr + (c[:, None] - (W - 1)) * stride_p + ch[None, :], mask=live & ~early, other=0.0)
+        return tl.where(early, carried.to(dtype), inputs)
 
     @triton.jit
     def _input_cols(proj_ptr, stride_p, ch, mask, t0, T, T_CHUNK: tl.constexpr):
@@ -177,22 +192,30 @@ if HAVE_TRITON:
         TL = T
         if LIVE:
             TL = tl.minimum(tl.load(live_ptr + seq), T)
-        qi = _input_cols(proj_ptr, stride_p, q_ch, writes_qk, 0, T, T_CHUNK)
-        ki = _input_cols(proj_ptr, stride_p, k_ch, writes_qk, 0, T, T_CHUNK)
-        vi = _input_cols(proj_ptr, stride_p, v_ch, writes_v, 0, T, T_CHUNK)
-        _store_cols(win, stride_win, q_ch, writes_qk, 0, qc, W - 1)
-        _store_cols(win, stride_win, k_ch, writes_qk, 0, kc, W - 1)
-        _store_cols(win, stride_win, v_ch, writes_v, 0, vc, W - 1)
-        _store_cols(win, stride_win, q_ch, writes_qk, W - 1, qi, T)
-        _store_cols(win, stride_win, k_ch, writes_qk, W - 1, ki, T)
-        _store_cols(win, stride_win, v_ch, writes_v, W - 1, vi, T)
-        for t0 in range(T_CHUNK, T, T_CHUNK):  # a verify longer than one chunk
-            qi = _input_cols(proj_ptr, stride_p, q_ch, writes_qk, t0, T, T_CHUNK)
-            ki = _input_cols(proj_ptr, stride_p, k_ch, writes_qk, t0, T, T_CHUNK)
-            vi = _input_cols(proj_ptr, stride_p, v_ch, writes_v, t0, T, T_CHUNK)
-            _store_cols(win, stride_win, q_ch, writes_qk, W - 1 + t0, qi, T - t0)
-            _store_cols(win, stride_win, k_ch, writes_qk, W - 1 + t0, ki, T - t0)
-            _store_cols(win, stride_win, v_ch, writes_v, W - 1 + t0, vi, T - t0)
+        if STORE_ALL:  # the whole window: a verify keeps any prefix of its rows
+            qi = _input_cols(proj_ptr, stride_p, q_ch, writes_qk, 0, T, T_CHUNK)
+            ki = _input_cols(proj_ptr, stride_p, k_ch, writes_qk, 0, T, T_CHUNK)
+            vi = _input_cols(proj_ptr, stride_p, v_ch, writes_v, 0, T, T_CHUNK)
+            _store_cols(win, stride_win, q_ch, writes_qk, 0, qc, W - 1)
+            _store_cols(win, stride_win, k_ch, writes_qk, 0, kc, W - 1)
+            _store_cols(win, stride_win, v_ch, writes_v, 0, vc, W - 1)
+            _store_cols(win, stride_win, q_ch, writes_qk, W - 1, qi, T)
+            _store_cols(win, stride_win, k_ch, writes_qk, W - 1, ki, T)
+            _store_cols(win, stride_win, v_ch, writes_v, W - 1, vi, T)
+            for t0 in range(T_CHUNK, T, T_CHUNK):  # a verify longer than one chunk
+                qi = _input_cols(proj_ptr, stride_p, q_ch, writes_qk, t0, T, T_CHUNK)
+                ki = _input_cols(proj_ptr, stride_p, k_ch, writes_qk, t0, T, T_CHUNK)
+                vi = _input_cols(proj_ptr, stride_p, v_ch, writes_v, t0, T, T_CHUNK)
+                _store_cols(win, stride_win, q_ch, writes_qk, W - 1 + t0, qi, T - t0)
+                _store_cols(win, stride_win, k_ch, writes_qk, W - 1 + t0, ki, T - t0)
+                _store_cols(win, stride_win, v_ch, writes_v, W - 1 + t0, vi, T - t0)
+        else:  # a prefill step (any number of rows) keeps all of them: only the last W-1 columns
+            qt = _last_cols(carried_ptr, stride_c, proj_ptr, stride_p, q_ch, writes_qk, T, W, W_BLOCK, dtype)
+            kt = _last_cols(carried_ptr, stride_c, proj_ptr, stride_p, k_ch, writes_qk, T, W, W_BLOCK, dtype)
+            vt = _last_cols(carried_ptr, stride_c, proj_ptr, stride_p, v_ch, writes_v, T, W, W_BLOCK, dtype)
+            _store_cols(win, stride_win, q_ch, writes_qk, 0, qt, W - 1)
+            _store_cols(win, stride_win, k_ch, writes_qk, 0, kt, W - 1)
+            _store_cols(win, stride_win, v_ch, writes_v, 0, vt, W - 1)
         states_ptr += state_write * stride_states
         decay_rate = tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
@@ -277,7 +300,9 @@ def gdn_step(
     - the state after token t goes to states[state_write + t]; with store_all=False only the last
       token's, to states[state_write] (the same values: only the stores differ);
     - carried conv column j (< W-1) is conv_home[:, j] if conv_at < 0, else window[:, conv_at + j];
-    - window[:, conv_write + j] gets carried column j, window[:, conv_write + W-1 + t] input t.
+    - window[:, conv_write + j] gets carried column j, window[:, conv_write + W-1 + t] input t; with
+      store_all=False (a prefill step, T rows however many) only the last W-1 columns of those,
+      window[:, conv_write + j] = column T + j (the window's next carried columns, the same values).
     The caller keeps the regions read (window[:, conv_at:conv_at+W-1], states[state_at]) apart from
     those written (window[:, conv_write:conv_write+W-1+T], the states slots written).
 

@@ -81,8 +81,8 @@ class MTPProposer:
             None if m.sampler.kind.greedy else m.sampler.uniforms_at(Stream.DRAFT, m.cache.ctl[NUM_GEN], m.k)
             for m in members
         ]
-        gate, fused = None, self.p_min > 0.0 and all(m.sampler.plain_greedy for m in members)
-        if fused:  # draft 1's step writes them (every member drafts it) and counts the first pass
+        gate, fused = None, all(m.sampler.plain_greedy for m in members)
+        if fused and self.p_min > 0.0:  # draft 1's step writes them (every member drafts it) and counts the first pass
             gate = _Gate(torch.empty(B, dtype=torch.bool, device=runner.device), torch.empty_like(ids[:B]))
         elif self.p_min > 0.0:
             gate = _Gate(torch.ones(B, dtype=torch.bool, device=runner.device), torch.zeros_like(ids[:B]))
@@ -99,7 +99,7 @@ class MTPProposer:
                     if gate is not None and not fused:
                         self.head_steps.add_(1 if run_if is None else run_if)
                 if fused:
-                    self._greedy_drafts(members, index, j, at, logits, gate, run_if)
+                    self._greedy_drafts(batch, index, j, at, logits, gate, run_if)
                     return
                 confidence = [self._draft(members[b], j, logits[b : b + 1], uniforms[b]) for b in index]
                 if gate is not None:
@@ -123,22 +123,24 @@ class MTPProposer:
             self.draft,
         )
 
-    def _greedy_drafts(self, members: list, index: list[int], j: int, at, logits, gate: _Gate, run_if) -> None:
-        """Draft j of members[index] (plain greedy, gated; at: their positions, None: all) in one
-        step: each argmax (through d2t with a draft vocabulary) into its verify_ids[1 + j], the
-        gate's update and head_steps; none of it where run_if is 0 (a step every member was cut from)."""
-        verify_ids = members[0].cache.cache.tensors["verify_ids"]  # [S, R]
+    def _greedy_drafts(self, batch, index: list[int], j: int, at, logits, gate: _Gate | None, run_if) -> None:
+        """Draft j of the batch's members at positions index (plain greedy; at: those positions,
+        None: all) in one step: each argmax (through d2t with a draft vocabulary) into its slot's
+        verify_ids[1 + j] (cells from the batch's device slots), and with a gate its update and
+        head_steps; none of it where run_if is 0 (a step every member was cut from)."""
+        verify_ids = batch.cache.tensors["verify_ids"]  # [S, R]
         R = verify_ids.shape[1]
-        cells = self.runner.index([members[b].cache.slot * R + 1 + j for b in index])
+        cells = (batch.slot_index if at is None else batch.slot_index.index_select(0, at)) * R + 1 + j
         d2t = None if self.draft is None else self.draft.d2t
-        draft_gate = DraftGate(gate.live, gate.counted, self.p_min, self.head_steps, j == 0)
+        draft_gate = None if gate is None else DraftGate(gate.live, gate.counted, self.p_min, self.head_steps, j == 0)
         self.greedy_draft(logits, verify_ids.view(-1), cells, at, d2t, draft_gate, run_if)
 
     def _chain(self, full, members: list, index: list[int], j: int, logits, chained) -> None:
         """One head step for members (at positions index of the batch) with their drafts j."""
         runner = self.runner
         batch = runner.batch([m.cache for m in members], [1] * len(members))
-        ids = torch.cat([m.buf.verify_ids[1 + j : 2 + j] for m in members])
+        verify_ids = batch.cache.tensors["verify_ids"]  # [S, R]: each member's draft j at slot * R + 1 + j
+        ids = verify_ids.view(-1).index_select(0, batch.slot_index * verify_ids.shape[1] + 1 + j)
         first = batch.field(SEQ_LEN) + j
         if full is not None:  # every sequence chains: in place
             runner.step.head(batch, ids, chained, first, None, logits, chained, self.lm_head)
@@ -192,7 +194,7 @@ class ProfileProposer:
         num_drafts = self.base.propose(members)
         runner, k_max = self.base.runner, max(m.k for m in members)
         verify_ids = members[0].cache.cache.tensors["verify_ids"]  # [S, R]
-        slots = runner.index([m.cache.slot for m in members])
+        slots = runner.batch([m.cache for m in members], [verify_ids.shape[1]] * len(members)).slot_index
         steps = torch.arange(k_max, device=self.reference.device)
         index = members[0].cache.cache.ctl[slots, NUM_GEN].long()[:, None] + steps  # generated index of each draft
         right = self.reference[index.clamp(max=self.reference.numel() - 1)]  # [B, k_max] per draft's index

@@ -1,0 +1,124 @@
+"""Prefill in steps ("steps", the server's default): one step over every prompt piece of an engine
+step, any number of rows per sequence, with the decode step's per-row arithmetic. A prompt
+prefilled whole, in uneven pieces batched beside another prompt's, or decoded one token a step
+leaves the same bits in its slot: K/V, GDN states, the trunk's last hidden and logits, and the
+MTP head's draft K/V. That is what makes a resumed session (and a cached prefix) equal a cold run.
+
+On CPU the Triton kernels run under Triton's interpreter (triton_interp.py); on a GPU natively.
+"""
+
+from __future__ import annotations
+
+import functools
+from itertools import pairwise
+
+import pytest
+import torch
+import triton_interp  # noqa: F401  (before triton)
+
+import nextn
+from nextn.config import FULL
+from nextn.engine.runner import Piece
+from nextn.engine.sequence import Sequence
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PROMPT = [(7 * i + 3) % 251 + 2 for i in range(37)]
+OTHER = [(11 * i + 5) % 241 + 3 for i in range(23)]
+
+
+@functools.lru_cache(maxsize=4)
+def _engine(ckpt, kernels):
+    if kernels == "triton":
+        pytest.importorskip("triton")
+    llm = nextn.LLM(
+        model=ckpt,
+        device=DEVICE,
+        dtype="bfloat16",
+        kernels=kernels,
+        num_speculative_tokens=2,
+        max_model_len=96,
+        max_num_seqs=3,
+        prefill="steps",
+    )
+    return llm.engine
+
+
+def _fresh(runner, slot):
+    runner.slot(slot).reset()
+    return Sequence(slot, heads=True)
+
+
+def _state(runner, seq):
+    """Everything the slot holds for its committed tokens, on the host."""
+    cache, n, cfg = runner.slot(seq.slot), len(seq.tokens), runner.cfg
+    out = {"hidden": seq.last_hidden, "logits": seq.last_logits}
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == FULL:
+            kv = cache.kv(i)
+            out[f"kv{i}"] = torch.cat([kv.key[:n].flatten(), kv.value[:n].flatten()])
+        else:
+            conv, state = cache.committed_gdn(i)
+            out[f"conv{i}"], out[f"state{i}"] = conv.clone(), state.clone()
+    draft = cache.draft_kv()
+    out["draft"] = torch.cat([draft.key[: n - 1].flatten(), draft.value[: n - 1].flatten()])
+    return {k: v.float().cpu() for k, v in out.items()}
+
+
+def _decoded(runner, seq, prompt):
+    """The prompt one token a step (a prefill piece of one row: a decode's rows)."""
+    for t in prompt:
+        runner.prefill([Piece(seq, [t])])
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_prefill_steps_are_bitwise_whatever_the_pieces(dense_fitted_ckpt, kernels):
+    engine = _engine(dense_fitted_ckpt, kernels)
+    runner = engine.runner
+    with torch.inference_mode():
+        whole = _fresh(runner, 0)
+        runner.prefill([Piece(whole, PROMPT)])
+        expected = _state(runner, whole)
+        # uneven pieces, batched with another sequence's pieces in the same steps
+        split, other = _fresh(runner, 1), _fresh(runner, 2)
+        cuts = [0, 5, 21, 22, len(PROMPT)]
+        other_cuts = [0, 9, 10, 17, len(OTHER)]
+        for (lo, hi), (olo, ohi) in zip(pairwise(cuts), pairwise(other_cuts), strict=True):
+            runner.prefill([Piece(other, OTHER[olo:ohi]), Piece(split, PROMPT[lo:hi])])
+        got = _state(runner, split)
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), f"{name}: pieces differ from a whole prefill"
+        # one token a step: the decode's arithmetic
+        decoded = _fresh(runner, 1)
+        _decoded(runner, decoded, PROMPT)
+        got = _state(runner, decoded)
+        for name, value in expected.items():
+            assert torch.equal(got[name], value), f"{name}: a one-row-a-step prefill differs from a whole one"
+        # the other sequence too equals its whole prefill
+        alone = _fresh(runner, 0)
+        runner.prefill([Piece(alone, OTHER)])
+        mine, theirs = _state(runner, alone), _state(runner, other)
+        assert all(torch.equal(mine[name], theirs[name]) for name in mine)
+
+
+def test_prefill_steps_generate_what_chunked_decoding_of_the_prompt_would(dense_fitted_ckpt):
+    """A prompt prefilled in one long step, then greedy rounds, emits what the same engine emits when
+    the prompt's first part was generated as a kept session's turn (resumed == cold, through the API)."""
+    engine = _engine(dense_fitted_ckpt, "torch")
+    params = nextn.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = engine.add(PROMPT[:20], params, use_sessions=True)
+    out = None
+    while out is None:
+        for r, ev in engine.step():
+            if r is first and ev.output is not None:
+                out = ev.output
+    resumed_prompt = PROMPT[:20] + out.token_ids + OTHER[:9]
+    outputs = {}
+    for use_sessions in (True, False):
+        req = engine.add(resumed_prompt, params, use_sessions=use_sessions)
+        while req.request_id not in outputs:
+            for r, ev in engine.step():
+                if r is req and ev.output is not None:
+                    outputs[r.request_id] = (ev.output.token_ids, ev.output.cached_tokens)
+    (warm, cached), (cold, none) = outputs.values()
+    assert cached > 20 and none == 0
+    assert warm == cold
