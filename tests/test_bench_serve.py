@@ -157,10 +157,13 @@ class FakeServer:
     """/v1/models, streamed /v1/completions and vLLM-named counters on /metrics (each finished
     request adds 4 drafts and 6 accepted tokens: acceptance length 2.5 over any run, but not over the
     counters' totals, which start elsewhere). `fail(i)` picks how the i-th request fails: "http" (a
-    500), "stream" (an error event after one chunk) or None."""
+    500), "stream" (an error event after one chunk) or None. Requests from the `unheld`-th on wait
+    (up to 2 s) until `hold` are in flight before they answer, so a bound is reached however slowly
+    the client sends."""
 
-    def __init__(self, fail=lambda i: None, metrics: bool = True, usage: bool = True):
-        self.fail, self.usage, self.count, self.in_flight, self.max_in_flight = fail, usage, 0, 0, 0
+    def __init__(self, fail=lambda i: None, metrics=True, usage=True, hold=0, unheld=0):
+        self.fail, self.usage, self.hold, self.unheld = fail, usage, hold, unheld
+        self.count, self.in_flight, self.max_in_flight = 0, 0, 0
         self.drafts, self.accepted = 100, 10
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
@@ -196,6 +199,9 @@ class FakeServer:
             assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["model"] == "fake"
             if (how := self.fail(i)) == "http":
                 return web.json_response({"error": {"message": f"request {i} refused"}}, status=500)
+            deadline = time.monotonic() + 2
+            while i >= self.unheld and self.in_flight < self.hold and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             for j in range(CHUNKS):
@@ -231,7 +237,7 @@ def fake_bench(capsys, tmp_path, url: str, *argv) -> tuple[int, dict, str]:
 
 @pytest.mark.parametrize("limit", [1, 3, None])
 def test_concurrency_is_bounded(limit, capsys, tmp_path):
-    with FakeServer() as srv:
+    with FakeServer(hold=limit or 9, unheld=2) as srv:  # the two warm-ups answer at once
         cap = ["--max-concurrency", str(limit)] if limit else []
         rc, res, _ = fake_bench(capsys, tmp_path, srv.url, "--num-prompts", "9", "--num-warmups", "2", *cap)
     assert rc == 0 and res["completed"] == 9 and srv.count == 9 + 2  # the warm-ups sent, not counted
