@@ -1,11 +1,12 @@
-"""Every command-line flag of nextn is parsed here: generate, serve, bench, replay, draft-vocab,
-train; the one logging setup; errors a user can fix printed as one line."""
+"""Every command-line flag of nextn is parsed here: generate, serve, bench, bench serve, replay,
+draft-vocab, train; the one logging setup; errors a user can fix printed as one line."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 
 from nextn import __version__
@@ -235,7 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, help="the draft vocabulary file to write (JSON)")
     d.add_argument("--glob", default="*", help="file names to read in folders (default: every file)")
 
-    b = sub.add_parser("bench", help="speed and exactness measurements")
+    b = sub.add_parser(
+        "bench",
+        help="speed and exactness measurements (`nextn bench serve --help`: load an OpenAI-compatible server)",
+        epilog="nextn bench serve [FLAGS]: streamed requests against a server; see nextn bench serve --help",
+    )
     _common(b, model_help="or --random-weights")
     _quantization(b)
     _tensor_parallel(b)
@@ -302,8 +307,73 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_bench_serve_parser() -> argparse.ArgumentParser:
+    """`nextn bench serve`: its own parser; the flags it does not know go to the `nextn serve` it starts."""
+    p = argparse.ArgumentParser(
+        prog="nextn bench serve",
+        description="Streamed requests against an OpenAI-compatible server, measured as vLLM's `vllm bench serve`.",
+        epilog="Without --base-url every other flag goes to the `nextn serve` it starts "
+        "(e.g. --spec-k 3 --max-num-seqs 64 --device cuda); it picks the host and port.",
+        allow_abbrev=False,  # an abbreviation of a serve flag must not match one of the bench's
+    )
+    p.set_defaults(command="bench serve", model_pos=None)
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="debug also shows tracebacks")
+    p.add_argument("--base-url", default=None, help="a running server, http://HOST:PORT (default: start nextn serve)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="with --base-url: the model the requests name (default: the first of /v1/models); "
+        "without: the checkpoint nextn serve loads (default: the bundled model)",
+    )
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--dataset", default=None, choices=["random"], help="random token ids (the default)")
+    p.add_argument("--prompt-file", default=None, help="prompts cut from this text file at random offsets")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a directory with tokenizer.json, to count lengths in tokens (default: the checkpoint started, "
+        "else --model if a directory; without one a token is 4 characters)",
+    )
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--random-output-len", type=int, default=128, help="max_tokens")
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="input and output lengths uniform in [len * (1 - r), len * (1 + r)], as vLLM's random dataset",
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (vLLM's extension)")
+    p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second (default inf: all at once)",
+    )
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no bound)")
+    p.add_argument("--seed", type=int, default=0, help="for the prompts and the arrival times")
+    p.add_argument("--num-warmups", type=int, default=0, help="requests sent (and awaited) before the timed run")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds nextn serve gets to come up")
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file (vLLM's names)")
+    p.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="extra fields of the JSON")
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    if argv[:2] != ["bench", "serve"]:
+        return build_parser().parse_args(argv)
+    args, args.serve_flags = build_bench_serve_parser().parse_known_args(argv[2:])
+    args.argv = ["nextn", *argv]
+    # the flags for the server it starts, checked now by serve's own parser (an unknown one is an error there)
+    args.serve = None if args.base_url is not None else build_parser().parse_args(["serve", *args.serve_flags])
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
     setup_logging(args.log_level)
     try:
         if args.model_pos is not None and args.model is not None and args.model_pos != args.model:
@@ -329,6 +399,14 @@ def _check_combinations(args: argparse.Namespace) -> None:
             raise ValueError('--trace needs --json: the rounds are its "rounds"')
         if args.no_grammar_draft_mask and args.structured_outputs is None:
             raise ValueError("--no-grammar-draft-mask needs --structured-outputs: without a grammar no draft is masked")
+    if args.command == "bench serve":
+        if args.base_url is not None and args.serve_flags:
+            raise ValueError(
+                f"unrecognized arguments: {' '.join(args.serve_flags)} (other flags go to the nextn serve that "
+                "the bench starts, and with --base-url it starts none)"
+            )
+        if given := [f for f in args.serve_flags if f.split("=")[0] in ("--host", "--port")]:
+            raise ValueError(f"{', '.join(given)}: the bench picks the address of the server it starts")
     if args.command in ("generate", "serve"):
         # K unknown here (None) is the checkpoint's default; only an explicit 0 is known to draw no drafts
         if 0 in (args.spec_k, (args.speculative_config or {}).get("num_speculative_tokens")):

@@ -1,5 +1,5 @@
-"""The command implementations behind nextn's command line: generate, serve, bench, replay,
-draft-vocab, train, each a function of the parsed flags (an argparse Namespace) returning an exit
+"""The command implementations behind nextn's command line: generate, serve, bench, bench serve,
+replay, draft-vocab, train, each a function of the parsed flags (an argparse Namespace) returning an exit
 code. Parses nothing: every flag is defined in nextn.cli, which dispatches here through COMMANDS.
 """
 
@@ -57,6 +57,13 @@ def _bench(args) -> int:
     check_args(args)  # before a download
     _local(args, default_model=args.random_weights is None)  # MODEL (default: the bundled one) or --random-weights
     return bench_from_args(args)
+
+
+def _bench_serve(args) -> int:
+    from nextn.bench_serve import bench_serve_from_args
+
+    _check_out("--json", args.json_out)  # written at the end: refused before the run
+    return bench_serve_from_args(args)
 
 
 def _draft_vocab(args) -> int:
@@ -257,6 +264,7 @@ COMMANDS = {
     "serve": _serve,
     "replay": _replay,
     "bench": _bench,
+    "bench serve": _bench_serve,
     "draft-vocab": _draft_vocab,
     "train": _train,
 }
