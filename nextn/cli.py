@@ -11,7 +11,7 @@ import sys
 
 from nextn import __version__
 from nextn.commands import COMMANDS
-from nextn.config import DRAFT_GATES, DTYPE_NAMES, KV_CACHE_DTYPES, QUANTIZATIONS
+from nextn.config import DRAFT_GATES, DTYPE_NAMES, K_POLICIES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -87,6 +87,12 @@ def _spec(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--p-min", type=float, default=0.0, help="stop a draft chain below this head confidence")
     p.add_argument("--adaptive-k", action="store_true", help="adapt the draft length to recent acceptance")
+    p.add_argument(
+        "--spec-k-policy",
+        default=None,
+        choices=K_POLICIES,
+        help="auto (default): each step's K chosen for the batch's tokens/s, 0..--spec-k; fixed: always --spec-k",
+    )
     p.add_argument(
         "--hidden-before-norm",
         action="store_true",
@@ -297,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="draft over the first N token ids (random-weight presets, where no token is more frequent)",
     )
+    b.add_argument(
+        "--spec-k-policy",
+        default="fixed",
+        choices=K_POLICIES,
+        help="the spec runs' K: fixed (default: each run at the K it reports) or auto (the batch K policy "
+        "under it, where the round loop applies it)",
+    )
     b.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
 
     t = sub.add_parser("train", help="train a Qwen3.5-layout model with its MTP head, or distill a head")
@@ -413,6 +426,7 @@ def _check_combinations(args: argparse.Namespace) -> None:
             draft_flags = {
                 "--p-min": args.p_min != 0.0,
                 "--adaptive-k": args.adaptive_k,
+                "--spec-k-policy": args.spec_k_policy is not None,
                 "--hidden-before-norm": args.hidden_before_norm,
                 "--no-grammar-draft-mask": args.no_grammar_draft_mask,
             }

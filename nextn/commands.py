@@ -110,6 +110,7 @@ def _llm(args, **engine):
         num_speculative_tokens=args.spec_k,
         p_min=args.p_min,
         adaptive_k=args.adaptive_k,
+        k_policy=args.spec_k_policy or "auto",
         hidden_after_norm=not args.hidden_before_norm,
         grammar_draft_mask=not args.no_grammar_draft_mask,
         kernels=args.kernels,

@@ -28,6 +28,8 @@ DEFAULT_MAX_MODEL_LEN = 8192
 KERNELS = ("auto", "torch", "triton")
 PREFILL_MODES = ("chunked", "steps")
 DRAFT_GATES = ("skip", "mask")
+# the K of each round: "auto" the batch K policy (nextn.spec.k_policy) under the cap, "fixed" the cap
+K_POLICIES = ("auto", "fixed")
 # what `quantization=` makes of a checkpoint's bf16 weights at load
 QUANTIZATIONS = ("fp8",)
 # the attention layers' K/V cache: "auto" the model dtype, "fp8" e4m3 rows with float32 scales
@@ -132,6 +134,10 @@ class SpecConfig:
     # head steps after every draft of a round was cut: "skip" them (their kernels read a device
     # flag and return: ModelRunner.when) or "mask" (run them, discard their drafts); the same output either way
     draft_gate: str = "skip"
+    # each step's K: "auto", chosen per batch for the most tokens/s, 0..num_speculative_tokens (the
+    # cap; nextn.spec.k_policy says which requests follow it), or "fixed": every round at the cap.
+    # adaptive works under it: a request drafts min(its adaptive K, the step's K)
+    k_policy: str = "auto"
 
     def __post_init__(self):
         _check_ints(self, "num_speculative_tokens")
@@ -143,6 +149,8 @@ class SpecConfig:
             raise ValueError(f"p_min must be in [0, 1), got {self.p_min}")
         if self.draft_gate not in DRAFT_GATES:
             raise ValueError(f"draft_gate must be one of {DRAFT_GATES}, got {self.draft_gate!r}")
+        if self.k_policy not in K_POLICIES:
+            raise ValueError(f"k_policy must be one of {K_POLICIES}, got {self.k_policy!r}")
         # draft controls with nothing drafted would be silently ignored (the CLI refuses its flags the same way)
         ignored = [name for name, on in (("p_min", self.p_min > 0.0), ("adaptive_k", self.adaptive)) if on]
         if ignored and self.num_speculative_tokens == 0:

@@ -73,6 +73,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         trace: bool = False,
         kv_cache_dtype: str = "auto",
+        k_policy: str = "auto",
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
@@ -90,7 +91,9 @@ class LLM:
         belongs to a group of N (torchrun), this rank's share: every rank then makes the same calls.
         trace: each output's `rounds` holds a record per verify round (K, drafts, accepted, the
         wall time of its draft, verify and commit); rounds then run one at a time.
-        kv_cache_dtype "fp8": the attention layers' K/V cache in e4m3 with per-row scales."""
+        kv_cache_dtype "fp8": the attention layers' K/V cache in e4m3 with per-row scales.
+        k_policy "auto": each step's K chosen for the batch's tokens/s, 0..K (nextn.spec.k_policy);
+        "fixed": every round at K."""
         settings = {name: value for name, value in locals().items() if name != "self"}
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
@@ -457,7 +460,15 @@ def _engine_config(
     model, device: str, dtype: str, k: int, s: dict, draft_vocab: DraftVocab | None, max_len: int | None = None
 ) -> EngineConfig:
     """The engine's configuration from LLM's settings `s` (max_len None: theirs, else the default)."""
-    spec = SpecConfig(k, s["p_min"], s["adaptive_k"], s["hidden_after_norm"], draft_vocab, s["grammar_draft_mask"])
+    spec = SpecConfig(
+        num_speculative_tokens=k,
+        p_min=s["p_min"],
+        adaptive=s["adaptive_k"],
+        hidden_after_norm=s["hidden_after_norm"],
+        draft_vocab=draft_vocab,
+        grammar_draft_mask=s["grammar_draft_mask"],
+        k_policy=s["k_policy"],
+    )
     if max_len is None:
         max_len = DEFAULT_MAX_MODEL_LEN if s["max_model_len"] is None else s["max_model_len"]
     return EngineConfig(
