@@ -363,7 +363,6 @@ def bench_from_args(args) -> int:
         p_mins=list(args.p_min),
         draft_gate=args.draft_gate,
         kv_cache_dtype=args.kv_cache_dtype,
-        k_policy=args.spec_k_policy,
     )
     size = args.tensor_parallel_size
     if size > 1 and not initialized():  # every rank runs the same bench; rank 0 reports

@@ -87,7 +87,6 @@ class BenchConfig:
     p_mins: list[float] = field(default_factory=lambda: [0.0])  # draft confidence gates of the spec runs
     draft_gate: str = "skip"  # SpecConfig.draft_gate of the gated runs
     kv_cache_dtype: str = "auto"  # "fp8": the attention layers' K/V in e4m3 (EngineConfig.kv_cache_dtype)
-    k_policy: str = "fixed"  # SpecConfig.k_policy of the spec runs ("fixed": each at the K it reports)
 
 
 @dataclass
@@ -129,7 +128,7 @@ class Bench:
                 p_min=p_min if k > 0 else 0.0,
                 draft_vocab=self.draft_vocab if k > 0 else None,
                 draft_gate=self.cfg.draft_gate,
-                k_policy=self.cfg.k_policy,
+                k_policy="fixed",  # each run at the K it reports (the bench drives the rounds itself)
             )
             config = EngineConfig(
                 "bench",

@@ -303,13 +303,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="draft over the first N token ids (random-weight presets, where no token is more frequent)",
     )
-    b.add_argument(
-        "--spec-k-policy",
-        default="fixed",
-        choices=K_POLICIES,
-        help="the spec runs' K: fixed (default: each run at the K it reports) or auto (the batch K policy "
-        "under it, where the round loop applies it)",
-    )
     b.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
 
     t = sub.add_parser("train", help="train a Qwen3.5-layout model with its MTP head, or distill a head")

@@ -134,10 +134,11 @@ class SpecConfig:
     # head steps after every draft of a round was cut: "skip" them (their kernels read a device
     # flag and return: ModelRunner.when) or "mask" (run them, discard their drafts); the same output either way
     draft_gate: str = "skip"
-    # each step's K: "auto", chosen per batch for the most tokens/s, 0..num_speculative_tokens (the
-    # cap; nextn.spec.k_policy says which requests follow it), or "fixed": every round at the cap.
-    # adaptive works under it: a request drafts min(its adaptive K, the step's K)
-    k_policy: str = "auto"
+    # each step's K: "fixed", every round at the cap (the Python API's default), or "auto" (`serve`'s
+    # and `generate`'s), chosen per batch for the most tokens/s, 0..num_speculative_tokens (the cap;
+    # nextn.spec.k_policy says which requests follow it). adaptive works under it: a request drafts
+    # min(its adaptive K, the step's K)
+    k_policy: str = "fixed"
 
     def __post_init__(self):
         _check_ints(self, "num_speculative_tokens")

@@ -203,14 +203,15 @@ def test_which_requests_follow_the_choice():
     greedy, unseeded, seeded = SamplingParams(temperature=0.0, seed=7), SamplingParams(), SamplingParams(seed=7)
     assert (request_k(3, 1, greedy), request_k(3, 1, unseeded), request_k(3, 1, seeded)) == (1, 1, 3)
     assert request_k(2, 3, unseeded) == 2  # a request's own K caps it
-    assert isinstance(make_policy(SpecConfig(3)), KPolicy) and make_policy(SpecConfig(3)).k_max == 3
-    assert make_policy(SpecConfig(3, k_policy="fixed")) is None and make_policy(SpecConfig(0)) is None
+    auto = make_policy(SpecConfig(3, k_policy="auto"))
+    assert isinstance(auto, KPolicy) and auto.k_max == 3
+    assert make_policy(SpecConfig(3)) is None and make_policy(SpecConfig(0, k_policy="auto")) is None
 
 
 def test_k_policy_setting(monkeypatch, capsys):
     """SpecConfig / LLM refuse an unknown k_policy; the CLI's --spec-k-policy reaches SpecConfig
-    (auto by default, fixed keeps the cap) and is refused where nothing is drafted."""
-    assert SpecConfig(3).k_policy == "auto"
+    (auto by default there; the Python API's default is fixed: the cap) and is refused where nothing is drafted."""
+    assert SpecConfig(3).k_policy == "fixed"
     with pytest.raises(ValueError, match=r"k_policy must be one of \('auto', 'fixed'\), got 'greedy'"):
         SpecConfig(3, k_policy="greedy")
     with pytest.raises(ValueError, match="k_policy must be one of"):
@@ -234,3 +235,32 @@ def test_k_policy_setting(monkeypatch, capsys):
         with pytest.raises(Configured):
             main(["generate", "--prompt", "x", "--spec-k", "2", "--device", "cpu", *flags])
         assert (configs[-1].spec.k_policy, configs[-1].spec.num_speculative_tokens) == (policy, 2)
+
+
+def test_the_engine_applies_the_choice_by_the_exactness_rule():
+    """In the engine: a step's choice reaches greedy requests (their rounds draft at most it, and
+    their output is unchanged) but not seeded sampled ones (their own K, their output unchanged); the
+    policy is fed the rounds read."""
+    kw = dict(model=None, device="cpu", num_speculative_tokens=3, max_num_seqs=2)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
+    fixed = nextn.LLM(**kw)
+    expected = [fixed.generate(prompt_token_ids=[5, 9, 40, 7], params=p).token_ids for p in (greedy, seeded)]
+    llm = nextn.LLM(**kw, k_policy="auto")
+    engine = llm.engine
+    assert engine.k_policy is not None
+    observed = []
+    engine.k_policy.choose = lambda batch_size: 1  # scripted: every step drafts at most 1
+    real = engine.k_policy.observe_round
+    engine.k_policy.observe_round = lambda k, n: (observed.append((k, n)), real(k, n))
+    reqs = [engine.add([5, 9, 40, 7], p) for p in (greedy, seeded)]
+    outputs = {}
+    while len(outputs) < 2:
+        for r, ev in engine.step():
+            if ev.output is not None:
+                outputs[r.request_id] = ev.output
+    g, s = (outputs[r.request_id] for r in reqs)
+    assert [g.token_ids, s.token_ids] == expected
+    assert g.spec.drafted_per_position[0] > 0 and g.spec.drafted_per_position[1:3] == [0, 0]
+    assert s.spec.drafted_per_position[2] > 0  # the seeded request kept its K = 3
+    assert observed and max(k for k, _ in observed) == 3 and any(k == 1 for k, _ in observed)

@@ -31,6 +31,7 @@ from nextn.engine.stops import StopStrings
 from nextn.grammar import GrammarState, compile_grammar
 from nextn.models.qwen3_5 import CausalLM
 from nextn.sampling import token_logprobs, top_logprobs
+from nextn.spec.k_policy import make_policy, request_k
 from nextn.spec.proposer import MTPProposer
 from nextn.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -103,6 +104,11 @@ class Engine:
         self.live: dict[int, _Live] = {}
         self.prefilling: dict[int, _Prefill] = {}
         self.batch_sizes: Counter[int] = Counter()  # requests per batched round -> rounds launched
+        # the batch K policy (nextn.spec.k_policy; None: every round at the requests' own K). Under
+        # tensor parallelism the ranks' wall times differ, so it is off there (every rank must agree)
+        self.k_policy = make_policy(config.spec) if config.tensor_parallel_size == 1 else None
+        self._timed: tuple | None = None  # the last step's (batch size, choice, counts, prefilled) for the policy
+        self.prefilled_rows = 0  # prompt tokens the last step prefilled
 
     def add(
         self,
@@ -164,7 +170,7 @@ class Engine:
         events += self._prefill()
         running = [req for req in self.scheduler.running if req.request_id in self.live]
         if running:
-            events += self._run(running)
+            events += self._run(running, prefilled=self.prefilled_rows > 0)
         return events
 
     def _fail(self, req: Request, e: Exception) -> tuple[Request, Exception]:
@@ -195,7 +201,7 @@ class Engine:
         token budget (what the running requests' rounds leave of max_num_batched_tokens, at least
         STEP_ROWS), all in one runner.prefill; a piece stops at its session checkpoint (taken after
         prompt[:split]). Requests whose prompt is in start their rounds. Returns their events."""
-        rows = sum(live.rounds.k_ctl.k + 1 for live in self.live.values())
+        rows = sum(live.rounds.k + 1 for live in self.live.values())
         budget = max(self.config.max_num_batched_tokens - rows, STEP_ROWS)
         todo = []  # (request, its state, piece end)
         for req in [r for r in self.scheduler.running if r.request_id in self.prefilling]:
@@ -214,6 +220,7 @@ class Engine:
             for req, state, hi in todo
             if hi > state.done
         ]
+        self.prefilled_rows = sum(len(p.token_ids) for p in pieces)
         t0 = time.perf_counter()
         try:
             self.runner.prefill(pieces)
@@ -294,15 +301,44 @@ class Engine:
 
     # --- rounds and their tokens
 
-    def _run(self, reqs: list[Request]) -> list:
+    def _run(self, reqs: list[Request], prefilled: bool) -> list:
         """One engine step of the running requests (nextn.engine.rounds.advance), each request's
-        round turned into its event."""
+        round turned into its event. With a K policy, the step's K is chosen for the batch first and
+        the step's wall time and the rounds read are fed back to it (`_policy_step`)."""
         lives = [self.live[req.request_id] for req in reqs]
+        t0 = time.perf_counter()
+        choice = self._choose_k(reqs, lives)
         # a round that cannot run, or a read that fails (a grammar failing mid-output), fails its
         # request alone: the others' rounds stand (the engine serves on)
         rounds, sizes = advance(self.runner, self.proposer, [live.rounds for live in lives])
         self.batch_sizes.update(sizes)
+        if self.k_policy is not None:
+            self._policy_step(lives, choice, prefilled, time.perf_counter() - t0)
         return [self._event(req, live, r) for req, live, r in zip(reqs, lives, rounds, strict=True)]
+
+    def _choose_k(self, reqs: list[Request], lives: list[_Live]) -> int | None:
+        """The policy's K for this step's batch, set on each request's rounds as request_k says
+        (greedy and unseeded requests follow it; seeded sampled ones keep their own K)."""
+        if self.k_policy is None:
+            return None
+        choice = self.k_policy.choose(len(lives))
+        for req, live in zip(reqs, lives, strict=True):
+            live.rounds.step_k = request_k(live.rounds.k_ctl.k, choice, req.params)
+        return choice
+
+    def _policy_step(self, lives: list[_Live], choice: int, prefilled: bool, seconds: float) -> None:
+        """Feed the policy: the rounds just read, and the step's wall time as the cost of the round it
+        waited for. That round was launched a step earlier (one runs ahead), so the time counts for
+        the last step's choice, when the batch size is the same and neither step prefilled, captured
+        a graph or ran one eagerly (their time is not a round's)."""
+        for live in lives:
+            read = live.rounds.unrecorded  # the round just read (before a stop or max_tokens cut it)
+            if read is not None and read.k > 0:
+                self.k_policy.observe_round(read.drafted, read.accepted)
+        counts = (self.runner.graph_counts["captures"], self.runner.graph_counts["eager"])
+        last, self._timed = self._timed, (len(lives), choice, counts, prefilled)
+        if last is not None and last[0] == len(lives) and last[2] == counts and not (prefilled or last[3]):
+            self.k_policy.observe_step(len(lives), last[1], seconds)
 
     def _event(self, req: Request, live: _Live, r: Round | Exception) -> tuple:
         """A request's round as its event; a failed round, or its host work failing (decoding, stop

@@ -73,7 +73,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         trace: bool = False,
         kv_cache_dtype: str = "auto",
-        k_policy: str = "auto",
+        k_policy: str = "fixed",
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
@@ -92,8 +92,8 @@ class LLM:
         trace: each output's `rounds` holds a record per verify round (K, drafts, accepted, the
         wall time of its draft, verify and commit); rounds then run one at a time.
         kv_cache_dtype "fp8": the attention layers' K/V cache in e4m3 with per-row scales.
-        k_policy "auto": each step's K chosen for the batch's tokens/s, 0..K (nextn.spec.k_policy);
-        "fixed": every round at K."""
+        k_policy "fixed" (the Python API's default): every round at K; "auto" (serve's and generate's
+        default): each step's K chosen for the batch's tokens/s, 0..K (nextn.spec.k_policy)."""
         settings = {name: value for name, value in locals().items() if name != "self"}
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)

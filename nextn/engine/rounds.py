@@ -340,6 +340,7 @@ class RequestRounds:
         k_max = spec.num_speculative_tokens if proposer is not None else 0
         k = k_max if num_speculative_tokens is None else num_speculative_tokens
         self.k_ctl = AdaptiveK(k, spec.adaptive, runner.cfg.hidden_size)
+        self.step_k: int | None = None  # the K of the rounds launched now, when the engine's K policy sets it
         self.max_len = self.cache.max_len
         self.inflight: deque[_Queued] = deque()
         self.launched = 0  # rounds queued (round 0 included)
@@ -366,7 +367,13 @@ class RequestRounds:
         self.queue_read()
 
     def member(self) -> Member:
-        return Member(self.cache, self.sampler, self.buf, self.k_ctl.k)
+        return Member(self.cache, self.sampler, self.buf, self.k)
+
+    @property
+    def k(self) -> int:
+        """The drafts of the next round launched: its own K (adaptive or asked), or what the
+        engine's batch K policy set for this step (nextn.spec.k_policy.request_k)."""
+        return self.k_ctl.k if self.step_k is None else self.step_k
 
     def needs_round(self) -> bool:
         return not self.closed and not self.inflight and self.next_start < self.max_len
@@ -382,7 +389,7 @@ class RequestRounds:
             event.record()
         else:
             host, event = self.buf.out.clone(), None
-        self.inflight.append(_Queued(self.launched, host, event, self.k_ctl.k, clock))
+        self.inflight.append(_Queued(self.launched, host, event, self.k, clock))
         self.launched += 1
 
     @torch.inference_mode()
