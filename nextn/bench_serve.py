@@ -166,14 +166,17 @@ def arrival_times(num: int, rate: float, seed: int) -> list[float]:
 
 def sample_prompts(args, tokenizer) -> list[Prompt]:
     """`--num-prompts` prompts, the same for the same `--seed`: random token ids from the tokenizer's
-    vocabulary, or slices of `--prompt-file` from random offsets (the file repeated where too short)."""
+    vocabulary, or slices of `--prompt-file` from random offsets (the file repeated where too short).
+    `--random-range-ratio` spreads both lengths for the random dataset (vLLM's), the input lengths
+    only for a prompt file (its outputs are `--random-output-len` each)."""
     rng = random.Random(args.seed)
 
-    def lengths(mean: int) -> list[int]:
-        ratio = args.random_range_ratio
+    def lengths(mean: int, ratio: float) -> list[int]:
         return [max(1, rng.randint(int(mean * (1 - ratio)), int(mean * (1 + ratio)))) for _ in range(args.num_prompts)]
 
-    input_lens, output_lens = lengths(args.random_input_len), lengths(args.random_output_len)
+    ratio = args.random_range_ratio
+    input_lens = lengths(args.random_input_len, ratio)
+    output_lens = lengths(args.random_output_len, ratio if args.prompt_file is None else 0.0)
     pairs = zip(input_lens, output_lens, strict=True)
     if args.prompt_file is None:
         return [Prompt([rng.randrange(tokenizer.vocab_size) for _ in range(n)], n, m) for n, m in pairs]

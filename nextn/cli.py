@@ -348,7 +348,8 @@ def build_bench_serve_parser() -> argparse.ArgumentParser:
         "--random-range-ratio",
         type=float,
         default=0.0,
-        help="input and output lengths uniform in [len * (1 - r), len * (1 + r)], as vLLM's random dataset",
+        help="input and output lengths uniform in [len * (1 - r), len * (1 + r)], as vLLM's random dataset "
+        "(with --prompt-file: the input lengths only)",
     )
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (vLLM's extension)")
     p.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
