@@ -28,6 +28,12 @@ One run measures, with CUDA events around warmed-up work, medians:
   (continuous batching: one batched round per step), plain and spec at the largest K (through the
   acceptance profile when one is given), and whether every sequence's output equals the plain
   single-sequence output; with `--prefill-len N`, prefill tokens/s of an N-token prompt.
+The cache an engine would allocate beside these weights with max_num_seqs unset (nextn.engine.memory,
+at LLM's and generate's chunked prefill; sized before the bench allocates anything): `max_num_seqs`
+sequences of `cache_max_model_len` tokens (`--max-model-len`; default the bench's own, prompt +
+generated + 32) at K = `cache_spec_k` (the largest --spec-k) within `gpu_memory_utilization` of the
+GPU (on the CPU, its 8), `cache_bytes_per_sequence` each (every cache tensor's share of a slot, the
+engine's per-slot buffers included), `cache_bytes_total` in all.
 With `--draft-vocab FILE` or `--draft-vocab-size N` (the first N ids, for random weights) the head
 drafts over that reduced vocabulary (`draft_vocab_size`): draft_cost_ratio and every speed-up
 then measure the reduced head.
@@ -50,8 +56,17 @@ from pathlib import Path
 
 import torch
 
-from nextn.bench_measure import Bench, BenchConfig, copy_bandwidth, spread_text, sync_device, tokens_per_s
+from nextn.bench_measure import (
+    Bench,
+    BenchConfig,
+    cache_fit,
+    copy_bandwidth,
+    spread_text,
+    sync_device,
+    tokens_per_s,
+)
 from nextn.bench_sweeps import batched_runs, gate_entry, profiled_runs, sampled_runs, spec_sweep
+from nextn.cache.pool import GiB
 from nextn.config import STEP_ROWS, EngineConfig, check_kernels, resolve_device, resolve_dtype
 from nextn.model_config import ModelConfig
 from nextn.models.loader import load_model
@@ -99,6 +114,20 @@ def run_bench(
         "all_reduce": comm.backend if model.cfg.tp_size > 1 else None,
         "kv_cache_dtype": cfg.kv_cache_dtype,
     }
+    # the cache an engine would allocate here (max_num_seqs unset), read before the bench allocates anything
+    fit = cache_fit(model, cfg, cfg.max_model_len or bench.max_len, max(cfg.spec_ks) if model.mtp is not None else 0)
+    res.update(
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        cache_max_model_len=fit.max_len,
+        cache_spec_k=fit.k,
+        max_num_seqs=fit.max_num_seqs,
+        cache_bytes_per_sequence=fit.bytes_per_sequence,
+        cache_bytes_total=fit.max_num_seqs * fit.bytes_per_sequence,
+    )
+    log(
+        f"bench: cache: {fit.max_num_seqs} sequences of {fit.max_len} tokens at K={fit.k} "
+        f"({fit.bytes_per_sequence / GiB:.3f} GiB each, {res['cache_bytes_total'] / GiB:.2f} GiB total; {fit.where})"
+    )
     if kernels == "triton" and device.type == "cuda" and cfg.tune:
         from nextn.ops.linear_tune import config_key
 
@@ -335,6 +364,8 @@ def check_args(args) -> None:
             raise ValueError(f"--prompt-file {args.prompt_file}: not a file")
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {args.max_model_len}")
     check_kernels(args.kernels, resolve_device(args.device))
     if args.json_out is not None:  # a report that cannot be written fails now, not after the runs
         out = Path(args.json_out)
@@ -363,6 +394,8 @@ def bench_from_args(args) -> int:
         p_mins=list(args.p_min),
         draft_gate=args.draft_gate,
         kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
     )
     size = args.tensor_parallel_size
     if size > 1 and not initialized():  # every rank runs the same bench; rank 0 reports

@@ -1,7 +1,8 @@
 """Timed runs of one model for `nextn bench`: the timing primitives and `Bench`, its engines.
 
 `time_ms` (the median of warmed-up work: CUDA events on a GPU, the host clock otherwise) and
-`copy_bandwidth` (the roofline's bandwidth); `BenchConfig`, what one bench run measures; `Bench`,
+`copy_bandwidth` (the roofline's bandwidth); `cache_fit`, the sequences an engine's cache would hold
+here (nextn.engine.memory); `BenchConfig`, what one bench run measures; `Bench`,
 the model's engines (one per K, sharing the weights) on a single cache slot, which times one
 generation, a batched one, repeated ones, the trunk and head step costs and the prefill speed;
 `RunResult`, one timed generation, and its tokens/s.
@@ -15,12 +16,14 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from nextn.config import STEP_ROWS, EngineConfig, SpecConfig
+from nextn.config import DEFAULT_GPU_MEMORY_UTILIZATION, STEP_ROWS, EngineConfig, SpecConfig
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.engine import build_core
+from nextn.engine.memory import bytes_per_sequence, memory_budget
 from nextn.engine.rounds import RequestRounds, advance
 from nextn.engine.sequence import Sequence
 from nextn.models.qwen3_5 import CausalLM
@@ -87,6 +90,11 @@ class BenchConfig:
     p_mins: list[float] = field(default_factory=lambda: [0.0])  # draft confidence gates of the spec runs
     draft_gate: str = "skip"  # SpecConfig.draft_gate of the gated runs
     kv_cache_dtype: str = "auto"  # "fp8": the attention layers' K/V in e4m3 (EngineConfig.kv_cache_dtype)
+    # the share of the GPU nextn may use (the engines' caches are checked against it) and the
+    # context of the cache fit the report gives (cache_fit; None: the bench's own sequences,
+    # prompt + generated tokens + 2 * STEP_ROWS)
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    max_model_len: int | None = None
 
 
 @dataclass
@@ -140,6 +148,7 @@ class Bench:
                 self.cfg.kernels,
                 tensor_parallel_size=self.model.cfg.tp_size,
                 kv_cache_dtype=self.cfg.kv_cache_dtype,
+                gpu_memory_utilization=self.cfg.gpu_memory_utilization,
             )
             self.cores[key] = build_core(self.model, config)
         return self.cores[key]
@@ -277,6 +286,39 @@ class Bench:
             prompt = (self.prompt * (self.cfg.prefill_len // len(self.prompt) + 1))[: self.cfg.prefill_len]
         ms = time_ms(lambda: self.prefilled(0, prompt=prompt), self.device, warmup=1, iters=3)
         return len(prompt) / (ms * 1e-3), len(prompt)
+
+
+class CacheFit(NamedTuple):
+    """The cache an engine (`nextn serve`, `LLM`) would allocate for this model on this device."""
+
+    max_num_seqs: int  # what fits cfg.gpu_memory_utilization (nextn.engine.memory; on the CPU its 8)
+    bytes_per_sequence: int  # one slot: every cache tensor's share, the engine's per-slot buffers included
+    max_len: int
+    k: int
+    where: str  # the budget it was sized in (Budget.summary: "0.9 of the GPU's 79.1 GiB")
+
+
+def cache_fit(model: CausalLM, cfg: BenchConfig, max_len: int, k: int) -> CacheFit:
+    """How many sequences of max_len tokens at k drafts a round fit beside the loaded weights, sized
+    as the engine sizes max_num_seqs left unset (chunked prefill, LLM's default), from the memory
+    in use now: call it before anything else is allocated."""
+    param = next(model.parameters())
+    spec = SpecConfig(num_speculative_tokens=k)
+    config = EngineConfig(
+        "bench",
+        str(param.device),
+        str(param.dtype).replace("torch.", ""),
+        spec,
+        max_len,
+        kernels=cfg.kernels,
+        tensor_parallel_size=model.cfg.tp_size,
+        kv_cache_dtype=cfg.kv_cache_dtype,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+    )
+    budget = memory_budget(model.cfg, config, param.dtype)
+    slot = bytes_per_sequence(model.cfg, max_len, k, param.dtype, cfg.kv_cache_dtype)
+    num_seqs = config.max_num_seqs if config.max_num_seqs is not None else budget.sequences(slot)
+    return CacheFit(num_seqs, slot, max_len, k, budget.summary())
 
 
 def spread_text(runs: list[RunResult]) -> str:

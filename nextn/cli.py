@@ -11,7 +11,15 @@ import sys
 
 from nextn import __version__
 from nextn.commands import COMMANDS
-from nextn.config import DRAFT_GATES, DTYPE_NAMES, K_POLICIES, KV_CACHE_DTYPES, QUANTIZATIONS
+from nextn.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DRAFT_GATES,
+    DTYPE_NAMES,
+    K_POLICIES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    check_gpu_memory_utilization,
+)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -68,6 +76,18 @@ def _quantization(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _memory(p: argparse.ArgumentParser) -> None:
+    """generate / serve / bench: how much of the GPU nextn may use (vLLM's flag)."""
+    p.add_argument(
+        "--gpu-memory-utilization",
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        metavar="F",
+        help="the fraction of the GPU's memory nextn may use: weights, cache, activations, graphs (default "
+        f"{DEFAULT_GPU_MEMORY_UTILIZATION}); without --max-num-seqs the cache holds as many sequences as fit, "
+        "up to 256 (on the CPU: 8, and this does not apply)",
+    )
+
+
 def _tensor_parallel(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tensor-parallel-size",
@@ -121,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a continuation of one prompt")
     _common(g)
     _quantization(g)
+    _memory(g)
     _tensor_parallel(g)
     _spec(g)
     src = g.add_mutually_exclusive_group(required=True)
@@ -167,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _common(s)
     _quantization(s)
+    _memory(s)
     _tensor_parallel(s)
     _spec(s)
     s.add_argument("--host", default="127.0.0.1")
@@ -184,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="cache slots, allocated at start: requests running at once (one batched forward) plus "
-        "conversations kept (default 16 on a GPU, 8 on the CPU)",
+        "conversations kept (default: as many as fit --gpu-memory-utilization, up to 256; 8 on the CPU)",
     )
     s.add_argument(
         "--max-num-batched-tokens",
@@ -249,8 +271,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(b, model_help="or --random-weights")
     _quantization(b)
+    _memory(b)
     _tensor_parallel(b)
     b.add_argument("--random-weights", default=None, help="preset of a released config with random weights")
+    b.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the context of the cache fit the report gives (max_num_seqs at --gpu-memory-utilization; "
+        "default: the bench's own sequences, prompt + generated + 32); the timed runs keep their own",
+    )
     b.add_argument("--spec-k", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
     b.add_argument("--prompt-len", type=int, default=512)
     b.add_argument("--gen-len", type=int, default=256)
@@ -387,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"two models given: {args.model_pos} and --model {args.model}")
         args.model = args.model or args.model_pos
         _check_combinations(args)
+        _check_numbers(args)
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         return 130
@@ -426,6 +457,18 @@ def _check_combinations(args: argparse.Namespace) -> None:
             }
             if given := [flag for flag, on in draft_flags.items() if on]:
                 raise ValueError(f"{', '.join(given)} would do nothing: speculation is off (K=0), nothing is drafted")
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """--gpu-memory-utilization read here rather than by argparse: a bad value is one line naming the flag."""
+    value = getattr(args, "gpu_memory_utilization", None)
+    if value is None:
+        return
+    try:
+        value = float(value)
+    except ValueError:
+        pass  # the check names it
+    args.gpu_memory_utilization = check_gpu_memory_utilization(value, "--gpu-memory-utilization")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -120,6 +120,7 @@ def _llm(args, **engine):
         draft_vocab=args.draft_vocab,
         tensor_parallel_size=args.tensor_parallel_size,
         kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         **engine,
     )
 

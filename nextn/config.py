@@ -5,6 +5,7 @@ The checkpoint's own hyperparameters are nextn.model_config's.
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,8 @@ FULL = "full_attention"
 # computes its rows at this fixed shape, so a row's arithmetic never depends on the row count.
 STEP_ROWS = 16
 PREFILL_CHUNK = 2048  # at most this many tokens per chunked prefill forward: bounds attention score memory
+# rows of a prefill step's attention per launch (its float32 partials grow with rows x the context's chunks)
+ATTENTION_ROWS = 512
 # the context a sequence gets unless max_model_len says otherwise (the checkpoint's own, if shorter)
 DEFAULT_MAX_MODEL_LEN = 8192
 KERNELS = ("auto", "torch", "triton")
@@ -30,6 +33,11 @@ PREFILL_MODES = ("chunked", "steps")
 DRAFT_GATES = ("skip", "mask")
 # the K of each round: "auto" the batch K policy (nextn.spec.k_policy) under the cap, "fixed" the cap
 K_POLICIES = ("auto", "fixed")
+# max_num_seqs unless given: on a GPU what fits gpu_memory_utilization of its memory, up to this many
+# (nextn.engine.memory); on the CPU, which has no GPU memory to size, CPU_MAX_NUM_SEQS
+MAX_NUM_SEQS = 256
+CPU_MAX_NUM_SEQS = 8
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # what `quantization=` makes of a checkpoint's bf16 weights at load
 QUANTIZATIONS = ("fp8",)
 # the attention layers' K/V cache: "auto" the model dtype, "fp8" e4m3 rows with float32 scales
@@ -49,6 +57,16 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
     """The `kv_cache_dtype=` setting: one of KV_CACHE_DTYPES."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+
+
+def check_gpu_memory_utilization(value, name: str = "gpu_memory_utilization") -> float:
+    """The fraction of the GPU's total memory nextn may use (weights, cache, activations, graphs),
+    vLLM's: a number in (0, 1]. `name`: what the error calls it (the CLI's flag)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1] (a fraction of the GPU's memory), got {value}")
+    return float(value)
 
 
 def check_kernels(kernels: str, device: str) -> None:
@@ -178,7 +196,8 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     # cache slots, allocated up front: requests running at once plus conversations kept between turns
-    # (None: 16 on a GPU, 8 on the CPU)
+    # (None: on a GPU what fits gpu_memory_utilization, up to MAX_NUM_SEQS, resolved once the model
+    # is loaded (nextn.engine.memory.fit_cache: the engine's config holds the count); on the CPU 8)
     max_num_seqs: int | None = None
     # step path: "torch" (the reference modules), "triton" (the fused step in CUDA graphs) or "auto":
     # triton on CUDA, torch on the CPU (stored resolved)
@@ -200,11 +219,16 @@ class EngineConfig:
     # the full-attention layers' K/V: "auto" (the model dtype) or "fp8" (e4m3 rows with float32
     # scales, half the bytes in bf16; the MTP head's draft K/V stay in the model dtype)
     kv_cache_dtype: str = "auto"
+    # the fraction of the GPU's total memory nextn may use: weights, cache, activations and graphs
+    # (vLLM's); sizes max_num_seqs when that is None and bounds it when given. The CPU has no GPU
+    # memory to size: there max_num_seqs defaults to CPU_MAX_NUM_SEQS and this does not apply
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
 
     def __post_init__(self):
         _check_ints(self, "max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
         check_quantization(self.quantization)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        object.__setattr__(self, "gpu_memory_utilization", check_gpu_memory_utilization(self.gpu_memory_utilization))
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.spec.draft_vocab is not None:
@@ -220,13 +244,14 @@ class EngineConfig:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        if self.max_num_seqs is None:
-            object.__setattr__(self, "max_num_seqs", 16 if self.device.startswith("cuda") else 8)
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is None and not self.device.startswith("cuda"):
+            object.__setattr__(self, "max_num_seqs", CPU_MAX_NUM_SEQS)
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is None:
+        # derived from the slot count once it is known (on a GPU: after fit_cache resolves it)
+        if self.max_num_batched_tokens is None and self.max_num_seqs is not None:
             object.__setattr__(self, "max_num_batched_tokens", PREFILL_CHUNK + self.max_num_seqs * STEP_ROWS)
-        if self.max_num_batched_tokens < STEP_ROWS:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < STEP_ROWS:
             raise ValueError(f"max_num_batched_tokens must be >= {STEP_ROWS}, got {self.max_num_batched_tokens}")
 
     @property

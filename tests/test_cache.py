@@ -54,8 +54,9 @@ def test_a_cache_that_does_not_fit_is_refused_with_what_fits(cfg, monkeypatch, k
     layout = _layout(cfg, slots=8, max_len=4096, kv=kv)
     need = nbytes_of(tensor_specs(cfg, layout, torch.float32))
     monkeypatch.setattr(pool_mod, "available_bytes", lambda device: int(need * 0.6 / 0.9))
+    budget = pool_mod.cpu_budget(torch.device("cpu"))
     with pytest.raises(CacheMemoryError) as info:
-        pool_mod.SlotPool(cfg, layout, "cpu", torch.float32)
+        pool_mod.SlotPool(cfg, layout, "cpu", torch.float32, budget)
     msg = str(info.value)
     assert "8 sequence(s) of 4096 tokens" in msg and "4 sequence(s) of 4096 tokens fit" in msg
     fits = int(msg.split("or 8 of up to ")[1].split(" tokens")[0])
@@ -63,7 +64,7 @@ def test_a_cache_that_does_not_fit_is_refused_with_what_fits(cfg, monkeypatch, k
     # what the message says fits, fits
     smaller = _layout(cfg, slots=8, max_len=fits, kv=kv)
     assert nbytes_of(tensor_specs(cfg, smaller, torch.float32)) <= int(need * 0.6 / 0.9) * 0.9
-    pool_mod.check_fits(cfg, smaller, torch.device("cpu"), torch.float32)
+    pool_mod.check_fits(cfg, smaller, torch.float32, budget)
 
 
 def test_the_engine_checks_memory_before_allocating(dense_ckpt, monkeypatch):

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nextn.cache import CacheLayout, SlotPool
+from nextn.cache import SlotPool
 from nextn.config import STEP_ROWS, EngineConfig
 from nextn.core import RequestOutput, SamplingParams, SpecStats
+from nextn.engine.memory import cache_layout, fit_cache
 from nextn.engine.replica import Leader, seeded
-from nextn.engine.rounds import RequestRounds, Round, advance, round_buffers
+from nextn.engine.rounds import RequestRounds, Round, advance
 from nextn.engine.runner import ModelRunner, Piece
-from nextn.engine.sampler import sampler_buffers
 from nextn.engine.scheduler import Request, Scheduler
 from nextn.engine.stops import StopStrings
 from nextn.grammar import GrammarState, compile_grammar
@@ -73,19 +73,13 @@ class _Prefill:
 
 
 def build_core(model: CausalLM, config: EngineConfig) -> tuple[SlotPool, ModelRunner, MTPProposer | None]:
-    """The cache slots (checked against the device's memory first), the runner and the proposer."""
+    """The cache slots (as many as fit when max_num_seqs is None; checked against the device's
+    memory first), the runner (its `config` holds the slot count) and the proposer."""
     cfg, k_max = model.cfg, config.spec.num_speculative_tokens
     dtype = next(model.parameters()).dtype
-    extra = round_buffers(cfg, k_max, dtype) + sampler_buffers(cfg.vocab_size, config.max_model_len)
-    layout = CacheLayout(
-        config.max_num_seqs,
-        config.max_model_len,
-        k_max + 1,
-        k_max > 0,
-        tuple(extra),
-        kv_cache_dtype=config.kv_cache_dtype,
-    )
-    pool = SlotPool(cfg, layout, config.device, dtype)
+    config, budget = fit_cache(cfg, config, dtype)
+    layout = cache_layout(cfg, config.max_model_len, k_max, dtype, config.kv_cache_dtype, config.max_num_seqs)
+    pool = SlotPool(cfg, layout, config.device, dtype, budget)
     runner = ModelRunner(model, config, pool)
     return pool, runner, MTPProposer(runner) if k_max > 0 else None
 
@@ -96,6 +90,7 @@ class Engine:
         self.model, self.tokenizer, self.config, self.leader = model, tokenizer, config, leader
         cfg = model.cfg
         self.pool, self.runner, self.proposer = build_core(model, config)
+        self.config = config = self.runner.config  # max_num_seqs resolved (nextn.engine.memory)
         self.scheduler = Scheduler(config.max_num_seqs)
         self.stop_ids = set(cfg.eos_token_ids)
         if tokenizer.eos_token_id is not None:

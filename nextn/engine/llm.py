@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from nextn.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_MODEL_LEN,
     EngineConfig,
     SpecConfig,
@@ -74,6 +75,7 @@ class LLM:
         trace: bool = False,
         kv_cache_dtype: str = "auto",
         k_policy: str = "fixed",
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
@@ -93,7 +95,10 @@ class LLM:
         wall time of its draft, verify and commit); rounds then run one at a time.
         kv_cache_dtype "fp8": the attention layers' K/V cache in e4m3 with per-row scales.
         k_policy "fixed" (the Python API's default): every round at K; "auto" (serve's and generate's
-        default): each step's K chosen for the batch's tokens/s, 0..K (nextn.spec.k_policy)."""
+        default): each step's K chosen for the batch's tokens/s, 0..K (nextn.spec.k_policy).
+        gpu_memory_utilization (vLLM's): the fraction of the GPU's memory nextn may use (weights,
+        cache, activations, graphs); max_num_seqs None: as many sequences as fit it, up to 256
+        (nextn.engine.memory); on the CPU 8, and this does not apply."""
         settings = {name: value for name, value in locals().items() if name != "self"}
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
@@ -140,6 +145,8 @@ class LLM:
         self.config = _engine_config(model_dir, device, dtype, k, s, draft_vocab, max_len)
         leader = None if self._ranks is None else Leader(self._ranks)
         self.engine = Engine(self.model, self.tokenizer, self.config, leader)
+        self.config = self.engine.config  # max_num_seqs resolved
+        log.info(self.engine.pool.describe())
         if self._ranks is not None:
             failed = [f"rank {r}: {m}" for r, m in enumerate(self._ranks.receive(), start=1) if m != _READY]
             if failed:
@@ -485,6 +492,7 @@ def _engine_config(
         tensor_parallel_size=s["tensor_parallel_size"],
         trace=s["trace"],
         kv_cache_dtype=s["kv_cache_dtype"],
+        gpu_memory_utilization=s["gpu_memory_utilization"],
     )
 
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from nextn.cache.hybrid import KV, SEQ_LEN, STATE_AT, StepBatch
-from nextn.config import FULL
+from nextn.config import ATTENTION_ROWS, FULL
 from nextn.layers.ffn import FP8Experts
 from nextn.layers.linear import FP8Linear
 from nextn.models.loader import fused_runs, fused_weight
@@ -345,7 +345,14 @@ class TritonStep:
             rope_offset,
             **scales,
         )
-        o = self.attn.attend_step(q, qkv, kv.key, kv.value, row_slot, row_pos, max_pos=max_pos, **scales)
+        if max_pos is None:  # a graphed step: its rows in one launch
+            o = self.attn.attend_step(q, qkv, kv.key, kv.value, row_slot, row_pos, **scales)
+        else:  # an eager prefill step: blocks of ATTENTION_ROWS rows bound the partials (a row's bits are its own)
+            o = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+            for a in range(0, q.shape[0], ATTENTION_ROWS):
+                b = a + ATTENTION_ROWS
+                args = (q[a:b], qkv[a:b], kv.key, kv.value, row_slot[a:b], row_pos[a:b])
+                self.attn.attend_step(*args, out=o[a:b], max_pos=max_pos, **scales)
         return self._mlp(*self._add(x, o, w.o_proj, self._mlp_norm(w.mlp)), w.mlp, next_norm)
 
     def _gdn(self, x, ni, w: GDNWeights, batch: StepBatch, j: int, store_all: bool, live, next_norm):

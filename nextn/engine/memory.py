@@ -1,0 +1,162 @@
+"""How many sequences the cache holds: the cache layout of an engine configuration, the bytes of
+one sequence's slot, the engine's reserve beside the cache, and `fit_cache`, which resolves
+max_num_seqs from the device's memory once the weights are loaded (vLLM's gpu_memory_utilization).
+
+On a GPU, with F = gpu_memory_utilization, `total` its memory and `in_use` what is allocated on it
+when the weights are in (the weights, the CUDA context, anything else on the device):
+
+    budget       = F * total - in_use
+    max_num_seqs = min(MAX_NUM_SEQS, (budget - reserve.fixed) // (slot + reserve.per_seq))
+
+where `slot` is one sequence's cache (every tensor of nextn.cache.hybrid.tensor_specs: its share of
+the attention K/V, the GDN states and step buffers, the draft K/V, and the engine's per-slot
+buffers of CacheLayout.extra) and `reserve` what the engine allocates beside the cache, estimated
+from the model's shapes (`reserve`). A max_num_seqs given is checked against the same budget. On
+the CPU there is no GPU memory to size: max_num_seqs defaults to CPU_MAX_NUM_SEQS (EngineConfig),
+checked against the machine's available memory less a tenth, and gpu_memory_utilization does not
+apply. Under tensor parallelism every rank sizes its own device and all take the fewest slots.
+
+Allocates nothing: the cache is nextn.cache.pool's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+import torch
+
+from nextn.cache.hybrid import CacheLayout, nbytes_of, tensor_specs
+from nextn.cache.pool import Budget, CacheMemoryError, check_fits, cpu_budget, gpu_budget
+from nextn.config import ATTENTION_ROWS, PREFILL_CHUNK, STEP_ROWS, EngineConfig
+from nextn.engine.rounds import round_buffers
+from nextn.engine.sampler import sampler_buffers
+from nextn.model_config import ModelConfig
+
+# graphs' memory beyond the rows of the round they capture (their private pool's slack, the sampler's
+# and the proposer's small intermediates): a floor so the graph budget is never zero
+GRAPH_RESERVE = 2**30
+ATTENTION_CHUNK = 128  # positions per step-attention partial (nextn.ops.triton_attention.CHUNK)
+
+
+def cache_layout(
+    cfg: ModelConfig, max_len: int, k: int, dtype: torch.dtype, kv_cache_dtype: str = "auto", num_slots: int = 1
+) -> CacheLayout:
+    """The cache of num_slots sequences of max_len tokens with up to k drafts a round: the engine's
+    round and sampler buffers are part of each slot."""
+    extra = round_buffers(cfg, k, dtype) + sampler_buffers(cfg.vocab_size, max_len)
+    return CacheLayout(num_slots, max_len, k + 1, k > 0, tuple(extra), kv_cache_dtype=kv_cache_dtype)
+
+
+def bytes_per_sequence(cfg: ModelConfig, max_len: int, k: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one sequence's slot (every cache tensor is [num_slots, ...]: a slot is an exact share)."""
+    return nbytes_of(tensor_specs(cfg, cache_layout(cfg, max_len, k, dtype, kv_cache_dtype), dtype))
+
+
+class Reserve(NamedTuple):
+    """Bytes the engine allocates beside a cache of S sequences: fixed + per_seq * S."""
+
+    fixed: int
+    per_seq: int
+
+
+def activation_bytes_per_row(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """An estimate of what a forward holds per token row at its widest layer: the residual stream,
+    its norm, a block's output and the sum (4 rows of H), and the widest block's intermediates:
+    - FFN: gate/up, the activation and its product (4 * I; MoE: each routed expert's and the shared
+      expert's, and the router's float32 logits);
+    - Gated DeltaNet (chunked rule): the q, k, v projection and its conv output, z and o in the
+      model dtype; in float32 the l2-normed q and k, the chunk kernel's u, w and intra-chunk rows
+      (HV * (V + K + 64)) and the gated norm's two rows of value_dim;
+    - attention: q with its gate, k, v and the output, twice (rotary and the kernel's copies)."""
+    b = dtype.itemsize
+    if cfg.num_experts:
+        ffn = b * 4 * (cfg.num_experts_per_tok * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size)
+        ffn += 4 * cfg.num_experts
+    else:
+        ffn = b * 4 * cfg.intermediate_size
+    value_heads = cfg.linear_num_value_heads * (cfg.linear_value_head_dim + cfg.linear_key_head_dim + 64)
+    gdn = b * 2 * (cfg.conv_dim + cfg.linear_value_dim) + 4 * (
+        2 * cfg.linear_key_dim + value_heads + 2 * cfg.linear_value_dim
+    )
+    attention = b * 2 * (3 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    return b * 4 * cfg.hidden_size + max(ffn, gdn, attention)
+
+
+def reserve(cfg: ModelConfig, k: int, dtype: torch.dtype, prefill: str = "chunked", max_len: int = 0) -> Reserve:
+    """What the engine allocates beside the cache, estimated from the model's shapes (S sequences,
+    R = k + 1 verify rows each):
+    - the runner's step and head outputs (nextn.engine.runner.ModelRunner.__init__): an id,
+      float32 logits [V] and a hidden [H] for each of max(S * R, STEP_ROWS) verify rows, and
+      logits and a hidden for each of 2 * S head rows;
+    - a round's forward over S * R rows (kept by its CUDA graph): activation_bytes_per_row each,
+      and the sampler's float32 work over each row's vocabulary (two [V] rows);
+    - an eager prefill forward beside it over PREFILL_CHUNK rows (either mode: a "steps" prefill
+      packs an engine step's prompt pieces in one step too), its float32 logits of every row when
+      prompt logprobs are asked ([PREFILL_CHUNK, V], and their log-softmax beside them); in steps,
+      the step attention's float32 partials of ATTENTION_ROWS rows over max_len's chunks
+      (nextn.models.qwen3_5_step: a prefill step's attention runs in blocks of that many rows);
+    - GRAPH_RESERVE: the graphs' and the allocator's slack, the kernels' code, cuBLAS workspaces."""
+    V, H, b, R = cfg.vocab_size, cfg.hidden_size, dtype.itemsize, k + 1
+    step_row = 8 + 4 * V + H * b  # an id, float32 logits and a hidden
+    act = activation_bytes_per_row(cfg, dtype)
+    fixed = STEP_ROWS * step_row + PREFILL_CHUNK * act + GRAPH_RESERVE + 2 * PREFILL_CHUNK * V * 4
+    if prefill == "steps":
+        chunks = -(-(max_len + 2 * STEP_ROWS) // ATTENTION_CHUNK)
+        fixed += ATTENTION_ROWS * cfg.num_attention_heads * chunks * (cfg.head_dim + 2) * 4
+    per_seq = R * step_row + 2 * (4 * V + H * b) + R * (act + 2 * 4 * V)
+    return Reserve(fixed, per_seq)
+
+
+def sequences_that_fit(
+    cfg: ModelConfig,
+    max_len: int,
+    k: int,
+    nbytes: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    prefill: str = "chunked",
+) -> int:
+    """How many sequences of max_len tokens, drafting up to k tokens a round, fit in nbytes (what the
+    engine may take once the weights are in: F * total - in_use on a GPU) beside the engine's
+    reserve: at most MAX_NUM_SEQS, 0 when not one does. Needs the config alone (no device, no weights)."""
+    r = reserve(cfg, k, dtype, prefill, max_len)
+    return Budget(nbytes, r.fixed, r.per_seq).sequences(bytes_per_sequence(cfg, max_len, k, dtype, kv_cache_dtype))
+
+
+def memory_budget(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> Budget:
+    """What the cache of this configuration may take on its device, read now (after the weights)."""
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return cpu_budget(device)
+    r = reserve(cfg, config.spec.num_speculative_tokens, dtype, config.prefill, config.max_model_len)
+    return gpu_budget(device, config.gpu_memory_utilization, r.fixed, r.per_seq)
+
+
+def fit_cache(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> tuple[EngineConfig, Budget]:
+    """config with max_num_seqs resolved (None on a GPU: what fits the budget, the same count on
+    every tensor-parallel rank), and the budget the pool checks its cache against. Not one
+    sequence fitting is a CacheMemoryError that says what would (a shorter context, more of the GPU)."""
+    budget = memory_budget(cfg, config, dtype)
+    if config.max_num_seqs is not None:
+        return config, budget
+    k = config.spec.num_speculative_tokens
+    slot = bytes_per_sequence(cfg, config.max_model_len, k, dtype, config.kv_cache_dtype)
+    num_seqs = _fewest(budget.sequences(slot), config.tensor_parallel_size)
+    if num_seqs < 1:  # check_fits says what does fit
+        check_fits(cfg, cache_layout(cfg, config.max_model_len, k, dtype, config.kv_cache_dtype), dtype, budget)
+        raise CacheMemoryError("another tensor-parallel rank's memory fits not one sequence (its error says what does)")
+    return replace(config, max_num_seqs=num_seqs), budget
+
+
+def _fewest(num_seqs: int, tensor_parallel_size: int) -> int:
+    """Under tensor parallelism every rank holds the same slots: the fewest any rank's memory fits."""
+    from nextn.parallel.launch import initialized
+
+    if tensor_parallel_size == 1 or not initialized():
+        return num_seqs
+    import torch.distributed as dist
+
+    counts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, num_seqs)
+    return min(counts)
