@@ -1,16 +1,16 @@
 """Every command-line flag of nextn is parsed here: generate, serve, bench, replay, draft-vocab,
-train; the one logging setup; errors a user can fix printed as one line."""
+train; logging set up (nextn.console); errors a user can fix printed as one line."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
 from nextn import __version__
 from nextn.commands import COMMANDS
 from nextn.config import DRAFT_GATES, DTYPE_NAMES, KV_CACHE_DTYPES, QUANTIZATIONS
+from nextn.console import setup_logging, user_errors
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         return 130
-    except _user_errors() as e:
+    except user_errors() as e:
         if args.log_level == "debug":
             raise
         print(f"nextn: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
@@ -340,19 +340,6 @@ def _check_combinations(args: argparse.Namespace) -> None:
             }
             if given := [flag for flag, on in draft_flags.items() if on]:
                 raise ValueError(f"{', '.join(given)} would do nothing: speculation is off (K=0), nothing is drafted")
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """What a user can fix (a flag, a path, a file, the install, a memory budget): one line, no traceback."""
-    import torch
-
-    return (ValueError, OSError, ImportError, torch.OutOfMemoryError)
-
-
-def setup_logging(level: str) -> None:
-    """The one logging setup: nextn's loggers at `level`, everything else at warning, on stderr."""
-    logging.basicConfig(format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("nextn").setLevel(level.upper())
 
 
 def _json_object(text: str) -> dict:
