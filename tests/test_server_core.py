@@ -186,15 +186,20 @@ def test_metrics_come_through_the_process_boundary(live, client):
     assert m["nextn:num_requests_running"] == 0 and m["nextn:num_requests_waiting"] == 0
 
 
-def test_graph_counts_reach_metrics_when_the_runner_keeps_them():
+def test_graph_counts_reach_metrics_when_the_runner_keeps_them(cold, monkeypatch):
     """engine.runner.graph_counts, when there (the runner's CUDA graph counters), travels with
     each step's stats and shows as nextn:graph_*_total; without it no such line is written."""
-    from nextn.engine.core import CoreStats
+    from nextn.engine.core import EngineCore
     from nextn.server.metrics import Metrics, SessionSnapshot
 
+    core = EngineCore(cold.engine)
+    if hasattr(cold.engine.runner, "graph_counts"):
+        monkeypatch.delattr(cold.engine.runner, "graph_counts")
+    assert core.stats().graph_counts is None
     metrics = Metrics(3)
     assert "nextn:graph_" not in metrics.render()
-    stats = CoreStats(graph_counts={"captures": 2, "replays": 40, "eager": 3})
+    monkeypatch.setattr(cold.engine.runner, "graph_counts", {"captures": 2, "replays": 40, "eager": 3}, raising=False)
+    stats = core.stats()
     metrics.set_engine(SessionSnapshot(), {}, stats.graph_counts)
     text = metrics.render()
     for name, value in (("captures", 2), ("replays", 40), ("eager", 3)):
@@ -238,6 +243,21 @@ def test_sigkill_of_the_core_answers_503_and_stops_the_server(dense_ckpt, monkey
         srv.server.should_exit = True
         srv.thread.join(15)
         core.stop()
+
+
+def test_a_core_that_fails_answers_503_naming_it(dense_ckpt, monkeypatch):
+    """The core's loop raising (here on a message it cannot read): it reports why before it exits,
+    and that is the 503's message."""
+    monkeypatch.setattr(server_app, "CORE_DEATH_EXIT_S", 3.0)
+    core = launch(dense_ckpt)
+    with LiveServer(core, CFG) as srv:
+        core._push.send(b"not msgpack")
+        assert wait_for(lambda: not core.alive, timeout=10)
+        r = srv.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=5)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["message"] == "the engine core stopped after an internal error."
+        assert core.proc.exitcode == 1 and srv.app.state.server.worker.death is not None
+    core.stop()
 
 
 def test_a_core_that_cannot_start_raises_its_error(tmp_path):
