@@ -5,7 +5,8 @@ starts nextn.engine.core.run_core_process with `spawn` (CUDA-safe; the child imp
 never FastAPI or uvicorn) and waits for its Ready (the model facts; the API process then reads the
 tokenizer from the checkpoint directory) or Failed: a start-up error (a flag, a path, CUDA out of
 memory) is raised here as the error LLM would have raised, so the CLI prints the same one line.
-The server binds its port only after that.
+The server binds its port only after that. (`spawn` re-imports the parent's main module in the
+child: a script that launches a core keeps its work under `if __name__ == "__main__":`.)
 
 Serving, one thread of this process reads the core's messages and watches the process itself (its
 sentinel, polled with the socket): StepOutputs go to the EngineWorker; the process's exit (killed,
