@@ -1,11 +1,10 @@
 """Every command-line flag of nextn is parsed here: generate, serve, bench, bench serve, replay,
-draft-vocab, train; the one logging setup; errors a user can fix printed as one line."""
+draft-vocab, train; logging set up (nextn.console); errors a user can fix printed as one line."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 
@@ -20,6 +19,7 @@ from nextn.config import (
     QUANTIZATIONS,
     check_gpu_memory_utilization,
 )
+from nextn.console import setup_logging, user_errors
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         return 130
-    except _user_errors() as e:
+    except user_errors() as e:
         if args.log_level == "debug":
             raise
         print(f"nextn: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
@@ -469,19 +469,6 @@ def _check_numbers(args: argparse.Namespace) -> None:
     except ValueError:
         pass  # the check names it
     args.gpu_memory_utilization = check_gpu_memory_utilization(value, "--gpu-memory-utilization")
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """What a user can fix (a flag, a path, a file, the install, a memory budget): one line, no traceback."""
-    import torch
-
-    return (ValueError, OSError, ImportError, torch.OutOfMemoryError)
-
-
-def setup_logging(level: str) -> None:
-    """The one logging setup: nextn's loggers at `level`, everything else at warning, on stderr."""
-    logging.basicConfig(format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("nextn").setLevel(level.upper())
 
 
 def _json_object(text: str) -> dict:

@@ -100,10 +100,15 @@ def _train(args) -> int:
 
 
 def _llm(args, **engine):
-    """The LLM of generate / serve from their common and spec flags (and `engine` settings)."""
+    """The LLM of generate from its common and spec flags (and `engine` settings)."""
     from nextn import LLM
 
-    return LLM(
+    return LLM(**_llm_args(args, **engine))
+
+
+def _llm_args(args, **engine) -> dict:
+    """LLM's arguments from generate's / serve's common and spec flags (and `engine` settings)."""
+    return dict(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
@@ -126,8 +131,11 @@ def _llm(args, **engine):
 
 
 def _serve(args) -> int:
+    """The engine core in a process of its own (nextn.server.core_client), the HTTP server here,
+    bound once the core has loaded the model."""
     from nextn.config import ServeConfig
-    from nextn.server.app import serve
+    from nextn.server import app
+    from nextn.server.core_client import CoreProcess
     from nextn.server.options import ServerOptions
 
     # the server's settings checked before the model loads
@@ -146,16 +154,17 @@ def _serve(args) -> int:
         reasoning_parser=args.reasoning_parser,
     )
     _check_address(cfg.host, cfg.port)
-    llm = _llm(
+    llm_args = _llm_args(
         args,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
+    core = CoreProcess.launch(llm_args, args.log_level)  # a start-up error raises here: one line, as LLM's
     try:
-        return serve(llm, cfg, opts)
+        return app.serve(core, cfg, opts)
     finally:
-        llm.close()
+        core.stop()
 
 
 def _check_address(host: str, port: int) -> None:

@@ -430,9 +430,7 @@ def test_graph_memory_is_counted_with_the_sessions_it_serves(dense_ckpt):
     ledger.add(("round", 3), (3,), 400)
     assert ledger.full()
 
-    from nextn.config import ServeConfig
-    from nextn.server.metrics import Metrics
-    from nextn.server.worker import EngineWorker
+    from nextn.engine.core import EngineCore
 
     llm = nextn.LLM(model=dense_ckpt, num_speculative_tokens=2, max_num_seqs=3)
     assert llm.engine.pool.graph_budget > 0
@@ -440,9 +438,8 @@ def test_graph_memory_is_counted_with_the_sessions_it_serves(dense_ckpt):
     (slot,) = llm.engine.scheduler.sessions
     llm.engine.runner.graph_memory.add(("round", slot), (slot,), 12345)  # on a GPU, measured at capture
     llm.engine.runner.graph_memory.add(("round", slot + 1), (slot + 1,), 999)  # a slot not kept
-    worker = EngineWorker(llm, ServeConfig(), Metrics(2))
-    worker._snapshot_sessions()
-    assert worker.metrics.sessions.memory_bytes == llm.engine.pool.slot_nbytes + 12345
+    # what the engine core sends /metrics with each step
+    assert EngineCore(llm.engine).stats().session_memory_bytes == llm.engine.pool.slot_nbytes + 12345
 
 
 @pytest.mark.gpu

@@ -236,28 +236,10 @@ class LLM:
     # --- one request
 
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty")
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in prompt_token_ids if _token_id(t) is None]
-        if bad:
-            raise RequestError(f"prompt token ids must be integers, got {bad[:5]}")
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        if len(prompt_token_ids) >= self.config.max_model_len:
-            raise RequestError(
-                f"prompt of {len(prompt_token_ids)} tokens does not fit the context of {self.config.max_model_len}"
-            )
-        self.check_params(params)
+        check_prompt(prompt_token_ids, params, self.model.cfg.vocab_size, self.config.max_model_len)
 
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: its token ids against this model's vocabulary (a
-        stop id past it could never fire)."""
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise RequestError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}")
+        check_params(params, self.model.cfg.vocab_size)
 
     def prompt_ids(self, prompt_token_ids: list[int] | None, prompt: str | None, params: SamplingParams) -> list[int]:
         if prompt_token_ids is None:
@@ -432,6 +414,29 @@ def _drop_graphs(engine) -> None:
     communicator from being destroyed (destroy_process_group would wait for them forever: runs 33-35)."""
     if engine is not None and engine.runner.use_graphs:
         engine.runner.drop_graphs()
+
+
+def check_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """A prompt (and its params) against a model's vocabulary and context: LLM's check and the server's."""
+    if not prompt_token_ids:
+        raise RequestError("the prompt is empty")
+    bad = [t for t in prompt_token_ids if _token_id(t) is None]
+    if bad:
+        raise RequestError(f"prompt token ids must be integers, got {bad[:5]}")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if len(prompt_token_ids) >= max_model_len:
+        raise RequestError(f"prompt of {len(prompt_token_ids)} tokens does not fit the context of {max_model_len}")
+    check_params(params, vocab_size)
+
+
+def check_params(params: SamplingParams, vocab_size: int) -> None:
+    """What SamplingParams cannot check alone: its token ids against the model's vocabulary (a stop
+    id past it could never fire)."""
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise RequestError(f"stop_token_ids out of range [0, {vocab_size}): {bad[:5]}")
 
 
 def template_role(role, where: str) -> str:

@@ -4,8 +4,13 @@ Owns the routes, error bodies and the app's lifetime: the guard in front (API ke
 before any parsing), a periodic throughput log line, and a graceful shutdown (on SIGTERM admission
 stops, open requests get `shutdown_timeout` seconds, then the rest are ended with a final error
 event). Every error is an OpenAI-shaped body; a 500 never carries internal exception text. The two
-generation routes hand their work to completions.py (jobs on the engine thread, responses and SSE
-streams); this module only builds the app around them and serves it.
+generation routes hand their work to completions.py (jobs sent to the engine core, responses and
+SSE streams); this module only builds the app around them and serves it.
+
+The engine core runs in its own process under `nextn serve` (a CoreProcess: nextn.server.core_client)
+or on a thread of this one for an `LLM` built here (tests, embedding: nextn.server.worker.ThreadCore).
+When a core process dies, the server answers 503 naming the cause, then exits non-zero after
+CORE_DEATH_EXIT_S, for its supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
@@ -28,14 +34,17 @@ from nextn.engine.llm import LLM
 from nextn.server import protocol as P
 from nextn.server import response_models as R
 from nextn.server.completions import Server, chat_completion, completion
+from nextn.server.core_client import CoreProcess
 from nextn.server.guard import Guard
 from nextn.server.metrics import Metrics, ThroughputLog
 from nextn.server.options import ServerOptions
 from nextn.server.prepare import APIError, Prompts
 from nextn.server.responses import LogprobFormatter, validation_error
-from nextn.server.worker import ClientGone, EngineWorker
+from nextn.server.worker import ClientGone, EngineWorker, ThreadCore
 
 log = logging.getLogger("nextn.server")
+
+CORE_DEATH_EXIT_S = 1.0  # a dead core's server answers 503 this long (clients and health probes see why), then exits
 
 # documented on every route instead of FastAPI's 422 (the server answers 400 for a bad body)
 ERROR_RESPONSES = {
@@ -65,20 +74,24 @@ def error_response(
 # The app
 
 
-def create_app(llm: LLM, cfg: ServeConfig, opts: ServerOptions | None = None) -> FastAPI:
+def create_app(engine: LLM | CoreProcess, cfg: ServeConfig, opts: ServerOptions | None = None) -> FastAPI:
+    """engine: a started engine core process (`nextn serve`), or an LLM of this process (its engine
+    then runs on a thread of the server: tests, embedding)."""
     opts = opts or ServerOptions()
-    metrics = Metrics(llm.num_speculative_tokens)
-    worker = EngineWorker(llm, cfg, metrics)
-    model_name = cfg.served_model_name or llm.model_name
+    core = engine if isinstance(engine, CoreProcess) else ThreadCore(engine)
+    model = core.model
+    metrics = Metrics(model.num_speculative_tokens)
+    worker = EngineWorker(core, model.max_num_seqs + cfg.max_queue, metrics)
+    model_name = cfg.served_model_name or model.model_name
     srv = Server(
-        llm,
+        model,
         opts,
         worker,
         metrics,
-        Prompts(llm, model_name, opts.reasoning_parser),
+        Prompts(model, model_name, opts.reasoning_parser),
         model_name,
         R.now(),
-        LogprobFormatter(llm.tokenizer),
+        LogprobFormatter(model.tokenizer),
     )
 
     @asynccontextmanager
@@ -109,11 +122,11 @@ def create_app(llm: LLM, cfg: ServeConfig, opts: ServerOptions | None = None) ->
 
 
 def add_routes(app: FastAPI, srv: Server) -> None:
-    llm, worker, metrics = srv.llm, srv.worker, srv.metrics
+    served, worker, metrics = srv.model, srv.worker, srv.metrics
     v1 = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 
     def card() -> R.ModelCard:
-        return R.ModelCard(id=srv.model_name, created=srv.created, max_model_len=llm.config.max_model_len)
+        return R.ModelCard(id=srv.model_name, created=srv.created, max_model_len=served.max_model_len)
 
     @v1.get("/models")
     async def models() -> R.ModelList:
@@ -140,18 +153,18 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(req: P.TokenizeRequest) -> R.TokenizeResponse:
         ids = await run_in_threadpool(srv.prompts.tokenize, req)
-        strs = [llm.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
-        return R.TokenizeResponse(count=len(ids), max_model_len=llm.config.max_model_len, tokens=ids, token_strs=strs)
+        strs = [served.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
+        return R.TokenizeResponse(count=len(ids), max_model_len=served.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize", responses=ERROR_RESPONSES)
     async def detokenize(req: P.DetokenizeRequest) -> R.DetokenizeResponse:
         srv.prompts.check_model(req.model)
-        vocab = llm.tokenizer.vocab_size
+        vocab = served.tokenizer.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
         # special tokens kept (as vLLM's): /tokenize of chat messages round-trips to the rendered prompt
-        return R.DetokenizeResponse(prompt=llm.tokenizer.decode(req.tokens, skip_special_tokens=False))
+        return R.DetokenizeResponse(prompt=served.tokenizer.decode(req.tokens, skip_special_tokens=False))
 
     @app.get("/version")
     async def version_route() -> dict[str, str]:
@@ -244,32 +257,45 @@ async def log_throughput(srv: Server) -> None:
 class GracefulServer(uvicorn.Server):
     """uvicorn, with the worker drained first when it shuts down (SIGTERM/SIGINT or should_exit):
     open requests get `shutdown_timeout` seconds, then end with an error (a stream: a final error
-    event), so the connections close and uvicorn's own wait returns."""
+    event), so the connections close and uvicorn's own wait returns. Over a core process, the
+    core's death shuts the server down too (CORE_DEATH_EXIT_S after it)."""
 
     def __init__(self, app: FastAPI, **config):
         self.srv: Server = app.state.server
         timeout = self.srv.opts.shutdown_timeout
         # uvicorn's own limit is a backstop: the worker ends every open request at `timeout`
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=int(timeout) + 3, **config))
+        if self.srv.worker.core.exit_on_death:
+            self.srv.worker.on_death = self._core_died
+
+    def _core_died(self, reason: str) -> None:
+        log.critical("the server stops in %.0f s: %s", CORE_DEATH_EXIT_S, reason)
+        timer = threading.Timer(CORE_DEATH_EXIT_S, setattr, (self, "should_exit", True))
+        timer.daemon = True
+        timer.start()
 
     async def shutdown(self, sockets=None) -> None:
         self.srv.worker.drain(self.srv.opts.shutdown_timeout)
         await super().shutdown(sockets)
 
 
-def serve(llm: LLM, cfg: ServeConfig, opts: ServerOptions | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (`nextn serve`: nextn.cli builds the LLM and the configs)."""
+def serve(engine: LLM | CoreProcess, cfg: ServeConfig, opts: ServerOptions | None = None) -> int:
+    """Serve until SIGTERM/SIGINT, or until a core process dies (then the status is 1). `nextn
+    serve` (nextn.commands) starts the core process and builds the configs; an LLM of this process
+    is served from an engine thread."""
     if not logging.getLogger().handlers:  # the caller set up no logging: INFO lines to stderr
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(engine, cfg, opts)
+    srv: Server = app.state.server
     log.info(
         "serving %s on http://%s:%d (spec K=%d, context %d)",
-        cfg.served_model_name or llm.model_name,
+        srv.model_name,
         cfg.host,
         cfg.port,
-        llm.num_speculative_tokens,
-        llm.config.max_model_len,
+        srv.model.num_speculative_tokens,
+        srv.model.max_model_len,
     )
-    server = GracefulServer(create_app(llm, cfg, opts), host=cfg.host, port=cfg.port, log_level="info")
+    server = GracefulServer(app, host=cfg.host, port=cfg.port, log_level="info")
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
-    return 0
+    return 0 if srv.worker.death is None else 1

@@ -1,5 +1,5 @@
 """The two generation routes' work (/v1/chat/completions and /v1/completions): a request in,
-jobs submitted to the engine thread, the outputs formatted as one response or as SSE chunks.
+jobs submitted to the engine core, the outputs formatted as one response or as SSE chunks.
 
 Holds `Server` (what the routes share) with its `submit`, and maps the engine's refusals to
 OpenAI-shaped errors: a full queue is a 503 with Retry-After, a stopped engine a 503, a stream that
@@ -21,14 +21,14 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from nextn.core import RequestOutput, SamplingParams
-from nextn.engine.engine import StreamEvent
-from nextn.engine.llm import LLM, RequestError
+from nextn.core import RequestError, RequestOutput, SamplingParams
+from nextn.engine.core import RequestEvent
 from nextn.engine.scheduler import QueueFull
 from nextn.server import protocol as P
 from nextn.server import response_models as R
 from nextn.server.chat_output import ChatOutputParser, Parts, ReasoningStart
 from nextn.server.metrics import Metrics
+from nextn.server.model import ServedModel
 from nextn.server.options import ServerOptions
 from nextn.server.prepare import APIError, Prompts, text_content
 from nextn.server.responses import (
@@ -50,7 +50,7 @@ RETRY_AFTER_S = 1  # what a 503 for a full queue asks a client to wait
 class Server:
     """What the routes share."""
 
-    llm: LLM
+    model: ServedModel
     opts: ServerOptions
     worker: EngineWorker
     metrics: Metrics
@@ -186,7 +186,7 @@ async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Re
         created=created,
         model=srv.model_name,
         choices=[choice],
-        usage=usage([out], srv.llm.num_speculative_tokens),
+        usage=usage([out], srv.model.num_speculative_tokens),
         prompt_token_ids=prompt_ids if req.return_token_ids else None,
         prompt_logprobs=_prompt_logprobs(srv, req, out),
     )
@@ -199,7 +199,7 @@ def _prompt_logprobs(srv: Server, req: P.SamplingRequest, out: RequestOutput):
     return srv.logprobs.prompt(out.prompt_logprobs, req.prompt_logprobs)
 
 
-def token_fields(req: P.SamplingRequest, ev: StreamEvent, logprobs: Callable[[list[dict]], Any]) -> dict:
+def token_fields(req: P.SamplingRequest, ev: RequestEvent, logprobs: Callable[[list[dict]], Any]) -> dict:
     """A stream event's logprobs (in the route's shape: `logprobs` formats them) and token ids, as
     chunk fields. They go out even when the event's text is held back (split UTF-8, a pending stop
     string), so the streamed ones add up to the non-streamed."""
@@ -227,7 +227,7 @@ def usage_chunk(kind, srv: Server, rid: str, created: int, out: RequestOutput) -
             created=created,
             model=srv.model_name,
             choices=[],
-            usage=usage([out], srv.llm.num_speculative_tokens),
+            usage=usage([out], srv.model.num_speculative_tokens),
         )
     )
 
@@ -314,7 +314,7 @@ async def completion(srv: Server, req: P.CompletionRequest, request: Request) ->
         created=created,
         model=srv.model_name,
         choices=choices,
-        usage=usage(outs, srv.llm.num_speculative_tokens),
+        usage=usage(outs, srv.model.num_speculative_tokens),
     )
     return Response(to_json(resp), media_type="application/json")
 
@@ -329,7 +329,7 @@ def completion_choice(
 ) -> R.CompletionChoice:
     prefix = ""
     if req.echo:
-        prefix = prompt_text if prompt_text is not None else srv.llm.tokenizer.decode(prompt_ids)
+        prefix = prompt_text if prompt_text is not None else srv.model.tokenizer.decode(prompt_ids)
     logprobs = None
     if req.logprobs is not None:
         # offsets count each token's text (vLLM's), the echoed prompt's too: where the prompt has a
@@ -371,7 +371,7 @@ async def completion_stream(
         offset = 0
         first = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}  # on the first chunk (vLLM's)
         if req.echo:
-            prefix = prompt_text if prompt_text is not None else srv.llm.tokenizer.decode(prompt_ids)
+            prefix = prompt_text if prompt_text is not None else srv.model.tokenizer.decode(prompt_ids)
             offset = len(prefix)
             yield chunk(prefix, **first)
             first = {}

@@ -1,9 +1,10 @@
 """Server metrics in the Prometheus text format (vLLM's names under the `nextn:` prefix), and the
 periodic throughput/acceptance log line made from them.
 
-Owns the counters and histograms; the engine thread records into them (under one lock) and
-/metrics renders them. Session-store numbers are copied in by the engine thread, because the store
-belongs to that thread. Does not know HTTP.
+Owns the counters and histograms; the worker records into them (under one lock) as the engine
+core's events arrive, and /metrics renders them. The engine's own numbers (session store, batch
+sizes, CUDA graph counts) are copied in from the snapshot the core sends with each step's events.
+Does not know HTTP.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from nextn.engine.scheduler import SessionCounters
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 1.0)
+# the runner's CUDA graph counters (engine.runner.graph_counts), shown when the runner keeps them
+GRAPH_COUNTS = (
+    ("captures", "CUDA graph captures (the model runner's count)."),
+    ("replays", "CUDA graph replays (the model runner's count)."),
+    ("eager", "Forwards run eagerly, outside CUDA graphs (the model runner's count)."),
+)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 
 
@@ -104,6 +111,7 @@ class Metrics:
         self.sessions = SessionSnapshot()
         self.running = 0
         self.batch_sizes: dict[int, int] = {}  # batched rounds by requests held
+        self.graph_counts: dict[str, int] | None = None  # the runner's captures / replays / eager, if it counts
         self.waiting = 0
 
     def observe_first_token(self, seconds: float) -> None:
@@ -150,6 +158,13 @@ class Metrics:
         """Batched rounds launched so far by the number of requests they held (the engine's)."""
         with self._lock:
             self.batch_sizes = sizes
+
+    def set_engine(
+        self, sessions: SessionSnapshot, batch_sizes: dict[int, int], graph_counts: dict[str, int] | None
+    ) -> None:
+        """The engine core's numbers as of its last step (set_sessions and set_batch_sizes at once)."""
+        with self._lock:
+            self.sessions, self.batch_sizes, self.graph_counts = sessions, batch_sizes, graph_counts
 
     def set_queue(self, running: int, waiting: int) -> None:
         with self._lock:
@@ -230,6 +245,9 @@ class Metrics:
                 "Bytes held by kept session states: their cache slots and the CUDA graphs captured for them.",
                 s.memory_bytes,
             )
+            if self.graph_counts is not None:
+                for key, help_ in GRAPH_COUNTS:
+                    counter(f"nextn:graph_{key}_total", help_, self.graph_counts.get(key, 0))
             return "\n".join(lines) + "\n"
 
     def _spec_metrics(self, metric, counter) -> None:

@@ -7,7 +7,7 @@ message, never their internal text.
 A prompt too long for the context is refused on its characters before it is tokenized: a token
 covers at most `max_chars_per_token` characters of (NFC-normalised) text, a bound read from the
 vocabulary once. Blocking (rendering, tokenizing): the routes run these in a worker thread. Does
-not know HTTP or the engine thread.
+not know HTTP or the engine core.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ import unicodedata
 from contextlib import contextmanager
 from typing import Any
 
-from nextn.core import SamplingParams
-from nextn.engine.llm import LLM, RequestError, template_role
+from nextn.core import RequestError, SamplingParams
+from nextn.engine.llm import template_role
 from nextn.engine.scheduler import common_prefix
 from nextn.server import protocol as P
 from nextn.server import structured
 from nextn.server.chat_output import THINK_END, THINK_START, ReasoningStart, reasoning_start
+from nextn.server.model import ServedModel
 from nextn.server.responses import BYTE_LEVEL_ALPHABET
 from nextn.tokenizer import Tokenizer, TokenizerError
 
@@ -62,18 +63,18 @@ def max_chars_per_token(tok: Tokenizer) -> int:
 
 
 class Prompts:
-    def __init__(self, llm: LLM, model_name: str, reasoning_parser: str | None = None):
-        self.llm, self.tok, self.model_name = llm, llm.tokenizer, model_name
+    def __init__(self, model: ServedModel, model_name: str, reasoning_parser: str | None = None):
+        self.model, self.tok, self.model_name = model, model.tokenizer, model_name
         self.reasoning_parser = reasoning_parser
         if reasoning_parser and None in (self.tok.token_to_id(THINK_START), self.tok.token_to_id(THINK_END)):
             raise ValueError(
                 f"--reasoning-parser {reasoning_parser}: the tokenizer has no {THINK_START} and {THINK_END} tokens"
             )
-        self.max_len = llm.config.max_model_len
+        self.max_len = model.max_model_len
         self.max_chars = self.max_len * max_chars_per_token(self.tok)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, self.llm.model_name):
+        if name is not None and name not in (self.model_name, self.model.model_name):
             raise APIError(
                 400,
                 f"The model `{name[:100]}` does not exist; this server serves `{self.model_name}`.",
@@ -99,7 +100,7 @@ class Prompts:
 
     def check(self, prompt_ids: list[int], param: str) -> None:
         try:
-            self.llm.check_prompt(prompt_ids, SamplingParams())
+            self.model.check_prompt(prompt_ids, SamplingParams())
         except RequestError as e:
             too_long = len(prompt_ids) >= self.max_len
             raise APIError(400, str(e), param=param, code="context_length_exceeded" if too_long else None) from None
@@ -203,7 +204,7 @@ class Prompts:
         """The request's own values over the checkpoint's generation_config defaults over ours,
         checked against the model (stop_token_ids within its vocabulary)."""
         try:
-            params = self.llm.default_sampling_params(
+            params = self.model.default_sampling_params(
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
                 temperature=req.temperature,
@@ -222,7 +223,7 @@ class Prompts:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 structured_outputs=structured_outputs,
             )
-            self.llm.check_params(params)
+            self.model.check_params(params)
             return params
         except ValueError as e:
             name = str(e).split()[0]  # SamplingParams' (and check_params') messages start with the field's name

@@ -1,32 +1,47 @@
-"""The bridge between the event loop and the engine thread, the only thread that touches the
-engine. Jobs come in through a locked inbox; admission counts every open job (queued or running)
-against the engine's slots plus max_queue, so a job is refused (at once) only when the engine is
-really full. The engine thread hands jobs to the engine (its scheduler decides who runs, in which
-slot, for how many rounds) and calls `engine.step()` while there is work, feeding each event to its
-job. Draining (shutdown) refuses new jobs and ends the open ones at a deadline; if the engine
-thread dies, every open job and every later one fails at once with `Unavailable`.
+"""The API side of the engine core: jobs, admission, deliveries, metrics, drain and the core's death.
 
-A `Job` is the handle the HTTP side holds: it is fed from the engine thread (through the event
-loop's call_soon_threadsafe) and cancelled from the HTTP side (a flag the engine thread reads
-between steps; aborting between rounds keeps the session state). Does not know HTTP or JSON.
+The engine core (nextn.engine.core: the loop that owns the engine) runs in its own process under
+`nextn serve` (nextn.server.core_client.CoreProcess) or on a thread of this process (`ThreadCore`,
+for an `LLM` built here: tests, embedding). Either way the `EngineWorker` talks to it the same
+way: it sends AddRequest / AbortRequest messages, and the core calls `on_outputs` (one StepOutputs
+per loop turn: each request's events and a stats snapshot) and `on_dead` from its own thread.
+
+Admission counts every open job (sent and not yet over, queued or running) against the engine's
+slots plus max_queue, so a job is refused (at once) only when the engine is really full. A job is
+over when its last event, its error or the acknowledgement of its abort arrives. Draining
+(shutdown) refuses new jobs and ends the open ones at a deadline; once the core is gone, every open
+job and every later one fails at once with `Unavailable` naming the cause.
+
+A `Job` is the handle the HTTP side holds: fed on its event loop (a step's events reach each loop
+in one call_soon_threadsafe), cancelled from the HTTP side (an abort sent to the core; aborting
+between rounds keeps the session state). Does not know HTTP or JSON.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from nextn.config import ServeConfig
-from nextn.core import SamplingParams
-from nextn.engine.engine import StreamEvent
+from nextn.core import RequestError, SamplingParams
+from nextn.engine.core import (
+    AbortRequest,
+    AddRequest,
+    CoreStats,
+    EngineCore,
+    RequestEvent,
+    Shutdown,
+    StepOutputs,
+    run_loop,
+)
 from nextn.engine.llm import LLM
-from nextn.engine.scheduler import QueueFull, Request
+from nextn.engine.scheduler import QueueFull
 from nextn.server.metrics import Metrics, SessionSnapshot
+from nextn.server.model import ServedModel
 
 log = logging.getLogger("nextn.server")
 
@@ -36,7 +51,11 @@ class ClientGone(Exception):
 
 
 class Unavailable(Exception):
-    """The server takes no more work: it is shutting down, or the engine thread died (a 503)."""
+    """The server takes no more work: it is shutting down, or the engine core is gone (a 503)."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed on a request (its text is logged, never sent: a 500)."""
 
 
 class Job:
@@ -52,29 +71,27 @@ class Job:
         self.checkpoint_at = checkpoint_at  # where the session's rewind checkpoint goes (None: prompt end)
         self.loop = loop
         self.arrived = time.perf_counter()
-        self.cancelled = threading.Event()
-        self.req: Request | None = None  # the engine's request, once the engine thread took the job
+        self.request_id: int | None = None  # the worker's, once submitted
+        self.worker: EngineWorker | None = None
+        self.cancelled = False
         self.last_token_at: float | None = None
         self.num_generated = 0
-        self._items: deque[StreamEvent | BaseException] = deque()
+        self._items: deque[RequestEvent | BaseException] = deque()
         self._ready = asyncio.Event()  # belongs to `loop`; set only there
 
-    # --- engine thread side
-    def put(self, item: StreamEvent | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self._put, item)
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-            self.cancelled.set()
-
-    def _put(self, item) -> None:
+    def put(self, item: RequestEvent | BaseException) -> None:
+        """On the job's event loop (the worker posts here)."""
         self._items.append(item)
         self._ready.set()
 
-    # --- HTTP side
     def cancel(self) -> None:
-        self.cancelled.set()
+        """Stop the job's work (a no-op once it is over)."""
+        if not self.cancelled:
+            self.cancelled = True
+            if self.worker is not None:
+                self.worker.abort(self)
 
-    async def events(self, poll_s: float = 1.0, disconnected=None) -> AsyncIterator[StreamEvent]:
+    async def events(self, poll_s: float = 1.0, disconnected=None) -> AsyncIterator[RequestEvent]:
         """The job's events until the one carrying the output. `disconnected`: an async callable
         polled every `poll_s`; when it says so, raise ClientGone."""
         last_poll = time.monotonic()
@@ -100,154 +117,144 @@ class Job:
 
 
 class EngineWorker:
-    def __init__(self, llm: LLM, cfg: ServeConfig, metrics: Metrics):
-        self.llm, self.engine, self.cfg, self.metrics = llm, llm.engine, cfg, metrics
-        self.capacity = llm.config.max_num_seqs + cfg.max_queue  # open jobs: running plus queued
-        self._inbox: deque[Job] = deque()
-        self._cond = threading.Condition()  # guards _inbox, _num_open, _closed, _deadline
-        self._num_open = 0  # jobs submitted and not yet over
-        self._closed: str | None = None  # why no job is taken any more (stopped, or the engine died)
-        self._deadline: float | None = None  # draining: open jobs are ended at this time.monotonic()
-        self._jobs: dict[int, Job] = {}  # request id -> job (engine thread only)
-        self._thread = threading.Thread(target=self._run, name="nextn-engine", daemon=True)
+    """The jobs of one engine core; `core` is a ThreadCore or a CoreProcess (both: `model`,
+    `start(sink)`, `send(msg)`, `alive`, `stop()`, `exit_on_death`)."""
+
+    def __init__(self, core, capacity: int, metrics: Metrics):
+        self.core, self.capacity, self.metrics = core, capacity, metrics
+        self._lock = threading.Lock()  # guards _jobs, _closed, _timer; sends to the core happen under it (ordered)
+        self._jobs: dict[int, Job] = {}  # open jobs by request id
+        self._ids = itertools.count()
+        self._closed: str | None = None  # why no job is taken any more (stopped, or the core died)
+        self._timer: threading.Timer | None = None  # draining: ends the open jobs at the deadline
+        self._stats = CoreStats()
+        self.death: str | None = None  # why the core died, if it did
+        self.on_death: Callable[[str], None] | None = None  # called (on the core's thread) when it dies
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self._closed is None
+        return self._closed is None and self.core.alive
 
     @property
     def draining(self) -> bool:
-        return self._deadline is not None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def drain(self, timeout: float) -> None:
-        """Take no new job; end the open ones that are not over in `timeout` seconds (shutdown)."""
-        with self._cond:
-            if self._deadline is None:
-                self._deadline = time.monotonic() + timeout
-                log.info("draining: %d open requests get %.0f s", self._num_open, timeout)
-            self._cond.notify()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        with self._cond:
-            self._closed = self._closed or "the server is shutting down"
-            self._cond.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        return self._timer is not None
 
     @property
     def num_open(self) -> int:
         """Jobs submitted and not yet over: what admission counts."""
-        return self._num_open
+        return len(self._jobs)
 
     @property
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return self._stats.num_running
 
     @property
     def num_waiting(self) -> int:
-        return len(self._inbox) + len(self.engine.scheduler.waiting)
+        """Open jobs not running: queued in the engine or on their way to it."""
+        return max(0, len(self._jobs) - self._stats.num_running)
+
+    def start(self) -> None:
+        self.core.start(self)
+
+    def drain(self, timeout: float) -> None:
+        """Take no new job; end the open ones that are not over in `timeout` seconds (shutdown)."""
+        with self._lock:
+            if self._timer is not None:
+                return
+            log.info("draining: %d open requests get %.0f s", len(self._jobs), timeout)
+            self._timer = threading.Timer(timeout, self._end_all, (Unavailable("the server is shutting down"),))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._closed = self._closed or "the server is shutting down"
+            if self._timer is not None:
+                self._timer.cancel()
+        self._end_all(Unavailable(self._closed))
+        self.core.stop()
 
     def submit(self, job: Job) -> None:
-        """Queue a job or refuse it at once (never block the caller): Unavailable while draining or
-        once the engine is gone; QueueFull when every slot is taken and max_queue more wait."""
-        with self._cond:
-            if self._closed is not None or self._deadline is not None:
+        """Send a job to the core or refuse it at once (never block the caller): Unavailable while
+        draining or once the core is gone; QueueFull when every slot is taken and max_queue more wait."""
+        with self._lock:
+            if self._closed is not None or self._timer is not None:
                 raise Unavailable(self._closed or "the server is shutting down")
-            if self._num_open >= self.capacity:
-                raise QueueFull(f"{self._num_open} requests are running or waiting")
-            self._num_open += 1
-            self._inbox.append(job)
-            self._cond.notify()
+            if len(self._jobs) >= self.capacity:
+                raise QueueFull(f"{len(self._jobs)} requests are running or waiting")
+            job.request_id, job.worker = next(self._ids), self
+            self._jobs[job.request_id] = job
+            self.core.send(AddRequest(job.request_id, job.prompt_ids, job.params, job.checkpoint_at, True))
 
-    # --- the engine thread
+    def abort(self, job: Job) -> None:
+        """The client is gone: the core stops the job between rounds (the job is over when it says so)."""
+        with self._lock:
+            if job.request_id in self._jobs and self._closed is None:
+                self.core.send(AbortRequest(job.request_id))
 
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while self._closed is None and not self._inbox and not self.engine.has_work:
-                        self._cond.wait()
-                    if self._closed is not None:
-                        break
-                    jobs = list(self._inbox)
-                    self._inbox.clear()
-                    past_deadline = self._deadline is not None and time.monotonic() >= self._deadline
+    # --- called by the core, on its thread
+
+    def on_outputs(self, out: StepOutputs) -> None:
+        """A loop turn's events. Metrics first, then the events: a client that reads /metrics after
+        its answer sees it counted."""
+        self._stats = out.stats
+        s = out.stats
+        self.metrics.set_engine(
+            SessionSnapshot(s.sessions, s.num_session_states, s.session_memory_bytes), s.batch_sizes, s.graph_counts
+        )
+        items: list[tuple[Job, RequestEvent | BaseException]] = []
+        for ev in out.events:
+            job = self._jobs.get(ev.request_id)
+            if job is None:  # ended here already (a drain's deadline, a stop)
+                continue
+            if ev.aborted:
+                self._close(job, ended_early=True, aborted=True)
+            elif ev.error is not None:
+                self._close(job, ended_early=True)
+                items.append((job, RequestError(ev.error) if ev.bad_request else EngineError(ev.error)))
+            else:
+                self._timing(job, ev)
+                if ev.output is not None:
+                    self.metrics.finished(ev.output, time.perf_counter() - job.arrived)
+                    self._close(job)
+                if not job.cancelled:
+                    items.append((job, ev))
+        _post(items)
+
+    def on_dead(self, reason: str) -> None:
+        """The core is gone: every open job and every later one fails with Unavailable(reason)."""
+        with self._lock:
+            if self._closed is not None:  # stopped on purpose
+                return
+            self._closed = self.death = reason
+        log.critical("%s; the server answers 503 from now on", reason)
+        self._end_all(Unavailable(reason), count=False)
+        if self.on_death is not None:
+            self.on_death(reason)
+
+    # ---
+
+    def _end_all(self, error: Exception, count: bool = True) -> None:
+        """End every open job with `error` (the core is told to stop the ones it still runs)."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+            if self.core.alive and self._closed is None:
                 for job in jobs:
-                    self._add(job)
-                self._cancel_dropped()
-                if past_deadline:
-                    self._end_all(Unavailable("the server is shutting down"))
-                    continue
-                for req, ev in self.engine.step():
-                    self._deliver(self._jobs[req.request_id], ev)
-                self._snapshot_sessions()
-        except Exception:
-            log.critical("the engine thread died; the server answers 503 from now on", exc_info=True)
-            with self._cond:
-                self._closed = "the engine stopped after an internal error"
-        finally:
-            with self._cond:
-                leftover = list(self._jobs.values()) + list(self._inbox)
-                self._inbox.clear()
-                self._jobs.clear()
-                self._num_open = 0
-            for job in leftover:
-                job.put(Unavailable(self._closed))
-
-    def _end_all(self, error: Exception) -> None:
-        for job in list(self._jobs.values()):
-            self.engine.abort(job.req)
-            self._close(job, ended_early=True, aborted=True)
-            job.put(error)
+                    self.core.send(AbortRequest(job.request_id))
+        if count:
+            for job in jobs:
+                self.metrics.ended_early(True, len(job.prompt_ids), job.num_generated)
+        _post([(job, error) for job in jobs])
 
     def _close(self, job: Job, ended_early: bool = False, aborted: bool = False) -> None:
-        """The job is over: it leaves the open count (and its metrics are recorded by the caller)."""
-        if job.req is not None:
-            self._jobs.pop(job.req.request_id, None)
-        with self._cond:
-            self._num_open -= 1
+        """The job is over: it leaves the open count (its metrics recorded by the caller)."""
+        with self._lock:
+            self._jobs.pop(job.request_id, None)
         if ended_early:
             self.metrics.ended_early(aborted, len(job.prompt_ids), job.num_generated)
-            self._snapshot_sessions()
 
-    def _add(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            self._close(job, ended_early=True, aborted=True)
-            return
-        try:
-            job.req = self.engine.add(job.prompt_ids, job.params, use_sessions=True, checkpoint_at=job.checkpoint_at)
-        except Exception as e:  # a request the HTTP side did not foresee: the job fails alone
-            log.error("engine refused a request", exc_info=True)
-            self._close(job, ended_early=True)
-            job.put(e)
-            return
-        self._jobs[job.req.request_id] = job
-
-    def _cancel_dropped(self) -> None:
-        """Clients gone: stop their work between rounds (the session state is kept)."""
-        for job in list(self._jobs.values()):
-            if job.cancelled.is_set():
-                self.engine.abort(job.req)
-                self._close(job, ended_early=True, aborted=True)
-
-    def _deliver(self, job: Job, ev: StreamEvent | BaseException) -> None:
-        """Metrics first, then the event: a client that reads /metrics after its answer sees it counted."""
-        if isinstance(ev, BaseException):
-            log.error("engine failure: %r", ev)
-            self._close(job, ended_early=True)
-            job.put(ev)
-            return
-        self._timing(job, ev)
-        if ev.output is not None:
-            self.metrics.finished(ev.output, time.perf_counter() - job.arrived)
-            self._close(job)
-            self._snapshot_sessions()
-        job.put(ev)
-
-    def _timing(self, job: Job, ev: StreamEvent) -> None:
+    def _timing(self, job: Job, ev: RequestEvent) -> None:
         if not ev.token_ids:
             return
         t = time.perf_counter()
@@ -260,15 +267,67 @@ class EngineWorker:
         job.last_token_at = t
         job.num_generated += len(ev.token_ids)
 
-    def _snapshot_sessions(self) -> None:
-        """Copy the scheduler's session numbers for /metrics (they are this thread's)."""
-        sched = self.engine.scheduler
-        self.metrics.set_batch_sizes(dict(self.engine.batch_sizes))
-        self.metrics.set_sessions(
-            SessionSnapshot(
-                dataclasses.replace(sched.counters),
-                len(sched.sessions),
-                # a kept conversation holds its slot and the graphs captured for it
-                len(sched.sessions) * self.engine.pool.slot_nbytes + self.engine.runner.graph_memory.of(sched.sessions),
-            )
-        )
+
+def _post(items: list[tuple[Job, RequestEvent | BaseException]]) -> None:
+    """Hand items to their jobs on the jobs' event loops: one wake-up per loop, not per job."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for job, item in items:
+        by_loop.setdefault(job.loop, []).append((job, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+
+def _put_all(batch: list[tuple[Job, RequestEvent | BaseException]]) -> None:
+    for job, item in batch:
+        job.put(item)
+
+
+class ThreadCore:
+    """The engine core on a thread of this process, over an LLM built here (tests, embedding): the
+    loop of nextn.engine.core with an in-memory inbox. If the loop dies the server stays up and
+    answers 503 (the LLM is its caller's)."""
+
+    exit_on_death = False
+
+    def __init__(self, llm: LLM):
+        self.model = ServedModel.of_llm(llm)
+        self.core = EngineCore(llm.engine)
+        self._inbox: deque = deque()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="nextn-engine", daemon=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self, sink: EngineWorker) -> None:
+        self._sink = sink
+        self._thread.start()
+
+    def send(self, msg) -> None:
+        with self._cond:
+            self._inbox.append(msg)
+            self._cond.notify()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self.send(Shutdown())
+            self._thread.join(timeout)
+
+    def _receive(self, block: bool) -> list:
+        with self._cond:
+            while block and not self._inbox:
+                self._cond.wait()
+            inputs = list(self._inbox)
+            self._inbox.clear()
+        return inputs
+
+    def _run(self) -> None:
+        try:
+            run_loop(self.core, self._receive, self._sink.on_outputs)
+        except Exception:
+            log.critical("the engine thread died", exc_info=True)
+            self._sink.on_dead("the engine stopped after an internal error")
