@@ -1,0 +1,56 @@
+"""Rounds of greedy requests are CUDA graphs keyed by the batch's size and Ks, not by which slots
+run: the slots are device values the graph reads (nextn.cache.StepBatch.follow), so once a batch
+size was seen, a batch of other slots replays its graph. On the CPU, the same keyed batches run
+eagerly: their slot tensors follow the requests whatever slots they hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nextn
+
+CUDA = torch.cuda.is_available()
+PROMPTS = [[5, 9, 40, 7], [11, 3, 2, 8, 90], [4, 4, 61]]
+
+
+def _run(engine, prompts, params):
+    """Outputs of the prompts run together, and the slots they ran in."""
+    reqs = [engine.add(p, params) for p in prompts]
+    outputs = {}
+    while len(outputs) < len(reqs):
+        for r, ev in engine.step():
+            if ev.output is not None:
+                outputs[r.request_id] = ev.output.token_ids
+    return [outputs[r.request_id] for r in reqs], {r.seq.slot for r in reqs}
+
+
+def _check(device: str, dtype: str):
+    """The same batch twice, in other slots the second time (freed slots go to the back of the
+    free list): both equal the requests alone. Returns the graph counts after each."""
+    params = nextn.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    llm = nextn.LLM(device=device, dtype=dtype, num_speculative_tokens=3, max_num_seqs=6)
+    engine = llm.engine
+    alone = [_run(engine, [p], params)[0][0] for p in PROMPTS[:3]]
+    first, slots = _run(engine, PROMPTS[:3], params)
+    counts = dict(engine.runner.graph_counts)
+    again, other_slots = _run(engine, PROMPTS[:3], params)
+    assert first == again == alone
+    assert slots != other_slots, (slots, other_slots)
+    return counts, dict(engine.runner.graph_counts)
+
+
+def test_keyed_batches_follow_their_slots_on_the_cpu():
+    """Eager (CPU): a batch in other slots emits what the requests emit alone; every round ran eagerly."""
+    before, after = _check("cpu", "float32")
+    assert after["captures"] == before["captures"] == 0 and after["eager"] > before["eager"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_a_new_batch_composition_replays_a_graph():
+    """On a GPU, a batch seen once (its sizes and Ks) run again in other slots captures nothing and
+    runs nothing eagerly: its rounds replay the graphs of their sizes, and emit what they emit alone."""
+    before, after = _check("cuda", "bfloat16")
+    assert after["captures"] == before["captures"] and after["eager"] == before["eager"], (before, after)
+    assert after["replays"] > before["replays"]
