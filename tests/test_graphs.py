@@ -26,16 +26,19 @@ def _run(engine, prompts, params):
 
 
 def _check(device: str, dtype: str):
-    """The same batch twice, in other slots the second time (freed slots go to the back of the
-    free list): both equal the requests alone. Returns the graph counts after each."""
+    """The same batch three times (freed slots go to the back of the free list, so the runs change
+    slots): every run equals the requests alone. A round key seen once is captured the second time
+    it is seen, so after two runs every key of the batch has its graph. Returns the graph counts
+    before and after the third run."""
     params = nextn.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     llm = nextn.LLM(device=device, dtype=dtype, num_speculative_tokens=3, max_num_seqs=6)
     engine = llm.engine
-    alone = [_run(engine, [p], params)[0][0] for p in PROMPTS[:3]]
-    first, slots = _run(engine, PROMPTS[:3], params)
+    alone = [_run(engine, [p], params)[0][0] for p in PROMPTS]
+    first, _ = _run(engine, PROMPTS, params)
+    second, slots = _run(engine, PROMPTS, params)
     counts = dict(engine.runner.graph_counts)
-    again, other_slots = _run(engine, PROMPTS[:3], params)
-    assert first == again == alone
+    third, other_slots = _run(engine, PROMPTS, params)
+    assert first == second == third == alone
     assert slots != other_slots, (slots, other_slots)
     return counts, dict(engine.runner.graph_counts)
 
@@ -49,8 +52,9 @@ def test_keyed_batches_follow_their_slots_on_the_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_a_new_batch_composition_replays_a_graph():
-    """On a GPU, a batch seen once (its sizes and Ks) run again in other slots captures nothing and
-    runs nothing eagerly: its rounds replay the graphs of their sizes, and emit what they emit alone."""
+    """On a GPU, a batch whose round keys (sizes and Ks) have graphs, run again in other slots than
+    the run before, captures nothing and runs nothing eagerly: its rounds replay the graphs of their
+    sizes, and emit what they emit alone."""
     before, after = _check("cuda", "bfloat16")
     assert after["captures"] == before["captures"] and after["eager"] == before["eager"], (before, after)
     assert after["replays"] > before["replays"]

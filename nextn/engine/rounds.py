@@ -228,8 +228,9 @@ def launch(runner, proposer, rounds: list[RequestRounds]) -> None:
     slots = [m.cache.slot for m in members]
     if rounds[0].grammar is not None:  # host masks inside the round: never captured
         key = ("round", tuple(zip(slots, (m.k for m in members), strict=True)), id(proposer), traced)
+        clock = runner.clock(key) if traced else None
         runner.graph_counts["eager"] += 1
-        device_round(runner, proposer, members, runner.clock(key) if traced else None)
+        device_round(runner, proposer, members, clock)
     elif all(m.sampler.plain_greedy for m in members):  # one graph per batch size and Ks, any slots
         key = ("greedy round", tuple(m.k for m in members), id(proposer), traced)
         clock = runner.clock(key) if traced else None
