@@ -58,3 +58,19 @@ def test_a_new_batch_composition_replays_a_graph():
     before, after = _check("cuda", "bfloat16")
     assert after["captures"] == before["captures"] and after["eager"] == before["eager"], (before, after)
     assert after["replays"] > before["replays"]
+
+
+def test_pad_members_change_nothing():
+    """Rounds padded to their size bucket with members on spare slots (on by default with graphs;
+    here on the CPU, forced): three requests run as a batch of four, and each emits what it emits
+    alone, greedy and with drafts accepted in different numbers; a pad's slot then serves a request."""
+    params = nextn.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    llm = nextn.LLM(device="cpu", num_speculative_tokens=3, max_num_seqs=6)
+    engine = llm.engine
+    alone = [_run(engine, [p], params)[0][0] for p in PROMPTS + [[9, 9, 1, 4]]]
+    engine.runner.pad_rounds = True
+    together, _ = _run(engine, PROMPTS, params)
+    assert 4 in engine.runner._slot_sets and 3 not in engine.runner._slot_sets  # padded: one graph size for 3
+    assert together == alone[:3]
+    # every slot has run as a pad or a request by now: a request in any of them is still itself
+    assert _run(engine, PROMPTS + [[9, 9, 1, 4]], params)[0] == alone

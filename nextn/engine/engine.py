@@ -165,6 +165,7 @@ class Engine:
         events += self._prefill()
         running = [req for req in self.scheduler.running if req.request_id in self.live]
         if running:
+            self.runner.spare_slots = list(self.scheduler.free)  # what pad members may take (a round's own)
             events += self._run(running, prefilled=self.prefilled_rows > 0)
         return events
 

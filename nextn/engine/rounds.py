@@ -49,7 +49,9 @@ from nextn.engine.sampler import SlotSampler
 from nextn.engine.sequence import Sequence
 from nextn.grammar import GrammarState
 from nextn.model_config import ModelConfig
+from nextn.sampling import SamplerKind
 from nextn.spec.adaptive import AdaptiveK
+from nextn.spec.k_policy import bucket
 
 _N, _DRAFTED, _TOKENS = 0, 1, 2  # fields of a round's outcome buffer
 
@@ -101,6 +103,9 @@ def device_round(runner, proposer, members: list[Member], clock=None) -> None:
     # the trunk step's batch: every member's [pending, drafts] rows (its slots as device values)
     batch = runner.batch([m.cache for m in members], [m.k + 1 for m in members])
     slots = batch.slot_index
+    if runner.pads is not None:  # pad members (nextn.engine.rounds._pads) start from an empty sequence
+        ctl = tensors["ctl"].index_select(0, slots)
+        tensors["ctl"].index_copy_(0, slots, torch.where(runner.pads[:, None], runner.empty_ctl, ctl))
     befores = tensors["ctl"].index_select(0, slots)
     drafting = [b for b, m in enumerate(members) if m.k > 0]
     counted = proposer.propose([members[b] for b in drafting]) if drafting else None
@@ -225,6 +230,8 @@ def launch(runner, proposer, rounds: list[RequestRounds]) -> None:
     eagerly when they are constrained: all or none); each queues the read of its outcome."""
     members = [r.member() for r in rounds]
     traced = rounds[0].trace is not None
+    if rounds[0].grammar is None and runner.pad_rounds and len({m.k for m in members}) == 1:
+        members += _pads(runner, members)
     slots = [m.cache.slot for m in members]
     if rounds[0].grammar is not None:  # host masks inside the round: never captured
         key = ("round", tuple(zip(slots, (m.k for m in members), strict=True)), id(proposer), traced)
@@ -234,7 +241,7 @@ def launch(runner, proposer, rounds: list[RequestRounds]) -> None:
     elif all(m.sampler.plain_greedy for m in members):  # one graph per batch size and Ks, any slots
         key = ("greedy round", tuple(m.k for m in members), id(proposer), traced)
         clock = runner.clock(key) if traced else None
-        with runner.follow_slots(slots):
+        with runner.follow_slots(slots, len(rounds)):
             runner.run(key, lambda: device_round(runner, proposer, members, clock))
     else:  # per-slot sampling values and uniforms in the graph: one per batch of (slot, K, sampler kind)
         key = ("round", tuple((m.cache.slot, m.k, m.sampler.kind) for m in members), id(proposer), traced)
@@ -242,6 +249,28 @@ def launch(runner, proposer, rounds: list[RequestRounds]) -> None:
         runner.run(key, lambda: device_round(runner, proposer, members, clock), tuple(slots))
     for r in rounds:
         r.queue_read(clock)
+
+
+class _PadSampler(NamedTuple):
+    """A pad member's sampler: plain greedy (it reads no sampling values)."""
+
+    plain_greedy: bool = True
+    kind: SamplerKind = SamplerKind(greedy=True)
+
+
+def _pads(runner, members: list[Member]) -> list[Member]:
+    """Members on spare slots (free ones, which hold no request or session) that fill a batch of
+    plain greedy members at one K up to its size bucket (nextn.spec.k_policy.bucket), so rounds of
+    1..bucket requests share one graph. A pad's counters are reset as its round starts (inside the
+    graph: `device_round`), so its rows stay within its slot whatever it ran before; its outcome is
+    never read, and a request admitted to its slot later resets the slot. None without enough
+    spare slots (or where a member is not plain greedy)."""
+    need = bucket(len(members)) - len(members)
+    spare = runner.spare_slots
+    if not need or len(spare) < need or not all(m.sampler.plain_greedy for m in members):
+        return []
+    k = members[0].k
+    return [Member(runner.slot(s), _PadSampler(), Buffers.of(runner.slot(s)), k) for s in spare[:need]]
 
 
 def first_token(cache: SlotCache, sampler: SlotSampler, buf: Buffers, seq: Sequence) -> None:

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache import SlotCache, SlotPool, StepBatch, commit_ctl
+from nextn.cache.hybrid import NUM_CTL, reset_ctl
 from nextn.config import STEP_ROWS, EngineConfig
 from nextn.engine.sequence import Sequence
 from nextn.models.qwen3_5 import CausalLM, ReferenceStep
@@ -66,6 +67,15 @@ class ModelRunner:
         # launch of a round keyed by its size (`follow_slots`), and the one in force (None: keys by slot)
         self._slot_sets: dict[int, torch.Tensor] = {}
         self._following: torch.Tensor | None = None
+        # pad members: rounds of plain greedy requests at one K fill their batch to its size bucket
+        # with members on spare slots (nextn.engine.rounds._pads), so 1..bucket requests share a graph;
+        # on with graphs (without, a pad is only extra rows). spare_slots: the engine's free slots
+        self.pad_rounds = self.use_graphs
+        self.spare_slots: list[int] = []
+        self._pad_masks: dict[int, torch.Tensor] = {}
+        self.pads: torch.Tensor | None = None  # the batch followed now: which members pad (bool [B])
+        self.empty_ctl = torch.zeros(NUM_CTL, dtype=torch.int32, device=self.device)
+        reset_ctl(self.empty_ctl)
         # device work by how it ran: captured into a graph, replayed, run eagerly (/metrics)
         self.graph_counts = {"captures": 0, "replays": 0, "eager": 0}
 
@@ -86,19 +96,23 @@ class ModelRunner:
         return batch
 
     @contextlib.contextmanager
-    def follow_slots(self, slots: list[int]):
+    def follow_slots(self, slots: list[int], real: int):
         """Within: the step batches `batch` makes take their slots from a device tensor of this
         batch size, written here (stream-ordered after any work that read it), so the device work
-        run within (`run`, keyed without the slots) serves any slots of the same kind."""
-        held = self._slot_sets.get(len(slots))
+        run within (`run`, keyed without the slots) serves any slots of the same kind; `pads` says
+        which of them pad the batch (those past the first `real`)."""
+        B = len(slots)
+        held, pads = self._slot_sets.get(B), self._pad_masks.get(B)
         if held is None:
-            held = self._slot_sets[len(slots)] = torch.zeros(len(slots), dtype=torch.int32, device=self.device)
+            held = self._slot_sets[B] = torch.zeros(B, dtype=torch.int32, device=self.device)
+            pads = self._pad_masks[B] = torch.zeros(B, dtype=torch.bool, device=self.device)
         held.copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
-        self._following = held
+        pads.copy_(torch.arange(B) >= real, non_blocking=True)
+        self._following, self.pads = held, pads
         try:
             yield
         finally:
-            self._following = None
+            self._following = self.pads = None
 
     def index(self, values: list[int]) -> torch.Tensor:
         """A long device tensor of these values (made once)."""
