@@ -313,7 +313,8 @@ def test_gdn_step_live_rows(live):
 def test_gdn_step_slots(T, dtype):
     """slots = (state_at, state_write, conv_at, conv_write) in the device tensor: carried columns from
     the window and the state from states[state_at] give bitwise what conv_home / state_home give;
-    writes land at the offsets and nowhere else; store_all=False stores only the last token's state."""
+    writes land at the offsets and nowhere else; store_all=False (a prefill step) stores only the
+    last token's state and the window's last W-1 columns (the next step's carried ones)."""
     H, HV, K, V, W, eps, T_max = 2, 4, 16, 32, 4, 1e-6, 8
     half = W - 1 + T_max
     g = torch.Generator(device=DEVICE).manual_seed(20 + T)
@@ -327,9 +328,10 @@ def test_gdn_step_slots(T, dtype):
     )
     state_at, state_write, conv_at, conv_write = 2 * T_max - 1, 3, half + 2, 1
     slots = [state_at, state_write, conv_at, conv_write]
-    written_cols = torch.zeros(2 * half, dtype=torch.bool, device=DEVICE)
-    written_cols[conv_write : conv_write + W - 1 + T] = True
     for store_all in (True, False):
+        written_cols = torch.zeros(2 * half, dtype=torch.bool, device=DEVICE)
+        width = W - 1 + T if store_all else W - 1  # the whole window, or its last W-1 columns
+        written_cols[conv_write : conv_write + width] = True
         win, st = _gdn_buffers(c, H, HV, K, V, W, T_max)
         win[:, conv_at : conv_at + W - 1] = c["conv_home"]
         st[state_at] = c["state_home"]
@@ -340,7 +342,7 @@ def test_gdn_step_slots(T, dtype):
         assert torch.equal(out2, out), store_all
         assert not triton_utils._COUNTERS[out.device].any()
         # the window: the step's columns at conv_write, bitwise; every other column as it was
-        assert torch.equal(win[:, written_cols], window[:, : W - 1 + T])
+        assert torch.equal(win[:, written_cols], window[:, : W - 1 + T] if store_all else window[:, T : T + W - 1])
         assert torch.equal(_bits(win[:, ~written_cols]), _bits(win0[:, ~written_cols]))
         assert torch.equal(win[:, conv_at : conv_at + W - 1], c["conv_home"])  # the read columns kept
         untouched = ~written_cols
@@ -371,7 +373,8 @@ def test_gdn_step_slots(T, dtype):
                 states=st1,
             )
             assert torch.equal(one_out[0], out[T - 1]) and torch.equal(st1[T_max], states[T - 1])
-            assert torch.equal(win1[:, half : half + W], window[:, T - 1 : T - 1 + W])
+            # (a prefill step: the last W-1 columns of its carried columns and its one input)
+            assert torch.equal(win1[:, half : half + W - 1], window[:, T : T - 1 + W])
 
 
 # ---------------------------------------------------------------------------------------------

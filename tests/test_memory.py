@@ -15,7 +15,7 @@ from nextn.cache import pool as pool_mod
 from nextn.cache.hybrid import HybridCache, nbytes_of, tensor_specs
 from nextn.cache.pool import CacheMemoryError, GiB, check_fits
 from nextn.cli import main
-from nextn.config import MAX_NUM_SEQS, PREFILL_CHUNK, STEP_ROWS, EngineConfig, SpecConfig
+from nextn.config import ATTENTION_ROWS, MAX_NUM_SEQS, PREFILL_CHUNK, STEP_ROWS, EngineConfig, SpecConfig
 from nextn.engine import memory
 from nextn.model_config import ModelConfig
 from nextn.models.random_weights import PRESETS
@@ -53,7 +53,10 @@ def test_sequences_that_fit_is_the_budget_over_a_slot_and_its_share_of_the_reser
     assert memory.sequences_that_fit(cfg_9b, 8192, 3, r.fixed // 2, BF16) == 0
     # the reserve: the runner's step rows (float32 logits) and a chunked prefill's logits at least
     assert r.per_seq >= 4 * (4 * cfg_9b.vocab_size) and r.fixed >= 2 * PREFILL_CHUNK * cfg_9b.vocab_size * 4
-    assert memory.reserve(cfg_9b, 3, BF16, "steps").fixed < r.fixed  # steps prefill: STEP_ROWS rows, no chunk logits
+    # a steps prefill packs a whole chunk's rows too, and adds the step attention's partials over the context
+    steps = memory.reserve(cfg_9b, 3, BF16, "steps", 8192)
+    partials = ATTENTION_ROWS * cfg_9b.num_attention_heads * -(-(8192 + 32) // 128) * (cfg_9b.head_dim + 2) * 4
+    assert steps.fixed == r.fixed + partials and steps.per_seq == r.per_seq
 
 
 def _fake_gpu(monkeypatch, total: int, in_use: int) -> None:

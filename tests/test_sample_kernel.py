@@ -240,7 +240,13 @@ def test_greedy_accept_kernel_is_its_reference_bitwise(heads):
         NS(cache=NS(slot=slot, cache=NS(tensors=ref), rows=7, cols=3), buf=NS(verify_ids=ref["verify_ids"][slot]), k=k)
         for slot, k in zip(slots, ks, strict=True)
     ]
-    rounds._accept_greedy(runner, NS(offsets=offsets), group, index, befores, logits, ix(counts), heads)
+
+    class Batch(NS):  # the step batch's offsets and device slots (the sampled members' in slots 1 and 3)
+        def __len__(self):
+            return len(offsets)
+
+    batch = Batch(offsets=offsets, slot_index=ix([1, 4, 0, 3, 2, 5]))
+    rounds._accept_greedy(runner, batch, group, index, befores, logits, ix(counts), heads)
     table = commit_table(cache.rows, cache.cols, True, True, logits.device)
     accept_greedy(logits.argmax(-1), ix([offsets[b] for b in index]), ix(slots), ix(ks), ix(counts), ix(index),
                   befores, fast, table, heads)  # fmt: skip
