@@ -74,3 +74,21 @@ def test_pad_members_change_nothing():
     assert together == alone[:3]
     # every slot has run as a pad or a request by now: a request in any of them is still itself
     assert _run(engine, PROMPTS + [[9, 9, 1, 4]], params)[0] == alone
+
+
+def test_warm_up_rounds_leave_the_slots_empty():
+    """The start-up warm-up (rounds of pad members at every batch bucket and K; on a GPU it captures
+    their graphs) runs here eagerly: afterwards every slot is an empty sequence again and requests
+    emit what they emitted before it."""
+    from nextn.cache.hybrid import SEQ_LEN
+    from nextn.engine.rounds import warm_up
+
+    params = nextn.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = nextn.LLM(device="cpu", num_speculative_tokens=3, max_num_seqs=4)
+    engine = llm.engine
+    expected, _ = _run(engine, PROMPTS, params)
+    eager = engine.runner.graph_counts["eager"]
+    assert warm_up(engine.runner, engine.proposer, 4, [0, 3]) == 0  # (no graphs on the CPU)
+    assert engine.runner.graph_counts["eager"] - eager == 3 * 2 * 2  # sizes 1, 2, 4; K 0 and 3; twice each
+    assert not engine.runner.pool.cache.ctl[:, SEQ_LEN].any()
+    assert _run(engine, PROMPTS, params)[0] == expected

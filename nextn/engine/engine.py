@@ -13,6 +13,7 @@ holds the Leader that sends them).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from nextn.config import STEP_ROWS, EngineConfig
 from nextn.core import RequestOutput, SamplingParams, SpecStats
 from nextn.engine.memory import cache_layout, fit_cache
 from nextn.engine.replica import Leader, seeded
-from nextn.engine.rounds import RequestRounds, Round, advance
+from nextn.engine.rounds import RequestRounds, Round, advance, warm_up
 from nextn.engine.runner import ModelRunner, Piece
 from nextn.engine.scheduler import Request, Scheduler
 from nextn.engine.stops import StopStrings
@@ -34,6 +35,8 @@ from nextn.sampling import token_logprobs, top_logprobs
 from nextn.spec.k_policy import make_policy, request_k
 from nextn.spec.proposer import MTPProposer
 from nextn.tokenizer import IncrementalDecoder, Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,6 +107,13 @@ class Engine:
         self.k_policy = make_policy(config.spec) if config.tensor_parallel_size == 1 else None
         self._timed: tuple | None = None  # the last step's (batch size, choice, counts, prefilled) for the policy
         self.prefilled_rows = 0  # prompt tokens the last step prefilled
+        if self.runner.use_graphs and self.runner.pad_rounds:  # the rounds' graphs before any request
+            t0 = time.perf_counter()
+            k_max = config.spec.num_speculative_tokens
+            ks = list(range(k_max + 1)) if self.k_policy is not None else [k_max]
+            n = warm_up(self.runner, self.proposer, config.max_num_seqs, ks)
+            log.info("captured %d round graphs (K %s, batches up to %d) in %.1f s", n, ks, config.max_num_seqs,
+                     time.perf_counter() - t0)  # fmt: skip
 
     def add(
         self,

@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache import SlotCache, commit_ctl
-from nextn.cache.hybrid import DRAFT_LEN, NUM_CTL, NUM_GEN, SEQ_LEN, commit_table
+from nextn.cache.hybrid import DRAFT_LEN, NUM_CTL, NUM_GEN, SEQ_LEN, commit_table, reset_ctl
 from nextn.config import SpecConfig
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.runner import PhaseClock
@@ -271,6 +271,29 @@ def _pads(runner, members: list[Member]) -> list[Member]:
         return []
     k = members[0].k
     return [Member(runner.slot(s), _PadSampler(), Buffers.of(runner.slot(s)), k) for s in spare[:need]]
+
+
+@torch.inference_mode()
+def warm_up(runner, proposer, max_batch: int, ks: list[int]) -> int:
+    """Capture the graphs of greedy rounds at every batch-size bucket up to max_batch and each K of
+    ks before any request runs (a key runs eagerly the first time, is captured the second), so a
+    server's first requests replay rather than capture. The rounds run on pad members only (every
+    slot is free now; their counters are reset inside the round) and the slots are emptied after.
+    Returns the graphs captured."""
+    before = runner.graph_counts["captures"]
+    sizes = sorted({bucket(b) for b in range(1, max_batch + 1)})
+    for size in sizes:
+        if size > runner.pool.num_slots:
+            break
+        slots = list(range(size))
+        for k in ks:
+            members = [Member(runner.slot(s), _PadSampler(), Buffers.of(runner.slot(s)), k) for s in slots]
+            key = ("greedy round", (k,) * size, id(proposer), False)
+            for _ in range(2):
+                with runner.follow_slots(slots, 0):
+                    runner.run(key, lambda members=members: device_round(runner, proposer, members))
+    reset_ctl(runner.pool.cache.ctl)
+    return runner.graph_counts["captures"] - before
 
 
 def first_token(cache: SlotCache, sampler: SlotSampler, buf: Buffers, seq: Sequence) -> None:
