@@ -4,13 +4,13 @@
 # of 60-900 tokens cut from nextn/engine/rounds.py (Python the bundled model never trained on), greedy,
 # ignore_eos, streamed /v1/completions, measured by `nextn bench serve` into $OUT/serve_<tag>_k<K>_<out>_c<C>.json.
 # Usage: bash bench/serve_bench.sh TAG [K ...]   (TAG names the tree: run from the tree under test)
-# Env: SERVE_FLAGS adds server flags; NUM_PER_STREAM prompts per stream (4); OUTS, CONCS the output lengths
+# Env: SERVE_FLAGS adds server flags; NUM_PER_STREAM prompts per stream (8); OUTS, CONCS the output lengths
 # (128 512) and stream counts (16 64).
 set -o pipefail
 TAG=${1:-new}; shift
 KS=${*:-0 3}
 PORT=8123
-per=${NUM_PER_STREAM:-4}
+per=${NUM_PER_STREAM:-8}
 for K in $KS; do
   python3 -m nextn.cli serve --model nextn/default_model --spec-k $K --max-num-seqs 64 --port $PORT \
     --log-level warning $SERVE_FLAGS > $OUT/server_${TAG}_k$K.log 2>&1 &
