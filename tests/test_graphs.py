@@ -74,11 +74,26 @@ def test_pad_members_change_nothing():
     assert together == alone[:3]
     # every slot has run as a pad or a request by now: a request in any of them is still itself
     assert _run(engine, PROMPTS + [[9, 9, 1, 4]], params)[0] == alone
+    # a kept session's slot serves as a pad and keeps its sequence: its next turn equals a cold run
+    first = engine.add([3, 14, 15, 92], params, use_sessions=True)
+    turn = None
+    while turn is None:
+        turn = next((ev.output for r, ev in engine.step() if r is first and ev.output is not None), None)
+    session = first.seq.slot
+    assert session in engine.scheduler.sessions
+    _, slots = _run(engine, PROMPTS, params)  # three requests, padded to four: the spare slots include it
+    follow = [3, 14, 15, 92] + turn.token_ids + [7, 7]
+    cold_ids = _run(engine, [follow], params)[0][0]
+    warm = engine.add(follow, params, use_sessions=True)
+    out = None
+    while out is None and engine.has_work:
+        out = next((ev.output for r, ev in engine.step() if r is warm and ev.output is not None), None)
+    assert warm.seq.slot == session and out.cached_tokens > 4 and out.token_ids == cold_ids
 
 
 def test_warm_up_rounds_leave_the_slots_empty():
     """The start-up warm-up (rounds of pad members at every batch bucket and K; on a GPU it captures
-    their graphs) runs here eagerly: afterwards every slot is an empty sequence again and requests
+    their graphs) runs here eagerly: afterwards every slot's counters are as they were and requests
     emit what they emitted before it."""
     from nextn.cache.hybrid import SEQ_LEN
     from nextn.engine.rounds import warm_up
@@ -87,8 +102,9 @@ def test_warm_up_rounds_leave_the_slots_empty():
     llm = nextn.LLM(device="cpu", num_speculative_tokens=3, max_num_seqs=4)
     engine = llm.engine
     expected, _ = _run(engine, PROMPTS, params)
-    eager = engine.runner.graph_counts["eager"]
+    eager, ctl = engine.runner.graph_counts["eager"], engine.runner.pool.cache.ctl.clone()
+    assert ctl[:, SEQ_LEN].any()  # the slots hold the sequences run before
     assert warm_up(engine.runner, engine.proposer, 4, [0, 3]) == 0  # (no graphs on the CPU)
     assert engine.runner.graph_counts["eager"] - eager == 3 * 2 * 2  # sizes 1, 2, 4; K 0 and 3; twice each
-    assert not engine.runner.pool.cache.ctl[:, SEQ_LEN].any()
+    assert torch.equal(engine.runner.pool.cache.ctl, ctl)
     assert _run(engine, PROMPTS, params)[0] == expected

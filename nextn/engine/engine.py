@@ -175,7 +175,8 @@ class Engine:
         events += self._prefill()
         running = [req for req in self.scheduler.running if req.request_id in self.live]
         if running:
-            self.runner.spare_slots = list(self.scheduler.free)  # what pad members may take (a round's own)
+            # what pad members may take: slots no request runs in (free, or kept sessions')
+            self.runner.spare_slots = self.scheduler.free + list(self.scheduler.sessions)
             events += self._run(running, prefilled=self.prefilled_rows > 0)
         return events
 

@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache import SlotCache, commit_ctl
-from nextn.cache.hybrid import DRAFT_LEN, NUM_CTL, NUM_GEN, SEQ_LEN, commit_table, reset_ctl
+from nextn.cache.hybrid import DRAFT_LEN, NUM_CTL, NUM_GEN, SEQ_LEN, commit_table
 from nextn.config import SpecConfig
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.runner import PhaseClock
@@ -103,9 +103,6 @@ def device_round(runner, proposer, members: list[Member], clock=None) -> None:
     # the trunk step's batch: every member's [pending, drafts] rows (its slots as device values)
     batch = runner.batch([m.cache for m in members], [m.k + 1 for m in members])
     slots = batch.slot_index
-    if runner.pads is not None:  # pad members (nextn.engine.rounds._pads) start from an empty sequence
-        ctl = tensors["ctl"].index_select(0, slots)
-        tensors["ctl"].index_copy_(0, slots, torch.where(runner.pads[:, None], runner.empty_ctl, ctl))
     befores = tensors["ctl"].index_select(0, slots)
     drafting = [b for b, m in enumerate(members) if m.k > 0]
     counted = proposer.propose([members[b] for b in drafting]) if drafting else None
@@ -131,6 +128,10 @@ def device_round(runner, proposer, members: list[Member], clock=None) -> None:
     for b, m in enumerate(members):
         if b not in plain:
             _accept(m, befores[b], num_drafts[b], proposer is not None)
+    if runner.pads is not None:  # pad members (nextn.engine.rounds._pads) commit nothing: their counters back
+        tensors["ctl"].index_copy_(
+            0, slots, torch.where(runner.pads[:, None], befores, tensors["ctl"].index_select(0, slots))
+        )
     _mark(clock, 3)
 
 
@@ -259,12 +260,13 @@ class _PadSampler(NamedTuple):
 
 
 def _pads(runner, members: list[Member]) -> list[Member]:
-    """Members on spare slots (free ones, which hold no request or session) that fill a batch of
-    plain greedy members at one K up to its size bucket (nextn.spec.k_policy.bucket), so rounds of
-    1..bucket requests share one graph. A pad's counters are reset as its round starts (inside the
-    graph: `device_round`), so its rows stay within its slot whatever it ran before; its outcome is
-    never read, and a request admitted to its slot later resets the slot. None without enough
-    spare slots (or where a member is not plain greedy)."""
+    """Members on spare slots (free ones, or kept sessions': no request runs there) that fill a batch
+    of plain greedy members at one K up to its size bucket (nextn.spec.k_policy.bucket), so rounds
+    of 1..bucket requests share one graph. A pad's round leaves its slot as it was: it writes only
+    where no committed state lives (K/V and draft K/V past the committed positions, the step halves
+    of the GDN buffers, the round buffers a request's start rewrites) and its counters are put back
+    at the round's end (inside the graph: `device_round`); its outcome is never read. None without
+    enough spare slots (or where a member is not plain greedy)."""
     need = bucket(len(members)) - len(members)
     spare = runner.spare_slots
     if not need or len(spare) < need or not all(m.sampler.plain_greedy for m in members):
@@ -277,9 +279,8 @@ def _pads(runner, members: list[Member]) -> list[Member]:
 def warm_up(runner, proposer, max_batch: int, ks: list[int]) -> int:
     """Capture the graphs of greedy rounds at every batch-size bucket up to max_batch and each K of
     ks before any request runs (a key runs eagerly the first time, is captured the second), so a
-    server's first requests replay rather than capture. The rounds run on pad members only (every
-    slot is free now; their counters are reset inside the round) and the slots are emptied after.
-    Returns the graphs captured."""
+    server's first requests replay rather than capture. The rounds run on pad members only (a
+    pad's round leaves its slot as it was). Returns the graphs captured."""
     before = runner.graph_counts["captures"]
     sizes = sorted({bucket(b) for b in range(1, max_batch + 1)})
     for size in sizes:
@@ -292,7 +293,6 @@ def warm_up(runner, proposer, max_batch: int, ks: list[int]) -> int:
             for _ in range(2):
                 with runner.follow_slots(slots, 0):
                     runner.run(key, lambda members=members: device_round(runner, proposer, members))
-    reset_ctl(runner.pool.cache.ctl)
     return runner.graph_counts["captures"] - before
 
 

@@ -25,7 +25,6 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache import SlotCache, SlotPool, StepBatch, commit_ctl
-from nextn.cache.hybrid import NUM_CTL, reset_ctl
 from nextn.config import STEP_ROWS, EngineConfig
 from nextn.engine.sequence import Sequence
 from nextn.models.qwen3_5 import CausalLM, ReferenceStep
@@ -69,13 +68,11 @@ class ModelRunner:
         self._following: torch.Tensor | None = None
         # pad members: rounds of plain greedy requests at one K fill their batch to its size bucket
         # with members on spare slots (nextn.engine.rounds._pads), so 1..bucket requests share a graph;
-        # on with graphs (without, a pad is only extra rows). spare_slots: the engine's free slots
+        # on with graphs (without, a pad is only extra rows). spare_slots: slots no request runs in
         self.pad_rounds = self.use_graphs
         self.spare_slots: list[int] = []
         self._pad_masks: dict[int, torch.Tensor] = {}
         self.pads: torch.Tensor | None = None  # the batch followed now: which members pad (bool [B])
-        self.empty_ctl = torch.zeros(NUM_CTL, dtype=torch.int32, device=self.device)
-        reset_ctl(self.empty_ctl)
         # device work by how it ran: captured into a graph, replayed, run eagerly (/metrics)
         self.graph_counts = {"captures": 0, "replays": 0, "eager": 0}
 
