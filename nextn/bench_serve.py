@@ -467,10 +467,13 @@ def device_name() -> str:
 
 def tokenizer_path(args) -> str | None:
     """--tokenizer; else the checkpoint the bench starts the server with; else --model when it is a
-    local directory with a tokenizer.json; else None (lengths in characters / 4)."""
+    local directory with a tokenizer.json; else None (lengths in characters / 4). A server started
+    with --random-weights has no checkpoint: --tokenizer is then needed (and goes to it too)."""
     from nextn.hub import resolve_model
 
     path = args.tokenizer
+    if path is None and _random_weights(args) is not None:
+        raise ValueError("--random-weights needs --tokenizer DIR (the server it starts and the bench both use it)")
     if path is None and args.base_url is None:
         path = str(resolve_model(args.model))
     elif path is None and args.model is not None and (Path(args.model) / "tokenizer.json").is_file():
@@ -482,7 +485,13 @@ def tokenizer_path(args) -> str | None:
 
 def _serve_flags(args) -> list[str]:
     model = ["--model", args.model] if args.model is not None else []
-    return model + (["--api-key", args.api_key] if args.api_key else []) + args.serve_flags
+    tokenizer = ["--tokenizer", args.tokenizer] if _random_weights(args) is not None else []
+    return model + (["--api-key", args.api_key] if args.api_key else []) + tokenizer + args.serve_flags
+
+
+def _random_weights(args) -> str | None:
+    """The --random-weights preset of the server the bench starts (None: a checkpoint, or --base-url)."""
+    return getattr(args.serve, "random_weights", None)
 
 
 def _launched_spec_k(serve) -> int | None:

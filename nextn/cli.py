@@ -49,6 +49,25 @@ def _common(p: argparse.ArgumentParser, model_help: str = "default: the bundled 
     )
 
 
+def _random_weights(p: argparse.ArgumentParser, tokenizer: bool = True) -> None:
+    """generate / serve / bench: a released shape with random weights instead of a checkpoint."""
+    p.add_argument(
+        "--random-weights",
+        default=None,
+        metavar="PRESET",
+        help="instead of MODEL, a released config with random weights drawn on the device (qwen3.5-9b, "
+        "qwen3.5-27b, qwen3.5-35b-a3b)" + ("; needs --tokenizer" if tokenizer else ""),
+    )
+    if tokenizer:
+        p.add_argument(
+            "--tokenizer",
+            default=None,
+            metavar="DIR",
+            help="a directory with tokenizer.json (and tokenizer_config.json) to use instead of the checkpoint's "
+            "(bench/qwen_tokenizer.py writes Qwen3.5's for --random-weights)",
+        )
+
+
 def _draft_vocab_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-vocab",
@@ -139,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a continuation of one prompt")
-    _common(g)
+    _common(g, model_help="default: the bundled model; or --random-weights")
+    _random_weights(g)
     _quantization(g)
     _memory(g)
     _tensor_parallel(g)
@@ -186,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _common(s)
+    _common(s, model_help="default: the bundled model; or --random-weights")
+    _random_weights(s)
     _quantization(s)
     _memory(s)
     _tensor_parallel(s)
@@ -273,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     _quantization(b)
     _memory(b)
     _tensor_parallel(b)
-    b.add_argument("--random-weights", default=None, help="preset of a released config with random weights")
+    _random_weights(b, tokenizer=False)  # the bench's prompts are token ids: no tokenizer
     b.add_argument(
         "--max-model-len",
         type=int,

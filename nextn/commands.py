@@ -126,6 +126,8 @@ def _llm_args(args, **engine) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        random_weights=args.random_weights,
+        tokenizer=args.tokenizer,
         **engine,
     )
 

@@ -5,10 +5,11 @@ single-request forms, `LLM.generate(prompt_token_ids=[...], params=SamplingParam
 `LLM.stream`, a generator of one request's events.
 
 A thin layer over the engine (nextn.engine.engine): it finds the model (a directory or a hub id),
-loads it and its tokenizer, resolves device and dtype "auto", reads the checkpoint's sampling
-defaults (generation_config.json), validates the configuration once and runs the engine loop for
-its caller. It does not schedule: a batch of prompts goes to the engine at once, and the engine
-decides how they share it.
+loads it and its tokenizer (or draws a random-weight preset's weights, beside a tokenizer directory
+given), resolves device and dtype "auto", reads the checkpoint's sampling defaults
+(generation_config.json), validates the configuration once and runs the engine loop for its caller.
+It does not schedule: a batch of prompts goes to the engine at once, and the engine decides how
+they share it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from nextn.engine.replica import Leader, follow
 from nextn.hub import resolve_model
 from nextn.model_config import ModelConfig, read_generation_config
 from nextn.models.loader import load_model
+from nextn.models.random_weights import preset_config, random_model
 from nextn.parallel.launch import RankError, Ranks, check_ranks, initialized, rank, rank_device, start
 from nextn.spec.draft_vocab import DraftVocab, load_draft_vocab
 from nextn.tokenizer import Tokenizer
@@ -76,8 +78,15 @@ class LLM:
         kv_cache_dtype: str = "auto",
         k_policy: str = "fixed",
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        random_weights: str | None = None,
+        tokenizer: str | Path | None = None,
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
+        random_weights: instead of a checkpoint (model None), a preset of a released shape
+        (nextn.models.random_weights.PRESETS, e.g. "qwen3.5-9b") with random weights drawn on the
+        device (MTP head included; bfloat16 on CUDA under dtype "auto"); it needs `tokenizer`.
+        tokenizer: a directory with a tokenizer.json (and tokenizer_config.json: eos token, chat
+        template) used instead of the checkpoint's; its vocabulary must fit the model's vocab_size.
         device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
         max_model_len: tokens per sequence, at most the checkpoint's max_position_embeddings (None:
         DEFAULT_MAX_MODEL_LEN, 8192, or the checkpoint's own if that is less).
@@ -103,6 +112,7 @@ class LLM:
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
         check_kv_cache_dtype(kv_cache_dtype)  # before the weights load
+        _check_weights_source(model, random_weights, tokenizer)
         device = resolve_device(device)  # before a download: a CUDA request on a CPU torch fails at once
         check_kernels(kernels, device)
         # every setting checked before a download or a weight is read: K and the context provisional
@@ -110,7 +120,7 @@ class LLM:
         vocab = DraftVocab((0,)) if isinstance(draft_vocab, str | Path) else draft_vocab
         dtype_name = resolve_dtype(dtype, device, None)
         _engine_config(model, device, dtype_name, DEFAULT_K_WITH_HEAD if k is None else k, settings, vocab)
-        model_dir = resolve_model(model)
+        model_dir = None if random_weights is not None else resolve_model(model)
         self._boxes: dict[int, deque] = {}
         self._abandoned: list = []  # streams dropped before their first event (see stream)
         self._ranks = _start_ranks(tensor_parallel_size, device, model_dir, settings)
@@ -120,29 +130,46 @@ class LLM:
             self.close()
             raise
 
-    def _load(self, model, model_dir: Path, device: str, dtype: str, k: int | None, settings: dict) -> None:
-        """The tokenizer, this rank's model and the engine (with the other ranks ready, if it started them)."""
+    def _load(self, model, model_dir: Path | None, device: str, dtype: str, k: int | None, settings: dict) -> None:
+        """The tokenizer, this rank's model and the engine (with the other ranks ready, if it started them).
+        model_dir None: the random_weights preset's model."""
         s = settings
         tp, quantization, draft_vocab = s["tensor_parallel_size"], s["quantization"], s["draft_vocab"]
-        self.tokenizer = Tokenizer(model_dir)
-        cfg = ModelConfig.from_hf(model_dir)  # checked before the weights load: the context, the draft vocabulary
-        max_len = _max_model_len(s["max_model_len"], cfg.max_position_embeddings, model_dir)
+        preset = s["random_weights"]
+        # the engine config's `model` is the directory the tokenizer comes from: a server's API process
+        # reads it there (nextn.engine.core.model_facts)
+        tokenizer_dir = model_dir if s["tokenizer"] is None else Path(s["tokenizer"])
+        self.tokenizer = Tokenizer(tokenizer_dir)
+        # checked before the weights load: the vocabulary, the context, the draft vocabulary
+        cfg = _model_config(model_dir, preset)
+        source = f"the {preset} preset" if preset is not None else str(model_dir)
+        if s["tokenizer"] is not None and self.tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(
+                f"tokenizer {tokenizer_dir} has {self.tokenizer.vocab_size} tokens, more than the "
+                f"vocab_size {cfg.vocab_size} of {source}"
+            )
+        limit_where = source if preset is not None else model_dir / "config.json"
+        max_len = _max_model_len(s["max_model_len"], cfg.max_position_embeddings, limit_where)
         if draft_vocab is not None:
             draft_vocab = _draft_vocab(draft_vocab, cfg.vocab_size, self.tokenizer)
-        dtype = resolve_dtype(dtype, device, cfg.dtype)  # what load_model resolves it to
+        dtype = resolve_dtype(dtype, device, cfg.dtype)  # what load_model resolves it to (presets: bfloat16)
         # the configuration checked again before the weights load (K provisional while no head is known)
-        _engine_config(model_dir, device, dtype, DEFAULT_K_WITH_HEAD if k is None else k, s, draft_vocab, max_len)
-        self.model = load_model(model_dir, device=device, dtype=dtype, quantization=quantization, tp=(rank(), tp))
-        self.model_name = str(model) if model is not None and not Path(model).is_dir() else model_dir.name
-        self.sampling_defaults = _read_sampling_defaults(model_dir)
+        _engine_config(tokenizer_dir, device, dtype, DEFAULT_K_WITH_HEAD if k is None else k, s, draft_vocab, max_len)
+        if preset is not None:  # drawn on the device (seconds, even for the large shapes)
+            self.model = random_model(preset, device, dtype, quantization=quantization, tp=(rank(), tp))
+            self.model_name, self.sampling_defaults = preset, {}
+        else:
+            self.model = load_model(model_dir, device=device, dtype=dtype, quantization=quantization, tp=(rank(), tp))
+            self.model_name = str(model) if model is not None and not Path(model).is_dir() else model_dir.name
+            self.sampling_defaults = _read_sampling_defaults(model_dir)
         has_head = self.model.mtp is not None
         if k is None:
             k = DEFAULT_K_WITH_HEAD if has_head else 0
             if not has_head:
-                log.warning("%s has no MTP head; plain decoding (spec K=0)", model_dir)
+                log.warning("%s has no MTP head; plain decoding (spec K=0)", source)
         if k > 0 and not has_head:
-            raise ValueError(f"num_speculative_tokens={k} needs an MTP head; {model_dir} has none")
-        self.config = _engine_config(model_dir, device, dtype, k, s, draft_vocab, max_len)
+            raise ValueError(f"num_speculative_tokens={k} needs an MTP head; {source} has none")
+        self.config = _engine_config(tokenizer_dir, device, dtype, k, s, draft_vocab, max_len)
         leader = None if self._ranks is None else Leader(self._ranks)
         self.engine = Engine(self.model, self.tokenizer, self.config, leader)
         self.config = self.engine.config  # max_num_seqs resolved
@@ -387,14 +414,38 @@ class LLM:
 _READY = "ready"
 
 
-def _start_ranks(size: int, device: str, model_dir: Path, settings: dict) -> Ranks | None:
+def _start_ranks(size: int, device: str, model_dir: Path | None, settings: dict) -> Ranks | None:
     """Under tensor parallelism, from a process of its own: the other ranks, started (this process
     becomes rank 0) after the checks that need no process (a size the devices or the heads refuse)."""
     check_ranks(size, device)
     if size == 1 or initialized():
         return None
-    ModelConfig.from_hf(model_dir).shard(0, size)
-    return start(size, device, _follow, {**settings, "model": str(model_dir), "device": device})
+    _model_config(model_dir, settings["random_weights"]).shard(0, size)
+    model = None if model_dir is None else str(model_dir)
+    return start(size, device, _follow, {**settings, "model": model, "device": device})
+
+
+def _check_weights_source(model, random_weights: str | None, tokenizer: str | Path | None) -> None:
+    """A checkpoint or a random-weight preset, not both; a preset known and given a tokenizer; a
+    tokenizer directory that holds a tokenizer.json (before any download or weight)."""
+    if random_weights is not None:
+        if model is not None:
+            raise ValueError(
+                f"random_weights={random_weights!r} replaces the checkpoint: give it or a model ({model}), not both"
+            )
+        preset_config(random_weights)  # an unknown preset names the known ones
+        if tokenizer is None:
+            raise ValueError(
+                f"random_weights={random_weights!r} needs a tokenizer: a directory with tokenizer.json "
+                "(--tokenizer DIR; bench/qwen_tokenizer.py writes Qwen3.5's)"
+            )
+    if tokenizer is not None and not (Path(tokenizer) / "tokenizer.json").is_file():
+        raise ValueError(f"tokenizer {tokenizer}: no tokenizer.json there (give the directory that holds it)")
+
+
+def _model_config(model_dir: Path | None, preset: str | None) -> ModelConfig:
+    """The whole model's config: the random-weight preset's, else the checkpoint's."""
+    return preset_config(preset) if preset is not None else ModelConfig.from_hf(model_dir)
 
 
 def _follow(conn, settings: dict) -> None:
@@ -456,14 +507,14 @@ def _template_messages(conversation: list[dict], where: str) -> list[dict]:
     ]
 
 
-def _max_model_len(max_model_len: int | None, limit: int, model_dir: Path) -> int:
-    """max_model_len, or its default, within the checkpoint's max_position_embeddings."""
+def _max_model_len(max_model_len: int | None, limit: int, where) -> int:
+    """max_model_len, or its default, within the checkpoint's max_position_embeddings (read from `where`)."""
     if max_model_len is None:
         return min(DEFAULT_MAX_MODEL_LEN, limit)
     if max_model_len > limit:
         raise ValueError(
             f"max_model_len={max_model_len} is more than the checkpoint supports: max_position_embeddings "
-            f"{limit} in {model_dir / 'config.json'}"
+            f"{limit} in {where}"
         )
     return max_model_len
 

@@ -1,6 +1,7 @@
 """Released Qwen3.5 text shapes (`PRESETS`) as models with random weights drawn on the device, for
-benchmarks and tests of shapes no checkpoint here holds, and the weight bytes a decoded token
-reads (the roofline's numerator). Does not time anything (nextn.bench_measure does).
+benchmarks and tests of shapes no checkpoint here holds (`nextn bench`, and `LLM(random_weights=...)`
+behind generate and serve), and the weight bytes a decoded token reads (the roofline's numerator).
+Does not time anything (nextn.bench_measure does).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import math
 
 import torch
 
+from nextn.cache.pool import GiB, available_bytes
 from nextn.config import check_quantization
 from nextn.model_config import ModelConfig
 from nextn.models.loader import DTYPES, fuse_weights, quantize_model
@@ -66,6 +68,13 @@ PRESETS = {
 }
 
 
+def preset_config(preset: str) -> ModelConfig:
+    """A preset's model config (no weight made); an unknown name is a ValueError listing the presets."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    return ModelConfig.from_dict(PRESETS[preset])
+
+
 @torch.no_grad()
 def random_model(
     preset: str, device: str, dtype: str, seed: int = 0, quantization: str | None = None, tp: tuple[int, int] = (0, 1)
@@ -75,9 +84,7 @@ def random_model(
     quantization "fp8": then quantized as a checkpoint loaded with it would be (128x128 blocks).
     tp (rank, size): this rank's shard of the same weights (each whole tensor drawn, then cut)."""
     check_quantization(quantization)
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    cfg = ModelConfig.from_dict(PRESETS[preset])
+    cfg = preset_config(preset)
     torch_dtype = DTYPES[dtype]
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch_dtype)
@@ -87,6 +94,7 @@ def random_model(
             model = CausalLM(cfg.shard(*tp), num_mtp_layers=1)
     finally:
         torch.set_default_dtype(default)
+    _check_fits(preset, model, device, dtype)
     model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     for (name, w), p in zip(whole.named_parameters(), model.parameters(), strict=True):
@@ -98,6 +106,19 @@ def random_model(
     if quantization == "fp8":
         quantize_model(model)
     return fuse_weights(model.eval())
+
+
+def _check_fits(preset: str, model: CausalLM, device: str, dtype: str) -> None:
+    """The weights' bytes against the device's free memory, before any is drawn: a shape too large for
+    it (9B in float32 on a laptop's CPU) is a one-line error, not the kernel's OOM killer."""
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    free = available_bytes(torch.device(device))
+    if nbytes > free:
+        hint = "; run it on a GPU (--device cuda)" if torch.device(device).type == "cpu" else ""
+        raise ValueError(
+            f"the {preset} preset's weights take {nbytes / GiB:.1f} GiB in {dtype}, more than the "
+            f"{free / GiB:.1f} GiB free on {device}{hint}"
+        )
 
 
 def _random_(name: str, p: torch.Tensor, gen: torch.Generator, cfg: ModelConfig) -> None:
