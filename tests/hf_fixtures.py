@@ -908,3 +908,24 @@ def _replace_mtp_tensors(model_dir: Path, fused: dict[str, torch.Tensor]) -> Non
             written |= mine
     if written != new.keys():
         raise RuntimeError(f"{model_dir}: mtp tensors on disk differ from the head's: {sorted(written ^ new.keys())}")
+
+
+def tiny_preset(vocab_size: int = 8192) -> dict:
+    """A random-weights preset of the 9B's kind at test scale (nextn.models.random_weights.PRESETS)."""
+    from nextn.models import random_weights
+
+    return dict(
+        random_weights.PRESETS["qwen3.5-9b"],
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        max_position_embeddings=2048,
+    )

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from hf_fixtures import tiny_preset
 
 from nextn import bench, bench_measure
 from nextn.cli import main
@@ -51,21 +52,7 @@ def test_acceptance_profile_and_sampled_runs(dense_ckpt):
 
 
 def test_random_preset_builds_and_decodes(monkeypatch, tmp_path):
-    tiny = dict(
-        random_weights.PRESETS["qwen3.5-9b"],
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        max_position_embeddings=2048,
-    )
+    tiny = tiny_preset(vocab_size=300)
     monkeypatch.setitem(random_weights.PRESETS, "tiny", tiny)
     model = random_weights.random_model("tiny", "cpu", "float32")
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hf_fixtures import tiny_preset
 
 import nextn
 from nextn import bench_serve
@@ -30,24 +31,6 @@ from nextn.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = str(DEFAULT_MODEL_DIR)  # 8192 tokens
-
-
-def tiny_preset(vocab_size: int = 8192) -> dict:
-    return dict(
-        random_weights.PRESETS["qwen3.5-9b"],
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        max_position_embeddings=2048,
-    )
 
 
 @pytest.fixture
