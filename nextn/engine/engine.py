@@ -222,6 +222,9 @@ class Engine:
                 hi = lo + (hi - lo) // self.config.prefill_chunk * self.config.prefill_chunk
             todo.append((req, state, hi))
             budget -= hi - state.done
+        if not todo:  # (no sync either: the rounds queued ahead keep running)
+            self.prefilled_rows = 0
+            return []
         pieces = [
             Piece(req.seq, req.prompt_ids[state.done : hi], self._prompt_logprobs(req, state, state.done))
             for req, state, hi in todo
@@ -239,7 +242,8 @@ class Engine:
             if req.use_sessions and state.done == state.split and not state.checkpointed:
                 self.runner.checkpoint(req.seq)
                 state.checkpointed = True
-        _sync(self.runner.device)
+        if pieces:  # the prefill's wall time (a host wait, in steps that prefill only)
+            _sync(self.runner.device)
         seconds = time.perf_counter() - t0
         for req, state, _ in todo:
             state.seconds += seconds
