@@ -175,9 +175,13 @@ class Engine:
         events += self._prefill()
         running = [req for req in self.scheduler.running if req.request_id in self.live]
         if running:
-            # what pad members may take: slots no request runs in (free, or kept sessions')
+            # what pad members may take: slots no request runs in (free, or kept sessions'), for this
+            # step's rounds only (a round run another way must not pad onto a slot taken since)
             self.runner.spare_slots = self.scheduler.free + list(self.scheduler.sessions)
-            events += self._run(running, prefilled=self.prefilled_rows > 0)
+            try:
+                events += self._run(running, prefilled=self.prefilled_rows > 0)
+            finally:
+                self.runner.spare_slots = []
         return events
 
     def _fail(self, req: Request, e: Exception) -> tuple[Request, Exception]:
