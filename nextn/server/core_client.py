@@ -108,7 +108,12 @@ class CoreProcess:
             if self.proc.is_alive():
                 self._push.send(self._encode(Shutdown()))
             self._stopping = True  # (under the lock: the reader takes the exit that follows for a stop)
-        self.proc.join(timeout)
+        # the reader thread reaps the process once it exits: wait for it rather than join here too (two
+        # threads waiting on one child race: the loser's waitpid fails and the child reads as alive)
+        if self._reader is not None and self._reader.is_alive():
+            self._reader.join(timeout)
+        else:
+            self.proc.join(timeout)
         if self.proc.is_alive():
             log.warning("the engine core did not stop in %.0f s: killed", timeout)
             self.proc.kill()
