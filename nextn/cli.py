@@ -244,6 +244,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-open", action="store_true", help="/metrics without the API key (for scrapers)")
     s.add_argument("--log-interval", type=float, default=10.0, help="seconds between throughput log lines (0: none)")
     s.add_argument(
+        "--timeout-keep-alive", type=int, default=5, help="seconds an idle kept-alive connection stays open (uvicorn's)"
+    )
+    s.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client gets to send a request's headers (from connecting or its last response), "
+        "then as long for its body; a late one is closed (headers) or answered 408 (body)",
+    )
+    s.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=None,
+        help="open connections at most; past it the oldest idle one is closed, or the new one answered 503 "
+        "(default: half the open-file limit, raised at start towards the hard one; at most 4096)",
+    )
+    s.add_argument(
         "--reasoning-parser",
         default=None,
         choices=["qwen3"],

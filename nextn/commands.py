@@ -154,6 +154,9 @@ def _serve(args) -> int:
         metrics_open=args.metrics_open,
         log_interval=args.log_interval,
         reasoning_parser=args.reasoning_parser,
+        timeout_keep_alive=args.timeout_keep_alive,
+        request_read_timeout=args.request_read_timeout,
+        limit_concurrency=args.limit_concurrency,
     )
     _check_address(cfg.host, cfg.port)
     llm_args = _llm_args(

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import resource
 import threading
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -34,6 +36,13 @@ from nextn.engine.llm import LLM
 from nextn.server import protocol as P
 from nextn.server import response_models as R
 from nextn.server.completions import Server, chat_completion, completion
+from nextn.server.connections import (
+    GuardedH11Protocol,
+    accept_backlog,
+    default_limit_concurrency,
+    limit_transport_logs,
+    raise_fd_limit,
+)
 from nextn.server.core_client import CoreProcess
 from nextn.server.guard import Guard
 from nextn.server.metrics import Metrics, ThroughputLog
@@ -112,6 +121,7 @@ def create_app(engine: LLM | CoreProcess, cfg: ServeConfig, opts: ServerOptions 
         Guard,
         api_key=cfg.api_key,
         max_request_bytes=opts.max_request_bytes,
+        read_timeout=opts.request_read_timeout,
         open_paths=frozenset(open_paths),
         on_reject=metrics.rejected_request,
     )
@@ -203,7 +213,8 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         if e.status_code >= 500:
             log.error("HTTP %d: %s", e.status_code, e.detail)
             return error_response(e.status_code, "The server failed on this request.", "server_error")
-        return error_response(e.status_code, str(e.detail), "invalid_request_error")
+        # e.headers: a 405's `Allow` (RFC 9110 requires it), for one
+        return error_response(e.status_code, str(e.detail), "invalid_request_error", headers=e.headers)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, e: ClientGone) -> Response:
@@ -258,13 +269,31 @@ class GracefulServer(uvicorn.Server):
     """uvicorn, with the worker drained first when it shuts down (SIGTERM/SIGINT or should_exit):
     open requests get `shutdown_timeout` seconds, then end with an error (a stream: a final error
     event), so the connections close and uvicorn's own wait returns. Over a core process, the
-    core's death shuts the server down too (CORE_DEATH_EXIT_S after it)."""
+    core's death shuts the server down too (CORE_DEATH_EXIT_S after it). Connections are uvicorn's
+    h11 ones with a header deadline and a cap that evicts idle ones (nextn.server.connections)."""
 
     def __init__(self, app: FastAPI, **config):
         self.srv: Server = app.state.server
-        timeout = self.srv.opts.shutdown_timeout
+        opts = self.srv.opts
+        timeout = opts.shutdown_timeout
+        fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = opts.limit_concurrency if opts.limit_concurrency is not None else default_limit_concurrency(fds)
+        limit_transport_logs()
+        backlog = accept_backlog(fds, limit)
+        http = functools.partial(GuardedH11Protocol, read_timeout=opts.request_read_timeout, max_connections=limit)
         # uvicorn's own limit is a backstop: the worker ends every open request at `timeout`
-        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=int(timeout) + 3, **config))
+        super().__init__(
+            uvicorn.Config(
+                app,
+                http=http,
+                timeout_keep_alive=opts.timeout_keep_alive,
+                # its 503 check counts closing connections too: ours decides, this is a backstop
+                limit_concurrency=2 * limit + backlog,
+                backlog=backlog,
+                timeout_graceful_shutdown=int(timeout) + 3,
+                **config,
+            )
+        )
         if self.srv.worker.core.exit_on_death:
             self.srv.worker.on_death = self._core_died
 
@@ -285,6 +314,7 @@ def serve(engine: LLM | CoreProcess, cfg: ServeConfig, opts: ServerOptions | Non
     is served from an engine thread."""
     if not logging.getLogger().handlers:  # the caller set up no logging: INFO lines to stderr
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise_fd_limit()  # before the connection cap is derived from it
     app = create_app(engine, cfg, opts)
     srv: Server = app.state.server
     log.info(

@@ -201,8 +201,9 @@ def parse_tool_call(body: str, schemas: dict[str, dict]) -> tuple[str, dict[str,
     if m:
         parameters = schemas.get(m.group(1))
         props, _ = schema_properties(parameters)
+        memo: dict = {}  # the walks of one call's parameters share what they read of its schema
         return m.group(1), {
-            p: _xml_value(v.removeprefix("\n").removesuffix("\n"), props.get(p), parameters)
+            p: _xml_value(v.removeprefix("\n").removesuffix("\n"), props.get(p), parameters, memo)
             for p, v in _PARAMETER.findall(m.group(2))
         }
     try:
@@ -249,7 +250,7 @@ def schema_properties(parameters: dict | None) -> tuple[dict, set[str]]:
     return (props if isinstance(props, dict) else {}), {r for r in required if isinstance(r, str)}
 
 
-def _xml_value(text: str, schema: Any, parameters: Any) -> Any:
+def _xml_value(text: str, schema: Any, parameters: Any, memo: dict | None = None) -> Any:
     """An XML parameter's text as its schema's types (`parameters`: the tool's schema, the root of
     its `$ref`s): strings as written (the templates write them raw), booleans and null as the
     templates write them (Python's True/False/None) or JSON, the rest as JSON. A schema that names no
@@ -258,7 +259,7 @@ def _xml_value(text: str, schema: Any, parameters: Any) -> Any:
     schema's)."""
     if schema is None:  # a parameter the tool does not declare
         return text
-    types = schema_types(schema, parameters)
+    types = schema_types(schema, parameters, memo)
     if types <= {"string"}:
         return text
     if "boolean" in types and text.strip().lower() in ("true", "false"):
@@ -279,37 +280,63 @@ _JSON_TYPES = {type(None): "null", bool: "boolean", int: "integer", float: "numb
 _JSON_TYPES |= {str: "string", list: "array", dict: "object"}
 
 
-def schema_types(schema: Any, root: Any, depth: int = 0) -> set[str | None]:
+MAX_SCHEMA_DEPTH = 16  # `$ref` hops and `anyOf` / `oneOf` levels a schema walk follows; deeper: unread
+
+
+def schema_types(schema: Any, root: Any, memo: dict | None = None) -> set[str | None]:
     """The JSON types `schema` allows, read from `type`, or through `$ref` (into `root`), `anyOf` /
-    `oneOf`, `enum` and `const`; None in the set when a schema says nothing it can read."""
-    if not isinstance(schema, dict) or depth > 16:
+    `oneOf`, `enum` and `const`; None in the set when a schema says nothing it can read.
+
+    Memoised per (subschema, depth): a client's `anyOf` of `$ref`s that all lead to one definition,
+    nested a few levels, is walked once per node, not once per path (9 branches 8 deep were 9**8
+    paths, minutes of CPU). `memo` may be shared by the calls of one request over one `root`."""
+    return _schema_types(schema, root, 0, {} if memo is None else memo)
+
+
+def _schema_types(schema: Any, root: Any, depth: int, memo: dict) -> set[str | None]:
+    if not isinstance(schema, dict) or depth > MAX_SCHEMA_DEPTH:
         return {None}
+    key = ("types", id(schema), depth)
+    if key in memo:
+        return memo[key]
     if "type" in schema:
         types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        return {t for t in types if isinstance(t, str)} or {"string"}  # a type it cannot read: the text
-    if _ref_target(schema, root) is not None:
-        return schema_types(_ref_target(schema, root), root, depth + 1)
-    branches = _branches(schema)
-    if branches:
-        return set().union(*(schema_types(b, root, depth + 1) for b in branches))
-    return {_JSON_TYPES.get(type(v)) for v in _values(schema) or []} or {None}
+        found = {t for t in types if isinstance(t, str)} or {"string"}  # a type it cannot read: the text
+    elif (target := _ref_target(schema, root)) is not None:
+        found = _schema_types(target, root, depth + 1, memo)
+    elif branches := _branches(schema):
+        found = set().union(*(_schema_types(b, root, depth + 1, memo) for b in branches))
+    else:
+        found = {_JSON_TYPES.get(type(v)) for v in _values(schema) or []} or {None}
+    memo[key] = found
+    return found
 
 
-def string_choices(schema: Any, root: Any, depth: int = 0) -> list[str] | None:
+def string_choices(schema: Any, root: Any, memo: dict | None = None) -> list[str] | None:
     """The strings a string schema allows when it lists them (`enum`, `const`, through `$ref` and
-    `anyOf` / `oneOf`), in order; None when it allows any string (or says nothing it can read)."""
-    if not isinstance(schema, dict) or depth > 16:
+    `anyOf` / `oneOf`), in order; None when it allows any string (or says nothing it can read).
+    Memoised as schema_types."""
+    return _string_choices(schema, root, 0, {} if memo is None else memo)
+
+
+def _string_choices(schema: Any, root: Any, depth: int, memo: dict) -> list[str] | None:
+    if not isinstance(schema, dict) or depth > MAX_SCHEMA_DEPTH:
         return None
+    key = ("choices", id(schema), depth)
+    if key in memo:
+        return memo[key]
     values = _values(schema)
     if values is not None:
-        return values if all(isinstance(v, str) for v in values) else None
-    if _ref_target(schema, root) is not None:
-        return string_choices(_ref_target(schema, root), root, depth + 1)
-    branches = _branches(schema)
-    if not branches:
-        return None
-    parts = [string_choices(b, root, depth + 1) for b in branches]
-    return None if any(p is None for p in parts) else list(dict.fromkeys(v for p in parts for v in p))
+        found = values if all(isinstance(v, str) for v in values) else None
+    elif (target := _ref_target(schema, root)) is not None:
+        found = _string_choices(target, root, depth + 1, memo)
+    elif branches := _branches(schema):
+        parts = [_string_choices(b, root, depth + 1, memo) for b in branches]
+        found = None if any(p is None for p in parts) else list(dict.fromkeys(v for p in parts for v in p))
+    else:
+        found = None
+    memo[key] = found
+    return found
 
 
 def _values(schema: dict) -> list | None:

@@ -5,8 +5,9 @@ only up to the limit. Before a 401 or 413 goes out, what the client is still sen
 dropped for up to DRAIN_S seconds: a server that closes on unread data makes the client's kernel
 see a reset, and most clients then report a broken connection instead of the 413 (a client that
 asked `Expect: 100-continue` sends nothing, so nothing is drained). The body read here is handed on
-whole, and the client's later messages (a disconnect) pass through untouched. Does not know the
-engine or the routes.
+whole, and the client's later messages (a disconnect) pass through untouched. A body that has not
+arrived whole `read_timeout` seconds after its headers is answered 408 and the connection closed
+(the headers' own deadline is nextn.server.connections'). Does not know the engine or the routes.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ class Guard:
         max_request_bytes: int,
         open_paths: frozenset[str],
         on_reject: Callable[[str], None],
+        read_timeout: float = 30.0,
     ):
         self.app, self.max_bytes, self.open_paths, self.on_reject = app, max_request_bytes, open_paths, on_reject
+        self.read_timeout = read_timeout  # seconds the whole body gets to arrive; later: a 408
         self.key = api_key.encode() if api_key is not None else None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -58,14 +61,21 @@ class Guard:
         if int(length) > self.max_bytes:
             return await too_large(unsent)
         body, more = bytearray(), True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_bytes:
-                return await too_large(more)
+        try:
+            async with asyncio.timeout(self.read_timeout):  # a body sent a byte a second ties up no slot
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    body += message.get("body", b"")
+                    more = message.get("more_body", False)
+                    if len(body) > self.max_bytes:
+                        break
+        except TimeoutError:
+            message = f"The request body did not arrive within {self.read_timeout:g} s."
+            return await self._refuse(receive, send, False, 408, message, "invalid_request_error", "request_timeout")
+        if len(body) > self.max_bytes:
+            return await too_large(more)
         replayed = False
 
         async def replay():
