@@ -88,6 +88,21 @@ def test_counted_repetition_blow_up_is_refused(tok):
     compile_grammar({"regex": "(?:a{100}){100}"}, tok)
 
 
+@pytest.mark.parametrize(
+    "grammar, product",
+    [
+        ('start: B\nB: C{100}\nC: D{100}\nD: "a"{100}', limits.MAX_REPEAT_PRODUCT + 1),  # terminals inline
+        ('start: B\nD: "a"{10}\nC: D{10}\nB: C{2}', 200),  # in any order
+        ('start: b{1000}\nb: "a"{1000}', 1000),  # a rule is referred to, not copied (10 ms)
+        ('start: x\nx: "{" x{5} "}" | "a"', 5),  # recursion is not unrolled
+        ('start: "x=" NUM ";"\nNUM: /[0-9]{1,4}/', 4),
+        ('start: %json {"type": "string", "maxLength": 5}', 1),
+    ],
+)
+def test_lark_repeat_product(grammar, product):
+    assert min(limits.lark_repeat_product(grammar), limits.MAX_REPEAT_PRODUCT + 1) == product
+
+
 @pytest.mark.parametrize("literal", SPECIAL_AND_NON_NFC)
 def test_literals_a_tokenizer_cannot_write_are_refused_by_name(tok, literal):
     for constraint in [

@@ -339,3 +339,22 @@ def test_nextn_serve_exits_non_zero_when_its_core_is_killed(dense_ckpt, tmp_path
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_hostile_grammar_is_refused_before_the_core(live):
+    """A 5,000-hop `$ref` chain (a SIGSEGV inside llguidance's compiler) and a counted-repetition
+    blow-up are refused by the API process, naming the limit; nothing reaches the core (same pid,
+    alive), and the next request is answered."""
+    core = live.app.state.server.worker.core
+    pid = core.pid
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(5000)}
+    chain = {"$ref": "#/$defs/d0", "$defs": {**defs, "d5000": {"type": "object"}}}
+    for field, value, limit in [
+        ("guided_json", chain, "MAX_REF_CHAIN"),
+        ("guided_regex", "(?:a{1000}){1000}", "MAX_REPEAT"),
+    ]:
+        r = live.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field and limit in r.text, r.text
+    assert core.alive and core.pid == pid
+    r = live.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_choice": ["yes", "no"]})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text

@@ -8,21 +8,25 @@ Why each bound (measured on the CPU, llguidance 1.x, the bundled tokenizer; the 
   bare aliases between 2,000 and 2,500. So every llguidance call runs on a thread with a 256 MB stack
   (compile.py: `BIG_STACK`), where a 20,000-hop chain (1.3 MB of JSON) ends in llguidance's own
   "schema too large" (0.95 s, +230 MB). The checks below refuse far earlier, with a clear 400:
-  MAX_SCHEMA_BYTES (256 KiB of JSON text: ~4,000 object hops at most, twenty times the largest
-  tool schemas we have seen), MAX_SCHEMA_DEPTH (128 nested objects and arrays: llguidance's own JSON
+  MAX_SCHEMA_BYTES (256 KiB of JSON text: ~4,000 object hops at most, a fifth of what the big
+  stack was seen to hold), MAX_SCHEMA_DEPTH (128 nested objects and arrays: llguidance's own JSON
   reader, serde_json's, stops there with a "recursion limit exceeded"), MAX_REF_CHAIN (128 `$ref`
   hops along one path, where 500 through objects already needs more than 8 MB of stack; recursion
   through a cycle is legal and not counted: llguidance expands each definition once).
-- A counted repetition is unrolled: `(?:a{1000}){1000}` builds 10^6 lexer expressions (1-10 s of CPU
-  and ~100 MB each before llguidance's own "too many expressions"), `(?:a{100}){1000}` (10^5) takes
-  0.18 s and +40 MB, 10^4 under 0.06 s. MAX_REPEAT_PRODUCT = 10,000 bounds the product of nested
-  counts, found by a scan of the regex (or of a Lark grammar's text: its rules' own nesting through
-  rule names is not followed; the compile's stack and llguidance's fuel limits stand behind that).
+- A counted repetition is unrolled: `(?:a{1000}){1000}` builds 10^6 lexer expressions (0.9 s of CPU
+  to validate here, 2 s a request through the server, ~10 s and ~100 MB in the issue's probe, before
+  llguidance's own "too many expressions"), `(?:a{100}){1000}` (10^5) takes 0.18 s and +40 MB, 10^4
+  under 0.06 s. MAX_REPEAT_PRODUCT = 10,000 bounds the product of nested counts, found by a scan of
+  the regex, of a schema's `pattern`s, and of a Lark grammar (through its terminals, which the lexer
+  inlines: `lark_repeat_product`). Not scanned: the `pattern`s of a `%json` inside a Lark grammar;
+  there the big stack and llguidance's own fuel limits stand (no time limit on a compile).
 - MAX_GRAMMAR_BYTES (as MAX_SCHEMA_BYTES) bounds a regex, a Lark grammar and a choice list's text.
 - Literals the model must write (a choice, a JSON `const` / `enum` string, a property name) must not
   hold an added token's text (`</think>`): llguidance's mask then allows only the added token, which
   its matcher then refuses, so no reply could be produced; nor text that NFC normalisation changes
-  (`"a\u0301"`, `"Ω"` U+2126): a normalising tokenizer cannot write it. A regex is held to NFC too.
+  (`"a\u0301"`, `"Ω"` U+2126): the bundled tokenizer writes `Ω` but not `a\u0301` (mask and matcher
+  disagree again), a normalising one neither; refused alike, whatever the tokenizer. A regex is held
+  to NFC too. (Should one get through, the engine fails that request alone: nextn.grammar.state.)
 
 Does not compile anything and knows nothing of HTTP (the server names the field).
 """
@@ -41,16 +45,51 @@ MAX_REPEAT_PRODUCT = 10_000
 MAX_GRAMMAR_BYTES = MAX_SCHEMA_BYTES  # a Lark grammar may embed a schema (`%json`): the same room
 
 _COUNT = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+_RULE = re.compile(r"^[?!]?([A-Za-z_][A-Za-z_0-9]*)(?:\.-?\d+)?\s*:", re.M)
 
 
-def repeat_product(text: str) -> int:
+def lark_repeat_product(grammar: str) -> int:
+    """repeat_product over a Lark grammar's rules. A TERMINAL's name stands for its own product (the
+    lexer inlines terminals: `B: C{100}`, `C: D{100}`, `D: "a"{100}` builds 10^6 expressions, 0.64 s
+    and +200 MB); a rule's name counts one (a rule is referred to, not copied: `b{1000}` of a rule
+    `b: "a"{1000}` compiles in 10 ms). Terminals cannot recurse, so the passes settle."""
+    starts = list(_RULE.finditer(grammar))
+    bodies = {m.group(1): grammar[m.end() : nxt.start() if nxt else len(grammar)]
+              for m, nxt in zip(starts, [*starts[1:], None], strict=True)}  # fmt: skip
+    terminals: dict[str, int] = {}
+    rules: dict[str, int] = {}
+    for _ in range(64):  # a chain of terminals defined in reverse order settles in as many passes
+        before = dict(terminals)
+        for name, body in bodies.items():
+            product = min(repeat_product(body, terminals), MAX_REPEAT_PRODUCT + 1)
+            (terminals if name.isupper() else rules)[name] = product
+        if terminals == before:
+            break
+    return max([1, *terminals.values(), *rules.values()])
+
+
+def repeat_product(text: str, lark: dict[str, int] | None = None) -> int:
     """An upper bound of how many times a counted repetition `{m,n}` unrolls the innermost atom of
-    `text` (a regex or a Lark grammar): the product of the counts of nested groups, the largest."""
+    `text` (a regex; with `lark`, a Lark rule's body: a "string" is one atom, a /regex/ one of its
+    own product, a name one of `lark`'s product for it): the product of nested counts, the largest."""
     stack = [1]  # the largest product inside each open group (the outermost: the whole text)
     last = 1  # the product of the atom just closed (a group's inner product, or 1)
     worst, i, n = 1, 0, len(text)
     while i < n:
         c = text[i]
+        if lark is not None and c in '"/':  # a string or a regex literal, to its closing quote
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            last = 1 if c == '"' else repeat_product(text[i + 1 : j])
+            stack[-1], worst, i = max(stack[-1], last), max(worst, last), j + 1
+            continue
+        if lark is not None and (c.isalpha() or c == "_"):  # a name
+            m = _NAME.match(text, i)
+            last = lark.get(m.group(), 1)
+            stack[-1], worst, i = max(stack[-1], last), max(worst, last), m.end()
+            continue
         if c == "\\":
             i, last = i + 2, 1
             continue
@@ -81,10 +120,10 @@ def repeat_product(text: str) -> int:
     return worst
 
 
-def check_repeats(text: str, what: str) -> None:
+def check_repeats(text: str, what: str, lark: bool = False) -> None:
     if len(text.encode()) > MAX_GRAMMAR_BYTES:
         raise ValueError(f"{what} is {len(text.encode())} bytes, more than MAX_GRAMMAR_BYTES={MAX_GRAMMAR_BYTES}")
-    product = repeat_product(text)
+    product = lark_repeat_product(text) if lark else repeat_product(text)
     if product > MAX_REPEAT_PRODUCT:
         raise ValueError(
             f"{what}: its nested counted repetitions unroll {product} times, more than "
