@@ -358,3 +358,19 @@ def test_a_hostile_grammar_is_refused_before_the_core(live):
     assert core.alive and core.pid == pid
     r = live.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_choice": ["yes", "no"]})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+
+
+def test_a_grammar_the_core_cannot_compile_fails_that_request_alone_as_a_400(cold):
+    """Should a grammar past the API's checks fail to compile in the core (Engine.add's ValueError),
+    that request ends as a bad request (a 400), and the core serves the next one."""
+    from nextn.engine.core import AddRequest, EngineCore
+
+    core = EngineCore(cold.engine)
+    bad = SamplingParams(max_tokens=4, structured_outputs={"regex": "a(b"})
+    (ev,) = core.apply([AddRequest(1, [5, 9, 11], bad)])
+    assert ev.request_id == 1 and ev.bad_request and "regex" in ev.error
+    core.apply([AddRequest(2, [5, 9, 11], SamplingParams(max_tokens=2, temperature=0.0))])
+    done = []
+    while core.has_work:
+        done += [ev for ev in core.step() if ev.request_id == 2]
+    assert done and not any(ev.error for ev in done)
