@@ -225,10 +225,12 @@ def test_a_bad_grammar_fails_before_anything_runs(bundled):
     assert not bundled.engine.has_work  # the good request was aborted with it
 
 
-def test_a_grammar_llguidance_fails_on_mid_output_is_the_request_s_error(bundled):
+def test_a_grammar_llguidance_fails_on_mid_output_is_the_request_s_error(bundled, monkeypatch):
     """a{1000}{1000} validates and masks the first token, then outgrows llguidance's lexer when it
     consumes it: the request's error (a 400 from the server), not the engine's RuntimeError (a
-    500), and the engine serves the next request."""
+    500), and the engine serves the next request. (nextn.grammar.limits refuses it up front: lifted
+    here, this is the engine's own guard.)"""
+    monkeypatch.setattr(nextn.grammar.limits, "MAX_REPEAT_PRODUCT", 10**7)
     params = nextn.SamplingParams(max_tokens=6, temperature=0, structured_outputs={"regex": "a{1000}{1000}"})
     with pytest.raises(nextn.RequestError, match="llguidance failed on the grammar .lexer error"):
         bundled.generate(prompt="x", params=params)

@@ -339,3 +339,38 @@ def test_nextn_serve_exits_non_zero_when_its_core_is_killed(dense_ckpt, tmp_path
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_hostile_grammar_is_refused_before_the_core(live):
+    """A 5,000-hop `$ref` chain (a SIGSEGV inside llguidance's compiler) and a counted-repetition
+    blow-up are refused by the API process, naming the limit; nothing reaches the core (same pid,
+    alive), and the next request is answered."""
+    core = live.app.state.server.worker.core
+    pid = core.pid
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(5000)}
+    chain = {"$ref": "#/$defs/d0", "$defs": {**defs, "d5000": {"type": "object"}}}
+    for field, value, limit in [
+        ("guided_json", chain, "MAX_REF_CHAIN"),
+        ("guided_regex", "(?:a{1000}){1000}", "MAX_REPEAT"),
+    ]:
+        r = live.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field and limit in r.text, r.text
+    assert core.alive and core.pid == pid
+    r = live.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "guided_choice": ["yes", "no"]})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+
+
+def test_a_grammar_the_core_cannot_compile_fails_that_request_alone_as_a_400(cold):
+    """Should a grammar past the API's checks fail to compile in the core (Engine.add's ValueError),
+    that request ends as a bad request (a 400), and the core serves the next one."""
+    from nextn.engine.core import AddRequest, EngineCore
+
+    core = EngineCore(cold.engine)
+    bad = SamplingParams(max_tokens=4, structured_outputs={"regex": "a(b"})
+    (ev,) = core.apply([AddRequest(1, [5, 9, 11], bad)])
+    assert ev.request_id == 1 and ev.bad_request and "regex" in ev.error
+    core.apply([AddRequest(2, [5, 9, 11], SamplingParams(max_tokens=2, temperature=0.0))])
+    done = []
+    while core.has_work:
+        done += [ev for ev in core.step() if ev.request_id == 2]
+    assert done and not any(ev.error for ev in done)

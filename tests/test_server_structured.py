@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -784,3 +785,67 @@ def test_the_reasoning_parser_needs_the_think_tokens(dense_ckpt):
 
     with pytest.raises(ValueError, match="no <think> and </think> tokens"):
         create_app(LLM(model=dense_ckpt, max_model_len=256), CFG, ServerOptions(reasoning_parser="qwen3"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile grammars (issue 46): refused up front, and the server answers on (the same connection)
+
+
+def ref_chain(hops: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(hops)}
+    return {"type": "object", "$ref": "#/$defs/d0", "$defs": {**defs, f"d{hops}": {"type": "object"}}}
+
+
+CHAIN = ref_chain(5000)  # ~200 KB: a SIGSEGV inside llguidance's compiler before the limits
+HOSTILE = [
+    ({"guided_json": CHAIN}, "guided_json", "MAX_REF_CHAIN"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": CHAIN}}},
+     "response_format.json_schema.schema", "MAX_REF_CHAIN"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": CHAIN}}], "tool_choice": "required"},
+     "tool_choice", "MAX_REF_CHAIN"),
+    ({"guided_choice": ["</think>", "\u2126", "a\u0301"]}, "guided_choice", "added token"),
+    ({"guided_choice": ["\u2126", "a\u0301"]}, "guided_choice", "NFC"),
+    ({"guided_json": {"const": "</think>"}}, "guided_json", "added token"),
+    ({"guided_json": {"const": "<tool_call>"}}, "guided_json", "added token"),
+    ({"guided_json": {"const": "\u2126"}}, "guided_json", "NFC"),
+    ({"guided_json": {"enum": ["a\u0301"]}}, "guided_json", "NFC"),
+    ({"guided_regex": "a\u0301"}, "guided_regex", "NFC"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body, param, limit", HOSTILE)
+def test_a_hostile_grammar_is_a_400_and_the_connection_answers_on(live, body, param, limit):
+    """A 400 naming the field and the limit (never a 5xx, never the process), then a normal request on
+    the same kept-alive connection is answered as before."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    normal = {"model": MODEL, "messages": [user("Pick one.")], "temperature": 0.0, "max_tokens": 8,
+              "guided_choice": ["red", "green"]}  # fmt: skip
+    with httpx.Client(base_url=live.url, headers=headers, timeout=30, limits=httpx.Limits(max_connections=1)) as http:
+        paths = ["/v1/chat/completions"] + ([] if "tools" in body else ["/v1/completions"])
+        for path in paths:
+            base = {"messages": [user("x")]} if "chat" in path else {"prompt": "x"}
+            r = http.post(path, json={"model": MODEL, "max_tokens": 8, "temperature": 0.0, **base, **body})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param and limit in err["message"], err
+            assert r.headers.get("connection") != "close"
+            r = http.post("/v1/chat/completions", json=normal)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in ("red", "green"), r.text
+
+
+def test_32_regex_amplifications_at_once_are_refused_fast(live):
+    """`(?:a{1000}){1000}` (10 s of CPU and 100 MB each before the limits): 32 at once, all 400 naming
+    MAX_REPEAT_PRODUCT within seconds, and the process's peak RSS grows by far less than 500 MB."""
+    import resource
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": MODEL, "messages": [user("x")], "max_tokens": 8, "guided_regex": "(?:a{1000}){1000}"}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    t = time.monotonic()
+    with ThreadPoolExecutor(32) as pool:
+        replies = list(pool.map(lambda _: live.post("/v1/chat/completions", body), range(32)))
+    assert time.monotonic() - t < 10
+    assert all(r.status_code == 400 and "MAX_REPEAT_PRODUCT" in r.json()["error"]["message"] for r in replies)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200 * 1024

@@ -160,6 +160,8 @@ class EngineCore:
                     req = self.engine.add(msg.prompt_ids, msg.params, msg.use_sessions, msg.checkpoint_at)
                 except Exception as e:  # a request the HTTP side did not foresee: it fails alone
                     log.error("engine refused a request", exc_info=True)
+                    if isinstance(e, ValueError):  # add's refusals (a grammar that does not compile): a 400
+                        e = RequestError(str(e))
                     events.append(_failure(msg.request_id, e))
                     continue
                 self._requests[msg.request_id] = req

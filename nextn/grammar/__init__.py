@@ -12,6 +12,7 @@ before its own transforms (nextn.engine.sampler), the rounds decide when they ar
 (nextn.engine.rounds).
 """
 
+from nextn.grammar import limits
 from nextn.grammar.compile import (
     STRUCTURED_OUTPUT_KEYS,
     CompiledGrammar,
@@ -28,4 +29,5 @@ __all__ = [
     "choice_terminal",
     "compile_grammar",
     "json_schema",
+    "limits",
 ]

@@ -4,21 +4,39 @@ The llguidance tokenizer is made once per nextn Tokenizer (from its tokenizer.js
 ids the model's vocabulary has beyond the tokenizer's (padding rows of the embedding) are never
 allowed by a mask (nextn.grammar.state). A grammar that matches no text at all (a regex such as
 `[a&&b]`) is refused too: its matcher would allow only EOS, an empty reply that does not match it.
+
+Before llguidance sees it, a constraint passes nextn.grammar.limits (size, nesting, `$ref` chains,
+counted repetition, literals a tokenizer cannot write): this runs in the API process (the server's
+check) and again in the engine. llguidance's compilers recurse, so every call that compiles (the
+check here and each request's matcher) runs on one of COMPILE_THREADS threads with a BIG_STACK C
+stack: a schema within the limits cannot overflow it (limits.py has the measurements).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
+import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import llguidance as llg
 
 from nextn.core import STRUCTURED_OUTPUT_KEYS
+from nextn.grammar import limits
 from nextn.tokenizer import Tokenizer
 
 _LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ADDED_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# llguidance's compilers recurse per schema level and `$ref` hop: 256 MB of stack (reserved, touched
+# only as deep as it goes) holds a 20,000-hop chain, where an 8 MB one dies near 500 (limits.py)
+BIG_STACK = 256 << 20
+COMPILE_THREADS = 4  # compiles at once in a process (the API's request threads share them)
+_STACK_LOCK = threading.Lock()
+_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the pool)
+_ON_BIG_STACK = threading.local()
 # JSON is written as json.dumps writes it, on one line: free whitespace lets a small model fill
 # its budget with spaces (a schema's own "x-guidance" options override these)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -29,7 +47,45 @@ class CompiledGrammar(NamedTuple):
     tokenizer: llg.LLTokenizer
 
     def matcher(self) -> llg.LLMatcher:
-        return llg.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+        return on_big_stack(llg.LLMatcher, self.tokenizer, self.grammar, log_level=0)
+
+
+def on_big_stack(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on one of COMPILE_THREADS threads with a BIG_STACK C stack, made once per
+    process (a thread per call costs 2.5 ms more a matcher, measured: 3.2 ms against 0.63 ms)."""
+    if getattr(_ON_BIG_STACK, "yes", False):  # already on one
+        return fn(*args, **kwargs)
+    return _pool().submit(fn, *args, **kwargs).result()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _STACK_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():  # (a forked child has none of the threads)
+            old = threading.stack_size(BIG_STACK)  # process-wide: set while the threads start only
+            try:
+                pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+                started = threading.Barrier(COMPILE_THREADS + 1)
+                for _ in range(COMPILE_THREADS):  # each waits: the pool starts a thread per task
+                    pool.submit(_start, started)
+                started.wait()
+            finally:
+                threading.stack_size(old)
+            _POOL = (os.getpid(), pool)
+        return _POOL[1]
+
+
+def _start(started: threading.Barrier) -> None:
+    _ON_BIG_STACK.yes = True
+    started.wait()
+
+
+def added_tokens(tokenizer: Tokenizer) -> tuple[str, ...]:
+    """The text of the tokenizer's added tokens (`</think>`): a literal holding one is refused."""
+    if tokenizer not in _ADDED_TOKENS:
+        added = json.loads(tokenizer.to_str()).get("added_tokens") or []
+        _ADDED_TOKENS[tokenizer] = tuple(t["content"] for t in added if t.get("content"))
+    return _ADDED_TOKENS[tokenizer]
 
 
 def ll_tokenizer(tokenizer: Tokenizer) -> llg.LLTokenizer:
@@ -50,7 +106,7 @@ def compile_grammar(structured_outputs: dict, tokenizer: Tokenizer) -> CompiledG
     ((key, value),) = structured_outputs.items()
     try:  # the server checks a request's constraint and the engine compiles it again: one compile
         text = json.dumps(value)  # (key order kept: a schema's property order is its output's)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return _compile(key, value, tokenizer)  # not JSON: _grammar_of says what is wrong
     return _compile_cached(key, text, tokenizer)
 
@@ -61,9 +117,10 @@ def _compile_cached(key: str, text: str, tokenizer: Tokenizer) -> CompiledGramma
 
 
 def _compile(key: str, value, tokenizer: Tokenizer) -> CompiledGrammar:
-    grammar = _grammar_of(key, value)
+    check(key, value, added_tokens(tokenizer))
     lt = ll_tokenizer(tokenizer)
-    error = llg.LLMatcher.validate_grammar(grammar, lt)
+    grammar = on_big_stack(_grammar_of, key, value)
+    error = on_big_stack(llg.LLMatcher.validate_grammar, grammar, lt)
     if error:
         raise ValueError(f"structured_outputs {key!r}: {error.strip()}")
     compiled = CompiledGrammar(grammar, lt)
@@ -72,6 +129,22 @@ def _compile(key: str, value, tokenizer: Tokenizer) -> CompiledGrammar:
     if matcher.is_error():
         raise ValueError(f"structured_outputs {key!r}: no text matches it")
     return compiled
+
+
+def check(key: str, value, added: tuple[str, ...]) -> None:
+    """nextn.grammar.limits' checks of one structured_outputs entry (a ValueError naming the limit)."""
+    what = f"structured_outputs {key!r}"
+    if key == "json":
+        limits.check_schema(json_schema(value), what, added)
+    elif key == "regex" and isinstance(value, str):
+        limits.check_regex(value, what)
+    elif key == "choice" and isinstance(value, list | tuple):
+        limits.check_repeats(json.dumps(value, ensure_ascii=False), what)
+        for c in value:
+            if isinstance(c, str):
+                limits.check_literal(c, f"{what}: the choice", added)
+    elif key == "grammar" and isinstance(value, str):
+        limits.check_repeats(value, what, lark=True)
 
 
 def json_schema(value) -> dict:

@@ -46,6 +46,12 @@ class GrammarState:
         self.host[: self.vocab] = allowed
         self.masks[row].copy_(self.host)
 
+    def _allows(self, token: int) -> bool:
+        """Whether the matcher's mask allows `token` now (its EOS standing for every EOS id)."""
+        token = self.ll_eos if token in self.eos_ids else token
+        bits = self.matcher.compute_bitmask()
+        return 0 <= token < len(bits) * 8 and bool(bits[token >> 3] >> (token & 7) & 1)
+
     def _consume(self, token: int) -> bool:
         """Advance the matcher by one token; False (the matcher unchanged) when it is illegal."""
         if not 0 <= token < self.vocab:
@@ -95,6 +101,9 @@ class GrammarState:
                 if self.matcher.is_error():
                     error = self.matcher.get_error().splitlines()[0]
                     raise RequestError(f"structured_outputs: llguidance failed on the grammar ({error})")
+                if self._allows(t):  # llguidance's mask and matcher disagree on this grammar (seen with
+                    # literals a tokenizer cannot write, which nextn.grammar.limits refuses up front)
+                    raise RequestError(f"structured_outputs: the grammar cannot be followed (token {t} was refused)")
                 raise RuntimeError(f"token {t} was emitted against the grammar: {self.matcher.get_error()}")
         self._write(0)
 

@@ -17,7 +17,8 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from nextn.core import STRUCTURED_OUTPUT_KEYS
-from nextn.grammar import choice_terminal, compile_grammar, json_schema
+from nextn.grammar import choice_terminal, compile_grammar, json_schema, limits
+from nextn.grammar.compile import added_tokens
 from nextn.server import protocol as P
 from nextn.server.chat_output import (
     CALL_END,
@@ -91,6 +92,12 @@ def tool_grammar(req: P.ChatCompletionRequest, tok: Tokenizer) -> str | None:
         if not tools:
             names = ", ".join(t.function.name for t in req.tools)
             raise FieldError("tool_choice.function.name", f"{choice.function.name!r} is not in tools ({names})")
+    for t in tools:  # the schemas the grammar embeds (`%json`), held to the limits a guided_json is
+        if t.function.parameters is not None:
+            try:
+                limits.check_schema(json_schema(t.function.parameters), "a tool's parameters", added_tokens(tok))
+            except ValueError as e:
+                raise FieldError("tool_choice", str(e)) from None
     xml = "<function=" in (tok.chat_template or "")
     body = _xml_calls(tools) if xml else _json_calls(tools)
     calls = "call" if isinstance(choice, P.NamedToolChoice) or not req.parallel_tool_calls else 'call ("\\n" call)*'
