@@ -252,3 +252,22 @@ def test_cli_generate_matches_transformers(name, request):
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["token_ids"] == hf_greedy(ckpt, PROMPT, 24)
+
+
+def test_weights_in_another_dtype_than_the_config_says_warn(dense_ckpt, tmp_path, caplog):
+    """A shard whose weight matrices are not in config.json's dtype (a header calling bf16 bytes F16
+    loads without error and emits garbage) is named in a warning; a shard in the config's dtype is not."""
+    ckpt = _copy(dense_ckpt, tmp_path / "f16")
+    raw = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**raw, "dtype": "bfloat16", "torch_dtype": "bfloat16"}))
+    _edit_tensors(ckpt, lambda t: t.update({k: v.to(torch.float16) for k, v in t.items()}))
+    with caplog.at_level("WARNING", logger="nextn.models.checkpoint"):
+        load_model(ckpt)
+    warned = [r.getMessage() for r in caplog.records if r.name == "nextn.models.checkpoint"]
+    assert len(warned) == 1 and "model.safetensors" in warned[0] and "F16 weight tensors" in warned[0]
+    assert "config.json says bfloat16" in warned[0]
+    caplog.clear()
+    _edit_tensors(ckpt, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
+    with caplog.at_level("WARNING", logger="nextn.models.checkpoint"):
+        load_model(ckpt)
+    assert not [r for r in caplog.records if r.name == "nextn.models.checkpoint"]

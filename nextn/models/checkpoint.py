@@ -20,6 +20,7 @@ fuses.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from pathlib import Path
@@ -28,6 +29,11 @@ from typing import NamedTuple
 from nextn.model_config import ModelConfig, QuantConfig
 from nextn.ops.fp8 import scale_shape
 from nextn.parallel.shard import Split, split_of
+
+log = logging.getLogger(__name__)
+
+# a config's dtype as safetensors names it (its weight matrices are expected in it)
+_HEADER_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 _PER_EXPERT = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _IGNORED = ("model.visual.", "visual.", "model.vision_tower.")
@@ -140,9 +146,34 @@ class CheckpointPlan(NamedTuple):
     tp: tuple[int, int] = (0, 1)
 
 
+def warn_dtype_mismatch(found: dict[str, tuple[Path, TensorInfo]], config_dtype: str | None) -> list[str]:
+    """Log a warning per shard whose weight matrices (2-D and up, not FP8 or scales) are stored in
+    another dtype than config.json's `dtype` / `torch_dtype` says: a header that calls bf16 bytes
+    F16 loads without error and the model emits garbage. Returns the warnings."""
+    expected = _HEADER_DTYPE.get(config_dtype or "")
+    if expected is None:
+        return []
+    other: dict[Path, dict[str, int]] = {}
+    for key, (path, info) in found.items():
+        if len(info.shape) >= 2 and info.dtype in _HEADER_DTYPE.values() and info.dtype != expected:
+            if not key.endswith(("_scale", "_scale_inv")):
+                counts = other.setdefault(path, {})
+                counts[info.dtype] = counts.get(info.dtype, 0) + 1
+    warnings = []
+    for path, counts in other.items():
+        listed = ", ".join(f"{n} {dtype}" for dtype, n in sorted(counts.items()))
+        warnings.append(
+            f"{path}: {listed} weight tensors, but config.json says {config_dtype} ({expected}): if the bytes "
+            f"are {config_dtype}, the header misnames them and the model's output will be garbage"
+        )
+        log.warning(warnings[-1])
+    return warnings
+
+
 def plan_checkpoint(files: list[Path], cfg: ModelConfig, tp: tuple[int, int] = (0, 1)) -> CheckpointPlan:
     """cfg: the whole model's; tp (rank, size): the part of each tensor this rank loads."""
     found = {key: (path, info) for path in files for key, info in read_header(path).items()}
+    warn_dtype_mismatch(found, cfg.dtype)
     size = tp[1]
 
     def local(name: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], Split | None]:
