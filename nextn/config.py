@@ -26,6 +26,8 @@ STEP_ROWS = 16
 PREFILL_CHUNK = 2048  # at most this many tokens per chunked prefill forward: bounds attention score memory
 # rows of a prefill step's attention per launch (its float32 partials grow with rows x the context's chunks)
 ATTENTION_ROWS = 512
+# positions per step-attention partial (nextn.ops.triton_attention): absolute chunk boundaries, so fixed
+ATTENTION_CHUNK = 128
 # the context a sequence gets unless max_model_len says otherwise (the checkpoint's own, if shorter)
 DEFAULT_MAX_MODEL_LEN = 8192
 KERNELS = ("auto", "torch", "triton")

@@ -28,7 +28,7 @@ import torch
 
 from nextn.cache.hybrid import CacheLayout, nbytes_of, tensor_specs
 from nextn.cache.pool import Budget, CacheMemoryError, check_fits, cpu_budget, gpu_budget
-from nextn.config import ATTENTION_ROWS, PREFILL_CHUNK, STEP_ROWS, EngineConfig
+from nextn.config import ATTENTION_CHUNK, ATTENTION_ROWS, PREFILL_CHUNK, STEP_ROWS, EngineConfig
 from nextn.engine.rounds import round_buffers
 from nextn.engine.sampler import sampler_buffers
 from nextn.model_config import ModelConfig
@@ -36,7 +36,6 @@ from nextn.model_config import ModelConfig
 # graphs' memory beyond the rows of the round they capture (their private pool's slack, the sampler's
 # and the proposer's small intermediates): a floor so the graph budget is never zero
 GRAPH_RESERVE = 2**30
-ATTENTION_CHUNK = 128  # positions per step-attention partial (nextn.ops.triton_attention.CHUNK)
 
 
 def cache_layout(
@@ -86,8 +85,8 @@ def activation_bytes_per_row(cfg: ModelConfig, dtype: torch.dtype) -> int:
 def reserve(cfg: ModelConfig, k: int, dtype: torch.dtype, prefill: str = "chunked", max_len: int = 0) -> Reserve:
     """What the engine allocates beside the cache, estimated from the model's shapes (S sequences,
     R = k + 1 verify rows each):
-    - the runner's step and head outputs (nextn.engine.runner.ModelRunner.__init__): an id,
-      float32 logits [V] and a hidden [H] for each of max(S * R, STEP_ROWS) verify rows, and
+    - the runner's step and head outputs (nextn.engine.runner.ModelRunner.__init__): float32
+      logits [V] and a hidden [H] for each of max(S * R, STEP_ROWS) verify rows, and
       logits and a hidden for each of 2 * S head rows;
     - a round's forward over S * R rows (kept by its CUDA graph): activation_bytes_per_row each,
       and the sampler's float32 work over each row's vocabulary (two [V] rows);
@@ -98,7 +97,7 @@ def reserve(cfg: ModelConfig, k: int, dtype: torch.dtype, prefill: str = "chunke
       (nextn.models.qwen3_5_step: a prefill step's attention runs in blocks of that many rows);
     - GRAPH_RESERVE: the graphs' and the allocator's slack, the kernels' code, cuBLAS workspaces."""
     V, H, b, R = cfg.vocab_size, cfg.hidden_size, dtype.itemsize, k + 1
-    step_row = 8 + 4 * V + H * b  # an id, float32 logits and a hidden
+    step_row = 4 * V + H * b  # float32 logits and a hidden
     act = activation_bytes_per_row(cfg, dtype)
     fixed = STEP_ROWS * step_row + PREFILL_CHUNK * act + GRAPH_RESERVE + 2 * PREFILL_CHUNK * V * 4
     if prefill == "steps":

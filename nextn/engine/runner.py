@@ -52,9 +52,8 @@ class ModelRunner:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.slots = [pool.cache.slot(s) for s in range(pool.num_slots)]
         V, H, S = self.cfg.vocab_size, self.cfg.hidden_size, pool.num_slots
-        # outputs of a step (every slot's verify rows, or a prefill step) and of a head pass
+        # outputs of a round's verify step (every slot's rows) and of a head pass (a prefill step makes its own)
         rows = max(S * pool.cache.layout.step_states, STEP_ROWS)
-        self.step_ids = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.step_logits = torch.zeros(rows, V, dtype=torch.float32, device=self.device)
         self.step_hidden = torch.zeros(rows, H, dtype=self.dtype, device=self.device)
         self.head_logits = torch.zeros(2 * S, V, dtype=torch.float32, device=self.device)
@@ -66,6 +65,7 @@ class ModelRunner:
         # launch of a round keyed by its size (`follow_slots`), and the one in force (None: keys by slot)
         self._slot_sets: dict[int, torch.Tensor] = {}
         self._following: torch.Tensor | None = None
+        self._refreshed: set[int] = set()  # the batches refreshed within the follow_slots in force
         # pad members: rounds of plain greedy requests at one K fill their batch to its size bucket
         # with members on spare slots (nextn.engine.rounds._pads), so 1..bucket requests share a graph;
         # on with graphs (without, a pad is only extra rows). spare_slots: slots no request runs in
@@ -88,8 +88,10 @@ class ModelRunner:
             return self._made_once(self._batches, key, lambda: StepBatch(caches, rows))
         key = ("follow", len(caches), tuple(rows))
         batch = self._made_once(self._batches, key, lambda: StepBatch(caches, rows))
-        batch.follow(self._following)
-        batch.refresh(caches)
+        if id(batch) not in self._refreshed:  # once a round: its device ops run in every replay
+            batch.follow(self._following)
+            batch.refresh(caches)
+            self._refreshed.add(id(batch))
         return batch
 
     @contextlib.contextmanager
@@ -106,6 +108,7 @@ class ModelRunner:
         held.copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
         pads.copy_(torch.arange(B) >= real, non_blocking=True)
         self._following, self.pads = held, pads
+        self._refreshed = set()
         try:
             yield
         finally:

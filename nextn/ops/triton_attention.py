@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from nextn.config import ATTENTION_CHUNK
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2, pdl_supported, row_launch
 
-CHUNK = 128  # positions per partial: a row at position p reads ceil((p+1)/CHUNK) chunks
+CHUNK = ATTENTION_CHUNK  # positions per partial: a row at position p reads ceil((p+1)/CHUNK) chunks
 
 if HAVE_TRITON:
     import triton
