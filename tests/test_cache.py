@@ -8,7 +8,17 @@ import torch
 
 from nextn.cache import CacheLayout, CacheMemoryError, HybridCache, StepBatch, commit_ctl
 from nextn.cache import pool as pool_mod
-from nextn.cache.hybrid import CONV_AT, CONV_WRITE, NUM_CTL, SEQ_LEN, STATE_AT, STATE_WRITE, nbytes_of, tensor_specs
+from nextn.cache.hybrid import (
+    CONV_AT,
+    CONV_WRITE,
+    NUM_CTL,
+    PENDING,
+    SEQ_LEN,
+    STATE_AT,
+    STATE_WRITE,
+    nbytes_of,
+    tensor_specs,
+)
 from nextn.engine.rounds import round_buffers
 from nextn.engine.sampler import sampler_buffers
 from nextn.model_config import ModelConfig
@@ -38,8 +48,8 @@ def test_nbytes_is_every_tensor_the_cache_holds(cfg, kv):
     for name, t in cache.tensors.items():
         assert t.shape[0] == 3, name
         assert a.t(name).data_ptr() != b.t(name).data_ptr()
-    # the step buffers are part of it: two halves of R = K + 1 states per GDN layer
-    assert cache.tensors["states"].shape[2] == 2 * layout.step_states
+    # the step buffers are part of it: two halves of one base state and R = K + 1 rows' gates per GDN layer
+    assert cache.tensors["states"].shape[2] == 2 and cache.tensors["gates"].shape[2] == 2 * layout.step_states
     # fp8: e4m3 K/V and a float32 scale per (slot, position, kv head), counted; the draft K/V as they were
     kv_layer = cache.kv(cfg.layer_types.index("full_attention"))
     assert (kv_layer.key_scale is not None) == (kv == "fp8") and cache.draft_kv().key.dtype == torch.float32
@@ -79,17 +89,17 @@ def test_commit_rule_on_host_and_device_agree(cfg):
     """commit_ctl with a device scalar (a round's accept) equals it with a host int (a request's
     end), and keeps tokens by moving pointers between the halves."""
     R, C = 4, 7
-    ctl = torch.tensor([10, -1, 0, -1, 0, 9, 1, 0], dtype=torch.int32)
+    ctl = torch.tensor([10, -1, 0, -1, 0, 9, 1, 0, 0], dtype=torch.int32)
     for kept in range(1, R + 1):
-        host = commit_ctl(ctl, kept, R, C, round_=True)
-        device = commit_ctl(ctl, torch.tensor(kept), R, C, round_=True)
+        host = commit_ctl(ctl, kept, C, round_=True)
+        device = commit_ctl(ctl, torch.tensor(kept), C, round_=True)
         assert torch.equal(host, device) and host.dtype == torch.int32 and host.shape == (NUM_CTL,)
-        assert host[SEQ_LEN] == 10 + kept and host[STATE_AT] == kept - 1 and host[STATE_WRITE] == R
-        assert host[CONV_AT] == kept and host[CONV_WRITE] == C
-        again = commit_ctl(host, 1, R, C, round_=True)  # the next step wrote the other halves
-        assert again[STATE_AT] == R and again[STATE_WRITE] == 0 and again[CONV_AT] == C + 1
-    prefill = commit_ctl(ctl, 16, R, C, store_all=False)  # a prefill step keeps its last state only
-    assert prefill[STATE_AT] == 0 and prefill[SEQ_LEN] == 26
+        assert host[SEQ_LEN] == 10 + kept and host[STATE_AT] == 0 and host[STATE_WRITE] == 1
+        assert host[CONV_AT] == kept and host[CONV_WRITE] == C and host[PENDING] == kept  # the kept rows pend
+        again = commit_ctl(host, 1, C, round_=True)  # the next step wrote the other halves
+        assert again[STATE_AT] == 1 and again[STATE_WRITE] == 0 and again[CONV_AT] == C + 1 and again[PENDING] == 1
+    prefill = commit_ctl(again, 16, C, store_all=False)  # a prefill step keeps its last state only
+    assert prefill[STATE_AT] == 0 and prefill[SEQ_LEN] == 27 + R and prefill[PENDING] == 0
 
 
 def test_prefilled_states_are_where_ctl_says(dense_ckpt):
@@ -102,4 +112,4 @@ def test_prefilled_states_are_where_ctl_says(dense_ckpt):
         assert cache.get(STATE_AT) == -1 and cache.get(CONV_AT) == -1
         model(torch.tensor([[8, 9]]), StepBatch([cache], [2]))
         cache.commit(2)
-    assert cache.get(STATE_AT) == 1 and cache.get(CONV_AT) == 2 and cache.seq_len == 5
+    assert cache.get(STATE_AT) == 0 and cache.get(CONV_AT) == 2 and cache.seq_len == 5 and cache.get(PENDING) == 2

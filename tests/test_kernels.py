@@ -228,21 +228,20 @@ def _gdn_reference(c, H, HV, K, V, norm_eps):
 
 
 def _gdn_buffers(c, H, HV, K, V, W, T_max):
-    """NaN-poisoned window [conv_dim, 2 * (W-1+T_max)] and states [2 * T_max, HV, K, V]: both halves,
-    as the engine keeps them."""
-    conv_dim = 2 * H * K + HV * V
-    window = torch.full((conv_dim, 2 * (W - 1 + T_max)), float("nan"), device=DEVICE, dtype=c["proj"].dtype)
-    return window, torch.full((2 * T_max, HV, K, V), float("nan"), device=DEVICE)
+    """NaN-poisoned window [conv_dim, 2 * (W-1+T_max)], base states [2, HV, K, V] and gates
+    [2 * T_max, 2 * HV]: both halves, as the engine keeps them."""
+    conv_dim, dtype = 2 * H * K + HV * V, c["proj"].dtype
+    window = torch.full((conv_dim, 2 * (W - 1 + T_max)), float("nan"), device=DEVICE, dtype=dtype)
+    states = torch.full((2, HV, K, V), float("nan"), device=DEVICE)
+    return window, states, torch.full((2 * T_max, 2 * HV), float("nan"), device=DEVICE, dtype=dtype)
 
 
-def _run_gdn_step(
-    c, H, HV, K, V, W, norm_eps, T_max=8, slots=None, store_all=True, window=None, states=None, live=None
-):
-    """The step of one sequence (a batch of one, slot 0) into `window` / `states` (fresh NaN-poisoned
-    ones by default); slots as a list."""
-    if window is None:
-        window, states = _gdn_buffers(c, H, HV, K, V, W, T_max)
-    slots = torch.tensor([slots or [-1, 0, -1, 0]], device=DEVICE, dtype=torch.int32)
+def _run_gdn_step(c, H, HV, K, V, W, norm_eps, T_max=8, slots=None, store_all=True, bufs=None, live=None):
+    """The step of one sequence (a batch of one, slot 0) into bufs = (window, states, gates) (fresh
+    NaN-poisoned ones by default); slots (state_at, state_write, conv_at, conv_write, pending) as a list."""
+    bufs = bufs or _gdn_buffers(c, H, HV, K, V, W, T_max)
+    window, states, gates = bufs
+    slots = torch.tensor([slots or [-1, 0, -1, 0, 0]], device=DEVICE, dtype=torch.int32)
     seqs = torch.tensor([[0], [0], [c["proj"].shape[0]]], device=DEVICE, dtype=torch.int32)
     out = gdn_step(
         c["proj"],
@@ -253,15 +252,17 @@ def _run_gdn_step(
         c["dt_bias"],
         c["state_home"][None],
         states[None],
+        gates[None],
         c["norm_weight"],
         num_k_heads=H,
         norm_eps=norm_eps,
         slots=slots,
         seqs=seqs,
+        pending_col=4,
         store_all=store_all,
         live=None if live is None else torch.tensor([live], device=DEVICE, dtype=torch.int32),
     )
-    return out, states, window
+    return out, bufs
 
 
 def _bits(x):
@@ -269,112 +270,104 @@ def _bits(x):
     return x.contiguous().view({4: torch.int32, 2: torch.int16}[x.element_size()])
 
 
+def _gates(c, H, HV, K, V):
+    """The proj rows' gate inputs [T, 2 * HV]: b, then a."""
+    col = 2 * H * K + 2 * HV * V
+    return c["proj"][:, col : col + 2 * HV]
+
+
+def _poisoned_homes(c):
+    return dict(
+        c,
+        conv_home=torch.full_like(c["conv_home"], float("nan")),
+        state_home=torch.full_like(c["state_home"], float("nan")),
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 2, 5])
 def test_gdn_step_matches_reference(T, dtype):
+    """A step from the homes against the reference modules; a verify stores its base, its rows'
+    gates and its window; the next step, after keeping t of its rows, folds them from those (the
+    homes poisoned) and gives row t on, and the last state, bitwise."""
     H, HV, K, V, W, eps = 2, 4, 16, 32, 4, 1e-6
     g = torch.Generator(device=DEVICE).manual_seed(10 + T)
     c = _gdn_case(T, H, HV, K, V, W, dtype, g)
-    out, states, window = _run_gdn_step(c, H, HV, K, V, W, eps)  # default slots (-1, 0, -1, 0)
+    out, (window, states, gates) = _run_gdn_step(c, H, HV, K, V, W, eps, store_all=False)
     ref_out, ref_states, ref_window = _gdn_reference(c, H, HV, K, V, eps)
     _close(out, ref_out, dtype)
-    torch.testing.assert_close(states[:T], ref_states, rtol=1e-4, atol=1e-5)
-    assert torch.equal(window[:, : W - 1 + T], ref_window)  # every channel's rollback window, bitwise
-    assert window[:, W - 1 + T :].isnan().all() and states[T:].isnan().all()  # and nothing else written
+    torch.testing.assert_close(states[0], ref_states[-1], rtol=1e-4, atol=1e-5)
+    assert torch.equal(window[:, : W - 1], ref_window[:, T:])  # the next step's carried columns, bitwise
+    assert window[:, W - 1 :].isnan().all() and states[1].isnan().all() and gates.isnan().all()
     assert not triton_utils._COUNTERS[out.device].any()  # the heads' last programs re-armed them
-    # token t alone, from the conv window and state after t-1: bitwise the same output and state
-    t = T - 1
-    one = dict(
-        c,
-        proj=c["proj"][t:],
-        conv_home=window[:, t : t + W - 1].contiguous(),
-        state_home=c["state_home"] if t == 0 else states[t - 1].clone(),
-    )
-    one_out, one_states, _ = _run_gdn_step(one, H, HV, K, V, W, eps)
-    assert torch.equal(one_out[0], out[t]) and torch.equal(one_states[0], states[t])
+    verify_out, (vwin, vstates, vgates) = _run_gdn_step(c, H, HV, K, V, W, eps)  # store_all
+    assert torch.equal(verify_out, out)
+    assert torch.equal(vstates[0], c["state_home"]) and vstates[1].isnan().all()  # the base: nothing pending
+    assert torch.equal(vgates[:T], _gates(c, H, HV, K, V)) and vgates[T:].isnan().all()
+    assert torch.equal(vwin[:, : W - 1 + T], ref_window) and vwin[:, W - 1 + T :].isnan().all()
+    half = vwin.shape[1] // 2
+    for t in range(T):  # t rows kept (pending), then rows t.. as the next step
+        bufs = (vwin.clone(), vstates.clone(), vgates.clone())
+        rest = dict(_poisoned_homes(c), proj=c["proj"][t:])
+        rest_out, (_, st, _) = _run_gdn_step(
+            rest, H, HV, K, V, W, eps, slots=[0, 1, t, half, t], store_all=False, bufs=bufs
+        )
+        assert torch.equal(rest_out, out[t:]) and torch.equal(st[1], states[0]), t
+        assert torch.equal(_bits(st[0]), _bits(vstates[0])) and torch.equal(_bits(bufs[2]), _bits(vgates))
 
 
 @pytest.mark.parametrize("live", [1, 3, 5])
 def test_gdn_step_live_rows(live):
-    """live rows (a verify whose gate cut drafts): the recurrence stops after them; their outputs
-    and states are the full step's bitwise, later rows' outputs are 0 and their states unwritten."""
+    """live rows (a verify whose gate cut drafts): the recurrence stops after them; their outputs are
+    the full step's bitwise, later rows' outputs are 0; the base, gates and window as the full step's."""
     H, HV, K, V, W, eps, T, dtype = 2, 4, 16, 32, 4, 1e-6, 5, torch.bfloat16
     c = _gdn_case(T, H, HV, K, V, W, dtype, torch.Generator(device=DEVICE).manual_seed(30))
-    out, states, window = _run_gdn_step(c, H, HV, K, V, W, eps)
-    out_l, states_l, window_l = _run_gdn_step(c, H, HV, K, V, W, eps, live=live)
-    assert torch.equal(out_l[:live], out[:live]) and torch.equal(states_l[:live], states[:live])
-    assert (out_l[live:] == 0).all() and states_l[live:].isnan().all()
-    assert torch.equal(window_l[:, : W - 1 + T], window[:, : W - 1 + T])  # the window: every row's
+    out, bufs = _run_gdn_step(c, H, HV, K, V, W, eps)
+    out_l, bufs_l = _run_gdn_step(c, H, HV, K, V, W, eps, live=live)
+    assert torch.equal(out_l[:live], out[:live]) and (out_l[live:] == 0).all()
+    for x, y in zip(bufs_l, bufs, strict=True):
+        assert torch.equal(_bits(x), _bits(y))
     assert not triton_utils._COUNTERS[out.device].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 4])
 def test_gdn_step_slots(T, dtype):
-    """slots = (state_at, state_write, conv_at, conv_write) in the device tensor: carried columns from
-    the window and the state from states[state_at] give bitwise what conv_home / state_home give;
-    writes land at the offsets and nowhere else; store_all=False (a prefill step) stores only the
-    last token's state and the window's last W-1 columns (the next step's carried ones)."""
-    H, HV, K, V, W, eps, T_max = 2, 4, 16, 32, 4, 1e-6, 8
+    """slots = (state_at, state_write, conv_at, conv_write, pending) in the device tensor: a verify
+    written to the second halves, then a step from there with P of its rows pending (the homes
+    poisoned) equals the whole run from the homes bitwise; each step writes its halves at the
+    offsets and nothing else."""
+    H, HV, K, V, W, eps, T_max, P = 2, 4, 16, 32, 4, 1e-6, 8, 3
     half = W - 1 + T_max
     g = torch.Generator(device=DEVICE).manual_seed(20 + T)
-    c = _gdn_case(T, H, HV, K, V, W, dtype, g)
-    out, states, window = _run_gdn_step(c, H, HV, K, V, W, eps, T_max)  # from the homes: the baseline
-    # homes poisoned: the step must take its carried columns and state from window / states
-    poisoned = dict(
-        c,
-        conv_home=torch.full_like(c["conv_home"], float("nan")),
-        state_home=torch.full_like(c["state_home"], float("nan")),
-    )
-    state_at, state_write, conv_at, conv_write = 2 * T_max - 1, 3, half + 2, 1
-    slots = [state_at, state_write, conv_at, conv_write]
+    c = _gdn_case(P + T, H, HV, K, V, W, dtype, g)
+    whole_out, (_, whole_states, _) = _run_gdn_step(c, H, HV, K, V, W, eps, store_all=False)  # the baseline
+    first = dict(c, proj=c["proj"][:P])
+    _, (window, states, gates) = _run_gdn_step(first, H, HV, K, V, W, eps, slots=[-1, 1, -1, half, 0])
+    assert torch.equal(states[1], c["state_home"]) and states[0].isnan().all()
+    assert torch.equal(gates[T_max : T_max + P], _gates(first, H, HV, K, V)) and gates[:T_max].isnan().all()
+    assert window[:, :half].isnan().all() and window[:, half + W - 1 + P :].isnan().all()
+    rest = dict(_poisoned_homes(c), proj=c["proj"][P:])
     for store_all in (True, False):
-        written_cols = torch.zeros(2 * half, dtype=torch.bool, device=DEVICE)
-        width = W - 1 + T if store_all else W - 1  # the whole window, or its last W-1 columns
-        written_cols[conv_write : conv_write + width] = True
-        win, st = _gdn_buffers(c, H, HV, K, V, W, T_max)
-        win[:, conv_at : conv_at + W - 1] = c["conv_home"]
-        st[state_at] = c["state_home"]
-        win0, st0 = win.clone(), st.clone()
-        out2, _, _ = _run_gdn_step(
-            poisoned, H, HV, K, V, W, eps, slots=slots, store_all=store_all, window=win, states=st
+        bufs = tuple(b.clone() for b in (window, states, gates))
+        out, (win, st, gt) = _run_gdn_step(
+            rest, H, HV, K, V, W, eps, slots=[1, 0, half + P, 0, P], store_all=store_all, bufs=bufs
         )
-        assert torch.equal(out2, out), store_all
-        assert not triton_utils._COUNTERS[out.device].any()
-        # the window: the step's columns at conv_write, bitwise; every other column as it was
-        assert torch.equal(win[:, written_cols], window[:, : W - 1 + T] if store_all else window[:, T : T + W - 1])
-        assert torch.equal(_bits(win[:, ~written_cols]), _bits(win0[:, ~written_cols]))
-        assert torch.equal(win[:, conv_at : conv_at + W - 1], c["conv_home"])  # the read columns kept
-        untouched = ~written_cols
-        untouched[conv_at : conv_at + W - 1] = False
-        assert win[:, untouched].isnan().all()
-        # the states: all T from state_write, or only the last token's at state_write; no other slot
-        written = list(range(state_write, state_write + T)) if store_all else [state_write]
-        assert torch.equal(st[written], states[:T] if store_all else states[T - 1 : T]), store_all
-        others = [s for s in range(2 * T_max) if s not in written]
-        assert torch.equal(_bits(st[others]), _bits(st0[others]))
-        assert st[[s for s in others if s != state_at]].isnan().all()
-        if store_all:  # the next round on the same buffers: token T-1 alone, from its window columns and
-            # the state after token T-2, written to the other halves: bitwise row T-1 and its state
-            one = dict(poisoned, proj=c["proj"][T - 1 :])
-            prev = state_at if T == 1 else state_write + T - 2
-            win1, st1 = win.clone(), st.clone()
-            one_out, _, _ = _run_gdn_step(
-                one,
-                H,
-                HV,
-                K,
-                V,
-                W,
-                eps,
-                slots=[prev, T_max, conv_write + T - 1, half],
-                store_all=False,
-                window=win1,
-                states=st1,
+        assert torch.equal(out, whole_out[P:]), store_all
+        # the read half is kept; the written half holds the folded base (a verify) or the last state
+        assert torch.equal(_bits(win[:, half:]), _bits(window[:, half:])) and torch.equal(st[1], states[1])
+        assert torch.equal(_bits(gt[T_max:]), _bits(gates[T_max:]))
+        width = W - 1 + T if store_all else W - 1  # the whole window, or its last W-1 columns
+        assert not win[:, :width].isnan().any() and win[:, width:half].isnan().all()
+        if store_all:
+            assert torch.equal(gt[:T], _gates(rest, H, HV, K, V)) and gt[T:T_max].isnan().all()
+            # the stored base is the state after the P rows: a step of the rest from it, nothing pending
+            again, (_, st2, _) = _run_gdn_step(
+                rest, H, HV, K, V, W, eps, slots=[0, 1, 0, half, 0], store_all=False, bufs=(win.clone(), st.clone(), gt)
             )
-            assert torch.equal(one_out[0], out[T - 1]) and torch.equal(st1[T_max], states[T - 1])
-            # (a prefill step: the last W-1 columns of its carried columns and its one input)
-            assert torch.equal(win1[:, half : half + W - 1], window[:, T : T - 1 + W])
+            assert torch.equal(again, out) and torch.equal(st2[1], whole_states[0])
+        else:
+            assert torch.equal(st[0], whole_states[0]) and gt[:T_max].isnan().all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -642,12 +635,12 @@ def test_gdn_step_batch_equals_each_sequence_alone():
     S = 4  # slot 3 holds the first sequence, slot 0 the second, slot 1 the third
     slot_of = [3, 0, 1]
     bufs = [_gdn_buffers(cases[0], H, HV, K, V, W, T_max) for _ in range(S)]
-    window, states = torch.stack([b[0] for b in bufs]), torch.stack([b[1] for b in bufs])
+    window, states, gates = (torch.stack([b[i] for b in bufs]) for i in range(3))
     conv_home = torch.zeros(S, *cases[0]["conv_home"].shape, device=DEVICE, dtype=dtype)
     state_home = torch.zeros(S, *cases[0]["state_home"].shape, device=DEVICE)
     for c, s in zip(cases, slot_of, strict=True):
         conv_home[s], state_home[s] = c["conv_home"], c["state_home"]
-    slots = torch.tensor([[-1, 0, -1, 0]] * S, device=DEVICE, dtype=torch.int32)
+    slots = torch.tensor([[-1, 0, -1, 0, 0]] * S, device=DEVICE, dtype=torch.int32)
     seqs = torch.tensor([slot_of, [0, 2, 3], rows], device=DEVICE, dtype=torch.int32)
     out = gdn_step(
         torch.cat([c["proj"] for c in cases]),
@@ -658,18 +651,21 @@ def test_gdn_step_batch_equals_each_sequence_alone():
         cases[0]["dt_bias"],
         state_home,
         states,
+        gates,
         cases[0]["norm_weight"],
         num_k_heads=H,
         norm_eps=eps,
         slots=slots,
         seqs=seqs,
+        pending_col=4,
     )
     row = 0
-    for T, s, (one_out, one_states, one_window) in zip(rows, slot_of, alone, strict=True):
+    for T, s, (one_out, one_bufs) in zip(rows, slot_of, alone, strict=True):
         assert torch.equal(out[row : row + T], one_out), s
-        assert torch.equal(_bits(states[s]), _bits(one_states)) and torch.equal(_bits(window[s]), _bits(one_window))
+        for x, y in zip((window[s], states[s], gates[s]), one_bufs, strict=True):
+            assert torch.equal(_bits(x), _bits(y))
         row += T
-    assert window[2].isnan().all() and states[2].isnan().all()  # the slot outside the batch untouched
+    assert window[2].isnan().all() and states[2].isnan().all() and gates[2].isnan().all()  # outside the batch
     assert not triton_utils._COUNTERS[out.device].any()
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import nextn
 from nextn.cache import CacheLayout, HybridCache, StepBatch
-from nextn.cache.hybrid import CONV_WRITE, STATE_WRITE
+from nextn.cache.hybrid import PENDING
 from nextn.config import FULL
 from nextn.model_config import ConfigError, ModelConfig
 from nextn.models.loader import CheckpointError, load_model
@@ -76,24 +76,24 @@ def test_multi_token_step_equals_single_steps(name, request):
     """A (K+1)-token keep-states step over the cache == K+1 one-token steps: outputs and per-token states."""
     model = load_model(request.getfixturevalue(name))
     ids = _ids(20, seed=1)
-    W = model.cfg.linear_conv_kernel_dim
     multi, single = _slots(model)
     with torch.no_grad():
         for cache in (multi, single):
             model(ids[:, :15], cache)
             cache.commit_home(15)
         h_multi = _step(model, ids[:, 15:], multi)
-        w, cw = multi.get(STATE_WRITE), multi.get(CONV_WRITE)  # where the step wrote its states
-        states, windows = multi.t("states").clone(), multi.t("window").clone()
+        before = multi.ctl.clone()
         for t in range(5):
             h1 = _step(model, ids[:, 15 + t : 16 + t], single)
             single.commit(1)
             # bitwise: decode and verify rows share one arithmetic (the fixed-shape step)
             assert torch.equal(h1[0, 0], h_multi[0, t])
-            for j, i in enumerate(_gdn_layers(model)):
-                conv, rec = single.committed_gdn(i)
-                assert torch.equal(states[j][w + t], rec)
-                assert torch.equal(windows[j][:, cw + t + 1 : cw + t + W], conv)
+            multi.ctl.copy_(before)
+            multi.commit(t + 1)  # keeping t + 1 rows of the verify: their states are the fold's
+            assert multi.get(PENDING) == t + 1
+            for i in _gdn_layers(model):
+                for x, y in zip(model.committed_gdn(multi, i), model.committed_gdn(single, i), strict=True):
+                    assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("name", ["dense_ckpt", "moe_ckpt", "next_ckpt"])
@@ -119,7 +119,7 @@ def test_batched_step_equals_each_sequence_alone(name, request):
             batched[b].commit(rows[b])
             cache.commit(rows[b])
             for i in _gdn_layers(model):
-                for x, y in zip(batched[b].committed_gdn(i), cache.committed_gdn(i), strict=True):
+                for x, y in zip(model.committed_gdn(batched[b], i), model.committed_gdn(cache, i), strict=True):
                     assert torch.equal(x, y)
             for i in (i for i, t in enumerate(model.cfg.layer_types) if t == FULL):
                 n = cache.seq_len
@@ -144,7 +144,7 @@ def test_commit_rolls_back_to_the_kept_prefix(name, n_keep, request):
             b.commit(1)
         assert a.seq_len == b.seq_len == 10 + n_keep
         for i in _gdn_layers(model):
-            for x, y in zip(a.committed_gdn(i), b.committed_gdn(i), strict=True):
+            for x, y in zip(model.committed_gdn(a, i), model.committed_gdn(b, i), strict=True):
                 assert torch.equal(x, y)
         n = a.seq_len
         for i in (i for i, t in enumerate(model.cfg.layer_types) if t == FULL):

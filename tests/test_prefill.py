@@ -50,6 +50,7 @@ def _fresh(runner, slot):
 
 def _state(runner, seq):
     """Everything the slot holds for its committed tokens, on the host."""
+    runner.fold([seq.slot])  # pending GDN rows as the step folds them
     cache, n, cfg = runner.slot(seq.slot), len(seq.tokens), runner.cfg
     out = {"hidden": seq.last_hidden, "logits": seq.last_logits}
     for i, kind in enumerate(cfg.layer_types):

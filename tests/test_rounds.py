@@ -56,6 +56,7 @@ def _run(engine, seq, params, ahead, stop_ids=(), close_after=None):
 
 def _state(engine, seq) -> list:
     """Everything a later turn reads of the slot."""
+    engine.runner.fold([seq.slot])  # the pending GDN rows as the engine's step folds them
     cache, cfg = engine.runner.slot(seq.slot), engine.model.cfg
     n = len(seq.tokens)
     out = [
@@ -68,7 +69,10 @@ def _state(engine, seq) -> list:
         seq.pending_hidden,
     ]
     for i, kind in enumerate(cfg.layer_types):
-        out += [t[:n] for t in cache.kv(i) if t is not None] if kind == FULL else list(cache.committed_gdn(i))
+        if kind == FULL:
+            out += [t[:n] for t in cache.kv(i) if t is not None]
+        else:
+            out += list(cache.committed_gdn(i))
     if seq.heads:
         out += [t[: seq.draft_len] for t in cache.draft_kv() if t is not None]
     return out

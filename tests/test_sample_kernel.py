@@ -247,7 +247,7 @@ def test_greedy_accept_kernel_is_its_reference_bitwise(heads):
 
     batch = Batch(offsets=offsets, slot_index=ix([1, 4, 0, 3, 2, 5]))
     rounds._accept_greedy(runner, batch, group, index, befores, logits, ix(counts), heads)
-    table = commit_table(cache.rows, cache.cols, True, True, logits.device)
+    table = commit_table(cache.cols, True, True, logits.device)
     accept_greedy(logits.argmax(-1), ix([offsets[b] for b in index]), ix(slots), ix(ks), ix(counts), ix(index),
                   befores, fast, table, heads)  # fmt: skip
     for name in base:

@@ -3,18 +3,28 @@ modules and the Triton step, and the rule that commits a step.
 
 Per slot: attention K/V per full-attention layer (position-addressed, append-only); per Gated
 DeltaNet layer a home conv window and recurrent state (what a chunked prefill writes) and step
-buffers in two halves (the conv window with a step's inputs, the state after each step token); a
-prompt-end checkpoint of the GDN states; the MTP head's draft K/V; the engine's own per-slot
-buffers (named in `CacheLayout.extra`); and `ctl`, the slot's counters on the device:
+buffers in two halves (the conv window with a step's inputs, one base state, the gates b and a of
+the step's rows); a prompt-end checkpoint of the GDN states; the MTP head's draft K/V; the
+engine's own per-slot buffers (named in `CacheLayout.extra`); and `ctl`, the slot's counters on
+the device:
 
   SEQ_LEN      committed tokens: the next step's row 0 sits at this position
-  STATE_AT     step-buffer slot of the committed recurrent state (-1: the home state)
-  STATE_WRITE  first step-buffer slot the next step writes (0 or R: the half without STATE_AT)
+  STATE_AT     half holding the base recurrent state (0 or 1; -1: the home state)
+  STATE_WRITE  half the next step writes (the other one)
   CONV_AT      window column where the committed conv columns start (-1: the home window)
   CONV_WRITE   first window column the next step writes (0 or WC)
   DRAFT_LEN    MTP rows written with true hiddens (rows 1..DRAFT_LEN sit in draft slots 0..DRAFT_LEN-1)
   NUM_GEN      tokens the running request has emitted (the index of its next uniform)
   ACCEPTED     drafts the last round accepted
+  PENDING      committed rows the base state does not hold yet (the last verify's kept rows)
+
+The committed recurrent state is the base state advanced by the PENDING rows, whose inputs are in
+the window (columns CONV_AT - PENDING ..) and whose gates are in the base's half. A verify keeps
+no per-row states: each step first folds the pending rows into the base (the same per-row code as
+its own rows, so the same bits), stores that in the half it writes, then runs its rows; keeping
+`kept` of them makes them pending. A row's state is thus computed twice, but a slot holds two
+states a layer instead of 2 (K+1), and a step writes one state instead of K+1 (the 9B shape at
+K=3: 96 MiB a sequence instead of 384).
 
 With `kv_cache_dtype="fp8"` the full-attention layers' K/V are e4m3, each row of D values (a
 position's kv head) with a float32 scale beside it (`key_scale.{i}`, nextn.ops.fp8.quantize_rows);
@@ -39,15 +49,15 @@ from nextn.model_config import ModelConfig
 from nextn.ops.fp8 import E4M3
 
 KV_BLOCK = 64  # K/V storage is allocated in whole blocks (the step attention reads whole blocks)
-SEQ_LEN, STATE_AT, STATE_WRITE, CONV_AT, CONV_WRITE, DRAFT_LEN, NUM_GEN, ACCEPTED = range(8)
-NUM_CTL = 8
+SEQ_LEN, STATE_AT, STATE_WRITE, CONV_AT, CONV_WRITE, DRAFT_LEN, NUM_GEN, ACCEPTED, PENDING = range(9)
+NUM_CTL = 9
 
 
 @dataclass(frozen=True)
 class CacheLayout:
     num_slots: int
     max_len: int  # tokens a sequence may commit
-    step_states: int  # R: per-token states a step keeps for rollback (the longest verify)
+    step_states: int  # R: rows a kept step may leave pending (the longest verify)
     draft: bool  # the MTP head's draft K/V
     extra: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()  # engine buffers, per slot
     kv_cache_dtype: str = "auto"  # "fp8": the attention layers' K/V in e4m3 with per-row scales
@@ -94,9 +104,12 @@ def tensor_specs(cfg: ModelConfig, layout: CacheLayout, dtype: torch.dtype) -> d
             "conv": (conv, dtype),
             "recurrent": ((S, n, *state), f32),
             "window": ((S, n, cfg.conv_dim, 2 * window_cols(cfg)), dtype),
-            "states": ((S, n, 2 * layout.step_states, *state), f32),
-            "ckpt_conv": (conv, dtype),
+            "states": ((S, n, 2, *state), f32),
+            "gates": ((S, n, 2 * layout.step_states, 2 * cfg.linear_num_value_heads), dtype),
+            "ckpt_conv": ((*conv[:3], conv[3] + layout.step_states), dtype),
             "ckpt_recurrent": ((S, n, *state), f32),
+            "ckpt_gates": ((S, n, layout.step_states, 2 * cfg.linear_num_value_heads), dtype),
+            "ckpt_pending": ((S,), torch.int32),
             "ctl": ((S, NUM_CTL), torch.int32),
         }
     )
@@ -152,6 +165,18 @@ def reset_ctl(ctl: torch.Tensor) -> None:
     ctl[..., CONV_AT] = -1
 
 
+class GDNParts(NamedTuple):
+    """One slot's committed GDN state of a layer, as stored: the conv columns after the committed
+    tokens [D, W-1], the base recurrent state [HV, K, V], and where rows are pending (the base does
+    not hold them yet) their window columns [D, W-1+P] (carried, then the P rows' inputs) and gates
+    [P, 2*HV] (b, then a); else None twice."""
+
+    conv: torch.Tensor
+    base: torch.Tensor
+    rows: torch.Tensor | None = None
+    gates: torch.Tensor | None = None
+
+
 class SlotCache:
     """One sequence slot's view of the cache: what the reference modules and the step read."""
 
@@ -185,20 +210,42 @@ class SlotCache:
     def seq_len(self) -> int:
         return self.get(SEQ_LEN)
 
-    def committed_gdn(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv columns [D, W-1], recurrent state [HV, K, V]) after the committed tokens."""
+    def gdn_parts(self, layer_idx: int) -> GDNParts:
+        """What the committed GDN state of a layer is made of (views): see `GDNParts`."""
         j, W = self.cache.gdn_index[layer_idx], self.cfg.linear_conv_kernel_dim
-        conv_at, state_at = self.get(CONV_AT), self.get(STATE_AT)
-        conv = self.t("conv")[j] if conv_at < 0 else self.t("window")[j][:, conv_at : conv_at + W - 1]
-        state = self.t("recurrent")[j] if state_at < 0 else self.t("states")[j][state_at]
-        return conv, state
+        conv_at, state_at, p = self.get(CONV_AT), self.get(STATE_AT), self.get(PENDING)
+        base = self.t("recurrent")[j] if state_at < 0 else self.t("states")[j][state_at]
+        if conv_at < 0:
+            return GDNParts(self.t("conv")[j], base)
+        window, R = self.t("window")[j], self.rows
+        conv = window[:, conv_at : conv_at + W - 1]
+        if not p:
+            return GDNParts(conv, base)
+        return GDNParts(conv, base, window[:, conv_at - p : conv_at + W - 1], self.t("gates")[j][state_at * R :][:p])
 
-    def write_step(self, layer_idx: int, window: torch.Tensor, states: torch.Tensor) -> None:
-        """A step's conv window [D, W-1+T] and states [T or 1, HV, K, V] into the write half."""
+    def committed_gdn(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv columns [D, W-1], recurrent state [HV, K, V]) after the committed tokens, where no
+        rows are pending (after a prefill, a reset or a rewind); else the layer's fold computes it
+        (nextn.layers.gdn.GatedDeltaNet.committed)."""
+        parts = self.gdn_parts(layer_idx)
+        if parts.gates is not None:
+            raise ValueError(
+                f"slot {self.slot}: {len(parts.gates)} rows are pending in GDN layer {layer_idx}: "
+                "the committed state needs the layer's fold (GatedDeltaNet.committed)"
+            )
+        return parts.conv, parts.base
+
+    def write_step(
+        self, layer_idx: int, window: torch.Tensor, state: torch.Tensor, gates: torch.Tensor | None = None
+    ) -> None:
+        """A step's conv window [D, W-1+T], state [HV, K, V] (a verify's base, or a prefill step's
+        last) and a verify's rows' gates [T, 2*HV] (b then a) into the write half."""
         j = self.cache.gdn_index[layer_idx]
         at, w = self.get(CONV_WRITE), self.get(STATE_WRITE)
         self.t("window")[j][:, at : at + window.shape[-1]] = window
-        self.t("states")[j][w : w + states.shape[0]] = states
+        self.t("states")[j][w] = state
+        if gates is not None:
+            self.t("gates")[j][w * self.rows : w * self.rows + gates.shape[0]] = gates
 
     def write_home(self, layer_idx: int, conv: torch.Tensor, state: torch.Tensor) -> None:
         """Prefill's final conv columns and state (the caller then points ctl home)."""
@@ -212,24 +259,36 @@ class SlotCache:
 
     def commit(self, kept: int, store_all: bool = True) -> None:
         """Keep `kept` tokens of the last step (host-driven: prefill)."""
-        self.ctl.copy_(commit_ctl(self.ctl, kept, self.rows, self.cols, store_all))
+        self.ctl.copy_(commit_ctl(self.ctl, kept, self.cols, store_all))
 
     def commit_home(self, num_tokens: int) -> None:
-        """After a chunked prefill of num_tokens that wrote the home states."""
-        self.set(seq_len=self.seq_len + num_tokens, state_at=-1, conv_at=-1)
+        """After a chunked prefill of num_tokens that wrote the home states (pending rows folded)."""
+        self.set(seq_len=self.seq_len + num_tokens, state_at=-1, conv_at=-1, pending=0)
 
     def snapshot_gdn(self) -> None:
-        """The committed GDN states into the slot's checkpoint buffers (a prompt-end checkpoint)."""
+        """The committed GDN states into the slot's checkpoint buffers (a prompt-end checkpoint):
+        the base, the pending rows' window columns and gates as they are (copies: no fold)."""
+        p = self.get(PENDING)
         for i, j in self.cache.gdn_index.items():
-            conv, state = self.committed_gdn(i)
-            self.t("ckpt_conv")[j].copy_(conv)
-            self.t("ckpt_recurrent")[j].copy_(state)
+            parts = self.gdn_parts(i)
+            cols = parts.conv if parts.rows is None else parts.rows
+            self.t("ckpt_conv")[j][:, : cols.shape[-1]].copy_(cols)
+            self.t("ckpt_recurrent")[j].copy_(parts.base)
+            if p:
+                self.t("ckpt_gates")[j][:p].copy_(parts.gates)
+        self.t("ckpt_pending").fill_(p)
 
     def restore_gdn(self, num_tokens: int) -> None:
-        """Rewind to the checkpoint taken after num_tokens tokens: its states become home."""
-        self.t("conv").copy_(self.t("ckpt_conv"))
-        self.t("recurrent").copy_(self.t("ckpt_recurrent"))
-        self.set(seq_len=num_tokens, state_at=-1, conv_at=-1)
+        """Rewind to the checkpoint taken after num_tokens tokens: its base, columns and gates
+        into half 0 of the step buffers, the next step writing half 1 (no host read)."""
+        R, cols = self.rows, self.t("ckpt_conv").shape[-1]
+        self.t("states")[:, 0].copy_(self.t("ckpt_recurrent"))
+        self.t("window")[:, :, :cols].copy_(self.t("ckpt_conv"))
+        self.t("gates")[:, :R].copy_(self.t("ckpt_gates"))
+        self.set(seq_len=num_tokens, state_at=0, state_write=1, conv_write=self.cols)
+        p = self.t("ckpt_pending")
+        self.ctl[CONV_AT] = p
+        self.ctl[PENDING] = p
 
     def reset(self) -> None:
         """An empty sequence: zero home states (K/V are position-addressed: no need)."""
@@ -302,38 +361,37 @@ class StepBatch:
         return self._flat[R]
 
 
-def commit_ctl(
-    ctl: torch.Tensor, kept, rows: int, cols: int, store_all: bool = True, round_: bool = False
-) -> torch.Tensor:
+def commit_ctl(ctl: torch.Tensor, kept, cols: int, store_all: bool = True, round_: bool = False) -> torch.Tensor:
     """ctl [NUM_CTL] (or [B, NUM_CTL], kept [B, 1]) after keeping `kept` (an int, or a device
     tensor: no host read) tokens of a step that wrote the halves at STATE_WRITE / CONV_WRITE; the
     next step writes the other halves.
-    store_all: the step kept every token's state and its whole conv window (a verify), else only the
-    last state and the window's last W-1 columns, at STATE_WRITE / CONV_WRITE (a prefill step, of
-    any number of rows; kept is then all of them).
+    store_all: the step kept its base state, its rows' gates and its whole conv window (a verify:
+    the kept rows become pending), else only the last state and the window's last W-1 columns (a
+    prefill step, of any number of rows; kept is then all of them).
     round_: the step was a round's verify: also DRAFT_LEN += ACCEPTED + 1 (the rows the round's
     head pass wrote), NUM_GEN += kept, ACCEPTED = kept - 1. The one commit rule of the engine."""
-    a_idx, a, b_idx, b, k, c = commit_table(rows, cols, store_all, round_, ctl.device)
+    a_idx, a, b_idx, b, k, c = commit_table(cols, store_all, round_, ctl.device)
     return ctl[..., a_idx] * a + ctl[..., b_idx] * b + kept * k + c
 
 
 _TABLES: dict = {}
 
 
-def commit_table(rows: int, cols: int, store_all: bool, round_: bool, device) -> tuple[torch.Tensor, ...]:
+def commit_table(cols: int, store_all: bool, round_: bool, device) -> tuple[torch.Tensor, ...]:
     """new[f] = ctl[a_idx[f]] * a[f] + ctl[b_idx[f]] * b[f] + kept * k[f] + c[f]: commit_ctl as a
     few vector ops (each field's rule is affine in two old fields and kept)."""
-    key = (rows, cols, store_all, round_, str(device))
+    key = (cols, store_all, round_, str(device))
     if key not in _TABLES:
         rule = {  # field: (a_field, a, b_field, b, k, c)
             SEQ_LEN: (SEQ_LEN, 1, SEQ_LEN, 0, 1, 0),
-            STATE_AT: (STATE_WRITE, 1, SEQ_LEN, 0, int(store_all), -int(store_all)),
-            STATE_WRITE: (STATE_WRITE, -1, SEQ_LEN, 0, 0, rows),
+            STATE_AT: (STATE_WRITE, 1, SEQ_LEN, 0, 0, 0),
+            STATE_WRITE: (STATE_WRITE, -1, SEQ_LEN, 0, 0, 1),
             CONV_AT: (CONV_WRITE, 1, SEQ_LEN, 0, int(store_all), 0),  # a prefill step writes the last columns only
             CONV_WRITE: (CONV_WRITE, -1, SEQ_LEN, 0, 0, cols),
             DRAFT_LEN: (DRAFT_LEN, 1, ACCEPTED, int(round_), 0, int(round_)),
             NUM_GEN: (NUM_GEN, 1, SEQ_LEN, 0, int(round_), 0),
             ACCEPTED: (ACCEPTED, 1 - int(round_), SEQ_LEN, 0, int(round_), -int(round_)),
+            PENDING: (PENDING, 0, SEQ_LEN, 0, int(store_all), 0),
         }
         cols_ = list(zip(*(rule[f] for f in range(NUM_CTL)), strict=True))
         _TABLES[key] = tuple(

@@ -156,7 +156,7 @@ def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores
         from nextn.ops import triton_sample
 
         starts = runner.index([batch.offsets[b] for b in index])
-        table = commit_table(cache.rows, cache.cols, True, True, logits.device)
+        table = commit_table(cache.cols, True, True, logits.device)
         args = (logits.argmax(-1), starts, slots, ks, counts, runner.index(index), befores, tensors, table, heads)
         triton_sample.accept_greedy(*args)
         return
@@ -176,7 +176,7 @@ def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores
         head_ids = torch.where(kept, out_ids.clamp(min=0), tensors["head_ids"].index_select(0, slots))
         tensors["head_ids"].index_copy_(0, slots, head_ids)
     before = befores.index_select(0, runner.index(index))
-    ctl = commit_ctl(before, (n + 1)[:, None], cache.rows, cache.cols, round_=True)
+    ctl = commit_ctl(before, (n + 1)[:, None], cache.cols, round_=True)
     tensors["ctl"].index_copy_(0, slots, ctl.to(torch.int32))
     tensors["out"].index_copy_(0, slots, torch.cat([n[:, None], counts[:, None], out_ids, before.long()], dim=1))
 
@@ -187,7 +187,7 @@ def _accept(m: Member, before: torch.Tensor, num_drafts: torch.Tensor, heads: bo
     q = None if sampler.kind.greedy else buf.draft_q[:k]
     n, out_ids = sampler.verify(buf.logits[: k + 1], buf.verify_ids[1 : k + 1], q, num_drafts, before[NUM_GEN])
     sampler.record(out_ids, n)
-    cache.ctl.copy_(commit_ctl(before, n + 1, cache.rows, cache.cols, round_=True))
+    cache.ctl.copy_(commit_ctl(before, n + 1, cache.cols, round_=True))
     buf.verify_ids[:1] = out_ids.index_select(0, n.reshape(1))  # the next round's pending token
     if heads:  # the next head pass writes the rows of what this round kept
         torch.clamp(out_ids, min=0, out=buf.head_ids[: k + 1])
@@ -539,7 +539,7 @@ class RequestRounds:
         seq.tokens[self.prompt_len :] = self.emitted[:-1]
         ctl = torch.tensor(last.before, dtype=torch.int32)
         if last.index > 0:  # (the first token commits nothing)
-            ctl = commit_ctl(ctl, kept, cache.rows, cache.cols, round_=True)
+            ctl = commit_ctl(ctl, kept, cache.cols, round_=True)
             hidden, logits = (buf.prev_hidden, buf.prev_logits) if ahead else (buf.hidden, buf.logits)
             seq.last_hidden, seq.last_logits = hidden[kept - 1].clone(), logits[kept - 1].clone()
         if seq.heads:  # rows of the round's kept drafts are pending (the next head pass rewrites them)

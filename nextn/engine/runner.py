@@ -212,6 +212,18 @@ class ModelRunner:
         seq.make_checkpoint()
         self.slot(seq.slot).snapshot_gdn()
 
+    @torch.inference_mode()
+    def fold(self, slots: list[int]) -> None:
+        """Fold the slots' pending GDN rows into their base states (nextn.cache.hybrid), so that
+        SlotCache.committed_gdn reads the committed state as this step backend computed it; the
+        committed tokens stay as they are."""
+        caches = [self.slot(s) for s in slots]
+        self.step.fold(caches)
+        cache = self.pool.cache
+        index = torch.tensor(slots, device=self.device)
+        ctl = cache.ctl.index_select(0, index)
+        cache.ctl.index_copy_(0, index, commit_ctl(ctl, 0, caches[0].cols, store_all=False))
+
     def rewind(self, seq: Sequence) -> None:
         """Back to the sequence's checkpoint (K/V need nothing: positions past it are rewritten)."""
         seq.rewind_to_checkpoint()
@@ -298,7 +310,7 @@ class ModelRunner:
         cache = caches[0]
         kept = torch.tensor(rows, dtype=torch.int32, device=self.device)[:, None]
         ctl = self.pool.cache.ctl
-        ctl.index_copy_(0, slots, commit_ctl(ctl.index_select(0, slots), kept, cache.rows, cache.cols, store_all=False))
+        ctl.index_copy_(0, slots, commit_ctl(ctl.index_select(0, slots), kept, cache.cols, store_all=False))
         at = 0
         for p, o, n, w in zip(pieces, offsets, rows, wanted, strict=True):
             own = logits[at : at + len(w)]

@@ -89,9 +89,27 @@ class GatedDeltaNet(nn.Module):
         """Conv, gates and the delta rule of one sequence (or a training batch) -> o [B, T, HV, V].
         ops None: a step whose first n rows are real (the recurrent rule, states to the step
         buffers); else the chunked rule."""
-        B, T, _ = mixed_qkv.shape
         i = self.layer_idx
-        conv_state, initial = cache.committed_gdn(i) if cache is not None else (None, None)
+        conv_state, initial = self.committed(cache) if cache is not None else (None, None)
+        q, k, v, g, beta, window = self._inputs(mixed_qkv, b, a, conv_state)
+        initial = None if initial is None else initial[None]
+        W = self.conv1d.weight.shape[-1]
+        if ops is None:
+            o, states = gdn_ops.recurrent_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], initial)
+            if store_all:  # a verify: its whole window, its base state (the fold) and its rows' gates
+                cache.write_step(i, window[0, :, : W - 1 + n], initial[0], torch.cat([b[0, :n], a[0, :n]], -1))
+            else:  # a prefill step (any number of rows): the window's last W-1 columns, the last state
+                cache.write_step(i, window[0, :, n : n + W - 1], states[0, -1])
+        else:
+            o, final = ops.chunk_rule(q, k, v, g, beta, initial)
+            if cache is not None:
+                cache.write_home(i, window[0, :, window.shape[-1] - (W - 1) :], final[0])
+        return o
+
+    def _inputs(self, mixed_qkv, b, a, conv_state):
+        """The delta rule's inputs (q, k, v, g, beta) and the conv window of rows mixed_qkv [B, T,
+        conv_dim], b, a [B, T, HV] after the carried conv columns conv_state [D, W-1] (None: zeros)."""
+        B, T, _ = mixed_qkv.shape
         mixed_qkv, window = conv_ops.causal_conv1d(
             mixed_qkv, self.conv1d.weight.squeeze(1), None if conv_state is None else conv_state[None]
         )
@@ -99,21 +117,27 @@ class GatedDeltaNet(nn.Module):
         q = l2norm(q.reshape(B, T, self.num_k_heads, self.head_k_dim).float())
         k = l2norm(k.reshape(B, T, self.num_k_heads, self.head_k_dim).float())
         v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        initial = None if initial is None else initial[None]
-        W = self.conv1d.weight.shape[-1]
-        if ops is None:
-            o, states = gdn_ops.recurrent_gated_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], initial)
-            if store_all:  # a verify's whole window and every token's state
-                cache.write_step(i, window[0, :, : W - 1 + n], states[0])
-            else:  # a prefill step (any number of rows): the window's last W-1 columns, the last state
-                cache.write_step(i, window[0, :, n : n + W - 1], states[0, -1:])
-        else:
-            o, final = ops.chunk_rule(q, k, v, g, beta, initial)
-            if cache is not None:
-                cache.write_home(i, window[0, :, window.shape[-1] - (W - 1) :], final[0])
-        return o
+        # contiguous: a CPU elementwise op's bits can depend on strides (vectorised or not), and b, a
+        # come as views of a projection or of the stored gates
+        beta = b.contiguous().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.contiguous().float() + self.dt_bias.float())
+        return q, k, v, g, beta, window
+
+    def committed(self, cache: SlotCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv columns [D, W-1], recurrent state [HV, K, V]) after the slot's committed tokens:
+        the base state advanced by the pending rows (nextn.cache.hybrid), each row as a step runs
+        it (the same bits as the state the step held after that row)."""
+        parts = cache.gdn_parts(self.layer_idx)
+        if parts.rows is None:
+            return parts.conv, parts.base
+        W, HV, P = self.conv1d.weight.shape[-1], self.num_v_heads, parts.gates.shape[0]
+        # padded to whole STEP_ROWS tiles like the step that ran them (a reduction's order can depend on shape)
+        inputs = pad_dim1(parts.rows[:, W - 1 :].T[None], STEP_ROWS)  # [1, STEP_ROWS, D]
+        gates = pad_dim1(parts.gates[None], STEP_ROWS)
+        q, k, v, g, beta, _ = self._inputs(inputs, gates[..., :HV], gates[..., HV:], parts.rows[:, : W - 1])
+        rows = (t[:, :P] for t in (q, k, v, g, beta))
+        _, states = gdn_ops.recurrent_gated_delta_rule(*rows, parts.base[None])
+        return parts.conv, states[0, -1]
 
 
 class GatedDeltaNetNext(GatedDeltaNet):

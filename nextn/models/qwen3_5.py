@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from nextn.cache import SlotCache, StepBatch
-from nextn.config import STEP_ROWS
+from nextn.config import FULL, STEP_ROWS
 from nextn.layers.attention import KV
 from nextn.layers.linear import Linear
 from nextn.layers.norm import RMSNorm
@@ -98,6 +98,11 @@ class CausalLM(nn.Module):
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.norm(hidden)
 
+    def committed_gdn(self, cache: SlotCache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv columns [D, W-1], recurrent state [HV, K, V]) of a GDN layer after the slot's
+        committed tokens, its pending rows folded in (nextn.cache.hybrid)."""
+        return self.model.layers[layer_idx].linear_attn.committed(cache)
+
     def head_rows(
         self,
         kv: KV,
@@ -154,6 +159,15 @@ class ReferenceStep:
         normed = self.model.final_norm(h)
         logits.copy_(self.model.logits(normed if logit_rows is None else normed.index_select(0, logit_rows)))
         hidden.copy_(normed if self.after_norm else h)
+
+    def fold(self, caches: list[SlotCache]) -> None:
+        """Each slot's pending GDN rows into its base state, as TritonStep.fold: the folded state and
+        carried columns into the write halves; the caller commits 0 tokens."""
+        for layer in self.model.model.layers:
+            if layer.kind != FULL:
+                for cache in caches:
+                    conv, state = layer.linear_attn.committed(cache)
+                    cache.write_step(layer.layer_idx, conv, state)
 
     def head(
         self,

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nextn.cache.hybrid import KV, SEQ_LEN, STATE_AT, StepBatch
+from nextn.cache.hybrid import KV, PENDING, SEQ_LEN, STATE_AT, HybridCache, SlotCache, StepBatch
 from nextn.config import ATTENTION_ROWS, FULL
 from nextn.layers.ffn import FP8Experts
 from nextn.layers.linear import FP8Linear
@@ -357,7 +357,6 @@ class TritonStep:
 
     def _gdn(self, x, ni, w: GDNWeights, batch: StepBatch, j: int, store_all: bool, live, next_norm):
         """(the layer's output, the next norm's NormInput or None); ni: the input norm's."""
-        t = batch.cache.tensors
         if len(w.in_proj) == 1:
             proj = self._project(ni, w.in_proj[0])  # [M, conv | z | b | a]
         else:  # runs of one kind (FP8 qkv | z, bf16 b | a), each into its columns
@@ -366,7 +365,13 @@ class TritonStep:
             for part in w.in_proj:
                 self._project(ni, part, out=proj[:, col : col + part.shape[0]])
                 col += part.shape[0]
-        o = self.gdn.gdn_step(
+        o = self._gdn_mix(proj, w, batch.cache, j, batch.seqs, store_all, live)
+        return self._mlp(*self._add(x, o, w.out_proj, self._mlp_norm(w.mlp)), w.mlp, next_norm)
+
+    def _gdn_mix(self, proj, w: GDNWeights, cache: HybridCache, j: int, seqs, store_all: bool, live=None):
+        """The GDN step kernel of GDN layer j over proj's rows (nextn.ops.triton_gdn.gdn_step)."""
+        t = cache.tensors
+        return self.gdn.gdn_step(
             proj,
             w.conv,
             t["conv"][:, j],
@@ -375,15 +380,29 @@ class TritonStep:
             w.dt_bias,
             t["recurrent"][:, j],
             t["states"][:, j],
+            t["gates"][:, j],
             w.out_norm,
             self.cfg.linear_num_key_heads,
             self.eps,
-            slots=batch.cache.ctl[:, STATE_AT:],
-            seqs=batch.seqs,
+            slots=cache.ctl[:, STATE_AT:],
+            seqs=seqs,
+            pending_col=PENDING - STATE_AT,
             store_all=store_all,
             live=live,
         )
-        return self._mlp(*self._add(x, o, w.out_proj, self._mlp_norm(w.mlp)), w.mlp, next_norm)
+
+    def fold(self, caches: list[SlotCache]) -> None:
+        """Each slot's pending GDN rows into its base state: a step of no rows (the kernel folds, then
+        stores the state and carried columns in the write halves); the caller commits 0 tokens."""
+        cache = caches[0].cache
+        seqs = torch.tensor([[c.slot for c in caches], [0] * len(caches), [0] * len(caches)], dtype=torch.int32)
+        seqs = seqs.to(cache.ctl.device)
+        for layer, w in zip(self.model.model.layers, self.layers, strict=True):
+            if layer.kind != FULL:
+                width = sum(p.shape[0] for p in w.in_proj)
+                # one row that no sequence reads (a zero-size tensor has no address to mask loads from)
+                proj = torch.zeros(1, width, device=seqs.device, dtype=cache.tensors["window"].dtype)
+                self._gdn_mix(proj, w, cache, cache.gdn_index[layer.layer_idx], seqs, store_all=False)
 
     def trunk(
         self,

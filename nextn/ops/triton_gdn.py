@@ -1,30 +1,29 @@
 """A Gated DeltaNet layer's step between its two projections, in one kernel: causal conv + SiLU,
-recurrent gated delta rule writing the state after every token, and the gated output RMSNorm.
+the recurrent gated delta rule, and the gated output RMSNorm.
 
 References, op by op: `nextn.ops.conv.causal_conv1d` (taps summed in order, each product and sum
 rounded to the input dtype: bitwise), `nextn.layers.gdn` (l2norm of q and k, `beta = sigmoid(b)`,
 `g = -exp(A_log) * softplus(a + dt_bias)`) with `nextn.ops.gdn.recurrent_gated_delta_rule`, then
-`nextn.layers.norm.RMSNormGated` on o rounded to the input dtype.
+`nextn.layers.norm.RMSNormGated` on o rounded to the input dtype; the fold of pending rows:
+`nextn.layers.gdn.GatedDeltaNet.committed`.
 
 Program (value head, block of BLOCK_V value columns) keeps its [K, BLOCK_V] slice of the float32
-state in registers, walks the T tokens and for each one convolves its q, k (its key head's) and
-v channels, updates the state, stores it (the rollback point of a partial accept), o rounded to
-the input dtype and o's partial sum of squares. The last of a head's programs to finish (an
-arrival counter) sums the partials in block order and applies the gated norm to the head's rows.
-Per token, in a fixed order, so row t's result does not depend on T. The carried conv window (the
-step's inputs after the committed columns) is written for rollback too: v channels by their
-program, q/k channels by block 0 of the first value head of each key head.
+state in registers. It first folds the rows the last verify kept into the base state (each row's
+conv from the window the verify stored, its gates from the gate buffer), then walks the step's T
+tokens: for each it convolves its q, k (its key head's) and v channels, updates the state, stores
+o rounded to the input dtype and o's partial sum of squares. A fold row and a step row run one
+code path (`_advance`), so a kept row's state has the same bits either time. A verify stores the
+folded base and its rows' gates (the rollback point of a partial accept: the kept rows become
+pending), a prefill step the state after its last row. The last of a head's programs to finish
+(an arrival counter) sums the partials in block order and applies the gated norm to the head's
+rows. Per token, in a fixed order, so row t's result does not depend on T. The carried conv window
+(the step's inputs after the committed columns) is written too: v channels by their program, q/k
+channels by block 0 of the first value head of each key head.
 
 A step runs a batch of sequences (program axis 2), each over its own rows of `proj` and its own
-cache slot. Where a sequence's step reads and writes is four int32 device values of its slot,
-`slots[slot]` = (state_at, state_write, conv_at, conv_write), read by the kernel itself (no host
-read: one CUDA graph serves every round):
-the state before the step is `state_home` if state_at < 0 else states[state_at]; the state after
-token t goes to states[state_write + t] (or, with store_all=False, only the last token's to
-states[state_write]); carried conv column j is conv_home[:, j] if conv_at < 0 else
-window[:, conv_at + j]; the step's window goes to window[:, conv_write:conv_write + W-1+T] (with
-store_all=False, a prefill step of any number of rows, only its last W-1 columns, to
-window[:, conv_write:conv_write + W-1]).
+cache slot. Where a sequence's step reads and writes is five int32 device values of its slot
+(`gdn_step`'s `slots`), read by the kernel itself (no host read: one CUDA graph serves every
+round).
 """
 
 from __future__ import annotations
@@ -40,13 +39,16 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _conv_silu(proj_ptr, stride_p, w_ptr, carried_ptr, stride_c, ch, t, W: tl.constexpr, dtype: tl.constexpr):
-        """silu(causal conv) of channels ch at token t, rounded like the reference, as float32."""
+    def _conv_silu(proj_ptr, stride_p, w_ptr, carried_ptr, stride_c, ch, t, W: tl.constexpr, dtype: tl.constexpr,
+                   CARRIED: tl.constexpr):  # fmt: skip
+        """silu(causal conv) of channels ch at token t, rounded like the reference, as float32.
+        Columns before CARRIED come from carried_ptr (a step's W-1 carried columns; a pending
+        row's whole window), the others from the step's inputs."""
         y = tl.zeros(ch.shape, tl.float32)
         for j in tl.static_range(W):
-            # window column of tap j: a carried column (c < W-1) or the step's input c-(W-1)
+            # window column of tap j: a carried column (c < CARRIED) or the step's input c-(W-1)
             c = tl.zeros(ch.shape, tl.int32) + t + j
-            carried = c < W - 1
+            carried = c < CARRIED
             from_state = tl.load(carried_ptr + ch * stride_c + c, mask=carried, other=0.0)
             from_x = tl.load(proj_ptr + (c - (W - 1)) * stride_p + ch, mask=c >= W - 1, other=0.0)
             v = tl.where(carried, from_state.to(dtype), from_x).to(tl.float32)
@@ -57,6 +59,22 @@ if HAVE_TRITON:
             else:
                 y = (y + prod).to(dtype).to(tl.float32)
         return (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _advance(S, proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, k_ch, v_ch, t, b, a, decay_rate, dt_bias,
+                 eps, W: tl.constexpr, dtype: tl.constexpr, CARRIED: tl.constexpr):  # fmt: skip
+        """The state S [K, BLOCK_V] after token t (its gate inputs b, a), and its normalised k; one
+        code path for a step's rows and the pending rows it folds first (the same bits)."""
+        k = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, k_ch, t, W, dtype, CARRIED)
+        v = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, v_ch, t, W, dtype, CARRIED)
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
+        beta = (1.0 / (1.0 + tl.exp(-b))).to(dtype).to(tl.float32)
+        a = a + dt_bias
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        S = S * tl.exp(-decay_rate * softplus)
+        kv_mem = tl.sum(S * k[:, None], axis=0)  # [BLOCK_V]
+        delta = (v - kv_mem) * beta
+        return S + k[:, None] * delta[None, :]
 
     @triton.jit
     def _carried_cols(carried_ptr, stride_c, ch, mask, W: tl.constexpr, W_BLOCK: tl.constexpr, dtype: tl.constexpr):
@@ -105,10 +123,13 @@ if HAVE_TRITON:
         dt_bias_ptr,  # [HV]
         state_home_ptr,  # [S, HV, K, V] float32: the state before the step, when slots[0] < 0
         stride_state_home_slot,
-        states_ptr,  # [S, NS, HV, K, V] float32: states[slots[0]] if >= 0; written from slots[1]
+        states_ptr,  # [S, 2, HV, K, V] float32: the base states[slots[0]] if >= 0; states[slots[1]] written
         stride_states_slot,
         stride_states,
-        slots_ptr,  # int32 [S, >= 4] (row stride stride_slots): (state_at, state_write, conv_at, conv_write)
+        gates_ptr,  # [S, 2 * R, 2 * HV]: rows' (b, a), half slots[0] read (pending rows), half slots[1] written
+        stride_gates_slot,
+        R,  # rows a half of gates holds
+        slots_ptr,  # int32 [S, > PEND] (row stride stride_slots): (state_at, state_write, conv_at, conv_write), pending
         stride_slots,
         seq_slot_ptr,
         seq_start_ptr,
@@ -130,6 +151,8 @@ if HAVE_TRITON:
         W_BLOCK: tl.constexpr,  # next_pow2(W - 1): the carried columns' tile
         T_CHUNK: tl.constexpr,  # the step's inputs copied to the window this many rows at a time
         BLOCK_V: tl.constexpr,
+        PEND: tl.constexpr,  # column of slots holding the pending rows' count
+        ALL_CARRIED: tl.constexpr,  # a column bound past any window column: every tap from the window
         STORE_ALL: tl.constexpr,  # else only the last token's state, at slots[1]
         LIVE: tl.constexpr,
         PDL: tl.constexpr,  # a programmatic dependent launch: the state loaded before the wait
@@ -152,6 +175,7 @@ if HAVE_TRITON:
         window_ptr += slot * stride_win_slot
         state_home_ptr += slot * stride_state_home_slot
         states_ptr += slot * stride_states_slot
+        gates_ptr += slot * stride_gates_slot
         slots_ptr += slot * stride_slots
         h = hv // (HV // H)
         dtype = proj_ptr.dtype.element_ty
@@ -165,6 +189,7 @@ if HAVE_TRITON:
         state_write = tl.load(slots_ptr + 1)
         conv_at = tl.load(slots_ptr + 2)
         conv_write = tl.load(slots_ptr + 3)
+        pending = tl.load(slots_ptr + PEND)
         # the carried columns: conv_home's (row stride W-1), or the window's from column conv_at, through
         # one pointer and row stride, so each tap stays one masked load: a second load per tap changes how
         # the GPU compiler fuses the bf16 conv's products and sums (fma), and with it the rows' bits
@@ -177,6 +202,17 @@ if HAVE_TRITON:
             S = tl.load(states_ptr + state_at * stride_states + tile)
         else:
             S = tl.load(state_home_ptr + tile)
+        decay_rate = tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
+        dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+        # the pending rows into the base: their windows (columns conv_at - pending ..) and gates (the
+        # base's half), all written by earlier steps, so read before the wait like the state
+        fold_ptr = window_ptr + conv_at - pending
+        fold_gates = gates_ptr + tl.maximum(state_at, 0) * R * 2 * HV
+        for t in range(pending):
+            b = tl.load(fold_gates + t * 2 * HV + hv).to(tl.float32)
+            a = tl.load(fold_gates + t * 2 * HV + HV + hv).to(tl.float32)
+            S = _advance(S, proj_ptr, stride_p, conv_w_ptr, fold_ptr, stride_win, k_ch, v_ch, t, b, a, decay_rate,
+                         dt_bias, eps, W, dtype, ALL_CARRIED)  # fmt: skip
         # the window written (the carried columns, then the inputs): every load issued before any
         # store (a store waits for its load, and a load after a store to the same buffer is not
         # moved above it), so the copy costs one memory round trip, beside the state's
@@ -217,30 +253,27 @@ if HAVE_TRITON:
             _store_cols(win, stride_win, k_ch, writes_qk, 0, kt, W - 1)
             _store_cols(win, stride_win, v_ch, writes_v, 0, vt, W - 1)
         states_ptr += state_write * stride_states
-        decay_rate = tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
-        dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+        if STORE_ALL:  # a verify: the folded base, and its rows' gates (by the head's first program)
+            tl.store(states_ptr + tile, S)
+            if vb == 0:
+                gate_rows = gates_ptr + state_write * R * 2 * HV
+                for t in range(T):
+                    row = proj_ptr + t * stride_p + conv_dim + HV * V
+                    tl.store(gate_rows + t * 2 * HV + hv, tl.load(row + hv))
+                    tl.store(gate_rows + t * 2 * HV + HV + hv, tl.load(row + HV + hv))
         for t in range(TL):
             row = proj_ptr + t * stride_p
-            q = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, q_ch, t, W, dtype)
-            k = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, k_ch, t, W, dtype)
-            v = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, v_ch, t, W, dtype)
+            q = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, q_ch, t, W, dtype, W - 1)
             q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps) * scale
-            k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
             b = tl.load(row + conv_dim + HV * V + hv).to(tl.float32)
-            beta = (1.0 / (1.0 + tl.exp(-b))).to(dtype).to(tl.float32)
-            a = tl.load(row + conv_dim + HV * V + HV + hv).to(tl.float32) + dt_bias
-            softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-            S = S * tl.exp(-decay_rate * softplus)
-            kv_mem = tl.sum(S * k[:, None], axis=0)  # [BLOCK_V]
-            delta = (v - kv_mem) * beta
-            S = S + k[:, None] * delta[None, :]
-            if STORE_ALL:
-                tl.store(states_ptr + t * stride_states + tile, S)
+            a = tl.load(row + conv_dim + HV * V + HV + hv).to(tl.float32)
+            S = _advance(S, proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, k_ch, v_ch, t, b, a, decay_rate,
+                         dt_bias, eps, W, dtype, W - 1)  # fmt: skip
             o = tl.sum(S * q[:, None], axis=0).to(dtype)
             tl.store(o_ptr + t * stride_o + hv * V + offs_v, o)
             of = o.to(tl.float32)
             tl.store(sumsq_ptr + (t * HV + hv) * NB + vb, tl.sum(of * of, axis=0))
-        if not STORE_ALL:  # the state after the last token only (the same S the loop stored at t = T-1)
+        if not STORE_ALL:  # a prefill step keeps all its rows: the state after the last one
             tl.store(states_ptr + tile, S)
 
         # the head's last program: RMSNormGated over the head's V columns, each op rounded like
@@ -273,12 +306,14 @@ def gdn_step(
     A_log: torch.Tensor,  # [HV]
     dt_bias: torch.Tensor,  # [HV]
     state_home: torch.Tensor,  # [S, HV, K, V] float32 (contiguous per slot): the state before when slots[0] < 0
-    states: torch.Tensor,  # [S, NS, HV, K, V] float32 (contiguous per token): see `slots`
+    states: torch.Tensor,  # [S, 2, HV, K, V] float32 (contiguous per half): base states, see `slots`
+    gates: torch.Tensor,  # [S, 2 * R, 2 * HV] (last dim contiguous): rows' b then a, R a half
     norm_weight: torch.Tensor,  # [V]
     num_k_heads: int,
     norm_eps: float,
-    slots: torch.Tensor,  # int32 [S, >= 4] on the device (a view of the cache's ctl), read by the kernel
-    seqs: torch.Tensor,  # int32 [3, B]: each sequence's slot, first row in proj and number of rows (<= NS)
+    slots: torch.Tensor,  # int32 [S, > pending_col] on the device (a view of the cache's ctl), read by the kernel
+    seqs: torch.Tensor,  # int32 [3, B]: each sequence's slot, first row in proj and number of rows (<= R)
+    pending_col: int,  # the column of slots holding the pending rows' count
     eps: float = 1e-6,  # of the q / k l2norm
     out: torch.Tensor | None = None,  # [M, HV*V]
     store_all: bool = True,
@@ -294,17 +329,20 @@ def gdn_step(
     output rows are 0. The rows before are the same bits either way (row t never depends on later
     rows). The conv window is written for every row.
 
-    Per sequence, with slots[slot] = (state_at, state_write, conv_at, conv_write) (an empty
-    sequence: (-1, 0, -1, 0)):
-    - the state before the step is `state_home` if state_at < 0, else states[state_at];
-    - the state after token t goes to states[state_write + t]; with store_all=False only the last
-      token's, to states[state_write] (the same values: only the stores differ);
+    Per sequence, with slots[slot] = (state_at, state_write, conv_at, conv_write) and P =
+    slots[slot, pending_col] (an empty sequence: (-1, 0, -1, 0), P = 0):
+    - the base state is `state_home` if state_at < 0, else states[state_at]; the state before the
+      step is the base advanced by the P pending rows: row t's window is window[:, conv_at - P + t:]
+      (its W taps), its gates gates[state_at * R + t] (b then a);
+    - store_all: the state before the step goes to states[state_write] and row t's gates to
+      gates[state_write * R + t] (the step's kept rows are pending after the commit); else the state
+      after the last row goes to states[state_write];
     - carried conv column j (< W-1) is conv_home[:, j] if conv_at < 0, else window[:, conv_at + j];
     - window[:, conv_write + j] gets carried column j, window[:, conv_write + W-1 + t] input t; with
       store_all=False (a prefill step, T rows however many) only the last W-1 columns of those,
       window[:, conv_write + j] = column T + j (the window's next carried columns, the same values).
-    The caller keeps the regions read (window[:, conv_at:conv_at+W-1], states[state_at]) apart from
-    those written (window[:, conv_write:conv_write+W-1+T], the states slots written).
+    The caller keeps the regions read (window[:, conv_at-P:conv_at+W-1], states[state_at] and its
+    gates) apart from those written (window[:, conv_write:conv_write+W-1+T], half state_write).
 
     pdl: launched as `triton_utils.row_launch` arranges it: a decode's one row is a programmatic
     dependent launch that loads the state and the carried columns before it waits for the
@@ -327,10 +365,15 @@ def gdn_step(
             f"gdn_step: conv_home ({conv_home.dtype}) and window ({window.dtype}) must share a dtype "
             "(the kernel reads the carried columns from either through one pointer)"
         )
-    if slots.dtype != torch.int32 or slots.dim() != 2 or slots.shape[1] < 4 or slots.stride(1) != 1:
+    if slots.dtype != torch.int32 or slots.dim() != 2 or slots.shape[1] <= max(pending_col, 3) or slots.stride(1) != 1:
         raise ValueError(
-            f"gdn_step: slots must be int32 [S, >= 4] (state_at, state_write, conv_at, conv_write per slot), "
-            f"not {slots.dtype} {tuple(slots.shape)}"
+            f"gdn_step: slots must be int32 [S, > {max(pending_col, 3)}] (state_at, state_write, conv_at, "
+            f"conv_write, ..., pending per slot), not {slots.dtype} {tuple(slots.shape)}"
+        )
+    if states.shape[1] != 2 or gates.shape[-1] != 2 * HV or gates.shape[1] % 2 or gates.stride(-1) != 1:
+        raise ValueError(
+            f"gdn_step: states [S, 2, HV, K, V] and gates [S, 2 * R, 2 * HV={2 * HV}], not "
+            f"{tuple(states.shape)} and {tuple(gates.shape)}"
         )
     if seqs.dtype != torch.int32 or seqs.shape[0] != 3 or seqs.stride(1) != 1:
         raise ValueError(f"gdn_step: seqs must be int32 [3, B] (slot, first row, rows), not {tuple(seqs.shape)}")
@@ -355,6 +398,9 @@ def gdn_step(
         states,
         states.stride(0),
         states.stride(1),
+        gates,
+        gates.stride(0),
+        gates.shape[1] // 2,
         slots,
         slots.stride(0),
         seqs[0],
@@ -377,6 +423,8 @@ def gdn_step(
         W_BLOCK=next_pow2(W - 1),
         T_CHUNK=T_CHUNK,
         BLOCK_V=block_v,
+        PEND=pending_col,
+        ALL_CARRIED=1 << 20,
         STORE_ALL=bool(store_all),
         LIVE=live is not None,
         PDL=dependent,

@@ -273,6 +273,7 @@ if HAVE_TRITON:
         c_ptr,
         R: tl.constexpr,
         NUM_CTL: tl.constexpr,
+        NUM_CTL_BLOCK: tl.constexpr,  # next_pow2(NUM_CTL)
         BLOCK_R: tl.constexpr,
         HEADS: tl.constexpr,
     ):
@@ -290,21 +291,24 @@ if HAVE_TRITON:
         tl.store(ids, tl.sum(tl.where(offs == n, target, 0), axis=0))  # the next round's pending token
         if HEADS:  # the next head pass writes the rows of what this round kept
             tl.store(head_ptr + slot * R + offs, tl.maximum(out_ids, 0), mask=offs <= k)
-        f = tl.arange(0, NUM_CTL)
+        f = tl.arange(0, NUM_CTL_BLOCK)
+        fm = f < NUM_CTL
         before = befores_ptr + tl.load(index_ptr + g) * NUM_CTL
-        old = tl.load(before + f).to(tl.int64)
+        old = tl.load(before + f, mask=fm).to(tl.int64)
         new = (
-            tl.load(before + tl.load(a_idx_ptr + f)).to(tl.int64) * tl.load(a_ptr + f)
-            + tl.load(before + tl.load(b_idx_ptr + f)).to(tl.int64) * tl.load(b_ptr + f)
-            + (n + 1) * tl.load(kk_ptr + f)
-            + tl.load(c_ptr + f)
+            tl.load(before + tl.load(a_idx_ptr + f, mask=fm, other=0), mask=fm).to(tl.int64)
+            * tl.load(a_ptr + f, mask=fm)
+            + tl.load(before + tl.load(b_idx_ptr + f, mask=fm, other=0), mask=fm).to(tl.int64)
+            * tl.load(b_ptr + f, mask=fm)
+            + (n + 1) * tl.load(kk_ptr + f, mask=fm)
+            + tl.load(c_ptr + f, mask=fm)
         )
-        tl.store(ctl_ptr + slot * NUM_CTL + f, new.to(tl.int32))
+        tl.store(ctl_ptr + slot * NUM_CTL + f, new.to(tl.int32), mask=fm)
         out = out_ptr + slot * (2 + R + NUM_CTL)
         tl.store(out, n)
         tl.store(out + 1, count)
         tl.store(out + 2 + offs, out_ids, mask=offs < R)
-        tl.store(out + 2 + R + f, old)
+        tl.store(out + 2 + R + f, old, mask=fm)
 
 
 def _launch(V: int) -> dict:
@@ -427,6 +431,7 @@ def accept_greedy(
         *table,
         R=R,
         NUM_CTL=num_ctl,
+        NUM_CTL_BLOCK=next_pow2(num_ctl),
         BLOCK_R=max(2, next_pow2(R)),
         HEADS=heads,
         num_warps=1,
