@@ -96,6 +96,16 @@ def compile_grammar(structured_outputs: dict, tokenizer: Tokenizer) -> CompiledG
     """The grammar of one request's structured_outputs (exactly one key of STRUCTURED_OUTPUT_KEYS).
     Raises ValueError with the reason: an unknown key, a schema that is not JSON or not valid, a
     regex that does not compile, a grammar that does not parse, an empty choice."""
+    key, value = entry(structured_outputs)
+    try:  # the server checks a request's constraint and the engine compiles it again: one compile
+        text = json.dumps(value)  # (key order kept: a schema's property order is its output's)
+    except (TypeError, ValueError, RecursionError):
+        return _compile(key, value, tokenizer)  # not JSON: `definition` says what is wrong
+    return _compile_cached(key, text, tokenizer)
+
+
+def entry(structured_outputs: dict) -> tuple[str, object]:
+    """(key, value) of a structured_outputs dict that holds one known key, else a ValueError."""
     if not isinstance(structured_outputs, dict) or len(structured_outputs) != 1:
         raise ValueError(
             f"structured_outputs must hold exactly one of {STRUCTURED_OUTPUT_KEYS}, got {structured_outputs!r}"
@@ -103,11 +113,7 @@ def compile_grammar(structured_outputs: dict, tokenizer: Tokenizer) -> CompiledG
     ((key, value),) = structured_outputs.items()
     if key not in STRUCTURED_OUTPUT_KEYS:
         raise ValueError(f"structured_outputs key {key!r} is not one of {STRUCTURED_OUTPUT_KEYS}")
-    try:  # the server checks a request's constraint and the engine compiles it again: one compile
-        text = json.dumps(value)  # (key order kept: a schema's property order is its output's)
-    except (TypeError, ValueError, RecursionError):
-        return _compile(key, value, tokenizer)  # not JSON: `definition` says what is wrong
-    return _compile_cached(key, text, tokenizer)
+    return key, value
 
 
 @functools.lru_cache(maxsize=256)

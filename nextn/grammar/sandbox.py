@@ -37,9 +37,8 @@ import time
 import weakref
 from collections import OrderedDict
 
-from nextn.core import STRUCTURED_OUTPUT_KEYS
 from nextn.grammar import build
-from nextn.grammar.compile import added_tokens, check
+from nextn.grammar.compile import added_tokens, check, entry
 from nextn.tokenizer import Tokenizer
 
 log = logging.getLogger("nextn.grammar")
@@ -86,13 +85,7 @@ class CompileSandbox:
         self.lock = threading.Lock()
 
     def check(self, structured_outputs: dict) -> None:
-        if not isinstance(structured_outputs, dict) or len(structured_outputs) != 1:
-            raise ValueError(
-                f"structured_outputs must hold exactly one of {STRUCTURED_OUTPUT_KEYS}, got {structured_outputs!r}"
-            )
-        ((key, value),) = structured_outputs.items()
-        if key not in STRUCTURED_OUTPUT_KEYS:
-            raise ValueError(f"structured_outputs key {key!r} is not one of {STRUCTURED_OUTPUT_KEYS}")
+        key, value = entry(structured_outputs)
         try:
             text = json.dumps(value)
         except (TypeError, ValueError, RecursionError) as e:
