@@ -125,6 +125,9 @@ def test_a_body_that_does_not_arrive_is_a_408(dense_ckpt):
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{")
             reply = s.recv(4096)
         assert reply.startswith(b"HTTP/1.1 408"), reply
+        head, _, body = reply.partition(b"\r\n\r\n")  # as the OpenAPI document says
+        r = httpx.Response(408, headers=[line.split(b": ", 1) for line in head.split(b"\r\n")[1:]], content=body)
+        check_documented(httpx.get(f"{srv.url}/openapi.json", timeout=10).json(), "post", "/v1/completions", r)
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # headers never finished
             s.sendall(b"GET /health HTTP/1.1\r\n")
             s.settimeout(5)
@@ -199,3 +202,67 @@ def test_idle_connections_past_the_descriptor_limit_lock_no_one_out(dense_ckpt, 
         proc.wait(30)
     text = log.read_text()
     assert len(text) < 100_000, text[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# The OpenAPI document against what the server answers
+
+
+def check_documented(spec: dict, method: str, path: str, r: httpx.Response) -> None:
+    """r's status is documented for the operation, with r's media type, and r's JSON body is valid
+    by the documented schema (its $refs resolved in the document)."""
+    import jsonschema
+
+    op = spec["paths"][path][method]
+    assert str(r.status_code) in op["responses"], (method, path, r.status_code, r.text[:200])
+    content = op["responses"][str(r.status_code)].get("content", {})
+    media = r.headers.get("content-type", "").split(";")[0].strip()
+    assert media in content, (method, path, r.status_code, media, list(content))
+    if media == "application/json" and method != "head":
+        schema = {**content[media]["schema"], "components": spec["components"]}
+        jsonschema.validate(r.json(), schema, cls=jsonschema.Draft202012Validator)
+
+
+def test_every_answer_is_documented_in_the_openapi_document(live):
+    """Each route's answers (successes, streams, the Guard's errors, a 404), walked against
+    /openapi.json: status, media type and body as documented; a wrong method is a 405 with Allow."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    spec = httpx.get(f"{live.url}/openapi.json", headers=auth, timeout=10).json()
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0.0}
+    prompt = {"model": MODEL, "prompt": "The quick", "max_tokens": 3, "temperature": 0.0}
+    cases = [
+        ("get", "/v1/models", "/v1/models", None, auth),
+        ("get", "/v1/models/{model}", f"/v1/models/{MODEL}", None, auth),
+        ("get", "/v1/models/{model}", "/v1/models/org/other", None, auth),  # 404
+        ("post", "/v1/chat/completions", "/v1/chat/completions", chat, auth),
+        ("post", "/v1/chat/completions", "/v1/chat/completions", {**chat, "stream": True}, auth),
+        ("post", "/v1/chat/completions", "/v1/chat/completions", {**chat, "max_tokens": -1}, auth),  # 400
+        ("post", "/v1/chat/completions", "/v1/chat/completions", chat, {}),  # 401
+        ("post", "/v1/completions", "/v1/completions", prompt, auth),
+        ("post", "/v1/completions", "/v1/completions", {**prompt, "stream": True}, auth),
+        ("post", "/v1/completions", "/v1/completions", b"{not json", auth),  # 400
+        ("post", "/v1/completions", "/v1/completions", b"x" * (65 << 20), auth),  # 413
+        ("post", "/tokenize", "/tokenize", {"model": MODEL, "prompt": "hi"}, auth),
+        ("post", "/detokenize", "/detokenize", {"model": MODEL, "tokens": [1, 2]}, auth),
+        ("post", "/detokenize", "/detokenize", {"model": MODEL, "tokens": [-1]}, auth),  # 400
+        ("get", "/version", "/version", None, auth),
+        ("get", "/health", "/health", None, {}),
+        ("head", "/health", "/health", None, {}),
+        ("get", "/metrics", "/metrics", None, auth),
+        ("get", "/metrics", "/metrics", None, {}),  # 401
+    ]
+    seen = set()
+    with httpx.Client(base_url=live.url, timeout=30) as http:
+        for method, path, url, body, headers in cases:
+            content = body if isinstance(body, bytes | None) else json.dumps(body).encode()
+            r = http.request(method, url, content=content, headers={**headers, "content-type": "application/json"})
+            check_documented(spec, method, path, r)
+            seen.add((method, path, r.status_code, r.headers.get("content-type", "").split(";")[0]))
+    statuses = {s for _, _, s, _ in seen}
+    assert {200, 400, 401, 404, 413} <= statuses, seen
+    assert ("post", "/v1/chat/completions", 200, "text/event-stream") in seen
+    assert all(op != "422" for route in spec["paths"].values() for o in route.values() for op in o["responses"])
+    for route in spec["paths"]:  # every documented operation has been walked
+        assert any(path == route for _, path, *_ in cases), route
+    r = httpx.put(f"{live.url}/v1/models", headers=auth, timeout=10)
+    assert r.status_code == 405 and r.headers["allow"] == "GET"

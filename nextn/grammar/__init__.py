@@ -13,13 +13,8 @@ before its own transforms (nextn.engine.sampler), the rounds decide when they ar
 """
 
 from nextn.grammar import limits
-from nextn.grammar.compile import (
-    STRUCTURED_OUTPUT_KEYS,
-    CompiledGrammar,
-    choice_terminal,
-    compile_grammar,
-    json_schema,
-)
+from nextn.grammar.build import choice_terminal, json_schema
+from nextn.grammar.compile import STRUCTURED_OUTPUT_KEYS, CompiledGrammar, compile_grammar
 from nextn.grammar.state import GrammarState
 
 __all__ = [

@@ -6,10 +6,12 @@ allowed by a mask (nextn.grammar.state). A grammar that matches no text at all (
 `[a&&b]`) is refused too: its matcher would allow only EOS, an empty reply that does not match it.
 
 Before llguidance sees it, a constraint passes nextn.grammar.limits (size, nesting, `$ref` chains,
-counted repetition, literals a tokenizer cannot write): this runs in the API process (the server's
-check) and again in the engine. llguidance's compilers recurse, so every call that compiles (the
-check here and each request's matcher) runs on one of COMPILE_THREADS threads with a BIG_STACK C
-stack: a schema within the limits cannot overflow it (limits.py has the measurements).
+counted repetition, literals a tokenizer cannot write). This is the engine's compile; the server
+checks a request's constraint first in a worker process with time and memory limits
+(nextn.grammar.sandbox), which runs the same llguidance work (nextn.grammar.build), so what reaches
+the engine has compiled within those limits. llguidance's compilers recurse, so every call that
+compiles (the compile and each request's matcher) runs on one of COMPILE_THREADS threads with a
+BIG_STACK C stack: a schema within the limits cannot overflow it (limits.py has the measurements).
 """
 
 from __future__ import annotations
@@ -26,20 +28,15 @@ import llguidance as llg
 
 from nextn.core import STRUCTURED_OUTPUT_KEYS
 from nextn.grammar import limits
+from nextn.grammar.build import BIG_STACK, definition, json_schema, validate
 from nextn.tokenizer import Tokenizer
 
 _LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ADDED_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# llguidance's compilers recurse per schema level and `$ref` hop: 256 MB of stack (reserved, touched
-# only as deep as it goes) holds a 20,000-hop chain, where an 8 MB one dies near 500 (limits.py)
-BIG_STACK = 256 << 20
 COMPILE_THREADS = 4  # compiles at once in a process (the API's request threads share them)
 _STACK_LOCK = threading.Lock()
 _POOL: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the pool)
 _ON_BIG_STACK = threading.local()
-# JSON is written as json.dumps writes it, on one line: free whitespace lets a small model fill
-# its budget with spaces (a schema's own "x-guidance" options override these)
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class CompiledGrammar(NamedTuple):
@@ -99,16 +96,24 @@ def compile_grammar(structured_outputs: dict, tokenizer: Tokenizer) -> CompiledG
     """The grammar of one request's structured_outputs (exactly one key of STRUCTURED_OUTPUT_KEYS).
     Raises ValueError with the reason: an unknown key, a schema that is not JSON or not valid, a
     regex that does not compile, a grammar that does not parse, an empty choice."""
+    key, value = entry(structured_outputs)
+    try:  # the server checks a request's constraint and the engine compiles it again: one compile
+        text = json.dumps(value)  # (key order kept: a schema's property order is its output's)
+    except (TypeError, ValueError, RecursionError):
+        return _compile(key, value, tokenizer)  # not JSON: `definition` says what is wrong
+    return _compile_cached(key, text, tokenizer)
+
+
+def entry(structured_outputs: dict) -> tuple[str, object]:
+    """(key, value) of a structured_outputs dict that holds one known key, else a ValueError."""
     if not isinstance(structured_outputs, dict) or len(structured_outputs) != 1:
         raise ValueError(
             f"structured_outputs must hold exactly one of {STRUCTURED_OUTPUT_KEYS}, got {structured_outputs!r}"
         )
     ((key, value),) = structured_outputs.items()
-    try:  # the server checks a request's constraint and the engine compiles it again: one compile
-        text = json.dumps(value)  # (key order kept: a schema's property order is its output's)
-    except (TypeError, ValueError, RecursionError):
-        return _compile(key, value, tokenizer)  # not JSON: _grammar_of says what is wrong
-    return _compile_cached(key, text, tokenizer)
+    if key not in STRUCTURED_OUTPUT_KEYS:
+        raise ValueError(f"structured_outputs key {key!r} is not one of {STRUCTURED_OUTPUT_KEYS}")
+    return key, value
 
 
 @functools.lru_cache(maxsize=256)
@@ -119,16 +124,9 @@ def _compile_cached(key: str, text: str, tokenizer: Tokenizer) -> CompiledGramma
 def _compile(key: str, value, tokenizer: Tokenizer) -> CompiledGrammar:
     check(key, value, added_tokens(tokenizer))
     lt = ll_tokenizer(tokenizer)
-    grammar = on_big_stack(_grammar_of, key, value)
-    error = on_big_stack(llg.LLMatcher.validate_grammar, grammar, lt)
-    if error:
-        raise ValueError(f"structured_outputs {key!r}: {error.strip()}")
-    compiled = CompiledGrammar(grammar, lt)
-    matcher = compiled.matcher()
-    matcher.compute_bitmask()  # the matcher finds that nothing can start only when it computes a mask
-    if matcher.is_error():
-        raise ValueError(f"structured_outputs {key!r}: no text matches it")
-    return compiled
+    grammar = on_big_stack(definition, key, value)
+    on_big_stack(validate, key, grammar, lt)
+    return CompiledGrammar(grammar, lt)
 
 
 def check(key: str, value, added: tuple[str, ...]) -> None:
@@ -145,58 +143,3 @@ def check(key: str, value, added: tuple[str, ...]) -> None:
                 limits.check_literal(c, f"{what}: the choice", added)
     elif key == "grammar" and isinstance(value, str):
         limits.check_repeats(value, what, lark=True)
-
-
-def json_schema(value) -> dict:
-    """A request's JSON schema (an object, a boolean, or its JSON text) as llguidance takes it: an
-    object, with JSON_OPTIONS under its own "x-guidance" options, alike alone and in a Lark `%json`."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"structured_outputs 'json': the schema is not valid JSON ({e})") from None
-    if value is True:  # JSON Schema's "anything"; llguidance takes options only in an object
-        value = {}
-    if value is False:
-        raise ValueError("structured_outputs 'json': the schema is false: no value matches it")
-    if not isinstance(value, dict):
-        raise ValueError(f"structured_outputs 'json': a schema is a JSON object, got {type(value).__name__}")
-    own = value.get("x-guidance")
-    if own is None or isinstance(own, dict):  # else llguidance names what is wrong with it
-        value = {**value, "x-guidance": {**JSON_OPTIONS, **(own or {})}}
-    return value
-
-
-def choice_terminal(choices) -> str:
-    """The Lark terminal CHOICE that matches one of `choices`: one lexeme, not a rule of
-    alternatives (llguidance's parser holds at most 2000 items in a row, so a rule of more choices
-    failed at the first token of the output)."""
-    return "CHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def _grammar_of(key: str, value) -> str:
-    """llguidance's grammar definition for one structured_outputs entry (not yet validated)."""
-    if key == "json":
-        return llg.LLMatcher.grammar_from_json_schema(json_schema(value))
-    if key == "json_object":
-        if value is not True:
-            raise ValueError(f"structured_outputs 'json_object' must be true, got {value!r}")
-        return llg.LLMatcher.grammar_from_json_schema(json_schema({"type": "object"}))
-    if key == "regex":
-        if not isinstance(value, str):
-            raise ValueError(f"structured_outputs 'regex' must be a string, got {type(value).__name__}")
-        return llg.LLMatcher.grammar_from_regex(value)
-    if key == "choice":
-        if not (isinstance(value, list | tuple) and value and all(isinstance(c, str) and c for c in value)):
-            raise ValueError(
-                f"structured_outputs 'choice' must be a non-empty list of non-empty strings, got {value!r}"
-            )
-        return llg.grammar_from("grammar", f"start: CHOICE\n{choice_terminal(value)}")
-    if key == "grammar":
-        if not isinstance(value, str) or not value.strip():
-            raise ValueError("structured_outputs 'grammar' must be a non-empty Lark (or GBNF) grammar string")
-        try:
-            return llg.grammar_from("grammar", value)  # Lark as it is; GBNF converted to Lark
-        except ValueError as e:
-            raise ValueError(f"structured_outputs 'grammar': {e}") from None
-    raise ValueError(f"structured_outputs key {key!r} is not one of {STRUCTURED_OUTPUT_KEYS}")

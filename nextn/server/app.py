@@ -21,6 +21,7 @@ import functools
 import logging
 import resource
 import threading
+import warnings
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
@@ -55,16 +56,19 @@ log = logging.getLogger("nextn.server")
 
 CORE_DEATH_EXIT_S = 1.0  # a dead core's server answers 503 this long (clients and health probes see why), then exits
 
-# documented on every route instead of FastAPI's 422 (the server answers 400 for a bad body)
+# the errors any route may answer, documented on each (instead of FastAPI's 422: a bad body is a
+# 400): the Guard's (a bad Content-Length, a body too large or too slow, the API key: not on the
+# open paths) and the connection cap's, besides each route's own
 ERROR_RESPONSES = {
-    status: {"model": R.ErrorResponse, "description": what}
-    for status, what in (
-        (400, "Invalid request: the message and `param` name the field"),
-        (401, "Missing or wrong API key"),
-        (413, "Request body larger than the server's limit"),
-        (503, "Engine full (with Retry-After), shutting down, or the engine stopped"),
-    )
+    400: "Invalid request: the message and `param` name the field",
+    401: "Missing or wrong API key",
+    408: "The request body did not arrive within the server's read timeout",
+    413: "Request body larger than the server's limit",
+    503: "Too many open connections, the engine full (with Retry-After), shutting down, or stopped",
 }
+# a generation route's 200: its JSON body, or with `"stream": true` server-sent events (`data: {chunk}`
+# lines, then `data: [DONE]`)
+STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "Server-sent events"}}}
 
 
 def error_response(
@@ -127,13 +131,13 @@ def create_app(engine: LLM | CoreProcess, cfg: ServeConfig, opts: ServerOptions 
     )
     add_routes(app, srv)
     add_error_handlers(app, metrics)
-    document_errors(app)
+    document_errors(app, open_paths)
     return app
 
 
 def add_routes(app: FastAPI, srv: Server) -> None:
     served, worker, metrics = srv.model, srv.worker, srv.metrics
-    v1 = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
+    v1 = APIRouter(prefix="/v1")
 
     def card() -> R.ModelCard:
         return R.ModelCard(id=srv.model_name, created=srv.created, max_model_len=served.max_model_len)
@@ -142,7 +146,8 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     async def models() -> R.ModelList:
         return R.ModelList(data=[card()])
 
-    @v1.get("/models/{model:path}")  # OpenAI's retrieve; a model name may hold "/" (org/name)
+    # OpenAI's retrieve; a model name may hold "/" (org/name)
+    @v1.get("/models/{model:path}", responses={404: {"model": R.ErrorResponse, "description": "No such model"}})
     async def model(model: str) -> R.ModelCard:
         try:
             srv.prompts.check_model(model)
@@ -150,23 +155,23 @@ def add_routes(app: FastAPI, srv: Server) -> None:
             raise APIError(404, e.message, param=e.param, code=e.code) from None
         return card()
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses={200: {"model": R.ChatCompletionResponse, "content": STREAM}})
     async def chat(req: P.ChatCompletionRequest, request: Request) -> Response:
         return await chat_completion(srv, req, request)
 
-    @v1.post("/completions")
+    @v1.post("/completions", responses={200: {"model": R.CompletionResponse, "content": STREAM}})
     async def completions(req: P.CompletionRequest, request: Request) -> Response:
         return await completion(srv, req, request)
 
     app.include_router(v1)
 
-    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    @app.post("/tokenize")
     async def tokenize(req: P.TokenizeRequest) -> R.TokenizeResponse:
         ids = await run_in_threadpool(srv.prompts.tokenize, req)
         strs = [served.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
         return R.TokenizeResponse(count=len(ids), max_model_len=served.max_model_len, tokens=ids, token_strs=strs)
 
-    @app.post("/detokenize", responses=ERROR_RESPONSES)
+    @app.post("/detokenize")
     async def detokenize(req: P.DetokenizeRequest) -> R.DetokenizeResponse:
         srv.prompts.check_model(req.model)
         vocab = served.tokenizer.vocab_size
@@ -180,14 +185,18 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     async def version_route() -> dict[str, str]:
         return {"version": nextn_version()}
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and uptime probes' check
+    ok = {"type": "object", "properties": {"status": {"const": "ok"}}, "required": ["status"]}
+    up = {200: {"content": {"application/json": {"schema": ok}}}}
+
+    # HEAD: load balancers' and uptime probes' check (one route: a 405 names both in Allow)
+    @app.api_route("/health", methods=["GET", "HEAD"], responses=up)
     async def health() -> Response:
         if not worker.alive or worker.draining:
             why = "The server is shutting down." if worker.draining else "The engine is not running."
             return error_response(503, why, "server_error", code="service_unavailable")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         metrics.set_queue(worker.num_running, worker.num_waiting)
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -226,16 +235,26 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         return error_response(500, "The server failed on this request.", "server_error")
 
 
-def document_errors(app: FastAPI) -> None:
-    """The OpenAPI schema lists the 400 the server answers for a bad body, not FastAPI's 422."""
+def document_errors(app: FastAPI, open_paths: set[str]) -> None:
+    """The OpenAPI schema lists on every operation the errors the server may answer there
+    (ERROR_RESPONSES; a 401 only where a key is asked), and not FastAPI's 422 (a bad body is a 400)."""
     build = app.openapi
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            schema = build()
-            for route in schema.get("paths", {}).values():
-                for op in route.values():
-                    op.get("responses", {}).pop("422", None)
+            with warnings.catch_warnings():  # FastAPI names a route's methods alike (/health): renamed below
+                warnings.filterwarnings("ignore", "Duplicate Operation ID", UserWarning)
+                schema = build()
+            for path, route in schema.get("paths", {}).items():
+                for method, op in route.items():
+                    if len(route) > 1 and not op.get("operationId", method).endswith(method):
+                        op["operationId"] += f"_{method}"
+                    responses = op.setdefault("responses", {})
+                    responses.pop("422", None)
+                    for status, what in ERROR_RESPONSES.items():
+                        if status != 401 or path not in open_paths:
+                            responses.setdefault(str(status), {"description": what, "content": error})
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
             app.openapi_schema = schema

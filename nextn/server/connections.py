@@ -17,6 +17,7 @@ The body's own deadline is the Guard's (nextn.server.guard); this module knows n
 
 from __future__ import annotations
 
+import json
 import logging
 import resource
 import time
@@ -29,8 +30,11 @@ FD_BASE = 64  # descriptors the API process holds besides connections: the core'
 MAX_DEFAULT_CONNECTIONS = 4096  # the default cap's ceiling (--limit-concurrency sets any other)
 FD_TARGET = 65536  # the soft descriptor limit asked for at start, when the hard one allows it
 
-_BUSY = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 19\r\n"
-_BUSY += b"connection: close\r\n\r\nToo many connections"
+# an OpenAI-shaped error, as every other answer of the server (nextn.server.app's OpenAPI says so)
+_BUSY_ERROR = {"message": "Too many open connections.", "type": "server_error", "param": None, "code": "too_busy"}
+_BUSY_BODY = json.dumps({"error": _BUSY_ERROR}).encode()
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+_BUSY += b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
 
 
 def default_limit_concurrency(soft_fd_limit: int) -> int:

@@ -1,7 +1,7 @@
 """Request fields -> `SamplingParams.structured_outputs`: the one constraint a request sets, from
 `response_format`, vLLM's `structured_outputs` or its older `guided_*` fields, or `tool_choice`
 "required" / a named function (a Lark grammar of the chat template's own `<tool_call>` form), checked
-by compiling it (a 400 naming the field when it does not compile).
+by compiling it in a worker process (a 400 naming the field when it does not compile in time).
 
 With a reasoning parser the constraint applies after the reasoning: it is wrapped in a Lark grammar
 that lets `<think>`'s text through first (`reasoning_grammar`). The grammars use llguidance's Lark
@@ -17,8 +17,9 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from nextn.core import STRUCTURED_OUTPUT_KEYS
-from nextn.grammar import choice_terminal, compile_grammar, json_schema, limits
+from nextn.grammar import choice_terminal, json_schema, limits
 from nextn.grammar.compile import added_tokens
+from nextn.grammar.sandbox import check_grammar
 from nextn.server import protocol as P
 from nextn.server.chat_output import (
     CALL_END,
@@ -66,9 +67,10 @@ def request_constraint(req: P.SamplingRequest) -> tuple[str, dict[str, Any]] | N
 
 
 def checked(field: str, constraint: dict[str, Any], tok: Tokenizer) -> dict[str, Any]:
-    """`constraint`, once it compiles (the reason it does not, named after `field`)."""
+    """`constraint`, once it compiles in a worker process with time and memory limits (the reason it
+    does not, named after `field`; the engine compiles it again, within those limits: sandbox.py)."""
     try:
-        compile_grammar(constraint, tok)
+        check_grammar(constraint, tok)
     except ValueError as e:
         raise FieldError(field, str(e)) from None
     return constraint
