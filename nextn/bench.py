@@ -1,14 +1,17 @@
 """`nextn bench`: speed and exactness of one model on one device, measured in one run.
 
 A model comes from a checkpoint directory or from a released config with random weights made on
-the device (`--random-weights qwen3.5-9b | qwen3.5-35b-a3b`: a random MTP head too, so it drafts
+the device (`--random-weights qwen3.5-9b | qwen3.5-35b-a3b | ...`: a random MTP head too, so it drafts
 but rarely guesses right); `--quantization fp8` quantizes its bf16 weights into 128x128 FP8 blocks
 as it loads (an FP8 checkpoint is FP8 without it), and the report records `quantization`;
 `--kv-cache-dtype fp8` stores the attention layers' K/V in e4m3 (recorded as `kv_cache_dtype`).
 One run measures, with CUDA events around warmed-up work, medians:
-- the device copy bandwidth, the weight bytes a decoded token reads, the roofline tokens/s they
-  imply, and the fraction of it that plain decoding reaches (`roofline_fraction`, engine loop;
-  `step_roofline_fraction`, the step alone);
+- the device copy bandwidth, the weight bytes held (`weight_bytes`) and those a decoded token reads
+  (`weight_bytes_per_token`; an MoE model's experts counted from the routing of the plain run:
+  `routed_experts_per_layer`, `verify_weight_bytes[K]`, `batch_weight_bytes_per_step[B]`,
+  nextn.bench_roofline), the roofline tokens/s they imply, and the fraction of it that plain decoding
+  reaches (`roofline_fraction`, engine loop; `step_roofline_fraction`, the step alone;
+  `batch_roofline_fraction[B]`);
 - prefill tokens/s; decode tokens/s through the engine's round loop, plain and for each K;
 - `verify_cost_ratio[K]` = t(step of K+1 tokens) / t(step of 1 token), `draft_cost_ratio` =
   t(one MTP head step) / t(step of 1 token); `round_overhead[K]` = t(spec round) / t(plain token)

@@ -125,8 +125,17 @@ def test_the_fit_check_counts_fp8_bytes_and_refuses_in_one_line(monkeypatch):
 # the FP8 MoE kernels at 512 experts, top-10
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit on the interpreter; on a GPU Triton lays an e4m3 tile out by its element size, so
+    the in-tile sums of FP8 weights may add in another order than the dequantized copies' (test_fp8)."""
+    if not CUDA:
+        return torch.equal(a, b)
+    tol = 1e-5 if a.dtype == torch.float32 else 2**-7
+    return bool(((a.float() - b.float()).abs() <= tol * (1 + b.float().abs())).all())
+
+
 def _fp8_stack(E, n, k, g):
-    w = torch.randn(E, n, k, generator=g) * k**-0.5
+    w = torch.randn(E, n, k, generator=g, device=DEVICE) * k**-0.5
     q = quantize(w)
     return q, dequantize(q.weight, q.scale, torch.float32).contiguous()  # (a partial block: a view)
 
@@ -138,24 +147,23 @@ def test_fp8_moe_decode_block_at_512_experts_top_10():
     batch, and the reference block's values (float32: up to the in-tile summation order)."""
     from nextn.ops.triton_moe import moe_step
 
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(device=DEVICE).manual_seed(1)
     E, k, H, I, Is, T = 512, 10, 128, 32, 32, 2
     (gu8, gu), (dn8, dn) = _fp8_stack(E, 2 * I, H, g), _fp8_stack(E, H, I, g)
     shared = [_fp8_stack(1, *shape, g) for shape in ((Is, H), (Is, H), (H, Is))]
     s8 = [FP8Weight(q.weight[0], q.scale[0]) for q, _ in shared]
     s = [d[0] for _, d in shared]
-    gates = torch.randn(E + 1, H, generator=g) * H**-0.5
-    x, norm = torch.randn(T, H, generator=g), torch.zeros(H)
+    gates = torch.randn(E + 1, H, generator=g, device=DEVICE) * H**-0.5
+    x, norm = torch.randn(T, H, generator=g, device=DEVICE), torch.zeros(H, device=DEVICE)
 
     def run(rows, *ws):
         return moe_step(rows, norm, 1e-6, gates, *ws, k, True)
 
     out = run(x, gu8, dn8, *s8)
-    assert torch.equal(out, run(x, gu, dn, *s))
+    assert _same(out, run(x, gu, dn, *s))
     for t in range(T):
         assert torch.equal(run(x[t : t + 1], gu8, dn8, *s8)[0], out[t]), t
-    block = _reference_block(E, k, H, I, Is, gates, gu, dn, s)
+    block = _reference_block(E, k, H, I, Is, gates, gu, dn, s).to(DEVICE)
     torch.testing.assert_close(out, x + block(torch.nn.functional.rms_norm(x, (H,), eps=1e-6)), rtol=1e-5, atol=1e-5)
 
 
@@ -179,20 +187,20 @@ def _reference_block(E, k, H, I, Is, gates, gu, dn, s) -> SparseMoeBlock:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_grouped_experts_at_512_experts_top_10(dtype):
     """The prefill's grouped GEMMs read e4m3 experts and dequantize each tile as `dequantize` does:
-    bit for bit the grouped GEMMs over the dequantized copies, and the reference's values; the
+    the grouped GEMMs over the dequantized copies (bit for bit on the interpreter), and the reference's values; the
     reference over FP8Weight (one routed expert dequantized at a time) is bit for bit the reference
     over the whole dequantized stack."""
     from nextn.ops.triton_moe_grouped import grouped_experts
 
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator(device=DEVICE).manual_seed(3)
     E, k, H, I, N = 512, 10, 128, 64, 9
     (gu8, gu), (dn8, dn) = _fp8_stack(E, 2 * I, H, g), _fp8_stack(E, H, I, g)
     gu, dn = gu.to(dtype), dn.to(dtype)
-    x = torch.randn(N, H, generator=g).to(dtype)
-    top_w, top_idx = torch.topk(torch.softmax(torch.randn(N, E, generator=g), -1), k, dim=-1)
+    x = torch.randn(N, H, generator=g, device=DEVICE).to(dtype)
+    top_w, top_idx = torch.topk(torch.softmax(torch.randn(N, E, generator=g, device=DEVICE), -1), k, dim=-1)
     top_w = (top_w / top_w.sum(-1, keepdim=True)).to(dtype)
     out = grouped_experts(x, top_idx, top_w, gu8, dn8)
-    assert torch.equal(out, grouped_experts(x, top_idx, top_w, gu, dn))
+    assert _same(out, grouped_experts(x, top_idx, top_w, gu, dn))
     ref = routed_experts(x, top_idx, top_w, gu8, dn8)
     assert torch.equal(ref, routed_experts(x, top_idx, top_w, gu, dn))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
