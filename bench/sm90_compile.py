@@ -111,12 +111,13 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
 
 def moe_cases(N=517, H=2048, I=512, top_k=8):
     """`grouped_experts` over N tokens with Qwen3.5-35B-A3B's experts in bfloat16 (on a GPU the dot
-    operands stay bf16: DOT_F32=False)."""
+    operands stay bf16: DOT_F32=False), and with e4m3 experts (FP8) at Qwen3-Next-80B-A3B's top-10."""
     args = dict(
         x_ptr="*bf16",
         pairs_ptr="*i32",
         block_expert_ptr="*i32",
         w_ptr="*bf16",
+        s_ptr="*fp32",
         act_ptr="*bf16",
         rw_ptr="*bf16",
         y_ptr="*bf16",
@@ -129,10 +130,30 @@ def moe_cases(N=517, H=2048, I=512, top_k=8):
             "moe_grouped_gate_up",
             moe._grouped_gate_up_kernel,
             args,
-            dict(TOP_K=top_k, DOT_F32=False, **moe.GATE_UP_BLOCKS),
+            dict(TOP_K=top_k, DOT_F32=False, FP8=False, **moe.GATE_UP_BLOCKS),
             moe.GATE_UP_OPTIONS,
         ),
-        ("moe_grouped_down", moe._grouped_down_kernel, args, dict(DOT_F32=False, **moe.DOWN_BLOCKS), moe.DOWN_OPTIONS),
+        (
+            "moe_grouped_gate_up_fp8",
+            moe._grouped_gate_up_kernel,
+            dict(args, w_ptr="*fp8e4nv", NK=N * 10),
+            dict(TOP_K=10, DOT_F32=False, FP8=True, **moe.GATE_UP_BLOCKS),
+            moe.GATE_UP_OPTIONS,
+        ),
+        (
+            "moe_grouped_down",
+            moe._grouped_down_kernel,
+            args,
+            dict(DOT_F32=False, FP8=False, **moe.DOWN_BLOCKS),
+            moe.DOWN_OPTIONS,
+        ),
+        (
+            "moe_grouped_down_fp8",
+            moe._grouped_down_kernel,
+            dict(args, w_ptr="*fp8e4nv"),
+            dict(DOT_F32=False, FP8=True, **moe.DOWN_BLOCKS),
+            moe.DOWN_OPTIONS,
+        ),
     ]
 
 

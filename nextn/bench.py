@@ -1,14 +1,17 @@
 """`nextn bench`: speed and exactness of one model on one device, measured in one run.
 
 A model comes from a checkpoint directory or from a released config with random weights made on
-the device (`--random-weights qwen3.5-9b | qwen3.5-35b-a3b`: a random MTP head too, so it drafts
+the device (`--random-weights qwen3.5-9b | qwen3.5-35b-a3b | ...`: a random MTP head too, so it drafts
 but rarely guesses right); `--quantization fp8` quantizes its bf16 weights into 128x128 FP8 blocks
 as it loads (an FP8 checkpoint is FP8 without it), and the report records `quantization`;
 `--kv-cache-dtype fp8` stores the attention layers' K/V in e4m3 (recorded as `kv_cache_dtype`).
 One run measures, with CUDA events around warmed-up work, medians:
-- the device copy bandwidth, the weight bytes a decoded token reads, the roofline tokens/s they
-  imply, and the fraction of it that plain decoding reaches (`roofline_fraction`, engine loop;
-  `step_roofline_fraction`, the step alone);
+- the device copy bandwidth, the weight bytes held (`weight_bytes`) and those a decoded token reads
+  (`weight_bytes_per_token`; an MoE model's experts counted from the routing of the plain run:
+  `routed_experts_per_layer`, `verify_weight_bytes[K]`, `batch_weight_bytes_per_step[B]`,
+  nextn.bench_roofline), the roofline tokens/s they imply, and the fraction of it that plain decoding
+  reaches (`roofline_fraction`, engine loop; `step_roofline_fraction`, the step alone;
+  `batch_roofline_fraction[B]`);
 - prefill tokens/s; decode tokens/s through the engine's round loop, plain and for each K;
 - `verify_cost_ratio[K]` = t(step of K+1 tokens) / t(step of 1 token), `draft_cost_ratio` =
   t(one MTP head step) / t(step of 1 token); `round_overhead[K]` = t(spec round) / t(plain token)
@@ -65,13 +68,15 @@ from nextn.bench_measure import (
     sync_device,
     tokens_per_s,
 )
+from nextn.bench_roofline import routed_roofline
 from nextn.bench_sweeps import batched_runs, gate_entry, profiled_runs, sampled_runs, spec_sweep
 from nextn.cache.pool import GiB
 from nextn.config import STEP_ROWS, EngineConfig, check_kernels, resolve_device, resolve_dtype
 from nextn.model_config import ModelConfig
 from nextn.models.loader import load_model
 from nextn.models.qwen3_5 import CausalLM
-from nextn.models.random_weights import PRESETS, random_model, weight_bytes_per_token
+from nextn.models.random_weights import PRESETS, CacheQuery, random_model, weight_bytes, weight_bytes_per_token
+from nextn.ops import OPS
 from nextn.parallel import comm
 from nextn.parallel.comm import broadcast_object
 from nextn.parallel.launch import check_ranks, initialized, rank, rank_device, start
@@ -146,6 +151,9 @@ def run_bench(
             )
             / 1e3
         )
+    res["weight_bytes"] = weight_bytes(model)  # every weight held (one rank's), the MTP head's included
+    # a one-row decode step's bytes (top-k experts a layer); an MoE model's are counted again from its
+    # routing once the plain run gave a sequence to route (nextn.bench_roofline)
     res["weight_bytes_per_token"] = weight_bytes_per_token(model)
     if device.type == "cuda":
         res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
@@ -181,6 +189,17 @@ def run_bench(
     res["decode_tokens_per_s_runs"] = tokens_per_s(plain_runs)
     res["plain_runs_agree"] = all(r.token_ids == plain.token_ids for r in plain_runs)
     res["plain_overhead"] = (1e3 / res["decode_tokens_per_s"]) / t1 - 1  # the round loop beyond the step
+    if model.cfg.num_experts:  # the experts read, counted from the routing of the plain run's sequence
+        bandwidth = res.get("copy_bandwidth_GBps")
+        routed = routed_roofline(
+            model, prompt + plain.token_ids, len(prompt), ks, cfg.batch_sizes, bandwidth, OPS[kernels]()
+        )
+        res.update(routed)
+        log(
+            f"bench: routed experts per MoE layer: decode {_mean(routed['routed_experts_per_layer']['decode']):.2f}, "
+            f"verify {_fmt({k: _mean(c) for k, c in routed['routed_experts_per_layer']['verify'].items()})} "
+            f"of {model.cfg.num_experts}; {res['weight_bytes_per_token'] / 1e9:.3f} GB/token"
+        )
     if "roofline_tokens_per_s" in res:
         res["roofline_fraction"] = res["decode_tokens_per_s"] / res["roofline_tokens_per_s"]
         res["step_roofline_fraction"] = res["step_tokens_per_s"] / res["roofline_tokens_per_s"]
@@ -196,10 +215,18 @@ def run_bench(
         profiled_runs(bench, res, ks, cfg.acceptance_profile, plain.token_ids, log)
     if cfg.batch_sizes:
         batched_runs(bench, res, max(ks, default=0), plain.token_ids, log)
+        if "batch_roofline_tokens_per_s" in res:
+            res["batch_roofline_fraction"] = {
+                b: res["batch_tokens_per_s"]["plain"][b] / r for b, r in res["batch_roofline_tokens_per_s"].items()
+            }
     res["plain_token_ids_head"] = plain.token_ids[:32]
     res["plain_token_ids"] = plain.token_ids  # to compare runs (e.g. tensor_parallel_size 1 and 2)
     bench.close()
     return res
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def _fmt(d: dict) -> str:
@@ -297,7 +324,10 @@ def _bench(args, cfg: BenchConfig, prompt_text: str | None) -> dict:
     draft_vocab = _draft_vocab(args, _model_config(args).vocab_size)  # checked before the weights load
     if args.random_weights is not None:  # released presets are bfloat16 checkpoints
         dtype = resolve_dtype(args.dtype, device, "bfloat16")
-        model = random_model(args.random_weights, device, dtype, quantization=args.quantization, tp=tp)
+        # the fit line (before a weight is drawn) sizes the cache the bench's own would be (cache_fit)
+        max_len = cfg.max_model_len or args.prompt_len + args.gen_len + 2 * STEP_ROWS
+        cache = CacheQuery(max_len, max(cfg.spec_ks), cfg.kv_cache_dtype, cfg.gpu_memory_utilization)
+        model = random_model(args.random_weights, device, dtype, quantization=args.quantization, tp=tp, cache=cache)
         name = args.random_weights
     else:
         model = load_model(args.model, device=device, dtype=args.dtype, quantization=args.quantization, tp=tp)

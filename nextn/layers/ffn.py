@@ -10,7 +10,7 @@ from torch import nn
 from nextn.layers.linear import Linear
 from nextn.model_config import ModelConfig
 from nextn.ops import OPS, Ops
-from nextn.ops.fp8 import E4M3, dequantize, scale_shape
+from nextn.ops.fp8 import E4M3, FP8Weight, scale_shape
 from nextn.ops.linear import row_invariant_linear
 
 REFERENCE_OPS = OPS["torch"]()
@@ -43,8 +43,9 @@ class Experts(nn.Module):
 
 class FP8Experts(nn.Module):
     """Experts whose fused weights are e4m3, each with `*_scale` [E, ceil(in / 128), out] in nextn's
-    layout (nextn.ops.fp8). The forward (the reference path) dequantizes every expert to the
-    input's dtype and computes like Experts: a transient copy of one layer's experts."""
+    layout (nextn.ops.fp8). The forward hands them to the Ops table's `routed_experts` as FP8Weight
+    pairs: the reference dequantizes the routed experts one at a time, the grouped GEMM
+    (nextn.ops.triton_moe_grouped) tile by tile; neither copies the stack into the input's dtype."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -57,8 +58,8 @@ class FP8Experts(nn.Module):
 
     def forward(self, x, top_idx, top_w, ops: Ops):
         """x [N, H]; top_idx, top_w [N, k] -> [N, H]."""
-        gate_up = dequantize(self.gate_up_proj, self.gate_up_proj_scale, x.dtype)
-        down = dequantize(self.down_proj, self.down_proj_scale, x.dtype)
+        gate_up = FP8Weight(self.gate_up_proj, self.gate_up_proj_scale)
+        down = FP8Weight(self.down_proj, self.down_proj_scale)
         return ops.routed_experts(x, top_idx, top_w, gate_up, down)
 
 

@@ -139,9 +139,8 @@ def quantize_weight(name: str, w: torch.Tensor) -> FP8Weight:
     if w.dim() == 2:
         return quantize(w)
     parts = w.chunk(2, dim=1) if name.endswith("gate_up_proj") else (w,)
-    qs = [[quantize(expert) for expert in part] for part in parts]  # [part][expert]
-    weight = torch.cat([torch.stack([q.weight for q in part]) for part in qs], dim=1)
-    return FP8Weight(weight, torch.cat([torch.stack([q.scale for q in part]) for part in qs], dim=2))
+    qs = [quantize(part) for part in parts]  # each expert's matrix alone (quantize takes a stack)
+    return FP8Weight(torch.cat([q.weight for q in qs], dim=1), torch.cat([q.scale for q in qs], dim=2))
 
 
 @torch.no_grad()

@@ -62,15 +62,15 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 
 
 def quantize_blocks(w: torch.Tensor, block_n: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The publisher's block-wise FP8 of w [N, K]: (e4m3 [N, K], float32 scale [ceil(N/block_n),
-    ceil(K/128)]) with each block's scale amax / 448 (1 for an all-zero block), values w / scale
-    rounded to nearest."""
-    n, k = w.shape
+    """The publisher's block-wise FP8 of w [..., N, K] (each matrix of a stack alone): (e4m3 [..., N,
+    K], float32 scale [..., ceil(N/block_n), ceil(K/128)]) with each block's scale amax / 448 (1 for
+    an all-zero block), values w / scale rounded to nearest."""
+    *lead, n, k = w.shape
     nb, kb = -(-n // block_n), -(-k // BLOCK)
-    blocks = F.pad(w.float(), (0, kb * BLOCK - k, 0, nb * block_n - n)).view(nb, block_n, kb, BLOCK)
-    scale = _scale(blocks.abs().amax(dim=(1, 3)))  # [nb, kb]
-    q = _to_e4m3(blocks / scale[:, None, :, None])
-    return q.view(nb * block_n, kb * BLOCK)[:n, :k].contiguous(), scale
+    blocks = F.pad(w.float(), (0, kb * BLOCK - k, 0, nb * block_n - n)).view(*lead, nb, block_n, kb, BLOCK)
+    scale = _scale(blocks.abs().amax(dim=(-3, -1)))  # [..., nb, kb]
+    q = _to_e4m3(blocks / scale[..., :, None, :, None])
+    return q.view(*lead, nb * block_n, kb * BLOCK)[..., :n, :k].contiguous(), scale
 
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
@@ -100,8 +100,9 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def block_scale(scale_inv: torch.Tensor, n: int, block_n: int) -> torch.Tensor:
-    """A block-wise checkpoint's `weight_scale_inv` [ceil(N/block_n), ceil(K/128)] -> nextn's scales."""
-    return scale_inv.float().repeat_interleave(block_n, dim=0)[:n].T.contiguous()
+    """A block-wise checkpoint's `weight_scale_inv` [..., ceil(N/block_n), ceil(K/128)] -> nextn's
+    scales [..., ceil(K/128), N]."""
+    return scale_inv.float().repeat_interleave(block_n, dim=-2)[..., :n, :].transpose(-1, -2).contiguous()
 
 
 def channel_scale(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -131,6 +132,7 @@ def compact_scales(w: FP8Weight, rows: int = BLOCK) -> FP8Weight:
 
 
 def quantize(w: torch.Tensor) -> FP8Weight:
-    """w [N, K] -> its 128x128 block-wise FP8 in nextn's layout (what `quantization="fp8"` makes)."""
+    """w [..., N, K] -> its 128x128 block-wise FP8 in nextn's layout (what `quantization="fp8"`
+    makes), each matrix of a stack (an expert) quantized alone."""
     q, scale_inv = quantize_blocks(w)
-    return FP8Weight(q, block_scale(scale_inv, w.shape[0], BLOCK))
+    return FP8Weight(q, block_scale(scale_inv, w.shape[-2], BLOCK))

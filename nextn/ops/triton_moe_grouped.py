@@ -7,12 +7,17 @@ device with no host synchronisation (`_align`); a block of BLOCK_M sorted rows b
 expert, so each program multiplies a [BLOCK_M, K] tile of gathered rows by one expert's weights on
 the tensor cores, and an expert's weights are read once per output tile however many of the
 prompt's tokens chose it (the per-row decode kernels of `triton_moe` read them once per row).
+FP8 experts (nextn.ops.fp8.FP8Weight: e4m3 with a float32 scale per row and 128 columns) are read as
+e4m3 and each [BLOCK_K, BLOCK_N] tile dequantized to the activations' dtype as the reference's
+`dequantize` does (the float32 product, rounded), so the tile the dot takes is the dequantized
+copy's, value for value, and no copy of a layer's experts is made.
 """
 
 from __future__ import annotations
 
 import torch
 
+from nextn.ops.fp8 import BLOCK, FP8Weight
 from nextn.ops.triton_utils import HAVE_TRITON, interpreting, require_triton
 
 BLOCK_M = 64
@@ -23,10 +28,18 @@ GATE_UP_BLOCKS = dict(BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=64)
 GATE_UP_OPTIONS = dict(num_warps=4)
 DOWN_BLOCKS = dict(BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=64)
 DOWN_OPTIONS = dict(num_warps=4)
+assert BLOCK % GATE_UP_BLOCKS["BLOCK_K"] == 0 and BLOCK % DOWN_BLOCKS["BLOCK_K"] == 0  # a k tile: one scale column
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _dequant_tile(w, s_ptr, s_stride, k0, offs_n, mask_n, dtype: tl.constexpr):
+        """An e4m3 tile w [BLOCK_K, BLOCK_N] (columns offs_n of a weight, its rows k0..) times the
+        scales of its 128-column block (s_ptr[(k0 // 128) * s_stride + n]), rounded to dtype."""
+        s = tl.load(s_ptr + (k0 // 128) * s_stride + offs_n, mask=mask_n, other=0.0)
+        return (w.to(tl.float32) * s[None, :]).to(dtype)
 
     @triton.jit
     def _grouped_gate_up_kernel(
@@ -34,6 +47,7 @@ if HAVE_TRITON:
         pairs_ptr,
         block_expert_ptr,
         w_ptr,
+        s_ptr,  # FP8: [E, ceil(H / 128), 2I] float32 scales
         act_ptr,
         NK,
         H,
@@ -43,6 +57,7 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         DOT_F32: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         """act[row] = silu(x[token] W_gate[e]^T) * (x[token] W_up[e]^T) for the block's sorted rows."""
         pid_m = tl.program_id(0)
@@ -55,6 +70,8 @@ if HAVE_TRITON:
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             mn = offs_n < I
             base = w_ptr + e.to(tl.int64) * (2 * I * H)
+            s_base = s_ptr + e.to(tl.int64) * ((H + 127) // 128 * 2 * I)
+            dtype = act_ptr.dtype.element_ty
             gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for k0 in range(0, H, BLOCK_K):
@@ -64,6 +81,9 @@ if HAVE_TRITON:
                 wmask = mk[:, None] & mn[None, :]
                 wg = tl.load(base + offs_n[None, :] * H + offs_k[:, None], mask=wmask, other=0.0)
                 wu = tl.load(base + (I + offs_n[None, :]) * H + offs_k[:, None], mask=wmask, other=0.0)
+                if FP8:
+                    wg = _dequant_tile(wg, s_base, 2 * I, k0, offs_n, mn, dtype)
+                    wu = _dequant_tile(wu, s_base + I, 2 * I, k0, offs_n, mn, dtype)
                 if DOT_F32:  # float32 products in full precision (Triton's default there is TF32)
                     xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
                     gate = tl.dot(xa, wg, gate, input_precision="ieee")
@@ -71,7 +91,6 @@ if HAVE_TRITON:
                 else:
                     gate = tl.dot(xa, wg, gate)
                     up = tl.dot(xa, wu, up)
-            dtype = act_ptr.dtype.element_ty
             g = gate.to(dtype).to(tl.float32)
             silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
             act = (silu * up.to(dtype).to(tl.float32)).to(dtype)
@@ -83,6 +102,7 @@ if HAVE_TRITON:
         pairs_ptr,
         block_expert_ptr,
         w_ptr,
+        s_ptr,  # FP8: [E, ceil(I / 128), H] float32 scales
         rw_ptr,
         y_ptr,
         NK,
@@ -92,6 +112,7 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         DOT_F32: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         """y[pair] = (act[row] W_down[e]^T) * the pair's routing weight, each rounded to the dtype."""
         pid_m = tl.program_id(0)
@@ -103,17 +124,20 @@ if HAVE_TRITON:
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             mn = offs_n < H
             base = w_ptr + e.to(tl.int64) * (H * I)
+            s_base = s_ptr + e.to(tl.int64) * ((I + 127) // 128 * H)
+            dtype = y_ptr.dtype.element_ty
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 mk = offs_k < I
                 a = tl.load(act_ptr + rows[:, None].to(tl.int64) * I + offs_k[None, :], mask=mk[None, :], other=0.0)
                 w = tl.load(base + offs_n[None, :] * I + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
+                if FP8:
+                    w = _dequant_tile(w, s_base, H, k0, offs_n, mn, dtype)
                 if DOT_F32:
                     acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(a, w, acc)
-            dtype = y_ptr.dtype.element_ty
             rw = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
             y = (acc.to(dtype).to(tl.float32) * rw[:, None]).to(dtype)
             tl.store(y_ptr + pair[:, None].to(tl.int64) * H + offs_n[None, :], y, mask=valid[:, None] & mn[None, :])
@@ -142,9 +166,14 @@ def _align(top_idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
 
 
 def grouped_experts(
-    x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    top_idx: torch.Tensor,
+    top_w: torch.Tensor,
+    gate_up: torch.Tensor | FP8Weight,
+    down: torch.Tensor | FP8Weight,
 ) -> torch.Tensor:
-    """x [N, H]; top_idx, top_w [N, k]; gate_up [E, 2I, H]; down [E, H, I] -> [N, H] (x's dtype)."""
+    """x [N, H]; top_idx, top_w [N, k]; gate_up [E, 2I, H]; down [E, H, I] (both tensors, or both
+    FP8Weight with scales [E, ceil(K / 128), N]) -> [N, H] (x's dtype)."""
     require_triton()
     N, H = x.shape
     k = top_idx.shape[1]
@@ -152,28 +181,37 @@ def grouped_experts(
     I = two_i // 2
     if gate_up.shape[2] != H or down.shape != (E, H, I):
         raise ValueError(f"grouped_experts: weights {tuple(gate_up.shape)}, {tuple(down.shape)} do not fit H={H}")
+    fp8 = isinstance(gate_up, FP8Weight)
+    if fp8 != isinstance(down, FP8Weight) or (fp8 and (gate_up.rows, down.rows) != (1, 1)):
+        raise ValueError("grouped_experts: gate_up and down must both be FP8 (a scale per row) or neither")
     if N == 0:
         return x.new_zeros(0, H)
-    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    (gate_up, gate_up_s), (down, down_s) = (
+        (w.weight.contiguous(), w.scale.contiguous()) if fp8 else (w.contiguous(), x) for w in (gate_up, down)
+    )
+    x = x.contiguous()
     pairs, block_expert = _align(top_idx, E, BLOCK_M)
     n_blocks = block_expert.numel()
     dot_f32 = interpreting() or x.dtype == torch.float32
     act = torch.empty(pairs.numel(), I, device=x.device, dtype=x.dtype)
     _grouped_gate_up_kernel[(n_blocks, triton.cdiv(I, GATE_UP_BLOCKS["BLOCK_N"]))](
-        x, pairs, block_expert, gate_up, act, N * k, H, I, TOP_K=k, DOT_F32=dot_f32, **GATE_UP_BLOCKS, **GATE_UP_OPTIONS
-    )
+        x, pairs, block_expert, gate_up, gate_up_s, act, N * k, H, I, TOP_K=k, DOT_F32=dot_f32, FP8=fp8,
+        **GATE_UP_BLOCKS, **GATE_UP_OPTIONS,
+    )  # fmt: skip
     y = torch.empty(N * k, H, device=x.device, dtype=x.dtype)
     _grouped_down_kernel[(n_blocks, triton.cdiv(H, DOWN_BLOCKS["BLOCK_N"]))](
         act,
         pairs,
         block_expert,
         down,
+        down_s,
         top_w.reshape(-1).contiguous(),
         y,
         N * k,
         H,
         I,
         DOT_F32=dot_f32,
+        FP8=fp8,
         **DOWN_BLOCKS,
         **DOWN_OPTIONS,
     )
