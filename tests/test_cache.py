@@ -103,13 +103,16 @@ def test_commit_rule_on_host_and_device_agree(cfg):
 
 
 def test_prefilled_states_are_where_ctl_says(dense_ckpt):
-    """After a chunked prefill the committed states are home; after a step they are in a half."""
+    """An empty slot reads zeros from half 0; a chunked prefill and each step write the other half
+    and the commit points there; a verify's kept rows are pending."""
     model = load_model(dense_ckpt)
     cache = HybridCache(model.cfg, CacheLayout(1, 64, 4, draft=False), "cpu", torch.float32).slot(0)
+    cols = cache.cols
+    assert cache.get(STATE_AT) == 0 and cache.get(STATE_WRITE) == 1 and cache.get(CONV_WRITE) == cols
     with torch.no_grad():
         model(torch.tensor([[5, 6, 7]]), cache)
-        cache.commit_home(3)
-        assert cache.get(STATE_AT) == -1 and cache.get(CONV_AT) == -1
+        cache.commit_chunk(3)
+        assert cache.get(STATE_AT) == 1 and cache.get(CONV_AT) == cols and cache.get(PENDING) == 0
         model(torch.tensor([[8, 9]]), StepBatch([cache], [2]))
         cache.commit(2)
     assert cache.get(STATE_AT) == 0 and cache.get(CONV_AT) == 2 and cache.seq_len == 5 and cache.get(PENDING) == 2

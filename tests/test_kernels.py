@@ -228,29 +228,30 @@ def _gdn_reference(c, H, HV, K, V, norm_eps):
 
 
 def _gdn_buffers(c, H, HV, K, V, W, T_max):
-    """NaN-poisoned window [conv_dim, 2 * (W-1+T_max)], base states [2, HV, K, V] and gates
-    [2 * T_max, 2 * HV]: both halves, as the engine keeps them."""
+    """Window [conv_dim, 2 * (W-1+T_max)], base states [2, HV, K, V] and gates [2 * T_max, 2 * HV],
+    both halves as the engine keeps them: the case's carried columns and state in half 0 (read by
+    default), the rest NaN-poisoned."""
     conv_dim, dtype = 2 * H * K + HV * V, c["proj"].dtype
     window = torch.full((conv_dim, 2 * (W - 1 + T_max)), float("nan"), device=DEVICE, dtype=dtype)
     states = torch.full((2, HV, K, V), float("nan"), device=DEVICE)
+    window[:, : W - 1], states[0] = c["conv_home"], c["state_home"]
     return window, states, torch.full((2 * T_max, 2 * HV), float("nan"), device=DEVICE, dtype=dtype)
 
 
 def _run_gdn_step(c, H, HV, K, V, W, norm_eps, T_max=8, slots=None, store_all=True, bufs=None, live=None):
     """The step of one sequence (a batch of one, slot 0) into bufs = (window, states, gates) (fresh
-    NaN-poisoned ones by default); slots (state_at, state_write, conv_at, conv_write, pending) as a list."""
+    ones by default); slots (state_at, state_write, conv_at, conv_write, pending) as a list, by
+    default reading half 0 and writing half 1."""
     bufs = bufs or _gdn_buffers(c, H, HV, K, V, W, T_max)
     window, states, gates = bufs
-    slots = torch.tensor([slots or [-1, 0, -1, 0, 0]], device=DEVICE, dtype=torch.int32)
+    slots = torch.tensor([slots or [0, 1, 0, W - 1 + T_max, 0]], device=DEVICE, dtype=torch.int32)
     seqs = torch.tensor([[0], [0], [c["proj"].shape[0]]], device=DEVICE, dtype=torch.int32)
     out = gdn_step(
         c["proj"],
         c["conv_weight"],
-        c["conv_home"][None],
         window[None],
         c["A_log"],
         c["dt_bias"],
-        c["state_home"][None],
         states[None],
         gates[None],
         c["norm_weight"],
@@ -276,44 +277,38 @@ def _gates(c, H, HV, K, V):
     return c["proj"][:, col : col + 2 * HV]
 
 
-def _poisoned_homes(c):
-    return dict(
-        c,
-        conv_home=torch.full_like(c["conv_home"], float("nan")),
-        state_home=torch.full_like(c["state_home"], float("nan")),
-    )
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 2, 5])
 def test_gdn_step_matches_reference(T, dtype):
-    """A step from the homes against the reference modules; a verify stores its base, its rows'
-    gates and its window; the next step, after keeping t of its rows, folds them from those (the
-    homes poisoned) and gives row t on, and the last state, bitwise."""
-    H, HV, K, V, W, eps = 2, 4, 16, 32, 4, 1e-6
+    """A step against the reference modules, writing half 1 only; a verify stores its base, its
+    rows' gates and its window there; the next step, after keeping t of its rows, folds them from
+    those (half 0 poisoned) and gives row t on, and the last state, bitwise."""
+    H, HV, K, V, W, eps, T_max = 2, 4, 16, 32, 4, 1e-6, 8
+    half = W - 1 + T_max
     g = torch.Generator(device=DEVICE).manual_seed(10 + T)
     c = _gdn_case(T, H, HV, K, V, W, dtype, g)
     out, (window, states, gates) = _run_gdn_step(c, H, HV, K, V, W, eps, store_all=False)
     ref_out, ref_states, ref_window = _gdn_reference(c, H, HV, K, V, eps)
     _close(out, ref_out, dtype)
-    torch.testing.assert_close(states[0], ref_states[-1], rtol=1e-4, atol=1e-5)
-    assert torch.equal(window[:, : W - 1], ref_window[:, T:])  # the next step's carried columns, bitwise
-    assert window[:, W - 1 :].isnan().all() and states[1].isnan().all() and gates.isnan().all()
+    torch.testing.assert_close(states[1], ref_states[-1], rtol=1e-4, atol=1e-5)
+    assert torch.equal(window[:, half : half + W - 1], ref_window[:, T:])  # the next carried columns, bitwise
+    assert window[:, W - 1 : half].isnan().all() and window[:, half + W - 1 :].isnan().all() and gates.isnan().all()
+    assert torch.equal(window[:, : W - 1], c["conv_home"]) and torch.equal(states[0], c["state_home"])  # read, kept
     assert not triton_utils._COUNTERS[out.device].any()  # the heads' last programs re-armed them
     verify_out, (vwin, vstates, vgates) = _run_gdn_step(c, H, HV, K, V, W, eps)  # store_all
     assert torch.equal(verify_out, out)
-    assert torch.equal(vstates[0], c["state_home"]) and vstates[1].isnan().all()  # the base: nothing pending
-    assert torch.equal(vgates[:T], _gates(c, H, HV, K, V)) and vgates[T:].isnan().all()
-    assert torch.equal(vwin[:, : W - 1 + T], ref_window) and vwin[:, W - 1 + T :].isnan().all()
-    half = vwin.shape[1] // 2
-    for t in range(T):  # t rows kept (pending), then rows t.. as the next step
-        bufs = (vwin.clone(), vstates.clone(), vgates.clone())
-        rest = dict(_poisoned_homes(c), proj=c["proj"][t:])
-        rest_out, (_, st, _) = _run_gdn_step(
-            rest, H, HV, K, V, W, eps, slots=[0, 1, t, half, t], store_all=False, bufs=bufs
+    assert torch.equal(vstates[1], c["state_home"])  # the base: nothing was pending
+    assert torch.equal(vgates[T_max : T_max + T], _gates(c, H, HV, K, V)) and vgates[:T_max].isnan().all()
+    assert torch.equal(vwin[:, half : half + W - 1 + T], ref_window) and vwin[:, half + W - 1 + T :].isnan().all()
+    for t in range(T):  # t rows kept (pending), then rows t.. as the next step, into half 0
+        win, st, gt = vwin.clone(), vstates.clone(), vgates.clone()
+        win[:, :half], st[0] = float("nan"), float("nan")
+        rest = dict(c, proj=c["proj"][t:])
+        rest_out, _ = _run_gdn_step(
+            rest, H, HV, K, V, W, eps, slots=[1, 0, half + t, 0, t], store_all=False, bufs=(win, st, gt)
         )
-        assert torch.equal(rest_out, out[t:]) and torch.equal(st[1], states[0]), t
-        assert torch.equal(_bits(st[0]), _bits(vstates[0])) and torch.equal(_bits(bufs[2]), _bits(vgates))
+        assert torch.equal(rest_out, out[t:]) and torch.equal(st[0], states[1]), t
+        assert torch.equal(st[1], vstates[1]) and torch.equal(_bits(gt), _bits(vgates))
 
 
 @pytest.mark.parametrize("live", [1, 3, 5])
@@ -333,21 +328,19 @@ def test_gdn_step_live_rows(live):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 4])
 def test_gdn_step_slots(T, dtype):
-    """slots = (state_at, state_write, conv_at, conv_write, pending) in the device tensor: a verify
-    written to the second halves, then a step from there with P of its rows pending (the homes
-    poisoned) equals the whole run from the homes bitwise; each step writes its halves at the
-    offsets and nothing else."""
+    """slots = (state_at, state_write, conv_at, conv_write, pending) in the device tensor: a verify of
+    P rows written to half 1, then a step from there with its P rows pending (half 0 poisoned)
+    equals the whole run bitwise; each step writes its half at the offsets and nothing else."""
     H, HV, K, V, W, eps, T_max, P = 2, 4, 16, 32, 4, 1e-6, 8, 3
     half = W - 1 + T_max
     g = torch.Generator(device=DEVICE).manual_seed(20 + T)
     c = _gdn_case(P + T, H, HV, K, V, W, dtype, g)
     whole_out, (_, whole_states, _) = _run_gdn_step(c, H, HV, K, V, W, eps, store_all=False)  # the baseline
     first = dict(c, proj=c["proj"][:P])
-    _, (window, states, gates) = _run_gdn_step(first, H, HV, K, V, W, eps, slots=[-1, 1, -1, half, 0])
-    assert torch.equal(states[1], c["state_home"]) and states[0].isnan().all()
-    assert torch.equal(gates[T_max : T_max + P], _gates(first, H, HV, K, V)) and gates[:T_max].isnan().all()
-    assert window[:, :half].isnan().all() and window[:, half + W - 1 + P :].isnan().all()
-    rest = dict(_poisoned_homes(c), proj=c["proj"][P:])
+    _, (window, states, gates) = _run_gdn_step(first, H, HV, K, V, W, eps)
+    assert torch.equal(states[1], c["state_home"]) and torch.equal(gates[T_max : T_max + P], _gates(first, H, HV, K, V))
+    window[:, :half], states[0] = float("nan"), float("nan")
+    rest = dict(c, proj=c["proj"][P:])
     for store_all in (True, False):
         bufs = tuple(b.clone() for b in (window, states, gates))
         out, (win, st, gt) = _run_gdn_step(
@@ -365,9 +358,9 @@ def test_gdn_step_slots(T, dtype):
             again, (_, st2, _) = _run_gdn_step(
                 rest, H, HV, K, V, W, eps, slots=[0, 1, 0, half, 0], store_all=False, bufs=(win.clone(), st.clone(), gt)
             )
-            assert torch.equal(again, out) and torch.equal(st2[1], whole_states[0])
+            assert torch.equal(again, out) and torch.equal(st2[1], whole_states[1])
         else:
-            assert torch.equal(st[0], whole_states[0]) and gt[:T_max].isnan().all()
+            assert torch.equal(st[0], whole_states[1]) and gt[:T_max].isnan().all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -636,20 +629,17 @@ def test_gdn_step_batch_equals_each_sequence_alone():
     slot_of = [3, 0, 1]
     bufs = [_gdn_buffers(cases[0], H, HV, K, V, W, T_max) for _ in range(S)]
     window, states, gates = (torch.stack([b[i] for b in bufs]) for i in range(3))
-    conv_home = torch.zeros(S, *cases[0]["conv_home"].shape, device=DEVICE, dtype=dtype)
-    state_home = torch.zeros(S, *cases[0]["state_home"].shape, device=DEVICE)
-    for c, s in zip(cases, slot_of, strict=True):
-        conv_home[s], state_home[s] = c["conv_home"], c["state_home"]
-    slots = torch.tensor([[-1, 0, -1, 0, 0]] * S, device=DEVICE, dtype=torch.int32)
+    for c, s in zip(cases, slot_of, strict=True):  # each sequence's carried columns and state in its half 0
+        window[s, :, : W - 1], states[s, 0] = c["conv_home"], c["state_home"]
+    window[2, :, : W - 1], states[2, 0] = float("nan"), float("nan")
+    slots = torch.tensor([[0, 1, 0, W - 1 + T_max, 0]] * S, device=DEVICE, dtype=torch.int32)
     seqs = torch.tensor([slot_of, [0, 2, 3], rows], device=DEVICE, dtype=torch.int32)
     out = gdn_step(
         torch.cat([c["proj"] for c in cases]),
         cases[0]["conv_weight"],
-        conv_home,
         window,
         cases[0]["A_log"],
         cases[0]["dt_bias"],
-        state_home,
         states,
         gates,
         cases[0]["norm_weight"],

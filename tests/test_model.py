@@ -80,7 +80,7 @@ def test_multi_token_step_equals_single_steps(name, request):
     with torch.no_grad():
         for cache in (multi, single):
             model(ids[:, :15], cache)
-            cache.commit_home(15)
+            cache.commit_chunk(15)
         h_multi = _step(model, ids[:, 15:], multi)
         before = multi.ctl.clone()
         for t in range(5):
@@ -109,7 +109,7 @@ def test_batched_step_equals_each_sequence_alone(name, request):
         for b, n in enumerate(lengths):
             for cache in (batched[b], alone[b]):
                 model(ids[:, :n] + b, cache)
-                cache.commit_home(n)
+                cache.commit_chunk(n)
         step_ids = [ids[:, 20 + b : 20 + b + r] for b, r in enumerate(rows)]
         h_batch = model(torch.cat(step_ids, dim=1), StepBatch(batched, list(rows)))[0]
         offsets = [0, 1, 6, 9]
@@ -136,7 +136,7 @@ def test_commit_rolls_back_to_the_kept_prefix(name, n_keep, request):
     with torch.no_grad():
         for cache in (a, b):
             model(ids[:, :10], cache)
-            cache.commit_home(10)
+            cache.commit_chunk(10)
         _step(model, ids[:, 10:15], a)
         a.commit(n_keep)
         for t in range(n_keep):

@@ -2,16 +2,16 @@
 modules and the Triton step, and the rule that commits a step.
 
 Per slot: attention K/V per full-attention layer (position-addressed, append-only); per Gated
-DeltaNet layer a home conv window and recurrent state (what a chunked prefill writes) and step
-buffers in two halves (the conv window with a step's inputs, one base state, the gates b and a of
-the step's rows); a prompt-end checkpoint of the GDN states; the MTP head's draft K/V; the
+DeltaNet layer step buffers in two halves (the conv window with a step's inputs, one base state,
+the gates b and a of the step's rows), which every step and chunked prefill write; a prompt-end
+checkpoint of the GDN states; the MTP head's draft K/V; the
 engine's own per-slot buffers (named in `CacheLayout.extra`); and `ctl`, the slot's counters on
 the device:
 
   SEQ_LEN      committed tokens: the next step's row 0 sits at this position
-  STATE_AT     half holding the base recurrent state (0 or 1; -1: the home state)
+  STATE_AT     half holding the base recurrent state (0 or 1)
   STATE_WRITE  half the next step writes (the other one)
-  CONV_AT      window column where the committed conv columns start (-1: the home window)
+  CONV_AT      window column where the committed conv columns start
   CONV_WRITE   first window column the next step writes (0 or WC)
   DRAFT_LEN    MTP rows written with true hiddens (rows 1..DRAFT_LEN sit in draft slots 0..DRAFT_LEN-1)
   NUM_GEN      tokens the running request has emitted (the index of its next uniform)
@@ -24,7 +24,7 @@ no per-row states: each step first folds the pending rows into the base (the sam
 its own rows, so the same bits), stores that in the half it writes, then runs its rows; keeping
 `kept` of them makes them pending. A row's state is thus computed twice, but a slot holds two
 states a layer instead of 2 (K+1), and a step writes one state instead of K+1 (the 9B shape at
-K=3: 96 MiB a sequence instead of 384).
+K=3: 96 MiB a sequence instead of 384). An empty sequence is zeros in half 0.
 
 With `kv_cache_dtype="fp8"` the full-attention layers' K/V are e4m3, each row of D values (a
 position's kv head) with a float32 scale beside it (`key_scale.{i}`, nextn.ops.fp8.quantize_rows);
@@ -91,7 +91,7 @@ def tensor_specs(cfg: ModelConfig, layout: CacheLayout, dtype: torch.dtype) -> d
     kv = (S, cap, cfg.num_key_value_heads, cfg.head_dim)
     fp8 = layout.kv_cache_dtype == "fp8"
     n = sum(t != FULL for t in cfg.layer_types)
-    conv = (S, n, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1)
+    ckpt_conv = (S, n, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1 + layout.step_states)
     state = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     specs = {}
     for i, kind in enumerate(cfg.layer_types):
@@ -101,12 +101,10 @@ def tensor_specs(cfg: ModelConfig, layout: CacheLayout, dtype: torch.dtype) -> d
                 specs[f"key_scale.{i}"] = specs[f"value_scale.{i}"] = (kv[:3], f32)  # a scale per row of D
     specs.update(
         {
-            "conv": (conv, dtype),
-            "recurrent": ((S, n, *state), f32),
             "window": ((S, n, cfg.conv_dim, 2 * window_cols(cfg)), dtype),
             "states": ((S, n, 2, *state), f32),
             "gates": ((S, n, 2 * layout.step_states, 2 * cfg.linear_num_value_heads), dtype),
-            "ckpt_conv": ((*conv[:3], conv[3] + layout.step_states), dtype),
+            "ckpt_conv": (ckpt_conv, dtype),
             "ckpt_recurrent": ((S, n, *state), f32),
             "ckpt_gates": ((S, n, layout.step_states, 2 * cfg.linear_num_value_heads), dtype),
             "ckpt_pending": ((S,), torch.int32),
@@ -138,7 +136,7 @@ class HybridCache:
             for name, (shape, dt) in tensor_specs(cfg, layout, dtype).items()
         }
         self.ctl = self.tensors["ctl"]
-        reset_ctl(self.ctl)
+        reset_ctl(self.ctl, window_cols(cfg))
         # decoder layer index -> its index among the GDN layers (their stacked buffers)
         self.gdn_index = {i: j for j, i in enumerate(i for i, t in enumerate(cfg.layer_types) if t != FULL)}
 
@@ -158,11 +156,11 @@ class HybridCache:
         return SlotCache(self, slot)
 
 
-def reset_ctl(ctl: torch.Tensor) -> None:
-    """An empty sequence: nothing committed, home states, halves at 0."""
+def reset_ctl(ctl: torch.Tensor, cols: int) -> None:
+    """An empty sequence: nothing committed, its (zero) states in half 0, the next step writing half 1."""
     ctl.zero_()
-    ctl[..., STATE_AT] = -1
-    ctl[..., CONV_AT] = -1
+    ctl[..., STATE_WRITE] = 1
+    ctl[..., CONV_WRITE] = cols
 
 
 class GDNParts(NamedTuple):
@@ -214,10 +212,7 @@ class SlotCache:
         """What the committed GDN state of a layer is made of (views): see `GDNParts`."""
         j, W = self.cache.gdn_index[layer_idx], self.cfg.linear_conv_kernel_dim
         conv_at, state_at, p = self.get(CONV_AT), self.get(STATE_AT), self.get(PENDING)
-        base = self.t("recurrent")[j] if state_at < 0 else self.t("states")[j][state_at]
-        if conv_at < 0:
-            return GDNParts(self.t("conv")[j], base)
-        window, R = self.t("window")[j], self.rows
+        base, window, R = self.t("states")[j][state_at], self.t("window")[j], self.rows
         conv = window[:, conv_at : conv_at + W - 1]
         if not p:
             return GDNParts(conv, base)
@@ -225,7 +220,7 @@ class SlotCache:
 
     def committed_gdn(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv columns [D, W-1], recurrent state [HV, K, V]) after the committed tokens, where no
-        rows are pending (after a prefill, a reset or a rewind); else the layer's fold computes it
+        rows are pending (after a prefill, a reset or a fold); else the layer's fold computes it
         (nextn.layers.gdn.GatedDeltaNet.committed)."""
         parts = self.gdn_parts(layer_idx)
         if parts.gates is not None:
@@ -239,19 +234,13 @@ class SlotCache:
         self, layer_idx: int, window: torch.Tensor, state: torch.Tensor, gates: torch.Tensor | None = None
     ) -> None:
         """A step's conv window [D, W-1+T], state [HV, K, V] (a verify's base, or a prefill step's
-        last) and a verify's rows' gates [T, 2*HV] (b then a) into the write half."""
+        or chunk's last) and a verify's rows' gates [T, 2*HV] (b then a) into the write half."""
         j = self.cache.gdn_index[layer_idx]
         at, w = self.get(CONV_WRITE), self.get(STATE_WRITE)
         self.t("window")[j][:, at : at + window.shape[-1]] = window
         self.t("states")[j][w] = state
         if gates is not None:
             self.t("gates")[j][w * self.rows : w * self.rows + gates.shape[0]] = gates
-
-    def write_home(self, layer_idx: int, conv: torch.Tensor, state: torch.Tensor) -> None:
-        """Prefill's final conv columns and state (the caller then points ctl home)."""
-        j = self.cache.gdn_index[layer_idx]
-        self.t("conv")[j].copy_(conv)
-        self.t("recurrent")[j].copy_(state)
 
     def set(self, **fields: int) -> None:
         for name, value in fields.items():
@@ -261,9 +250,9 @@ class SlotCache:
         """Keep `kept` tokens of the last step (host-driven: prefill)."""
         self.ctl.copy_(commit_ctl(self.ctl, kept, self.cols, store_all))
 
-    def commit_home(self, num_tokens: int) -> None:
-        """After a chunked prefill of num_tokens that wrote the home states (pending rows folded)."""
-        self.set(seq_len=self.seq_len + num_tokens, state_at=-1, conv_at=-1, pending=0)
+    def commit_chunk(self, num_tokens: int) -> None:
+        """After a chunked prefill of num_tokens (its last state and conv columns in the write halves)."""
+        self.commit(num_tokens, store_all=False)
 
     def snapshot_gdn(self) -> None:
         """The committed GDN states into the slot's checkpoint buffers (a prompt-end checkpoint):
@@ -291,10 +280,10 @@ class SlotCache:
         self.ctl[PENDING] = p
 
     def reset(self) -> None:
-        """An empty sequence: zero home states (K/V are position-addressed: no need)."""
-        reset_ctl(self.ctl)
-        self.t("conv").zero_()
-        self.t("recurrent").zero_()
+        """An empty sequence: zero states and conv columns in half 0 (K/V are position-addressed: no need)."""
+        reset_ctl(self.ctl, self.cols)
+        self.t("states")[:, 0].zero_()
+        self.t("window")[:, :, : self.cfg.linear_conv_kernel_dim - 1].zero_()
 
 
 class StepBatch:

@@ -256,7 +256,7 @@ class ModelRunner:
         A row's bits depend on its token and position alone, so a prompt prefilled in any pieces,
         beside any others, equals a decode of the same tokens: a resumed or rewound session emits
         bitwise what a cold run emits. "chunked": the module forward over each piece alone (the
-        chunked delta rule; states home), the head caught up when the sequence's rounds start.
+        chunked delta rule; its last states into the write halves), the head caught up when the sequence's rounds start.
         A piece's `on_logits(start, rows [T, V])` gets the logits of all its rows (row i follows
         token_ids[start + i]); the others' last only."""
         for p in pieces:
@@ -282,7 +282,7 @@ class ModelRunner:
         # the last row's logits alone (a batched matmul may round it differently), all rows when asked
         last = self.model.logits(normed[-1:])
         logits = torch.cat([self.model.logits(normed[:-1]), last]) if all_rows else last
-        cache.commit_home(len(piece))
+        cache.commit_chunk(len(piece))
         return logits, normed if self.after_norm else h
 
     def _prefill_step(self, pieces: list[Piece]) -> None:

@@ -66,7 +66,7 @@ class GatedDeltaNet(nn.Module):
         self, x: torch.Tensor, cache: SlotCache | StepBatch | None, ops: Ops, store_all: bool = True
     ) -> torch.Tensor:
         """x [B, T, H]. A SlotCache or None: prefill or training (the Ops table's chunked rule; with
-        a cache the final states go home). A StepBatch: a step, x [1, M, H] holding its sequences'
+        a cache the final states go to the write halves). A StepBatch: a step, x [1, M, H] holding its sequences'
         rows; each runs the recurrent rule from its slot's committed states, and its window and
         the state after each token (or the last only if not store_all) go to its step buffers."""
         B, T, _ = x.shape
@@ -102,8 +102,8 @@ class GatedDeltaNet(nn.Module):
                 cache.write_step(i, window[0, :, n : n + W - 1], states[0, -1])
         else:
             o, final = ops.chunk_rule(q, k, v, g, beta, initial)
-            if cache is not None:
-                cache.write_home(i, window[0, :, window.shape[-1] - (W - 1) :], final[0])
+            if cache is not None:  # the last state and conv columns (the caller commits the chunk)
+                cache.write_step(i, window[0, :, window.shape[-1] - (W - 1) :], final[0])
         return o
 
     def _inputs(self, mixed_qkv, b, a, conv_state):

@@ -374,11 +374,9 @@ class TritonStep:
         return self.gdn.gdn_step(
             proj,
             w.conv,
-            t["conv"][:, j],
             t["window"][:, j],
             w.A_log,
             w.dt_bias,
-            t["recurrent"][:, j],
             t["states"][:, j],
             t["gates"][:, j],
             w.out_norm,

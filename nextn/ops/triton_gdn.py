@@ -114,16 +114,12 @@ if HAVE_TRITON:
         proj_ptr,
         stride_p,  # [T, conv_dim | z (HV*V) | b (HV) | a (HV)]: the in_proj output
         conv_w_ptr,  # [conv_dim, W] taps
-        conv_home_ptr,  # [S, conv_dim, W-1] committed conv inputs, when slots[2] < 0
-        stride_home_slot,
-        window_ptr,  # [S, conv_dim, NW]: carried columns at slots[2] (if >= 0); written at slots[3]
+        window_ptr,  # [S, conv_dim, NW]: carried columns at slots[2]; written at slots[3]
         stride_win_slot,
         stride_win,
         a_log_ptr,
         dt_bias_ptr,  # [HV]
-        state_home_ptr,  # [S, HV, K, V] float32: the state before the step, when slots[0] < 0
-        stride_state_home_slot,
-        states_ptr,  # [S, 2, HV, K, V] float32: the base states[slots[0]] if >= 0; states[slots[1]] written
+        states_ptr,  # [S, 2, HV, K, V] float32: the base states[slots[0]]; states[slots[1]] written
         stride_states_slot,
         stride_states,
         gates_ptr,  # [S, 2 * R, 2 * HV]: rows' (b, a), half slots[0] read (pending rows), half slots[1] written
@@ -171,9 +167,7 @@ if HAVE_TRITON:
         o_ptr += row0 * stride_o
         sumsq_ptr += row0 * HV * NB
         count_ptr += seq * HV
-        conv_home_ptr += slot * stride_home_slot
         window_ptr += slot * stride_win_slot
-        state_home_ptr += slot * stride_state_home_slot
         states_ptr += slot * stride_states_slot
         gates_ptr += slot * stride_gates_slot
         slots_ptr += slot * stride_slots
@@ -190,24 +184,17 @@ if HAVE_TRITON:
         conv_at = tl.load(slots_ptr + 2)
         conv_write = tl.load(slots_ptr + 3)
         pending = tl.load(slots_ptr + PEND)
-        # the carried columns: conv_home's (row stride W-1), or the window's from column conv_at, through
-        # one pointer and row stride, so each tap stays one masked load: a second load per tap changes how
-        # the GPU compiler fuses the bf16 conv's products and sums (fma), and with it the rows' bits
-        at_home = conv_at < 0
-        carried_ptr = tl.where(at_home, conv_home_ptr, window_ptr + conv_at)
-        stride_c = tl.where(at_home, W - 1, stride_win)
+        carried_ptr = window_ptr + conv_at  # the committed conv columns
+        stride_c = stride_win
         win = window_ptr + conv_write
         tile = hv * K * V + offs_k[:, None] * V + offs_v[None, :]
-        if state_at >= 0:
-            S = tl.load(states_ptr + state_at * stride_states + tile)
-        else:
-            S = tl.load(state_home_ptr + tile)
+        S = tl.load(states_ptr + state_at * stride_states + tile)
         decay_rate = tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
         # the pending rows into the base: their windows (columns conv_at - pending ..) and gates (the
         # base's half), all written by earlier steps, so read before the wait like the state
         fold_ptr = window_ptr + conv_at - pending
-        fold_gates = gates_ptr + tl.maximum(state_at, 0) * R * 2 * HV
+        fold_gates = gates_ptr + state_at * R * 2 * HV
         for t in range(pending):
             b = tl.load(fold_gates + t * 2 * HV + hv).to(tl.float32)
             a = tl.load(fold_gates + t * 2 * HV + HV + hv).to(tl.float32)
@@ -301,11 +288,9 @@ if HAVE_TRITON:
 def gdn_step(
     proj: torch.Tensor,  # [M, conv_dim + HV*V + 2*HV] (last dim contiguous): every sequence's rows
     conv_weight: torch.Tensor,  # [conv_dim, W]
-    conv_home: torch.Tensor,  # [S, conv_dim, W-1] (contiguous per slot): carried conv columns when slots[2] < 0
-    window: torch.Tensor,  # [S, conv_dim, NW] (last dim contiguous): read at slots[2] (if >= 0), written at slots[3]
+    window: torch.Tensor,  # [S, conv_dim, NW] (last dim contiguous): read at slots[2], written at slots[3]
     A_log: torch.Tensor,  # [HV]
     dt_bias: torch.Tensor,  # [HV]
-    state_home: torch.Tensor,  # [S, HV, K, V] float32 (contiguous per slot): the state before when slots[0] < 0
     states: torch.Tensor,  # [S, 2, HV, K, V] float32 (contiguous per half): base states, see `slots`
     gates: torch.Tensor,  # [S, 2 * R, 2 * HV] (last dim contiguous): rows' b then a, R a half
     norm_weight: torch.Tensor,  # [V]
@@ -330,14 +315,14 @@ def gdn_step(
     rows). The conv window is written for every row.
 
     Per sequence, with slots[slot] = (state_at, state_write, conv_at, conv_write) and P =
-    slots[slot, pending_col] (an empty sequence: (-1, 0, -1, 0), P = 0):
-    - the base state is `state_home` if state_at < 0, else states[state_at]; the state before the
+    slots[slot, pending_col] (an empty sequence: (0, 1, 0, NW // 2), P = 0, zeros in half 0):
+    - the base state is states[state_at]; the state before the
       step is the base advanced by the P pending rows: row t's window is window[:, conv_at - P + t:]
       (its W taps), its gates gates[state_at * R + t] (b then a);
     - store_all: the state before the step goes to states[state_write] and row t's gates to
       gates[state_write * R + t] (the step's kept rows are pending after the commit); else the state
       after the last row goes to states[state_write];
-    - carried conv column j (< W-1) is conv_home[:, j] if conv_at < 0, else window[:, conv_at + j];
+    - carried conv column j (< W-1) is window[:, conv_at + j];
     - window[:, conv_write + j] gets carried column j, window[:, conv_write + W-1 + t] input t; with
       store_all=False (a prefill step, T rows however many) only the last W-1 columns of those,
       window[:, conv_write + j] = column T + j (the window's next carried columns, the same values).
@@ -349,7 +334,7 @@ def gdn_step(
     projection ahead of it.
     """
     M = proj.shape[0]
-    HV, K, V = state_home.shape[1:]
+    HV, K, V = states.shape[2:]
     W = conv_weight.shape[1]
     B = seqs.shape[1]
     if conv_weight.shape[0] != 2 * num_k_heads * K + HV * V:
@@ -360,11 +345,6 @@ def gdn_step(
         out = torch.empty(M, HV * V, device=proj.device, dtype=proj.dtype)
     if out.dtype != proj.dtype:
         raise ValueError("gdn_step: out must have the input dtype (it holds o before the norm)")
-    if conv_home.dtype != window.dtype:
-        raise ValueError(
-            f"gdn_step: conv_home ({conv_home.dtype}) and window ({window.dtype}) must share a dtype "
-            "(the kernel reads the carried columns from either through one pointer)"
-        )
     if slots.dtype != torch.int32 or slots.dim() != 2 or slots.shape[1] <= max(pending_col, 3) or slots.stride(1) != 1:
         raise ValueError(
             f"gdn_step: slots must be int32 [S, > {max(pending_col, 3)}] (state_at, state_write, conv_at, "
@@ -386,15 +366,11 @@ def gdn_step(
         proj,
         proj.stride(0),
         conv_weight,
-        conv_home,
-        conv_home.stride(0),
         window,
         window.stride(0),
         window.stride(1),
         A_log,
         dt_bias,
-        state_home,
-        state_home.stride(0),
         states,
         states.stride(0),
         states.stride(1),

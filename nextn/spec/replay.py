@@ -54,7 +54,7 @@ def trunk_pass(model: CausalLM, ids: list[int], after_norm: bool = True):
         for s in range(0, len(ids), CHUNK):
             chunk = torch.tensor([ids[s : s + CHUNK]], device=param.device)
             h = model(chunk, cache)[0]
-            cache.commit_home(chunk.shape[1])
+            cache.commit_chunk(chunk.shape[1])
             normed = model.final_norm(h)
             logits = model.logits(normed)  # [c, V]
             picks.append(logits.argmax(-1))
