@@ -170,11 +170,12 @@ class Engine:
         extending the cut text rewinds to the session checkpoint: exact, with less reused). The
         output's tokens and logprobs are cut; its spec counts are the rounds run (the caller, who
         cut them, counts its own)."""
+        live = self.live.get(req.request_id)
+        emitted = None if live is None else len(live.token_ids)
+        if emitted is None or not 0 < num_tokens <= emitted:
+            raise ValueError(f"stop after {num_tokens} tokens of a request that is not running with that many")
         if self.leader is not None:
             self.leader.stopped(req.request_id, num_tokens)
-        live = self.live[req.request_id]
-        if not 0 < num_tokens <= len(live.token_ids):
-            raise ValueError(f"stop after {num_tokens} tokens of a request that emitted {len(live.token_ids)}")
         first = len(live.token_ids) - live.rounds.handed  # tokens before the last round read
         del live.token_ids[num_tokens:]
         if live.logprobs is not None:
