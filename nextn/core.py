@@ -189,6 +189,18 @@ class SpecStats:
             if j < num_accepted:
                 self.accepted_per_position[j] += 1
 
+    def record_emitted(self, drafted: int, accepted: int, zero_draft: bool, emitted: int) -> tuple[int, int] | None:
+        """Count a verify round by the `emitted` of its accepted + 1 tokens a user gets: one cut short
+        (max_tokens, a stop token or string came first) counts emitted - 1 accepted of
+        min(drafted, emitted - 1) drafted; one that emitted none is not counted (None). Returns the
+        (drafted, accepted) counted."""
+        if emitted == 0:
+            return None
+        if emitted < accepted + 1:
+            drafted, accepted = min(drafted, emitted - 1), emitted - 1
+        self.record_round(drafted, accepted, zero_draft)
+        return drafted, accepted
+
     def merge(self, other: SpecStats) -> None:
         """Fieldwise self += other (an aggregate of requests)."""
         for f in fields(self):

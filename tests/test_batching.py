@@ -217,13 +217,13 @@ def test_a_stop_string_ending_in_a_split_character_keeps_that_character():
     """The tokens kept for a stop string's text cover its last character whole: a character split
     over tokens decodes to "\ufffd" until its last byte, which counted as reaching it."""
     from nextn.config import DEFAULT_MODEL_DIR
-    from nextn.engine.engine import _num_covering
+    from nextn.engine.detokenizer import Detokenizer
     from nextn.tokenizer import Tokenizer
 
     tok = Tokenizer(DEFAULT_MODEL_DIR)
     ids = tok.encode("naïve café au lait")
     assert "\ufffd" in "".join(tok.decode(ids[:n]) for n in range(len(ids)))  # "é" spans tokens
-    n = _num_covering(tok, [], ids, len("naïve café"))
+    n = Detokenizer(tok, nextn.SamplingParams())._covering(ids, len("naïve café"))
     assert tok.decode(ids[:n]).startswith("naïve café")
 
 
@@ -277,7 +277,7 @@ def test_a_request_whose_host_work_fails_fails_alone(engine):
     while reqs[1].request_id not in engine.live:
         for _, ev in engine.step():
             assert ev.output is None
-    engine.live[reqs[1].request_id].decoder.push = lambda ids: 1 / 0  # its next round's decode fails
+    engine.live[reqs[1].request_id].detok.decoder.push = lambda ids: 1 / 0  # its next round's decode fails
     while len(results) < 3:
         for req, ev in engine.step():
             if isinstance(ev, BaseException) or ev.output is not None:

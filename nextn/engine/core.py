@@ -11,16 +11,19 @@ in one message. Tests and embedders run the same loop on a thread of their own p
 
 Messages, msgpack through msgspec (ZeroMQ PUSH/PULL over ipc:// sockets, one each way):
 - API -> core: `AddRequest` (request id, prompt ids, SamplingParams, checkpoint_at, use_sessions),
-  `AbortRequest` (request id), `Shutdown`.
+  `AbortRequest` (request id; with `num_tokens`: a stop string ended it there), `Shutdown`.
 - core -> API: `Ready` (the model facts the HTTP layer reads, the core's pid) or `Failed` (why it
   could not start, or why it stopped) once; then a `StepOutputs` per loop turn that did something:
-  the step's `RequestEvent`s (new token ids, their text delta, logprob entries when asked, the
-  RequestOutput on the last; an error; or the acknowledgement of an abort) and `CoreStats`.
+  the step's `RequestEvent`s (new token ids, their round's draft counts, logprob entries when
+  asked, the RequestOutput on the last; an error; or the acknowledgement of an abort) and `CoreStats`.
 Request ids are the API's (it numbers its jobs); the core maps them to the engine's requests.
 
-Detokenizing and stop strings stay in the engine (Engine._postprocess): a stop string cuts the
-tokens it completes, so where it cuts depends on the text, and a served request must emit exactly
-what `LLM` alone emits. The core never imports nextn.server (nor FastAPI or uvicorn).
+Token ids cross, never text: the API process detokenizes and looks for stop strings
+(nextn.server.outputs, with nextn.engine.detokenizer: the implementation `LLM` uses in one
+process), so that host work stays out of this loop. A stop string it finds comes back as an
+`AbortRequest` with the count of tokens kept: the core ends the request there (Engine.stop, which
+keeps the slot's record exact for sessions) and answers with its output; the tokens of rounds that
+ran meanwhile are dropped by the API. The core never imports nextn.server (nor FastAPI or uvicorn).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
     request_id: int
+    num_tokens: int | None = None  # a stop string ended the output after this many tokens (None: the client left)
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
@@ -63,13 +67,13 @@ CoreInput = AddRequest | AbortRequest | Shutdown
 
 
 class RequestEvent(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request's news of one step: its new tokens and their text, or how it ended."""
+    """One request's news of one step: its new tokens, or how it ended (no text: the API makes it)."""
 
     request_id: int
     token_ids: list[int] = []  # new tokens of this step
-    text: str = ""  # their text delta (incomplete UTF-8 and a pending stop string held back)
-    output: RequestOutput | None = None  # set on the last event
+    output: RequestOutput | None = None  # set on the last event (its text "")
     logprobs: list[dict] | None = None  # this step's tokens' entries, when params.logprobs is set
+    round_counts: tuple[int, int, bool] | None = None  # their round's (drafted, accepted, zero_draft)
     error: str | None = None  # the request failed: why (it is over)
     bad_request: bool = False  # ... through its own fault (a RequestError: the server's 400)
     aborted: bool = False  # an abort took effect: the request is over, its slot free
@@ -152,12 +156,14 @@ class EngineCore:
 
     def apply(self, inputs: list) -> list[RequestEvent]:
         """New requests and aborts, in arrival order (an abort answered at once: it frees the slot
-        between rounds, and the session state is kept)."""
+        between rounds, and the session state is kept; a stop string's, with the request's output)."""
         events = []
         for msg in inputs:
             if isinstance(msg, AddRequest):
                 try:
-                    req = self.engine.add(msg.prompt_ids, msg.params, msg.use_sessions, msg.checkpoint_at)
+                    req = self.engine.add(
+                        msg.prompt_ids, msg.params, msg.use_sessions, msg.checkpoint_at, detokenize=False
+                    )
                 except Exception as e:  # a request the HTTP side did not foresee: it fails alone
                     log.error("engine refused a request", exc_info=True)
                     if isinstance(e, ValueError):  # add's refusals (a grammar that does not compile): a 400
@@ -170,6 +176,9 @@ class EngineCore:
                 req = self._requests.pop(msg.request_id, None)
                 if req is not None:
                     del self._api_ids[req.request_id]
+                    if msg.num_tokens is not None:
+                        events.append(self._stop(msg.request_id, req, msg.num_tokens))
+                        continue
                     self.engine.abort(req)
                 events.append(RequestEvent(msg.request_id, aborted=True))
         return events
@@ -184,11 +193,19 @@ class EngineCore:
                 log.error("engine failure: %r", ev)
                 events.append(_failure(api_id, ev))
             else:
-                events.append(RequestEvent(api_id, ev.token_ids, ev.text, ev.output, ev.logprobs))
+                events.append(RequestEvent(api_id, ev.token_ids, ev.output, ev.logprobs, ev.round_counts))
             if isinstance(ev, BaseException) or ev.output is not None:
                 del self._api_ids[req.request_id]
                 del self._requests[api_id]
         return events
+
+    def _stop(self, api_id: int, req: Request, num_tokens: int) -> RequestEvent:
+        """A stop string ended the request after num_tokens tokens: its last event, with its output."""
+        try:
+            return RequestEvent(api_id, output=self.engine.stop(req, num_tokens))
+        except Exception as e:
+            log.error("engine failure stopping a request", exc_info=True)
+            return _failure(api_id, e)
 
     def stats(self) -> CoreStats:
         engine = self.engine

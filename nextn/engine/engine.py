@@ -1,8 +1,10 @@
 """The engine loop: `step()` = schedule -> run -> postprocess. The scheduler admits waiting
 requests into cache slots (the engine prefills them); every running request then takes part in
 one batched round (nextn.engine.rounds: one forward for all of them); each request's tokens
-become text (stop strings cut on the host), logprobs and events, and a finished request hands its
-slot back to the scheduler (kept as a session when asked).
+become logprobs and events (and text, stop strings cut on the host: nextn.engine.detokenizer,
+unless the caller does that: the served path's API process, which ends a request at a stop string
+through `stop`), and a finished request hands its slot back to the scheduler (kept as a session
+when asked).
 
 Owns the model, the runner, the proposer and the aggregated spec counters. One thread calls it.
 A request's structured_outputs compile when it is added (a ValueError names what is wrong); its
@@ -23,18 +25,18 @@ import torch
 from nextn.cache import SlotPool
 from nextn.config import STEP_ROWS, EngineConfig
 from nextn.core import RequestOutput, SamplingParams, SpecStats
+from nextn.engine.detokenizer import Detokenizer
 from nextn.engine.memory import cache_layout, fit_cache
 from nextn.engine.replica import Leader, seeded
 from nextn.engine.rounds import RequestRounds, Round, advance, warm_up
 from nextn.engine.runner import ModelRunner, Piece
 from nextn.engine.scheduler import Request, Scheduler
-from nextn.engine.stops import StopStrings
 from nextn.grammar import GrammarState, compile_grammar
 from nextn.models.qwen3_5 import CausalLM
 from nextn.sampling import token_logprobs, top_logprobs
 from nextn.spec.k_policy import make_policy, request_k
 from nextn.spec.proposer import MTPProposer
-from nextn.tokenizer import IncrementalDecoder, Tokenizer
+from nextn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +44,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class StreamEvent:
     token_ids: list[int]  # new tokens of this round
-    text: str  # their text delta (incomplete UTF-8 held back)
+    text: str  # their text delta (incomplete UTF-8 held back; "" where the caller detokenizes)
     output: RequestOutput | None  # set on the last event
     logprobs: list[dict] | None = None  # entries of this round's tokens when params.logprobs is set
+    # the verify round they came from, as read: (drafted, accepted, zero_draft); None for the first
+    # token. A caller that cuts the tokens (a stop string) counts it with SpecStats.record_emitted
+    round_counts: tuple[int, int, bool] | None = None
 
 
 @dataclass
@@ -52,16 +57,13 @@ class _Live:
     """A running request's host state."""
 
     rounds: RequestRounds
-    decoder: IncrementalDecoder
-    stops: StopStrings
+    detok: Detokenizer | None  # None: the caller detokenizes (Engine.add(detokenize=False))
     stats: SpecStats
     started: float
     prefill_seconds: float
     prompt_logprobs: list | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] | None = None
-    released: int = 0  # characters handed out
-    stop_floor: int | None = None  # min_tokens: the text of the first min_tokens - 1 tokens, its length
 
 
 @dataclass
@@ -122,9 +124,12 @@ class Engine:
         use_sessions: bool = False,
         checkpoint_at: int | None = None,
         num_speculative_tokens: int | None = None,
+        detokenize: bool = True,
     ) -> Request:
         """Queue a request. num_speculative_tokens: its K (0..the engine's; default the engine's).
-        A bad structured_outputs grammar raises ValueError here."""
+        detokenize False: the caller turns its tokens into text and looks for its stop strings (the
+        served path's API process): its events carry no text, and a stop string ends it through
+        `stop`. A bad structured_outputs grammar raises ValueError here."""
         k_max = self.config.spec.num_speculative_tokens
         if num_speculative_tokens is not None and not 0 <= num_speculative_tokens <= k_max:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} is outside 0..{k_max} (the engine's K)")
@@ -135,11 +140,12 @@ class Engine:
             params = seeded(params, draw=self.leader is not None)
         # prompt logprobs need the logits of every prompt row: such a request prefills cold
         req = Request(prompt_ids, params, use_sessions and params.prompt_logprobs is None, checkpoint_at)
-        req.num_speculative_tokens, req.grammar = num_speculative_tokens, grammar
+        req.num_speculative_tokens, req.grammar, req.detokenize = num_speculative_tokens, grammar, detokenize
         self.scheduler.add(req)
         if self.leader is not None:
             args = dict(prompt_ids=prompt_ids, params=params, use_sessions=use_sessions, checkpoint_at=checkpoint_at)
-            self.leader.added(req.request_id, dict(args, num_speculative_tokens=num_speculative_tokens))
+            args.update(num_speculative_tokens=num_speculative_tokens, detokenize=detokenize)
+            self.leader.added(req.request_id, args)
         return req
 
     def abort(self, req: Request) -> None:
@@ -155,6 +161,26 @@ class Engine:
         if live is not None:
             live.rounds.close()
             self.scheduler.finish(req, keep=req.use_sessions)
+
+    def stop(self, req: Request, num_tokens: int) -> RequestOutput:
+        """End a running request after its first `num_tokens` tokens: a stop string the caller found
+        (a request added with detokenize=False; the rounds may have run past it). The slot's record
+        stays what the slot holds: a cut inside the last round read closes the rounds there (as a
+        stop string found here does); a cut in an earlier round leaves them whole (a later request
+        extending the cut text rewinds to the session checkpoint: exact, with less reused). The
+        output's tokens and logprobs are cut; its spec counts are the rounds run (the caller, who
+        cut them, counts its own)."""
+        live = self.live.get(req.request_id)
+        emitted = None if live is None else len(live.token_ids)
+        if emitted is None or not 0 < num_tokens <= emitted:
+            raise ValueError(f"stop after {num_tokens} tokens of a request that is not running with that many")
+        if self.leader is not None:
+            self.leader.stopped(req.request_id, num_tokens)
+        first = len(live.token_ids) - live.rounds.handed  # tokens before the last round read
+        del live.token_ids[num_tokens:]
+        if live.logprobs is not None:
+            del live.logprobs[num_tokens:]
+        return self._finish(req, live, "stop", num_tokens - first if num_tokens > first else None)
 
     @property
     def has_work(self) -> bool:
@@ -297,8 +323,7 @@ class Engine:
         )
         self.live[req.request_id] = _Live(
             rounds,
-            IncrementalDecoder(self.tokenizer),
-            StopStrings(params.stop, params.include_stop_str_in_output),
+            Detokenizer(self.tokenizer, params) if req.detokenize else None,
             rounds.stats,
             now,
             state.seconds,
@@ -369,21 +394,28 @@ class Engine:
             return self._fail(req, e)
 
     def _postprocess(self, req: Request, live: _Live, r: Round) -> StreamEvent:
-        ids, finish_reason = r.token_ids, r.finish_reason
-        text = live.stops.push(live.decoder.push(ids), self._stop_floor(req, live, ids))
-        if live.stops.hit is not None:  # keep tokens up to the one completing the stop string
-            ids, finish_reason = ids[: _num_covering(self.tokenizer, live.token_ids, ids, live.stops.hit)], "stop"
+        ids, finish_reason, detok = r.token_ids, r.finish_reason, live.detok
+        read = live.rounds.unrecorded  # the round these tokens came from (before a cut)
+        counts = None if read is None else (read.drafted, read.accepted, read.zero_draft)
+        text = ""
+        if detok is not None:  # a stop string keeps the tokens up to the one completing it
+            ids, text = detok.push(ids, last=finish_reason is not None)
+            finish_reason = "stop" if detok.stopped else finish_reason
         live.token_ids.extend(ids)
         entries = None
         if live.logprobs is not None:
             entries = logprob_entries(r.logits, ids, req.params.logprobs) if ids else []
             live.logprobs.extend(entries)
         if finish_reason is None:
-            live.released += len(text)
-            return StreamEvent(ids, text, None, entries)
-        live.rounds.close(len(ids) if live.stops.hit is not None else None)
+            return StreamEvent(ids, text, None, entries, counts)
+        kept = len(ids) if detok is not None and detok.stopped else None
+        return StreamEvent(ids, text, self._finish(req, live, finish_reason, kept), entries, counts)
+
+    def _finish(self, req: Request, live: _Live, finish_reason: str, kept: int | None) -> RequestOutput:
+        """The request is over after `kept` tokens of its last round read (None: all it handed out):
+        its rounds closed there, its output made, its slot back to the scheduler."""
+        live.rounds.close(kept)
         _sync(self.runner.device)
-        final_text = live.stops.text if live.stops.hit is not None else self.tokenizer.decode(live.token_ids)
         output = self._output(
             req,
             live.token_ids,
@@ -393,38 +425,24 @@ class Engine:
             time.perf_counter() - live.started,
             live.logprobs,
             live.prompt_logprobs,
-            final_text,
+            "" if live.detok is None else live.detok.text,
             live.rounds.trace,
         )
         output.stop_reason = self._stop_reason(req, live, finish_reason)
         self.stats.merge(live.stats)
         del self.live[req.request_id]
         self.scheduler.finish(req, keep=req.use_sessions)
-        # the last delta also carries text held back (a stop-string prefix, split UTF-8)
-        return StreamEvent(ids, final_text[live.released :], output, entries)
+        return output
 
     def _stop_reason(self, req: Request, live: _Live, finish_reason: str) -> int | str | None:
         """vLLM's stop_reason: the stop string that ended the output, or the request's stop token id
         (EOS, unless ignored, comes first, as there), else None."""
-        if live.stops.hit is not None:
-            return live.stops.matched
+        if live.detok is not None and live.detok.stopped:
+            return live.detok.stop_string
         last = live.token_ids[-1] if finish_reason == "stop" and live.token_ids else None
         if last in req.params.stop_token_ids and (req.params.ignore_eos or last not in self.stop_ids):
             return last
         return None
-
-    def _stop_floor(self, req: Request, live: _Live, ids: list[int]) -> float:
-        """Where a stop string may end, past min_tokens (vLLM's: stop strings are looked for from the
-        min_tokens-th token on): beyond the text of the first min_tokens - 1 tokens."""
-        before = req.params.min_tokens - 1
-        if before < 1 or not live.stops.stops:
-            return -1
-        if live.stop_floor is None:
-            done = live.token_ids + ids
-            if len(done) < before:
-                return float("inf")
-            live.stop_floor = len(self.tokenizer.decode(done[:before]).rstrip("\ufffd"))
-        return live.stop_floor
 
     def _output(
         self,
@@ -452,14 +470,6 @@ class Engine:
             prompt_logprobs=prompt_lp,
             rounds=rounds,
         )
-
-
-def _num_covering(tokenizer, prior_ids: list[int], round_ids: list[int], text_len: int) -> int:
-    """How many of `round_ids` it takes for the decoded text to reach `text_len` characters."""
-    for n in range(1, len(round_ids)):  # (a character split over tokens decodes to "\ufffd" until whole)
-        if len(tokenizer.decode(prior_ids + round_ids[:n]).rstrip("\ufffd")) >= text_len:
-            return n
-    return len(round_ids)
 
 
 def logprob_entries(rows: torch.Tensor, ids: list[int], n: int) -> list[dict]:

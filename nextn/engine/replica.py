@@ -2,7 +2,8 @@
 reach every engine before the same step, so every rank's scheduler makes the same plan and every
 forward's collectives meet. Rank 0 (the caller: the CLI, the server, the Python API) owns the
 requests: its `Leader` records what its engine was asked since the last step (requests added,
-a sampled one's seed drawn here so every rank draws the same uniforms; requests aborted) and sends
+a sampled one's seed drawn here so every rank draws the same uniforms; requests aborted, or stopped
+at a stop string its caller found) and sends
 it to every other rank as the step begins; `follow` is a follower's loop: apply those inputs, step,
 until rank 0 stops it (or is gone).
 
@@ -45,6 +46,10 @@ class Leader:
     def aborted(self, request_id: int) -> None:
         self.pending.append(("abort", request_id))
 
+    def stopped(self, request_id: int, num_tokens: int) -> None:
+        """Engine.stop(request, num_tokens): every rank cuts its slot alike."""
+        self.pending.append(("stop", request_id, num_tokens))
+
     def step(self) -> None:
         self.ranks.send(self.pending)
         self.pending = []
@@ -63,7 +68,11 @@ def follow(engine, conn) -> None:
         for command, request_id, *args in message:
             if command == "add":
                 requests[request_id] = engine.add(**args[0])
-            elif (req := requests.pop(request_id, None)) is not None:
+                continue
+            req = requests.pop(request_id, None)
+            if req is not None and command == "stop":
+                engine.stop(req, *args)
+            elif req is not None:
                 engine.abort(req)
         events = engine.step()
         finished = {req.request_id for req, ev in events if isinstance(ev, BaseException) or ev.output is not None}

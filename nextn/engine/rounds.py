@@ -483,19 +483,13 @@ class RequestRounds:
 
     def _record(self, kept: int | None) -> None:
         """Count the last round read in stats (and the trace) with the `kept` tokens it emitted (None:
-        all it handed out). Counted are the tokens a user gets: a round that emitted m tokens of its
-        n accepted drafts + 1 (max_tokens, a stop token or string came first) counts m - 1 accepted
-        of min(drafted, m - 1) drafted, and one that emitted none is not counted, so the first token
-        plus each round's 1 + accepted is the output's length."""
+        all it handed out). Counted are the tokens a user gets (SpecStats.record_emitted), so the
+        first token plus each round's 1 + accepted is the output's length."""
         r, self.unrecorded = self.unrecorded, None
         m = self.handed if kept is None else kept
-        if r is None or m == 0:
-            return
-        if m < r.accepted + 1:
-            r = r._replace(drafted=min(r.drafted, m - 1), accepted=m - 1)
-        self.stats.record_round(r.drafted, r.accepted, r.zero_draft)
-        if self.trace is not None:
-            self.trace.append(r)
+        counted = None if r is None else self.stats.record_emitted(r.drafted, r.accepted, r.zero_draft, m)
+        if counted is not None and self.trace is not None:
+            self.trace.append(r._replace(drafted=counted[0], accepted=counted[1]))
 
     def _cut(self, index: int, tokens: list[int], room: int) -> Round:
         budget, done = self.params.max_tokens, None

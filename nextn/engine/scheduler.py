@@ -44,6 +44,7 @@ class Request:
     rewind: bool = False  # the slot must rewind to its checkpoint first
     num_speculative_tokens: int | None = None  # its K (None: the engine's)
     grammar: object | None = None  # its compiled structured_outputs (nextn.grammar.CompiledGrammar)
+    detokenize: bool = True  # the engine makes its text (False: the caller does, nextn.engine.detokenizer)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from nextn.core import RequestError, RequestOutput, SamplingParams
-from nextn.engine.core import RequestEvent
+from nextn.engine.engine import StreamEvent
 from nextn.engine.scheduler import QueueFull
 from nextn.server import protocol as P
 from nextn.server import response_models as R
@@ -199,7 +199,7 @@ def _prompt_logprobs(srv: Server, req: P.SamplingRequest, out: RequestOutput):
     return srv.logprobs.prompt(out.prompt_logprobs, req.prompt_logprobs)
 
 
-def token_fields(req: P.SamplingRequest, ev: RequestEvent, logprobs: Callable[[list[dict]], Any]) -> dict:
+def token_fields(req: P.SamplingRequest, ev: StreamEvent, logprobs: Callable[[list[dict]], Any]) -> dict:
     """A stream event's logprobs (in the route's shape: `logprobs` formats them) and token ids, as
     chunk fields. They go out even when the event's text is held back (split UTF-8, a pending stop
     string), so the streamed ones add up to the non-streamed."""

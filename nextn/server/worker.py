@@ -6,6 +6,10 @@ for an `LLM` built here: tests, embedding). Either way the `EngineWorker` talks 
 way: it sends AddRequest / AbortRequest messages, and the core calls `on_outputs` (one StepOutputs
 per loop turn: each request's events and a stats snapshot) and `on_dead` from its own thread.
 
+The core sends token ids; each job's text, stop strings and final output are made here, on the
+thread that receives the core's messages (nextn.server.outputs.JobOutput); a stop string found
+ends the job's request in the core (an AbortRequest with the tokens kept).
+
 Admission counts every open job (sent and not yet over, queued or running) against the engine's
 slots plus max_queue, so a job is refused (at once) only when the engine is really full. A job is
 over when its last event, its error or the acknowledgement of its abort arrives. Draining
@@ -33,15 +37,16 @@ from nextn.engine.core import (
     AddRequest,
     CoreStats,
     EngineCore,
-    RequestEvent,
     Shutdown,
     StepOutputs,
     run_loop,
 )
+from nextn.engine.engine import StreamEvent
 from nextn.engine.llm import LLM
 from nextn.engine.scheduler import QueueFull
 from nextn.server.metrics import Metrics, SessionSnapshot
 from nextn.server.model import ServedModel
+from nextn.server.outputs import JobOutput
 
 log = logging.getLogger("nextn.server")
 
@@ -76,10 +81,11 @@ class Job:
         self.cancelled = False
         self.last_token_at: float | None = None
         self.num_generated = 0
-        self._items: deque[RequestEvent | BaseException] = deque()
+        self.output: JobOutput | None = None  # its text and stop strings, once submitted
+        self._items: deque[StreamEvent | BaseException] = deque()
         self._ready = asyncio.Event()  # belongs to `loop`; set only there
 
-    def put(self, item: RequestEvent | BaseException) -> None:
+    def put(self, item: StreamEvent | BaseException) -> None:
         """On the job's event loop (the worker posts here)."""
         self._items.append(item)
         self._ready.set()
@@ -91,7 +97,7 @@ class Job:
             if self.worker is not None:
                 self.worker.abort(self)
 
-    async def events(self, poll_s: float = 1.0, disconnected=None) -> AsyncIterator[RequestEvent]:
+    async def events(self, poll_s: float = 1.0, disconnected=None) -> AsyncIterator[StreamEvent]:
         """The job's events until the one carrying the output. `disconnected`: an async callable
         polled every `poll_s`; when it says so, raise ClientGone."""
         last_poll = time.monotonic()
@@ -183,14 +189,18 @@ class EngineWorker:
             if len(self._jobs) >= self.capacity:
                 raise QueueFull(f"{len(self._jobs)} requests are running or waiting")
             job.request_id, job.worker = next(self._ids), self
+            job.output = JobOutput(self.core.model.tokenizer, job.params)
             self._jobs[job.request_id] = job
             self.core.send(AddRequest(job.request_id, job.prompt_ids, job.params, job.checkpoint_at, True))
 
     def abort(self, job: Job) -> None:
         """The client is gone: the core stops the job between rounds (the job is over when it says so)."""
+        self._send_if_open(job, AbortRequest(job.request_id))
+
+    def _send_if_open(self, job: Job, msg) -> None:
         with self._lock:
             if job.request_id in self._jobs and self._closed is None:
-                self.core.send(AbortRequest(job.request_id))
+                self.core.send(msg)
 
     # --- called by the core, on its thread
 
@@ -202,7 +212,7 @@ class EngineWorker:
         self.metrics.set_engine(
             SessionSnapshot(s.sessions, s.num_session_states, s.session_memory_bytes), s.batch_sizes, s.graph_counts
         )
-        items: list[tuple[Job, RequestEvent | BaseException]] = []
+        items: list[tuple[Job, StreamEvent | BaseException]] = []
         for ev in out.events:
             job = self._jobs.get(ev.request_id)
             if job is None:  # ended here already (a drain's deadline, a stop)
@@ -213,12 +223,24 @@ class EngineWorker:
                 self._close(job, ended_early=True)
                 items.append((job, RequestError(ev.error) if ev.bad_request else EngineError(ev.error)))
             else:
-                self._timing(job, ev)
-                if ev.output is not None:
-                    self.metrics.finished(ev.output, time.perf_counter() - job.arrived)
+                try:
+                    event, stop_at = job.output.push(ev)
+                except Exception as e:  # noqa: BLE001 (its text failed: the job fails alone, as in the engine)
+                    log.error("making a request's text failed", exc_info=True)
+                    self.abort(job)
+                    self._close(job, ended_early=True)
+                    items.append((job, EngineError(str(e) or type(e).__name__)))
+                    continue
+                if stop_at is not None:  # a stop string: the core ends the request there
+                    self._send_if_open(job, AbortRequest(job.request_id, stop_at))
+                if event is None:
+                    continue
+                self._timing(job, event)
+                if event.output is not None:
+                    self.metrics.finished(event.output, time.perf_counter() - job.arrived)
                     self._close(job)
                 if not job.cancelled:
-                    items.append((job, ev))
+                    items.append((job, event))
         _post(items)
 
     def on_dead(self, reason: str) -> None:
@@ -254,7 +276,7 @@ class EngineWorker:
         if ended_early:
             self.metrics.ended_early(aborted, len(job.prompt_ids), job.num_generated)
 
-    def _timing(self, job: Job, ev: RequestEvent) -> None:
+    def _timing(self, job: Job, ev: StreamEvent) -> None:
         if not ev.token_ids:
             return
         t = time.perf_counter()
@@ -268,7 +290,7 @@ class EngineWorker:
         job.num_generated += len(ev.token_ids)
 
 
-def _post(items: list[tuple[Job, RequestEvent | BaseException]]) -> None:
+def _post(items: list[tuple[Job, StreamEvent | BaseException]]) -> None:
     """Hand items to their jobs on the jobs' event loops: one wake-up per loop, not per job."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = {}
     for job, item in items:
@@ -280,7 +302,7 @@ def _post(items: list[tuple[Job, RequestEvent | BaseException]]) -> None:
             pass
 
 
-def _put_all(batch: list[tuple[Job, RequestEvent | BaseException]]) -> None:
+def _put_all(batch: list[tuple[Job, StreamEvent | BaseException]]) -> None:
     for job, item in batch:
         job.put(item)
 
