@@ -289,8 +289,6 @@ def test_gdn_step_matches_reference(T, dtype):
     c = _gdn_case(T, H, HV, K, V, W, dtype, g)
     out, (window, states, gates) = _run_gdn_step(c, H, HV, K, V, W, eps, store_all=False)
     ref_out, ref_states, ref_window = _gdn_reference(c, H, HV, K, V, eps)
-    _close(out, ref_out, dtype)
-    torch.testing.assert_close(states[1], ref_states[-1], rtol=1e-4, atol=1e-5)
     assert torch.equal(window[:, half : half + W - 1], ref_window[:, T:])  # the next carried columns, bitwise
     assert window[:, W - 1 : half].isnan().all() and window[:, half + W - 1 :].isnan().all() and gates.isnan().all()
     assert torch.equal(window[:, : W - 1], c["conv_home"]) and torch.equal(states[0], c["state_home"])  # read, kept
@@ -309,6 +307,13 @@ def test_gdn_step_matches_reference(T, dtype):
         )
         assert torch.equal(rest_out, out[t:]) and torch.equal(st[0], states[1]), t
         assert torch.equal(st[1], vstates[1]) and torch.equal(_bits(gt), _bits(vgates))
+    # against the reference modules: o, its norm and its gate are rounded to bf16 in the kernel's own
+    # order, a few ulps at the values' scale (on an H200, 3 at most seen)
+    if dtype == torch.float32:
+        _close(out, ref_out, dtype)
+    else:
+        assert (out.float() - ref_out.float()).abs().max() <= 8 * 2**-8 * max(1.0, ref_out.float().abs().max().item())
+    torch.testing.assert_close(states[1], ref_states[-1], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("live", [1, 3, 5])
@@ -778,33 +783,28 @@ def test_skinny_linear_programmatic_dependent_launches_gpu():
 
 @gpu
 def test_gdn_step_9b_shapes_gpu():
+    """Qwen3.5-9B's GDN heads: a prefill step against the reference; a verify of the same rows gives
+    the same outputs, and after keeping 4 of them the next step (their states folded from the
+    verify's window and gates) gives rows 4.. and the last state bitwise."""
     H, HV, K, V, W, T, eps, T_max = 16, 32, 128, 128, 4, 9, 1e-6, 16
+    half = W - 1 + T_max
     g = torch.Generator(device=DEVICE).manual_seed(5)
     c = _gdn_case(T, H, HV, K, V, W, torch.bfloat16, g)
-    out, states, window = _run_gdn_step(c, H, HV, K, V, W, eps, T_max=T_max)
+    out, (window, states, _) = _run_gdn_step(c, H, HV, K, V, W, eps, T_max=T_max, store_all=False)
     ref_out, ref_states, ref_window = _gdn_reference(c, H, HV, K, V, eps)
     _close(out, ref_out, torch.bfloat16)
     # the kernel's SiLU (tl.exp) can round a bf16 conv output one ulp off torch's, and the state
     # integrates v, k over the tokens: 0.0159 was the largest difference seen on an H200
-    torch.testing.assert_close(states[:T], ref_states, rtol=2**-6, atol=2**-5)
-    assert torch.equal(window[:, : W - 1 + T], ref_window)
-    one = dict(c, proj=c["proj"][4:5], conv_home=window[:, 4 : 4 + W - 1].contiguous(), state_home=states[3].clone())
-    one_out, one_states, _ = _run_gdn_step(one, H, HV, K, V, W, eps, T_max=T_max)
-    assert torch.equal(one_out[0], out[4]) and torch.equal(one_states[0], states[4])
-    # the same token through the slots: window columns 4.., states[3], written to the other halves
-    half = W - 1 + T_max
-    poisoned = dict(
-        one,
-        conv_home=torch.full_like(c["conv_home"], float("nan")),
-        state_home=torch.full_like(c["state_home"], float("nan")),
+    torch.testing.assert_close(states[1], ref_states[-1], rtol=2**-6, atol=2**-5)
+    assert torch.equal(window[:, half : half + W - 1], ref_window[:, T:])
+    verify_out, (vwin, vstates, vgates) = _run_gdn_step(c, H, HV, K, V, W, eps, T_max=T_max)
+    assert torch.equal(verify_out, out)
+    rest = dict(c, proj=c["proj"][4:])
+    bufs = (vwin.clone(), vstates.clone(), vgates.clone())
+    rest_out, (_, st, _) = _run_gdn_step(
+        rest, H, HV, K, V, W, eps, T_max=T_max, slots=[1, 0, half + 4, 0, 4], store_all=False, bufs=bufs
     )
-    win, st = window.clone(), states.clone()
-    slot_out, _, _ = _run_gdn_step(
-        poisoned, H, HV, K, V, W, eps, slots=[3, T_max, 4, half], store_all=False, window=win, states=st
-    )
-    assert torch.equal(slot_out[0], out[4]) and torch.equal(st[T_max], states[4])
-    assert torch.equal(win[:, half : half + W], window[:, 4 : 4 + W])
-    assert st[T_max + 1 :].isnan().all() and win[:, half + W :].isnan().all()
+    assert torch.equal(rest_out, out[4:]) and torch.equal(st[0], states[1])
 
 
 @gpu

@@ -8,17 +8,18 @@ rounded to the input dtype: bitwise), `nextn.layers.gdn` (l2norm of q and k, `be
 `nextn.layers.gdn.GatedDeltaNet.committed`.
 
 Program (value head, block of BLOCK_V value columns) keeps its [K, BLOCK_V] slice of the float32
-state in registers. It first folds the rows the last verify kept into the base state (each row's
-conv from the window the verify stored, its gates from the gate buffer), then walks the step's T
-tokens: for each it convolves its q, k (its key head's) and v channels, updates the state, stores
-o rounded to the input dtype and o's partial sum of squares. A fold row and a step row run one
-code path (`_advance`), so a kept row's state has the same bits either time. A verify stores the
-folded base and its rows' gates (the rollback point of a partial accept: the kept rows become
-pending), a prefill step the state after its last row. The last of a head's programs to finish
-(an arrival counter) sums the partials in block order and applies the gated norm to the head's
-rows. Per token, in a fixed order, so row t's result does not depend on T. The carried conv window
-(the step's inputs after the committed columns) is written too: v channels by their program, q/k
-channels by block 0 of the first value head of each key head.
+state in registers and walks, in one loop, the rows the last verify kept (pending: their conv
+columns from the window that verify stored, their gates from its gate buffer) and then the step's T
+rows: for each it convolves its k (its key head's) and v channels and updates the state, and for a
+step row also its q, storing o rounded to the input dtype and o's partial sum of squares. One loop
+body for both, so a kept row's state has the same bits either time (two copies of the update can
+compile to different contractions on a GPU). A verify stores the folded base and its rows' gates
+(the rollback point of a partial accept: the kept rows become pending), a prefill step the state
+after its last row. The last of a head's programs to finish (an arrival counter) sums the partials
+in block order and applies the gated norm to the head's rows. Per token, in a fixed order, so row
+t's result does not depend on T. The carried conv window (the step's inputs after the committed
+columns) is written too: v channels by their program, q/k channels by block 0 of the first value
+head of each key head.
 
 A step runs a batch of sequences (program axis 2), each over its own rows of `proj` and its own
 cache slot. Where a sequence's step reads and writes is five int32 device values of its slot
@@ -39,18 +40,18 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _conv_silu(proj_ptr, stride_p, w_ptr, carried_ptr, stride_c, ch, t, W: tl.constexpr, dtype: tl.constexpr,
-                   CARRIED: tl.constexpr):  # fmt: skip
-        """silu(causal conv) of channels ch at token t, rounded like the reference, as float32.
-        Columns before CARRIED come from carried_ptr (a step's W-1 carried columns; a pending
-        row's whole window), the others from the step's inputs."""
+    def _conv_silu(proj_ptr, stride_p, w_ptr, carried_ptr, stride_c, ch, t, n_carried, W: tl.constexpr,
+                   dtype: tl.constexpr):  # fmt: skip
+        """silu(causal conv) of channels ch at row t, rounded like the reference, as float32. Columns
+        before n_carried come from carried_ptr (the window: the pending rows' columns, then the
+        step's carried ones), the others from the step's inputs."""
         y = tl.zeros(ch.shape, tl.float32)
         for j in tl.static_range(W):
-            # window column of tap j: a carried column (c < CARRIED) or the step's input c-(W-1)
+            # column of tap j: a window column (c < n_carried) or the step's input c - n_carried
             c = tl.zeros(ch.shape, tl.int32) + t + j
-            carried = c < CARRIED
+            carried = c < n_carried
             from_state = tl.load(carried_ptr + ch * stride_c + c, mask=carried, other=0.0)
-            from_x = tl.load(proj_ptr + (c - (W - 1)) * stride_p + ch, mask=c >= W - 1, other=0.0)
+            from_x = tl.load(proj_ptr + (c - n_carried) * stride_p + ch, mask=c >= n_carried, other=0.0)
             v = tl.where(carried, from_state.to(dtype), from_x).to(tl.float32)
             tap = tl.load(w_ptr + ch * W + j).to(dtype).to(tl.float32)
             prod = (v * tap).to(dtype).to(tl.float32)
@@ -61,12 +62,11 @@ if HAVE_TRITON:
         return (y / (1.0 + tl.exp(-y))).to(dtype).to(tl.float32)
 
     @triton.jit
-    def _advance(S, proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, k_ch, v_ch, t, b, a, decay_rate, dt_bias,
-                 eps, W: tl.constexpr, dtype: tl.constexpr, CARRIED: tl.constexpr):  # fmt: skip
-        """The state S [K, BLOCK_V] after token t (its gate inputs b, a), and its normalised k; one
-        code path for a step's rows and the pending rows it folds first (the same bits)."""
-        k = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, k_ch, t, W, dtype, CARRIED)
-        v = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, v_ch, t, W, dtype, CARRIED)
+    def _advance(S, proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, k_ch, v_ch, t, n_carried, b, a,
+                 decay_rate, dt_bias, eps, W: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+        """The state S [K, BLOCK_V] after row t (its gate inputs b, a)."""
+        k = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, k_ch, t, n_carried, W, dtype)
+        v = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, v_ch, t, n_carried, W, dtype)
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
         beta = (1.0 / (1.0 + tl.exp(-b))).to(dtype).to(tl.float32)
         a = a + dt_bias
@@ -148,7 +148,6 @@ if HAVE_TRITON:
         T_CHUNK: tl.constexpr,  # the step's inputs copied to the window this many rows at a time
         BLOCK_V: tl.constexpr,
         PEND: tl.constexpr,  # column of slots holding the pending rows' count
-        ALL_CARRIED: tl.constexpr,  # a column bound past any window column: every tap from the window
         STORE_ALL: tl.constexpr,  # else only the last token's state, at slots[1]
         LIVE: tl.constexpr,
         PDL: tl.constexpr,  # a programmatic dependent launch: the state loaded before the wait
@@ -191,15 +190,6 @@ if HAVE_TRITON:
         S = tl.load(states_ptr + state_at * stride_states + tile)
         decay_rate = tl.exp(tl.load(a_log_ptr + hv).to(tl.float32))
         dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
-        # the pending rows into the base: their windows (columns conv_at - pending ..) and gates (the
-        # base's half), all written by earlier steps, so read before the wait like the state
-        fold_ptr = window_ptr + conv_at - pending
-        fold_gates = gates_ptr + state_at * R * 2 * HV
-        for t in range(pending):
-            b = tl.load(fold_gates + t * 2 * HV + hv).to(tl.float32)
-            a = tl.load(fold_gates + t * 2 * HV + HV + hv).to(tl.float32)
-            S = _advance(S, proj_ptr, stride_p, conv_w_ptr, fold_ptr, stride_win, k_ch, v_ch, t, b, a, decay_rate,
-                         dt_bias, eps, W, dtype, ALL_CARRIED)  # fmt: skip
         # the window written (the carried columns, then the inputs): every load issued before any
         # store (a store waits for its load, and a load after a store to the same buffer is not
         # moved above it), so the copy costs one memory round trip, beside the state's
@@ -240,27 +230,39 @@ if HAVE_TRITON:
             _store_cols(win, stride_win, k_ch, writes_qk, 0, kt, W - 1)
             _store_cols(win, stride_win, v_ch, writes_v, 0, vt, W - 1)
         states_ptr += state_write * stride_states
-        if STORE_ALL:  # a verify: the folded base, and its rows' gates (by the head's first program)
-            tl.store(states_ptr + tile, S)
-            if vb == 0:
-                gate_rows = gates_ptr + state_write * R * 2 * HV
-                for t in range(T):
-                    row = proj_ptr + t * stride_p + conv_dim + HV * V
-                    tl.store(gate_rows + t * 2 * HV + hv, tl.load(row + hv))
-                    tl.store(gate_rows + t * 2 * HV + HV + hv, tl.load(row + HV + hv))
-        for t in range(TL):
-            row = proj_ptr + t * stride_p
-            q = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, q_ch, t, W, dtype, W - 1)
-            q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps) * scale
-            b = tl.load(row + conv_dim + HV * V + hv).to(tl.float32)
-            a = tl.load(row + conv_dim + HV * V + HV + hv).to(tl.float32)
-            S = _advance(S, proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, k_ch, v_ch, t, b, a, decay_rate,
-                         dt_bias, eps, W, dtype, W - 1)  # fmt: skip
-            o = tl.sum(S * q[:, None], axis=0).to(dtype)
-            tl.store(o_ptr + t * stride_o + hv * V + offs_v, o)
-            of = o.to(tl.float32)
-            tl.store(sumsq_ptr + (t * HV + hv) * NB + vb, tl.sum(of * of, axis=0))
-        if not STORE_ALL:  # a prefill step keeps all its rows: the state after the last one
+        if STORE_ALL and vb == 0:  # a verify's rows' gates (by the head's first program)
+            gate_rows = gates_ptr + state_write * R * 2 * HV
+            for t in range(T):
+                row = proj_ptr + t * stride_p + conv_dim + HV * V
+                tl.store(gate_rows + t * 2 * HV + hv, tl.load(row + hv))
+                tl.store(gate_rows + t * 2 * HV + HV + hv, tl.load(row + HV + hv))
+        # the pending rows (the base's half: their gates; the window from column conv_at - pending: their
+        # columns, then the step's carried ones), then the step's rows, in one loop: a row's state is
+        # the same code either time, so the same bits
+        fold_ptr = window_ptr + conv_at - pending
+        fold_gates = gates_ptr + state_at * R * 2 * HV
+        n_carried = pending + W - 1
+        for t in range(pending + TL):
+            r = t - pending  # the step's row (< 0: a pending row)
+            if STORE_ALL:
+                if r == 0:  # a verify: the base its kept rows will be pending on
+                    tl.store(states_ptr + tile, S)
+            gate = tl.where(r < 0, fold_gates + t * 2 * HV, proj_ptr + r * stride_p + conv_dim + HV * V)
+            b = tl.load(gate + hv).to(tl.float32)
+            a = tl.load(gate + HV + hv).to(tl.float32)
+            S = _advance(S, proj_ptr, stride_p, conv_w_ptr, fold_ptr, stride_win, k_ch, v_ch, t, n_carried, b, a,
+                         decay_rate, dt_bias, eps, W, dtype)  # fmt: skip
+            if r >= 0:
+                q = _conv_silu(proj_ptr, stride_p, conv_w_ptr, fold_ptr, stride_win, q_ch, t, n_carried, W, dtype)
+                q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps) * scale
+                o = tl.sum(S * q[:, None], axis=0).to(dtype)
+                tl.store(o_ptr + r * stride_o + hv * V + offs_v, o)
+                of = o.to(tl.float32)
+                tl.store(sumsq_ptr + (r * HV + hv) * NB + vb, tl.sum(of * of, axis=0))
+        if STORE_ALL:
+            if TL == 0:  # (no live row: the folded base all the same)
+                tl.store(states_ptr + tile, S)
+        else:  # a prefill step keeps all its rows: the state after the last one
             tl.store(states_ptr + tile, S)
 
         # the head's last program: RMSNormGated over the head's V columns, each op rounded like
@@ -400,7 +402,6 @@ def gdn_step(
         T_CHUNK=T_CHUNK,
         BLOCK_V=block_v,
         PEND=pending_col,
-        ALL_CARRIED=1 << 20,
         STORE_ALL=bool(store_all),
         LIVE=live is not None,
         PDL=dependent,
