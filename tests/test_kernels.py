@@ -311,9 +311,10 @@ def test_gdn_step_matches_reference(T, dtype):
     # order, a few ulps at the values' scale (on an H200, 3 at most seen)
     if dtype == torch.float32:
         _close(out, ref_out, dtype)
-    else:
+        torch.testing.assert_close(states[1], ref_states[-1], rtol=1e-4, atol=1e-5)
+    else:  # (the state integrates bf16 conv outputs: test_gdn_step_9b_shapes_gpu)
         assert (out.float() - ref_out.float()).abs().max() <= 8 * 2**-8 * max(1.0, ref_out.float().abs().max().item())
-    torch.testing.assert_close(states[1], ref_states[-1], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(states[1], ref_states[-1], rtol=2**-6, atol=2**-5)
 
 
 @pytest.mark.parametrize("live", [1, 3, 5])
