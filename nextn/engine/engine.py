@@ -14,9 +14,10 @@ holds the Leader that sends them).
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -107,6 +108,8 @@ class Engine:
         self.k_policy = make_policy(config.spec) if config.tensor_parallel_size == 1 else None
         self._timed: tuple | None = None  # the last step's (batch size, choice, counts, prefilled) for the policy
         self.prefilled_rows = 0  # prompt tokens the last step prefilled
+        # the default seeds (config.seed): an unseeded sampled request takes the next, so a run repeats
+        self.default_seeds = random.Random(config.seed) if config.seed is not None else None
         if self.runner.use_graphs and self.runner.pad_rounds:  # the rounds' graphs before any request
             t0 = time.perf_counter()
             k_max = config.spec.num_speculative_tokens
@@ -131,6 +134,8 @@ class Engine:
         grammar = None
         if params.structured_outputs is not None:
             grammar = compile_grammar(params.structured_outputs, self.tokenizer)
+        if self.default_seeds is not None and not params.greedy and params.seed is None:
+            params = replace(params, seed=self.default_seeds.getrandbits(64) - 2**63)  # a signed 64-bit seed
         if self.config.tensor_parallel_size > 1:
             params = seeded(params, draw=self.leader is not None)
         # prompt logprobs need the logits of every prompt row: such a request prefills cold

@@ -32,7 +32,14 @@ from nextn.config import (
     resolve_device,
     resolve_dtype,
 )
-from nextn.core import RequestError, RequestOutput, SamplingParams, sampling_defaults, with_defaults
+from nextn.core import (
+    GENERATION_CONFIG_KEYS,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    sampling_defaults,
+    with_defaults,
+)
 from nextn.engine.engine import Engine, StreamEvent
 from nextn.engine.replica import Leader, follow
 from nextn.hub import resolve_model
@@ -80,6 +87,12 @@ class LLM:
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         random_weights: str | None = None,
         tokenizer: str | Path | None = None,
+        seed: int | None = None,
+        enforce_eager: bool = False,
+        generation_config: str = "auto",
+        override_generation_config: dict | None = None,
+        revision: str | None = None,
+        download_dir: str | None = None,
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         random_weights: instead of a checkpoint (model None), a preset of a released shape
@@ -107,7 +120,14 @@ class LLM:
         default): each step's K chosen for the batch's tokens/s, 0..K (nextn.spec.k_policy).
         gpu_memory_utilization (vLLM's): the fraction of the GPU's memory nextn may use (weights,
         cache, activations, graphs); max_num_seqs None: as many sequences as fit it, up to 256
-        (nextn.engine.memory); on the CPU 8, and this does not apply."""
+        (nextn.engine.memory); on the CPU 8, and this does not apply.
+        vLLM's too: seed, the engine's default seeds (a sampled request without its own seed takes the
+        next of a sequence drawn from it, so the same requests in the same order repeat; None: fresh
+        ones); enforce_eager, no CUDA graphs; generation_config "auto" (the checkpoint's
+        generation_config.json sampling defaults), "vllm" (none: SamplingParams' own) or a directory
+        holding a generation_config.json; override_generation_config, values over those defaults
+        (vLLM's names: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens, ...);
+        revision and download_dir, for a hub id (huggingface_hub's revision and cache_dir)."""
         settings = {name: value for name, value in locals().items() if name != "self"}
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
@@ -120,7 +140,8 @@ class LLM:
         vocab = DraftVocab((0,)) if isinstance(draft_vocab, str | Path) else draft_vocab
         dtype_name = resolve_dtype(dtype, device, None)
         _engine_config(model, device, dtype_name, DEFAULT_K_WITH_HEAD if k is None else k, settings, vocab)
-        model_dir = None if random_weights is not None else resolve_model(model)
+        _check_generation_config(generation_config, override_generation_config)
+        model_dir = None if random_weights is not None else resolve_model(model, revision, download_dir)
         self._boxes: dict[int, deque] = {}
         self._abandoned: list = []  # streams dropped before their first event (see stream)
         self._ranks = _start_ranks(tensor_parallel_size, device, model_dir, settings)
@@ -160,8 +181,11 @@ class LLM:
             self.model_name, self.sampling_defaults = preset, {}
         else:
             self.model = load_model(model_dir, device=device, dtype=dtype, quantization=quantization, tp=(rank(), tp))
-            self.model_name = str(model) if model is not None and not Path(model).is_dir() else model_dir.name
-            self.sampling_defaults = _read_sampling_defaults(model_dir)
+            # the model as the user gave it (vLLM's served name): a client loads the tokenizer from that path
+            self.model_name = str(model) if model is not None else model_dir.name
+            self.sampling_defaults = _read_sampling_defaults(
+                model_dir, s["generation_config"], s["override_generation_config"]
+            )
         has_head = self.model.mtp is not None
         if k is None:
             k = DEFAULT_K_WITH_HEAD if has_head else 0
@@ -549,6 +573,8 @@ def _engine_config(
         trace=s["trace"],
         kv_cache_dtype=s["kv_cache_dtype"],
         gpu_memory_utilization=s["gpu_memory_utilization"],
+        enforce_eager=s["enforce_eager"],
+        seed=s["seed"],
     )
 
 
@@ -604,12 +630,36 @@ def _draft_vocab(draft_vocab: str | Path | DraftVocab, vocab_size: int, tokenize
     return draft_vocab
 
 
-def _read_sampling_defaults(model_dir: Path) -> dict:
-    """The checkpoint's recommended sampling values, logged once (a request's own values win)."""
+def _check_generation_config(generation_config, override: dict | None) -> None:
+    """vLLM's generation_config ("auto", "vllm" or a directory) and override_generation_config (a dict)."""
+    if not isinstance(generation_config, str | Path) or (
+        generation_config not in ("auto", "vllm") and not (Path(generation_config) / "generation_config.json").is_file()
+    ):
+        raise ValueError(
+            f"generation_config must be 'auto', 'vllm' or a directory holding a generation_config.json, "
+            f"got {generation_config!r}"
+        )
+    if override is not None and not isinstance(override, dict):
+        raise ValueError(f"override_generation_config must be a dict, got {override!r}")
+    if override:
+        unknown = sorted(set(override) - {*GENERATION_CONFIG_KEYS, "do_sample"})
+        if unknown:
+            raise ValueError(
+                f"override_generation_config keys {unknown} are not sampling defaults nextn reads "
+                f"(it takes {', '.join((*GENERATION_CONFIG_KEYS, 'do_sample'))})"
+            )
+        sampling_defaults(override)  # a bad value named before the load
+
+
+def _read_sampling_defaults(model_dir: Path, generation_config="auto", override: dict | None = None) -> dict:
+    """The sampling defaults, logged once (a request's own values win): the checkpoint's recommended
+    values (generation_config "auto"), none ("vllm") or another directory's, with `override` over them."""
+    source = {"vllm": None, "auto": model_dir}.get(generation_config, Path(generation_config))
     try:
-        defaults = sampling_defaults(read_generation_config(model_dir))
+        defaults = sampling_defaults(read_generation_config(source)) if source is not None else {}
     except ValueError as e:
-        raise ValueError(f"{model_dir / 'generation_config.json'}: {e}") from None
+        raise ValueError(f"{source / 'generation_config.json'}: {e}") from None
+    defaults.update(sampling_defaults(override) if override else {})
     if defaults:
         shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
         log.info("sampling defaults from generation_config.json: %s (a request's own values win)", shown)

@@ -144,11 +144,14 @@ def echo_prefix(req: P.ChatCompletionRequest) -> str:
     return text_content(last.content, len(req.messages) - 1)
 
 
-def output_parser(req: P.ChatCompletionRequest, reasoning: ReasoningStart | None) -> ChatOutputParser:
-    """The reply's parser: tool calls are parsed when the request gives tools and allows calls
-    (without parallel_tool_calls, one: "auto" has no grammar to hold the model to it)."""
+def output_parser(
+    req: P.ChatCompletionRequest, reasoning: ReasoningStart | None, form: str | None = None
+) -> ChatOutputParser:
+    """The reply's parser: tool calls (of `form`, the tool-call parser's; None: either) are parsed
+    when the request gives tools and allows calls (without parallel_tool_calls, one: "auto" has no
+    grammar to hold the model to it)."""
     tools = req.tools if req.tools and req.tool_choice != "none" else None
-    return ChatOutputParser(reasoning, tools, req.parallel_tool_calls)
+    return ChatOutputParser(reasoning, tools, req.parallel_tool_calls, form)
 
 
 def finish_reason(req: P.ChatCompletionRequest, out: RequestOutput, num_calls: int) -> str | None:
@@ -162,7 +165,7 @@ async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Re
     prompt_ids, params, checkpoint_at, reasoning = await run_in_threadpool(srv.prompts.chat, req)
     job = srv.submit(prompt_ids, params, checkpoint_at)
     rid, created = R.new_id("chatcmpl"), R.now()
-    parser = output_parser(req, reasoning)
+    parser = output_parser(req, reasoning, srv.opts.tool_call_form)
     if req.stream:
         return StreamingResponse(chat_stream(srv, req, job, parser, rid, created), media_type="text/event-stream")
     out = await run_to_end(job, request)

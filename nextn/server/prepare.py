@@ -25,6 +25,7 @@ from nextn.server import protocol as P
 from nextn.server import structured
 from nextn.server.chat_output import THINK_END, THINK_START, ReasoningStart, reasoning_start
 from nextn.server.model import ServedModel
+from nextn.server.options import ServerOptions
 from nextn.server.responses import BYTE_LEVEL_ALPHABET
 from nextn.tokenizer import Tokenizer, TokenizerError
 
@@ -63,9 +64,11 @@ def max_chars_per_token(tok: Tokenizer) -> int:
 
 
 class Prompts:
-    def __init__(self, model: ServedModel, model_name: str, reasoning_parser: str | None = None):
-        self.model, self.tok, self.model_name = model, model.tokenizer, model_name
-        self.reasoning_parser = reasoning_parser
+    def __init__(self, model: ServedModel, model_names: tuple[str, ...], opts: ServerOptions):
+        """model_names: the names served (the first is the one responses carry)."""
+        self.model, self.tok, self.model_names = model, model.tokenizer, tuple(model_names)
+        self.opts = opts
+        self.reasoning_parser = reasoning_parser = opts.reasoning_parser
         if reasoning_parser and None in (self.tok.token_to_id(THINK_START), self.tok.token_to_id(THINK_END)):
             raise ValueError(
                 f"--reasoning-parser {reasoning_parser}: the tokenizer has no {THINK_START} and {THINK_END} tokens"
@@ -74,10 +77,11 @@ class Prompts:
         self.max_chars = self.max_len * max_chars_per_token(self.tok)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, self.model.model_name):
+        if name is not None and name not in (*self.model_names, self.model.model_name):
+            served = ", ".join(f"`{n}`" for n in self.model_names)
             raise APIError(
                 400,
-                f"The model `{name[:100]}` does not exist; this server serves `{self.model_name}`.",
+                f"The model `{name[:100]}` does not exist; this server serves {served}.",
                 param="model",
                 code="model_not_found",
             )
@@ -108,7 +112,7 @@ class Prompts:
     # --- chat
 
     def render(self, messages: list[P.ChatMessage], req: P.ChatTemplateFields, add_generation_prompt: bool) -> str:
-        kwargs = dict(req.chat_template_kwargs or {})
+        kwargs = {**(self.opts.default_chat_template_kwargs or {}), **(req.chat_template_kwargs or {})}
         if req.tools and req.tool_choice != "none":
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
@@ -143,7 +147,7 @@ class Prompts:
         the reasoning: None without a reasoning parser)."""
         self.check_model(req.model)
         with field_errors():
-            tools = structured.tool_grammar(req, self.tok)
+            tools = structured.tool_grammar(req, self.tok, self.opts.tool_call_form)
             found = structured.request_constraint(req)
             if tools is not None and found is not None:
                 raise P.FieldError("tool_choice", f"cannot be combined with {found[0]}")
@@ -156,6 +160,7 @@ class Prompts:
         if constraint is not None and start is not None:
             with field_errors():
                 constraint = structured.checked(found[0], structured.reasoning_grammar(constraint, start), self.tok)
+        self.check_logprobs(req)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(requested, len(prompt_ids), self.max_len, param)
@@ -174,6 +179,7 @@ class Prompts:
             raise APIError(400, "a batch of prompts cannot be streamed", param="prompt")
         if len(prompts) > MAX_BATCH:
             raise APIError(400, f"at most {MAX_BATCH} prompts per request", param="prompt")
+        self.check_logprobs(req)
         if req.echo and req.stream and req.logprobs is not None:
             raise APIError(400, "echo with logprobs cannot be streamed", param="echo")
         with field_errors():
@@ -192,6 +198,17 @@ class Prompts:
             params = self.params(req, max_tokens, req.logprobs, prompt_lp, constraint)
             out.append((ids, prompt if isinstance(prompt, str) else None, params))
         return out
+
+    def check_logprobs(self, req: P.SamplingRequest) -> None:
+        """The logprob counts a request asks for, at most the server's --max-logprobs (vLLM's)."""
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            value = getattr(req, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > self.opts.max_logprobs:
+                raise APIError(
+                    400,
+                    f"{name} is {value}: this server returns at most {self.opts.max_logprobs} (--max-logprobs)",
+                    param=name,
+                )
 
     def params(
         self,
