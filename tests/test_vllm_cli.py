@@ -292,3 +292,37 @@ def test_the_model_card_command_serves_chat_tools_and_reasoning(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)  # the core goes with it
         proc.wait(30)
+
+
+# --- the Python API's vLLM habits
+
+
+def test_vllm_python_api_habits(dense_ckpt, capsys):
+    """use_tqdm (a bar over the prompts, off with False), get_tokenizer(), StructuredOutputsParams,
+    and logprobs as vLLM's Logprob objects beside nextn's own entries."""
+    llm = LLM(model=dense_ckpt, max_model_len=128)
+    assert llm.get_tokenizer() is llm.tokenizer
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = llm.generate(["The quick brown fox", "def f(x):"], params)
+    assert "Processed prompts" in capsys.readouterr().err
+    assert llm.generate(["The quick brown fox"], params, use_tqdm=False)[0].token_ids == outs[0].token_ids
+    assert "Processed prompts" not in capsys.readouterr().err
+    out = outs[0]
+    assert [e["token_id"] for e in out.logprobs] == out.token_ids  # nextn's form, as it was
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == len(out.token_ids)
+    for tid, entry, own in zip(out.token_ids, completion.logprobs, out.logprobs, strict=True):
+        assert isinstance(entry[tid], nextn.Logprob) and entry[tid].logprob == own["logprob"]
+        assert entry[tid].rank == 1 and entry[tid].decoded_token == llm.tokenizer.decode([tid])  # greedy: the top
+        assert 2 <= len(entry) <= 3 and sorted(lp.rank for lp in entry.values())[:2] == [1, 2]
+    assert completion.cumulative_logprob == pytest.approx(sum(e["logprob"] for e in out.logprobs))
+    # a token that is not the most probable gets its true rank
+    sampled = llm.generate(["def f(x):"], SamplingParams(max_tokens=24, temperature=5.0, seed=3, logprobs=0))[0]
+    ranks = [e["rank"] for e in sampled.logprobs]
+    assert max(ranks) > 1 and all(r >= 1 for r in ranks)
+    so = nextn.StructuredOutputsParams(choice=["yes", "no"])
+    constrained = SamplingParams(max_tokens=4, temperature=0.0, structured_outputs=so)
+    assert constrained.structured_outputs == {"choice": ["yes", "no"]}
+    assert llm.generate(["Is it?"], constrained, use_tqdm=False)[0].text in ("yes", "no")
+    with pytest.raises(ValueError, match="exactly one"):
+        SamplingParams(structured_outputs=nextn.StructuredOutputsParams(regex="a", choice=["b"]))

@@ -469,12 +469,15 @@ def _num_covering(tokenizer, prior_ids: list[int], round_ids: list[int], text_le
 
 def logprob_entries(rows: torch.Tensor, ids: list[int], n: int) -> list[dict]:
     rows = rows[: len(ids)]
-    chosen = token_logprobs(rows, torch.tensor(ids, device=rows.device)).tolist()
+    ids_t = torch.tensor(ids, device=rows.device)
+    chosen = token_logprobs(rows, ids_t).tolist()
+    # vLLM's rank: 1 + the tokens more probable than the chosen one
+    ranks = ((rows > rows.gather(1, ids_t[:, None])).sum(-1) + 1).tolist()
     top = top_logprobs(rows, n) if n > 0 else None
     entries = []
     for i, (tok, lp) in enumerate(zip(ids, chosen, strict=True)):
         tops = list(zip(top.ids[i].tolist(), top.logprobs[i].tolist(), strict=True)) if top is not None else []
-        entries.append({"token_id": tok, "logprob": lp, "top_logprobs": tops})
+        entries.append({"token_id": tok, "logprob": lp, "rank": ranks[i], "top_logprobs": tops})
     return entries
 
 

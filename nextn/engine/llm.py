@@ -18,8 +18,10 @@ import logging
 import operator
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+
+from tqdm import tqdm
 
 from nextn.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -38,6 +40,7 @@ from nextn.core import (
     RequestOutput,
     SamplingParams,
     sampling_defaults,
+    vllm_logprobs,
     with_defaults,
 )
 from nextn.engine.engine import Engine, StreamEvent
@@ -233,6 +236,7 @@ class LLM:
         params: SamplingParams | None = None,
         prompt: str | None = None,
         use_sessions: bool = False,
+        use_tqdm: bool | Callable = True,
     ) -> list[RequestOutput] | RequestOutput:
         """vLLM's form: `prompts` a str, a list of str, or a list of token-id lists (or vLLM's
         {"prompt": ...} / {"prompt_token_ids": ...} dicts); `sampling_params` one for all or one
@@ -243,7 +247,9 @@ class LLM:
         or `prompt="..."`, with `params=` or `sampling_params=`; returns that one RequestOutput.
 
         `SamplingParams(structured_outputs=...)` constrains a request to a grammar (nextn.grammar);
-        one that does not compile is a ValueError naming the reason, before anything runs."""
+        one that does not compile is a ValueError naming the reason, before anything runs.
+        use_tqdm (vLLM's): a progress bar over the prompts finished (the form with prompts only; a
+        callable: the tqdm class to use)."""
         if params is not None:
             if sampling_params is not None:
                 raise TypeError("give sampling_params or params, not both")
@@ -261,7 +267,8 @@ class LLM:
         if prompt_token_ids is not None or prompt is not None:
             raise TypeError("give prompts, or prompt_token_ids / prompt, not both")
         texts, ids = self._prompts(prompts)
-        return self._generate_all(texts, ids, self._params_per_prompt(sampling_params, len(ids)), use_sessions)
+        params = self._params_per_prompt(sampling_params, len(ids))
+        return self._generate_all(texts, ids, params, use_sessions, use_tqdm)
 
     def chat(
         self,
@@ -271,6 +278,7 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        use_tqdm: bool | Callable = True,
     ) -> list[RequestOutput]:
         """vLLM's `chat`: one conversation (a list of {"role", "content"} messages) or a list of
         them, rendered with the checkpoint's chat template; one RequestOutput per conversation. A
@@ -282,7 +290,18 @@ class LLM:
         ]
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]
-        return self.generate(texts, sampling_params)
+        return self.generate(texts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self) -> Tokenizer:
+        """vLLM's: the tokenizer (encode, decode, apply_chat_template)."""
+        return self.tokenizer
+
+    def _finished(self, out: RequestOutput, prompt: str | None, ids: list[int]) -> RequestOutput:
+        """A finished output with its prompt, and its logprobs as vLLM's Logprob objects too."""
+        out.prompt, out.prompt_token_ids = prompt, ids
+        if out.logprobs is not None:
+            out.sample_logprobs = vllm_logprobs(out.logprobs, lambda t: self.tokenizer.decode([t]))
+        return out
 
     # --- one request
 
@@ -336,7 +355,7 @@ class LLM:
                     raise ev
                 if ev.output is not None:
                     done = True
-                    ev.output.prompt, ev.output.prompt_token_ids = prompt, ids
+                    self._finished(ev.output, prompt, ids)
                 yield ev
         finally:
             self._boxes.pop(req.request_id, None)
@@ -411,8 +430,11 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} sampling_params for {n} prompts")
         return sampling_params
 
-    def _generate_all(self, texts, ids, params, use_sessions: bool) -> list[RequestOutput]:
+    def _generate_all(self, texts, ids, params, use_sessions: bool, use_tqdm=False) -> list[RequestOutput]:
         """Every request is added before the first step, so the engine runs them together."""
+        bar = (use_tqdm if callable(use_tqdm) else tqdm)(
+            total=len(ids), desc="Processed prompts", unit="prompt", disable=use_tqdm is False
+        )
         for p, sp in zip(ids, params, strict=True):
             self.check_prompt(p, sp)
         reqs, outputs = [], [None] * len(ids)
@@ -425,9 +447,10 @@ class LLM:
                     if isinstance(ev, BaseException):
                         raise ev
                     if ev.output is not None:
-                        outputs[i] = ev.output
-                        ev.output.prompt, ev.output.prompt_token_ids = texts[i], ids[i]
+                        outputs[i] = self._finished(ev.output, texts[i], ids[i])
+                        bar.update(1)
         finally:
+            bar.close()
             for req, out in zip(reqs, outputs, strict=False):
                 self._boxes.pop(req.request_id, None)
                 if out is None:
