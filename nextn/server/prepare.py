@@ -16,6 +16,7 @@ import json
 import logging
 import unicodedata
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from nextn.core import RequestError, SamplingParams
@@ -161,6 +162,8 @@ class Prompts:
             with field_errors():
                 constraint = structured.checked(found[0], structured.reasoning_grammar(constraint, start), self.tok)
         self.check_logprobs(req)
+        if (req.n or 1) > 1:
+            raise APIError(400, "n > 1 is not supported on chat completions yet (it is on /v1/completions)", param="n")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(requested, len(prompt_ids), self.max_len, param)
@@ -171,14 +174,22 @@ class Prompts:
     # --- completions
 
     def completion(self, req: P.CompletionRequest) -> list[tuple[list[int], str | None, SamplingParams]]:
-        """(prompt ids, prompt text if given as text, params) per prompt of the batch."""
+        """(prompt ids, prompt text if given as text, params) per candidate: best_of (default n) per
+        prompt of the batch, in prompt order, candidate i of a seeded request seeded with seed + i
+        (vLLM's), each its own engine request."""
         self.check_model(req.model)
         p = req.prompt
         prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
         if len(prompts) > 1 and req.stream:
             raise APIError(400, "a batch of prompts cannot be streamed", param="prompt")
-        if len(prompts) > MAX_BATCH:
-            raise APIError(400, f"at most {MAX_BATCH} prompts per request", param="prompt")
+        n = req.n or 1
+        best_of = req.best_of or n
+        if best_of < n:
+            raise APIError(400, f"best_of ({best_of}) must be at least n ({n})", param="best_of")
+        if best_of > 1 and req.stream:
+            raise APIError(400, "n > 1 (or best_of) cannot be streamed yet", param="n" if n > 1 else "best_of")
+        if len(prompts) * best_of > MAX_BATCH:
+            raise APIError(400, f"at most {MAX_BATCH} prompts (times best_of) per request", param="prompt")
         self.check_logprobs(req)
         if req.echo and req.stream and req.logprobs is not None:
             raise APIError(400, "echo with logprobs cannot be streamed", param="echo")
@@ -195,8 +206,12 @@ class Prompts:
             self.check(ids, "prompt")
             requested = req.max_tokens if req.max_tokens is not None else 16
             max_tokens = resolve_max_tokens(requested, len(ids), self.max_len, "max_tokens")
-            params = self.params(req, max_tokens, req.logprobs, prompt_lp, constraint)
-            out.append((ids, prompt if isinstance(prompt, str) else None, params))
+            # best_of ranks candidates by their tokens' logprobs: computed, shown only when asked
+            logprobs = 0 if req.logprobs is None and best_of > n else req.logprobs
+            params = self.params(req, max_tokens, logprobs, prompt_lp, constraint)
+            for i in range(best_of):
+                seeded = params if params.seed is None or i == 0 else replace(params, seed=wrap_seed(params.seed + i))
+                out.append((ids, prompt if isinstance(prompt, str) else None, seeded))
         return out
 
     def check_logprobs(self, req: P.SamplingRequest) -> None:
@@ -262,6 +277,11 @@ def field_errors():
         yield
     except P.FieldError as e:
         raise APIError(400, f"{e.param}: {e.message}", param=e.param) from None
+
+
+def wrap_seed(seed: int) -> int:
+    """seed + i kept a signed 64-bit seed (core.SEED_RANGE), wrapping as the Philox key does."""
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_len: int, param: str) -> int:

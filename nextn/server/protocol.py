@@ -204,7 +204,7 @@ class SamplingRequest(RequestModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     ignore_eos: bool = False
-    n: int | None = Field(None, ge=1, le=1)  # one choice per request
+    n: int | None = Field(None, ge=1, le=64)  # choices per prompt (completions, not streamed; chat: 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extra: the prompt's and the output's token ids
@@ -334,7 +334,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (prepare.py)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=1)
+    best_of: int | None = Field(None, ge=1, le=64)  # candidates the n choices are picked from (vLLM's)
 
 
 class TokenizeRequest(ChatTemplateFields):
