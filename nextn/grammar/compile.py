@@ -176,6 +176,7 @@ _LIST = ("anyOf", "oneOf", "prefixItems", "items")
 # an object schema with one of these says what its other properties may be, or combines with schemas
 # that may declare them: it is left as it is
 _OPEN_KEYS = {"additionalProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref"}
+_WALKED = {*_ONE, *_MAP, *_LIST, "allOf"}
 
 
 def close_objects(schema: dict) -> dict:
@@ -191,9 +192,10 @@ def close_objects(schema: dict) -> dict:
     stack: list[tuple[dict | list, str | int, bool]] = [(root, "schema", True)]  # (holder, key, close it)
     while stack:
         holder, key, close = stack.pop()
-        if not isinstance(holder[key], dict):
-            continue
-        node = holder[key] = dict(holder[key])
+        node = holder[key]
+        if not isinstance(node, dict) or not (_WALKED.intersection(node) or (close and "properties" in node)):
+            continue  # a leaf left as it is (not copied)
+        node = holder[key] = dict(node)
         if close and "properties" in node and not _OPEN_KEYS & node.keys():
             node["additionalProperties"] = False
         stack += [(node, k, True) for k in _ONE if k in node]
