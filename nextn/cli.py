@@ -7,8 +7,10 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from nextn import __version__
+from nextn.cli_vllm import add_ignored
 from nextn.commands import COMMANDS
 from nextn.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -20,8 +22,11 @@ from nextn.config import (
     check_gpu_memory_utilization,
 )
 from nextn.console import setup_logging, user_errors
+from nextn.server.options import DEFAULT_MAX_LOGPROBS, TOOL_CALL_PARSERS, UVICORN_LOG_LEVELS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's names
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}  # vLLM's name of the one FP8 K/V format nextn keeps
 
 
 def _model(p: argparse.ArgumentParser, model_help: str = "default: the bundled model") -> None:
@@ -37,8 +42,8 @@ def _common(p: argparse.ArgumentParser, model_help: str = "default: the bundled 
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", *DTYPE_NAMES],
-        help="auto (default): the checkpoint's dtype on CUDA, float32 on CPU",
+        choices=["auto", *DTYPE_NAMES, *DTYPE_ALIASES],
+        help="auto (default): the checkpoint's dtype on CUDA, float32 on CPU (vLLM's half and float: float16, float32)",
     )
     p.add_argument(
         "--kernels",
@@ -81,6 +86,7 @@ def _quantization(p: argparse.ArgumentParser) -> None:
     """generate / serve / bench: FP8 weights and the K/V cache's dtype."""
     p.add_argument(
         "--quantization",
+        "-q",
         default=None,
         choices=QUANTIZATIONS,
         help="fp8: quantize a bf16 checkpoint's weights at load (128x128 blocks of e4m3); "
@@ -89,7 +95,7 @@ def _quantization(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=KV_CACHE_DTYPES,
+        choices=[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES],
         help="auto (default): K/V in the model dtype; fp8: the attention layers' K/V in e4m3 with a "
         "scale per row (half the bytes of bf16; the MTP head's draft K/V stay in the model dtype)",
     )
@@ -110,6 +116,7 @@ def _memory(p: argparse.ArgumentParser) -> None:
 def _tensor_parallel(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tensor-parallel-size",
+        "-tp",
         type=int,
         default=1,
         metavar="N",
@@ -152,6 +159,93 @@ def _spec(p: argparse.ArgumentParser) -> None:
     _draft_vocab_flag(p)
 
 
+def _max_model_len(p: argparse.ArgumentParser, help: str) -> None:
+    help += " (vLLM's 32k, 32K forms too)"
+    p.add_argument("--max-model-len", type=_model_len, default=None, metavar="N", help=help)
+
+
+def _load(p: argparse.ArgumentParser) -> None:
+    """generate / serve: vLLM's flags for where and how the checkpoint loads and what it defaults to."""
+    p.add_argument("--revision", default=None, help="a hub id's branch, tag or commit (default: main)")
+    p.add_argument("--download-dir", default=None, metavar="DIR", help="download a hub id here (default: the HF cache)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the same output, slower)")
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults: auto (default) the checkpoint's generation_config.json, vllm none (SamplingParams' "
+        "own), or a directory's generation_config.json",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='sampling defaults over those: \'{"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 512}\'',
+    )
+
+
+def _frontend(s: argparse.ArgumentParser) -> None:
+    """serve: vLLM's front-end flags (templates, tool calls, logging, CORS, TLS) and the server's seed."""
+    s.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="default seeds: a sampled request without a seed takes the next of a sequence drawn from this, so "
+        "a server's run repeats (default: fresh ones)",
+    )
+    s.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the same as --prefill chunked (--no-enable-chunked-prefill: --prefill steps)",
+    )
+    s.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) instead of the checkpoint's",
+    )
+    s.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="chat_template_kwargs every chat request gets (its own win): '{\"enable_thinking\": false}'",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(TOOL_CALL_PARSERS),
+        help="the <tool_call> body form read as a call and written by a forced one: hermes JSON, qwen3_coder / "
+        "qwen3_xml <function=...> XML (default: either is read, the chat template's form forced)",
+    )
+    s.add_argument(
+        "--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS, help="logprobs a request may ask for, at most"
+    )
+    s.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log lines")
+    s.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
+    s.add_argument("--disable-uvicorn-access-log", action="store_true")
+    s.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc, /openapi.json")
+    s.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=[],
+        metavar="JSON",
+        help="CORS: origins a browser page may call from, as a JSON list ('[\"*\"]'; default: none, no CORS headers)",
+    )
+    s.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON", help='CORS (default ["*"])')
+    s.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON", help='CORS (default ["*"])')
+    s.add_argument("--allow-credentials", action="store_true", help="CORS")
+    s.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under")
+    s.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="TLS: the key (with --ssl-certfile)")
+    s.add_argument("--ssl-certfile", default=None, metavar="FILE", help="TLS: the certificate")
+    s.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="TLS: CA certificates for client certificates")
+    s.add_argument(
+        "--ssl-cert-reqs", type=int, default=0, help="TLS: 0 no client certificate, 1 optional, 2 required (ssl's)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nextn", description=__doc__)
     parser.add_argument("--version", action="version", version=f"nextn {__version__}")
@@ -164,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     _memory(g)
     _tensor_parallel(g)
     _spec(g)
+    _load(g)
+    _max_model_len(g, "tokens per sequence, at most the checkpoint's max_position_embeddings (default: 8192, or that)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
@@ -205,7 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="chunked (default): the chunked delta rule; steps: the decode step's arithmetic",
     )
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        epilog="vLLM's serve flags that mean nothing here (--trust-remote-code, --block-size, ...) are accepted "
+        "and logged: docs/vllm_serve_flags.md lists every vLLM flag and what nextn does with it.",
+        allow_abbrev=False,  # a vLLM flag nextn refuses must not pass as an abbreviation of one it takes
+    )
     _common(s, model_help="default: the bundled model; or --random-weights")
     _random_weights(s)
     _quantization(s)
@@ -215,13 +317,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    s.add_argument("--served-model-name", default=None)
     s.add_argument(
-        "--max-model-len",
-        type=int,
+        "--served-model-name",
+        nargs="+",
         default=None,
-        help="tokens per sequence, at most the checkpoint's max_position_embeddings (default: 8192, or that if less)",
+        metavar="NAME",
+        help="the names requests may use (responses carry the first; default: MODEL as given)",
     )
+    _max_model_len(s, "tokens per sequence, at most the checkpoint's max_position_embeddings (default: 8192, or that)")
+    _load(s)
+    _frontend(s)
+    add_ignored(s)
     s.add_argument(
         "--max-num-seqs",
         type=int,
@@ -268,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--prefill",
-        default="steps",
+        default=None,
         choices=["chunked", "steps"],
         help="steps (default here): prompts run through the decode step's arithmetic, so a "
         "resumed or rewound session emits exactly what a cold run emits; chunked: faster prefill",
@@ -483,6 +589,8 @@ def _check_combinations(args: argparse.Namespace) -> None:
             )
         if given := [f for f in args.serve_flags if f.split("=")[0] in ("--host", "--port")]:
             raise ValueError(f"{', '.join(given)}: the bench picks the address of the server it starts")
+    if args.command == "serve":
+        _check_serve(args)
     if args.command in ("generate", "serve"):
         # K unknown here (None) is the checkpoint's default; only an explicit 0 is known to draw no drafts
         if 0 in (args.spec_k, (args.speculative_config or {}).get("num_speculative_tokens")):
@@ -497,8 +605,30 @@ def _check_combinations(args: argparse.Namespace) -> None:
                 raise ValueError(f"{', '.join(given)} would do nothing: speculation is off (K=0), nothing is drafted")
 
 
+def _check_serve(args: argparse.Namespace) -> None:
+    """serve's vLLM flags that overlap nextn's own, resolved: a pair that disagrees is an error."""
+    chunked = {True: "chunked", False: "steps", None: None}[args.enable_chunked_prefill]
+    if chunked is not None and args.prefill not in (None, chunked):
+        flag = "--enable-chunked-prefill" if args.enable_chunked_prefill else "--no-enable-chunked-prefill"
+        raise ValueError(f"{flag} means --prefill {chunked}, not --prefill {args.prefill}")
+    args.prefill = args.prefill or chunked or "steps"  # serve's default: steps (a resumed session == a cold run)
+    # --served-model-name takes one or more names: one that is a directory, with no MODEL given, was
+    # probably the model (`--served-model-name a DIR`), which must not be served under a name silently
+    names = args.served_model_name or []
+    if args.model is None and args.random_weights is None and (dirs := [n for n in names if Path(n).is_dir()]):
+        raise ValueError(
+            f"--served-model-name took {dirs[0]}, a directory, and no model was given: put the model first "
+            f"(nextn serve {dirs[0]} --served-model-name ...) or give it as --model"
+        )
+
+
 def _check_numbers(args: argparse.Namespace) -> None:
-    """--gpu-memory-utilization read here rather than by argparse: a bad value is one line naming the flag."""
+    """--gpu-memory-utilization read here rather than by argparse: a bad value is one line naming the flag.
+    vLLM's dtype names as nextn's."""
+    if getattr(args, "dtype", None) in DTYPE_ALIASES:
+        args.dtype = DTYPE_ALIASES[args.dtype]
+    if getattr(args, "kv_cache_dtype", None) in KV_CACHE_DTYPE_ALIASES:
+        args.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES[args.kv_cache_dtype]
     value = getattr(args, "gpu_memory_utilization", None)
     if value is None:
         return
@@ -507,6 +637,31 @@ def _check_numbers(args: argparse.Namespace) -> None:
     except ValueError:
         pass  # the check names it
     args.gpu_memory_utilization = check_gpu_memory_utilization(value, "--gpu-memory-utilization")
+
+
+def _model_len(text: str) -> int:
+    """A token count as vLLM writes it: 32768, 32k (x 1000) or 32K (x 1024), 1m / 1M likewise."""
+    scale = {"k": 1000, "K": 1024, "m": 10**6, "M": 2**20}.get(text[-1:], 1)
+    try:
+        value = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r}") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole number of tokens: {text!r}")
+    return int(value)
+
+
+def _json_list(text: str) -> list[str]:
+    """vLLM's list flags: a JSON list of strings ('["a", "b"]'); a bare string is a list of one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return [text]
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+    return value
 
 
 def _json_object(text: str) -> dict:

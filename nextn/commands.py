@@ -6,10 +6,13 @@ code. Parses nothing: every flag is defined in nextn.cli, which dispatches here 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
 from nextn.core import MAX_TRACKED_POSITIONS
+
+log = logging.getLogger("nextn.serve")
 
 
 def _local(args, default_model: bool = True) -> None:
@@ -128,6 +131,11 @@ def _llm_args(args, **engine) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         random_weights=args.random_weights,
         tokenizer=args.tokenizer,
+        enforce_eager=args.enforce_eager,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
+        revision=args.revision,
+        download_dir=args.download_dir,
         **engine,
     )
 
@@ -140,6 +148,8 @@ def _serve(args) -> int:
     from nextn.server.core_client import CoreProcess
     from nextn.server.options import ServerOptions
 
+    for flag, why in args.vllm_ignored:  # vLLM's flags that mean nothing here: one line each
+        log.info("%s does nothing in nextn (accepted for vLLM command lines): %s", flag, why)
     # the server's settings checked before the model loads
     cfg = ServeConfig(
         host=args.host,
@@ -152,11 +162,27 @@ def _serve(args) -> int:
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
         metrics_open=args.metrics_open,
-        log_interval=args.log_interval,
+        log_interval=0.0 if args.disable_log_stats else args.log_interval,
         reasoning_parser=args.reasoning_parser,
         timeout_keep_alive=args.timeout_keep_alive,
         request_read_timeout=args.request_read_timeout,
         limit_concurrency=args.limit_concurrency,
+        chat_template=_chat_template(args.chat_template),
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+        tool_call_parser=args.tool_call_parser,
+        max_logprobs=args.max_logprobs,
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+        root_path=args.root_path,
+        ssl_keyfile=_readable("--ssl-keyfile", args.ssl_keyfile),
+        ssl_certfile=_readable("--ssl-certfile", args.ssl_certfile),
+        ssl_ca_certs=_readable("--ssl-ca-certs", args.ssl_ca_certs),
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        uvicorn_log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        docs=not args.disable_fastapi_docs,
     )
     _check_address(cfg.host, cfg.port)
     llm_args = _llm_args(
@@ -164,12 +190,30 @@ def _serve(args) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
     )
     core = CoreProcess.launch(llm_args, args.log_level)  # a start-up error raises here: one line, as LLM's
     try:
         return app.serve(core, cfg, opts)
     finally:
         core.stop()
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself (vLLM's); a path that names no file is an error."""
+    if value is None:
+        return None
+    if Path(value).is_file():
+        return Path(value).read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value}: no such file (and not a Jinja template: no {{{{ or {{%)")
+
+
+def _readable(flag: str, path: str | None) -> str | None:
+    if path is not None and not Path(path).is_file():
+        raise ValueError(f"{flag} {path}: no such file")
+    return path
 
 
 def _check_address(host: str, port: int) -> None:
@@ -213,7 +257,7 @@ def _generate(args) -> int:
         "structured_outputs": args.structured_outputs,
     }
     with_defaults({}, **request)
-    llm = _llm(args, trace=args.trace)
+    llm = _llm(args, trace=args.trace, max_model_len=args.max_model_len)
     try:
         return _generate_with(llm, args, prompt_ids, text, request)
     finally:

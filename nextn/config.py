@@ -225,9 +225,15 @@ class EngineConfig:
     # (vLLM's); sizes max_num_seqs when that is None and bounds it when given. The CPU has no GPU
     # memory to size: there max_num_seqs defaults to CPU_MAX_NUM_SEQS and this does not apply
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    # no CUDA graphs: every round runs eagerly (vLLM's enforce_eager; the output is the same)
+    enforce_eager: bool = False
+    # the seed of the engine's default seeds (vLLM's LLM(seed=) / `--seed`): a sampled request without a seed of its
+    # own takes the next of a sequence drawn from it, so the same requests in the same order give the same outputs.
+    # None: such a request draws a fresh seed
+    seed: int | None = None
 
     def __post_init__(self):
-        _check_ints(self, "max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
+        _check_ints(self, "max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "seed")
         check_quantization(self.quantization)
         check_kv_cache_dtype(self.kv_cache_dtype)
         object.__setattr__(self, "gpu_memory_utilization", check_gpu_memory_utilization(self.gpu_memory_utilization))
@@ -277,10 +283,18 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: str | None = None  # default: the model directory's name
+    # the names the model is served under (vLLM's: one or more; responses carry the first). A str is
+    # one name; None: the model as the user gave it (a path stays the path: clients load the tokenizer from it)
+    served_model_name: str | tuple[str, ...] | None = None
     max_queue: int = 64  # waiting requests beyond this are answered 503 at once
 
     def __post_init__(self):
+        names = self.served_model_name
+        if names is not None:
+            names = (names,) if isinstance(names, str) else tuple(names)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"served_model_name must be one or more names, got {self.served_model_name!r}")
+            object.__setattr__(self, "served_model_name", names)
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_queue < 1:

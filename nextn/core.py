@@ -27,6 +27,38 @@ MIN_TEMPERATURE = 1e-15
 REPETITION_PENALTY_RANGE = (1e-15, 1e15)
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's form of SamplingParams.structured_outputs: one of json (a schema, or its text), regex,
+    choice, grammar (Lark or GBNF) or json_object=True; `SamplingParams` keeps it as the one-key
+    dict nextn.grammar compiles. disable_any_whitespace and disable_fallback ask for what nextn
+    does anyway (JSON without free whitespace, no other backend), so True is taken."""
+
+    json: dict | str | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+
+    def as_dict(self) -> dict:
+        given = {k: getattr(self, k) for k in STRUCTURED_OUTPUT_KEYS if getattr(self, k) not in (None, False)}
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of {STRUCTURED_OUTPUT_KEYS}, got {sorted(given)}")
+        return given
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's: one token's log probability, its rank in the distribution (1: the most probable) and
+    its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 def checked_number(name: str, value, integer: bool, optional: bool = False):
     """value as Python's int (integer) or float, numpy's numbers included; a bool, a str or a float
     where an integer is due is a ValueError naming the field (it would fail deep in the engine, or
@@ -98,6 +130,8 @@ class SamplingParams:
         if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))  # numpy's as Python's
+        if isinstance(self.structured_outputs, StructuredOutputsParams):
+            object.__setattr__(self, "structured_outputs", self.structured_outputs.as_dict())
         so = self.structured_outputs
         if so is not None and not (isinstance(so, dict) and len(so) == 1 and next(iter(so)) in STRUCTURED_OUTPUT_KEYS):
             raise ValueError(f"structured_outputs must hold exactly one of {STRUCTURED_OUTPUT_KEYS}, got {so!r}")
@@ -136,6 +170,17 @@ GENERATION_CONFIG_KEYS = {
     "repetition_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
 }
+
+
+def vllm_logprobs(entries: list[dict], decode) -> list[dict[int, Logprob]]:
+    """nextn's logprob entries ({"token_id", "logprob", "rank", "top_logprobs": [(id, logprob), ...]})
+    as vLLM's: per token a dict of its id and the top ids -> Logprob; `decode` gives a token's text."""
+    out = []
+    for e in entries:
+        d = {tid: Logprob(lp, rank, decode(tid)) for rank, (tid, lp) in enumerate(e["top_logprobs"], start=1)}
+        d.setdefault(e["token_id"], Logprob(e["logprob"], e.get("rank"), decode(e["token_id"])))
+        out.append(d)
+    return out
 
 
 def sampling_defaults(generation_config: dict | None) -> dict:
@@ -236,8 +281,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str
-    logprobs: list[dict] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # vLLM's: per token, its id and the top ids -> Logprob
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None  # the sum of the chosen tokens' logprobs (with logprobs asked)
 
 
 @dataclass
@@ -259,10 +305,17 @@ class RequestOutput:
     prompt_token_ids: list[int] | None = None
     rounds: list | None = None  # with EngineConfig.trace: a RoundTrace per verify round (nextn.engine.rounds)
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (None: EOS, length)
+    # `logprobs` as vLLM's Logprob objects (LLM fills it in, with each token's text): outputs[0].logprobs
+    sample_logprobs: list[dict[int, Logprob]] | None = None
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs, self.stop_reason)]
+        cumulative = sum(e["logprob"] for e in self.logprobs) if self.logprobs is not None else None
+        return [
+            CompletionOutput(
+                0, self.text, self.token_ids, self.finish_reason, self.sample_logprobs, self.stop_reason, cumulative
+            )
+        ]
 
     @property
     def num_drafted(self) -> int:

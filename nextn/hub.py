@@ -32,10 +32,11 @@ def is_hub_id(model: str) -> bool:
     return bool(_REPO_ID.match(model)) and not model.startswith((".", "~")) and ".." not in model
 
 
-def resolve_model(model: str | Path | None) -> Path:
+def resolve_model(model: str | Path | None, revision: str | None = None, download_dir: str | None = None) -> Path:
     """The local directory holding `model`'s files: `model` itself when it is a directory, the
     bundled checkpoint for None, else the snapshot of hub repository `model` (downloaded once,
-    then read from the cache)."""
+    then read from the cache). revision (a branch, tag or commit) and download_dir (a cache
+    directory instead of huggingface_hub's) are vLLM's and apply to a hub id only."""
     if model is None:
         return DEFAULT_MODEL_DIR
     path = Path(model).expanduser()
@@ -45,18 +46,23 @@ def resolve_model(model: str | Path | None) -> Path:
         raise ModelNotFoundError(f"{model}: not a directory (give the checkpoint's directory)")
     if not is_hub_id(str(model)):
         raise ModelNotFoundError(f"{model}: no such directory")
-    return download(str(model))
+    return download(str(model), revision, download_dir)
 
 
-def download(repo_id: str) -> Path:
-    """The cached snapshot of `repo_id`'s config, tokenizer, template and safetensors files."""
+def download(repo_id: str, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """The cached snapshot of `repo_id`'s config, tokenizer, template and safetensors files (at
+    `revision`, in `download_dir` when given)."""
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
-    cache = constants.HF_HUB_CACHE
+    cache = download_dir or constants.HF_HUB_CACHE
     try:
-        return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=list(ALLOW_PATTERNS)))
+        return Path(
+            huggingface_hub.snapshot_download(
+                repo_id, revision=revision, cache_dir=download_dir, allow_patterns=list(ALLOW_PATTERNS)
+            )
+        )
     except GatedRepoError:
         raise ModelNotFoundError(
             f"{repo_id}: a gated repository; accept its terms on huggingface.co and log in (hf auth login or HF_TOKEN)"

@@ -131,6 +131,31 @@ def test_the_true_schema_takes_any_json_written_compactly(tokenizer, schema):
         assert (matcher.consume_tokens(tokenizer.encode(text)) and matcher.is_accepting()) == ok, text
 
 
+def _matches(tokenizer, schema, text: str) -> bool:
+    matcher = compile_grammar({"json": schema}, tokenizer).matcher()
+    return matcher.consume_tokens(tokenizer.encode(text)) and matcher.is_accepting()
+
+
+def test_undeclared_properties_are_refused_unless_the_schema_allows_them(tokenizer):
+    """As vLLM's default backend (xgrammar, strict): an object schema that declares properties takes
+    no other unless additionalProperties says so (true, or a schema for them); one that declares none
+    is any object; nested objects alike; allOf members stay open; the caller's schema is not changed."""
+    person = {"type": "object", "properties": {"name": {"type": "string"}}}
+    given = json.dumps(person)
+    assert _matches(tokenizer, person, '{"name": "x"}') and not _matches(tokenizer, person, '{"name": "x", "age": 3}')
+    assert json.dumps(person) == given
+    assert _matches(tokenizer, {**person, "additionalProperties": True}, '{"name": "x", "age": 3}')
+    typed = {**person, "additionalProperties": {"type": "integer"}}
+    assert _matches(tokenizer, typed, '{"name": "x", "age": 3}') and not _matches(tokenizer, typed, '{"age": "3"}')
+    assert _matches(tokenizer, {"type": "object"}, '{"age": 3}')
+    nested = {"type": "object", "properties": {"p": person}, "$defs": {"q": person}}
+    assert _matches(tokenizer, nested, '{"p": {"name": "x"}}') and not _matches(tokenizer, nested, '{"p": {"a": 1}}')
+    listed = {"type": "array", "items": {"$ref": "#/$defs/q"}, "$defs": {"q": person}}
+    assert _matches(tokenizer, listed, '[{"name": "x"}]') and not _matches(tokenizer, listed, '[{"b": 1}]')
+    both = {"allOf": [person, {"properties": {"age": {"type": "integer"}}}]}
+    assert _matches(tokenizer, both, '{"name": "x", "age": 3}')
+
+
 # --- the matcher: walk, rollback, commit
 
 
@@ -215,6 +240,24 @@ def test_constrained_greedy_spec_equals_constrained_plain_on_the_bundled_model(b
     # what ran beside changed nothing: the unconstrained request and a constrained one, alone
     assert run_together(bundled, [free])[0].token_ids == outs[15].token_ids
     assert run_together(bundled, [greedy[3]])[0].token_ids == outs[3].token_ids
+
+
+def test_an_open_schema_finishes_at_t0_on_the_bundled_model(bundled):
+    """Schemas without additionalProperties: false (instructor's, a named tool's): greedy, the
+    bundled model added keys until max_tokens ({"valid": true, "required": true, "required": ...});
+    closed as vLLM's backend closes them, each reply stops and validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    tok = bundled.tokenizer
+    person = {"name": {"type": "string", "maxLength": 20}, "ok": {"type": "boolean"}}
+    for schema in [
+        {"type": "object", "properties": person, "required": ["name", "ok"]},
+        {"type": "object", "properties": {"valid": {"type": "boolean"}}, "required": ["valid"]},
+    ]:
+        params = nextn.SamplingParams(max_tokens=120, temperature=0, structured_outputs={"json": schema})
+        out = bundled.generate(prompt_token_ids=_chat(tok, "Describe a person as JSON."), params=params)
+        assert out.finish_reason == "stop", out.text
+        value = json.loads(out.text)
+        jsonschema.validate(value, {**schema, "additionalProperties": False})
 
 
 def test_a_bad_grammar_fails_before_anything_runs(bundled):

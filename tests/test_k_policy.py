@@ -230,7 +230,7 @@ def test_k_policy_setting(monkeypatch, capsys):
     configs = []
     real = llm_module._engine_config
     monkeypatch.setattr(llm_module, "_engine_config", lambda *a, **kw: configs.append(real(*a, **kw)))
-    monkeypatch.setattr(llm_module, "resolve_model", lambda model: (_ for _ in ()).throw(Configured()))
+    monkeypatch.setattr(llm_module, "resolve_model", lambda *a: (_ for _ in ()).throw(Configured()))
     for flags, policy in (([], "auto"), (["--spec-k-policy", "fixed"], "fixed"), (["--spec-k-policy", "auto"], "auto")):
         with pytest.raises(Configured):
             main(["generate", "--prompt", "x", "--spec-k", "2", "--device", "cpu", *flags])

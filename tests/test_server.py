@@ -558,18 +558,38 @@ def test_disconnect_after_a_batch_s_first_prompt_finished_cancels_the_rest(dense
     """A batch of two prompts, the first ending at once on a stop string (the dense fixture's
     greedy text after [5, 9, 11] starts with it; after [14, 9, 11] it never comes): the client
     gone, the second prompt's job is aborted (it ran on to max_tokens, as only the first job
-    watched for the disconnect)."""
+    watched for the disconnect). Ordered by events, not sleeps: once a step has finished the first
+    prompt the engine steps no more (the second job cannot end on its own), and only then does the
+    client close its connection."""
     llm = LLM(model=dense_ckpt, max_model_len=512)
-    step = llm.engine.step
-    llm.engine.step = lambda: (time.sleep(0.02), step())[1]  # a slow model: the second job runs for seconds
+    step, first_done = llm.engine.step, threading.Event()
+
+    def held_step():
+        if first_done.is_set():  # the second job waits for the disconnect (its abort is applied between steps)
+            time.sleep(0.01)
+            return []
+        events = step()
+        if any(ev.output is not None for _, ev in events):
+            first_done.set()
+        return events
+
+    llm.engine.step = held_step
     with LiveServer(llm, ServeConfig(api_key=KEY, served_model_name=MODEL)) as srv:
         body = {"prompt": [[5, 9, 11], [14, 9, 11]], "max_tokens": 480, "stop": ["|"], **GREEDY, "ignore_eos": True}
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{srv.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=1)
-        assert wait_for(lambda: srv.metrics()["nextn:request_aborted_total"] == 1, timeout=10)
+        content = json.dumps(body).encode()
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            head += f"Content-Type: application/json\r\nContent-Length: {len(content)}\r\n\r\n"
+            conn.sendall(head.encode() + content)
+            assert first_done.wait(60)
+            stopped = 'nextn:request_success_total{finished_reason="stop"}'
+            assert wait_for(lambda: srv.metrics().get(stopped) == 1, timeout=30)  # the first prompt's job
+            assert srv.metrics()["nextn:request_aborted_total"] == 0 and srv.app.state.server.worker.num_open == 1
+        assert wait_for(lambda: srv.metrics()["nextn:request_aborted_total"] == 1, timeout=30)
         m = srv.metrics()
-        assert m['nextn:request_success_total{finished_reason="stop"}'] == 1  # the first prompt's job
-        assert m["nextn:num_requests_running"] == 0 and srv.app.state.server.worker.num_open == 0
+        assert m[stopped] == 1 and m["nextn:num_requests_running"] == 0
+        assert srv.app.state.server.worker.num_open == 0
 
 
 def test_a_batch_past_the_server_s_capacity_is_a_400(dense_ckpt):

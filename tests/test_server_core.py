@@ -278,10 +278,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_cli(ckpt: Path, tmp_path: Path, name: str) -> tuple[subprocess.Popen, str, Path]:
+def start_cli(
+    ckpt: Path | str, tmp_path: Path, name: str, flags: tuple[str, ...] = ("--max-model-len", "512")
+) -> tuple[subprocess.Popen, str, Path]:
+    """`nextn serve CKPT --port P *flags` (tests end it): the process, its URL, its log file."""
     port, log = _free_port(), tmp_path / f"{name}.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nextn.cli", "serve", str(ckpt), "--port", str(port), "--max-model-len", "512"],
+        [sys.executable, "-m", "nextn.cli", "serve", str(ckpt), "--port", str(port), *flags],
         stdout=subprocess.DEVNULL,
         stderr=log.open("w"),
         cwd=ROOT,
@@ -314,7 +317,7 @@ def _gone(pid: int) -> bool:
 
 
 def test_nextn_serve_runs_its_core_in_a_process_and_stops_it_on_sigterm(dense_ckpt, tmp_path):
-    proc, url, log = _start_cli(dense_ckpt, tmp_path, "sigterm")
+    proc, url, log = start_cli(dense_ckpt, tmp_path, "sigterm")
     try:
         core = _core_pid(log)
         assert core != proc.pid
@@ -330,7 +333,7 @@ def test_nextn_serve_runs_its_core_in_a_process_and_stops_it_on_sigterm(dense_ck
 
 
 def test_nextn_serve_exits_non_zero_when_its_core_is_killed(dense_ckpt, tmp_path):
-    proc, url, log = _start_cli(dense_ckpt, tmp_path, "sigkill")
+    proc, url, log = start_cli(dense_ckpt, tmp_path, "sigkill")
     try:
         os.kill(_core_pid(log), signal.SIGKILL)
         assert proc.wait(30) == 1, log.read_text()

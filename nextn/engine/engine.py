@@ -16,9 +16,10 @@ holds the Leader that sends them).
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -109,6 +110,8 @@ class Engine:
         self.k_policy = make_policy(config.spec) if config.tensor_parallel_size == 1 else None
         self._timed: tuple | None = None  # the last step's (batch size, choice, counts, prefilled) for the policy
         self.prefilled_rows = 0  # prompt tokens the last step prefilled
+        # the default seeds (config.seed): an unseeded sampled request takes the next, so a run repeats
+        self.default_seeds = random.Random(config.seed) if config.seed is not None else None
         if self.runner.use_graphs and self.runner.pad_rounds:  # the rounds' graphs before any request
             t0 = time.perf_counter()
             k_max = config.spec.num_speculative_tokens
@@ -136,6 +139,8 @@ class Engine:
         grammar = None
         if params.structured_outputs is not None:
             grammar = compile_grammar(params.structured_outputs, self.tokenizer)
+        if self.default_seeds is not None and not params.greedy and params.seed is None:
+            params = replace(params, seed=self.default_seeds.getrandbits(64) - 2**63)  # a signed 64-bit seed
         if self.config.tensor_parallel_size > 1:
             params = seeded(params, draw=self.leader is not None)
         # prompt logprobs need the logits of every prompt row: such a request prefills cold
@@ -474,12 +479,15 @@ class Engine:
 
 def logprob_entries(rows: torch.Tensor, ids: list[int], n: int) -> list[dict]:
     rows = rows[: len(ids)]
-    chosen = token_logprobs(rows, torch.tensor(ids, device=rows.device)).tolist()
+    ids_t = torch.tensor(ids, device=rows.device)
+    chosen = token_logprobs(rows, ids_t).tolist()
+    # vLLM's rank: 1 + the tokens more probable than the chosen one
+    ranks = ((rows > rows.gather(1, ids_t[:, None])).sum(-1) + 1).tolist()
     top = top_logprobs(rows, n) if n > 0 else None
     entries = []
     for i, (tok, lp) in enumerate(zip(ids, chosen, strict=True)):
         tops = list(zip(top.ids[i].tolist(), top.logprobs[i].tolist(), strict=True)) if top is not None else []
-        entries.append({"token_id": tok, "logprob": lp, "top_logprobs": tops})
+        entries.append({"token_id": tok, "logprob": lp, "rank": ranks[i], "top_logprobs": tops})
     return entries
 
 

@@ -18,8 +18,10 @@ import logging
 import operator
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+
+from tqdm import tqdm
 
 from nextn.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -32,7 +34,15 @@ from nextn.config import (
     resolve_device,
     resolve_dtype,
 )
-from nextn.core import RequestError, RequestOutput, SamplingParams, sampling_defaults, with_defaults
+from nextn.core import (
+    GENERATION_CONFIG_KEYS,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    sampling_defaults,
+    vllm_logprobs,
+    with_defaults,
+)
 from nextn.engine.engine import Engine, StreamEvent
 from nextn.engine.replica import Leader, follow
 from nextn.hub import resolve_model
@@ -80,6 +90,12 @@ class LLM:
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         random_weights: str | None = None,
         tokenizer: str | Path | None = None,
+        seed: int | None = None,
+        enforce_eager: bool = False,
+        generation_config: str = "auto",
+        override_generation_config: dict | None = None,
+        revision: str | None = None,
+        download_dir: str | None = None,
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         random_weights: instead of a checkpoint (model None), a preset of a released shape
@@ -107,7 +123,14 @@ class LLM:
         default): each step's K chosen for the batch's tokens/s, 0..K (nextn.spec.k_policy).
         gpu_memory_utilization (vLLM's): the fraction of the GPU's memory nextn may use (weights,
         cache, activations, graphs); max_num_seqs None: as many sequences as fit it, up to 256
-        (nextn.engine.memory); on the CPU 8, and this does not apply."""
+        (nextn.engine.memory); on the CPU 8, and this does not apply.
+        vLLM's too: seed, the engine's default seeds (a sampled request without its own seed takes the
+        next of a sequence drawn from it, so the same requests in the same order repeat; None: fresh
+        ones); enforce_eager, no CUDA graphs; generation_config "auto" (the checkpoint's
+        generation_config.json sampling defaults), "vllm" (none: SamplingParams' own) or a directory
+        holding a generation_config.json; override_generation_config, values over those defaults
+        (vLLM's names: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens, ...);
+        revision and download_dir, for a hub id (huggingface_hub's revision and cache_dir)."""
         settings = {name: value for name, value in locals().items() if name != "self"}
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
@@ -120,7 +143,8 @@ class LLM:
         vocab = DraftVocab((0,)) if isinstance(draft_vocab, str | Path) else draft_vocab
         dtype_name = resolve_dtype(dtype, device, None)
         _engine_config(model, device, dtype_name, DEFAULT_K_WITH_HEAD if k is None else k, settings, vocab)
-        model_dir = None if random_weights is not None else resolve_model(model)
+        _check_generation_config(generation_config, override_generation_config)
+        model_dir = None if random_weights is not None else resolve_model(model, revision, download_dir)
         self._boxes: dict[int, deque] = {}
         self._abandoned: list = []  # streams dropped before their first event (see stream)
         self._ranks = _start_ranks(tensor_parallel_size, device, model_dir, settings)
@@ -160,8 +184,11 @@ class LLM:
             self.model_name, self.sampling_defaults = preset, {}
         else:
             self.model = load_model(model_dir, device=device, dtype=dtype, quantization=quantization, tp=(rank(), tp))
-            self.model_name = str(model) if model is not None and not Path(model).is_dir() else model_dir.name
-            self.sampling_defaults = _read_sampling_defaults(model_dir)
+            # the model as the user gave it (vLLM's served name): a client loads the tokenizer from that path
+            self.model_name = str(model) if model is not None else model_dir.name
+            self.sampling_defaults = _read_sampling_defaults(
+                model_dir, s["generation_config"], s["override_generation_config"]
+            )
         has_head = self.model.mtp is not None
         if k is None:
             k = DEFAULT_K_WITH_HEAD if has_head else 0
@@ -209,6 +236,7 @@ class LLM:
         params: SamplingParams | None = None,
         prompt: str | None = None,
         use_sessions: bool = False,
+        use_tqdm: bool | Callable = True,
     ) -> list[RequestOutput] | RequestOutput:
         """vLLM's form: `prompts` a str, a list of str, or a list of token-id lists (or vLLM's
         {"prompt": ...} / {"prompt_token_ids": ...} dicts); `sampling_params` one for all or one
@@ -219,7 +247,9 @@ class LLM:
         or `prompt="..."`, with `params=` or `sampling_params=`; returns that one RequestOutput.
 
         `SamplingParams(structured_outputs=...)` constrains a request to a grammar (nextn.grammar);
-        one that does not compile is a ValueError naming the reason, before anything runs."""
+        one that does not compile is a ValueError naming the reason, before anything runs.
+        use_tqdm (vLLM's): a progress bar over the prompts finished (the form with prompts only; a
+        callable: the tqdm class to use)."""
         if params is not None:
             if sampling_params is not None:
                 raise TypeError("give sampling_params or params, not both")
@@ -237,7 +267,8 @@ class LLM:
         if prompt_token_ids is not None or prompt is not None:
             raise TypeError("give prompts, or prompt_token_ids / prompt, not both")
         texts, ids = self._prompts(prompts)
-        return self._generate_all(texts, ids, self._params_per_prompt(sampling_params, len(ids)), use_sessions)
+        params = self._params_per_prompt(sampling_params, len(ids))
+        return self._generate_all(texts, ids, params, use_sessions, use_tqdm)
 
     def chat(
         self,
@@ -247,6 +278,7 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        use_tqdm: bool | Callable = True,
     ) -> list[RequestOutput]:
         """vLLM's `chat`: one conversation (a list of {"role", "content"} messages) or a list of
         them, rendered with the checkpoint's chat template; one RequestOutput per conversation. A
@@ -258,7 +290,18 @@ class LLM:
         ]
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]
-        return self.generate(texts, sampling_params)
+        return self.generate(texts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self) -> Tokenizer:
+        """vLLM's: the tokenizer (encode, decode, apply_chat_template)."""
+        return self.tokenizer
+
+    def _finished(self, out: RequestOutput, prompt: str | None, ids: list[int]) -> RequestOutput:
+        """A finished output with its prompt, and its logprobs as vLLM's Logprob objects too."""
+        out.prompt, out.prompt_token_ids = prompt, ids
+        if out.logprobs is not None:
+            out.sample_logprobs = vllm_logprobs(out.logprobs, lambda t: self.tokenizer.decode([t]))
+        return out
 
     # --- one request
 
@@ -312,7 +355,7 @@ class LLM:
                     raise ev
                 if ev.output is not None:
                     done = True
-                    ev.output.prompt, ev.output.prompt_token_ids = prompt, ids
+                    self._finished(ev.output, prompt, ids)
                 yield ev
         finally:
             self._boxes.pop(req.request_id, None)
@@ -387,8 +430,11 @@ class LLM:
             raise ValueError(f"{len(sampling_params)} sampling_params for {n} prompts")
         return sampling_params
 
-    def _generate_all(self, texts, ids, params, use_sessions: bool) -> list[RequestOutput]:
+    def _generate_all(self, texts, ids, params, use_sessions: bool, use_tqdm=False) -> list[RequestOutput]:
         """Every request is added before the first step, so the engine runs them together."""
+        bar = (use_tqdm if callable(use_tqdm) else tqdm)(
+            total=len(ids), desc="Processed prompts", unit="prompt", disable=use_tqdm is False
+        )
         for p, sp in zip(ids, params, strict=True):
             self.check_prompt(p, sp)
         reqs, outputs = [], [None] * len(ids)
@@ -401,9 +447,10 @@ class LLM:
                     if isinstance(ev, BaseException):
                         raise ev
                     if ev.output is not None:
-                        outputs[i] = ev.output
-                        ev.output.prompt, ev.output.prompt_token_ids = texts[i], ids[i]
+                        outputs[i] = self._finished(ev.output, texts[i], ids[i])
+                        bar.update(1)
         finally:
+            bar.close()
             for req, out in zip(reqs, outputs, strict=False):
                 self._boxes.pop(req.request_id, None)
                 if out is None:
@@ -549,6 +596,8 @@ def _engine_config(
         trace=s["trace"],
         kv_cache_dtype=s["kv_cache_dtype"],
         gpu_memory_utilization=s["gpu_memory_utilization"],
+        enforce_eager=s["enforce_eager"],
+        seed=s["seed"],
     )
 
 
@@ -604,12 +653,36 @@ def _draft_vocab(draft_vocab: str | Path | DraftVocab, vocab_size: int, tokenize
     return draft_vocab
 
 
-def _read_sampling_defaults(model_dir: Path) -> dict:
-    """The checkpoint's recommended sampling values, logged once (a request's own values win)."""
+def _check_generation_config(generation_config, override: dict | None) -> None:
+    """vLLM's generation_config ("auto", "vllm" or a directory) and override_generation_config (a dict)."""
+    if not isinstance(generation_config, str | Path) or (
+        generation_config not in ("auto", "vllm") and not (Path(generation_config) / "generation_config.json").is_file()
+    ):
+        raise ValueError(
+            f"generation_config must be 'auto', 'vllm' or a directory holding a generation_config.json, "
+            f"got {generation_config!r}"
+        )
+    if override is not None and not isinstance(override, dict):
+        raise ValueError(f"override_generation_config must be a dict, got {override!r}")
+    if override:
+        unknown = sorted(set(override) - {*GENERATION_CONFIG_KEYS, "do_sample"})
+        if unknown:
+            raise ValueError(
+                f"override_generation_config keys {unknown} are not sampling defaults nextn reads "
+                f"(it takes {', '.join((*GENERATION_CONFIG_KEYS, 'do_sample'))})"
+            )
+        sampling_defaults(override)  # a bad value named before the load
+
+
+def _read_sampling_defaults(model_dir: Path, generation_config="auto", override: dict | None = None) -> dict:
+    """The sampling defaults, logged once (a request's own values win): the checkpoint's recommended
+    values (generation_config "auto"), none ("vllm") or another directory's, with `override` over them."""
+    source = {"vllm": None, "auto": model_dir}.get(generation_config, Path(generation_config))
     try:
-        defaults = sampling_defaults(read_generation_config(model_dir))
+        defaults = sampling_defaults(read_generation_config(source)) if source is not None else {}
     except ValueError as e:
-        raise ValueError(f"{model_dir / 'generation_config.json'}: {e}") from None
+        raise ValueError(f"{source / 'generation_config.json'}: {e}") from None
+    defaults.update(sampling_defaults(override) if override else {})
     if defaults:
         shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
         log.info("sampling defaults from generation_config.json: %s (a request's own values win)", shown)

@@ -45,7 +45,7 @@ class ModelRunner:
         self.after_norm = config.spec.hidden_after_norm
         self.step = STEPS[config.kernels](model, self.after_norm)
         self.ops = OPS[config.kernels]()
-        self.use_graphs = self.device.type == "cuda" and config.kernels == "triton"
+        self.use_graphs = self.device.type == "cuda" and config.kernels == "triton" and not config.enforce_eager
         self.graphs: dict = {}  # key -> None (ran eagerly once) or a captured CUDAGraph
         self.graph_memory = GraphMemory(pool.graph_budget)
         self._capturing: torch.cuda.CUDAGraph | None = None  # the graph `run` is capturing now

@@ -44,10 +44,53 @@ def json_schema(value) -> dict:
         raise ValueError("structured_outputs 'json': the schema is false: no value matches it")
     if not isinstance(value, dict):
         raise ValueError(f"structured_outputs 'json': a schema is a JSON object, got {type(value).__name__}")
+    value = close_objects(value)
     own = value.get("x-guidance")
     if own is None or isinstance(own, dict):  # else llguidance names what is wrong with it
         value = {**value, "x-guidance": {**JSON_OPTIONS, **(own or {})}}
     return value
+
+
+# where a JSON schema holds subschemas: one, a name -> schema map, or a list of them
+_ONE = ("items", "additionalProperties", "unevaluatedProperties", "additionalItems", "unevaluatedItems", "not",
+        "if", "then", "else", "contains", "propertyNames")  # fmt: skip
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LIST = ("anyOf", "oneOf", "prefixItems", "items")
+# an object schema with one of these says what its other properties may be, or combines with schemas
+# that may declare them: it is left as it is
+_OPEN_KEYS = {"additionalProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref"}
+_WALKED = {*_ONE, *_MAP, *_LIST, "allOf"}
+
+
+def close_objects(schema: dict) -> dict:
+    """`schema` (not changed: a copy) with every object schema that declares `properties` and says
+    nothing of the others (no `additionalProperties` / `unevaluatedProperties`) closed to them:
+    vLLM's default grammar backend (xgrammar, strict) allows no property a schema does not declare,
+    and without it a greedy small model adds keys until max_tokens. `additionalProperties: true`
+    (or a schema) keeps an object open; one that declares no properties (`{"type": "object"}`,
+    json_object) stays any object. An `allOf` member, and an object combined with `allOf` / `anyOf` /
+    `oneOf` / `$ref` beside its properties, is left open: closed, it would refuse the properties the
+    others declare. Walked without recursion (the nesting limits are checked after this)."""
+    root = {"schema": schema}
+    stack: list[tuple[dict | list, str | int, bool]] = [(root, "schema", True)]  # (holder, key, close it)
+    while stack:
+        holder, key, close = stack.pop()
+        node = holder[key]
+        if not isinstance(node, dict) or not (_WALKED.intersection(node) or (close and "properties" in node)):
+            continue  # a leaf left as it is (not copied)
+        node = holder[key] = dict(node)
+        if close and "properties" in node and not _OPEN_KEYS & node.keys():
+            node["additionalProperties"] = False
+        stack += [(node, k, True) for k in _ONE if k in node]
+        for k in (*_MAP, *_LIST, "allOf"):
+            held = node.get(k)
+            if isinstance(held, dict) and k in _MAP:
+                held = node[k] = dict(held)
+                stack += [(held, name, True) for name in held]
+            elif isinstance(held, list) and k not in _MAP:
+                held = node[k] = list(held)
+                stack += [(held, i, k != "allOf") for i in range(len(held))]
+    return root["schema"]
 
 
 def choice_terminal(choices) -> str:

@@ -28,6 +28,7 @@ from importlib.metadata import PackageNotFoundError, version
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -92,17 +93,17 @@ def create_app(engine: LLM | CoreProcess, cfg: ServeConfig, opts: ServerOptions 
     then runs on a thread of the server: tests, embedding)."""
     opts = opts or ServerOptions()
     core = engine if isinstance(engine, CoreProcess) else ThreadCore(engine)
-    model = core.model
+    model = core.model if opts.chat_template is None else core.model.with_chat_template(opts.chat_template)
     metrics = Metrics(model.num_speculative_tokens)
     worker = EngineWorker(core, model.max_num_seqs + cfg.max_queue, metrics)
-    model_name = cfg.served_model_name or model.model_name
+    model_names = cfg.served_model_name or (model.model_name,)  # responses carry the first, as vLLM's
     srv = Server(
         model,
         opts,
         worker,
         metrics,
-        Prompts(model, model_name, opts.reasoning_parser),
-        model_name,
+        Prompts(model, model_names, opts),
+        model_names[0],
         R.now(),
         LogprobFormatter(model.tokenizer),
     )
@@ -118,7 +119,8 @@ def create_app(engine: LLM | CoreProcess, cfg: ServeConfig, opts: ServerOptions 
                 ticker.cancel()
             await run_in_threadpool(worker.stop)
 
-    app = FastAPI(title="nextn", lifespan=lifespan, version=nextn_version())
+    docs = {} if opts.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="nextn", lifespan=lifespan, version=nextn_version(), root_path=opts.root_path, **docs)
     app.state.server = srv
     open_paths = {"/health"} | ({"/metrics"} if opts.metrics_open else set())
     app.add_middleware(
@@ -129,6 +131,14 @@ def create_app(engine: LLM | CoreProcess, cfg: ServeConfig, opts: ServerOptions 
         open_paths=frozenset(open_paths),
         on_reject=metrics.rejected_request,
     )
+    if opts.allowed_origins:  # outermost: a browser's preflight is answered before the key is asked for
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(opts.allowed_origins),
+            allow_methods=list(opts.allowed_methods),
+            allow_headers=list(opts.allowed_headers),
+            allow_credentials=opts.allow_credentials,
+        )
     add_routes(app, srv)
     add_error_handlers(app, metrics)
     document_errors(app, open_paths)
@@ -139,12 +149,12 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     served, worker, metrics = srv.model, srv.worker, srv.metrics
     v1 = APIRouter(prefix="/v1")
 
-    def card() -> R.ModelCard:
-        return R.ModelCard(id=srv.model_name, created=srv.created, max_model_len=served.max_model_len)
+    def card(name: str) -> R.ModelCard:
+        return R.ModelCard(id=name, created=srv.created, max_model_len=served.max_model_len)
 
     @v1.get("/models")
     async def models() -> R.ModelList:
-        return R.ModelList(data=[card()])
+        return R.ModelList(data=[card(name) for name in srv.prompts.model_names])
 
     # OpenAI's retrieve; a model name may hold "/" (org/name)
     @v1.get("/models/{model:path}", responses={404: {"model": R.ErrorResponse, "description": "No such model"}})
@@ -153,7 +163,7 @@ def add_routes(app: FastAPI, srv: Server) -> None:
             srv.prompts.check_model(model)
         except APIError as e:
             raise APIError(404, e.message, param=e.param, code=e.code) from None
-        return card()
+        return card(model)
 
     @v1.post("/chat/completions", responses={200: {"model": R.ChatCompletionResponse, "content": STREAM}})
     async def chat(req: P.ChatCompletionRequest, request: Request) -> Response:
@@ -334,17 +344,28 @@ def serve(engine: LLM | CoreProcess, cfg: ServeConfig, opts: ServerOptions | Non
     if not logging.getLogger().handlers:  # the caller set up no logging: INFO lines to stderr
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise_fd_limit()  # before the connection cap is derived from it
+    opts = opts or ServerOptions()
     app = create_app(engine, cfg, opts)
     srv: Server = app.state.server
     log.info(
-        "serving %s on http://%s:%d (spec K=%d, context %d)",
-        srv.model_name,
+        "serving %s on %s://%s:%d (spec K=%d, context %d)",
+        ", ".join(srv.prompts.model_names),
+        "https" if opts.ssl_certfile else "http",
         cfg.host,
         cfg.port,
         srv.model.num_speculative_tokens,
         srv.model.max_model_len,
     )
-    server = GracefulServer(app, host=cfg.host, port=cfg.port, log_level="info")
+    tls = {"ssl_keyfile": opts.ssl_keyfile, "ssl_certfile": opts.ssl_certfile, "ssl_ca_certs": opts.ssl_ca_certs}
+    server = GracefulServer(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level=opts.uvicorn_log_level,
+        access_log=opts.access_log,
+        ssl_cert_reqs=opts.ssl_cert_reqs,
+        **tls,
+    )
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
     return 0 if srv.worker.death is None else 1

@@ -70,9 +70,17 @@ class ChatOutputParser:
     `reasoning`: None without a reasoning parser (all text is content), else where the reply starts.
     `tools`: the request's tools when their calls are parsed (None: `<tool_call>` is plain content).
     `parallel`: False (the request's parallel_tool_calls) keeps the first call only, as vLLM does.
+    `form`: "json" or "xml", the one body form read as a call (the tool-call parser's); None: either.
     """
 
-    def __init__(self, reasoning: ReasoningStart | None, tools: list[P.Tool] | None, parallel: bool = True):
+    def __init__(
+        self,
+        reasoning: ReasoningStart | None,
+        tools: list[P.Tool] | None,
+        parallel: bool = True,
+        form: str | None = None,
+    ):
+        self.form = form
         self.state = {None: "text", "after": "text", "inside": "think", "maybe": "maybe"}[reasoning]
         self.schemas = {t.function.name: t.function.parameters or {} for t in tools} if tools is not None else None
         self.buf = ""  # text received and not yet given out
@@ -157,7 +165,7 @@ class ChatOutputParser:
         parts.content += body
 
     def _end_call(self, body: str, parts: Parts, closed: bool) -> None:
-        call = parse_tool_call(body, self.schemas or {})
+        call = parse_tool_call(body, self.schemas or {}, self.form)
         self.state, self.strip_lead = "text", call is not None
         if call is None:  # not a call after all: the block stays in the content as written
             self.pending_ws = self.ws_before_call
@@ -195,9 +203,11 @@ def _call_end(buf: str, in_strings: bool) -> int:
 _JSON_QUOTE = re.compile(r'(?<!\\)(?:\\\\)*"')  # a quote not escaped: starts or ends a JSON string
 
 
-def parse_tool_call(body: str, schemas: dict[str, dict]) -> tuple[str, dict[str, Any]] | None:
-    """(name, arguments) of one `<tool_call>` body, JSON or XML; None if it is neither."""
-    m = _FUNCTION.fullmatch(body)
+def parse_tool_call(body: str, schemas: dict[str, dict], form: str | None = None) -> tuple[str, dict[str, Any]] | None:
+    """(name, arguments) of one `<tool_call>` body, JSON or XML (`form`: that one only); None if it is neither."""
+    m = _FUNCTION.fullmatch(body) if form != "json" else None
+    if form == "xml" and m is None:
+        return None
     if m:
         parameters = schemas.get(m.group(1))
         props, _ = schema_properties(parameters)

@@ -144,11 +144,14 @@ def echo_prefix(req: P.ChatCompletionRequest) -> str:
     return text_content(last.content, len(req.messages) - 1)
 
 
-def output_parser(req: P.ChatCompletionRequest, reasoning: ReasoningStart | None) -> ChatOutputParser:
-    """The reply's parser: tool calls are parsed when the request gives tools and allows calls
-    (without parallel_tool_calls, one: "auto" has no grammar to hold the model to it)."""
+def output_parser(
+    req: P.ChatCompletionRequest, reasoning: ReasoningStart | None, form: str | None = None
+) -> ChatOutputParser:
+    """The reply's parser: tool calls (of `form`, the tool-call parser's; None: either) are parsed
+    when the request gives tools and allows calls (without parallel_tool_calls, one: "auto" has no
+    grammar to hold the model to it)."""
     tools = req.tools if req.tools and req.tool_choice != "none" else None
-    return ChatOutputParser(reasoning, tools, req.parallel_tool_calls)
+    return ChatOutputParser(reasoning, tools, req.parallel_tool_calls, form)
 
 
 def finish_reason(req: P.ChatCompletionRequest, out: RequestOutput, num_calls: int) -> str | None:
@@ -162,7 +165,7 @@ async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Re
     prompt_ids, params, checkpoint_at, reasoning = await run_in_threadpool(srv.prompts.chat, req)
     job = srv.submit(prompt_ids, params, checkpoint_at)
     rid, created = R.new_id("chatcmpl"), R.now()
-    parser = output_parser(req, reasoning)
+    parser = output_parser(req, reasoning, srv.opts.tool_call_form)
     if req.stream:
         return StreamingResponse(chat_stream(srv, req, job, parser, rid, created), media_type="text/event-stream")
     out = await run_to_end(job, request)
@@ -305,16 +308,25 @@ async def completion(srv: Server, req: P.CompletionRequest, request: Request) ->
             completion_stream(srv, req, jobs[0], ids, text, rid, created), media_type="text/event-stream"
         )
     outs = await run_all(jobs, request)
-    choices = [
-        completion_choice(srv, req, i, ids, text, out)
-        for i, ((ids, text, _), out) in enumerate(zip(prepared, outs, strict=True))
-    ]
+    n, best_of = req.n or 1, req.best_of or req.n or 1
+    choices = []
+    for p in range(len(prepared) // best_of):  # each prompt's n choices: its best_of candidates' best by
+        # cumulative logprob (vLLM's best_of), in candidate order when best_of is n
+        candidates = list(range(p * best_of, (p + 1) * best_of))
+        if best_of > n:
+            candidates = sorted(candidates, key=lambda c: -sum(e["logprob"] for e in outs[c].logprobs))[:n]
+        for j, c in enumerate(candidates):
+            ids, text, _ = prepared[c]
+            choices.append(completion_choice(srv, req, p * n + j, ids, text, outs[c]))
+    counted = usage(outs, srv.model.num_speculative_tokens)  # every candidate's tokens, as vLLM counts them
+    counted.prompt_tokens = sum(o.prompt_tokens for o in outs[::best_of])  # each prompt once
+    counted.total_tokens = counted.prompt_tokens + counted.completion_tokens
     resp = R.CompletionResponse(
         id=rid,
         created=created,
         model=srv.model_name,
         choices=choices,
-        usage=usage(outs, srv.model.num_speculative_tokens),
+        usage=counted,
     )
     return Response(to_json(resp), media_type="application/json")
 

@@ -7,7 +7,8 @@ checkpoint's tokenizer files: the API process never loads weights or touches a d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 
 from nextn.core import SamplingParams, with_defaults
 from nextn.engine.core import ModelFacts, model_facts
@@ -27,6 +28,12 @@ class ServedModel:
     @classmethod
     def load(cls, facts: ModelFacts) -> ServedModel:
         return cls(Tokenizer(facts.model_dir), facts)
+
+    def with_chat_template(self, template: str) -> ServedModel:
+        """This model with `template` rendering its chats (`--chat-template`; the engine's tokenizer keeps its own)."""
+        tok = copy.copy(self.tokenizer)
+        tok.chat_template = template
+        return replace(self, tokenizer=tok)
 
     @property
     def model_name(self) -> str:

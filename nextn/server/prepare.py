@@ -16,6 +16,7 @@ import json
 import logging
 import unicodedata
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from nextn.core import RequestError, SamplingParams
@@ -25,6 +26,7 @@ from nextn.server import protocol as P
 from nextn.server import structured
 from nextn.server.chat_output import THINK_END, THINK_START, ReasoningStart, reasoning_start
 from nextn.server.model import ServedModel
+from nextn.server.options import ServerOptions
 from nextn.server.responses import BYTE_LEVEL_ALPHABET
 from nextn.tokenizer import Tokenizer, TokenizerError
 
@@ -63,9 +65,11 @@ def max_chars_per_token(tok: Tokenizer) -> int:
 
 
 class Prompts:
-    def __init__(self, model: ServedModel, model_name: str, reasoning_parser: str | None = None):
-        self.model, self.tok, self.model_name = model, model.tokenizer, model_name
-        self.reasoning_parser = reasoning_parser
+    def __init__(self, model: ServedModel, model_names: tuple[str, ...], opts: ServerOptions):
+        """model_names: the names served (the first is the one responses carry)."""
+        self.model, self.tok, self.model_names = model, model.tokenizer, tuple(model_names)
+        self.opts = opts
+        self.reasoning_parser = reasoning_parser = opts.reasoning_parser
         if reasoning_parser and None in (self.tok.token_to_id(THINK_START), self.tok.token_to_id(THINK_END)):
             raise ValueError(
                 f"--reasoning-parser {reasoning_parser}: the tokenizer has no {THINK_START} and {THINK_END} tokens"
@@ -74,10 +78,11 @@ class Prompts:
         self.max_chars = self.max_len * max_chars_per_token(self.tok)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, self.model.model_name):
+        if name is not None and name not in (*self.model_names, self.model.model_name):
+            served = ", ".join(f"`{n}`" for n in self.model_names)
             raise APIError(
                 400,
-                f"The model `{name[:100]}` does not exist; this server serves `{self.model_name}`.",
+                f"The model `{name[:100]}` does not exist; this server serves {served}.",
                 param="model",
                 code="model_not_found",
             )
@@ -108,7 +113,7 @@ class Prompts:
     # --- chat
 
     def render(self, messages: list[P.ChatMessage], req: P.ChatTemplateFields, add_generation_prompt: bool) -> str:
-        kwargs = dict(req.chat_template_kwargs or {})
+        kwargs = {**(self.opts.default_chat_template_kwargs or {}), **(req.chat_template_kwargs or {})}
         if req.tools and req.tool_choice != "none":
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
@@ -143,7 +148,7 @@ class Prompts:
         the reasoning: None without a reasoning parser)."""
         self.check_model(req.model)
         with field_errors():
-            tools = structured.tool_grammar(req, self.tok)
+            tools = structured.tool_grammar(req, self.tok, self.opts.tool_call_form)
             found = structured.request_constraint(req)
             if tools is not None and found is not None:
                 raise P.FieldError("tool_choice", f"cannot be combined with {found[0]}")
@@ -156,6 +161,9 @@ class Prompts:
         if constraint is not None and start is not None:
             with field_errors():
                 constraint = structured.checked(found[0], structured.reasoning_grammar(constraint, start), self.tok)
+        self.check_logprobs(req)
+        if (req.n or 1) > 1:
+            raise APIError(400, "n > 1 is not supported on chat completions yet (it is on /v1/completions)", param="n")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(requested, len(prompt_ids), self.max_len, param)
@@ -166,14 +174,23 @@ class Prompts:
     # --- completions
 
     def completion(self, req: P.CompletionRequest) -> list[tuple[list[int], str | None, SamplingParams]]:
-        """(prompt ids, prompt text if given as text, params) per prompt of the batch."""
+        """(prompt ids, prompt text if given as text, params) per candidate: best_of (default n) per
+        prompt of the batch, in prompt order, candidate i of a seeded request seeded with seed + i
+        (vLLM's), each its own engine request."""
         self.check_model(req.model)
         p = req.prompt
         prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
         if len(prompts) > 1 and req.stream:
             raise APIError(400, "a batch of prompts cannot be streamed", param="prompt")
-        if len(prompts) > MAX_BATCH:
-            raise APIError(400, f"at most {MAX_BATCH} prompts per request", param="prompt")
+        n = req.n or 1
+        best_of = req.best_of or n
+        if best_of < n:
+            raise APIError(400, f"best_of ({best_of}) must be at least n ({n})", param="best_of")
+        if best_of > 1 and req.stream:
+            raise APIError(400, "n > 1 (or best_of) cannot be streamed yet", param="n" if n > 1 else "best_of")
+        if len(prompts) * best_of > MAX_BATCH:
+            raise APIError(400, f"at most {MAX_BATCH} prompts (times best_of) per request", param="prompt")
+        self.check_logprobs(req)
         if req.echo and req.stream and req.logprobs is not None:
             raise APIError(400, "echo with logprobs cannot be streamed", param="echo")
         with field_errors():
@@ -189,9 +206,24 @@ class Prompts:
             self.check(ids, "prompt")
             requested = req.max_tokens if req.max_tokens is not None else 16
             max_tokens = resolve_max_tokens(requested, len(ids), self.max_len, "max_tokens")
-            params = self.params(req, max_tokens, req.logprobs, prompt_lp, constraint)
-            out.append((ids, prompt if isinstance(prompt, str) else None, params))
+            # best_of ranks candidates by their tokens' logprobs: computed, shown only when asked
+            logprobs = 0 if req.logprobs is None and best_of > n else req.logprobs
+            params = self.params(req, max_tokens, logprobs, prompt_lp, constraint)
+            for i in range(best_of):
+                seeded = params if params.seed is None or i == 0 else replace(params, seed=wrap_seed(params.seed + i))
+                out.append((ids, prompt if isinstance(prompt, str) else None, seeded))
         return out
+
+    def check_logprobs(self, req: P.SamplingRequest) -> None:
+        """The logprob counts a request asks for, at most the server's --max-logprobs (vLLM's)."""
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            value = getattr(req, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > self.opts.max_logprobs:
+                raise APIError(
+                    400,
+                    f"{name} is {value}: this server returns at most {self.opts.max_logprobs} (--max-logprobs)",
+                    param=name,
+                )
 
     def params(
         self,
@@ -245,6 +277,11 @@ def field_errors():
         yield
     except P.FieldError as e:
         raise APIError(400, f"{e.param}: {e.message}", param=e.param) from None
+
+
+def wrap_seed(seed: int) -> int:
+    """seed + i kept a signed 64-bit seed (core.SEED_RANGE), wrapping as the Philox key does."""
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_len: int, param: str) -> int:

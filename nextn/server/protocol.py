@@ -24,7 +24,6 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -205,14 +204,14 @@ class SamplingRequest(RequestModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     ignore_eos: bool = False
-    n: int | None = Field(None, ge=1, le=1)  # one choice per request
+    n: int | None = Field(None, ge=1, le=64)  # choices per prompt (completions, not streamed; chat: 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extra: the prompt's and the output's token ids
     # vLLM's extras nextn implements
     min_tokens: int = Field(0, ge=0)
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (prepare.py)
     # structured outputs: at most one of these per request (structured.py maps them, 400 for two)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json" | "regex" | "choice" | "grammar" | ...}
@@ -306,7 +305,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (prepare.py)
     parallel_tool_calls: bool = True
     echo: bool = False  # vLLM's: the reply starts with the last message's content when it is the assistant's
     # informational (billing, storage, caching, tracking at OpenAI): taken and ignored
@@ -333,9 +332,9 @@ class CompletionRequest(SamplingRequest):
 
     # a string, token ids, or a batch of either (non-streamed batches only)
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)  # at most --max-logprobs (prepare.py)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=1)
+    best_of: int | None = Field(None, ge=1, le=64)  # candidates the n choices are picked from (vLLM's)
 
 
 class TokenizeRequest(ChatTemplateFields):

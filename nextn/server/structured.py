@@ -80,9 +80,10 @@ def checked(field: str, constraint: dict[str, Any], tok: Tokenizer) -> dict[str,
 # tool_choice
 
 
-def tool_grammar(req: P.ChatCompletionRequest, tok: Tokenizer) -> str | None:
-    """The Lark grammar that enforces `tool_choice` ("required" or a named function) in the chat
-    template's `<tool_call>` form; None when the choice leaves the model free."""
+def tool_grammar(req: P.ChatCompletionRequest, tok: Tokenizer, form: str | None = None) -> str | None:
+    """The Lark grammar that enforces `tool_choice` ("required" or a named function) in `form`
+    ("json" or "xml": the tool-call parser's), else the chat template's `<tool_call>` form; None when
+    the choice leaves the model free."""
     choice = req.tool_choice
     if choice is None or choice in ("auto", "none"):
         return None
@@ -100,7 +101,7 @@ def tool_grammar(req: P.ChatCompletionRequest, tok: Tokenizer) -> str | None:
                 limits.check_schema(json_schema(t.function.parameters), "a tool's parameters", added_tokens(tok))
             except ValueError as e:
                 raise FieldError("tool_choice", str(e)) from None
-    xml = "<function=" in (tok.chat_template or "")
+    xml = form == "xml" if form is not None else "<function=" in (tok.chat_template or "")
     body = _xml_calls(tools) if xml else _json_calls(tools)
     calls = "call" if isinstance(choice, P.NamedToolChoice) or not req.parallel_tool_calls else 'call ("\\n" call)*'
     return f'start: "\\n"? {calls}\ncall: {_marker(CALL_START, tok)} "\\n" fn "\\n" {_marker(CALL_END, tok)}\n{body}'
