@@ -237,7 +237,7 @@ class RequestOutput:
     text: str
     finish_reason: str  # "stop" (EOS / stop token) or "length"
     prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from a kept session state
+    cached_tokens: int  # prompt tokens served from a kept session state or the prefix cache
     spec: SpecStats
     prefill_seconds: float
     decode_seconds: float
@@ -251,6 +251,11 @@ class RequestOutput:
     @property
     def outputs(self) -> list[CompletionOutput]:
         return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs, self.stop_reason)]
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's name of cached_tokens."""
+        return self.cached_tokens
 
     @property
     def num_drafted(self) -> int:

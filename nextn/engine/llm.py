@@ -80,6 +80,9 @@ class LLM:
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         random_weights: str | None = None,
         tokenizer: str | Path | None = None,
+        enable_prefix_caching: bool | None = None,
+        prefix_block_size: int | None = None,
+        prefix_cache_gb: float | None = None,
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         random_weights: instead of a checkpoint (model None), a preset of a released shape
@@ -107,7 +110,12 @@ class LLM:
         default): each step's K chosen for the batch's tokens/s, 0..K (nextn.spec.k_policy).
         gpu_memory_utilization (vLLM's): the fraction of the GPU's memory nextn may use (weights,
         cache, activations, graphs); max_num_seqs None: as many sequences as fit it, up to 256
-        (nextn.engine.memory); on the CPU 8, and this does not apply."""
+        (nextn.engine.memory); on the CPU 8, and this does not apply.
+        enable_prefix_caching (vLLM's): requests share the state of the prompt blocks they start with
+        (nextn.cache.prefix); None: on where it is exact, prefill "steps" (a cached prefix then
+        changes nothing a request emits), off under "chunked", where True is an error.
+        prefix_block_size: tokens per cached block (default 64 on the CPU, 256 on a GPU);
+        prefix_cache_gb: what the cache may hold (default a tenth of the engine's memory budget)."""
         settings = {name: value for name, value in locals().items() if name != "self"}
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
@@ -549,6 +557,9 @@ def _engine_config(
         trace=s["trace"],
         kv_cache_dtype=s["kv_cache_dtype"],
         gpu_memory_utilization=s["gpu_memory_utilization"],
+        enable_prefix_caching=s["enable_prefix_caching"],
+        prefix_block_size=s["prefix_block_size"],
+        prefix_cache_gb=s["prefix_cache_gb"],
     )
 
 
