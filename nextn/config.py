@@ -238,8 +238,8 @@ class EngineConfig:
     # is exact (prefill "steps": a row's bits do not depend on where a prefill step ends; the
     # chunked kernels' do, so a cached prefix would change what a request emits); stored resolved
     enable_prefix_caching: bool | None = None
-    # tokens per cached block (None: PREFIX_BLOCK_SIZE of the device) and the bytes the cache may
-    # hold (None: PREFIX_CACHE_SHARE of the engine's memory budget)
+    # tokens per cached block (None: PREFIX_BLOCK_SIZE of the device; stays None with the cache off)
+    # and the bytes the cache may hold (None: PREFIX_CACHE_SHARE of the engine's memory budget)
     prefix_block_size: int | None = None
     prefix_cache_gb: float | None = None
 
@@ -290,9 +290,9 @@ class EngineConfig:
         given = [n for n in ("prefix_block_size", "prefix_cache_gb") if getattr(self, n) is not None]
         if given and not self.enable_prefix_caching:
             raise ValueError(f"{' and '.join(given)} would do nothing: prefix caching is off")
-        if self.prefix_block_size is None:
+        if self.prefix_block_size is None and self.enable_prefix_caching:
             object.__setattr__(self, "prefix_block_size", PREFIX_BLOCK_SIZE["cuda" if self.device != "cpu" else "cpu"])
-        if self.prefix_block_size < 1:
+        if self.prefix_block_size is not None and self.prefix_block_size < 1:
             raise ValueError(f"prefix_block_size must be >= 1, got {self.prefix_block_size}")
         if self.prefix_cache_gb is not None:
             gb = checked_number("prefix_cache_gb", self.prefix_cache_gb, integer=False)

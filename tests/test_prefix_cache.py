@@ -35,21 +35,24 @@ def source() -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def prompts(source) -> list[list[int]]:
+def prompts(source) -> dict[str, list[list[int]]]:
+    """The greedy and the seeded requests: the same prefix, each its own tail (the seeded ones' tails
+    are others: a kept session of a greedy request cannot serve one)."""
     rng = random.Random(45)
-    tails = [(2000 + 300 * i, rng.randrange(50, 151)) for i in range(NUM_REQUESTS)]
-    return [source[:PREFIX_LEN] + source[at : at + n] for at, n in tails]
+    tails = [(2000 + 150 * i, rng.randrange(50, 151)) for i in range(2 * NUM_REQUESTS)]
+    cut = [source[:PREFIX_LEN] + source[at : at + n] for at, n in tails]
+    return {"greedy": cut[:NUM_REQUESTS], "seeded": cut[NUM_REQUESTS:]}
 
 
 @pytest.fixture(scope="module")
 def cold(prompts) -> dict[str, list[list[int]]]:
     """Each request on an engine with the cache off (run side by side: a request's output does not
-    depend on its neighbours), greedy and seeded."""
+    depend on its neighbours)."""
     llm = nextn.LLM(**KW, enable_prefix_caching=False)
     assert llm.engine.runner.prefix is None
     out = {}
     for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts[name], params)
         assert all(o.num_cached_tokens == 0 for o in outputs)
         out[name] = [o.token_ids for o in outputs]
     return out
@@ -59,20 +62,19 @@ def test_llm_generate_served_from_the_cache_equals_cold(prompts, cold):
     llm = nextn.LLM(**KW)
     engine = llm.engine
     # all eight at once: the first computes the shared blocks, the others wait for them
-    outputs = llm.generate(prompts, GREEDY)
+    outputs = llm.generate(prompts["greedy"], GREEDY)
     assert [o.token_ids for o in outputs] == cold["greedy"]
     cached = [o.num_cached_tokens for o in outputs]
     assert cached[0] == 0 and min(cached[1:]) >= 1400, cached
-    tails = sum(len(p) - c for p, c in zip(prompts, cached, strict=True))
+    tails = sum(len(p) - c for p, c in zip(prompts["greedy"], cached, strict=True))
     assert engine.prefilled_tokens == tails  # the shared prefix computed once
     # one at a time, seeded: each served from what the greedy requests left
-    outputs = [llm.generate(prompt_token_ids=p, params=SEEDED) for p in prompts]
+    outputs = [llm.generate(prompt_token_ids=p, params=SEEDED) for p in prompts["seeded"]]
     assert [o.token_ids for o in outputs] == cold["seeded"]
-    assert min(o.num_cached_tokens for o in outputs) >= 1400
+    cached += [o.num_cached_tokens for o in outputs]
+    assert min(cached[NUM_REQUESTS:]) >= 1400
     counters = engine.runner.prefix.counters
-    assert counters.queries == 2 * sum(map(len, prompts)) and counters.hits == sum(cached) + sum(
-        o.num_cached_tokens for o in outputs
-    )
+    assert counters.queries == sum(map(len, prompts["greedy"] + prompts["seeded"])) and counters.hits == sum(cached)
 
 
 def test_the_server_reports_cached_tokens_and_equals_cold(prompts, cold):
@@ -97,12 +99,12 @@ def test_the_server_reports_cached_tokens_and_equals_cold(prompts, cold):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=120)
         extra = {"ignore_eos": True, "return_token_ids": True}
         body = dict(model=client.models.list().data[0].id, max_tokens=MAX_TOKENS, extra_body=extra)
-        for i, p in enumerate(prompts):  # one after another: each served from the blocks the first left
+        for i, p in enumerate(prompts["greedy"]):  # one after another: each served from the first's blocks
             r = client.completions.create(prompt=p, temperature=0.0, **body)
             assert r.choices[0].token_ids == cold["greedy"][i]
             got = r.usage.prompt_tokens_details.cached_tokens
             assert got >= 1400 if i > 0 else got == 0
-        for i, p in enumerate(prompts):  # seeded, streamed: the usage chunk carries the cached tokens
+        for i, p in enumerate(prompts["seeded"]):  # seeded, streamed: the usage chunk carries the cached tokens
             stream = client.completions.create(
                 prompt=p, temperature=0.8, seed=11, stream=True, stream_options={"include_usage": True}, **body
             )
@@ -112,7 +114,7 @@ def test_the_server_reports_cached_tokens_and_equals_cold(prompts, cold):
             ][i]
             assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 1400
         # chat: two conversations with one long system prompt
-        system = llm.tokenizer.decode(prompts[0][:400])
+        system = llm.tokenizer.decode(prompts["greedy"][0][:400])
         chat = [
             client.chat.completions.create(
                 messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
@@ -125,10 +127,11 @@ def test_the_server_reports_cached_tokens_and_equals_cold(prompts, cold):
         text = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer k"}, timeout=10).text
         metrics = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln[:1] != "#"}
         assert metrics["nextn:prefix_cache_hits_total"] >= 15 * 1400
-        assert metrics["nextn:prefix_cache_queries_total"] >= 2 * sum(map(len, prompts))
+        everything = sum(map(len, prompts["greedy"] + prompts["seeded"]))
+        assert metrics["nextn:prefix_cache_queries_total"] >= everything
         assert metrics["nextn:prefix_cache_bytes"] == llm.engine.runner.prefix.nbytes > 0
         computed = metrics["nextn:prefill_tokens_computed_total"]
-        assert computed == llm.engine.prefilled_tokens < 2 * sum(map(len, prompts)) - 15 * 1400
+        assert computed == llm.engine.prefilled_tokens < everything - 15 * 1400 + 1000  # (+ the chats)
     finally:
         server.should_exit = True
         thread.join(15)
@@ -160,8 +163,8 @@ def test_chunked_prefill_has_no_prefix_cache(prompts):
     change the output, so the cache is off there (the LLM's default prefill) and asking is an error."""
     llm = nextn.LLM(max_model_len=2048)
     assert llm.config.prefill == "chunked" and not llm.config.enable_prefix_caching and llm.engine.runner.prefix is None
-    assert llm.generate(prompt_token_ids=prompts[0][:300], params=GREEDY).num_cached_tokens == 0
-    assert llm.generate(prompt_token_ids=prompts[0][:300], params=GREEDY).num_cached_tokens == 0
+    assert llm.generate(prompt_token_ids=prompts["greedy"][0][:300], params=GREEDY).num_cached_tokens == 0
+    assert llm.generate(prompt_token_ids=prompts["greedy"][0][:300], params=GREEDY).num_cached_tokens == 0
     with pytest.raises(ValueError, match="prefix caching needs prefill='steps'"):
         EngineConfig("m", prefill="chunked", enable_prefix_caching=True)
     with pytest.raises(ValueError, match="prefix_cache_gb would do nothing"):
@@ -181,3 +184,28 @@ def test_serve_flags():
     assert args.enable_prefix_caching is False
     args = parse_args(["serve", "--enable-prefix-caching", "--prefix-block-size", "32", "--prefix-cache-gb", "2"])
     assert (args.enable_prefix_caching, args.prefix_block_size, args.prefix_cache_gb) == (True, 32, 2.0)
+
+
+def test_bench_serve_shares_a_prefix_and_reads_the_cache_counters():
+    from argparse import Namespace
+
+    from nextn.bench_serve import parse_metrics, prefix_caching, sample_prompts
+
+    lengths = dict(random_input_len=20, random_output_len=8, random_range_ratio=0.5)
+    args = Namespace(num_prompts=6, seed=3, prompt_file=None, prefix_len=40, **lengths)
+    tok = Tokenizer(DEFAULT_MODEL_DIR)
+    prompts = sample_prompts(args, tok)
+    assert all(p.prompt[:40] == prompts[0].prompt[:40] and len(p.prompt) == p.input_len for p in prompts)
+    assert len({tuple(p.prompt[40:]) for p in prompts}) == 6 and all(50 <= p.input_len <= 70 for p in prompts)
+    before = parse_metrics("nextn:prefix_cache_queries_total 100\nnextn:prefix_cache_hits_total 20\n")
+    after = parse_metrics(
+        "nextn:prefix_cache_queries_total 300\nnextn:prefix_cache_hits_total 170\n"
+        "nextn:prefill_tokens_computed_total 130\n"
+    )
+    assert prefix_caching(before, after) == {
+        "prefix_caching": True,
+        "prefix_cache_hit_rate": 150 / 200,
+        "prefill_tokens_computed": 130,
+    }
+    off = parse_metrics("nextn:prefill_tokens_computed_total 7\n")
+    assert prefix_caching(off, off)["prefix_caching"] is False and prefix_caching(None, off)["prefix_caching"] is None
