@@ -209,3 +209,22 @@ def test_bench_serve_shares_a_prefix_and_reads_the_cache_counters():
     }
     off = parse_metrics("nextn:prefill_tokens_computed_total 7\n")
     assert prefix_caching(off, off)["prefix_caching"] is False and prefix_caching(None, off)["prefix_caching"] is None
+
+
+def test_a_longer_cached_prefix_replaces_a_kept_session(source):
+    """A kept session serves less of a prompt than the cache does: the slot is rebuilt from the cache
+    (the session's checkpoint dropped with it), and the output still equals the cold one; a later
+    rewind of that conversation finds no stale checkpoint."""
+    llm = nextn.LLM(**KW)
+    coldllm = nextn.LLM(**KW, enable_prefix_caching=False)
+    first = source[:150]
+    reply = llm.generate(prompt_token_ids=first, params=GREEDY, use_sessions=True).token_ids
+    longer = first + reply + source[3000:3200]
+    llm.generate(prompt_token_ids=longer, params=GREEDY)  # (no session: its blocks go to the cache)
+    prompt = longer + source[4000:4030]
+    out = llm.generate(prompt_token_ids=prompt, params=GREEDY, use_sessions=True)
+    assert out.num_cached_tokens == (len(longer) // 64) * 64 > len(first + reply)
+    assert out.token_ids == coldllm.generate(prompt_token_ids=prompt, params=GREEDY).token_ids
+    rewritten = prompt + out.token_ids[:2] + source[5000:5010]  # (the reply rewritten: a rewind)
+    again = llm.generate(prompt_token_ids=rewritten, params=GREEDY, use_sessions=True)
+    assert again.token_ids == coldllm.generate(prompt_token_ids=rewritten, params=GREEDY).token_ids

@@ -242,8 +242,8 @@ class Engine:
                 continue
             shared = min(_shared_blocks(other.prompt_ids, prompt, B) * B, limit)
             if state.done < shared:
-                if have is None:
-                    have = self.runner.prefix.match(prompt).num_tokens
+                if have is None:  # what the cache, or the kept session in its slot, serves now
+                    have = max(self.runner.prefix.match(prompt).num_tokens, req.cached)
                 if shared > have:
                     return True
         return False
