@@ -121,7 +121,7 @@ def _prefix_caching(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="tokens per cached block: a prompt's state is kept at every block boundary (default 64 on the CPU, "
+        help="tokens per cached block: a prompt's state is kept at every block boundary (default 128 on the CPU, "
         "256 on a GPU)",
     )
     p.add_argument(

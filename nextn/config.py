@@ -45,11 +45,13 @@ QUANTIZATIONS = ("fp8",)
 # the attention layers' K/V cache: "auto" the model dtype, "fp8" e4m3 rows with float32 scales
 KV_CACHE_DTYPES = ("auto", "fp8")
 # the prefix cache (nextn.cache.prefix): a prompt's state is kept at every block boundary, and a
-# prefill step must end there, so a prompt new to the cache prefills in pieces of at most a block.
-# On a GPU a step of fewer rows than ~256 is bound by reading the weights (a 9B model's 16 GB),
-# so smaller blocks would slow every cold prefill; on the CPU a step costs its rows, so the block
-# is small and a hit recomputes at most 63 tokens
-PREFIX_BLOCK_SIZE = {"cpu": 64, "cuda": 256}
+# prefill step must end there, so a prompt new to the cache prefills in pieces of at most a block:
+# smaller blocks serve more of a shared prefix (a hit recomputes less than a block) and cost more
+# steps. CPU, the bundled model, a 1,536-token prompt prefilled whole in 1.74-1.84 s: in pieces of
+# 256 1.65-1.67 s, of 128 1.81-1.83 s, of 64 2.05-2.12 s, of 32 2.45-2.54 s; so 128. On a GPU a
+# step of fewer rows than a few hundred is bound by reading the weights (a 9B model's 16 GB per
+# step), so 256 (to be measured there: `nextn bench serve --prefix-len`, `--prefix-block-size`)
+PREFIX_BLOCK_SIZE = {"cpu": 128, "cuda": 256}
 # what the prefix cache may hold unless prefix_cache_gb says: this share of the memory the engine
 # may take once the weights are in (nextn.engine.memory), set aside before the slots are sized
 PREFIX_CACHE_SHARE = 0.1

@@ -173,7 +173,7 @@ def test_chunked_prefill_has_no_prefix_cache(prompts):
         EngineConfig("m", prefill="steps", prefix_block_size=0)
     with pytest.raises(ValueError, match="enable_prefix_caching must be"):
         EngineConfig("m", prefill="steps", enable_prefix_caching="yes")
-    assert EngineConfig("m", prefill="steps").prefix_block_size == 64
+    assert EngineConfig("m", prefill="steps").prefix_block_size == 128
 
 
 def test_serve_flags():
@@ -223,7 +223,8 @@ def test_a_longer_cached_prefix_replaces_a_kept_session(source):
     llm.generate(prompt_token_ids=longer, params=GREEDY)  # (no session: its blocks go to the cache)
     prompt = longer + source[4000:4030]
     out = llm.generate(prompt_token_ids=prompt, params=GREEDY, use_sessions=True)
-    assert out.num_cached_tokens == (len(longer) // 64) * 64 > len(first + reply)
+    B = llm.config.prefix_block_size
+    assert out.num_cached_tokens == len(longer) // B * B > len(first + reply)
     assert out.token_ids == coldllm.generate(prompt_token_ids=prompt, params=GREEDY).token_ids
     rewritten = prompt + out.token_ids[:2] + source[5000:5010]  # (the reply rewritten: a rewind)
     again = llm.generate(prompt_token_ids=rewritten, params=GREEDY, use_sessions=True)

@@ -114,7 +114,7 @@ class LLM:
         enable_prefix_caching (vLLM's): requests share the state of the prompt blocks they start with
         (nextn.cache.prefix); None: on where it is exact, prefill "steps" (a cached prefix then
         changes nothing a request emits), off under "chunked", where True is an error.
-        prefix_block_size: tokens per cached block (default 64 on the CPU, 256 on a GPU);
+        prefix_block_size: tokens per cached block (default 128 on the CPU, 256 on a GPU);
         prefix_cache_gb: what the cache may hold (default a tenth of the engine's memory budget)."""
         settings = {name: value for name, value in locals().items() if name != "self"}
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
