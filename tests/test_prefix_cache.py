@@ -152,7 +152,7 @@ def test_a_tiny_budget_evicts_and_stays_exact(source):
             out = llm.generate(prompt_token_ids=p, params=GREEDY)
             assert out.token_ids == expect
             cached.append(out.num_cached_tokens)
-            assert 0 < prefix.nbytes <= prefix.budget
+            assert 0 < prefix.nbytes == sum(b.nbytes for b in prefix.lru) <= prefix.budget
     # the second of each pair is served from the first; the first finds the other prefix's blocks in its place
     assert cached[1] > 0 and cached[3] > 0 and cached[4] < cached[1]
     assert prefix.counters.evicted_blocks > 0

@@ -49,7 +49,7 @@ class Block:
     parent: Block | None
     key: tuple[int, ...]  # its tokens
     end: int  # prompt tokens up to its end
-    rows: list[torch.Tensor]  # [B or B-1, ...] its positions' rows of each cached tensor (PrefixCache.tensors)
+    rows: list[torch.Tensor]  # [B or B-1, ...] its positions' rows of each cached tensor (PrefixCache._sources)
     boundary: Boundary | None = None
     children: dict = field(default_factory=dict)
     pins: int = 0
@@ -137,8 +137,7 @@ class PrefixCache:
         sources = self._sources(slot)
         states = [slot.committed_gdn(i) for i in self.cache.gdn_index]  # views: (conv [D, W-1], state)
         need = sum(_nbytes(t) for state in states for t in state) + _nbytes(hidden)
-        need += sum(_nbytes(t[0]) * len(range(*_span(node.end + k * B, B, shift))) for k in range(len(keys))
-                    for t, shift in sources)  # fmt: skip
+        need += sum(_rows_nbytes(sources, node.end + k * B, B) for k in range(len(keys)))
         if not self._make_room(need, node):
             return
         for key in keys:
@@ -201,6 +200,15 @@ class PrefixCache:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _rows_nbytes(sources: list[tuple[torch.Tensor, int]], start: int, size: int) -> int:
+    """Bytes of a block's rows of positions start..start+size in each (tensor, shift) of sources."""
+    total = 0
+    for t, shift in sources:
+        lo, hi = _span(start, size, shift)
+        total += (hi - lo) * _nbytes(t[0])
+    return total
 
 
 def _span(start: int, size: int, shift: int) -> tuple[int, int]:
