@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import nextn
 from nextn.config import DEFAULT_MODEL_DIR, EngineConfig
@@ -229,3 +230,23 @@ def test_a_longer_cached_prefix_replaces_a_kept_session(source):
     rewritten = prompt + out.token_ids[:2] + source[5000:5010]  # (the reply rewritten: a rewind)
     again = llm.generate(prompt_token_ids=rewritten, params=GREEDY, use_sessions=True)
     assert again.token_ids == coldllm.generate(prompt_token_ids=rewritten, params=GREEDY).token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton step in CUDA graphs")
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_k=20, seed=7)])
+def test_served_from_the_cache_equals_cold_on_the_gpu(dense_fitted_ckpt, sampling):
+    """The Triton path in bf16, greedy and seeded sampled, drafting: requests sharing a prefix, all at
+    once (the later wait for the first's blocks) then one at a time, emit what a cache-off engine emits."""
+    kw = dict(model=dense_fitted_ckpt, device="cuda", dtype="bfloat16", num_speculative_tokens=3, prefill="steps")
+    warm, cold = nextn.LLM(**kw, prefix_block_size=32), nextn.LLM(**kw, enable_prefix_caching=False)
+    params = nextn.SamplingParams(max_tokens=24, ignore_eos=True, **sampling)
+    rng = random.Random(2)
+    prefix = [rng.randrange(340) for _ in range(150)]
+    prompts = [prefix + [rng.randrange(340) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
+    expected = [o.token_ids for o in cold.generate(prompts, params)]
+    batched = warm.generate(prompts, params)
+    assert [o.token_ids for o in batched] == expected and min(o.num_cached_tokens for o in batched[1:]) >= 128
+    for p, expect in zip(prompts, expected, strict=True):
+        out = warm.generate(prompt_token_ids=p, params=params)
+        assert out.token_ids == expect and out.num_cached_tokens >= 128
