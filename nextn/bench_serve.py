@@ -131,6 +131,7 @@ def check_args(args) -> None:
         ),
         (a.request_rate > 0, f"--request-rate must be > 0 (inf: all at once), got {a.request_rate}"),
         (a.random_input_len >= 1, f"--random-input-len must be >= 1, got {a.random_input_len}"),
+        (a.prefix_len >= 0, f"--prefix-len must be >= 0, got {a.prefix_len}"),
         (a.random_output_len >= 1, f"--random-output-len must be >= 1, got {a.random_output_len}"),
         (0.0 <= a.random_range_ratio < 1.0, f"--random-range-ratio must be in [0, 1), got {a.random_range_ratio}"),
         (a.temperature >= 0.0, f"--temperature must be >= 0, got {a.temperature}"),
@@ -168,8 +169,10 @@ def sample_prompts(args, tokenizer) -> list[Prompt]:
     """`--num-prompts` prompts, the same for the same `--seed`: random token ids from the tokenizer's
     vocabulary, or slices of `--prompt-file` from random offsets (the file repeated where too short).
     `--random-range-ratio` spreads both lengths for the random dataset (vLLM's), the input lengths
-    only for a prompt file (its outputs are `--random-output-len` each)."""
+    only for a prompt file (its outputs are `--random-output-len` each). `--prefix-len N`: every
+    prompt starts with the same N tokens (drawn once the same way) before its own."""
     rng = random.Random(args.seed)
+    prefix = _prompts(args, tokenizer, rng, [args.prefix_len], [0])[0] if args.prefix_len else None
 
     def lengths(mean: int, ratio: float) -> list[int]:
         return [max(1, rng.randint(int(mean * (1 - ratio)), int(mean * (1 + ratio)))) for _ in range(args.num_prompts)]
@@ -177,6 +180,13 @@ def sample_prompts(args, tokenizer) -> list[Prompt]:
     ratio = args.random_range_ratio
     input_lens = lengths(args.random_input_len, ratio)
     output_lens = lengths(args.random_output_len, ratio if args.prompt_file is None else 0.0)
+    prompts = _prompts(args, tokenizer, rng, input_lens, output_lens)
+    if prefix is None:
+        return prompts
+    return [Prompt(prefix.prompt + p.prompt, prefix.input_len + p.input_len, p.output_len) for p in prompts]
+
+
+def _prompts(args, tokenizer, rng: random.Random, input_lens: list[int], output_lens: list[int]) -> list[Prompt]:
     pairs = zip(input_lens, output_lens, strict=True)
     if args.prompt_file is None:
         return [Prompt([rng.randrange(tokenizer.vocab_size) for _ in range(n)], n, m) for n, m in pairs]
@@ -336,6 +346,30 @@ def mean_acceptance_length(before: dict[str, float] | None, after: dict[str, flo
 
     drafts = delta("spec_decode_num_drafts")
     return 1 + delta("spec_decode_num_accepted_tokens") / drafts if drafts > 0 else None
+
+
+def prefix_caching(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
+    """`prefix_caching` (whether the server's /metrics has prefix-cache counters; None without
+    /metrics), and over the run, from the counters' deltas: `prefix_cache_hit_rate` (hit / looked-up
+    prompt tokens) and `prefill_tokens_computed` (prompt tokens the server computed; nextn's)."""
+    if before is None or after is None:
+        return {"prefix_caching": None, "prefix_cache_hit_rate": None, "prefill_tokens_computed": None}
+
+    def delta(name: str) -> float | None:
+        if not _samples(after, name):
+            return None
+        return sum(_samples(after, name).values()) - sum(_samples(before, name).values())
+
+    queries, hits, computed = (
+        delta("prefix_cache_queries"),
+        delta("prefix_cache_hits"),
+        delta("prefill_tokens_computed"),
+    )
+    return {
+        "prefix_caching": queries is not None,
+        "prefix_cache_hit_rate": hits / queries if queries else None,
+        "prefill_tokens_computed": None if computed is None else int(computed),
+    }
 
 
 def metrics_spec_k(metrics: dict[str, float] | None) -> int | None:
@@ -528,6 +562,8 @@ def bench_serve_from_args(args) -> int:
         "base_url": base_url,
         **summarize(run.results, run.duration, "chars/4" if tokenizer is None else "tokenizer"),
         "mean_acceptance_length": mean_acceptance_length(run.before, run.after),
+        "prefix_len": args.prefix_len,
+        **prefix_caching(run.before, run.after),
         "spec_k": spec_k if spec_k is not None else metrics_spec_k(run.after),
         "graph_metrics": {k: v for k, v in (run.after or {}).items() if "graph" in k},
         "device": device,
@@ -567,6 +603,10 @@ def print_report(r: dict) -> None:
     print("{s:{c}^{n}}".format(s="Speculative Decoding", n=50, c="-"))
     row("Draft tokens per round (K):", r["spec_k"])
     row("Mean acceptance length (server):", r["mean_acceptance_length"])
+    print("{s:{c}^{n}}".format(s="Prefix Caching", n=50, c="-"))
+    row("Prefix caching:", r["prefix_caching"])
+    row("Prefix cache hit rate:", r["prefix_cache_hit_rate"])
+    row("Prefill tokens computed:", r["prefill_tokens_computed"])
     print("=" * 50)
     for error in r["errors"]:
         print(f"nextn bench serve: a request failed: {error}", file=sys.stderr)

@@ -113,6 +113,33 @@ def _memory(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _prefix_caching(p: argparse.ArgumentParser) -> None:
+    """serve: automatic prefix caching (vLLM's flag), its block size and memory."""
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="requests share the cached state of the prompt blocks they start with (default: on with "
+        "--prefill steps, where a cached prefix changes nothing a request emits; not available with chunked)",
+    )
+    p.add_argument(
+        "--prefix-block-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens per cached block: a prompt's state is kept at every block boundary (default 128 on the CPU, "
+        "256 on a GPU)",
+    )
+    p.add_argument(
+        "--prefix-cache-gb",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="memory the prefix cache may hold, least recently used blocks evicted (default: a tenth of what "
+        "the engine may use beside the weights, set aside before the cache's sequences are counted)",
+    )
+
+
 def _tensor_parallel(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tensor-parallel-size",
@@ -379,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="steps (default here): prompts run through the decode step's arithmetic, so a "
         "resumed or rewound session emits exactly what a cold run emits; chunked: faster prefill",
     )
+    _prefix_caching(s)
 
     r = sub.add_parser("replay", help="teacher-forced draft acceptance over a text file")
     _common(r)
@@ -517,6 +545,13 @@ def build_bench_serve_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens")
+    p.add_argument(
+        "--prefix-len",
+        type=int,
+        default=0,
+        help="every prompt starts with the same N tokens (a shared system prompt) before its own "
+        "--random-input-len (default 0)",
+    )
     p.add_argument("--random-output-len", type=int, default=128, help="max_tokens")
     p.add_argument(
         "--random-range-ratio",

@@ -191,6 +191,9 @@ def _serve(args) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_block_size=args.prefix_block_size,
+        prefix_cache_gb=args.prefix_cache_gb,
     )
     core = CoreProcess.launch(llm_args, args.log_level)  # a start-up error raises here: one line, as LLM's
     try:

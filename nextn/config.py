@@ -44,6 +44,17 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 QUANTIZATIONS = ("fp8",)
 # the attention layers' K/V cache: "auto" the model dtype, "fp8" e4m3 rows with float32 scales
 KV_CACHE_DTYPES = ("auto", "fp8")
+# the prefix cache (nextn.cache.prefix): a prompt's state is kept at every block boundary, and a
+# prefill step must end there, so a prompt new to the cache prefills in pieces of at most a block:
+# smaller blocks serve more of a shared prefix (a hit recomputes less than a block) and cost more
+# steps. CPU, the bundled model, a 1,536-token prompt prefilled whole in 1.74-1.84 s: in pieces of
+# 256 1.65-1.67 s, of 128 1.81-1.83 s, of 64 2.05-2.12 s, of 32 2.45-2.54 s; so 128. On a GPU a
+# step of fewer rows than a few hundred is bound by reading the weights (a 9B model's 16 GB per
+# step), so 256 (to be measured there: `nextn bench serve --prefix-len`, `--prefix-block-size`)
+PREFIX_BLOCK_SIZE = {"cpu": 128, "cuda": 256}
+# what the prefix cache may hold unless prefix_cache_gb says: this share of the memory the engine
+# may take once the weights are in (nextn.engine.memory), set aside before the slots are sized
+PREFIX_CACHE_SHARE = 0.1
 
 
 def check_quantization(quantization: str | None) -> None:
@@ -231,6 +242,14 @@ class EngineConfig:
     # own takes the next of a sequence drawn from it, so the same requests in the same order give the same outputs.
     # None: such a request draws a fresh seed
     seed: int | None = None
+    # automatic prefix caching (nextn.cache.prefix; vLLM's enable_prefix_caching): None, on where it
+    # is exact (prefill "steps": a row's bits do not depend on where a prefill step ends; the
+    # chunked kernels' do, so a cached prefix would change what a request emits); stored resolved
+    enable_prefix_caching: bool | None = None
+    # tokens per cached block (None: PREFIX_BLOCK_SIZE of the device; stays None with the cache off)
+    # and the bytes the cache may hold (None: PREFIX_CACHE_SHARE of the engine's memory budget)
+    prefix_block_size: int | None = None
+    prefix_cache_gb: float | None = None
 
     def __post_init__(self):
         _check_ints(self, "max_model_len", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "seed")
@@ -261,6 +280,33 @@ class EngineConfig:
             object.__setattr__(self, "max_num_batched_tokens", PREFILL_CHUNK + self.max_num_seqs * STEP_ROWS)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < STEP_ROWS:
             raise ValueError(f"max_num_batched_tokens must be >= {STEP_ROWS}, got {self.max_num_batched_tokens}")
+        self._check_prefix_caching()
+
+    def _check_prefix_caching(self) -> None:
+        """enable_prefix_caching resolved (None: on under prefill "steps"), its settings checked;
+        on under "chunked", or a setting of a cache that is off, is an error."""
+        _check_ints(self, "prefix_block_size")
+        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True, False or None, got {self.enable_prefix_caching!r}")
+        if self.enable_prefix_caching is None:
+            object.__setattr__(self, "enable_prefix_caching", self.prefill == "steps")
+        if self.enable_prefix_caching and self.prefill != "steps":
+            raise ValueError(
+                "prefix caching needs prefill='steps' (--prefill steps): the chunked prefill's arithmetic depends "
+                "on where a prompt is cut, so a cached prefix would change what a request emits"
+            )
+        given = [n for n in ("prefix_block_size", "prefix_cache_gb") if getattr(self, n) is not None]
+        if given and not self.enable_prefix_caching:
+            raise ValueError(f"{' and '.join(given)} would do nothing: prefix caching is off")
+        if self.prefix_block_size is None and self.enable_prefix_caching:
+            object.__setattr__(self, "prefix_block_size", PREFIX_BLOCK_SIZE["cuda" if self.device != "cpu" else "cpu"])
+        if self.prefix_block_size is not None and self.prefix_block_size < 1:
+            raise ValueError(f"prefix_block_size must be >= 1, got {self.prefix_block_size}")
+        if self.prefix_cache_gb is not None:
+            gb = checked_number("prefix_cache_gb", self.prefix_cache_gb, integer=False)
+            if gb < 0:
+                raise ValueError(f"prefix_cache_gb must be >= 0, got {gb}")
+            object.__setattr__(self, "prefix_cache_gb", float(gb))
 
     @property
     def prefill_chunk(self) -> int:

@@ -295,7 +295,7 @@ class RequestOutput:
     text: str
     finish_reason: str  # "stop" (EOS / stop token) or "length"
     prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from a kept session state
+    cached_tokens: int  # prompt tokens served from a kept session state or the prefix cache
     spec: SpecStats
     prefill_seconds: float
     decode_seconds: float
@@ -316,6 +316,11 @@ class RequestOutput:
                 0, self.text, self.token_ids, self.finish_reason, self.sample_logprobs, self.stop_reason, cumulative
             )
         ]
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's name of cached_tokens."""
+        return self.cached_tokens
 
     @property
     def num_drafted(self) -> int:

@@ -297,9 +297,8 @@ def test_poisson_arrivals_are_reproducible():
 
 
 def test_prompts_are_reproducible_and_in_range():
-    args = Namespace(
-        num_prompts=50, random_input_len=20, random_output_len=8, random_range_ratio=0.5, seed=7, prompt_file=None
-    )
+    lengths = dict(random_input_len=20, random_output_len=8, random_range_ratio=0.5)
+    args = Namespace(num_prompts=50, seed=7, prompt_file=None, prefix_len=0, **lengths)
     tok = Tokenizer(DEFAULT_MODEL_DIR)
     prompts = sample_prompts(args, tok)
     assert prompts == sample_prompts(args, tok) and prompts != sample_prompts(

@@ -53,6 +53,7 @@ class Budget(NamedTuple):
     where: str = ""  # what nbytes is a part of, for messages: "0.9 of the GPU's 79.1 GiB"
     in_use: int | None = None  # a GPU's bytes in use when it was read (the weights, the CUDA context, ...)
     gpu: bool = False  # sized by gpu_memory_utilization (the flag an error can name)
+    prefix: int = 0  # bytes set aside for the prefix cache (not in nbytes)
 
     def cache_bytes(self, num_seqs: int) -> int:
         """What a cache of num_seqs sequences may take."""
@@ -63,10 +64,13 @@ class Budget(NamedTuple):
         return max(0, min(MAX_NUM_SEQS, int((self.nbytes - self.fixed) // (slot_nbytes + self.per_seq))))
 
     def describe(self) -> str:
-        """Where the budget comes from, with what was in use: for an error."""
-        if self.in_use is None:
-            return self.where
-        return f"{self.where} (less {self.in_use / GiB:.2f} GiB in use: the weights, the CUDA context, ...)"
+        """Where the budget comes from, with what was in use and what the prefix cache holds: for an error."""
+        where = self.where
+        if self.in_use is not None:
+            where += f" (less {self.in_use / GiB:.2f} GiB in use: the weights, the CUDA context, ...)"
+        if self.prefix:
+            where += f", less {self.prefix / GiB:.2f} GiB for the prefix cache (--prefix-cache-gb)"
+        return where
 
     def summary(self) -> str:
         """Where the budget comes from: for the start-up line."""

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from nextn.cache.prefix import PrefixCounters
 from nextn.core import RequestError, RequestOutput, SamplingParams
 from nextn.engine.engine import Engine
 from nextn.engine.scheduler import Request, SessionCounters
@@ -88,6 +89,9 @@ class CoreStats(msgspec.Struct, array_like=True):
     session_memory_bytes: int = 0  # kept sessions' slots and the CUDA graphs captured for them
     batch_sizes: dict[int, int] = {}  # requests per batched round -> rounds launched
     graph_counts: dict[str, int] | None = None  # the runner's {"captures", "replays", "eager"}, if it counts
+    prefix: PrefixCounters | None = None  # the prefix cache's counters (None: it is off)
+    prefix_cache_bytes: int = 0  # what its blocks hold
+    prefill_tokens: int = 0  # prompt tokens computed (not served from a cache)
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -211,6 +215,7 @@ class EngineCore:
         engine = self.engine
         sched = engine.scheduler
         counts = getattr(engine.runner, "graph_counts", None)
+        prefix = engine.runner.prefix
         return CoreStats(
             len(sched.running),
             dataclasses.replace(sched.counters),
@@ -219,6 +224,9 @@ class EngineCore:
             len(sched.sessions) * engine.pool.slot_nbytes + engine.runner.graph_memory.of(sched.sessions),
             dict(engine.batch_sizes),
             None if counts is None else {k: int(v) for k, v in counts.items()},
+            None if prefix is None else dataclasses.replace(prefix.counters),
+            0 if prefix is None else prefix.nbytes,
+            engine.prefilled_tokens,
         )
 
 

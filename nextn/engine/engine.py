@@ -11,6 +11,11 @@ A request's structured_outputs compile when it is added (a ValueError names what
 matcher (nextn.grammar.GrammarState) is made with its rounds, on its slot's mask rows.
 Under tensor parallelism every rank runs one, fed the same inputs (nextn.engine.replica: rank 0's
 holds the Leader that sends them).
+
+With the prefix cache on (nextn.cache.prefix), a request's prefill first copies in the deepest
+cached block boundary of its prompt (when that beats what a kept session holds), and every prefill
+step ends at a block boundary, where the slot's state is cached; a request whose prompt shares
+blocks that an earlier request is still prefilling waits for them instead of computing them too.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class _Prefill:
     entries: list | None  # prompt logprobs so far (when asked)
     seconds: float = 0.0
     checkpointed: bool = False
+    looked_up: bool = False  # the prefix cache was asked (its first piece; it may wait for an earlier request first)
 
 
 def build_core(model: CausalLM, config: EngineConfig) -> tuple[SlotPool, ModelRunner, MTPProposer | None]:
@@ -112,6 +118,7 @@ class Engine:
         self.prefilled_rows = 0  # prompt tokens the last step prefilled
         # the default seeds (config.seed): an unseeded sampled request takes the next, so a run repeats
         self.default_seeds = random.Random(config.seed) if config.seed is not None else None
+        self.prefilled_tokens = 0  # prompt tokens prefilled so far (computed, not served from a cache)
         if self.runner.use_graphs and self.runner.pad_rounds:  # the rounds' graphs before any request
             t0 = time.perf_counter()
             k_max = config.spec.num_speculative_tokens
@@ -227,16 +234,50 @@ class Engine:
 
     def _begin(self, req: Request) -> list:
         """An admitted request: its slot reset (or rewound to a kept session's checkpoint); its
-        prompt past the cached tokens is prefilled by the next steps."""
-        seq, prompt = req.seq, req.prompt_ids
+        prompt past the cached tokens is prefilled by the next steps (from a cached prefix, if one serves more)."""
+        seq = req.seq
         if req.cached == 0:  # a fresh slot (or one taken from an evicted session)
             self.runner.reset(seq, heads=self.proposer is not None)
         elif req.rewind:
             self.runner.rewind(seq)
-        split = len(prompt) if req.checkpoint_at is None else min(max(req.checkpoint_at, req.cached), len(prompt))
         entries = [None] if req.params.prompt_logprobs is not None else None  # the first token has no prediction
-        self.prefilling[req.request_id] = _Prefill(req.cached, split, entries)
+        looked_up = self.runner.prefix is None
+        self.prefilling[req.request_id] = _Prefill(req.cached, _split(req), entries, looked_up=looked_up)
         return []
+
+    def _look_up(self, req: Request, state: _Prefill) -> None:
+        """The prefix cache's deepest block boundary of the prompt, copied into the request's slot
+        when it serves more than the slot holds (a kept session's tokens). A request that asks for
+        prompt logprobs prefills cold (it needs every row's logits)."""
+        state.looked_up = True
+        if req.params.prompt_logprobs is not None:
+            return
+        match = self.runner.prefix.match(req.prompt_ids, count=True)
+        if match.num_tokens > req.cached:
+            req.seq = self.runner.restore_prefix(req.seq, match, req.prompt_ids)
+            req.cached = state.done = match.num_tokens
+            state.split = _split(req)
+
+    def _behind(self, req: Request) -> bool:
+        """An earlier request, still prefilling, will cache blocks of this prompt that the cache
+        lacks now: wait for them (sixteen requests with one system prompt compute it once)."""
+        B, prompt = self.config.prefix_block_size, req.prompt_ids
+        if req.params.prompt_logprobs is not None:
+            return False
+        limit, have = (len(prompt) - 1) // B * B, None
+        for other in self.scheduler.running:
+            if other is req:
+                return False
+            state = self.prefilling.get(other.request_id)
+            if state is None:
+                continue
+            shared = min(_shared_blocks(other.prompt_ids, prompt, B) * B, limit)
+            if state.done < shared:
+                if have is None:  # what the cache, or the kept session in its slot, serves now
+                    have = max(self.runner.prefix.match(prompt).num_tokens, req.cached)
+                if shared > have:
+                    return True
+        return False
 
     def _prefill(self) -> list:
         """The next pieces of the prompts being prefilled, in admission order, within the step's
@@ -245,16 +286,23 @@ class Engine:
         prompt[:split]). Requests whose prompt is in start their rounds. Returns their events."""
         rows = sum(live.rounds.k + 1 for live in self.live.values())
         budget = max(self.config.max_num_batched_tokens - rows, STEP_ROWS)
+        B = self.config.prefix_block_size
         todo = []  # (request, its state, piece end)
         for req in [r for r in self.scheduler.running if r.request_id in self.prefilling]:
             if budget <= 0:
                 break
             state = self.prefilling[req.request_id]
+            if not state.looked_up:
+                if self._behind(req):
+                    continue
+                self._look_up(req, state)
             lo = state.done
             end = state.split if lo < state.split else len(req.prompt_ids)
             hi = min(end, lo + budget)
             if self.config.prefill == "chunked" and hi < end:  # whole chunks (EngineConfig.prefill_chunk)
                 hi = lo + (hi - lo) // self.config.prefill_chunk * self.config.prefill_chunk
+            if self.runner.prefix is not None:  # a step ends at each block boundary: its state is cached there
+                hi = min(hi, (lo // B + 1) * B)
             todo.append((req, state, hi))
             budget -= hi - state.done
         if not todo:  # (no sync either: the rounds queued ahead keep running)
@@ -266,6 +314,7 @@ class Engine:
             if hi > state.done
         ]
         self.prefilled_rows = sum(len(p.token_ids) for p in pieces)
+        self.prefilled_tokens += self.prefilled_rows
         t0 = time.perf_counter()
         try:
             self.runner.prefill(pieces)
@@ -273,6 +322,8 @@ class Engine:
             return [self._fail(req, e) for req, _, _ in todo]
         events = []
         for req, state, hi in todo:
+            if self.runner.prefix is not None and hi > state.done and hi % B == 0:
+                self.runner.snapshot_prefix(req.seq)
             state.done = hi
             if req.use_sessions and state.done == state.split and not state.checkpointed:
                 self.runner.checkpoint(req.seq)
@@ -475,6 +526,20 @@ class Engine:
             prompt_logprobs=prompt_lp,
             rounds=rounds,
         )
+
+
+def _split(req: Request) -> int:
+    """Where the request's session checkpoint goes: after prompt[:split]."""
+    prompt = req.prompt_ids
+    return len(prompt) if req.checkpoint_at is None else min(max(req.checkpoint_at, req.cached), len(prompt))
+
+
+def _shared_blocks(a: list[int], b: list[int], size: int) -> int:
+    """How many whole blocks of `size` tokens a and b start with alike."""
+    n = 0
+    while (n + 1) * size <= min(len(a), len(b)) and a[n * size : (n + 1) * size] == b[n * size : (n + 1) * size]:
+        n += 1
+    return n
 
 
 def logprob_entries(rows: torch.Tensor, ids: list[int], n: int) -> list[dict]:

@@ -96,6 +96,9 @@ class LLM:
         override_generation_config: dict | None = None,
         revision: str | None = None,
         download_dir: str | None = None,
+        enable_prefix_caching: bool | None = None,
+        prefix_block_size: int | None = None,
+        prefix_cache_gb: float | None = None,
     ):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
         random_weights: instead of a checkpoint (model None), a preset of a released shape
@@ -130,7 +133,12 @@ class LLM:
         generation_config.json sampling defaults), "vllm" (none: SamplingParams' own) or a directory
         holding a generation_config.json; override_generation_config, values over those defaults
         (vLLM's names: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens, ...);
-        revision and download_dir, for a hub id (huggingface_hub's revision and cache_dir)."""
+        revision and download_dir, for a hub id (huggingface_hub's revision and cache_dir).
+        enable_prefix_caching (vLLM's): requests share the state of the prompt blocks they start with
+        (nextn.cache.prefix); None: on where it is exact, prefill "steps" (a cached prefix then
+        changes nothing a request emits), off under "chunked", where True is an error.
+        prefix_block_size: tokens per cached block (default 128 on the CPU, 256 on a GPU);
+        prefix_cache_gb: what the cache may hold (default a tenth of the engine's memory budget)."""
         settings = {name: value for name, value in locals().items() if name != "self"}
         k = _speculative_tokens(num_speculative_tokens, speculative_config)
         check_quantization(quantization)
@@ -598,6 +606,9 @@ def _engine_config(
         gpu_memory_utilization=s["gpu_memory_utilization"],
         enforce_eager=s["enforce_eager"],
         seed=s["seed"],
+        enable_prefix_caching=s["enable_prefix_caching"],
+        prefix_block_size=s["prefix_block_size"],
+        prefix_cache_gb=s["prefix_cache_gb"],
     )
 
 

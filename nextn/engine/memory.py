@@ -15,6 +15,8 @@ from the model's shapes (`reserve`). A max_num_seqs given is checked against the
 the CPU there is no GPU memory to size: max_num_seqs defaults to CPU_MAX_NUM_SEQS (EngineConfig),
 checked against the machine's available memory less a tenth, and gpu_memory_utilization does not
 apply. Under tensor parallelism every rank sizes its own device and all take the fewest slots.
+The prefix cache's bytes (prefix_cache_gb, or PREFIX_CACHE_SHARE of the budget) are set aside
+first (`set_aside_prefix`), the same on every rank.
 
 Allocates nothing: the cache is nextn.cache.pool's.
 """
@@ -27,8 +29,15 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache.hybrid import CacheLayout, nbytes_of, tensor_specs
-from nextn.cache.pool import Budget, CacheMemoryError, check_fits, cpu_budget, gpu_budget
-from nextn.config import ATTENTION_CHUNK, ATTENTION_ROWS, PREFILL_CHUNK, STEP_ROWS, EngineConfig
+from nextn.cache.pool import Budget, CacheMemoryError, GiB, check_fits, cpu_budget, gpu_budget
+from nextn.config import (
+    ATTENTION_CHUNK,
+    ATTENTION_ROWS,
+    PREFILL_CHUNK,
+    PREFIX_CACHE_SHARE,
+    STEP_ROWS,
+    EngineConfig,
+)
 from nextn.engine.rounds import round_buffers
 from nextn.engine.sampler import sampler_buffers
 from nextn.model_config import ModelConfig
@@ -136,7 +145,7 @@ def fit_cache(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> tup
     """config with max_num_seqs resolved (None on a GPU: what fits the budget, the same count on
     every tensor-parallel rank), and the budget the pool checks its cache against. Not one
     sequence fitting is a CacheMemoryError that says what would (a shorter context, more of the GPU)."""
-    budget = memory_budget(cfg, config, dtype)
+    budget = set_aside_prefix(config, memory_budget(cfg, config, dtype))
     if config.max_num_seqs is not None:
         return config, budget
     k = config.spec.num_speculative_tokens
@@ -146,6 +155,20 @@ def fit_cache(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> tup
         check_fits(cfg, cache_layout(cfg, config.max_model_len, k, dtype, config.kv_cache_dtype), dtype, budget)
         raise CacheMemoryError("another tensor-parallel rank's memory fits not one sequence (its error says what does)")
     return replace(config, max_num_seqs=num_seqs), budget
+
+
+def set_aside_prefix(config: EngineConfig, budget: Budget) -> Budget:
+    """The budget less what the prefix cache may hold, that in its `prefix`: prefix_cache_gb, else
+    PREFIX_CACHE_SHARE of what the budget leaves beside the reserve; under tensor parallelism the
+    fewest bytes of any rank (every rank must evict alike: their steps run together)."""
+    if not config.enable_prefix_caching:
+        return budget
+    if config.prefix_cache_gb is not None:
+        nbytes = int(config.prefix_cache_gb * GiB)
+    else:
+        nbytes = int(max(0, budget.nbytes - budget.fixed) * PREFIX_CACHE_SHARE)
+    nbytes = _fewest(nbytes, config.tensor_parallel_size)
+    return budget._replace(nbytes=budget.nbytes - nbytes, prefix=nbytes)
 
 
 def _fewest(num_seqs: int, tensor_parallel_size: int) -> int:

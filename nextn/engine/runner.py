@@ -10,6 +10,9 @@ slots it serves, so kept sessions' graphs count with them) and bounded by the po
 and return);
 `PhaseClock` times a round's phases (CUDA events captured with its graph).
 
+The prefix cache (nextn.cache.prefix) is the runner's too: `restore_prefix` copies a cached prompt
+prefix into a slot, `snapshot_prefix` keeps what a slot holds at a block boundary.
+
 Does not choose tokens (nextn.engine.sampler) or decide what a round keeps (nextn.engine.rounds).
 """
 
@@ -25,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache import SlotCache, SlotPool, StepBatch, commit_ctl
+from nextn.cache.prefix import Match, PrefixCache
 from nextn.config import STEP_ROWS, EngineConfig
 from nextn.engine.sequence import Sequence
 from nextn.models.qwen3_5 import CausalLM, ReferenceStep
@@ -51,6 +55,10 @@ class ModelRunner:
         self._capturing: torch.cuda.CUDAGraph | None = None  # the graph `run` is capturing now
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.slots = [pool.cache.slot(s) for s in range(pool.num_slots)]
+        self.prefix = None  # the prefix cache, when on (the memory set aside for it: the pool's budget.prefix)
+        if config.enable_prefix_caching:
+            k = config.spec.num_speculative_tokens
+            self.prefix = PrefixCache(pool.cache, config.prefix_block_size, pool.budget.prefix, draft=k > 0)
         V, H, S = self.cfg.vocab_size, self.cfg.hidden_size, pool.num_slots
         # outputs of a round's verify step (every slot's rows) and of a head pass (a prefill step makes its own)
         rows = max(S * pool.cache.layout.step_states, STEP_ROWS)
@@ -230,6 +238,27 @@ class ModelRunner:
         cache = self.slot(seq.slot)
         cache.restore_gdn(seq.checkpoint.num_tokens)
         cache.set(draft_len=seq.draft_len)
+
+    @torch.inference_mode()
+    def restore_prefix(self, seq: Sequence, match: Match, prompt: list[int]) -> Sequence:
+        """A new record of seq's slot holding the matched prompt prefix, copied in from the prefix
+        cache (a new record: a kept session's checkpoint of other tokens must not survive). The
+        MTP rows of the prefix are in the draft K/V; the next token pairs with the cached hidden."""
+        fresh = Sequence(seq.slot, heads=self.prefix.draft)
+        cache = self.slot(seq.slot)
+        cache.reset()
+        self.prefix.restore(match, cache)
+        n = match.num_tokens
+        fresh.tokens = list(prompt[:n])
+        fresh.last_hidden = match.blocks[-1].boundary.hidden.clone()
+        fresh.draft_len = n - 1 if fresh.heads else 0
+        return fresh
+
+    @torch.inference_mode()
+    def snapshot_prefix(self, seq: Sequence) -> None:
+        """Keep what seq's slot holds (a whole number of prefix blocks, a prefill step just ended
+        after them, its MTP rows caught up) in the prefix cache."""
+        self.prefix.insert(seq.tokens, self.slot(seq.slot), seq.last_hidden)
 
     # --- prefill
 

@@ -14,6 +14,7 @@ import time
 from copy import deepcopy
 from dataclasses import dataclass, field
 
+from nextn.cache.prefix import PrefixCounters
 from nextn.core import MAX_TRACKED_POSITIONS, RequestOutput, SpecStats
 from nextn.engine.scheduler import SessionCounters
 
@@ -113,6 +114,9 @@ class Metrics:
         self.batch_sizes: dict[int, int] = {}  # batched rounds by requests held
         self.graph_counts: dict[str, int] | None = None  # the runner's captures / replays / eager, if it counts
         self.waiting = 0
+        self.prefix: PrefixCounters | None = None  # the prefix cache's counters (None: off)
+        self.prefix_cache_bytes = 0
+        self.prefill_tokens = 0
 
     def observe_first_token(self, seconds: float) -> None:
         with self._lock:
@@ -166,6 +170,11 @@ class Metrics:
         with self._lock:
             self.sessions, self.batch_sizes, self.graph_counts = sessions, batch_sizes, graph_counts
 
+    def set_prefix(self, counters: PrefixCounters | None, nbytes: int, prefill_tokens: int) -> None:
+        """The prefix cache's counters and bytes, and the prompt tokens computed, as of the engine's last step."""
+        with self._lock:
+            self.prefix, self.prefix_cache_bytes, self.prefill_tokens = counters, nbytes, prefill_tokens
+
     def set_queue(self, running: int, waiting: int) -> None:
         with self._lock:
             self.running, self.waiting = running, waiting
@@ -212,6 +221,17 @@ class Metrics:
             )
             counter("nextn:prompt_tokens_total", "Prompt tokens of admitted requests.", self.prompt_tokens)
             counter("nextn:generation_tokens_total", "Generated tokens.", self.generation_tokens)
+            counter(
+                "nextn:prefill_tokens_computed_total",
+                "Prompt tokens prefilled (computed, not served from a kept session or the prefix cache).",
+                self.prefill_tokens,
+            )
+            if self.prefix is not None:  # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
+                p = self.prefix
+                counter("nextn:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", p.queries)
+                counter("nextn:prefix_cache_hits_total", "Looked-up prompt tokens the prefix cache served.", p.hits)
+                counter("nextn:prefix_cache_evicted_blocks_total", "Prefix cache blocks evicted.", p.evicted_blocks)
+                gauge("nextn:prefix_cache_bytes", "Bytes held by the prefix cache's blocks.", self.prefix_cache_bytes)
             metric(
                 "nextn:time_to_first_token_seconds",
                 "histogram",

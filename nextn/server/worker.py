@@ -212,6 +212,7 @@ class EngineWorker:
         self.metrics.set_engine(
             SessionSnapshot(s.sessions, s.num_session_states, s.session_memory_bytes), s.batch_sizes, s.graph_counts
         )
+        self.metrics.set_prefix(s.prefix, s.prefix_cache_bytes, s.prefill_tokens)
         items: list[tuple[Job, StreamEvent | BaseException]] = []
         for ev in out.events:
             job = self._jobs.get(ev.request_id)
