@@ -38,11 +38,6 @@ IGNORED: tuple[Ignored, ...] = (
         "tool calls are parsed whenever a request gives tools (tool_choice auto is always on)",
         switch=True,
     ),
-    Ignored(
-        ("--enable-prefix-caching",),
-        "a conversation's caches are kept between its turns and a prompt resumes from the longest kept prefix",
-        switch=True,
-    ),
     Ignored(("--disable-log-requests",), "nextn does not log requests", switch=True),
     Ignored(("--enable-log-requests",), "nextn does not log requests", switch=True),
     Ignored(("--enable-log-outputs",), "nextn does not log requests", switch=True),
