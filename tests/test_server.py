@@ -560,9 +560,10 @@ def test_disconnect_after_a_batch_s_first_prompt_finished_cancels_the_rest(dense
     gone, the second prompt's job is aborted (it ran on to max_tokens, as only the first job
     watched for the disconnect). Ordered by events, not sleeps: once a step has finished the first
     prompt the engine steps no more (the second job cannot end on its own), and only then does the
-    client close its connection."""
+    client close its connection. The first prompt finishes in a step (a stop string the engine
+    found) or through `Engine.stop` (one the API process found: the served path)."""
     llm = LLM(model=dense_ckpt, max_model_len=512)
-    step, first_done = llm.engine.step, threading.Event()
+    step, stop, first_done = llm.engine.step, llm.engine.stop, threading.Event()
 
     def held_step():
         if first_done.is_set():  # the second job waits for the disconnect (its abort is applied between steps)
@@ -573,7 +574,11 @@ def test_disconnect_after_a_batch_s_first_prompt_finished_cancels_the_rest(dense
             first_done.set()
         return events
 
-    llm.engine.step = held_step
+    def held_stop(*args, **kwargs):
+        first_done.set()  # before the output goes out: no step runs after it
+        return stop(*args, **kwargs)
+
+    llm.engine.step, llm.engine.stop = held_step, held_stop
     with LiveServer(llm, ServeConfig(api_key=KEY, served_model_name=MODEL)) as srv:
         body = {"prompt": [[5, 9, 11], [14, 9, 11]], "max_tokens": 480, "stop": ["|"], **GREEDY, "ignore_eos": True}
         content = json.dumps(body).encode()
