@@ -204,7 +204,7 @@ class SamplingRequest(RequestModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     ignore_eos: bool = False
-    n: int | None = Field(None, ge=1, le=64)  # choices per prompt (completions, not streamed; chat: 1)
+    n: int | None = Field(None, ge=1, le=64)  # choices per prompt, each its own engine request
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extra: the prompt's and the output's token ids
