@@ -37,6 +37,7 @@ from nextn.config import ServeConfig
 from nextn.engine.llm import LLM
 from nextn.server import protocol as P
 from nextn.server import response_models as R
+from nextn.server import responses_protocol as Q
 from nextn.server.completions import Server, chat_completion, completion
 from nextn.server.connections import (
     GuardedH11Protocol,
@@ -51,6 +52,7 @@ from nextn.server.metrics import Metrics, ThroughputLog
 from nextn.server.options import ServerOptions
 from nextn.server.prepare import APIError, Prompts
 from nextn.server.responses import LogprobFormatter, validation_error
+from nextn.server.responses_api import create_response
 from nextn.server.worker import ClientGone, EngineWorker, ThreadCore
 
 log = logging.getLogger("nextn.server")
@@ -172,6 +174,11 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     @v1.post("/completions", responses={200: {"model": R.CompletionResponse, "content": STREAM}})
     async def completions(req: P.CompletionRequest, request: Request) -> Response:
         return await completion(srv, req, request)
+
+    # the Responses API: streamed, typed events (`event: TYPE` and `data: {event}` lines)
+    @v1.post("/responses", responses={200: {"model": Q.ResponseObject, "content": STREAM}})
+    async def responses(req: Q.ResponsesRequest, request: Request) -> Response:
+        return await create_response(srv, req, request)
 
     app.include_router(v1)
 

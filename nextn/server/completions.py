@@ -84,14 +84,17 @@ def unavailable(e: Unavailable) -> APIError:
 
 def stream_error(e: Exception) -> str:
     """The final event of a stream that cannot finish (then [DONE], as vLLM does)."""
+    return f"data: {to_json(R.ErrorResponse(error=stream_error_info(e)))}\n\n{SSE_DONE}"
+
+
+def stream_error_info(e: Exception) -> R.ErrorInfo:
+    """What a stream that cannot finish tells the client (a 500's internal text never)."""
     if isinstance(e, Unavailable):
-        info = R.ErrorInfo(message=f"{e}.", type="server_error", code="service_unavailable")
-    elif isinstance(e, RequestError):
-        info = R.ErrorInfo(message=str(e), type="invalid_request_error")
-    else:
-        log.error("stream failed", exc_info=e)
-        info = R.ErrorInfo(message="The server failed on this request.", type="server_error")
-    return f"data: {to_json(R.ErrorResponse(error=info))}\n\n{SSE_DONE}"
+        return R.ErrorInfo(message=f"{e}.", type="server_error", code="service_unavailable")
+    if isinstance(e, RequestError):
+        return R.ErrorInfo(message=str(e), type="invalid_request_error")
+    log.error("stream failed", exc_info=e)
+    return R.ErrorInfo(message="The server failed on this request.", type="server_error")
 
 
 # ---------------------------------------------------------------------------------------------
