@@ -3,9 +3,10 @@
 Owns the routes, error bodies and the app's lifetime: the guard in front (API key and body size,
 before any parsing), a periodic throughput log line, and a graceful shutdown (on SIGTERM admission
 stops, open requests get `shutdown_timeout` seconds, then the rest are ended with a final error
-event). Every error is an OpenAI-shaped body; a 500 never carries internal exception text. The two
+event). Every error is an OpenAI-shaped body; a 500 never carries internal exception text. The
 generation routes hand their work to completions.py (jobs sent to the engine core, responses and
-SSE streams); this module only builds the app around them and serves it.
+SSE streams) and responses_api.py (/v1/responses, over the chat path); this module only builds the
+app around them and serves it.
 
 The engine core runs in its own process under `nextn serve` (a CoreProcess: nextn.server.core_client)
 or on a thread of this one for an `LLM` built here (tests, embedding: nextn.server.worker.ThreadCore).
