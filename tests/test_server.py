@@ -361,7 +361,7 @@ def test_resumed_and_rewound_sessions_equal_cold(client, llm, cold):
         ),
         pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], top_p=1.5), id="top-p"),
         pytest.param(lambda c: c.chat.completions.create(model="gpt-4o", messages=[user("x")]), id="unknown-model"),
-        pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], n=2), id="n"),
+        pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[user("x")], n=65), id="n"),
         pytest.param(lambda c: c.chat.completions.create(model=MODEL, messages=[]), id="no-messages"),
         pytest.param(lambda c: c.completions.create(model=MODEL, prompt="fox " * 600), id="prompt-too-long"),
         pytest.param(lambda c: c.completions.create(model=MODEL, prompt=[1, 2, 10**6]), id="token-out-of-range"),

@@ -230,6 +230,7 @@ def test_every_answer_is_documented_in_the_openapi_document(live):
     spec = httpx.get(f"{live.url}/openapi.json", headers=auth, timeout=10).json()
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0.0}
     prompt = {"model": MODEL, "prompt": "The quick", "max_tokens": 3, "temperature": 0.0}
+    responses = {"model": MODEL, "input": "hi", "max_output_tokens": 3, "temperature": 0.0}
     cases = [
         ("get", "/v1/models", "/v1/models", None, auth),
         ("get", "/v1/models/{model}", f"/v1/models/{MODEL}", None, auth),
@@ -242,6 +243,9 @@ def test_every_answer_is_documented_in_the_openapi_document(live):
         ("post", "/v1/completions", "/v1/completions", {**prompt, "stream": True}, auth),
         ("post", "/v1/completions", "/v1/completions", b"{not json", auth),  # 400
         ("post", "/v1/completions", "/v1/completions", b"x" * (65 << 20), auth),  # 413
+        ("post", "/v1/responses", "/v1/responses", responses, auth),
+        ("post", "/v1/responses", "/v1/responses", {**responses, "stream": True}, auth),
+        ("post", "/v1/responses", "/v1/responses", {**responses, "input": [{"role": "robot"}]}, auth),  # 400
         ("post", "/tokenize", "/tokenize", {"model": MODEL, "prompt": "hi"}, auth),
         ("post", "/detokenize", "/detokenize", {"model": MODEL, "tokens": [1, 2]}, auth),
         ("post", "/detokenize", "/detokenize", {"model": MODEL, "tokens": [-1]}, auth),  # 400

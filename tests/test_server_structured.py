@@ -851,3 +851,146 @@ def test_32_regex_amplifications_at_once_are_refused_fast(live):
     assert time.monotonic() - t < 10
     assert all(r.status_code == 400 and "MAX_REPEAT_PRODUCT" in r.json()["error"]["message"] for r in replies)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# The Responses API (/v1/responses): the chat path's rendering, tools, structured output and
+# reasoning behind the Responses shape, through the openai client's `client.responses`
+
+
+def flat(tool: dict) -> dict:
+    """A chat tool as the Responses API writes it."""
+    return {"type": "function", **tool["function"]}
+
+
+def stream_response(client, **kw):
+    """(the response the SDK's stream accumulator builds from the typed events, the event types,
+    the output_text deltas joined)."""
+    types, deltas = [], []
+    with client.responses.stream(model=MODEL, temperature=0.0, **kw) as events:
+        for e in events:
+            types.append(e.type)
+            deltas += [e.delta] if e.type == "response.output_text.delta" else []
+        return events.get_final_response(), types, "".join(deltas)
+
+
+def items(response) -> list[tuple]:
+    """The output items, ids left out (each response makes its own)."""
+    out = []
+    for it in response.output:
+        if it.type == "function_call":
+            out.append((it.type, it.name, it.arguments))
+        else:
+            out.append((it.type, [c.text for c in it.content]))
+    return out
+
+
+def test_responses_text_equals_chat_streamed_and_not(client):
+    """`input` (a string, or messages with input_text parts and a developer role) and `instructions`
+    render as the chat messages they stand for: the reply is the chat reply, token for token (the
+    usage's counts too); streamed, the typed events build the same response."""
+    messages = [{"role": "system", "content": "Be brief."}, user("Write a function that adds two numbers.")]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0.0)
+    expected = reply.choices[0].message.content
+    assert expected
+    r = client.responses.create(
+        model=MODEL, instructions="Be brief.", input=messages[1]["content"], max_output_tokens=24, temperature=0.0
+    )
+    assert r.object == "response" and r.id.startswith("resp_") and r.output_text == expected
+    assert [i.type for i in r.output] == ["message"]
+    assert r.usage.output_tokens == reply.usage.completion_tokens and r.usage.input_tokens == reply.usage.prompt_tokens
+    assert r.status == ("incomplete" if reply.choices[0].finish_reason == "length" else "completed")
+    parts = [
+        {"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": messages[1]["content"]}]},
+    ]
+    listed = client.responses.create(model=MODEL, input=parts, max_output_tokens=24, temperature=0.0)
+    assert listed.output_text == expected
+    final, types, text = stream_response(client, input=parts, max_output_tokens=24)
+    assert text == final.output_text == expected and items(final) == items(r)
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert {"response.output_item.added", "response.output_text.done", "response.output_item.done"} <= set(types)
+
+
+def test_responses_tool_call_round_trip_streamed_and_not(client):
+    """Function tools (flat) and tool_choice "required": a function_call item with call_id, name and
+    arguments valid for the tool's schema, the same streamed; the call and its output sent back as
+    input items are answered."""
+    tools = [flat(WEATHER), flat(TIME)]
+    body = dict(model=MODEL, input="What is the weather in Paris for 2 days?", tools=tools, max_output_tokens=96)
+    r = client.responses.create(**body, tool_choice="required", parallel_tool_calls=False, temperature=0.0)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert len(calls) == 1 and calls[0].call_id and calls[0].status == "completed", r.output
+    schema = {"get_weather": WEATHER, "get_time": TIME}[calls[0].name]["function"]["parameters"]
+    jsonschema.validate(json.loads(calls[0].arguments), schema)
+    final, types, _ = stream_response(
+        client, **{k: v for k, v in body.items() if k != "model"}, tool_choice="required", parallel_tool_calls=False
+    )
+    assert items(final) == items(r) and "response.function_call_arguments.done" in types
+    named = client.responses.create(**body, tool_choice={"type": "function", "name": "get_time"}, temperature=0.0)
+    assert [i.name for i in named.output if i.type == "function_call"] == ["get_time"]
+    call = calls[0]
+    history = [
+        user(body["input"]),
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"temperature": 18})},
+    ]
+    answer = client.responses.create(model=MODEL, input=history, tools=tools, max_output_tokens=8, temperature=0.0)
+    assert answer.status in ("completed", "incomplete") and answer.output
+
+
+def test_responses_json_schema_format(client):
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    r = client.responses.create(
+        model=MODEL, input="Describe a person.", text={"format": fmt}, max_output_tokens=128, temperature=0.0
+    )
+    assert r.status == "completed" and person(r.output_text), r.output_text
+    obj = client.responses.create(
+        model=MODEL,
+        input="Describe a person.",
+        text={"format": {"type": "json_object"}},
+        max_output_tokens=128,
+        temperature=0.0,
+    )
+    assert isinstance(json.loads(obj.output_text), dict)
+
+
+def test_responses_reasoning_item(thinking):
+    """With --reasoning-parser, the <think> text is a reasoning item, the rest the message: the chat
+    reply's reasoning_content and content."""
+    client = thinking.client()
+    body = {"messages": [user("Think first.")], "max_tokens": 24, "ignore_eos": True}
+    whole = thinking.post("/v1/chat/completions", {"model": MODEL, "temperature": 0.0, **body}).json()
+    message = whole["choices"][0]["message"]
+    kw = dict(model=MODEL, input="Think first.", max_output_tokens=24, temperature=0.0)
+    r = client.responses.create(**kw)
+    assert r.output[0].type == "reasoning" and r.output[0].content[0].text == message["reasoning_content"]
+    assert r.output_text == (message.get("content") or "")
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
+    final, types, _ = stream_response(client, input="Think first.", max_output_tokens=24)
+    assert items(final) == items(r) and "response.reasoning_text.delta" in types
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+        ({"input": [user("x"), {"role": "user", "content": [{"type": "input_image"}]}]}, "input[1].content[0].type"),
+        ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"text": {"format": {"type": "json_schema", "schema": {"type": 5}}}}, "text.format.schema"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens"),
+        ({"input": "x" * 50_000}, "input"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"tools": [flat(WEATHER)], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"temprature": 0}, "temprature"),
+    ],
+)
+def test_responses_bad_input_is_a_400_naming_the_field(live, body, param):
+    r = live.post("/v1/responses", {"model": MODEL, "input": "x", "max_output_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"], err

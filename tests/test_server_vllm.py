@@ -237,8 +237,8 @@ def test_continuous_usage_stats(live):
 def test_n_and_best_of_on_completions(live):
     """vLLM's n: n choices per prompt, each its own engine request, choice i seeded with seed + i, so
     each equals the request of n=1 with that seed (exact under speculation: the fixture drafts K=3);
-    best_of: the n of best_of candidates with the largest cumulative logprob. Streamed n and chat n
-    are 400s naming the field (not done yet)."""
+    best_of: the n of best_of candidates with the largest cumulative logprob; best_of below n, or
+    above it streamed, is a 400 naming it."""
     client = live.client()
     body = dict(model=MODEL, prompt=["The quick brown fox", "def f(x):"], max_tokens=12, temperature=0.8, seed=11)
     r = client.completions.create(n=3, extra_body={"ignore_eos": True}, **body)
@@ -258,8 +258,44 @@ def test_n_and_best_of_on_completions(live):
                                        extra_body={"ignore_eos": True})  # fmt: skip
     top = max(scored.choices, key=lambda c: sum(c.logprobs.token_logprobs))
     assert len(best.choices) == 1 and best.choices[0].text == top.text
-    for extra, param in (({"n": 2, "stream": True}, "n"), ({"n": 2, "best_of": 1}, "best_of")):
+    for extra in ({"n": 2, "best_of": 1}, {"n": 2, "best_of": 3, "stream": True}):  # vLLM's 400s too
         bad = live.post("/v1/completions", {"prompt": "x", "max_tokens": 2, **extra})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
-    bad = live.post("/v1/chat/completions", {"messages": [user("x")], "max_tokens": 2, "n": 2})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of", bad.text
+
+
+def streamed_choices(events: list[dict], n: int) -> tuple[list[list[int]], list[int]]:
+    """(each choice's token ids, the choice index of each chunk that has one) of a stream of n."""
+    ids: list[list[int]] = [[] for _ in range(n)]
+    order = []
+    for e in events:
+        for c in e["choices"]:
+            ids[c["index"]] += c.get("token_ids") or []
+            order.append(c["index"])
+    return ids, order
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_n_streamed_and_on_chat_equals_each_seed_alone(live, path):
+    """n on streamed completions and on chat, streamed and not: choice i equals the n=1 request with
+    seed + i token for token (sampled, the fixture drafting K=3: exact under speculation); streamed
+    chunks carry their choice's index and interleave as the choices run together; usage sums the
+    choices' tokens and counts the prompt once."""
+    head = {"prompt": "The quick brown fox"} if "chat" not in path else {"messages": [user("The quick brown fox")]}
+    body = dict(model=MODEL, **head, max_tokens=10, temperature=0.8, seed=5, ignore_eos=True, return_token_ids=True)
+    alone = [ok(live.post(path, {**body, "seed": 5 + i})) for i in range(3)]
+    alone_ids = [r["choices"][0]["token_ids"] for r in alone]
+    assert len(set(map(tuple, alone_ids))) > 1
+    whole = ok(live.post(path, {**body, "n": 3}))
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert [c["token_ids"] for c in whole["choices"]] == alone_ids
+    prompt_tokens = alone[0]["usage"]["prompt_tokens"]
+    assert whole["usage"]["prompt_tokens"] == prompt_tokens and whole["usage"]["completion_tokens"] == 30
+    options = {"include_usage": True}
+    events = sse_events(live.post(path, {**body, "n": 3, "stream": True, "stream_options": options}))
+    ids, order = streamed_choices(events, 3)
+    assert ids == alone_ids
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0)  # choice 1 began before choice 0 ended
+    finished = [c["index"] for e in events for c in e["choices"] if c.get("finish_reason")]
+    assert sorted(finished) == [0, 1, 2]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 30
+    assert events[-1]["usage"]["prompt_tokens"] == prompt_tokens

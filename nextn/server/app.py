@@ -3,9 +3,10 @@
 Owns the routes, error bodies and the app's lifetime: the guard in front (API key and body size,
 before any parsing), a periodic throughput log line, and a graceful shutdown (on SIGTERM admission
 stops, open requests get `shutdown_timeout` seconds, then the rest are ended with a final error
-event). Every error is an OpenAI-shaped body; a 500 never carries internal exception text. The two
+event). Every error is an OpenAI-shaped body; a 500 never carries internal exception text. The
 generation routes hand their work to completions.py (jobs sent to the engine core, responses and
-SSE streams); this module only builds the app around them and serves it.
+SSE streams) and responses_api.py (/v1/responses, over the chat path); this module only builds the
+app around them and serves it.
 
 The engine core runs in its own process under `nextn serve` (a CoreProcess: nextn.server.core_client)
 or on a thread of this one for an `LLM` built here (tests, embedding: nextn.server.worker.ThreadCore).
@@ -37,6 +38,7 @@ from nextn.config import ServeConfig
 from nextn.engine.llm import LLM
 from nextn.server import protocol as P
 from nextn.server import response_models as R
+from nextn.server import responses_protocol as Q
 from nextn.server.completions import Server, chat_completion, completion
 from nextn.server.connections import (
     GuardedH11Protocol,
@@ -51,6 +53,7 @@ from nextn.server.metrics import Metrics, ThroughputLog
 from nextn.server.options import ServerOptions
 from nextn.server.prepare import APIError, Prompts
 from nextn.server.responses import LogprobFormatter, validation_error
+from nextn.server.responses_api import create_response
 from nextn.server.worker import ClientGone, EngineWorker, ThreadCore
 
 log = logging.getLogger("nextn.server")
@@ -172,6 +175,11 @@ def add_routes(app: FastAPI, srv: Server) -> None:
     @v1.post("/completions", responses={200: {"model": R.CompletionResponse, "content": STREAM}})
     async def completions(req: P.CompletionRequest, request: Request) -> Response:
         return await completion(srv, req, request)
+
+    # the Responses API: streamed, typed events (`event: TYPE` and `data: {event}` lines)
+    @v1.post("/responses", responses={200: {"model": Q.ResponseObject, "content": STREAM}})
+    async def responses(req: Q.ResponsesRequest, request: Request) -> Response:
+        return await create_response(srv, req, request)
 
     app.include_router(v1)
 

@@ -30,7 +30,7 @@ from nextn.server.chat_output import ChatOutputParser, Parts, ReasoningStart
 from nextn.server.metrics import Metrics
 from nextn.server.model import ServedModel
 from nextn.server.options import ServerOptions
-from nextn.server.prepare import APIError, Prompts, text_content
+from nextn.server.prepare import APIError, Prompts, choice_params, text_content
 from nextn.server.responses import (
     SSE_DONE,
     LogprobFormatter,
@@ -84,14 +84,17 @@ def unavailable(e: Unavailable) -> APIError:
 
 def stream_error(e: Exception) -> str:
     """The final event of a stream that cannot finish (then [DONE], as vLLM does)."""
+    return f"data: {to_json(R.ErrorResponse(error=stream_error_info(e)))}\n\n{SSE_DONE}"
+
+
+def stream_error_info(e: Exception) -> R.ErrorInfo:
+    """What a stream that cannot finish tells the client (a 500's internal text never)."""
     if isinstance(e, Unavailable):
-        info = R.ErrorInfo(message=f"{e}.", type="server_error", code="service_unavailable")
-    elif isinstance(e, RequestError):
-        info = R.ErrorInfo(message=str(e), type="invalid_request_error")
-    else:
-        log.error("stream failed", exc_info=e)
-        info = R.ErrorInfo(message="The server failed on this request.", type="server_error")
-    return f"data: {to_json(R.ErrorResponse(error=info))}\n\n{SSE_DONE}"
+        return R.ErrorInfo(message=f"{e}.", type="server_error", code="service_unavailable")
+    if isinstance(e, RequestError):
+        return R.ErrorInfo(message=str(e), type="invalid_request_error")
+    log.error("stream failed", exc_info=e)
+    return R.ErrorInfo(message="The server failed on this request.", type="server_error")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,12 +166,29 @@ def finish_reason(req: P.ChatCompletionRequest, out: RequestOutput, num_calls: i
 
 async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Request) -> Response:
     prompt_ids, params, checkpoint_at, reasoning = await run_in_threadpool(srv.prompts.chat, req)
-    job = srv.submit(prompt_ids, params, checkpoint_at)
+    jobs = submit_all(srv, [(prompt_ids, p) for p in choice_params(params, req.n or 1)], "n", checkpoint_at)
     rid, created = R.new_id("chatcmpl"), R.now()
-    parser = output_parser(req, reasoning, srv.opts.tool_call_form)
+    parsers = [output_parser(req, reasoning, srv.opts.tool_call_form) for _ in jobs]
     if req.stream:
-        return StreamingResponse(chat_stream(srv, req, job, parser, rid, created), media_type="text/event-stream")
-    out = await run_to_end(job, request)
+        stream = chat_stream(srv, req, jobs, parsers, rid, created)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    outs = await run_all(jobs, request)
+    choices = [chat_choice(srv, req, i, parser, out) for i, (parser, out) in enumerate(zip(parsers, outs, strict=True))]
+    resp = R.ChatCompletionResponse(
+        id=rid,
+        created=created,
+        model=srv.model_name,
+        choices=choices,
+        usage=usage(outs, srv.model.num_speculative_tokens, outs[:1]),
+        prompt_token_ids=prompt_ids if req.return_token_ids else None,
+        prompt_logprobs=_prompt_logprobs(srv, req, outs[0]),
+    )
+    return Response(to_json(resp), media_type="application/json")
+
+
+def chat_choice(
+    srv: Server, req: P.ChatCompletionRequest, index: int, parser: ChatOutputParser, out: RequestOutput
+) -> R.ChatChoice:
     parts = parser.push(echo_prefix(req) + out.text)
     rest = parser.finish()
     calls = parts.tool_calls + rest.tool_calls
@@ -177,23 +197,67 @@ async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Re
         reasoning_content=(parts.reasoning + rest.reasoning) or None,
         tool_calls=calls or None,
     )
-    choice = R.ChatChoice(
+    return R.ChatChoice(
+        index=index,
         message=message,
         finish_reason=finish_reason(req, out, len(calls)),
         stop_reason=out.stop_reason,
         logprobs=srv.logprobs.chat(out.logprobs or []) if req.logprobs else None,  # none at max_tokens 0
         token_ids=out.token_ids if req.return_token_ids else None,
     )
-    resp = R.ChatCompletionResponse(
-        id=rid,
-        created=created,
-        model=srv.model_name,
-        choices=[choice],
-        usage=usage([out], srv.model.num_speculative_tokens),
-        prompt_token_ids=prompt_ids if req.return_token_ids else None,
-        prompt_logprobs=_prompt_logprobs(srv, req, out),
-    )
-    return Response(to_json(resp), media_type="application/json")
+
+
+def submit_all(
+    srv: Server, requests: list[tuple[list[int], SamplingParams]], param: str, checkpoint_at: int | None = None
+) -> list[Job]:
+    """One job per (prompt ids, params), all or none: a request of more than the server ever holds
+    at once is a 400 naming `param` (no retry would help); a refused one cancels those sent."""
+    if len(requests) > srv.worker.capacity:
+        raise APIError(
+            400,
+            f"{len(requests)} sequences (prompts times n or best_of) are more than the server holds at once "
+            f"({srv.worker.capacity}: --max-num-seqs plus --max-queue); ask for fewer",
+            param=param,
+        )
+    jobs = []
+    try:
+        for ids, params in requests:
+            jobs.append(srv.submit(ids, params, checkpoint_at))
+    except APIError:
+        for job in jobs:
+            job.cancel()
+        raise
+    return jobs
+
+
+async def interleave(jobs: list[Job]) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """The jobs' events as they come, each with its job's index (a stream of n choices): until every
+    job's last event; the first error ends it (a stream's finally cancels the jobs)."""
+    if len(jobs) == 1:
+        async for ev in jobs[0].events():
+            yield 0, ev
+        return
+    arrived: asyncio.Queue[tuple[int, StreamEvent | Exception]] = asyncio.Queue()
+
+    async def pump(i: int, job: Job) -> None:
+        try:
+            async for ev in job.events():
+                arrived.put_nowait((i, ev))
+        except Exception as e:
+            arrived.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        open_jobs = len(jobs)
+        while open_jobs:
+            i, ev = await arrived.get()
+            if isinstance(ev, Exception):
+                raise ev
+            yield i, ev
+            open_jobs -= ev.output is not None
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _prompt_logprobs(srv: Server, req: P.SamplingRequest, out: RequestOutput):
@@ -215,34 +279,43 @@ def token_fields(req: P.SamplingRequest, ev: StreamEvent, logprobs: Callable[[li
 
 
 def running_usage(req: P.SamplingRequest, job: Job, num_tokens: int) -> R.Usage | None:
-    """A chunk's usage under vLLM's `stream_options.continuous_usage_stats`: the tokens so far."""
+    """A chunk's usage under vLLM's `stream_options.continuous_usage_stats`: the tokens so far (of
+    the chunk's choice)."""
     if not req.continuous_usage:
         return None
     prompt = len(job.prompt_ids)
     return R.Usage(prompt_tokens=prompt, completion_tokens=num_tokens, total_tokens=prompt + num_tokens)
 
 
-def usage_chunk(kind, srv: Server, rid: str, created: int, out: RequestOutput) -> str:
-    """A stream's last chunk under `stream_options.include_usage`: no choices, the request's usage."""
+def usage_chunk(kind, srv: Server, rid: str, created: int, outs: list[RequestOutput]) -> str:
+    """A stream's last chunk under `stream_options.include_usage`: no choices, the request's usage
+    (every choice's tokens, the prompt once)."""
     return sse(
         kind(
             id=rid,
             created=created,
             model=srv.model_name,
             choices=[],
-            usage=usage([out], srv.model.num_speculative_tokens),
+            usage=usage(outs, srv.model.num_speculative_tokens, outs[:1]),
         )
     )
 
 
 async def chat_stream(
-    srv: Server, req: P.ChatCompletionRequest, job: Job, parser: ChatOutputParser, rid: str, created: int
+    srv: Server,
+    req: P.ChatCompletionRequest,
+    jobs: list[Job],
+    parsers: list[ChatOutputParser],
+    rid: str,
+    created: int,
 ) -> AsyncIterator[str]:
-    num_tokens = 0  # generated so far
+    """The choices' chunks, interleaved as their tokens come, each choice's marked by its index."""
+    num_tokens = [0] * len(jobs)  # generated so far, per choice
+    outs: list[RequestOutput | None] = [None] * len(jobs)
 
-    def chunk(delta: R.DeltaMessage, prompt_token_ids: list[int] | None = None, **fields) -> str:
-        choice = R.ChatChunkChoice(delta=delta, **fields)
-        usage = running_usage(req, job, num_tokens)
+    def chunk(i: int, delta: R.DeltaMessage, prompt_token_ids: list[int] | None = None, **fields) -> str:
+        choice = R.ChatChunkChoice(index=i, delta=delta, **fields)
+        usage = running_usage(req, jobs[i], num_tokens[i])
         return sse(
             R.ChatCompletionChunk(
                 id=rid,
@@ -254,59 +327,48 @@ async def chat_stream(
             )
         )
 
-    def deltas(parts: Parts, **fields) -> list[str]:
+    def deltas(i: int, parts: Parts, **fields) -> list[str]:
         """The parts as chunks; the event's logprobs and token ids ride on the first (on an empty
         delta when the parser holds all of its text back)."""
+        parser = parsers[i]
         out = parts.delta(parser.num_calls - len(parts.tool_calls)) or ([R.DeltaMessage()] if fields else [])
-        return [chunk(d, **(fields if i == 0 else {})) for i, d in enumerate(out)]
+        return [chunk(i, d, **(fields if j == 0 else {})) for j, d in enumerate(out)]
 
     try:
-        yield chunk(R.DeltaMessage(role="assistant", content=""), job.prompt_ids if req.return_token_ids else None)
-        for c in deltas(parser.push(echo_prefix(req))):
-            yield c
-        async for ev in job.events():
-            num_tokens += len(ev.token_ids)
-            text = ev.text
+        for i, parser in enumerate(parsers):
+            ids = jobs[i].prompt_ids if req.return_token_ids and i == 0 else None  # once, on the first chunk
+            yield chunk(i, R.DeltaMessage(role="assistant", content=""), ids)
+            for c in deltas(i, parser.push(echo_prefix(req))):
+                yield c
+        async for i, ev in interleave(jobs):
+            num_tokens[i] += len(ev.token_ids)
             fields = token_fields(req, ev, srv.logprobs.chat)
-            for c in deltas(parser.push(text), **fields):
+            for c in deltas(i, parsers[i].push(ev.text), **fields):
                 yield c
             if ev.output is not None:
-                for c in deltas(parser.finish()):
+                outs[i] = ev.output
+                for c in deltas(i, parsers[i].finish()):
                     yield c
-                reason = finish_reason(req, ev.output, parser.num_calls)
-                yield chunk(R.DeltaMessage(), finish_reason=reason, stop_reason=ev.output.stop_reason)
-                if req.include_usage:
-                    yield usage_chunk(R.ChatCompletionChunk, srv, rid, created, ev.output)
+                reason = finish_reason(req, ev.output, parsers[i].num_calls)
+                yield chunk(i, R.DeltaMessage(), finish_reason=reason, stop_reason=ev.output.stop_reason)
+        if req.include_usage:
+            yield usage_chunk(R.ChatCompletionChunk, srv, rid, created, outs)
         yield SSE_DONE
     except Exception as e:  # the response has started: report in the stream
         yield stream_error(e)
     finally:
-        job.cancel()
+        for job in jobs:
+            job.cancel()
 
 
 async def completion(srv: Server, req: P.CompletionRequest, request: Request) -> Response:
     prepared = await run_in_threadpool(srv.prompts.completion, req)
-    if len(prepared) > srv.worker.capacity:  # it could never be admitted whole: no retry would help
-        raise APIError(
-            400,
-            f"a batch of {len(prepared)} prompts is more than the server holds at once ({srv.worker.capacity}: "
-            "--max-num-seqs plus --max-queue); send fewer",
-            param="prompt",
-        )
-    jobs = []
-    try:
-        for ids, _, params in prepared:
-            jobs.append(srv.submit(ids, params))
-    except APIError:
-        for job in jobs:
-            job.cancel()
-        raise
+    jobs = submit_all(srv, [(ids, params) for ids, _, params in prepared], "prompt")
     rid, created = R.new_id("cmpl"), R.now()
-    if req.stream:
+    if req.stream:  # one prompt (prepare.py): its n choices
         ids, text, _ = prepared[0]
-        return StreamingResponse(
-            completion_stream(srv, req, jobs[0], ids, text, rid, created), media_type="text/event-stream"
-        )
+        stream = completion_stream(srv, req, jobs, ids, text, rid, created)
+        return StreamingResponse(stream, media_type="text/event-stream")
     outs = await run_all(jobs, request)
     n, best_of = req.n or 1, req.best_of or req.n or 1
     choices = []
@@ -318,9 +380,8 @@ async def completion(srv: Server, req: P.CompletionRequest, request: Request) ->
         for j, c in enumerate(candidates):
             ids, text, _ = prepared[c]
             choices.append(completion_choice(srv, req, p * n + j, ids, text, outs[c]))
-    counted = usage(outs, srv.model.num_speculative_tokens)  # every candidate's tokens, as vLLM counts them
-    counted.prompt_tokens = sum(o.prompt_tokens for o in outs[::best_of])  # each prompt once
-    counted.total_tokens = counted.prompt_tokens + counted.completion_tokens
+    # every candidate's tokens, as vLLM counts them; each prompt once
+    counted = usage(outs, srv.model.num_speculative_tokens, outs[::best_of])
     resp = R.CompletionResponse(
         id=rid,
         created=created,
@@ -366,42 +427,48 @@ def completion_choice(
 async def completion_stream(
     srv: Server,
     req: P.CompletionRequest,
-    job: Job,
+    jobs: list[Job],
     prompt_ids: list[int],
     prompt_text: str | None,
     rid: str,
     created: int,
 ) -> AsyncIterator[str]:
-    num_tokens = 0  # generated so far
+    """The prompt's choices' chunks, interleaved as their tokens come, each marked by its index."""
+    num_tokens = [0] * len(jobs)  # generated so far, per choice
+    offsets = [0] * len(jobs)  # each choice's logprob text offset
+    outs: list[RequestOutput | None] = [None] * len(jobs)
 
-    def chunk(text: str, **fields) -> str:
-        choice = R.CompletionChoice(text=text, **fields)
-        usage = running_usage(req, job, num_tokens)
+    def chunk(i: int, text: str, **fields) -> str:
+        choice = R.CompletionChoice(index=i, text=text, **fields)
+        usage = running_usage(req, jobs[i], num_tokens[i])
         return sse(R.CompletionResponse(id=rid, created=created, model=srv.model_name, choices=[choice], usage=usage))
 
     try:
-        offset = 0
-        first = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}  # on the first chunk (vLLM's)
+        # prompt_token_ids on each choice's first chunk (vLLM's)
+        first = [{"prompt_token_ids": prompt_ids} if req.return_token_ids else {} for _ in jobs]
         if req.echo:
             prefix = prompt_text if prompt_text is not None else srv.model.tokenizer.decode(prompt_ids)
-            offset = len(prefix)
-            yield chunk(prefix, **first)
-            first = {}
-        async for ev in job.events():
-            num_tokens += len(ev.token_ids)
-            text = ev.text
-            fields = token_fields(req, ev, partial(srv.logprobs.completion, token_ids=ev.token_ids, offset=offset))
-            if text or fields or first:
-                yield chunk(text, **first, **fields)
-                first = {}
+            for i in range(len(jobs)):
+                offsets[i] = len(prefix)
+                yield chunk(i, prefix, **first[i])
+                first[i] = {}
+        async for i, ev in interleave(jobs):
+            num_tokens[i] += len(ev.token_ids)
+            logprobs = partial(srv.logprobs.completion, token_ids=ev.token_ids, offset=offsets[i])
+            fields = token_fields(req, ev, logprobs)
+            if ev.text or fields or first[i]:
+                yield chunk(i, ev.text, **first[i], **fields)
+                first[i] = {}
             if "logprobs" in fields:  # by each token's text, as the non-streamed offsets (not the text sent)
-                offset += sum(map(len, fields["logprobs"].tokens))
+                offsets[i] += sum(map(len, fields["logprobs"].tokens))
             if ev.output is not None:
-                yield chunk("", finish_reason=ev.output.finish_reason, stop_reason=ev.output.stop_reason)
-                if req.include_usage:
-                    yield usage_chunk(R.CompletionResponse, srv, rid, created, ev.output)
+                outs[i] = ev.output
+                yield chunk(i, "", finish_reason=ev.output.finish_reason, stop_reason=ev.output.stop_reason)
+        if req.include_usage:
+            yield usage_chunk(R.CompletionResponse, srv, rid, created, outs)
         yield SSE_DONE
     except Exception as e:
         yield stream_error(e)
     finally:
-        job.cancel()
+        for job in jobs:
+            job.cancel()

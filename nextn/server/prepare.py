@@ -162,8 +162,6 @@ class Prompts:
             with field_errors():
                 constraint = structured.checked(found[0], structured.reasoning_grammar(constraint, start), self.tok)
         self.check_logprobs(req)
-        if (req.n or 1) > 1:
-            raise APIError(400, "n > 1 is not supported on chat completions yet (it is on /v1/completions)", param="n")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(requested, len(prompt_ids), self.max_len, param)
@@ -175,8 +173,7 @@ class Prompts:
 
     def completion(self, req: P.CompletionRequest) -> list[tuple[list[int], str | None, SamplingParams]]:
         """(prompt ids, prompt text if given as text, params) per candidate: best_of (default n) per
-        prompt of the batch, in prompt order, candidate i of a seeded request seeded with seed + i
-        (vLLM's), each its own engine request."""
+        prompt of the batch, in prompt order (choice_params)."""
         self.check_model(req.model)
         p = req.prompt
         prompts = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
@@ -186,8 +183,8 @@ class Prompts:
         best_of = req.best_of or n
         if best_of < n:
             raise APIError(400, f"best_of ({best_of}) must be at least n ({n})", param="best_of")
-        if best_of > 1 and req.stream:
-            raise APIError(400, "n > 1 (or best_of) cannot be streamed yet", param="n" if n > 1 else "best_of")
+        if best_of > n and req.stream:  # vLLM's too: the n kept are known only once all best_of have ended
+            raise APIError(400, f"best_of ({best_of}) above n ({n}) cannot be streamed", param="best_of")
         if len(prompts) * best_of > MAX_BATCH:
             raise APIError(400, f"at most {MAX_BATCH} prompts (times best_of) per request", param="prompt")
         self.check_logprobs(req)
@@ -209,9 +206,7 @@ class Prompts:
             # best_of ranks candidates by their tokens' logprobs: computed, shown only when asked
             logprobs = 0 if req.logprobs is None and best_of > n else req.logprobs
             params = self.params(req, max_tokens, logprobs, prompt_lp, constraint)
-            for i in range(best_of):
-                seeded = params if params.seed is None or i == 0 else replace(params, seed=wrap_seed(params.seed + i))
-                out.append((ids, prompt if isinstance(prompt, str) else None, seeded))
+            out += [(ids, prompt if isinstance(prompt, str) else None, p) for p in choice_params(params, best_of)]
         return out
 
     def check_logprobs(self, req: P.SamplingRequest) -> None:
@@ -277,6 +272,14 @@ def field_errors():
         yield
     except P.FieldError as e:
         raise APIError(400, f"{e.param}: {e.message}", param=e.param) from None
+
+
+def choice_params(params: SamplingParams, count: int) -> list[SamplingParams]:
+    """The params of a prompt's `count` choices (n, or best_of candidates), each its own engine
+    request: choice i of a seeded request seeded with seed + i (vLLM's), so it equals the n=1
+    request with that seed."""
+    seeded = (params.seed is not None and i > 0 for i in range(count))
+    return [replace(params, seed=wrap_seed(params.seed + i)) if s else params for i, s in enumerate(seeded)]
 
 
 def wrap_seed(seed: int) -> int:

@@ -204,7 +204,7 @@ class SamplingRequest(RequestModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
     ignore_eos: bool = False
-    n: int | None = Field(None, ge=1, le=64)  # choices per prompt (completions, not streamed; chat: 1)
+    n: int | None = Field(None, ge=1, le=64)  # choices per prompt, each its own engine request
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extra: the prompt's and the output's token ids
@@ -255,6 +255,13 @@ class SamplingRequest(RequestModel):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+def tool_choice_word(v: Any) -> Any:
+    """A tool_choice given as a word is one of the three (its own message, not pydantic's union's)."""
+    if isinstance(v, str) and v not in ("none", "auto", "required"):
+        raise ValueError(f"must be 'none', 'auto', 'required' or a named function, got {v[:50]!r}")
+    return v
+
+
 class ChatTemplateFields(RequestModel):
     """What the chat template is rendered with, besides the messages (chat completions and /tokenize)."""
 
@@ -266,9 +273,7 @@ class ChatTemplateFields(RequestModel):
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _tool_choice(cls, v):
-        if isinstance(v, str) and v not in ("none", "auto", "required"):
-            raise ValueError(f"must be 'none', 'auto', 'required' or a named function, got {v[:50]!r}")
-        return v
+        return tool_choice_word(v)
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -89,17 +89,22 @@ def spec_usage(stats: SpecStats, num_speculative_tokens: int) -> R.SpecDecodeUsa
     )
 
 
-def usage(outputs: list[RequestOutput], num_speculative_tokens: int) -> R.Usage:
+def usage(
+    outputs: list[RequestOutput], num_speculative_tokens: int, prompts: list[RequestOutput] | None = None
+) -> R.Usage:
+    """Every output's tokens and spec counts; the prompt tokens of `prompts` (default all): one
+    output per prompt when several are choices of one prompt (vLLM counts each prompt once)."""
     stats = SpecStats()
     for out in outputs:
         stats.merge(out.spec)
-    prompt = sum(o.prompt_tokens for o in outputs)
+    prompts = outputs if prompts is None else prompts
+    prompt = sum(o.prompt_tokens for o in prompts)
     completion = sum(len(o.token_ids) for o in outputs)
     return R.Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=R.PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in outputs)),
+        prompt_tokens_details=R.PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in prompts)),
         spec_decode=spec_usage(stats, num_speculative_tokens),
     )
 
