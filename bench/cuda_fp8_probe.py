@@ -26,7 +26,7 @@ import json
 
 import torch
 
-from nextn.bench_measure import copy_bandwidth
+from nextn.bench.measure import copy_bandwidth
 from nextn.ops.fp8 import compact_scales, dequantize, quantize
 from nextn.ops.linear_tune import graph_us
 from nextn.ops.triton_linear import skinny_linear

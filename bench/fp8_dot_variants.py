@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nextn.bench_measure import copy_bandwidth
+from nextn.bench.measure import copy_bandwidth
 from nextn.ops.fp8 import compact_scales, dequantize, quantize
 from nextn.ops.linear_tune import graph_us  # (the tuner's timing: graphs over weight copies)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from nextn.bench import text_prompt
+from nextn.bench.offline import text_prompt
 from nextn.engine.llm import LLM
 from nextn.hub import resolve_model
 from nextn.models.loader import load_model

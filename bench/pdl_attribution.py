@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's ne
 
 import torch  # noqa: E402
 
-from nextn.bench_measure import Bench, BenchConfig  # noqa: E402
+from nextn.bench.measure import Bench, BenchConfig  # noqa: E402
 from nextn.models.random_weights import random_model  # noqa: E402
 from nextn.ops import triton_attention, triton_gdn, triton_linear, triton_moe  # noqa: E402
 

@@ -13,7 +13,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nextn.bench_measure import Bench, BenchConfig, time_ms
+from nextn.bench.measure import Bench, BenchConfig, time_ms
 from nextn.models.random_weights import random_model
 
 

@@ -20,7 +20,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from nextn.bench_measure import Bench, BenchConfig
+from nextn.bench.measure import Bench, BenchConfig
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.rounds import RequestRounds, advance
 from nextn.models.loader import load_model

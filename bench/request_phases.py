@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from nextn.bench import text_prompt
-from nextn.bench_measure import Bench, BenchConfig
+from nextn.bench.measure import Bench, BenchConfig
+from nextn.bench.offline import text_prompt
 from nextn.core import SpecStats
 from nextn.engine.rounds import RequestRounds
 from nextn.models.loader import load_model

@@ -15,7 +15,7 @@ import argparse
 import time
 from pathlib import Path
 
-from nextn.bench import text_prompt
+from nextn.bench.offline import text_prompt
 from nextn.core import SpecStats
 from nextn.engine.llm import LLM
 from nextn.sampling import SamplingParams

@@ -55,7 +55,7 @@ def _check_out(flag: str, path: str | None) -> None:
 
 
 def _bench(args) -> int:
-    from nextn.bench import bench_from_args, check_args
+    from nextn.bench.offline import bench_from_args, check_args
 
     check_args(args)  # before a download
     _local(args, default_model=args.random_weights is None)  # MODEL (default: the bundled one) or --random-weights
@@ -63,7 +63,7 @@ def _bench(args) -> int:
 
 
 def _bench_serve(args) -> int:
-    from nextn.bench_serve import bench_serve_from_args
+    from nextn.bench.serve import bench_serve_from_args
 
     _check_out("--json", args.json_out)  # written at the end: refused before the run
     return bench_serve_from_args(args)

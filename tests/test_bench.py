@@ -8,7 +8,8 @@ import pytest
 import torch
 from hf_fixtures import tiny_preset
 
-from nextn import bench, bench_measure
+from nextn.bench import measure as bench_measure
+from nextn.bench import offline as bench
 from nextn.cli import main
 from nextn.config import DEFAULT_MODEL_DIR
 from nextn.models import random_weights

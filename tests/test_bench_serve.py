@@ -21,8 +21,9 @@ pytest.importorskip("uvicorn")
 
 from aiohttp import web  # noqa: E402
 
-from nextn import LLM, bench_serve  # noqa: E402
-from nextn.bench_serve import arrival_times, mean_acceptance_length, parse_metrics, sample_prompts  # noqa: E402
+from nextn import LLM  # noqa: E402
+from nextn.bench import serve as bench_serve  # noqa: E402
+from nextn.bench.serve import arrival_times, mean_acceptance_length, parse_metrics, sample_prompts  # noqa: E402
 from nextn.cli import main  # noqa: E402
 from nextn.config import DEFAULT_MODEL_DIR, ServeConfig  # noqa: E402
 from nextn.server.app import GracefulServer, create_app  # noqa: E402

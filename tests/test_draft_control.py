@@ -494,7 +494,7 @@ def test_replay_nll_equals_transformers_loss_and_dumps_bf16(dense_fitted_ckpt, t
 
 
 def test_bench_reports_the_gate_and_the_round_split(dense_fitted_ckpt):
-    from nextn import bench
+    from nextn.bench import offline as bench
     from nextn.models.loader import load_model
 
     model = load_model(dense_fitted_ckpt)

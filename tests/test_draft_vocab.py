@@ -17,7 +17,7 @@ from test_replay import _live_drafts
 from test_sampled_spec import _tv_limit, draw, exact_law
 
 import nextn
-from nextn import bench
+from nextn.bench import offline as bench
 from nextn.cache.hybrid import KV, NUM_GEN
 from nextn.cli import main
 from nextn.config import DEFAULT_MODEL_DIR, SpecConfig

@@ -22,7 +22,7 @@ import triton_interp  # noqa: F401  (before triton)
 from test_step import PROMPT, _prefilled, _step  # a prompt, a prefilled slot, an uncommitted trunk step
 
 import nextn
-from nextn import bench
+from nextn.bench import offline as bench
 from nextn.cli import main
 from nextn.config import EngineConfig
 from nextn.layers.ffn import FP8Experts

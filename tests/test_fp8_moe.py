@@ -16,7 +16,7 @@ import torch
 import triton_interp  # noqa: F401  (before triton)
 from hf_fixtures import tiny_preset
 
-from nextn.bench_roofline import distinct_experts, routing, verify_steps
+from nextn.bench.roofline import distinct_experts, routing, verify_steps
 from nextn.layers.ffn import FP8Experts, SparseMoeBlock
 from nextn.layers.linear import FP8Linear
 from nextn.models import random_weights

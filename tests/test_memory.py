@@ -176,7 +176,8 @@ def test_bench_reports_the_cache_fit(tmp_path):
 
 def test_bench_sizes_the_cache_before_it_measures(monkeypatch):
     """--max-model-len and --gpu-memory-utilization reach the fit; a fake GPU reading gives the count."""
-    from nextn import bench, bench_measure
+    from nextn.bench import measure as bench_measure
+    from nextn.bench import offline as bench
 
     seen = {}
 

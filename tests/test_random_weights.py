@@ -21,7 +21,7 @@ import pytest
 from hf_fixtures import tiny_preset
 
 import nextn
-from nextn import bench_serve
+from nextn.bench import serve as bench_serve
 from nextn.cli import main, parse_args
 from nextn.config import DEFAULT_MODEL_DIR
 from nextn.engine.core import model_facts

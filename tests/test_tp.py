@@ -19,7 +19,7 @@ import triton_interp  # noqa: F401  (before triton: the interpreter on the CPU)
 from hf_fixtures import FIT_PROMPTS, text_config
 
 import nextn
-from nextn import bench
+from nextn.bench import offline as bench
 from nextn.cli import main
 from nextn.config import EngineConfig, SpecConfig
 from nextn.engine.engine import build_core

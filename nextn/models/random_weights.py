@@ -1,7 +1,7 @@
 """Released Qwen3.5 text shapes (`PRESETS`) as models with random weights drawn on the device, for
 benchmarks and tests of shapes no checkpoint here holds (`nextn bench`, and `LLM(random_weights=...)`
 behind generate and serve), and the weight bytes a decoded token reads (the roofline's numerator).
-Does not time anything (nextn.bench_measure does).
+Does not time anything (nextn.bench.measure does).
 """
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ def weight_bytes(model: CausalLM) -> int:
 def weight_bytes_per_token(model: CausalLM, experts_read: list[float] | None = None) -> float:
     """Bytes of weights one decoded token reads: every trunk weight but the embedding table (one
     row), the lm_head, and of each MoE layer's experts only those the step reads: experts_read[i]
-    for the i-th MoE layer (the distinct experts a step's rows route to, nextn.bench_roofline;
+    for the i-th MoE layer (the distinct experts a step's rows route to, nextn.bench.roofline;
     default top-k each, a one-row decode step's). FP8 weights at a byte per weight plus their scales
     as the step reads them (one per 128x128 block where exact)."""
     cfg = model.cfg

@@ -7,7 +7,7 @@ the model's engines (one per K, sharing the weights) on a single cache slot, whi
 generation, a batched one, repeated ones, the trunk and head step costs and the prefill speed;
 `RunResult`, one timed generation, and its tokens/s.
 Does not know the report: which runs make it and what its keys are computed from belong to
-nextn.bench (run_bench, the CLI entry) and nextn.bench_sweeps (the speculative sections).
+nextn.bench.offline (run_bench, the CLI entry) and nextn.bench.sweeps (the speculative sections).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ One run measures, with CUDA events around warmed-up work, medians:
 - the device copy bandwidth, the weight bytes held (`weight_bytes`) and those a decoded token reads
   (`weight_bytes_per_token`; an MoE model's experts counted from the routing of the plain run:
   `routed_experts_per_layer`, `verify_weight_bytes[K]`, `batch_weight_bytes_per_step[B]`,
-  nextn.bench_roofline), the roofline tokens/s they imply, and the fraction of it that plain decoding
+  nextn.bench.roofline), the roofline tokens/s they imply, and the fraction of it that plain decoding
   reaches (`roofline_fraction`, engine loop; `step_roofline_fraction`, the step alone;
   `batch_roofline_fraction[B]`);
 - prefill tokens/s; decode tokens/s through the engine's round loop, plain and for each K;
@@ -43,9 +43,9 @@ then measure the reduced head.
 Writes a JSON file and two PNG plots beside it.
 
 This module runs it and writes the report: run_bench (the device, weight, cost and plain-decode
-keys, then the speculative sections of nextn.bench_sweeps), the plots and the CLI entry (model
+keys, then the speculative sections of nextn.bench.sweeps), the plots and the CLI entry (model
 loading, tensor-parallel ranks, argument checks, the JSON file). The engines and their timing
-are nextn.bench_measure's.
+are nextn.bench.measure's.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from nextn.bench_measure import (
+from nextn.bench.measure import (
     Bench,
     BenchConfig,
     cache_fit,
@@ -68,8 +68,8 @@ from nextn.bench_measure import (
     sync_device,
     tokens_per_s,
 )
-from nextn.bench_roofline import routed_roofline
-from nextn.bench_sweeps import batched_runs, gate_entry, profiled_runs, sampled_runs, spec_sweep
+from nextn.bench.roofline import routed_roofline
+from nextn.bench.sweeps import batched_runs, gate_entry, profiled_runs, sampled_runs, spec_sweep
 from nextn.cache.pool import GiB
 from nextn.config import STEP_ROWS, EngineConfig, check_kernels, resolve_device, resolve_dtype
 from nextn.model_config import ModelConfig
@@ -153,7 +153,7 @@ def run_bench(
         )
     res["weight_bytes"] = weight_bytes(model)  # every weight held (one rank's), the MTP head's included
     # a one-row decode step's bytes (top-k experts a layer); an MoE model's are counted again from its
-    # routing once the plain run gave a sequence to route (nextn.bench_roofline)
+    # routing once the plain run gave a sequence to route (nextn.bench.roofline)
     res["weight_bytes_per_token"] = weight_bytes_per_token(model)
     if device.type == "cuda":
         res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9

@@ -3,16 +3,16 @@
 Greedy spec at each K under one draft confidence gate (speed, exactness, acceptance, the time
 split of a traced round), seeded sampled runs, acceptance-profile runs and batched runs, each
 written into the report dict, and a round's overhead beyond its steps (`round_overhead`).
-Does not time anything itself (nextn.bench_measure's Bench runs the generations) and does not
+Does not time anything itself (nextn.bench.measure's Bench runs the generations) and does not
 measure the costs it compares with: it reads `decode_tokens_per_s`, `verify_cost_ratio` and
-`draft_cost_ratio` from the report, which nextn.bench's run_bench writes before it calls these.
+`draft_cost_ratio` from the report, which nextn.bench.offline.s run_bench writes before it calls these.
 """
 
 from __future__ import annotations
 
 import statistics
 
-from nextn.bench_measure import Bench, RunResult, spread_text, tokens_per_s
+from nextn.bench.measure import Bench, RunResult, spread_text, tokens_per_s
 from nextn.core import SpecStats
 
 
