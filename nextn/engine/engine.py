@@ -13,9 +13,11 @@ Under tensor parallelism every rank runs one, fed the same inputs (nextn.engine.
 holds the Leader that sends them).
 
 With the prefix cache on (nextn.cache.prefix), a request's prefill first copies in the deepest
-cached block boundary of its prompt (when that beats what a kept session holds), and every prefill
-step ends at a block boundary, where the slot's state is cached; a request whose prompt shares
-blocks that an earlier request is still prefilling waits for them instead of computing them too.
+cached block boundary of its prompt (when that beats what a kept session holds), and a step's
+prefill runs in passes that each end at a block boundary, where the slot's state is cached (the
+prefill step keeps only its last state), as many as the step's budget holds; a request whose
+prompt shares blocks that an earlier request is still prefilling waits for them (a pass or more)
+instead of computing them too.
 """
 
 from __future__ import annotations
