@@ -250,3 +250,25 @@ def test_served_from_the_cache_equals_cold_on_the_gpu(dense_fitted_ckpt, samplin
     for p, expect in zip(prompts, expected, strict=True):
         out = warm.generate(prompt_token_ids=p, params=params)
         assert out.token_ids == expect and out.num_cached_tokens >= 128
+
+
+def test_a_prefill_crosses_every_block_boundary_in_one_step(source):
+    """With the cache on, a step's prefill runs a pass per block boundary: a 3.5-block prompt
+    is in after one engine step (not one step a block), a boundary cached at each block; a second
+    request with the same blocks waits for them and joins the pass after, the same step; both
+    equal the cold outputs."""
+    llm = nextn.LLM(**KW, prefix_block_size=32)
+    engine, prefix = llm.engine, llm.engine.runner.prefix
+    prompts = [source[:100] + source[3000 + 20 * i : 3012 + 20 * i] for i in range(2)]
+    reqs = [engine.add(p, GREEDY) for p in prompts]
+    engine.step()
+    assert not engine.prefilling and all(r.request_id in engine.live for r in reqs)
+    assert sorted(b.end for b in prefix.lru if b.boundary is not None) == [32, 64, 96]
+    assert [r.cached for r in reqs] == [0, 96] and engine.prefilled_tokens == len(prompts[0]) + len(prompts[1]) - 96
+    outputs = {}
+    while engine.has_work:
+        for req, event in engine.step():
+            if event.output is not None:
+                outputs[req.request_id] = event.output.token_ids
+    expected = nextn.LLM(**KW, enable_prefix_caching=False).generate(prompts, GREEDY)
+    assert [outputs[r.request_id] for r in reqs] == [o.token_ids for o in expected]

@@ -230,6 +230,26 @@ class SlotCache:
             )
         return parts.conv, parts.base
 
+    def committed_gdn_all(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every GDN layer's committed conv columns [G, D, W-1] and recurrent state [G, HV, K, V]
+        (views), read with one host read of ctl; no rows may be pending (after a prefill step)."""
+        conv_at, state_at, p = self.ctl[[CONV_AT, STATE_AT, PENDING]].tolist()
+        if p:
+            raise ValueError(f"slot {self.slot}: {p} rows are pending: the committed state needs a fold")
+        W = self.cfg.linear_conv_kernel_dim
+        return self.t("window")[:, :, conv_at : conv_at + W - 1], self.t("states")[:, state_at]
+
+    def load_gdn(self, conv: torch.Tensor, recurrent: torch.Tensor, num_tokens: int, draft_len: int) -> None:
+        """An empty slot's GDN states set to every layer's conv columns [G, D, W-1] and recurrent
+        state [G, HV, K, V] after num_tokens tokens, in half 0 (as `reset` leaves them), with no
+        host read; DRAFT_LEN set to draft_len."""
+        self.t("states")[:, 0].copy_(recurrent)
+        self.t("window")[:, :, : conv.shape[-1]].copy_(conv)
+        ctl = torch.zeros(NUM_CTL, dtype=torch.int32)
+        reset_ctl(ctl, self.cols)
+        ctl[SEQ_LEN], ctl[DRAFT_LEN] = num_tokens, draft_len
+        self.ctl.copy_(ctl, non_blocking=True)
+
     def write_step(
         self, layer_idx: int, window: torch.Tensor, state: torch.Tensor, gates: torch.Tensor | None = None
     ) -> None:

@@ -8,8 +8,8 @@ node holds, for its block's positions, the attention layers' K/V rows (their fp8
 the MTP head's draft K/V rows (row p, token p paired with hidden p-1, sits in draft position p-1:
 a block [s, e) keeps draft positions [s-1, e-1), the first block one row fewer); and, when a
 prefill step ended at the block's end, the state there (`Boundary`): every GDN layer's conv
-columns and recurrent state, read through SlotCache.committed_gdn, and the head-input hidden of the
-last token (what pairs with the next token's MTP row). A request resumes from the deepest node
+columns and recurrent state, read through SlotCache.committed_gdn_all, and the head-input hidden of
+the last token (what pairs with the next token's MTP row). A request resumes from the deepest node
 with a boundary, always leaving one prompt token to prefill (its logits start the first round).
 
 Why copying is exact: under prefill "steps" a row's bits depend on its token and position alone
@@ -115,11 +115,7 @@ class PrefixCache:
         for j, (dst, shift) in enumerate(self._sources(slot)):
             torch.cat([b.rows[j] for b in match.blocks], out=dst[: n - shift])
         last = match.blocks[-1].boundary
-        for g, i in enumerate(self.cache.gdn_index):
-            slot.write_step(i, last.conv[g], last.recurrent[g])
-        slot.commit_chunk(n)
-        if self.draft:
-            slot.set(draft_len=n - 1)
+        slot.load_gdn(last.conv, last.recurrent, n, draft_len=n - 1 if self.draft else 0)
 
     # --- insertion
 
@@ -135,8 +131,8 @@ class PrefixCache:
             self._touch(node)
             return
         sources = self._sources(slot)
-        states = [slot.committed_gdn(i) for i in self.cache.gdn_index]  # views: (conv [D, W-1], state)
-        need = sum(_nbytes(t) for state in states for t in state) + _nbytes(hidden)
+        conv, recurrent = slot.committed_gdn_all()  # views: [G, D, W-1], [G, HV, K, V]
+        need = _nbytes(conv) + _nbytes(recurrent) + _nbytes(hidden)
         need += sum(_rows_nbytes(sources, node.end + k * B, B) for k in range(len(keys)))
         if not self._make_room(need, node):
             return
@@ -148,8 +144,7 @@ class PrefixCache:
             self.lru[child] = None
             self.nbytes += child.nbytes
             node = child
-        conv, recurrent = zip(*states, strict=True)
-        node.boundary = Boundary(torch.stack(conv), torch.stack(recurrent), hidden.clone())
+        node.boundary = Boundary(conv.clone(), recurrent.clone(), hidden.clone())
         self.nbytes += sum(_nbytes(t) for t in node.boundary)
         self._touch(node)
 

@@ -13,9 +13,11 @@ Under tensor parallelism every rank runs one, fed the same inputs (nextn.engine.
 holds the Leader that sends them).
 
 With the prefix cache on (nextn.cache.prefix), a request's prefill first copies in the deepest
-cached block boundary of its prompt (when that beats what a kept session holds), and every prefill
-step ends at a block boundary, where the slot's state is cached; a request whose prompt shares
-blocks that an earlier request is still prefilling waits for them instead of computing them too.
+cached block boundary of its prompt (when that beats what a kept session holds), and a step's
+prefill runs in passes that each end at a block boundary, where the slot's state is cached (the
+prefill step keeps only its last state), as many as the step's budget holds; a request whose
+prompt shares blocks that an earlier request is still prefilling waits for them (a pass or more)
+instead of computing them too.
 """
 
 from __future__ import annotations
@@ -282,13 +284,31 @@ class Engine:
     def _prefill(self) -> list:
         """The next pieces of the prompts being prefilled, in admission order, within the step's
         token budget (what the running requests' rounds leave of max_num_batched_tokens, at least
-        STEP_ROWS), all in one runner.prefill; a piece stops at its session checkpoint (taken after
-        prompt[:split]). Requests whose prompt is in start their rounds. Returns their events."""
+        STEP_ROWS), in one runner.prefill, a pass; a piece stops at its session checkpoint (taken
+        after prompt[:split]). With the prefix cache, a piece also stops at the next block boundary,
+        where its state is cached, and further passes continue the pieces (and start the requests
+        that waited for those blocks) while the budget lasts: a prefill crosses as many boundaries
+        in one engine step as its budget allows, its pieces' rounds run once. Requests whose prompt
+        is in start their rounds. Returns their events."""
         rows = sum(live.rounds.k + 1 for live in self.live.values())
         budget = max(self.config.max_num_batched_tokens - rows, STEP_ROWS)
-        B = self.config.prefix_block_size
-        todo = []  # (request, its state, piece end)
-        for req in [r for r in self.scheduler.running if r.request_id in self.prefilling]:
+        self.prefilled_rows, events = 0, []
+        while budget > 0:
+            todo = self._plan(budget)
+            if not todo:  # (no sync either: the rounds queued ahead keep running)
+                break
+            computed, new = self._prefill_pass(todo)
+            events += new
+            budget -= computed
+            if self.runner.prefix is None or computed == 0:
+                break
+        return events
+
+    def _plan(self, budget: int) -> list:
+        """A pass's pieces: (request, its state, piece end) in admission order within budget tokens."""
+        B, todo = self.config.prefix_block_size, []
+        waiting = [r for r in self.scheduler.running if r.request_id in self.prefilling]
+        for req in waiting:
             if budget <= 0:
                 break
             state = self.prefilling[req.request_id]
@@ -301,25 +321,29 @@ class Engine:
             hi = min(end, lo + budget)
             if self.config.prefill == "chunked" and hi < end:  # whole chunks (EngineConfig.prefill_chunk)
                 hi = lo + (hi - lo) // self.config.prefill_chunk * self.config.prefill_chunk
-            if self.runner.prefix is not None:  # a step ends at each block boundary: its state is cached there
+            if self.runner.prefix is not None:  # a pass ends at each block boundary: its state is cached there
                 hi = min(hi, (lo // B + 1) * B)
             todo.append((req, state, hi))
             budget -= hi - state.done
-        if not todo:  # (no sync either: the rounds queued ahead keep running)
-            self.prefilled_rows = 0
-            return []
+        return todo
+
+    def _prefill_pass(self, todo: list) -> tuple[int, list]:
+        """One runner.prefill of the planned pieces; the cache's snapshots at the boundaries they
+        reach, session checkpoints; requests whose prompt is in start. Returns (tokens, events)."""
+        B = self.config.prefix_block_size
         pieces = [
             Piece(req.seq, req.prompt_ids[state.done : hi], self._prompt_logprobs(req, state, state.done))
             for req, state, hi in todo
             if hi > state.done
         ]
-        self.prefilled_rows = sum(len(p.token_ids) for p in pieces)
-        self.prefilled_tokens += self.prefilled_rows
+        computed = sum(len(p.token_ids) for p in pieces)
+        self.prefilled_rows += computed
+        self.prefilled_tokens += computed
         t0 = time.perf_counter()
         try:
             self.runner.prefill(pieces)
         except Exception as e:  # the step's pieces fail together (their slots are taken back whole)
-            return [self._fail(req, e) for req, _, _ in todo]
+            return computed, [self._fail(req, e) for req, _, _ in todo]
         events = []
         for req, state, hi in todo:
             if self.runner.prefix is not None and hi > state.done and hi % B == 0:
@@ -340,7 +364,7 @@ class Engine:
                 events += self._start(req, state)
             except Exception as e:
                 events.append(self._fail(req, e))
-        return events
+        return computed, events
 
     def _prompt_logprobs(self, req: Request, state: _Prefill, lo: int):
         """The on_logits callback of a prefill piece starting at prompt[lo] that collects prompt
