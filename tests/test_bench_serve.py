@@ -20,13 +20,13 @@ aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("uvicorn")
 
 from aiohttp import web  # noqa: E402
+from live_server import serving  # noqa: E402
 
 from nextn import LLM  # noqa: E402
 from nextn.bench import serve as bench_serve  # noqa: E402
 from nextn.bench.serve import arrival_times, mean_acceptance_length, parse_metrics, sample_prompts  # noqa: E402
 from nextn.cli import main  # noqa: E402
 from nextn.config import DEFAULT_MODEL_DIR, ServeConfig  # noqa: E402
-from nextn.server.app import GracefulServer, create_app  # noqa: E402
 from nextn.tokenizer import Tokenizer  # noqa: E402
 
 KEY = "bench-key"
@@ -54,18 +54,8 @@ def bench(capsys, tmp_path, *argv) -> tuple[int, dict, str]:
 @pytest.fixture(scope="module")
 def live():
     llm = LLM(max_model_len=256)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = GracefulServer(create_app(llm, ServeConfig(api_key=KEY)), log_level="warning")
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(15)
+    with serving(llm, ServeConfig(api_key=KEY)) as url:
+        yield url
     llm.close()
 
 

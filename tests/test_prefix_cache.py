@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from live_server import serving
 
 import nextn
 from nextn.config import DEFAULT_MODEL_DIR, EngineConfig
@@ -83,20 +81,9 @@ def test_the_server_reports_cached_tokens_and_equals_cold(prompts, cold):
     openai = pytest.importorskip("openai")
     httpx = pytest.importorskip("httpx")
     from nextn.config import ServeConfig
-    from nextn.server.app import GracefulServer, create_app
 
     llm = nextn.LLM(**KW)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = GracefulServer(create_app(llm, ServeConfig(api_key="k")), log_level="warning")
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
+    with serving(llm, ServeConfig(api_key="k")) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=120)
         extra = {"ignore_eos": True, "return_token_ids": True}
         body = dict(model=client.models.list().data[0].id, max_tokens=MAX_TOKENS, extra_body=extra)
@@ -133,9 +120,6 @@ def test_the_server_reports_cached_tokens_and_equals_cold(prompts, cold):
         assert metrics["nextn:prefix_cache_bytes"] == llm.engine.runner.prefix.nbytes > 0
         computed = metrics["nextn:prefill_tokens_computed_total"]
         assert computed == llm.engine.prefilled_tokens < everything - 15 * 1400 + 1000  # (+ the chats)
-    finally:
-        server.should_exit = True
-        thread.join(15)
 
 
 def test_a_tiny_budget_evicts_and_stays_exact(source):

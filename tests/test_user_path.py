@@ -233,7 +233,7 @@ def test_generate_and_serve_check_their_flags_before_loading(argv, message, ckpt
 
 
 def test_bench_checks_its_k_before_loading(dense_ckpt, capsys, monkeypatch):
-    monkeypatch.setattr("nextn.bench._bench", lambda *a: pytest.fail("the bench ran"))
+    monkeypatch.setattr("nextn.bench.offline._bench", lambda *a: pytest.fail("the bench ran"))
     assert main(["bench", str(dense_ckpt), "--spec-k", "3", "-1", "--log-level", "warning"]) == 2
     assert capsys.readouterr().err == "nextn: error: --spec-k values must be in 0..15, got 3 -1\n"
 
