@@ -1,14 +1,15 @@
 """Third-party clients against a running `nextn serve` (issue 47's must-shows).
 
-Runs the openai client and instructor (and, given --guidellm, a short guidellm benchmark) against a
+Runs the openai client and instructor (and short guidellm and `vllm bench serve` runs) against a
 server already started, prints one line per check, and writes the outcomes, the command and the
 client versions as JSON. It imports no nextn code: it is meant to run from a separate venv that holds
 only the clients, e.g.
 
-    python3 -m venv /tmp/venv-clients && /tmp/venv-clients/bin/pip install instructor openai guidellm
+    python3 -m venv /tmp/venv-clients && /tmp/venv-clients/bin/pip install instructor openai guidellm jsonschema
+    /tmp/venv-clients/bin/pip install vllm   # for --checks vllm_bench only (large: CUDA torch)
     nextn serve nextn/default_model --port 8199 &
     /tmp/venv-clients/bin/python bench/client_checks.py --base-url http://127.0.0.1:8199/v1 \\
-        --checks openai instructor guidellm --out bench/results/clients_cpu.json
+        --checks openai instructor guidellm vllm_bench --out bench/results/clients_cpu.json
 
 Against the model card's line (`--reasoning-parser qwen3 --tool-call-parser qwen3_coder ...
 --served-model-name qwen`) run `--checks model_card --model qwen`.
@@ -221,8 +222,22 @@ def check_guidellm(base_url: str, model: str) -> dict:
     return {"command": " ".join(cmd[1:]), "requests_made": made, "tokenizer": tokenizer[0]}
 
 
+def check_vllm_bench(base_url: str, model: str) -> dict:
+    """`vllm bench serve` (random data, 4 prompts) with no --tokenizer: it loads the served name."""
+    out = Path(tempfile.mkdtemp())
+    cmd = [str(Path(sys.executable).with_name("vllm")), "bench", "serve", "--base-url", base_url.removesuffix("/v1")]
+    cmd += ["--model", model, "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "16"]
+    cmd += ["--num-prompts", "4", "--save-result", "--result-dir", str(out), "--result-filename", "vllm.json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"rc {done.returncode}: {(done.stdout + done.stderr)[-2000:]}"
+    report = json.loads((out / "vllm.json").read_text())
+    assert report["completed"] == 4, {k: report.get(k) for k in ("completed", "num_prompts", "errors")}
+    keep = ("completed", "total_input_tokens", "total_output_tokens", "request_throughput", "mean_ttft_ms")
+    return {"command": " ".join(cmd[1:]), **{k: report.get(k) for k in keep}}
+
+
 def versions() -> dict:
-    names = ("openai", "instructor", "guidellm", "pydantic", "jsonschema", "transformers")
+    names = ("openai", "instructor", "guidellm", "vllm", "pydantic", "jsonschema", "transformers")
     found = {}
     for name in names:
         try:
@@ -236,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:8199/v1")
     ap.add_argument("--model", default="nextn/default_model", help="the served name")
-    ap.add_argument("--checks", nargs="+", choices=("openai", "instructor", "guidellm", "model_card"), required=True)
+    groups_named = ("openai", "instructor", "guidellm", "vllm_bench", "model_card")
+    ap.add_argument("--checks", nargs="+", choices=groups_named, required=True)
     ap.add_argument("--server-command", default="", help="recorded in the results")
     ap.add_argument("--label", default="", help="the key the results go under in --out")
     ap.add_argument("--out", type=Path)
@@ -255,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             "instructor_tools": lambda: check_instructor(client, args.model, instructor.Mode.TOOLS),
         },
         "guidellm": {"guidellm_benchmark": lambda: check_guidellm(args.base_url, args.model)},
+        "vllm_bench": {"vllm_bench_serve": lambda: check_vllm_bench(args.base_url, args.model)},
         "model_card": {"model_card_chat_tools_reasoning": lambda: check_model_card(client, args.model)},
     }
     results = {}
@@ -271,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         label = args.label or " ".join(args.checks)
         saved = json.loads(args.out.read_text()) if args.out.exists() else {"runs": {}}
-        saved["client_versions"] = versions()
         saved["runs"][label] = {
+            "client_versions": versions(),
             "server_command": args.server_command,
             "client_command": " ".join([Path(sys.executable).name, *sys.argv]),
             "base_url": args.base_url,
