@@ -1,5 +1,5 @@
 """Token choice over rows wider than one program holds (the released models' 248,320 columns):
-`temperature_sample` and `verify_sampled` of nextn.ops.triton_sample, with every row split into
+`temperature_sample` and `verify_sampled` of nextn.sample.triton_sample, with every row split into
 chunks of CHUNK columns, one program a chunk, in a few launches instead of torch's sort, scans and
 softmax (bench/results/profile_sampled_qwen3.5-9b_run112.json: a sampled K = 3 round on the 9B
 shape spends 1.36 ms more than a greedy one with top-k 20 and top-p 0.8, 0.45 ms with neither).
@@ -12,7 +12,7 @@ The law (the same as the one-program kernel's, up to rounding):
    columns in the reference's order (probability descending, then index) as candidates (KCAP = 64
    under top-k, else KCAP_NUCLEUS = 256), with the largest probability it left out (its floor).
 3. `_decide` (a program a row): top-k, then top-p, then min-p over the candidates, which are in
-   index order, by nextn.ops.triton_sample's `_filters`. What they keep is a prefix of the order,
+   index order, by nextn.sample.triton_sample's `_filters`. What they keep is a prefix of the order,
    so it is written as a bound (the last kept probability and, of the columns tied at it, the last
    kept index), a min-p threshold and the kept mass. The candidates decide exactly when the bound
    lies above every chunk's floor (and, for min-p alone, the threshold does): every column the
@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
-from nextn.sampling import Stream
+from nextn.sample.pipeline import Stream
 
 CHUNK = 8192  # columns a program holds
 KCAP = 64  # candidates a chunk offers the filters under top-k: top-k up to KCAP always decides on them
@@ -52,7 +52,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from nextn.ops.triton_sample import _emit, _filters, _inverse_cdf, _num_accepted, _residual
+    from nextn.sample.triton_sample import _emit, _filters, _inverse_cdf, _num_accepted, _residual
 
     @triton.jit
     def _row_norm(stats_ptr, row, C, CB: tl.constexpr):
@@ -420,7 +420,7 @@ def temperature_sample(
     chunk: int | None = None,  # columns a program holds (default CHUNK)
     kcap: int | None = None,  # candidates a chunk offers (default KCAP with top-k, else KCAP_NUCLEUS)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """nextn.ops.triton_sample.temperature_sample for rows of any width, in chunks."""
+    """nextn.sample.triton_sample.temperature_sample for rows of any width, in chunks."""
     chunk, kcap = chunk or CHUNK, kcap or (KCAP if top_k is not None else KCAP_NUCLEUS)
     N, V = logits.shape
     if logits.stride(1) != 1 or (out is not None and out.stride(1) != 1):
@@ -472,7 +472,7 @@ def verify_sampled(
     num_drafts: torch.Tensor | int,  # the drafts that count
     chunk: int | None = None,
 ):
-    """nextn.ops.triton_sample.verify_sampled for rows of any width, in chunks."""
+    """nextn.sample.triton_sample.verify_sampled for rows of any width, in chunks."""
     chunk = chunk or CHUNK
     K, V = draft_ids.numel(), target_probs.shape[1]
     for t in (target_probs, draft_probs, uniforms):

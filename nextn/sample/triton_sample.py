@@ -1,12 +1,12 @@
 """Token choice in one launch each: a draw from softmax(logits / T), the rejection sampling of a
 speculative round, and a greedy round's accept and commit. A round on a small model is
-launch-bound: the reference draw (nextn.sampling: divide, softmax, float64 cumsum, searchsorted,
+launch-bound: the reference draw (nextn.sample.pipeline: divide, softmax, float64 cumsum, searchsorted,
 the zero-mass guard) is ~11 launches per draft, `verify_sampled` ~40 per round, and the greedy
 accept (nextn.engine.rounds) ~30; each of these kernels is one.
 
 One program holds a whole row in registers (up to MAX_V columns: the bundled model's 8,192, not the
-released models' 248k, which nextn.ops.triton_sample_wide splits into chunks with these kernels'
-helpers); the caller (nextn.engine.sampler) chooses by the vocabulary's size.
+released models' 248k, which nextn.sample.triton_wide splits into chunks with these kernels'
+helpers); the caller (nextn.sample.sampler) chooses by the vocabulary's size.
 
 `temperature_sample`: per row, the law softmax(logits / T), then top-k, top-p and min-p (their
 values device scalars: the request's, read at replay), written out (a draft's q, or a verify's p),
@@ -16,7 +16,7 @@ and optionally the inverse-CDF draw with the row's uniform. Reference: `probs_fr
 `verify_sampled`: the round's accept tests u * q(x) < p(x) in float64 (bitwise the reference's),
 the residual max(0, p_n - q_n) (p_n itself when it has no mass, or at the bonus row), and the draw
 of the recovered / bonus token from it, reading the request's uniforms at its generated index.
-Reference: nextn.spec.verifier.verify_sampled.
+Reference: nextn.sample.verifier.verify_sampled.
 
 Arithmetic against the references: x / T is correctly rounded (as torch's division by a tensor);
 the softmax's exp and sums, and the draw's float64 cumsum, run in another order than torch's, so a
@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
-from nextn.sampling import Stream
+from nextn.sample.pipeline import Stream
 
 MAX_V = 32768  # the widest row one program holds (the sampler keeps the torch ops above it)
 
@@ -361,11 +361,11 @@ def verify_sampled(
     target_probs: torch.Tensor,  # [K + 1, V] float32
     draft_probs: torch.Tensor | None,  # [K, V] float32 (None: greedy drafts, q one-hot)
     draft_ids: torch.Tensor,  # [K] long
-    uniforms: torch.Tensor,  # [streams, U] float64: the request's table (nextn.sampling.RequestRng.table)
+    uniforms: torch.Tensor,  # [streams, U] float64: the request's table (nextn.sample.pipeline.RequestRng.table)
     index: torch.Tensor,  # []: the generated index of row 0
     num_drafts: torch.Tensor | int,  # the drafts that count
 ):
-    """(n [] long, out_ids [K + 1] long): nextn.spec.verifier.verify_sampled's result, with the
+    """(n [] long, out_ids [K + 1] long): nextn.sample.verifier.verify_sampled's result, with the
     uniforms read from the table at index (ACCEPT at index + j, SAMPLE at index + n)."""
     K, V = draft_ids.numel(), target_probs.shape[1]
     for t in (target_probs, draft_probs, uniforms):
