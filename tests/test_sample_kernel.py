@@ -19,11 +19,7 @@ pytest.importorskip("triton")
 import nextn  # noqa: E402
 from nextn.cache.hybrid import NUM_CTL, commit_table  # noqa: E402
 from nextn.engine import rounds  # noqa: E402
-from nextn.sample import (  # noqa: E402
-    triton_sample,
-    triton_wide,
-    verifier,  # noqa: E402
-)
+from nextn.sample import triton_common, triton_sample, triton_wide, verifier  # noqa: E402
 from nextn.sample.pipeline import RequestRng, SamplingParams, Stream, probs_from_logits, sample  # noqa: E402
 from nextn.sample.sampler import SlotSampler  # noqa: E402
 from nextn.sample.triton_sample import MAX_V, accept_greedy, temperature_sample, verify_sampled  # noqa: E402
@@ -94,7 +90,7 @@ def test_the_filtered_law_keeps_what_the_reference_keeps(V, tied):
 
 
 def test_the_draw_never_lands_on_an_entry_without_mass():
-    """`_inverse_cdf`, the draw of both kernel families, given running sums as a GPU's parallel scan
+    """`inverse_cdf`, the draw of both kernel families, given running sums as a GPU's parallel scan
     can leave them (run 113: padded entries of no mass summed one ulp above the last real entry,
     and a count of sums below the point returned an index past the row): the first entry with
     mass past the point, else the last entry with mass, wherever the sums stand."""
@@ -105,7 +101,7 @@ def test_the_draw_never_lands_on_an_entry_without_mass():
     def probe(cdf_ptr, mass_ptr, t_ptr, out_ptr, N: tl.constexpr):
         i = tl.arange(0, N)
         positive = tl.load(mass_ptr + i) != 0
-        tl.store(out_ptr, triton_sample._inverse_cdf(tl.load(cdf_ptr + i), positive, tl.load(t_ptr)))
+        tl.store(out_ptr, triton_common.inverse_cdf(tl.load(cdf_ptr + i), positive, tl.load(t_ptr)))
 
     def draw(cdf, mass, t):
         out = torch.zeros((), dtype=torch.long, device=DEVICE)
