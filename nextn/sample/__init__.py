@@ -3,5 +3,6 @@
 slot's sampling on the device (`sampler`: the values, uniforms and history in the slot's buffers),
 the verifiers of a speculative round (`verifier`: greedy and rejection sampling), and the Triton
 kernels beside those references (`triton_sample`: a row in one program; `triton_wide`: rows in
-chunks). Kernel modules load only where their kernels run (they need triton).
+chunks; `triton_common`: the helpers both build on). Kernel modules load only where their kernels
+run (they need triton).
 """
