@@ -31,7 +31,7 @@ from nextn.bench.offline import text_prompt
 from nextn.engine.llm import LLM
 from nextn.hub import resolve_model
 from nextn.models.loader import load_model
-from nextn.sampling import SamplingParams
+from nextn.sample.pipeline import SamplingParams
 from nextn.train.objective import chain_logits, trunk_hidden
 
 

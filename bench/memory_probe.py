@@ -22,7 +22,7 @@ from nextn.engine.memory import activation_bytes_per_row, bytes_per_sequence, re
 from nextn.engine.rounds import RequestRounds, advance
 from nextn.engine.sequence import Sequence
 from nextn.models.random_weights import random_model
-from nextn.sampling import top_logprobs
+from nextn.sample.pipeline import top_logprobs
 
 
 def used(device) -> int:

@@ -21,7 +21,7 @@ from nextn.bench.offline import text_prompt
 from nextn.core import SpecStats
 from nextn.engine.rounds import RequestRounds
 from nextn.models.loader import load_model
-from nextn.sampling import RequestRng, SamplingParams
+from nextn.sample.pipeline import RequestRng, SamplingParams
 
 
 def _sync() -> None:

@@ -1,6 +1,6 @@
 """The sampled draw (temperature alone, and with the bundled model's top-k 20 / top-p 0.95) and
 the round's rejection sampling: the reference torch ops against the
-one-launch kernels (nextn.ops.triton_sample, up to their MAX_V columns), per vocabulary size, each
+one-launch kernels (nextn.sample.triton_sample, up to their MAX_V columns), per vocabulary size, each
 timed as a CUDA graph of 100 calls (what a replayed round pays).
 
   python bench/sample_kernels.py [--out F.json]
@@ -13,9 +13,9 @@ import json
 
 import torch
 
-from nextn.ops import linear_tune, triton_sample
-from nextn.sampling import RequestRng, SamplingParams, Stream, probs_from_logits, sample
-from nextn.spec import verifier
+from nextn.ops import linear_tune
+from nextn.sample import triton_sample, verifier
+from nextn.sample.pipeline import RequestRng, SamplingParams, Stream, probs_from_logits, sample
 
 
 def graph_us(fn, calls: int = 100) -> float:

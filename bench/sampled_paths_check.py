@@ -18,7 +18,7 @@ from pathlib import Path
 from nextn.bench.offline import text_prompt
 from nextn.core import SpecStats
 from nextn.engine.llm import LLM
-from nextn.sampling import SamplingParams
+from nextn.sample.pipeline import SamplingParams
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """What a sampled draw costs at the released vocabulary (248,320 columns): the chunked kernels of
-nextn.ops.triton_sample_wide against the torch ops the sampler used before them
-(nextn.sampling.probs_from_logits, then sample), at 1, 4 and 7 rows, for a temperature law, Qwen's
+nextn.sample.triton_wide against the torch ops the sampler used before them
+(nextn.sample.pipeline.probs_from_logits, then sample), at 1, 4 and 7 rows, for a temperature law, Qwen's
 suggested law (top-k 20, top-p 0.8: decided on the candidates), top-p 0.9 alone (decided on the
 candidates) and the same on flat rows (logits near uniform: the nucleus outruns the candidates,
 decided by passes over the row).
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's ne
 import torch  # noqa: E402
 
 from nextn.ops.linear_tune import graph_us  # noqa: E402
-from nextn.ops.triton_sample_wide import temperature_sample  # noqa: E402
-from nextn.sampling import SamplingParams, probs_from_logits, sample  # noqa: E402
+from nextn.sample.pipeline import SamplingParams, probs_from_logits, sample  # noqa: E402
+from nextn.sample.triton_wide import temperature_sample  # noqa: E402
 
 V = 248_320
 LAWS = {

@@ -3,7 +3,7 @@
 Run 111 (bench/results/profile_round_qwen3.5-35b-a3b_run111.json) found a sampled K = 3 round on the
 35B-A3B shape spending 247 us in 4 calls of torch's softmax over 248,320 columns (one thread block a
 row: 1 MB of float32 streams through one SM), and a greedy round 34.7 us in 4 argmax calls. nextn's
-one-launch sampling kernels (nextn.ops.triton_sample) hold a row in one program and stop at 32,768
+one-launch sampling kernels (nextn.sample.triton_sample) hold a row in one program and stop at 32,768
 columns. This probe times, before anything is built into the sampler, two launches a call that
 split every row into CHUNK-column chunks:
 - softmax: `_chunk_stats` stores each chunk's max m_c and sum of exp(x - m_c); `_chunk_write`

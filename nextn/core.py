@@ -17,7 +17,7 @@ STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 INT_FIELDS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 OPTIONAL_FIELDS = ("seed", "logprobs", "prompt_logprobs")
-# a seed is a signed 64-bit integer: its two's complement is the Philox key (nextn.sampling.RequestRng)
+# a seed is a signed 64-bit integer: its two's complement is the Philox key (nextn.sample.pipeline.RequestRng)
 SEED_RANGE = (-(2**63), 2**63 - 1)
 # the least temperature above 0 (greedy) and repetition_penalty's range: a logit is divided by
 # both (by the penalty where positive, multiplied by it where negative); past them the result

@@ -20,9 +20,9 @@ from nextn.cache.hybrid import (
     tensor_specs,
 )
 from nextn.engine.rounds import round_buffers
-from nextn.engine.sampler import sampler_buffers
 from nextn.model_config import ModelConfig
 from nextn.models.loader import load_model
+from nextn.sample.sampler import sampler_buffers
 
 
 @pytest.fixture(scope="module")

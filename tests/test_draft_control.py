@@ -19,10 +19,10 @@ import nextn
 from nextn.cli import main
 from nextn.core import RequestOutput, SpecStats
 from nextn.engine.runner import GraphMemory
-from nextn.engine.sampler import SlotSampler
-from nextn.sampling import RequestRng, Stream, sample
+from nextn.sample.pipeline import RequestRng, Stream, sample
+from nextn.sample.sampler import SlotSampler
+from nextn.sample.verifier import gate_draft_probs, verify_sampled
 from nextn.spec.adaptive import AdaptiveK
-from nextn.spec.verifier import gate_draft_probs, verify_sampled
 
 GREEDY = nextn.SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 

@@ -190,8 +190,8 @@ def test_plain_greedy_members_draft_through_the_fused_step(dense_fitted_ckpt, mo
     """A gated plain-greedy draft takes the fused step (argmax, probability and gate in one op;
     the sampler's per-member draft, with its softmax, never runs); any logits transform (here a
     penalty) takes the sampler's draft."""
-    from nextn.engine.sampler import SlotSampler
-    from nextn.sampling import SamplerKind
+    from nextn.sample.pipeline import SamplerKind
+    from nextn.sample.sampler import SlotSampler
 
     sampler = SlotSampler.__new__(SlotSampler)
     for kind, plain in (
@@ -226,7 +226,7 @@ def test_the_fused_draft_step_drafts_what_the_sampler_drafts(dense_fitted_ckpt, 
     """Greedy rounds gated at p_min draft, cut and emit the same through the fused step as through
     the sampler's per-member draft (softmax, gather, compare), over the full vocabulary and a
     draft vocabulary (picks mapped through d2t), alone and batched with another K."""
-    from nextn.engine.sampler import SlotSampler
+    from nextn.sample.sampler import SlotSampler
     from nextn.spec.draft_vocab import DraftVocab
 
     V = _llm(dense_fitted_ckpt, 0, kernels="torch").model.cfg.vocab_size

@@ -22,8 +22,8 @@ from nextn.cache.hybrid import KV, NUM_GEN
 from nextn.cli import main
 from nextn.config import DEFAULT_MODEL_DIR, SpecConfig
 from nextn.engine.rounds import Buffers, Member
-from nextn.engine.sampler import SlotSampler
 from nextn.engine.scheduler import Request
+from nextn.sample.sampler import SlotSampler
 from nextn.spec.draft_vocab import DraftVocab, DraftVocabError, load_draft_vocab, tokenizer_fingerprint
 from nextn.spec.replay import replay, replay_rounds, trunk_pass
 from nextn.tokenizer import Tokenizer

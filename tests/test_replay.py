@@ -13,8 +13,8 @@ from hf_fixtures import FIT_PROMPTS
 import nextn
 from nextn.cache.hybrid import ACCEPTED, NUM_GEN
 from nextn.engine.rounds import Buffers, Member
-from nextn.engine.sampler import SlotSampler
 from nextn.engine.scheduler import Request
+from nextn.sample.sampler import SlotSampler
 from nextn.spec.replay import replay_rounds, trunk_pass
 
 

@@ -1,6 +1,6 @@
-"""The one-launch sampling kernels (nextn.ops.triton_sample) against their references: the
-temperature law and its draw (nextn.sampling.probs_from_logits, sample), the round's rejection
-sampling (nextn.spec.verifier.verify_sampled), the slot sampler drafting and verifying through
+"""The one-launch sampling kernels (nextn.sample.triton_sample) against their references: the
+temperature law and its draw (nextn.sample.pipeline.probs_from_logits, sample), the round's rejection
+sampling (nextn.sample.verifier.verify_sampled), the slot sampler drafting and verifying through
 them as through the reference, and a greedy round's accept and commit (nextn.engine.rounds).
 
 On CPU the kernels run under Triton's interpreter (triton_interp.py); on a GPU compiled.
@@ -19,11 +19,10 @@ pytest.importorskip("triton")
 import nextn  # noqa: E402
 from nextn.cache.hybrid import NUM_CTL, commit_table  # noqa: E402
 from nextn.engine import rounds  # noqa: E402
-from nextn.engine.sampler import SlotSampler  # noqa: E402
-from nextn.ops import triton_sample, triton_sample_wide  # noqa: E402
-from nextn.ops.triton_sample import MAX_V, accept_greedy, temperature_sample, verify_sampled  # noqa: E402
-from nextn.sampling import RequestRng, SamplingParams, Stream, probs_from_logits, sample  # noqa: E402
-from nextn.spec import verifier  # noqa: E402
+from nextn.sample import triton_common, triton_sample, triton_wide, verifier  # noqa: E402
+from nextn.sample.pipeline import RequestRng, SamplingParams, Stream, probs_from_logits, sample  # noqa: E402
+from nextn.sample.sampler import SlotSampler  # noqa: E402
+from nextn.sample.triton_sample import MAX_V, accept_greedy, temperature_sample, verify_sampled  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -91,7 +90,7 @@ def test_the_filtered_law_keeps_what_the_reference_keeps(V, tied):
 
 
 def test_the_draw_never_lands_on_an_entry_without_mass():
-    """`_inverse_cdf`, the draw of both kernel families, given running sums as a GPU's parallel scan
+    """`inverse_cdf`, the draw of both kernel families, given running sums as a GPU's parallel scan
     can leave them (run 113: padded entries of no mass summed one ulp above the last real entry,
     and a count of sums below the point returned an index past the row): the first entry with
     mass past the point, else the last entry with mass, wherever the sums stand."""
@@ -102,7 +101,7 @@ def test_the_draw_never_lands_on_an_entry_without_mass():
     def probe(cdf_ptr, mass_ptr, t_ptr, out_ptr, N: tl.constexpr):
         i = tl.arange(0, N)
         positive = tl.load(mass_ptr + i) != 0
-        tl.store(out_ptr, triton_sample._inverse_cdf(tl.load(cdf_ptr + i), positive, tl.load(t_ptr)))
+        tl.store(out_ptr, triton_common.inverse_cdf(tl.load(cdf_ptr + i), positive, tl.load(t_ptr)))
 
     def draw(cdf, mass, t):
         out = torch.zeros((), dtype=torch.long, device=DEVICE)
@@ -130,8 +129,8 @@ def test_fused_verify_is_the_reference_rejection_sampling(K, chunked):
     """n and the emitted ids equal verify_sampled's for sampled drafts, greedy drafts (q one-hot),
     drafts equal to the target (every one accepted), drafts of zero target mass, and every count of
     drafts that count (a gate's cut), the uniforms read from the request's table at its index;
-    chunked: nextn.ops.triton_sample_wide's kernels, the 300 columns in chunks of 64."""
-    verify = partial(triton_sample_wide.verify_sampled, chunk=64) if chunked else verify_sampled
+    chunked: nextn.sample.triton_wide's kernels, the 300 columns in chunks of 64."""
+    verify = partial(triton_wide.verify_sampled, chunk=64) if chunked else verify_sampled
     g = torch.Generator().manual_seed(K)
     V, table = 300, RequestRng(11).table(0, 64)
     for case in range(12):
@@ -173,13 +172,13 @@ def test_the_slot_sampler_drafts_and_verifies_through_the_kernels_as_through_the
     """A fast SlotSampler (the Triton backend's) draws the drafts, their q and the round's outcome
     the reference sampler draws, for a temperature law and filtered ones, with and without
     penalties; wide: with the vocabulary above MAX_V (lowered to the test model's size) it takes the
-    chunked kernels (nextn.ops.triton_sample_wide, at 64-column chunks)."""
+    chunked kernels (nextn.sample.triton_wide, at 64-column chunks)."""
     llm = nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=3)
     V, cache, dev = llm.model.cfg.vocab_size, llm.engine.runner.slot(0), llm.engine.runner.device
     if wide:
         monkeypatch.setattr(triton_sample, "MAX_V", V - 1)
-        monkeypatch.setattr(triton_sample_wide, "CHUNK", 64)
-        monkeypatch.setattr(triton_sample_wide, "KCAP", 16)
+        monkeypatch.setattr(triton_wide, "CHUNK", 64)
+        monkeypatch.setattr(triton_wide, "KCAP", 16)
     g = torch.Generator().manual_seed(5)
     extra = dict(repetition_penalty=1.3, frequency_penalty=0.2) if penalized else {}
     for params in (
@@ -191,7 +190,7 @@ def test_the_slot_sampler_drafts_and_verifies_through_the_kernels_as_through_the
         for fast in (False, True):
             sampler = SlotSampler(cache, 0.0, fast=fast)
             sampler.start(params, [1, 2, 3, 2])
-            assert sampler.kernels is (None if not fast else triton_sample_wide if wide else triton_sample)
+            assert sampler.kernels is (None if not fast else triton_wide if wide else triton_sample)
             head = (torch.randn(3, V, generator=g.manual_seed(1)) * 2).to(dev)
             trunk = (torch.randn(4, V, generator=g) * 2).to(dev)
             ids, q = torch.zeros(4, dtype=torch.long, device=dev), torch.zeros(3, V, device=dev)

@@ -1,6 +1,6 @@
-"""The chunked sampling kernels (nextn.ops.triton_sample_wide), which serve vocabularies wider than
+"""The chunked sampling kernels (nextn.sample.triton_wide), which serve vocabularies wider than
 one program holds, against their references: the temperature law with top-k, top-p and min-p and
-its draw (nextn.sampling.probs_from_logits, sample), decided on the chunks' candidates where they
+its draw (nextn.sample.pipeline.probs_from_logits, sample), decided on the chunks' candidates where they
 cover the cut and by passes over the row where they do not; a row's result whatever rows run beside
 it. Small chunks (128 columns) give many chunks a row at test sizes. Their rejection sampling and
 the slot sampler's use of them above MAX_V: tests/test_sample_kernel.py.
@@ -16,8 +16,8 @@ import triton_interp  # noqa: F401  (before triton)
 
 pytest.importorskip("triton")
 
-from nextn.ops.triton_sample_wide import temperature_sample  # noqa: E402
-from nextn.sampling import SamplingParams, probs_from_logits, sample  # noqa: E402
+from nextn.sample.pipeline import SamplingParams, probs_from_logits, sample  # noqa: E402
+from nextn.sample.triton_wide import temperature_sample  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CHUNK, KCAP = 128, 16

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nextn.core import SamplingParams
-from nextn.sampling import (
+from nextn.sample.pipeline import (
     RequestRng,
     Stream,
     TokenHistory,
@@ -26,7 +26,7 @@ from nextn.sampling import (
     token_logprobs,
     top_logprobs,
 )
-from nextn.spec.verifier import draft_probs_on_target_vocab, verify_greedy, verify_sampled
+from nextn.sample.verifier import draft_probs_on_target_vocab, verify_greedy, verify_sampled
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -41,7 +41,7 @@ from nextn.engine.runner import ModelRunner, Piece
 from nextn.engine.scheduler import Request, Scheduler
 from nextn.grammar import GrammarState, compile_grammar
 from nextn.models.qwen3_5 import CausalLM
-from nextn.sampling import token_logprobs, top_logprobs
+from nextn.sample.pipeline import token_logprobs, top_logprobs
 from nextn.spec.k_policy import make_policy, request_k
 from nextn.spec.proposer import MTPProposer
 from nextn.tokenizer import Tokenizer

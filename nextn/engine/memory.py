@@ -39,8 +39,8 @@ from nextn.config import (
     EngineConfig,
 )
 from nextn.engine.rounds import round_buffers
-from nextn.engine.sampler import sampler_buffers
 from nextn.model_config import ModelConfig
+from nextn.sample.sampler import sampler_buffers
 
 # graphs' memory beyond the rows of the round they capture (their private pool's slack, the sampler's
 # and the proposer's small intermediates): a floor so the graph budget is never zero

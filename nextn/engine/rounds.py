@@ -45,11 +45,11 @@ from nextn.cache.hybrid import DRAFT_LEN, NUM_CTL, NUM_GEN, SEQ_LEN, commit_tabl
 from nextn.config import SpecConfig
 from nextn.core import SamplingParams, SpecStats
 from nextn.engine.runner import PhaseClock
-from nextn.engine.sampler import SlotSampler
 from nextn.engine.sequence import Sequence
 from nextn.grammar import GrammarState
 from nextn.model_config import ModelConfig
-from nextn.sampling import SamplerKind
+from nextn.sample.pipeline import SamplerKind
+from nextn.sample.sampler import SlotSampler
 from nextn.spec.adaptive import AdaptiveK
 from nextn.spec.k_policy import bucket
 
@@ -148,12 +148,12 @@ def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores
     """`_accept` for greedy members without penalties, all at once (the same integer results):
     each row's argmax, the longest prefix of the drafts that count (counts [G]) matching it, the
     commit and the outcomes. With the Triton kernels one launch after the argmax
-    (nextn.ops.triton_sample.accept_greedy); this is its reference."""
+    (nextn.sample.triton_sample.accept_greedy); this is its reference."""
     R, tensors, G, cache = group[0].buf.verify_ids.shape[0], group[0].cache.cache.tensors, len(group), group[0].cache
     slots = batch.slot_index if G == len(batch) else batch.slot_index.index_select(0, runner.index(index))
     ks = runner.index([m.k for m in group])
     if runner.config.kernels == "triton":  # imported here: kernel modules load only where their kernels run
-        from nextn.ops import triton_sample
+        from nextn.sample import triton_sample
 
         starts = runner.index([batch.offsets[b] for b in index])
         table = commit_table(cache.cols, True, True, logits.device)

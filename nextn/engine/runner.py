@@ -13,7 +13,7 @@ and return);
 The prefix cache (nextn.cache.prefix) is the runner's too: `restore_prefix` copies a cached prompt
 prefix into a slot, `snapshot_prefix` keeps what a slot holds at a block boundary.
 
-Does not choose tokens (nextn.engine.sampler) or decide what a round keeps (nextn.engine.rounds).
+Does not choose tokens (nextn.sample.sampler) or decide what a round keeps (nextn.engine.rounds).
 """
 
 from __future__ import annotations

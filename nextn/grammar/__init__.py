@@ -8,7 +8,7 @@ drafts it rejected, which writes the token masks of a round's rows into the slot
 (`GrammarState`, nextn.grammar.state).
 
 Does not know models, rounds or sampling: the engine's sampler applies the masks to the logits
-before its own transforms (nextn.engine.sampler), the rounds decide when they are computed
+before its own transforms (nextn.sample.sampler), the rounds decide when they are computed
 (nextn.engine.rounds).
 """
 

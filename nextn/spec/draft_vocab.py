@@ -10,7 +10,7 @@ its inverse and a contiguous copy of the selected lm_head rows, made once at loa
 Exactness does not depend on the subset: the target verifies over the full vocabulary. Greedy
 drafts are d2t[argmax over the subset]; a sampled draft's q is its law over the subset scattered
 onto the target ids, zero elsewhere, which keeps rejection sampling exact in law (see
-nextn.spec.verifier). Penalties read the target history projected onto the subset: a penalty is
+nextn.sample.verifier). Penalties read the target history projected onto the subset: a penalty is
 elementwise per token id, so the subset's penalized logits are the full row's restricted to it.
 d2t is kept ascending, so ties in the subset's argmax go to the lowest target id, as in the full
 head's: wherever the full head's pick is in the subset, the reduced head picks the same token.
@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nextn.sampling import TokenHistory
-from nextn.spec.verifier import draft_probs_on_target_vocab
+from nextn.sample.pipeline import TokenHistory
+from nextn.sample.verifier import draft_probs_on_target_vocab
 from nextn.tokenizer import Tokenizer
 
 FORMAT, VERSION = "nextn-draft-vocab", 1

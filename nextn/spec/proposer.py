@@ -33,7 +33,7 @@ import torch
 
 from nextn.cache.hybrid import ACCEPTED, DRAFT_LEN, NUM_GEN, SEQ_LEN
 from nextn.ops.draft import DraftGate, greedy_draft_reference
-from nextn.sampling import RequestRng, Stream
+from nextn.sample.pipeline import RequestRng, Stream
 from nextn.spec.draft_vocab import DraftHead
 
 

@@ -3,7 +3,7 @@ seeded uniforms and its penalty history, kept in the slot's cache buffers, so a 
 (captured once per slot, K and `SamplerKind`) serves every request. Drawing, drafting and
 verifying are device ops with no host read; the host fills the buffers once per request.
 
-Generated token number i always uses uniform i of its stream (nextn.sampling), so a seeded request
+Generated token number i always uses uniform i of its stream (nextn.sample.pipeline), so a seeded request
 reproduces whatever K is and however its tokens fall into rounds.
 
 A request with a grammar (`SamplerKind.grammar`) has a host-side `GrammarState` (nextn.grammar)
@@ -25,7 +25,7 @@ from nextn.cache.hybrid import NUM_GEN
 from nextn.config import STEP_ROWS
 from nextn.core import SamplingParams
 from nextn.grammar import GrammarState
-from nextn.sampling import (
+from nextn.sample.pipeline import (
     RequestRng,
     SamplerKind,
     Stream,
@@ -35,8 +35,8 @@ from nextn.sampling import (
     probs_from_logits,
     sample,
 )
+from nextn.sample.verifier import VerifyResult, gate_draft_probs, verify_greedy, verify_sampled
 from nextn.spec.draft_vocab import DraftHead
-from nextn.spec.verifier import VerifyResult, gate_draft_probs, verify_greedy, verify_sampled
 
 VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens")
 
@@ -57,18 +57,18 @@ def sampler_buffers(vocab_size: int, max_len: int) -> list[tuple[str, tuple[int,
 class SlotSampler:
     """fast (the Triton backend's choice): sampled drafts (over the full vocabulary), verify rows
     and the rejection sampling through Triton kernels (the law after penalties and masks:
-    temperature, top-k, top-p, min-p): nextn.ops.triton_sample's one-launch kernels where the
-    vocabulary fits one program (MAX_V columns), nextn.ops.triton_sample_wide's chunked ones where it
+    temperature, top-k, top-p, min-p): nextn.sample.triton_sample's one-launch kernels where the
+    vocabulary fits one program (MAX_V columns), nextn.sample.triton_wide's chunked ones where it
     does not (the released models' 248,320)."""
 
     def __init__(self, cache: SlotCache, p_min: float = 0.0, fast: bool = False):
         self.p_min = p_min
         self.kernels = None
         if fast:  # imported here: kernel modules load only where their kernels run
-            from nextn.ops import triton_sample, triton_sample_wide
+            from nextn.sample import triton_sample, triton_wide
 
             narrow = cache.t("prompt_mask").numel() <= triton_sample.MAX_V
-            self.kernels = triton_sample if narrow else triton_sample_wide
+            self.kernels = triton_sample if narrow else triton_wide
         values = cache.t("sampling_values")
         self.values = SimpleNamespace(
             **{name: values[i] for i, name in enumerate(VALUES)}, top_k=cache.t("sampling_top_k")[0]
@@ -128,7 +128,7 @@ class SlotSampler:
 
     def _fused_law(self, logits: torch.Tensor, u=None, out=None, ids=None) -> torch.Tensor:
         """The request's law over logits rows [N, V] (penalized and masked), and the draws into ids
-        with uniforms u, through the one-launch kernel (nextn.ops.triton_sample)."""
+        with uniforms u, through the one-launch kernel (nextn.sample.triton_sample)."""
         values, kind = self.values, self.kind
         probs, _ = self.kernels.temperature_sample(
             logits,
@@ -184,7 +184,7 @@ class SlotSampler:
         (zero elsewhere), penalties and the min_tokens ban read target ids projected onto the subset.
         Returns the head's probability of its pick [1] (over the subset, with a draft vocabulary)
         when a p_min gate is on, else None; sampled, q is then the law of a draft the gate keeps
-        (restricted to the tokens whose head probability reaches p_min: nextn.spec.verifier)."""
+        (restricted to the tokens whose head probability reaches p_min: nextn.sample.verifier)."""
         history, so_far, pick, columns = self._history(), drafts_so_far, token, None
         if vocab is not None:
             history, so_far = vocab.project(history, drafts_so_far)

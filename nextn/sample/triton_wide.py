@@ -1,5 +1,5 @@
 """Token choice over rows wider than one program holds (the released models' 248,320 columns):
-`temperature_sample` and `verify_sampled` of nextn.ops.triton_sample, with every row split into
+`temperature_sample` and `verify_sampled` of nextn.sample.triton_sample, with every row split into
 chunks of CHUNK columns, one program a chunk, in a few launches instead of torch's sort, scans and
 softmax (bench/results/profile_sampled_qwen3.5-9b_run112.json: a sampled K = 3 round on the 9B
 shape spends 1.36 ms more than a greedy one with top-k 20 and top-p 0.8, 0.45 ms with neither).
@@ -12,7 +12,7 @@ The law (the same as the one-program kernel's, up to rounding):
    columns in the reference's order (probability descending, then index) as candidates (KCAP = 64
    under top-k, else KCAP_NUCLEUS = 256), with the largest probability it left out (its floor).
 3. `_decide` (a program a row): top-k, then top-p, then min-p over the candidates, which are in
-   index order, by nextn.ops.triton_sample's `_filters`. What they keep is a prefix of the order,
+   index order, by nextn.sample.triton_common's `filters`. What they keep is a prefix of the order,
    so it is written as a bound (the last kept probability and, of the columns tied at it, the last
    kept index), a min-p threshold and the kept mass. The candidates decide exactly when the bound
    lies above every chunk's floor (and, for min-p alone, the threshold does): every column the
@@ -42,7 +42,8 @@ from __future__ import annotations
 import torch
 
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
-from nextn.sampling import Stream
+from nextn.sample.pipeline import Stream
+from nextn.sample.triton_common import round_args, sample_outputs
 
 CHUNK = 8192  # columns a program holds
 KCAP = 64  # candidates a chunk offers the filters under top-k: top-k up to KCAP always decides on them
@@ -52,7 +53,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from nextn.ops.triton_sample import _emit, _filters, _inverse_cdf, _num_accepted, _residual
+    from nextn.sample.triton_common import emit, filters, inverse_cdf, num_accepted, residual, top_k_keep
 
     @triton.jit
     def _row_norm(stats_ptr, row, C, CB: tl.constexpr):
@@ -112,17 +113,7 @@ if HAVE_TRITON:
         tl.store(mass_ptr + row * C + c, tl.sum(p, axis=0))
         # the KCAP-th largest bits: count(bits >= lo) >= KCAP (lo = -1: the chunk has fewer columns)
         bits = tl.where(valid, p.to(tl.int32, bitcast=True), -1)
-        lo = tl.full((), -1, tl.int32)
-        hi = tl.full((), 0x3F800001, tl.int32)
-        for _ in range(31):
-            mid = lo + (hi - lo) // 2
-            enough = tl.sum((valid & (bits >= mid)).to(tl.int32), axis=0) >= KCAP
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid)
-        above = valid & (bits > lo)
-        ties = valid & (bits == lo)
-        room = KCAP - tl.sum(above.to(tl.int32), axis=0)
-        chosen = above | (ties & (tl.cumsum(ties.to(tl.int32), axis=0) <= room))
+        chosen = top_k_keep(bits, valid, KCAP, tl.full((), -1, tl.int32))
         slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1  # candidates stay in index order
         base = row * C * KCAP + c * KCAP
         tl.store(cand_ptr + base + slot, bits, mask=chosen)
@@ -155,7 +146,7 @@ if HAVE_TRITON:
     def _stream_decide(
         probs_ptr, top_k_ptr, top_p_ptr, V, C, TOP_K: tl.constexpr, TOP_P: tl.constexpr, CHUNK: tl.constexpr
     ):
-        """(bound, last) of top-k then top-p by passes over the row (`_filters`' bisections, each
+        """(bound, last) of top-k then top-p by passes over the row (`filters`' bisections, each
         step's count or mass summed over the chunks in order)."""
         bound = tl.full((), -1, tl.int32)
         last = tl.full((), 0x7FFFFFFF, tl.int32)
@@ -218,16 +209,9 @@ if HAVE_TRITON:
         min_p_ptr,
         bound_ptr,  # [N, 3] int32 out: bound bits, last index, covered
         kept_ptr,  # [N, 2] float32 out: min-p threshold, kept mass
-        V,
-        C,
-        CB: tl.constexpr,
-        NB: tl.constexpr,
-        CHUNK: tl.constexpr,
-        KCAP: tl.constexpr,
-        TOP_K: tl.constexpr,
-        TOP_P: tl.constexpr,
-        MIN_P: tl.constexpr,
-    ):
+        V, C, CB: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, KCAP: tl.constexpr,
+        TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
+    ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, NB)
         bits = tl.load(cand_ptr + row * C * KCAP + i, mask=i < C * KCAP, other=-1)
@@ -243,11 +227,11 @@ if HAVE_TRITON:
         if TOP_K or TOP_P:
             keep = valid
             if TOP_K:  # the k-th largest must lie above every column left out
-                keep = _filters(p, valid, top_k_ptr, top_p_ptr, min_p_ptr, V, row_mass, True, False, False)
+                keep = filters(p, valid, top_k_ptr, top_p_ptr, min_p_ptr, V, row_mass, True, False, False)
                 covered = (tl.min(tl.where(keep, bits, 0x7FFFFFFF), axis=0) > floor).to(tl.int32)
                 row_mass = tl.sum(tl.where(keep, p, 0.0), axis=0)  # top-p's base: the mass top-k kept
             if TOP_P:
-                keep = _filters(p, keep, top_k_ptr, top_p_ptr, min_p_ptr, V, row_mass, False, True, False)
+                keep = filters(p, keep, top_k_ptr, top_p_ptr, min_p_ptr, V, row_mass, False, True, False)
             bound = tl.min(tl.where(keep, bits, 0x7FFFFFFF), axis=0)
             last = tl.max(tl.where(keep & (bits == bound), idx, -1), axis=0)
             covered = covered & (bound > floor).to(tl.int32)
@@ -313,14 +297,14 @@ if HAVE_TRITON:
         s = tl.load(sums_ptr + c, mask=c < C, other=0.0)
         run = tl.cumsum(s, axis=0)
         t = u * tl.max(tl.where(c < C, run, 0.0), axis=0)
-        chunk = _inverse_cdf(run, (c < C) & (s > 0.0), t)
+        chunk = inverse_cdf(run, (c < C) & (s > 0.0), t)
         return chunk, t - tl.sum(tl.where(c == chunk - 1, run, 0.0), axis=0)
 
     @triton.jit
     def _pick_column(r, valid, t):
         """The column of r (float32 >= 0, a chunk) where its float64 running sum passes t (its last
         column with mass when it does not)."""
-        return _inverse_cdf(tl.cumsum(r.to(tl.float64), axis=0), valid & (r > 0.0), t)
+        return inverse_cdf(tl.cumsum(r.to(tl.float64), axis=0), valid & (r > 0.0), t)
 
     @triton.jit
     def _draw_kernel(probs_ptr, stride_p, sums_ptr, u_ptr, ids_ptr, V, C, CB: tl.constexpr, CHUNK: tl.constexpr):
@@ -333,74 +317,46 @@ if HAVE_TRITON:
 
     @triton.jit
     def _residual_kernel(
-        p_ptr,  # [K + 1, V] float32
-        stride_p,
-        q_ptr,  # [K, V] float32 (HAS_Q)
-        stride_q,
-        drafts_ptr,
-        uniforms_ptr,
-        stride_u,
-        index_ptr,
-        num_ptr,
-        num_drafts,
+        # the round's arguments, as triton_sample._verify_kernel's: p [K + 1, V], q [K, V] (HAS_Q), ...
+        p_ptr, stride_p, q_ptr, stride_q, drafts_ptr, uniforms_ptr, stride_u, index_ptr, num_ptr, num_drafts,
         sums_ptr,  # [2, C] float64 out: each chunk's residual mass, then its p_n mass
-        V,
-        C,
-        K: tl.constexpr,
-        ACCEPT: tl.constexpr,
-        HAS_Q: tl.constexpr,
-        HAS_NUM: tl.constexpr,
-        CHUNK: tl.constexpr,
-    ):
+        V, C,
+        K: tl.constexpr, ACCEPT: tl.constexpr, HAS_Q: tl.constexpr, HAS_NUM: tl.constexpr, CHUNK: tl.constexpr,
+    ):  # fmt: skip
         c = tl.program_id(0)
-        _, counted, n = _num_accepted(
+        _, counted, n = num_accepted(
             p_ptr, stride_p, q_ptr, stride_q, drafts_ptr, uniforms_ptr, stride_u, index_ptr, num_ptr, num_drafts,
             K, ACCEPT, HAS_Q, HAS_NUM,
         )  # fmt: skip
         offs = c * CHUNK + tl.arange(0, CHUNK)
         valid = offs < V
-        p, r = _residual(p_ptr, stride_p, q_ptr, stride_q, drafts_ptr, n, counted, offs, valid, K, HAS_Q)
+        p, r = residual(p_ptr, stride_p, q_ptr, stride_q, drafts_ptr, n, counted, offs, valid, K, HAS_Q)
         tl.store(sums_ptr + c, tl.sum(r.to(tl.float64), axis=0))
         tl.store(sums_ptr + C + c, tl.sum(p.to(tl.float64), axis=0))
 
     @triton.jit
     def _verify_draw_kernel(
-        p_ptr,
-        stride_p,
-        q_ptr,
-        stride_q,
-        drafts_ptr,
-        uniforms_ptr,
-        stride_u,
-        index_ptr,
-        num_ptr,
-        num_drafts,
-        sums_ptr,  # [2, C] float64
+        p_ptr, stride_p, q_ptr, stride_q, drafts_ptr, uniforms_ptr, stride_u, index_ptr, num_ptr, num_drafts,
+        sums_ptr,  # [2, C] float64: _residual_kernel's
         n_ptr,  # [] long out
         out_ptr,  # [K + 1] long out
-        V,
-        C,
-        CB: tl.constexpr,
-        K: tl.constexpr,
-        ACCEPT: tl.constexpr,
-        SAMPLE: tl.constexpr,
-        HAS_Q: tl.constexpr,
-        HAS_NUM: tl.constexpr,
+        V, C, CB: tl.constexpr,
+        K: tl.constexpr, ACCEPT: tl.constexpr, SAMPLE: tl.constexpr, HAS_Q: tl.constexpr, HAS_NUM: tl.constexpr,
         CHUNK: tl.constexpr,
-    ):
-        g, counted, n = _num_accepted(
+    ):  # fmt: skip
+        g, counted, n = num_accepted(
             p_ptr, stride_p, q_ptr, stride_q, drafts_ptr, uniforms_ptr, stride_u, index_ptr, num_ptr, num_drafts,
             K, ACCEPT, HAS_Q, HAS_NUM,
         )  # fmt: skip
         c = tl.arange(0, CB)
-        residual = tl.max(tl.load(sums_ptr + c, mask=c < C, other=0.0), axis=0) > 0.0  # else draw from p_n
+        has_mass = tl.max(tl.load(sums_ptr + c, mask=c < C, other=0.0), axis=0) > 0.0  # else draw from p_n
         u = tl.load(uniforms_ptr + SAMPLE * stride_u + g + n)
-        chunk, t = _pick_chunk(sums_ptr + tl.where(residual, 0, C), u, C, CB)
+        chunk, t = _pick_chunk(sums_ptr + tl.where(has_mass, 0, C), u, C, CB)
         offs = chunk * CHUNK + tl.arange(0, CHUNK)
         valid = offs < V
-        p, r = _residual(p_ptr, stride_p, q_ptr, stride_q, drafts_ptr, n, counted, offs, valid, K, HAS_Q)
-        token = chunk * CHUNK + _pick_column(tl.where(residual, r, p), valid, t)
-        _emit(n_ptr, out_ptr, drafts_ptr, n, token, K)
+        p, r = residual(p_ptr, stride_p, q_ptr, stride_q, drafts_ptr, n, counted, offs, valid, K, HAS_Q)
+        token = chunk * CHUNK + _pick_column(tl.where(has_mass, r, p), valid, t)
+        emit(n_ptr, out_ptr, drafts_ptr, n, token, K)
 
 
 def _warps(chunk: int) -> int:
@@ -408,29 +364,19 @@ def _warps(chunk: int) -> int:
 
 
 def temperature_sample(
-    logits: torch.Tensor,  # [N, V] float32 or bf16, rows contiguous
-    temperature: torch.Tensor,  # [] float32 > 0 (device)
-    u: torch.Tensor | None = None,  # [N] float64: each row's uniform (None: the law only)
-    out: torch.Tensor | None = None,  # [N, V] float32: the law (default: a new tensor)
-    ids: torch.Tensor | None = None,  # [N] long: the draws (default: a new tensor when u is given)
-    top_k: torch.Tensor | None = None,  # [] long >= 1 (device; None: off)
-    top_p: torch.Tensor | None = None,  # [] float32 in (0, 1] (device; None: off)
-    min_p: torch.Tensor | None = None,  # [] float32 (device; None: off)
+    logits, temperature, u=None, out=None, ids=None, top_k=None, top_p=None, min_p=None,
     bounds: torch.Tensor | None = None,  # [N, 3] int32 out (filtered laws): bound bits, last index, covered
     chunk: int | None = None,  # columns a program holds (default CHUNK)
     kcap: int | None = None,  # candidates a chunk offers (default KCAP with top-k, else KCAP_NUCLEUS)
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """nextn.ops.triton_sample.temperature_sample for rows of any width, in chunks."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """nextn.sample.triton_sample.temperature_sample (the arguments as there) for rows of any width, in
+    chunks."""
     chunk, kcap = chunk or CHUNK, kcap or (KCAP if top_k is not None else KCAP_NUCLEUS)
     N, V = logits.shape
-    if logits.stride(1) != 1 or (out is not None and out.stride(1) != 1):
-        raise ValueError("temperature_sample: rows must be contiguous")
+    out, ids = sample_outputs(logits, u, out, ids)
     dev = logits.device
     C = triton.cdiv(V, chunk)
     CB, warps = max(2, next_pow2(C)), _warps(chunk)
-    out = torch.empty(N, V, device=dev, dtype=torch.float32) if out is None else out
-    if u is not None and ids is None:
-        ids = torch.empty(N, device=dev, dtype=torch.long)
     stats = torch.empty(N, C, 2, device=dev, dtype=torch.float32)
     _stats_kernel[(N, C)](logits, logits.stride(0), temperature, stats, V, C, CHUNK=chunk, num_warps=warps)
     filtered = top_k is not None or top_p is not None or min_p is not None
@@ -463,43 +409,16 @@ def temperature_sample(
     return out, ids
 
 
-def verify_sampled(
-    target_probs: torch.Tensor,  # [K + 1, V] float32
-    draft_probs: torch.Tensor | None,  # [K, V] float32 (None: greedy drafts, q one-hot)
-    draft_ids: torch.Tensor,  # [K] long
-    uniforms: torch.Tensor,  # [streams, U] float64: the request's table
-    index: torch.Tensor,  # []: the generated index of row 0
-    num_drafts: torch.Tensor | int,  # the drafts that count
-    chunk: int | None = None,
-):
-    """nextn.ops.triton_sample.verify_sampled for rows of any width, in chunks."""
+def verify_sampled(target_probs, draft_probs, draft_ids, uniforms, index, num_drafts, chunk: int | None = None):
+    """nextn.sample.triton_sample.verify_sampled (the arguments as there) for rows of any width, in chunks."""
     chunk = chunk or CHUNK
-    K, V = draft_ids.numel(), target_probs.shape[1]
-    for t in (target_probs, draft_probs, uniforms):
-        if t is not None and t.stride(1) != 1:
-            raise ValueError("verify_sampled: rows must be contiguous")
-    dev = target_probs.device
+    V = target_probs.shape[1]
+    args, flags, n, out_ids = round_args(target_probs, draft_probs, draft_ids, uniforms, index, num_drafts)
     C = triton.cdiv(V, chunk)
-    n = torch.empty((), device=dev, dtype=torch.long)
-    out_ids = torch.empty(K + 1, device=dev, dtype=torch.long)
-    sums = torch.empty(2, C, device=dev, dtype=torch.float64)
-    has_num = isinstance(num_drafts, torch.Tensor)
-    args = (
-        target_probs,
-        target_probs.stride(0),
-        draft_probs if draft_probs is not None else target_probs,
-        draft_probs.stride(0) if draft_probs is not None else 0,
-        draft_ids,
-        uniforms,
-        uniforms.stride(0),
-        index,
-        num_drafts if has_num else index,
-        0 if has_num else int(num_drafts),
-        sums,
-    )
-    flags = dict(K=K, ACCEPT=int(Stream.ACCEPT), HAS_Q=draft_probs is not None, HAS_NUM=has_num, CHUNK=chunk)
-    _residual_kernel[(C,)](*args, V, C, **flags, num_warps=_warps(chunk))
+    sums = torch.empty(2, C, device=target_probs.device, dtype=torch.float64)
+    _residual_kernel[(C,)](*args, sums, V, C, **flags, CHUNK=chunk, num_warps=_warps(chunk))
     _verify_draw_kernel[(1,)](
-        *args, n, out_ids, V, C, CB=max(2, next_pow2(C)), SAMPLE=int(Stream.SAMPLE), **flags, num_warps=_warps(chunk)
-    )
+        *args, sums, n, out_ids, V, C, CB=max(2, next_pow2(C)), SAMPLE=int(Stream.SAMPLE), **flags, CHUNK=chunk,
+        num_warps=_warps(chunk),
+    )  # fmt: skip
     return n, out_ids

@@ -3,7 +3,7 @@
 Owns: the penalty and filter pipeline (`probs_from_logits`, `penalized_logits`, `greedy_ids`),
 the per-request token history the penalties read (`TokenHistory`), the counter-based random
 numbers of a seeded request (`RequestRng`), inverse-CDF drawing (`sample`) and logprobs.
-Does not know models, caches, the engine loop or speculation; `spec/verifier.py` builds on it.
+Does not know models, caches, the engine loop or speculation; `nextn.sample.verifier` builds on it.
 Everything is pure torch on whatever device the logits live on; nothing here reads a device
 tensor back to the host.
 

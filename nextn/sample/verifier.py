@@ -5,8 +5,8 @@ Owns: `verify_greedy` (longest prefix matching the target argmax + bonus) and `v
 plus `draft_probs_on_target_vocab` for reduced-vocabulary draft heads. Inputs and outputs are
 device tensors; nothing here reads back to the host, so the caller reads `num_accepted` and
 `out_ids` once per round. Does not know models, histories or filters: the caller passes the
-already filtered distributions (`nextn.sampling.probs_from_logits`) and the uniforms
-(`nextn.sampling.RequestRng`, streams ACCEPT and SAMPLE indexed by generated-token number).
+already filtered distributions (`nextn.sample.pipeline.probs_from_logits`) and the uniforms
+(`nextn.sample.pipeline.RequestRng`, streams ACCEPT and SAMPLE indexed by generated-token number).
 
 Words: K drafts `draft_ids[j]` for generated positions i..i+K-1; the round emits the *accepted*
 drafts draft_ids[:n], then either a *recovered* token (first rejection at n < K) or the *bonus*
@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from nextn.sampling import sample
+from nextn.sample.pipeline import sample
 
 
 class VerifyResult(NamedTuple):
