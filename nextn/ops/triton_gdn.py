@@ -77,14 +77,14 @@ if HAVE_TRITON:
         return S + k[:, None] * delta[None, :]
 
     @triton.jit
-    def _carried_cols(carried_ptr, stride_c, ch, mask, W: tl.constexpr, W_BLOCK: tl.constexpr, dtype: tl.constexpr):
+    def _carried_cols(carried_ptr, stride_win, ch, mask, W: tl.constexpr, W_BLOCK: tl.constexpr, dtype: tl.constexpr):
         """The W-1 carried window columns of channels ch, a [W_BLOCK, n] tile (rows past W-1: 0)."""
         j = tl.arange(0, W_BLOCK)
         m = (j[:, None] < W - 1) & mask[None, :]
         return tl.load(carried_ptr + ch[None, :] * stride_c + j[:, None], mask=m, other=0.0).to(dtype)
 
     @triton.jit
-    def _last_cols(carried_ptr, stride_c, proj_ptr, stride_p, ch, mask, T, W: tl.constexpr, W_BLOCK: tl.constexpr,
+    def _last_cols(carried_ptr, stride_win, proj_ptr, stride_p, ch, mask, T, W: tl.constexpr, W_BLOCK: tl.constexpr,
                    dtype: tl.constexpr):  # fmt: skip
         """The last W-1 columns of [carried | the step's T inputs] of channels ch, a [W_BLOCK, n] tile
         (rows past W-1: 0): column T + j of the concatenation is row j."""
@@ -183,8 +183,7 @@ if HAVE_TRITON:
         conv_at = tl.load(slots_ptr + 2)
         conv_write = tl.load(slots_ptr + 3)
         pending = tl.load(slots_ptr + PEND)
-        carried_ptr = window_ptr + conv_at  # the committed conv columns
-        stride_c = stride_win
+        carried_ptr = window_ptr + conv_at  # the committed conv columns (row stride stride_win)
         win = window_ptr + conv_write
         tile = hv * K * V + offs_k[:, None] * V + offs_v[None, :]
         S = tl.load(states_ptr + state_at * stride_states + tile)
@@ -195,9 +194,9 @@ if HAVE_TRITON:
         # moved above it), so the copy costs one memory round trip, beside the state's
         writes_qk = (tl.zeros((K,), tl.int32) + (hv % (HV // H)) + vb) == 0
         writes_v = offs_v < V
-        qc = _carried_cols(carried_ptr, stride_c, q_ch, writes_qk, W, W_BLOCK, dtype)
-        kc = _carried_cols(carried_ptr, stride_c, k_ch, writes_qk, W, W_BLOCK, dtype)
-        vc = _carried_cols(carried_ptr, stride_c, v_ch, writes_v, W, W_BLOCK, dtype)
+        qc = _carried_cols(carried_ptr, stride_win, q_ch, writes_qk, W, W_BLOCK, dtype)
+        kc = _carried_cols(carried_ptr, stride_win, k_ch, writes_qk, W, W_BLOCK, dtype)
+        vc = _carried_cols(carried_ptr, stride_win, v_ch, writes_v, W, W_BLOCK, dtype)
         if PDL:  # the launch right before writes none of the above (the rule: nextn.ops.triton_utils)
             tl.extra.cuda.gdc_wait()
             if RELEASE == 2:
@@ -223,9 +222,9 @@ if HAVE_TRITON:
                 _store_cols(win, stride_win, k_ch, writes_qk, W - 1 + t0, ki, T - t0)
                 _store_cols(win, stride_win, v_ch, writes_v, W - 1 + t0, vi, T - t0)
         else:  # a prefill step (any number of rows) keeps all of them: only the last W-1 columns
-            qt = _last_cols(carried_ptr, stride_c, proj_ptr, stride_p, q_ch, writes_qk, T, W, W_BLOCK, dtype)
-            kt = _last_cols(carried_ptr, stride_c, proj_ptr, stride_p, k_ch, writes_qk, T, W, W_BLOCK, dtype)
-            vt = _last_cols(carried_ptr, stride_c, proj_ptr, stride_p, v_ch, writes_v, T, W, W_BLOCK, dtype)
+            qt = _last_cols(carried_ptr, stride_win, proj_ptr, stride_p, q_ch, writes_qk, T, W, W_BLOCK, dtype)
+            kt = _last_cols(carried_ptr, stride_win, proj_ptr, stride_p, k_ch, writes_qk, T, W, W_BLOCK, dtype)
+            vt = _last_cols(carried_ptr, stride_win, proj_ptr, stride_p, v_ch, writes_v, T, W, W_BLOCK, dtype)
             _store_cols(win, stride_win, q_ch, writes_qk, 0, qt, W - 1)
             _store_cols(win, stride_win, k_ch, writes_qk, 0, kt, W - 1)
             _store_cols(win, stride_win, v_ch, writes_v, 0, vt, W - 1)
