@@ -77,14 +77,14 @@ if HAVE_TRITON:
         return S + k[:, None] * delta[None, :]
 
     @triton.jit
-    def _carried_cols(carried_ptr, stride_win, ch, mask, W: tl.constexpr, W_BLOCK: tl.constexpr, dtype: tl.constexpr):
+    def _carried_cols(carried_ptr, stride_c, ch, mask, W: tl.constexpr, W_BLOCK: tl.constexpr, dtype: tl.constexpr):
         """The W-1 carried window columns of channels ch, a [W_BLOCK, n] tile (rows past W-1: 0)."""
         j = tl.arange(0, W_BLOCK)
         m = (j[:, None] < W - 1) & mask[None, :]
         return tl.load(carried_ptr + ch[None, :] * stride_c + j[:, None], mask=m, other=0.0).to(dtype)
 
     @triton.jit
-    def _last_cols(carried_ptr, stride_win, proj_ptr, stride_p, ch, mask, T, W: tl.constexpr, W_BLOCK: tl.constexpr,
+    def _last_cols(carried_ptr, stride_c, proj_ptr, stride_p, ch, mask, T, W: tl.constexpr, W_BLOCK: tl.constexpr,
                    dtype: tl.constexpr):  # fmt: skip
         """The last W-1 columns of [carried | the step's T inputs] of channels ch, a [W_BLOCK, n] tile
         (rows past W-1: 0): column T + j of the concatenation is row j."""
