@@ -20,7 +20,7 @@ import torch
 import uvicorn
 
 import nextn
-from nextn.config import ServeConfig
+from nextn.config.serve import ServeConfig
 from nextn.server.app import create_app
 
 PROMPTS = [

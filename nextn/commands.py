@@ -56,7 +56,9 @@ def _check_out(flag: str, path: str | None) -> None:
 
 def _bench(args) -> int:
     from nextn.bench.offline import bench_from_args, check_args
+    from nextn.config import check_gpu_memory_utilization
 
+    check_gpu_memory_utilization(args.gpu_memory_utilization, "--gpu-memory-utilization")
     check_args(args)  # before a download
     _local(args, default_model=args.random_weights is None)  # MODEL (default: the bundled one) or --random-weights
     return bench_from_args(args)
@@ -102,121 +104,26 @@ def _train(args) -> int:
     return run_from_args(args)
 
 
-def _llm(args, **engine):
-    """The LLM of generate from its common and spec flags (and `engine` settings)."""
-    from nextn import LLM
-
-    return LLM(**_llm_args(args, **engine))
-
-
-def _llm_args(args, **engine) -> dict:
-    """LLM's arguments from generate's / serve's common and spec flags (and `engine` settings)."""
-    return dict(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        num_speculative_tokens=args.spec_k,
-        p_min=args.p_min,
-        adaptive_k=args.adaptive_k,
-        k_policy=args.spec_k_policy or "auto",
-        hidden_after_norm=not args.hidden_before_norm,
-        grammar_draft_mask=not args.no_grammar_draft_mask,
-        kernels=args.kernels,
-        prefill=args.prefill,
-        speculative_config=args.speculative_config,
-        quantization=args.quantization,
-        draft_vocab=args.draft_vocab,
-        tensor_parallel_size=args.tensor_parallel_size,
-        kv_cache_dtype=args.kv_cache_dtype,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        random_weights=args.random_weights,
-        tokenizer=args.tokenizer,
-        enforce_eager=args.enforce_eager,
-        generation_config=args.generation_config,
-        override_generation_config=args.override_generation_config,
-        revision=args.revision,
-        download_dir=args.download_dir,
-        **engine,
-    )
-
-
 def _serve(args) -> int:
     """The engine core in a process of its own (nextn.server.core_client), the HTTP server here,
     bound once the core has loaded the model."""
-    from nextn.config import ServeConfig
+    from nextn.config.engine_args import EngineArgs
+    from nextn.config.flags import values
+    from nextn.config.serve import ServeConfig, ServerOptions
     from nextn.server import app
     from nextn.server.core_client import CoreProcess
-    from nextn.server.options import ServerOptions
 
     for flag, why in args.vllm_ignored:  # vLLM's flags that mean nothing here: one line each
         log.info("%s does nothing in nextn (accepted for vLLM command lines): %s", flag, why)
-    # the server's settings checked before the model loads
-    cfg = ServeConfig(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        max_queue=args.max_queue,
-    )
-    opts = ServerOptions(
-        max_request_bytes=args.max_request_bytes,
-        shutdown_timeout=args.shutdown_timeout,
-        metrics_open=args.metrics_open,
-        log_interval=0.0 if args.disable_log_stats else args.log_interval,
-        reasoning_parser=args.reasoning_parser,
-        timeout_keep_alive=args.timeout_keep_alive,
-        request_read_timeout=args.request_read_timeout,
-        limit_concurrency=args.limit_concurrency,
-        chat_template=_chat_template(args.chat_template),
-        default_chat_template_kwargs=args.default_chat_template_kwargs,
-        tool_call_parser=args.tool_call_parser,
-        max_logprobs=args.max_logprobs,
-        allowed_origins=tuple(args.allowed_origins),
-        allowed_methods=tuple(args.allowed_methods),
-        allowed_headers=tuple(args.allowed_headers),
-        allow_credentials=args.allow_credentials,
-        root_path=args.root_path,
-        ssl_keyfile=_readable("--ssl-keyfile", args.ssl_keyfile),
-        ssl_certfile=_readable("--ssl-certfile", args.ssl_certfile),
-        ssl_ca_certs=_readable("--ssl-ca-certs", args.ssl_ca_certs),
-        ssl_cert_reqs=args.ssl_cert_reqs,
-        uvicorn_log_level=args.uvicorn_log_level,
-        access_log=not args.disable_uvicorn_access_log,
-        docs=not args.disable_fastapi_docs,
-    )
+    # every setting checked before the model loads
+    cfg, opts = ServeConfig(**values(args, ServeConfig)), ServerOptions(**values(args, ServerOptions))
+    engine_args = EngineArgs.from_cli(args)
     _check_address(cfg.host, cfg.port)
-    llm_args = _llm_args(
-        args,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        seed=args.seed,
-        enable_prefix_caching=args.enable_prefix_caching,
-        prefix_block_size=args.prefix_block_size,
-        prefix_cache_gb=args.prefix_cache_gb,
-    )
-    core = CoreProcess.launch(llm_args, args.log_level)  # a start-up error raises here: one line, as LLM's
+    core = CoreProcess.launch(engine_args, args.log_level)  # a start-up error raises here: one line, as LLM's
     try:
         return app.serve(core, cfg, opts)
     finally:
         core.stop()
-
-
-def _chat_template(value: str | None) -> str | None:
-    """--chat-template: a file's text, or the template itself (vLLM's); a path that names no file is an error."""
-    if value is None:
-        return None
-    if Path(value).is_file():
-        return Path(value).read_text()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template {value}: no such file (and not a Jinja template: no {{{{ or {{%)")
-
-
-def _readable(flag: str, path: str | None) -> str | None:
-    if path is not None and not Path(path).is_file():
-        raise ValueError(f"{flag} {path}: no such file")
-    return path
 
 
 def _check_address(host: str, port: int) -> None:
@@ -233,6 +140,8 @@ def _check_address(host: str, port: int) -> None:
 
 
 def _generate(args) -> int:
+    from nextn import LLM
+    from nextn.config.engine_args import EngineArgs
     from nextn.core import with_defaults
 
     # the prompt and the sampling flags checked before the model loads
@@ -260,7 +169,7 @@ def _generate(args) -> int:
         "structured_outputs": args.structured_outputs,
     }
     with_defaults({}, **request)
-    llm = _llm(args, trace=args.trace, max_model_len=args.max_model_len)
+    llm = LLM.from_args(EngineArgs.from_cli(args))
     try:
         return _generate_with(llm, args, prompt_ids, text, request)
     finally:

@@ -26,7 +26,8 @@ from nextn import LLM  # noqa: E402
 from nextn.bench import serve as bench_serve  # noqa: E402
 from nextn.bench.serve import arrival_times, mean_acceptance_length, parse_metrics, sample_prompts  # noqa: E402
 from nextn.cli import main  # noqa: E402
-from nextn.config import DEFAULT_MODEL_DIR, ServeConfig  # noqa: E402
+from nextn.config import DEFAULT_MODEL_DIR  # noqa: E402
+from nextn.config.serve import ServeConfig  # noqa: E402
 from nextn.tokenizer import Tokenizer  # noqa: E402
 
 KEY = "bench-key"

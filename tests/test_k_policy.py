@@ -13,6 +13,7 @@ import pytest
 import nextn
 from nextn.cli import main
 from nextn.config import SpecConfig
+from nextn.config.engine_args import EngineArgs
 from nextn.core import SamplingParams
 from nextn.engine import llm as llm_module
 from nextn.spec.k_policy import KPolicy, bucket, expected_tokens, make_policy, request_k
@@ -228,8 +229,8 @@ def test_k_policy_setting(monkeypatch, capsys):
         pass
 
     configs = []
-    real = llm_module._engine_config
-    monkeypatch.setattr(llm_module, "_engine_config", lambda *a, **kw: configs.append(real(*a, **kw)))
+    real = EngineArgs.engine_config
+    monkeypatch.setattr(EngineArgs, "engine_config", lambda *a, **kw: configs.append(real(*a, **kw)))
     monkeypatch.setattr(llm_module, "resolve_model", lambda *a: (_ for _ in ()).throw(Configured()))
     for flags, policy in (([], "auto"), (["--spec-k-policy", "fixed"], "fixed"), (["--spec-k-policy", "auto"], "auto")):
         with pytest.raises(Configured):

@@ -169,7 +169,9 @@ def test_kernel_rows_on_an_fp8_cache_do_not_depend_on_the_row_count():
 @functools.lru_cache(maxsize=6)
 def _engine(ckpt, kernels: str = "torch", dtype: str = "float32", kv: str = "fp8", k: int = 4):
     size = dict(max_model_len=96, max_num_seqs=8)
-    return nextn.LLM(ckpt, DEVICE, dtype, k, kernels=kernels, kv_cache_dtype=kv, **size).engine
+    return nextn.LLM(
+        ckpt, device=DEVICE, dtype=dtype, num_speculative_tokens=k, kernels=kernels, kv_cache_dtype=kv, **size
+    ).engine
 
 
 def _held_in_fp8(engine) -> bool:

@@ -80,7 +80,7 @@ def test_the_server_reports_cached_tokens_and_equals_cold(prompts, cold):
     pytest.importorskip("fastapi")
     openai = pytest.importorskip("openai")
     httpx = pytest.importorskip("httpx")
-    from nextn.config import ServeConfig
+    from nextn.config.serve import ServeConfig
 
     llm = nextn.LLM(**KW)
     with serving(llm, ServeConfig(api_key="k")) as url:

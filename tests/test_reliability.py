@@ -30,11 +30,11 @@ httpx = pytest.importorskip("httpx")
 from test_server import KEY, MODEL, LiveServer, user, wait_for  # noqa: E402
 
 from nextn import LLM, SamplingParams  # noqa: E402
-from nextn.config import DEFAULT_MODEL_DIR, ServeConfig  # noqa: E402
+from nextn.config import DEFAULT_MODEL_DIR  # noqa: E402
+from nextn.config.serve import ServeConfig, ServerOptions  # noqa: E402
 from nextn.server.completions import stream_error  # noqa: E402
 from nextn.server.guard import Guard  # noqa: E402
 from nextn.server.metrics import Metrics, ThroughputLog  # noqa: E402
-from nextn.server.options import ServerOptions  # noqa: E402
 from nextn.server.prepare import max_chars_per_token  # noqa: E402
 from nextn.server.worker import Job, Unavailable  # noqa: E402
 
@@ -359,9 +359,9 @@ def test_shutdown_ends_open_streams_with_an_error_event(dense_ckpt):
 SERVE_SCRIPT = """
 import sys, time
 from nextn import LLM
-from nextn.config import ServeConfig
+from nextn.config.serve import ServeConfig
 from nextn.server.app import serve
-from nextn.server.options import ServerOptions
+from nextn.config.serve import ServerOptions
 llm = LLM(model=sys.argv[1], max_model_len=512)
 step = llm.engine.step
 llm.engine.step = lambda: (time.sleep(0.05), step())[1]  # a slow model: streams stay open

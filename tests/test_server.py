@@ -26,9 +26,8 @@ httpx = pytest.importorskip("httpx")
 import hf_fixtures  # noqa: E402
 
 from nextn import LLM, SamplingParams  # noqa: E402
-from nextn.config import ServeConfig  # noqa: E402
+from nextn.config.serve import ServeConfig, ServerOptions  # noqa: E402
 from nextn.server.app import GracefulServer, create_app  # noqa: E402
-from nextn.server.options import ServerOptions  # noqa: E402
 
 KEY = "test-key"
 MODEL = "tiny"

@@ -31,7 +31,8 @@ openai = pytest.importorskip("openai")
 from test_server import KEY, MODEL, LiveServer, cold_ids, extra, user, wait_for  # noqa: E402
 
 from nextn import LLM, SamplingParams  # noqa: E402
-from nextn.config import ServeConfig  # noqa: E402
+from nextn.config.engine_args import EngineArgs  # noqa: E402
+from nextn.config.serve import ServeConfig  # noqa: E402
 from nextn.server import app as server_app  # noqa: E402
 from nextn.server.core_client import CoreProcess  # noqa: E402
 
@@ -45,7 +46,7 @@ def launch(ckpt: Path, **llm_args) -> CoreProcess:
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # the spawned child reads it when it imports torch
     try:
-        return CoreProcess.launch({"model": str(ckpt), "max_model_len": 512, **llm_args}, "warning")
+        return CoreProcess.launch(EngineArgs.of(model=str(ckpt), max_model_len=512, **llm_args), "warning")
     finally:
         if old is None:
             del os.environ["OMP_NUM_THREADS"]
@@ -261,11 +262,12 @@ def test_a_core_that_fails_answers_503_naming_it(dense_ckpt, monkeypatch):
 
 
 def test_a_core_that_cannot_start_raises_its_error(tmp_path):
-    """A start-up failure in the child is raised here as LLM raises it (the CLI's one line)."""
+    """A start-up failure in the child is raised here as LLM raises it (the CLI's one line); a
+    setting is refused before any child starts."""
     with pytest.raises(ValueError, match="device must be auto, cpu or cuda"):
-        CoreProcess.launch({"model": None, "device": "tpu"}, "warning")
+        EngineArgs.of(model=None, device="tpu")
     with pytest.raises(ValueError, match="missing: no such directory"):
-        CoreProcess.launch({"model": str(tmp_path / "missing")}, "warning")
+        CoreProcess.launch(EngineArgs.of(model=str(tmp_path / "missing")), "warning")
 
 
 # ---------------------------------------------------------------------------------------------

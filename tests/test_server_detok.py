@@ -21,6 +21,7 @@ import hf_fixtures
 import pytest
 
 from nextn import LLM, SamplingParams
+from nextn.config.engine_args import EngineArgs
 from nextn.engine.core import AbortRequest, RequestEvent
 from nextn.server.core_client import CoreProcess
 from nextn.server.metrics import Metrics
@@ -53,7 +54,7 @@ def process_worker(dense_fitted_ckpt):
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # the spawned child reads it when it imports torch
     try:
-        core = CoreProcess.launch({"model": str(dense_fitted_ckpt), **ARGS}, "warning")
+        core = CoreProcess.launch(EngineArgs.of(model=str(dense_fitted_ckpt), **ARGS), "warning")
     finally:
         if old is None:
             del os.environ["OMP_NUM_THREADS"]

@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 from test_server import KEY, MODEL, LiveServer, wait_for  # noqa: E402
 
 from nextn import LLM  # noqa: E402
-from nextn.config import ServeConfig  # noqa: E402
+from nextn.config.serve import ServeConfig  # noqa: E402
 from nextn.server import chat_output  # noqa: E402
 from nextn.server.connections import RateLimitFilter  # noqa: E402
 
@@ -125,7 +125,7 @@ def _until_closed(s: socket.socket, timeout: float = 10.0) -> bytes:
 
 
 def test_a_body_that_does_not_arrive_is_a_408(dense_ckpt):
-    from nextn.server.options import ServerOptions
+    from nextn.config.serve import ServerOptions
 
     llm = LLM(model=dense_ckpt, max_model_len=512)
     with LiveServer(llm, ServeConfig(), ServerOptions(request_read_timeout=0.5)) as srv:

@@ -25,12 +25,12 @@ llguidance = pytest.importorskip("llguidance")
 from test_server import KEY, LiveServer, user  # noqa: E402
 
 from nextn import LLM  # noqa: E402
-from nextn.config import DEFAULT_MODEL_DIR, ServeConfig  # noqa: E402
+from nextn.config import DEFAULT_MODEL_DIR  # noqa: E402
+from nextn.config.serve import ServeConfig, ServerOptions  # noqa: E402
 from nextn.grammar import compile_grammar  # noqa: E402
 from nextn.server import protocol as P  # noqa: E402
 from nextn.server import structured  # noqa: E402
 from nextn.server.chat_output import ChatOutputParser, Parts, reasoning_start  # noqa: E402
-from nextn.server.options import ServerOptions  # noqa: E402
 from nextn.tokenizer import Tokenizer  # noqa: E402
 
 MODEL = "bundled"

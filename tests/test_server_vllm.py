@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 from test_server import KEY, MODEL, LiveServer, ok, sse_events, user  # noqa: E402
 
 from nextn import LLM  # noqa: E402
-from nextn.config import ServeConfig  # noqa: E402
+from nextn.config.serve import ServeConfig  # noqa: E402
 from nextn.server.app import nextn_version  # noqa: E402
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

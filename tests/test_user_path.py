@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import nextn
-from nextn.cli import build_parser, main
+from nextn.cli import main, parse_args
 from nextn.config import DEFAULT_MODEL_DIR, resolve_device, resolve_dtype
 from nextn.core import SamplingParams
 from nextn.engine.llm import RequestError
@@ -84,8 +84,9 @@ def test_cli_takes_a_positional_model_and_the_checkpoints_sampling_defaults(ckpt
             out["token_ids"][:3]  # the request's own value wins
         )
     )
-    assert main(["generate", str(ckpt), "--model", str(ckpt) + "x", "--prompt-ids", ids]) == 2
-    assert "two models" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        main(["generate", str(ckpt), "--model", str(ckpt) + "x", "--prompt-ids", ids])
+    assert f"MODEL {ckpt} and --model {ckpt}x disagree" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -100,9 +101,10 @@ def test_cli_takes_a_positional_model_and_the_checkpoints_sampling_defaults(ckpt
     ids=lambda a: a[0],
 )
 def test_every_command_takes_a_positional_model(argv):
-    args = build_parser().parse_args([argv[0], "org/model", *argv[1:]])
-    assert args.model_pos == "org/model" and args.model is None
-    assert build_parser().parse_args([*argv, "--model", "org/model"]).model == "org/model"
+    args = parse_args([argv[0], "org/model", *argv[1:]])
+    assert args.model == "org/model" and args._origins["model"][0] == "MODEL"
+    args = parse_args([*argv, "--model", "org/model"])
+    assert args.model == "org/model" and args._origins["model"][0] == "--model"
 
 
 def test_replay_resolves_its_positional_model(ckpt, tmp_path, capsys):

@@ -27,12 +27,12 @@ import nextn  # noqa: E402
 from nextn import LLM, SamplingParams  # noqa: E402
 from nextn.cli import build_parser, main, parse_args  # noqa: E402
 from nextn.cli_vllm import ignored_flags  # noqa: E402
-from nextn.config import DEFAULT_MODEL_DIR, ServeConfig  # noqa: E402
+from nextn.config import DEFAULT_MODEL_DIR  # noqa: E402
+from nextn.config.serve import ServeConfig, ServerOptions  # noqa: E402
 from nextn.server import protocol as P  # noqa: E402
 from nextn.server import structured  # noqa: E402
 from nextn.server.chat_output import ChatOutputParser  # noqa: E402
 from nextn.server.core_client import CoreProcess  # noqa: E402
-from nextn.server.options import ServerOptions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_CARD = (
@@ -86,7 +86,7 @@ def test_every_vllm_flag_in_the_table_is_parsed_as_its_row_says(capsys):
 
 def test_the_model_card_line_parses_and_maps():
     args = parse_args(["serve", "Qwen/Qwen3.5-9B", *MODEL_CARD, "-tp", "1", "-q", "fp8", "--dtype", "half"])
-    assert args.model_pos == "Qwen/Qwen3.5-9B" and args.tool_call_parser == "qwen3_coder"
+    assert args.model == "Qwen/Qwen3.5-9B" and args.tool_call_parser == "qwen3_coder"
     assert args.speculative_config["num_speculative_tokens"] == 2 and args.reasoning_parser == "qwen3"
     assert args.tensor_parallel_size == 1 and args.quantization == "fp8"
     assert [flag for flag, _ in args.vllm_ignored] == ["--enable-auto-tool-choice"]
@@ -103,7 +103,7 @@ def test_the_model_card_line_parses_and_maps():
         (["--config", "x.yaml"], "unrecognized arguments: --config"),  # no abbreviation of --config-format
         (["--tool-call-parser", "mistral"], "invalid choice: 'mistral'"),
         (["--enable-chunked-prefill", "--prefill", "steps"], "--enable-chunked-prefill means --prefill chunked"),
-        (["--chat-template", "missing.jinja"], "--chat-template missing.jinja: no such file"),
+        (["--chat-template", "missing.jinja"], "argument --chat-template: missing.jinja: no such file"),
     ],
 )
 def test_vllm_flags_nextn_cannot_honour_are_one_line_errors(argv, message, capsys, monkeypatch):
@@ -136,14 +136,14 @@ def test_ignored_flags_log_one_line_each_and_mapped_ones_reach_the_server(monkey
     named = ["--enable-auto-tool-choice", "--trust-remote-code", "--block-size"]  # (--enable-prefix-caching is mapped)
     assert len(lines) == 4 and [line.split()[0] for line in lines] == [*named, "--swap-space"]
     assert all("does nothing in nextn" in line for line in lines)
-    llm = seen["llm"]
-    assert llm["seed"] == 0 and llm["enforce_eager"] and llm["generation_config"] == "vllm"
-    assert (llm["revision"], llm["download_dir"], llm["prefill"]) == ("v1", "/tmp/d", "steps")
+    args = seen["llm"]
+    assert args.seed == 0 and args.enforce_eager and args.generation_config == "vllm"
+    assert (args.revision, args.download_dir, args.prefill) == ("v1", "/tmp/d", "steps")
 
 
 def test_served_model_name_takes_names_and_never_the_model(dense_ckpt, capsys, monkeypatch):
     args = parse_args(["serve", str(dense_ckpt), "--served-model-name", "a", "b"])
-    assert args.model_pos == str(dense_ckpt) and args.served_model_name == ["a", "b"]
+    assert args.model == str(dense_ckpt) and args.served_model_name == ["a", "b"]
     monkeypatch.setattr(CoreProcess, "launch", _no_launch)
     assert main(["serve", "--served-model-name", "a", str(dense_ckpt)]) == 2
     assert f"--served-model-name took {dense_ckpt}, a directory" in capsys.readouterr().err

@@ -54,6 +54,8 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
+from nextn.config.engine_args import speculative_tokens
+
 CHAT_ENDPOINT = "/v1/chat/completions"
 ERRORS_SHOWN = 5
 # Prometheus text: name, optional {labels}, value (an optional timestamp after it is ignored)
@@ -532,7 +534,7 @@ def _launched_spec_k(serve) -> int | None:
     """K as the flags the bench started `nextn serve` with set it (None: the checkpoint's default)."""
     if serve is None:
         return None
-    return serve.spec_k if serve.spec_k is not None else (serve.speculative_config or {}).get("num_speculative_tokens")
+    return speculative_tokens(serve.num_speculative_tokens, serve.speculative_config)
 
 
 def bench_serve_from_args(args) -> int:

@@ -37,6 +37,7 @@ from collections.abc import Callable
 import msgspec
 
 from nextn.cache.prefix import PrefixCounters
+from nextn.config.engine_args import EngineArgs
 from nextn.core import RequestError, RequestOutput, SamplingParams
 from nextn.engine.engine import Engine
 from nextn.engine.scheduler import Request, SessionCounters
@@ -258,9 +259,9 @@ def run_loop(
 # The core process
 
 
-def run_core_process(llm_args: dict, input_address: str, output_address: str, log_level: str) -> None:
-    """The core process's main (multiprocessing, `spawn`): build the LLM from the arguments the
-    server resolved, say Ready (or Failed), then run the loop until Shutdown or the API process is
+def run_core_process(args: EngineArgs, input_address: str, output_address: str, log_level: str) -> None:
+    """The core process's main (multiprocessing, `spawn`): build the LLM from the settings the
+    server checked, say Ready (or Failed), then run the loop until Shutdown or the API process is
     gone. SIGINT and SIGTERM are ignored: a terminal's Ctrl-C and a service manager's SIGTERM reach
     the whole process group, and the API process drains its open requests first, then stops the core."""
     import zmq
@@ -282,7 +283,7 @@ def run_core_process(llm_args: dict, input_address: str, output_address: str, lo
     llm = None
     try:
         try:
-            llm = LLM(**llm_args)
+            llm = LLM.from_args(args)
         except Exception as e:
             kind = next((cls.__name__ for cls in user_errors() if isinstance(e, cls)), None)
             if kind is None:

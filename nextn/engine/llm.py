@@ -14,6 +14,7 @@ they share it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import weakref
@@ -23,19 +24,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from nextn.config import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_MAX_MODEL_LEN,
-    EngineConfig,
-    SpecConfig,
-    check_kernels,
-    check_kv_cache_dtype,
-    check_quantization,
-    resolve_device,
-    resolve_dtype,
-)
+from nextn.config import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
+from nextn.config.engine_args import DEFAULT_K_WITH_HEAD, EngineArgs
 from nextn.core import (
-    GENERATION_CONFIG_KEYS,
     RequestError,
     RequestOutput,
     SamplingParams,
@@ -55,9 +46,6 @@ from nextn.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_K_WITH_HEAD = 3
-# speculative_config "method" values that mean the checkpoint's own MTP head (vLLM's names)
-MTP_METHODS = ("mtp", "qwen3_next_mtp")
 # the roles a chat message may have (OpenAI's; "developer" is rendered as "system"): LLM.chat's and the server's
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -65,146 +53,88 @@ __all__ = ["CHAT_ROLES", "LLM", "RequestError", "StreamEvent", "template_role"]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-        num_speculative_tokens: int | None = None,
-        p_min: float = 0.0,
-        adaptive_k: bool = False,
-        hidden_after_norm: bool = True,
-        max_model_len: int | None = None,
-        max_num_seqs: int | None = None,
-        kernels: str = "auto",
-        prefill: str = "chunked",
-        max_num_batched_tokens: int | None = None,
-        speculative_config: dict | None = None,
-        quantization: str | None = None,
-        draft_vocab: str | Path | DraftVocab | None = None,
-        grammar_draft_mask: bool = True,
-        tensor_parallel_size: int = 1,
-        trace: bool = False,
-        kv_cache_dtype: str = "auto",
-        k_policy: str = "fixed",
-        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-        random_weights: str | None = None,
-        tokenizer: str | Path | None = None,
-        seed: int | None = None,
-        enforce_eager: bool = False,
-        generation_config: str = "auto",
-        override_generation_config: dict | None = None,
-        revision: str | None = None,
-        download_dir: str | None = None,
-        enable_prefix_caching: bool | None = None,
-        prefix_block_size: int | None = None,
-        prefix_cache_gb: float | None = None,
-    ):
+    def __init__(self, model: str | Path | None = None, **settings):
         """model: a checkpoint directory, a Hugging Face hub id, or None for the bundled model.
-        random_weights: instead of a checkpoint (model None), a preset of a released shape
-        (nextn.models.random_weights.PRESETS, e.g. "qwen3.5-9b") with random weights drawn on the
-        device (MTP head included; bfloat16 on CUDA under dtype "auto"); it needs `tokenizer`.
-        tokenizer: a directory with a tokenizer.json (and tokenizer_config.json: eos token, chat
-        template) used instead of the checkpoint's; its vocabulary must fit the model's vocab_size.
-        device "auto": cuda when available; dtype "auto": the checkpoint's on CUDA, float32 on CPU.
-        max_model_len: tokens per sequence, at most the checkpoint's max_position_embeddings (None:
-        DEFAULT_MAX_MODEL_LEN, 8192, or the checkpoint's own if that is less).
-        speculative_config (vLLM's): {"method": "mtp", "num_speculative_tokens": K}, the same as
-        num_speculative_tokens=K; without either, K is 3 with an MTP head and 0 without one.
-        quantization "fp8": a bf16 checkpoint's weights quantized at load (FP8 checkpoints load as
-        they are). draft_vocab: a file from `nextn draft-vocab` (or a DraftVocab): the head drafts
-        over those tokens only (checked against this checkpoint's vocabulary and tokenizer).
-        grammar_draft_mask: under structured outputs, the head drafts from grammar-masked logits
-        (off: only the verify is masked; the output is the same, the acceptance lower).
-        tensor_parallel_size N > 1: the model sharded over N processes (rank r on cuda:r), started
-        here (this process is rank 0; `close()` stops the others), or, in a process that already
-        belongs to a group of N (torchrun), this rank's share: every rank then makes the same calls.
-        trace: each output's `rounds` holds a record per verify round (K, drafts, accepted, the
-        wall time of its draft, verify and commit); rounds then run one at a time.
-        kv_cache_dtype "fp8": the attention layers' K/V cache in e4m3 with per-row scales.
-        k_policy "fixed" (the Python API's default): every round at K; "auto" (serve's and generate's
-        default): each step's K chosen for the batch's tokens/s, 0..K (nextn.spec.k_policy).
-        gpu_memory_utilization (vLLM's): the fraction of the GPU's memory nextn may use (weights,
-        cache, activations, graphs); max_num_seqs None: as many sequences as fit it, up to 256
-        (nextn.engine.memory); on the CPU 8, and this does not apply.
-        vLLM's too: seed, the engine's default seeds (a sampled request without its own seed takes the
-        next of a sequence drawn from it, so the same requests in the same order repeat; None: fresh
-        ones); enforce_eager, no CUDA graphs; generation_config "auto" (the checkpoint's
-        generation_config.json sampling defaults), "vllm" (none: SamplingParams' own) or a directory
-        holding a generation_config.json; override_generation_config, values over those defaults
-        (vLLM's names: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens, ...);
-        revision and download_dir, for a hub id (huggingface_hub's revision and cache_dir).
-        enable_prefix_caching (vLLM's): requests share the state of the prompt blocks they start with
-        (nextn.cache.prefix); None: on where it is exact, prefill "steps" (a cached prefix then
-        changes nothing a request emits), off under "chunked", where True is an error.
-        prefix_block_size: tokens per cached block (default 128 on the CPU, 256 on a GPU);
-        prefix_cache_gb: what the cache may hold (default a tenth of the engine's memory budget)."""
-        settings = {name: value for name, value in locals().items() if name != "self"}
-        k = _speculative_tokens(num_speculative_tokens, speculative_config)
-        check_quantization(quantization)
-        check_kv_cache_dtype(kv_cache_dtype)  # before the weights load
-        _check_weights_source(model, random_weights, tokenizer)
-        device = resolve_device(device)  # before a download: a CUDA request on a CPU torch fails at once
-        check_kernels(kernels, device)
-        # every setting checked before a download or a weight is read: K and the context provisional
-        # (the checkpoint's head and limit are known later), a draft vocabulary file not yet read
-        vocab = DraftVocab((0,)) if isinstance(draft_vocab, str | Path) else draft_vocab
-        dtype_name = resolve_dtype(dtype, device, None)
-        _engine_config(model, device, dtype_name, DEFAULT_K_WITH_HEAD if k is None else k, settings, vocab)
-        _check_generation_config(generation_config, override_generation_config)
-        model_dir = None if random_weights is not None else resolve_model(model, revision, download_dir)
+        settings: the engine's, EngineArgs' fields (nextn.config.engine_args; docs/flags.md lists them
+        with their flags), validated before any download or weight is read. The main ones:
+        num_speculative_tokens (or vLLM's speculative_config={"method": "mtp",
+        "num_speculative_tokens": K}; without either K is 3 with an MTP head, 0 without one); device
+        and dtype ("auto": cuda when available; the checkpoint's dtype on CUDA, float32 on the CPU);
+        max_model_len, max_num_seqs, gpu_memory_utilization; quantization / kv_cache_dtype "fp8";
+        prefill "chunked" or "steps" and enable_prefix_caching; random_weights (a released shape's
+        preset with random weights, beside a `tokenizer` directory); tensor_parallel_size N > 1 (the
+        model sharded over N processes started here, rank r on cuda:r, `close()` stops them; in a
+        process that already belongs to a group of N, torchrun's, this rank's share); k_policy "fixed"
+        (every round at K: the Python API's default) or "auto" (serve's and generate's).
+        LLM.from_args(EngineArgs(...)) takes the settings as one object."""
+        self._start(EngineArgs.of(model=model, **settings))
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> LLM:
+        """The LLM of settings already made (and checked): `nextn generate`'s, the server's core's."""
+        llm = cls.__new__(cls)
+        llm._start(args)
+        return llm
+
+    def _start(self, args: EngineArgs) -> None:
+        self.args = args
+        device = resolve_device(args.device)  # before a download: a CUDA request on a CPU torch fails at once
+        model_dir = (
+            None if args.random_weights is not None else resolve_model(args.model, args.revision, args.download_dir)
+        )
         self._boxes: dict[int, deque] = {}
         self._abandoned: list = []  # streams dropped before their first event (see stream)
-        self._ranks = _start_ranks(tensor_parallel_size, device, model_dir, settings)
+        self._ranks = _start_ranks(args, device, model_dir)
         try:
-            self._load(model, model_dir, rank_device(device), dtype, k, settings)
+            self._load(model_dir, rank_device(device))
         except BaseException:
             self.close()
             raise
 
-    def _load(self, model, model_dir: Path | None, device: str, dtype: str, k: int | None, settings: dict) -> None:
+    def _load(self, model_dir: Path | None, device: str) -> None:
         """The tokenizer, this rank's model and the engine (with the other ranks ready, if it started them).
         model_dir None: the random_weights preset's model."""
-        s = settings
-        tp, quantization, draft_vocab = s["tensor_parallel_size"], s["quantization"], s["draft_vocab"]
-        preset = s["random_weights"]
+        args = self.args
+        preset = args.random_weights
         # the engine config's `model` is the directory the tokenizer comes from: a server's API process
         # reads it there (nextn.engine.core.model_facts)
-        tokenizer_dir = model_dir if s["tokenizer"] is None else Path(s["tokenizer"])
+        tokenizer_dir = model_dir if args.tokenizer is None else Path(args.tokenizer)
         self.tokenizer = Tokenizer(tokenizer_dir)
         # checked before the weights load: the vocabulary, the context, the draft vocabulary
         cfg = _model_config(model_dir, preset)
         source = f"the {preset} preset" if preset is not None else str(model_dir)
-        if s["tokenizer"] is not None and self.tokenizer.vocab_size > cfg.vocab_size:
+        if args.tokenizer is not None and self.tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(
                 f"tokenizer {tokenizer_dir} has {self.tokenizer.vocab_size} tokens, more than the "
                 f"vocab_size {cfg.vocab_size} of {source}"
             )
         limit_where = source if preset is not None else model_dir / "config.json"
-        max_len = _max_model_len(s["max_model_len"], cfg.max_position_embeddings, limit_where)
-        if draft_vocab is not None:
-            draft_vocab = _draft_vocab(draft_vocab, cfg.vocab_size, self.tokenizer)
-        dtype = resolve_dtype(dtype, device, cfg.dtype)  # what load_model resolves it to (presets: bfloat16)
+        max_len = _max_model_len(args.max_model_len, cfg.max_position_embeddings, limit_where)
+        draft_vocab = (
+            None if args.draft_vocab is None else _draft_vocab(args.draft_vocab, cfg.vocab_size, self.tokenizer)
+        )
+        dtype = resolve_dtype(args.dtype, device, cfg.dtype)  # what load_model resolves it to (presets: bfloat16)
         # the configuration checked again before the weights load (K provisional while no head is known)
-        _engine_config(tokenizer_dir, device, dtype, DEFAULT_K_WITH_HEAD if k is None else k, s, draft_vocab, max_len)
+        args.engine_config(tokenizer_dir, device, dtype, None, draft_vocab, max_len)
+        tp = (rank(), args.tensor_parallel_size)
         if preset is not None:  # drawn on the device (seconds, even for the large shapes)
-            self.model = random_model(preset, device, dtype, quantization=quantization, tp=(rank(), tp))
+            self.model = random_model(preset, device, dtype, quantization=args.quantization, tp=tp)
             self.model_name, self.sampling_defaults = preset, {}
         else:
-            self.model = load_model(model_dir, device=device, dtype=dtype, quantization=quantization, tp=(rank(), tp))
+            self.model = load_model(model_dir, device=device, dtype=dtype, quantization=args.quantization, tp=tp)
             # the model as the user gave it (vLLM's served name): a client loads the tokenizer from that path
-            self.model_name = str(model) if model is not None else model_dir.name
+            self.model_name = str(args.model) if args.model is not None else model_dir.name
             self.sampling_defaults = _read_sampling_defaults(
-                model_dir, s["generation_config"], s["override_generation_config"]
+                model_dir, args.generation_config, args.override_generation_config
             )
-        has_head = self.model.mtp is not None
+        has_head, k = self.model.mtp is not None, args.k
         if k is None:
             k = DEFAULT_K_WITH_HEAD if has_head else 0
             if not has_head:
                 log.warning("%s has no MTP head; plain decoding (spec K=0)", source)
         if k > 0 and not has_head:
             raise ValueError(f"num_speculative_tokens={k} needs an MTP head; {source} has none")
-        self.config = _engine_config(tokenizer_dir, device, dtype, k, s, draft_vocab, max_len)
+        self.config = args.engine_config(tokenizer_dir, device, dtype, k, draft_vocab, max_len)
         leader = None if self._ranks is None else Leader(self._ranks)
         self.engine = Engine(self.model, self.tokenizer, self.config, leader)
         self.config = self.engine.config  # max_num_seqs resolved
@@ -469,33 +399,16 @@ class LLM:
 _READY = "ready"
 
 
-def _start_ranks(size: int, device: str, model_dir: Path | None, settings: dict) -> Ranks | None:
+def _start_ranks(args: EngineArgs, device: str, model_dir: Path | None) -> Ranks | None:
     """Under tensor parallelism, from a process of its own: the other ranks, started (this process
     becomes rank 0) after the checks that need no process (a size the devices or the heads refuse)."""
+    size = args.tensor_parallel_size
     check_ranks(size, device)
     if size == 1 or initialized():
         return None
-    _model_config(model_dir, settings["random_weights"]).shard(0, size)
+    _model_config(model_dir, args.random_weights).shard(0, size)
     model = None if model_dir is None else str(model_dir)
-    return start(size, device, _follow, {**settings, "model": model, "device": device})
-
-
-def _check_weights_source(model, random_weights: str | None, tokenizer: str | Path | None) -> None:
-    """A checkpoint or a random-weight preset, not both; a preset known and given a tokenizer; a
-    tokenizer directory that holds a tokenizer.json (before any download or weight)."""
-    if random_weights is not None:
-        if model is not None:
-            raise ValueError(
-                f"random_weights={random_weights!r} replaces the checkpoint: give it or a model ({model}), not both"
-            )
-        preset_config(random_weights)  # an unknown preset names the known ones
-        if tokenizer is None:
-            raise ValueError(
-                f"random_weights={random_weights!r} needs a tokenizer: a directory with tokenizer.json "
-                "(--tokenizer DIR; bench/qwen_tokenizer.py writes Qwen3.5's)"
-            )
-    if tokenizer is not None and not (Path(tokenizer) / "tokenizer.json").is_file():
-        raise ValueError(f"tokenizer {tokenizer}: no tokenizer.json there (give the directory that holds it)")
+    return start(size, device, _follow, dataclasses.replace(args, model=model, device=device))
 
 
 def _model_config(model_dir: Path | None, preset: str | None) -> ModelConfig:
@@ -503,10 +416,10 @@ def _model_config(model_dir: Path | None, preset: str | None) -> ModelConfig:
     return preset_config(preset) if preset is not None else ModelConfig.from_hf(model_dir)
 
 
-def _follow(conn, settings: dict) -> None:
+def _follow(conn, args: EngineArgs) -> None:
     """A follower rank (nextn.parallel.launch): its LLM, a word to rank 0, then its engine's loop."""
     try:
-        llm = LLM(**settings)
+        llm = LLM.from_args(args)
     except Exception as e:
         conn.send(f"{type(e).__name__}: {' '.join(str(e).split())}")
         return
@@ -574,44 +487,6 @@ def _max_model_len(max_model_len: int | None, limit: int, where) -> int:
     return max_model_len
 
 
-def _engine_config(
-    model, device: str, dtype: str, k: int, s: dict, draft_vocab: DraftVocab | None, max_len: int | None = None
-) -> EngineConfig:
-    """The engine's configuration from LLM's settings `s` (max_len None: theirs, else the default)."""
-    spec = SpecConfig(
-        num_speculative_tokens=k,
-        p_min=s["p_min"],
-        adaptive=s["adaptive_k"],
-        hidden_after_norm=s["hidden_after_norm"],
-        draft_vocab=draft_vocab,
-        grammar_draft_mask=s["grammar_draft_mask"],
-        k_policy=s["k_policy"],
-    )
-    if max_len is None:
-        max_len = DEFAULT_MAX_MODEL_LEN if s["max_model_len"] is None else s["max_model_len"]
-    return EngineConfig(
-        str(model),
-        device,
-        dtype,
-        spec,
-        max_len,
-        s["max_num_seqs"],
-        s["kernels"],
-        s["prefill"],
-        s["max_num_batched_tokens"],
-        quantization=s["quantization"],
-        tensor_parallel_size=s["tensor_parallel_size"],
-        trace=s["trace"],
-        kv_cache_dtype=s["kv_cache_dtype"],
-        gpu_memory_utilization=s["gpu_memory_utilization"],
-        enforce_eager=s["enforce_eager"],
-        seed=s["seed"],
-        enable_prefix_caching=s["enable_prefix_caching"],
-        prefix_block_size=s["prefix_block_size"],
-        prefix_cache_gb=s["prefix_cache_gb"],
-    )
-
-
 def _token_id(t) -> int | None:
     """t as a token id: an integer, Python's, numpy's or a 0-d torch tensor's (what iterating an
     array of ids gives); None for anything else, a bool included."""
@@ -634,55 +509,12 @@ def _as_ints(ids) -> list:
     return [t if (i := _token_id(t)) is None else i for t in ids]
 
 
-def _speculative_tokens(num_speculative_tokens: int | None, speculative_config: dict | None) -> int | None:
-    """K from nextn's argument or vLLM's speculative_config (None: the default for the checkpoint)."""
-    if speculative_config is None:
-        return num_speculative_tokens
-    cfg = dict(speculative_config)
-    unknown = sorted(set(cfg) - {"method", "num_speculative_tokens"})
-    if unknown:
-        raise ValueError(
-            f"speculative_config keys {unknown} are not supported: nextn takes 'method' and "
-            "'num_speculative_tokens' (its own draft settings are LLM arguments: p_min, adaptive_k)"
-        )
-    method = cfg.get("method", "mtp")
-    if method not in MTP_METHODS:
-        raise ValueError(f"speculative_config method {method!r}: nextn drafts with the MTP head ({MTP_METHODS})")
-    k = cfg.get("num_speculative_tokens")
-    if k is not None and not isinstance(k, int):
-        raise ValueError(f"speculative_config num_speculative_tokens must be an integer, got {k!r}")
-    if num_speculative_tokens is not None and k is not None and k != num_speculative_tokens:
-        raise ValueError(f"num_speculative_tokens={num_speculative_tokens} and speculative_config's {k} disagree")
-    return k if k is not None else num_speculative_tokens
-
-
 def _draft_vocab(draft_vocab: str | Path | DraftVocab, vocab_size: int, tokenizer: Tokenizer) -> DraftVocab:
     """A draft vocabulary file loaded (or a DraftVocab), checked against the checkpoint."""
     if isinstance(draft_vocab, str | Path):
         return load_draft_vocab(draft_vocab, vocab_size, tokenizer)
     draft_vocab.check(vocab_size, tokenizer)
     return draft_vocab
-
-
-def _check_generation_config(generation_config, override: dict | None) -> None:
-    """vLLM's generation_config ("auto", "vllm" or a directory) and override_generation_config (a dict)."""
-    if not isinstance(generation_config, str | Path) or (
-        generation_config not in ("auto", "vllm") and not (Path(generation_config) / "generation_config.json").is_file()
-    ):
-        raise ValueError(
-            f"generation_config must be 'auto', 'vllm' or a directory holding a generation_config.json, "
-            f"got {generation_config!r}"
-        )
-    if override is not None and not isinstance(override, dict):
-        raise ValueError(f"override_generation_config must be a dict, got {override!r}")
-    if override:
-        unknown = sorted(set(override) - {*GENERATION_CONFIG_KEYS, "do_sample"})
-        if unknown:
-            raise ValueError(
-                f"override_generation_config keys {unknown} are not sampling defaults nextn reads "
-                f"(it takes {', '.join((*GENERATION_CONFIG_KEYS, 'do_sample'))})"
-            )
-        sampling_defaults(override)  # a bad value named before the load
 
 
 def _read_sampling_defaults(model_dir: Path, generation_config="auto", override: dict | None = None) -> dict:

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nextn.config import ServeConfig
+from nextn.config.serve import ServeConfig, ServerOptions
 from nextn.engine.llm import LLM
 from nextn.server import protocol as P
 from nextn.server import response_models as R
@@ -50,7 +50,6 @@ from nextn.server.connections import (
 from nextn.server.core_client import CoreProcess
 from nextn.server.guard import Guard
 from nextn.server.metrics import Metrics, ThroughputLog
-from nextn.server.options import ServerOptions
 from nextn.server.prepare import APIError, Prompts
 from nextn.server.responses import LogprobFormatter, validation_error
 from nextn.server.responses_api import create_response

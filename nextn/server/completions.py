@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from nextn.config.serve import ServerOptions
 from nextn.core import RequestError, RequestOutput, SamplingParams
 from nextn.engine.engine import StreamEvent
 from nextn.engine.scheduler import QueueFull
@@ -29,7 +30,6 @@ from nextn.server import response_models as R
 from nextn.server.chat_output import ChatOutputParser, Parts, ReasoningStart
 from nextn.server.metrics import Metrics
 from nextn.server.model import ServedModel
-from nextn.server.options import ServerOptions
 from nextn.server.prepare import APIError, Prompts, choice_params, text_content
 from nextn.server.responses import (
     SSE_DONE,

@@ -1,6 +1,6 @@
 """The engine core in its own process (`nextn serve`), seen from the API process.
 
-`CoreProcess.launch(llm_args)` binds two ZeroMQ ipc:// sockets (PUSH to the core, PULL from it),
+`CoreProcess.launch(engine_args)` binds two ZeroMQ ipc:// sockets (PUSH to the core, PULL from it),
 starts nextn.engine.core.run_core_process with `spawn` (CUDA-safe; the child imports the engine,
 never FastAPI or uvicorn) and waits for its Ready (the model facts; the API process then reads the
 tokenizer from the checkpoint directory) or Failed: a start-up error (a flag, a path, CUDA out of
@@ -28,6 +28,7 @@ import threading
 import msgspec
 import zmq
 
+from nextn.config.engine_args import EngineArgs
 from nextn.engine.core import CoreOutput, Failed, Ready, Shutdown, StepOutputs, run_core_process
 from nextn.server.model import ServedModel
 
@@ -51,7 +52,7 @@ class CoreProcess:
         self._reader: threading.Thread | None = None
 
     @classmethod
-    def launch(cls, llm_args: dict, log_level: str | None = None) -> CoreProcess:
+    def launch(cls, engine_args: EngineArgs, log_level: str | None = None) -> CoreProcess:
         """Start the core and wait until its model is loaded; raise what stopped it, if it failed."""
         log_level = log_level or logging.getLevelName(logging.getLogger("nextn").getEffectiveLevel()).lower()
         tmp = tempfile.mkdtemp(prefix="nextn-core-")
@@ -64,7 +65,7 @@ class CoreProcess:
         push.bind(inputs)
         pull.bind(outputs)
         proc = multiprocessing.get_context("spawn").Process(
-            target=run_core_process, args=(llm_args, inputs, outputs, log_level), name="nextn-engine-core"
+            target=run_core_process, args=(engine_args, inputs, outputs, log_level), name="nextn-engine-core"
         )
         try:
             proc.start()

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+from nextn.config.serve import ServerOptions
 from nextn.core import RequestError, SamplingParams
 from nextn.engine.llm import template_role
 from nextn.engine.scheduler import common_prefix
@@ -26,7 +27,6 @@ from nextn.server import protocol as P
 from nextn.server import structured
 from nextn.server.chat_output import THINK_END, THINK_START, ReasoningStart, reasoning_start
 from nextn.server.model import ServedModel
-from nextn.server.options import ServerOptions
 from nextn.server.responses import BYTE_LEVEL_ALPHABET
 from nextn.tokenizer import Tokenizer, TokenizerError
 

@@ -319,29 +319,4 @@ class EngineConfig:
 
 
 # the checkpoint bundled with the package: the default model of every command
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """Settings of `nextn serve` (the engine's own settings are in EngineConfig)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    # the names the model is served under (vLLM's: one or more; responses carry the first). A str is
-    # one name; None: the model as the user gave it (a path stays the path: clients load the tokenizer from it)
-    served_model_name: str | tuple[str, ...] | None = None
-    max_queue: int = 64  # waiting requests beyond this are answered 503 at once
-
-    def __post_init__(self):
-        names = self.served_model_name
-        if names is not None:
-            names = (names,) if isinstance(names, str) else tuple(names)
-            if not names or not all(isinstance(n, str) and n for n in names):
-                raise ValueError(f"served_model_name must be one or more names, got {self.served_model_name!r}")
-            object.__setattr__(self, "served_model_name", names)
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
-        if self.max_queue < 1:
-            raise ValueError("max_queue must be >= 1")
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
