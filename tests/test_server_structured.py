@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -158,11 +159,12 @@ def test_without_parallel_tool_calls_a_reply_keeps_its_first_call():
     dropped (vLLM's), streamed or not."""
     from nextn.server.completions import output_parser
 
+    srv = SimpleNamespace(prompts=SimpleNamespace(tok=None), opts=ServerOptions())
     text = f"Let me check. {JSON_CALL}\n{JSON_CALL.replace('Paris', 'Oslo')} done"
     for parallel, names in [(True, ["Paris", "Oslo"]), (False, ["Paris"])]:
         req = P.ChatCompletionRequest(messages=[user("x")], tools=TOOLS, parallel_tool_calls=parallel)
         for cut in (1, 7, len(text)):
-            parser, got = output_parser(req, None), Parts()
+            parser, got = output_parser(srv, req, None), Parts()
             for parts in [parser.push(text[i : i + cut]) for i in range(0, len(text), cut)] + [parser.finish()]:
                 got.content += parts.content
                 got.tool_calls += parts.tool_calls

@@ -9,11 +9,13 @@ revision / download dir) do what they say.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,6 +34,7 @@ from nextn.config.serve import ServeConfig, ServerOptions  # noqa: E402
 from nextn.server import protocol as P  # noqa: E402
 from nextn.server import structured  # noqa: E402
 from nextn.server.chat_output import ChatOutputParser  # noqa: E402
+from nextn.server.completions import output_parser  # noqa: E402
 from nextn.server.core_client import CoreProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +55,8 @@ TOOL = {
         "parameters": {"type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"]},
     },
 }
+
+STRING_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
 
 def doc_rows() -> list[tuple[str, str]]:
@@ -204,7 +209,7 @@ def test_the_front_end_flags(dense_ckpt, tmp_path):
         assert httpx.get(f"{srv.url}/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
-def test_the_tool_call_parser_picks_the_form_read_and_forced(dense_ckpt):
+def test_the_tool_call_parser_picks_the_form_read_and_the_template_the_form_forced(dense_ckpt):
     tools = [P.Tool.model_validate(TOOL)]
     json_body = '<tool_call>\n{"name": "get_weather", "arguments": {"days": 2}}\n</tool_call>'
     xml_body = "<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
@@ -223,10 +228,16 @@ def test_the_tool_call_parser_picks_the_form_read_and_forced(dense_ckpt):
         assert (len(calls) == 1) == parsed, (form, body)
         if parsed:
             assert calls[0].function.name == "get_weather" and calls[0].function.arguments == '{"days": 2}'
+    # a forced call: written in the chat template's form (here JSON) under any parser, and read in it
     tok = LLM(model=dense_ckpt, max_model_len=64).tokenizer
-    req = P.ChatCompletionRequest.model_validate({"messages": [user("x")], "tools": [TOOL], "tool_choice": "required"})
-    assert "<function=" not in structured.tool_grammar(req, tok)  # the template's form: JSON
-    assert "<function=get_weather>" in structured.tool_grammar(req, tok, "xml")
+    srv = SimpleNamespace(prompts=SimpleNamespace(tok=tok), opts=ServerOptions(tool_call_parser="qwen3_coder"))
+    for choice, parsed in [("required", True), ("auto", False)]:
+        req = P.ChatCompletionRequest.model_validate({"messages": [user("x")], "tools": [TOOL], "tool_choice": choice})
+        assert (structured.tool_grammar(req, tok) is not None) == parsed
+        parser = output_parser(srv, req, None)
+        calls = parser.push(json_body).tool_calls + parser.finish().tool_calls
+        assert len(calls) == parsed, choice  # "auto" under qwen3_coder reads XML only
+    assert "<function=" not in structured.tool_grammar(req.model_copy(update={"tool_choice": "required"}), tok)
 
 
 def test_seed_generation_config_and_hub_settings(dense_ckpt, tmp_path, monkeypatch):
@@ -283,6 +294,13 @@ def test_the_model_card_command_serves_chat_tools_and_reasoning(tmp_path):
         assert call["finish_reason"] == "tool_calls" and call["message"]["tool_calls"][0]["function"]["name"] == (
             "get_weather"
         )
+        # a named call with a string argument and an open schema, under qwen3_coder on a model whose
+        # template writes JSON calls: forced in the template's form, it closes (in XML it ran on)
+        lookup = {"type": "function", "function": {"name": "lookup", "parameters": STRING_PARAMS}}
+        named = {"type": "function", "function": {"name": "lookup"}}
+        call = chat(messages=[user("Look up Paris.")], tools=[lookup], tool_choice=named, max_tokens=64)
+        assert call["finish_reason"] == "stop", call
+        assert isinstance(json.loads(call["message"]["tool_calls"][0]["function"]["arguments"])["city"], str)
         # an assistant turn that opened <think>: its continuation is reasoning (qwen3 parser)
         thinking = [user("What is 2+3?"), {"role": "assistant", "content": "<think>\nThe user asks"}]
         reasoned = chat(messages=thinking, add_generation_prompt=False, max_tokens=8)

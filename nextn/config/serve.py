@@ -105,11 +105,11 @@ class ServerOptions:
         type=json_object,
         metavar="JSON",
     )
-    # None: both forms parsed, the chat template's form forced
+    # None: both forms parsed
     tool_call_parser: str | None = setting(
         None,
-        "the <tool_call> body form read as a call and written by a forced one: hermes JSON, qwen3_coder / "
-        "qwen3_xml <function=...> XML (default: either is read, the chat template's form forced)",
+        "the <tool_call> body form read as a call: hermes JSON, qwen3_coder / qwen3_xml <function=...> XML "
+        "(default: either); a call forced by tool_choice is written and read in the chat template's form",
         choices=tuple(TOOL_CALL_PARSERS),
     )
     max_logprobs: int = setting(DEFAULT_MAX_LOGPROBS, "logprobs a request may ask for, at most", type=int)
@@ -173,5 +173,6 @@ class ServerOptions:
 
     @property
     def tool_call_form(self) -> str | None:
-        """ "json" or "xml": the `<tool_call>` body form the parser names (None: both read)."""
+        """ "json" or "xml": the `<tool_call>` body form the parser names (None: both read; a forced
+        call: the chat template's, nextn.server.structured.tool_grammar)."""
         return None if self.tool_call_parser is None else TOOL_CALL_PARSERS[self.tool_call_parser]

@@ -27,6 +27,7 @@ from nextn.engine.engine import StreamEvent
 from nextn.engine.scheduler import QueueFull
 from nextn.server import protocol as P
 from nextn.server import response_models as R
+from nextn.server import structured
 from nextn.server.chat_output import ChatOutputParser, Parts, ReasoningStart
 from nextn.server.metrics import Metrics
 from nextn.server.model import ServedModel
@@ -147,13 +148,14 @@ def echo_prefix(req: P.ChatCompletionRequest) -> str:
     return text_content(last.content, len(req.messages) - 1)
 
 
-def output_parser(
-    req: P.ChatCompletionRequest, reasoning: ReasoningStart | None, form: str | None = None
-) -> ChatOutputParser:
-    """The reply's parser: tool calls (of `form`, the tool-call parser's; None: either) are parsed
-    when the request gives tools and allows calls (without parallel_tool_calls, one: "auto" has no
-    grammar to hold the model to it)."""
+def output_parser(srv: Server, req: P.ChatCompletionRequest, reasoning: ReasoningStart | None) -> ChatOutputParser:
+    """The reply's parser: tool calls are parsed when the request gives tools and allows calls
+    (without parallel_tool_calls, one: "auto" has no grammar to hold the model to it), in the form
+    --tool-call-parser names (None: either); a forced call in the form its grammar wrote, the chat
+    template's (structured.tool_grammar)."""
     tools = req.tools if req.tools and req.tool_choice != "none" else None
+    forced = structured.forces_call(req)
+    form = structured.template_call_form(srv.prompts.tok) if forced else srv.opts.tool_call_form
     return ChatOutputParser(reasoning, tools, req.parallel_tool_calls, form)
 
 
@@ -168,7 +170,7 @@ async def chat_completion(srv: Server, req: P.ChatCompletionRequest, request: Re
     prompt_ids, params, checkpoint_at, reasoning = await run_in_threadpool(srv.prompts.chat, req)
     jobs = submit_all(srv, [(prompt_ids, p) for p in choice_params(params, req.n or 1)], "n", checkpoint_at)
     rid, created = R.new_id("chatcmpl"), R.now()
-    parsers = [output_parser(req, reasoning, srv.opts.tool_call_form) for _ in jobs]
+    parsers = [output_parser(srv, req, reasoning) for _ in jobs]
     if req.stream:
         stream = chat_stream(srv, req, jobs, parsers, rid, created)
         return StreamingResponse(stream, media_type="text/event-stream")

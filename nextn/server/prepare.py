@@ -148,7 +148,7 @@ class Prompts:
         the reasoning: None without a reasoning parser)."""
         self.check_model(req.model)
         with field_errors():
-            tools = structured.tool_grammar(req, self.tok, self.opts.tool_call_form)
+            tools = structured.tool_grammar(req, self.tok)
             found = structured.request_constraint(req)
             if tools is not None and found is not None:
                 raise P.FieldError("tool_choice", f"cannot be combined with {found[0]}")

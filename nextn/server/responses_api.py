@@ -71,7 +71,7 @@ async def create_response(srv: Server, req: Q.ResponsesRequest, request: Request
     )
     if isinstance(req.tool_choice, str):
         base.tool_choice = req.tool_choice
-    items = OutputItems(output_parser(chat, reasoning, srv.opts.tool_call_form))
+    items = OutputItems(output_parser(srv, chat, reasoning))
     if req.stream:
         return StreamingResponse(stream(srv, base, job, items, reasoning), media_type="text/event-stream")
     out = await run_to_end(job, request)

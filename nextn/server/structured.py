@@ -80,12 +80,23 @@ def checked(field: str, constraint: dict[str, Any], tok: Tokenizer) -> dict[str,
 # tool_choice
 
 
-def tool_grammar(req: P.ChatCompletionRequest, tok: Tokenizer, form: str | None = None) -> str | None:
-    """The Lark grammar that enforces `tool_choice` ("required" or a named function) in `form`
-    ("json" or "xml": the tool-call parser's), else the chat template's `<tool_call>` form; None when
-    the choice leaves the model free."""
+def forces_call(req: P.ChatCompletionRequest) -> bool:
+    """tool_choice "required" or a named function: the reply is a call, held to tool_grammar."""
+    return req.tool_choice is not None and req.tool_choice not in ("auto", "none")
+
+
+def template_call_form(tok: Tokenizer) -> str:
+    """The `<tool_call>` body form the chat template writes: "xml" (`<function=...>`, Qwen3.5's) or "json"."""
+    return "xml" if "<function=" in (tok.chat_template or "") else "json"
+
+
+def tool_grammar(req: P.ChatCompletionRequest, tok: Tokenizer) -> str | None:
+    """The Lark grammar that enforces `tool_choice` ("required" or a named function) in the chat
+    template's `<tool_call>` form, the one the model learned to write (whatever --tool-call-parser
+    names: a model forced into a form it never wrote may never close an argument); None when the
+    choice leaves the model free."""
     choice = req.tool_choice
-    if choice is None or choice in ("auto", "none"):
+    if not forces_call(req):
         return None
     if not req.tools:
         raise FieldError("tool_choice", "calls a tool: give tools")
@@ -101,8 +112,7 @@ def tool_grammar(req: P.ChatCompletionRequest, tok: Tokenizer, form: str | None 
                 limits.check_schema(json_schema(t.function.parameters), "a tool's parameters", added_tokens(tok))
             except ValueError as e:
                 raise FieldError("tool_choice", str(e)) from None
-    xml = form == "xml" if form is not None else "<function=" in (tok.chat_template or "")
-    body = _xml_calls(tools) if xml else _json_calls(tools)
+    body = _xml_calls(tools) if template_call_form(tok) == "xml" else _json_calls(tools)
     calls = "call" if isinstance(choice, P.NamedToolChoice) or not req.parallel_tool_calls else 'call ("\\n" call)*'
     return f'start: "\\n"? {calls}\ncall: {_marker(CALL_START, tok)} "\\n" fn "\\n" {_marker(CALL_END, tok)}\n{body}'
 
