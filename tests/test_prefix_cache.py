@@ -9,6 +9,7 @@ stays exact. Under prefill "chunked" (not row-invariant) it is off, and asking f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from live_server import serving
 
 import nextn
 from nextn.config import DEFAULT_MODEL_DIR, EngineConfig
+from nextn.config.serve import ServeConfig
 from nextn.tokenizer import Tokenizer
 
 PREFIX_LEN, NUM_REQUESTS, MAX_TOKENS = 1500, 8, 8
@@ -120,6 +122,30 @@ def test_the_server_reports_cached_tokens_and_equals_cold(prompts, cold):
         assert metrics["nextn:prefix_cache_bytes"] == llm.engine.runner.prefix.nbytes > 0
         computed = metrics["nextn:prefill_tokens_computed_total"]
         assert computed == llm.engine.prefilled_tokens < everything - 15 * 1400 + 1000  # (+ the chats)
+
+
+def test_n_and_best_of_share_their_prompts_prefill(prompts):
+    """n > 1 and best_of: the choices are requests of one prompt, and the prompt's blocks are
+    computed once (the choices wait for the first's), each choice what it is alone."""
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    llm = nextn.LLM(**KW)
+    prompt, block = prompts["greedy"][0], llm.config.prefix_block_size
+    alone = [llm.generate(prompt_token_ids=prompt, params=dataclasses.replace(SEEDED, seed=11 + i)) for i in range(3)]
+    llm = nextn.LLM(**KW)  # a cold cache
+    with serving(llm, ServeConfig()) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+        body = dict(model=client.models.list().data[0].id, max_tokens=MAX_TOKENS, prompt=prompt, temperature=0.8)
+        extra = {"ignore_eos": True, "return_token_ids": True}
+        r = client.completions.create(n=3, seed=11, extra_body=extra, **body)
+        # the prompt computed once, and each choice's last partial block (no block is cached past the prompt)
+        assert llm.engine.prefilled_tokens <= len(prompt) + 2 * block, llm.engine.prefilled_tokens
+        assert sorted(c.index for c in r.choices) == [0, 1, 2]
+        before = llm.engine.prefilled_tokens
+        client.completions.create(n=1, best_of=3, seed=11, extra_body=extra, **body)
+        assert llm.engine.prefilled_tokens - before <= 3 * block  # all three served from the cache
+    seeds = {tuple(c.token_ids) for c in r.choices}
+    assert seeds == {tuple(o.token_ids) for o in alone}  # choice i: seed 11 + i, as alone
 
 
 def test_a_tiny_budget_evicts_and_stays_exact(source):
