@@ -138,9 +138,10 @@ class Engine:
     ) -> Request:
         """Queue a request. Its settings (RoundSettings: the params as the engine runs them, its stop
         ids, its K) are made here, once; the Request carries them to its rounds.
-        num_speculative_tokens: its K (0..the engine's; default the engine's). detokenize False: the caller turns its tokens into text and looks for its stop strings (the
-        served path's API process): its events carry no text, and a stop string ends it through
-        `stop`. A bad structured_outputs grammar raises ValueError here."""
+        num_speculative_tokens: its K (0..the engine's; default the engine's). detokenize False: the
+        caller turns its tokens into text and looks for its stop strings (the served path's API
+        process): its events carry no text, and a stop string ends it through `stop`. A bad
+        structured_outputs grammar raises ValueError here."""
         k_max = self.config.spec.num_speculative_tokens
         if num_speculative_tokens is not None and not 0 <= num_speculative_tokens <= k_max:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} is outside 0..{k_max} (the engine's K)")
