@@ -16,10 +16,11 @@ import torch
 
 from nextn.cache.pool import GiB, device_memory
 from nextn.config import PREFILL_CHUNK, EngineConfig, SpecConfig
-from nextn.core import SamplingParams, SpecStats
+from nextn.core import SamplingParams
 from nextn.engine.engine import build_core
 from nextn.engine.memory import activation_bytes_per_row, bytes_per_sequence, reserve
 from nextn.engine.rounds import RequestRounds, advance
+from nextn.engine.scheduler import RoundSettings
 from nextn.engine.sequence import Sequence
 from nextn.models.random_weights import random_model
 from nextn.sample.pipeline import top_logprobs
@@ -84,7 +85,7 @@ def main() -> None:
         runner.extend(seq, torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist())
         seqs.append(seq)
     params = SamplingParams(max_tokens=10**6, temperature=0.8, seed=0, ignore_eos=True)
-    rounds = [RequestRounds(runner, proposer, s, params, runner.config.spec, set(), SpecStats()) for s in seqs]
+    rounds = [RequestRounds(runner, proposer, s, RoundSettings(params)) for s in seqs]
     peak_used = used(device)
     for _ in range(args.rounds):
         advance(runner, proposer, rounds)

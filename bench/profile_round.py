@@ -21,8 +21,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nextn.bench.measure import Bench, BenchConfig
-from nextn.core import SamplingParams, SpecStats
+from nextn.core import SamplingParams
 from nextn.engine.rounds import RequestRounds, advance
+from nextn.engine.scheduler import RoundSettings
 from nextn.models.loader import load_model
 from nextn.models.random_weights import random_model
 
@@ -37,10 +38,7 @@ def kernels_per_round(
     runner.use_graphs = False
     params = SamplingParams(max_tokens=4 * rounds + 8, seed=0, ignore_eos=True, **sampling)
     loops = [
-        RequestRounds(
-            runner, proposer, bench.prefilled(k, b, B), params, runner.config.spec, set(), SpecStats(), ahead=False
-        )
-        for b in range(B)
+        RequestRounds(runner, proposer, bench.prefilled(k, b, B), RoundSettings(params), ahead=False) for b in range(B)
     ]
     for _ in range(2):  # the first token, then a warm round: kernels compiled
         advance(runner, proposer, loops)
@@ -80,10 +78,7 @@ def replayed_ms(bench: Bench, k: int, sampling: dict, B: int = 1, rounds: int = 
     """Wall ms per engine step of B requests with rounds replayed as CUDA graphs (one queued ahead)."""
     _, runner, proposer = bench.core(k, B)
     params = SamplingParams(max_tokens=4 * rounds + 32, seed=0, ignore_eos=True, **sampling)
-    loops = [
-        RequestRounds(runner, proposer, bench.prefilled(k, b, B), params, runner.config.spec, set(), SpecStats())
-        for b in range(B)
-    ]
+    loops = [RequestRounds(runner, proposer, bench.prefilled(k, b, B), RoundSettings(params)) for b in range(B)]
     for _ in range(4):  # the first token, an eager round, the capture
         advance(runner, proposer, loops)
     torch.cuda.synchronize()

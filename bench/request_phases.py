@@ -18,8 +18,8 @@ import torch
 
 from nextn.bench.measure import Bench, BenchConfig
 from nextn.bench.offline import text_prompt
-from nextn.core import SpecStats
 from nextn.engine.rounds import RequestRounds
+from nextn.engine.scheduler import RoundSettings
 from nextn.models.loader import load_model
 from nextn.sample.pipeline import RequestRng, SamplingParams
 
@@ -38,7 +38,7 @@ def phases(bench: Bench, k: int, temperature: float, seed: int, filters: dict) -
     )
     _sync()
     t0 = time.perf_counter()
-    rounds = RequestRounds(runner, proposer, seq, params, runner.config.spec, set(), SpecStats())
+    rounds = RequestRounds(runner, proposer, seq, RoundSettings(params))
     _sync()
     t1 = time.perf_counter()
     n = 0

@@ -478,7 +478,8 @@ def test_replay_nll_equals_transformers_loss_and_dumps_bf16(dense_fitted_ckpt, t
     rng = random.Random(3)
     ids = [rng.randrange(340) for _ in range(41)]
     model, dump = load_model(dense_fitted_ckpt), tmp_path / "hidden.safetensors"
-    result = replay_mod.replay(model, ids, 2, stride=5, progress=False, dump_hidden=str(dump))
+    settings = replay_mod.ReplaySettings(2, stride=5, dump_hidden=str(dump))
+    result = replay_mod.replay(model, ids, settings, progress=False)
     logits = hf_logits(dense_fitted_ckpt, ids)
     loss = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
     assert result.nll == pytest.approx(loss, rel=1e-4)

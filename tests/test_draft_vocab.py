@@ -22,10 +22,10 @@ from nextn.cache.hybrid import KV, NUM_GEN
 from nextn.cli import main
 from nextn.config import DEFAULT_MODEL_DIR, SpecConfig
 from nextn.engine.rounds import Buffers, Member
-from nextn.engine.scheduler import Request
+from nextn.engine.scheduler import Request, RoundSettings
 from nextn.sample.sampler import SlotSampler
 from nextn.spec.draft_vocab import DraftVocab, DraftVocabError, load_draft_vocab, tokenizer_fingerprint
-from nextn.spec.replay import replay, replay_rounds, trunk_pass
+from nextn.spec.replay import ReplaySettings, replay, replay_rounds, trunk_pass
 from nextn.tokenizer import Tokenizer
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -123,19 +123,19 @@ def test_greedy_drafts_are_the_subset_argmax(dense_fitted_ckpt):
     full = nextn.LLM(model=dense_fitted_ckpt, device="cpu", num_speculative_tokens=3)  # replay runs on the CPU
     text = list(FIT_PROMPTS[0]) + _greedy(full, FIT_PROMPTS[0], 20).token_ids
     model = full.model
-    hidden, picks, _ = trunk_pass(model, text)
+    trunk = trunk_pass(model, text)
     positions = range(1, len(text) - 3, 3)
     with torch.inference_mode():
-        full_drafts = {p: d for p, d, _ in replay_rounds(model, text, hidden, picks, 3, positions)}
+        full_drafts = {p: d for p, d, _ in replay_rounds(model, trunk, 3, positions)}
     # every token but the full head's first drafts
     vocab = _vocab(dense_fitted_ckpt, set(range(VOCAB_SIZE)) - {int(d[0]) for d in full_drafts.values()})
     reduced = nextn.LLM(model=dense_fitted_ckpt, device="cpu", num_speculative_tokens=3, draft_vocab=vocab)
     head = reduced.engine.proposer.draft
     assert head.lm_head.is_contiguous() and torch.equal(head.lm_head, model.lm_head_weight[head.d2t])
     with torch.inference_mode():
-        rounds = list(replay_rounds(model, text, hidden, picks, 3, positions, draft=head))
+        rounds = list(replay_rounds(model, trunk, 3, positions, draft=head))
         kv = KV(*(torch.zeros(len(text) + 4, model.cfg.num_key_value_heads, model.cfg.head_dim) for _ in range(2)))
-        logits, _ = model.head_rows(kv, torch.tensor(text[1:]), hidden[:-1], 1, last_only=False)
+        logits, _ = model.head_rows(kv, torch.tensor(text[1:]), trunk.hidden[:-1], 1, last_only=False)
     for p, drafts, _ in rounds:
         assert _live_drafts(reduced, text[:p], text[p], 3) == drafts.tolist(), p
         assert all(int(t) in vocab.d2t for t in drafts)
@@ -181,7 +181,7 @@ def test_sampled_drafts_put_their_law_on_the_subset(dense_fitted_ckpt):
     params = nextn.SamplingParams(temperature=0.9, top_k=5, repetition_penalty=1.5, seed=3)
     context = list(FIT_PROMPTS[0])
     engine = llm.engine
-    req = Request(context, params)
+    req = Request(context, RoundSettings(params))
     engine.scheduler.add(req)
     engine.scheduler.admit()
     cache = engine.runner.slot(req.seq.slot)
@@ -259,7 +259,7 @@ def test_replay_and_generate_take_a_draft_vocabulary_file(dense_fitted_ckpt, tmp
     ids = Tokenizer(dense_fitted_ckpt).encode(text.read_text())
     model = nextn.LLM(model=dense_fitted_ckpt, num_speculative_tokens=0).model
     vocab = load_draft_vocab(out, VOCAB_SIZE, Tokenizer(dense_fitted_ckpt))
-    direct = replay(model, ids, 2, progress=False, draft_vocab=vocab)
+    direct = replay(model, ids, ReplaySettings(2, draft_vocab=vocab), progress=False)
     assert direct.acceptance_per_position == results[True]["acceptance_per_position"]
     outs = {}
     for extra in ([], ["--draft-vocab", str(out)]):

@@ -16,7 +16,7 @@ from nextn.config import SpecConfig
 from nextn.config.engine_args import EngineArgs
 from nextn.core import SamplingParams
 from nextn.engine import llm as llm_module
-from nextn.spec.k_policy import KPolicy, bucket, expected_tokens, make_policy, request_k
+from nextn.spec.k_policy import KPolicy, PolicyTuning, bucket, expected_tokens, make_policy, request_k
 
 
 def true_best(rates: list[float], cost, batch_size: int, k_max: int) -> int:
@@ -71,7 +71,7 @@ def test_buckets_and_expected_tokens():
 def test_acceptance_is_per_position_and_conditional():
     """Position j counts only rounds that reached it: rounds accepting 0 of 3 say nothing of
     position 2, so it keeps its prior; position 1's estimate goes to what was observed."""
-    p = KPolicy(3, prior=(0.7, 0.6, 0.5))
+    p = KPolicy(3, PolicyTuning(prior=(0.7, 0.6, 0.5)))
     assert p.acceptance() == pytest.approx([0.7, 0.6, 0.5])
     for i in range(2000):
         p.observe_round(3, 0 if i % 4 == 0 else 3)  # a_1 = 0.75, then a_2 = a_3 = 1
@@ -179,14 +179,14 @@ def test_hysteresis_holds_the_choice_under_noise():
     cost = lambda b, k: 0.010 * (1.0 + c * k)  # noqa: E731
     assert expected_tokens(rates, 2) / cost(8, 2) == pytest.approx(expected_tokens(rates, 3) / cost(8, 3))
     flips = {}
-    for margin in (KPolicy(3).margin, 0.0):
-        p = KPolicy(3, margin=margin)
+    for margin in (PolicyTuning().margin, 0.0):
+        p = KPolicy(3, PolicyTuning(margin=margin))
         picks = drive(p, 2000, [8], rates, cost, noise=0.03)
         choices, off = [choice for _, _, choice in picks], sum(k != choice for _, k, choice in picks)
         flips[margin] = sum(x != y for x, y in zip(choices[100:], choices[101:], strict=False))
         if margin:
-            assert off <= 2000 // p.recheck_every + 3 * p.min_samples * 4
-    assert flips[KPolicy(3).margin] <= 3 < 10 <= flips[0.0]
+            assert off <= 2000 // p.tuning.recheck_every + 3 * p.tuning.min_samples * 4
+    assert flips[PolicyTuning().margin] <= 3 < 10 <= flips[0.0]
 
 
 def test_snapshot_and_k0():

@@ -13,7 +13,7 @@ from hf_fixtures import FIT_PROMPTS
 import nextn
 from nextn.cache.hybrid import ACCEPTED, NUM_GEN
 from nextn.engine.rounds import Buffers, Member
-from nextn.engine.scheduler import Request
+from nextn.engine.scheduler import Request, RoundSettings
 from nextn.sample.sampler import SlotSampler
 from nextn.spec.replay import replay_rounds, trunk_pass
 
@@ -21,7 +21,7 @@ from nextn.spec.replay import replay_rounds, trunk_pass
 def _live_drafts(llm, context: list[int], pending: int, k: int) -> list[int]:
     """What the engine's proposer drafts after `context` with `pending` as the pending token."""
     engine = llm.engine
-    req = Request(context, nextn.SamplingParams(temperature=0))
+    req = Request(context, RoundSettings(nextn.SamplingParams(temperature=0)))
     engine.scheduler.add(req)
     engine.scheduler.admit()
     seq, cache = req.seq, engine.runner.slot(req.seq.slot)
@@ -46,9 +46,9 @@ def test_replay_drafts_equal_live_drafts(dense_fitted_ckpt):
     prompt = list(FIT_PROMPTS[0])
     greedy = nextn.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     text = prompt + llm.generate(prompt_token_ids=prompt, params=greedy).token_ids
-    hidden, picks, _ = trunk_pass(llm.model, text)
+    trunk = trunk_pass(llm.model, text)
     with torch.inference_mode():
-        rounds = list(replay_rounds(llm.model, text, hidden, picks, 3, range(1, len(text) - 3, 4)))
+        rounds = list(replay_rounds(llm.model, trunk, 3, range(1, len(text) - 3, 4)))
     assert len(rounds) > 3
     for p, drafts, targets in rounds:
         # live: tokens 0..p-1 committed, token p pending

@@ -14,8 +14,9 @@ from hf_fixtures import FIT_PROMPTS
 
 import nextn
 from nextn.config import FULL
-from nextn.core import SamplingParams, SpecStats
+from nextn.core import SamplingParams
 from nextn.engine.rounds import RequestRounds
+from nextn.engine.scheduler import RoundSettings
 from nextn.engine.sequence import Sequence
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CUDA: Triton rounds replayed as CUDA graphs
@@ -40,10 +41,8 @@ def _prefilled(engine, slot, prompt):
 
 
 def _run(engine, seq, params, ahead, stop_ids=(), close_after=None):
-    stats = SpecStats()
-    rounds = RequestRounds(
-        engine.runner, engine.proposer, seq, params, engine.config.spec, set(stop_ids), stats, ahead=ahead
-    )
+    rounds = RequestRounds(engine.runner, engine.proposer, seq, RoundSettings(params, frozenset(stop_ids)), ahead=ahead)
+    stats = rounds.stats
     events = []
     while True:
         r = rounds.next()

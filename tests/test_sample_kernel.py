@@ -245,7 +245,10 @@ def test_greedy_accept_kernel_is_its_reference_bitwise(heads):
             return len(offsets)
 
     batch = Batch(offsets=offsets, slot_index=ix([1, 4, 0, 3, 2, 5]))
-    rounds._accept_greedy(runner, batch, group, index, befores, logits, ix(counts), heads)
+    members, num_drafts = [None] * len(offsets), [0] * len(offsets)  # the batch's (0 and 3: sampled members)
+    for b, member, count in zip(index, group, counts, strict=True):
+        members[b], num_drafts[b] = member, count
+    rounds._accept_greedy(runner, rounds._Verified(batch, befores, logits, ix(num_drafts), heads), members, index)
     table = commit_table(cache.cols, True, True, logits.device)
     accept_greedy(logits.argmax(-1), ix([offsets[b] for b in index]), ix(slots), ix(ks), ix(counts), ix(index),
                   befores, fast, table, heads)  # fmt: skip

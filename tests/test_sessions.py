@@ -64,13 +64,13 @@ def test_resumed_equals_cold_on_the_gpu(dense_fitted_ckpt, sampling):
 def test_a_request_waiting_for_a_slot_is_one_session_lookup():
     """The scheduler counted a lookup each step a session request waited for a slot (every slot
     running), inflating nextn:session_lookups_total against its hits."""
-    from nextn.engine.scheduler import Request, Scheduler
+    from nextn.engine.scheduler import Request, RoundSettings, Scheduler
 
     sched = Scheduler(1)
-    first = Request([1, 2, 3], GREEDY, use_sessions=True)
+    first = Request([1, 2, 3], RoundSettings(GREEDY), use_sessions=True)
     sched.add(first)
     assert sched.admit() == [first]
-    waiting = Request([1, 2, 3, 4], GREEDY, use_sessions=True)
+    waiting = Request([1, 2, 3, 4], RoundSettings(GREEDY), use_sessions=True)
     sched.add(waiting)
     for _ in range(3):
         assert sched.admit() == []
@@ -83,10 +83,13 @@ def test_a_request_waiting_for_a_slot_is_one_session_lookup():
 def test_a_session_request_ended_before_its_prefill_frees_its_slot():
     """A session request aborted before any prompt chunk was prefilled was kept as a session of no
     tokens: it matched no prompt and held its slot until evicted. Its slot goes back free."""
-    from nextn.engine.scheduler import Request, Scheduler
+    from nextn.engine.scheduler import Request, RoundSettings, Scheduler
 
     sched = Scheduler(2)
-    empty, full = Request([1, 2, 3], GREEDY, use_sessions=True), Request([4, 5], GREEDY, use_sessions=True)
+    empty, full = (
+        Request([1, 2, 3], RoundSettings(GREEDY), use_sessions=True),
+        Request([4, 5], RoundSettings(GREEDY), use_sessions=True),
+    )
     sched.add(empty)
     sched.add(full)
     assert sched.admit() == [empty, full]

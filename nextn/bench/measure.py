@@ -25,6 +25,7 @@ from nextn.core import SamplingParams, SpecStats
 from nextn.engine.engine import build_core
 from nextn.engine.memory import bytes_per_sequence, memory_budget
 from nextn.engine.rounds import RequestRounds, advance
+from nextn.engine.scheduler import RoundSettings
 from nextn.engine.sequence import Sequence
 from nextn.models.qwen3_5 import CausalLM
 from nextn.spec.draft_vocab import DraftVocab
@@ -173,7 +174,7 @@ class Bench:
             proposer = self.profilers[k]
         seqs = [self.prefilled(k, b, B) for b in range(B)]
         params = SamplingParams(max_tokens=self.cfg.gen_len, temperature=0.0, ignore_eos=True)
-        rounds = [RequestRounds(runner, proposer, s, params, runner.config.spec, set(), SpecStats()) for s in seqs]
+        rounds = [RequestRounds(runner, proposer, s, RoundSettings(params)) for s in seqs]
         sync_device(self.device)
         t0 = time.perf_counter()
         ids: list[list[int]] = [[] for _ in seqs]
@@ -207,9 +208,9 @@ class Bench:
         params = SamplingParams(
             max_tokens=self.cfg.gen_len, temperature=temperature, seed=self.cfg.seed + seed, ignore_eos=True
         )
-        stats = SpecStats()
         steps = int(proposer.head_steps) if trace and getattr(proposer, "head_steps", None) is not None else None
-        rounds = RequestRounds(runner, proposer, seq, params, runner.config.spec, set(), stats, trace=trace)
+        rounds = RequestRounds(runner, proposer, seq, RoundSettings(params, trace=trace))
+        stats = rounds.stats
         sync_device(self.device)
         t0 = time.perf_counter()
         ids = []

@@ -38,7 +38,7 @@ from nextn.engine.memory import cache_layout, fit_cache
 from nextn.engine.replica import Leader, seeded
 from nextn.engine.rounds import RequestRounds, Round, advance, warm_up
 from nextn.engine.runner import ModelRunner, Piece
-from nextn.engine.scheduler import Request, Scheduler
+from nextn.engine.scheduler import Request, RoundSettings, Scheduler
 from nextn.grammar import GrammarState, compile_grammar
 from nextn.models.qwen3_5 import CausalLM
 from nextn.sample.pipeline import token_logprobs, top_logprobs
@@ -61,20 +61,6 @@ class StreamEvent:
 
 
 @dataclass
-class _Live:
-    """A running request's host state."""
-
-    rounds: RequestRounds
-    detok: Detokenizer | None  # None: the caller detokenizes (Engine.add(detokenize=False))
-    stats: SpecStats
-    started: float
-    prefill_seconds: float
-    prompt_logprobs: list | None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict] | None = None
-
-
-@dataclass
 class _Prefill:
     """A request whose prompt is being prefilled, a chunk per engine step."""
 
@@ -84,6 +70,18 @@ class _Prefill:
     seconds: float = 0.0
     checkpointed: bool = False
     looked_up: bool = False  # the prefix cache was asked (its first piece; it may wait for an earlier request first)
+
+
+@dataclass
+class _Live:
+    """A running request's host state."""
+
+    rounds: RequestRounds  # (its spec counters: rounds.stats)
+    detok: Detokenizer | None  # None: the caller detokenizes (Engine.add(detokenize=False))
+    started: float
+    prefill: _Prefill  # its prompt's (prefill time, prompt logprobs)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None
 
 
 def build_core(model: CausalLM, config: EngineConfig) -> tuple[SlotPool, ModelRunner, MTPProposer | None]:
@@ -138,10 +136,12 @@ class Engine:
         num_speculative_tokens: int | None = None,
         detokenize: bool = True,
     ) -> Request:
-        """Queue a request. num_speculative_tokens: its K (0..the engine's; default the engine's).
-        detokenize False: the caller turns its tokens into text and looks for its stop strings (the
-        served path's API process): its events carry no text, and a stop string ends it through
-        `stop`. A bad structured_outputs grammar raises ValueError here."""
+        """Queue a request. Its settings (RoundSettings: the params as the engine runs them, its stop
+        ids, its K) are made here, once; the Request carries them to its rounds.
+        num_speculative_tokens: its K (0..the engine's; default the engine's). detokenize False: the
+        caller turns its tokens into text and looks for its stop strings (the served path's API
+        process): its events carry no text, and a stop string ends it through `stop`. A bad
+        structured_outputs grammar raises ValueError here."""
         k_max = self.config.spec.num_speculative_tokens
         if num_speculative_tokens is not None and not 0 <= num_speculative_tokens <= k_max:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} is outside 0..{k_max} (the engine's K)")
@@ -152,9 +152,11 @@ class Engine:
             params = replace(params, seed=self.default_seeds.getrandbits(64) - 2**63)  # a signed 64-bit seed
         if self.config.tensor_parallel_size > 1:
             params = seeded(params, draw=self.leader is not None)
+        stop_ids = (set() if params.ignore_eos else self.stop_ids) | set(params.stop_token_ids)  # (vLLM's ignore_eos)
+        settings = RoundSettings(params, frozenset(stop_ids), num_speculative_tokens, self.config.trace)
         # prompt logprobs need the logits of every prompt row: such a request prefills cold
-        req = Request(prompt_ids, params, use_sessions and params.prompt_logprobs is None, checkpoint_at)
-        req.num_speculative_tokens, req.grammar, req.detokenize = num_speculative_tokens, grammar, detokenize
+        req = Request(prompt_ids, settings, use_sessions and params.prompt_logprobs is None, checkpoint_at)
+        req.grammar, req.detokenize = grammar, detokenize
         self.scheduler.add(req)
         if self.leader is not None:
             args = dict(prompt_ids=prompt_ids, params=params, use_sessions=use_sessions, checkpoint_at=checkpoint_at)
@@ -382,33 +384,16 @@ class Engine:
 
     def _start(self, req: Request, state: _Prefill) -> list:
         """The prompt is in: the request's rounds begin (or it ends at once: max_tokens 0)."""
-        seq, params = req.seq, req.params
+        params = req.params
         now = time.perf_counter()
         if params.max_tokens == 0:
-            output = self._output(req, [], "length", SpecStats(), state.seconds, 0.0, None, state.entries)
+            output = self._output(req, state, "length")
             self.scheduler.finish(req, keep=req.use_sessions)
             return [(req, StreamEvent([], "", output))]
-        rounds = RequestRounds(
-            self.runner,
-            self.proposer,
-            seq,
-            params,
-            self.config.spec,
-            (set() if params.ignore_eos else self.stop_ids) | set(params.stop_token_ids),  # (vLLM's ignore_eos)
-            SpecStats(),
-            want_logits=params.logprobs is not None,
-            num_speculative_tokens=req.num_speculative_tokens,
-            grammar=self._grammar_state(req),
-            trace=self.config.trace,
-        )
+        rounds = RequestRounds(self.runner, self.proposer, req.seq, req.settings, self._grammar_state(req))
+        detok = Detokenizer(self.tokenizer, params) if req.detokenize else None
         self.live[req.request_id] = _Live(
-            rounds,
-            Detokenizer(self.tokenizer, params) if req.detokenize else None,
-            rounds.stats,
-            now,
-            state.seconds,
-            state.entries,
-            logprobs=[] if params.logprobs is not None else None,
+            rounds, detok, now, state, logprobs=[] if params.logprobs is not None else None
         )
         return []
 
@@ -496,20 +481,9 @@ class Engine:
         its rounds closed there, its output made, its slot back to the scheduler."""
         live.rounds.close(kept)
         _sync(self.runner.device)
-        output = self._output(
-            req,
-            live.token_ids,
-            finish_reason,
-            live.stats,
-            live.prefill_seconds,
-            time.perf_counter() - live.started,
-            live.logprobs,
-            live.prompt_logprobs,
-            "" if live.detok is None else live.detok.text,
-            live.rounds.trace,
-        )
+        output = self._output(req, live.prefill, finish_reason, live)
         output.stop_reason = self._stop_reason(req, live, finish_reason)
-        self.stats.merge(live.stats)
+        self.stats.merge(live.rounds.stats)
         del self.live[req.request_id]
         self.scheduler.finish(req, keep=req.use_sessions)
         return output
@@ -524,32 +498,25 @@ class Engine:
             return last
         return None
 
-    def _output(
-        self,
-        req: Request,
-        token_ids,
-        finish_reason,
-        stats,
-        prefill_s,
-        decode_s,
-        logprobs,
-        prompt_lp,
-        text: str = "",
-        rounds: list | None = None,
-    ) -> RequestOutput:
-        return RequestOutput(
-            token_ids=token_ids,
-            text=text,
+    def _output(self, req: Request, prefill: _Prefill, finish_reason: str, live: _Live | None = None) -> RequestOutput:
+        """The request's output: its prompt's part from `prefill` (its time, prompt logprobs), the
+        rest from its rounds (live; None: none ran, max_tokens 0)."""
+        output = RequestOutput(
+            token_ids=[],
+            text="",
             finish_reason=finish_reason,
             prompt_tokens=len(req.prompt_ids),
             cached_tokens=req.cached,
-            spec=stats,
-            prefill_seconds=prefill_s,
-            decode_seconds=decode_s,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_lp,
-            rounds=rounds,
+            spec=SpecStats(),
+            prefill_seconds=prefill.seconds,
+            decode_seconds=0.0,
+            prompt_logprobs=prefill.entries,
         )
+        if live is not None:
+            output.token_ids, output.spec, output.rounds = live.token_ids, live.rounds.stats, live.rounds.trace
+            output.text = "" if live.detok is None else live.detok.text
+            output.decode_seconds, output.logprobs = time.perf_counter() - live.started, live.logprobs
+        return output
 
 
 def _split(req: Request) -> int:

@@ -40,11 +40,11 @@ from typing import NamedTuple
 
 import torch
 
-from nextn.cache import SlotCache, commit_ctl
+from nextn.cache import SlotCache, StepBatch, commit_ctl
 from nextn.cache.hybrid import DRAFT_LEN, NUM_CTL, NUM_GEN, SEQ_LEN, commit_table
-from nextn.config import SpecConfig
-from nextn.core import SamplingParams, SpecStats
+from nextn.core import SpecStats
 from nextn.engine.runner import PhaseClock
+from nextn.engine.scheduler import RoundSettings
 from nextn.engine.sequence import Sequence
 from nextn.grammar import GrammarState
 from nextn.model_config import ModelConfig
@@ -123,8 +123,7 @@ def device_round(runner, proposer, members: list[Member], clock=None) -> None:
     # greedy members without penalties: verified and committed together
     plain = [b for b, m in enumerate(members) if _plain_greedy(m)]
     if plain:
-        counts = num_drafts if len(plain) == len(members) else num_drafts.index_select(0, runner.index(plain))
-        _accept_greedy(runner, batch, [members[b] for b in plain], plain, befores, logits, counts, proposer is not None)
+        _accept_greedy(runner, _Verified(batch, befores, logits, num_drafts, proposer is not None), members, plain)
     for b, m in enumerate(members):
         if b not in plain:
             _accept(m, befores[b], num_drafts[b], proposer is not None)
@@ -144,11 +143,24 @@ def _plain_greedy(m: Member) -> bool:
     return m.sampler.plain_greedy
 
 
-def _accept_greedy(runner, batch, group: list[Member], index: list[int], befores, logits, counts, heads: bool) -> None:
-    """`_accept` for greedy members without penalties, all at once (the same integer results):
-    each row's argmax, the longest prefix of the drafts that count (counts [G]) matching it, the
-    commit and the outcomes. With the Triton kernels one launch after the argmax
-    (nextn.sample.triton_sample.accept_greedy); this is its reference."""
+class _Verified(NamedTuple):
+    """A batched round's verify, as its greedy members' accept reads it."""
+
+    batch: StepBatch  # the trunk step's rows
+    befores: torch.Tensor  # [B, NUM_CTL] the members' counters before the round
+    logits: torch.Tensor  # [rows, V] the verify's logits
+    num_drafts: torch.Tensor  # [B] the drafts that count
+    heads: bool  # the round drafted: the next head pass writes the rows it kept
+
+
+def _accept_greedy(runner, verified: _Verified, members: list[Member], index: list[int]) -> None:
+    """`_accept` for the greedy members without penalties (members[b] for b in index), all at once
+    (the same integer results): each row's argmax, the longest prefix of the drafts that count
+    (counts [G]) matching it, the commit and the outcomes. With the Triton kernels one launch after
+    the argmax (nextn.sample.triton_sample.accept_greedy); this is its reference."""
+    batch, befores, logits, num_drafts, heads = verified
+    counts = num_drafts if len(index) == len(members) else num_drafts.index_select(0, runner.index(index))
+    group = [members[b] for b in index]
     R, tensors, G, cache = group[0].buf.verify_ids.shape[0], group[0].cache.cache.tensors, len(group), group[0].cache
     slots = batch.slot_index if G == len(batch) else batch.slot_index.index_select(0, runner.index(index))
     ks = runner.index([m.k for m in group])
@@ -361,37 +373,34 @@ class RequestRounds:
     request wants logits, which the next round would overwrite, has a grammar, is traced, or `ahead`
     is off); `read()` reads the oldest; `next()` does all three for a request running alone.
     `close(kept)` ends the request after `kept` tokens of the last round read and leaves the slot's
-    state as exactly those tokens. `grammar`: the request's matcher (structured outputs), advanced
-    by `read`. With `trace`, each round read adds a `RoundTrace` to `trace` (a round queued ahead
-    would blur the phases)."""
+    state as exactly those tokens. `settings`: what the request asked (its sampling params, stop
+    ids, K, ...), as its Request carries them; `stats` counts its rounds. `grammar`: the request's
+    matcher (structured outputs), advanced by `read`. Traced (settings.trace), each round read adds
+    a `RoundTrace` to `trace` (a round queued ahead would blur the phases)."""
 
     def __init__(
         self,
         runner,
         proposer,
         seq: Sequence,
-        params: SamplingParams,
-        spec: SpecConfig,
-        stop_ids: set[int],
-        stats: SpecStats,
-        want_logits: bool = False,
-        ahead: bool = True,
-        num_speculative_tokens: int | None = None,  # this request's K (<= the engine's; default: the engine's)
+        settings: RoundSettings,
         grammar: GrammarState | None = None,
-        trace: bool = False,
+        ahead: bool = True,
     ):
-        self.runner, self.proposer, self.seq, self.params = runner, proposer, seq, params
+        self.runner, self.proposer, self.seq, self.settings = runner, proposer, seq, settings
         self.cache = runner.slot(seq.slot)
         self.buf = Buffers.of(self.cache)
+        spec = runner.config.spec
         self.sampler = SlotSampler(self.cache, spec.p_min, fast=runner.config.kernels == "triton")
         self.grammar = grammar
+        stop_ids = set(settings.stop_ids)
         if grammar is not None:  # the grammar's end is the request's
-            stop_ids = set(stop_ids) | set(grammar.eos_ids)
-        self.stop_ids, self.stats, self.want_logits = stop_ids, stats, want_logits
-        self.ahead = ahead and not want_logits and grammar is None and not trace
-        self.trace: list[RoundTrace] | None = [] if trace else None
+            stop_ids |= set(grammar.eos_ids)
+        self.stop_ids, self.stats = stop_ids, SpecStats()
+        self.ahead = ahead and not settings.want_logits and grammar is None and not settings.trace
+        self.trace: list[RoundTrace] | None = [] if settings.trace else None
         k_max = spec.num_speculative_tokens if proposer is not None else 0
-        k = k_max if num_speculative_tokens is None else num_speculative_tokens
+        k = k_max if settings.num_speculative_tokens is None else settings.num_speculative_tokens
         self.k_ctl = AdaptiveK(k, spec.adaptive, runner.cfg.hidden_size)
         self.step_k: int | None = None  # the K of the rounds launched now, when the engine's K policy sets it
         self.max_len = self.cache.max_len
@@ -414,7 +423,7 @@ class RequestRounds:
     def _start(self) -> None:
         if self.proposer is not None:
             self.runner.catch_up(self.seq)
-        self.sampler.start(self.params, self.seq.tokens, self.stop_ids, self.grammar)
+        self.sampler.start(self.settings.params, self.seq.tokens, self.stop_ids, self.grammar)
         self.cache.set(num_gen=0, accepted=0)
         first_token(self.cache, self.sampler, self.buf, self.seq)
         self.queue_read()
@@ -492,7 +501,7 @@ class RequestRounds:
             self.trace.append(r._replace(drafted=counted[0], accepted=counted[1]))
 
     def _cut(self, index: int, tokens: list[int], room: int) -> Round:
-        budget, done = self.params.max_tokens, None
+        budget, done = self.settings.params.max_tokens, None
         kept = tokens[: max(0, min(len(tokens), budget - len(self.emitted), room))]
         for i, t in enumerate(kept):
             if t in self.stop_ids:
@@ -503,7 +512,7 @@ class RequestRounds:
         self.emitted.extend(kept)
         self.handed = len(kept)
         logits = None
-        if self.want_logits and kept:
+        if self.settings.want_logits and kept:
             logits = (self.seq.last_logits[None] if index == 0 else self.buf.logits[: len(kept)]).clone()
         return Round(kept, logits, done)
 

@@ -4,7 +4,9 @@ Owns the waiting queue (FIFO, bounded), the running requests (each holding a slo
 take part in every batched round), admission (a waiting request gets the kept session serving the
 longest prefix of its prompt, else a free slot, else the least recently used session's slot) and
 sessions: a finished conversation keeps its slot, pinned, until a request continues it or its
-slot is needed.
+slot is needed. Also the request's settings as its rounds follow them (`RoundSettings`): one object
+made where the engine takes the request, carried by it to its rounds (as nano-vllm's Sequence
+carries its sampling settings).
 """
 
 from __future__ import annotations
@@ -31,10 +33,26 @@ class SessionCounters:
     evictions: int = 0
 
 
+@dataclass(frozen=True)
+class RoundSettings:
+    """What a request's rounds follow (nextn.engine.rounds.RequestRounds), made once where the engine
+    takes the request (Engine.add)."""
+
+    params: SamplingParams
+    stop_ids: frozenset[int] = frozenset()  # the tokens that end the output (EOS unless ignore_eos, stop_token_ids)
+    num_speculative_tokens: int | None = None  # its K (0..the engine's; None: the engine's)
+    trace: bool = False  # a RoundTrace per round read (EngineConfig.trace)
+
+    @property
+    def want_logits(self) -> bool:
+        """The rounds keep the logits of the tokens they emit (for their logprobs)."""
+        return self.params.logprobs is not None
+
+
 @dataclass
 class Request:
     prompt_ids: list[int]
-    params: SamplingParams
+    settings: RoundSettings
     use_sessions: bool = False
     checkpoint_at: int | None = None  # where the session's rewind checkpoint goes (None: prompt end)
     request_id: int = field(default_factory=itertools.count().__next__)
@@ -42,9 +60,12 @@ class Request:
     seq: Sequence | None = None  # the slot's record, once admitted
     cached: int = 0  # prompt tokens its slot already held
     rewind: bool = False  # the slot must rewind to its checkpoint first
-    num_speculative_tokens: int | None = None  # its K (None: the engine's)
     grammar: object | None = None  # its compiled structured_outputs (nextn.grammar.CompiledGrammar)
     detokenize: bool = True  # the engine makes its text (False: the caller does, nextn.engine.detokenizer)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.settings.params
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -117,14 +118,14 @@ def start(size: int, device: str, target: Callable, *args) -> Ranks:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    threads = max(1, torch.get_num_threads() // size)
+    group = _Group(size, port, device, max(1, torch.get_num_threads() // size))
     ctx = mp.get_context("spawn")
     processes, conns = [], []
     for r in range(1, size):
         ours, theirs = ctx.Pipe()
         p = ctx.Process(
             target=_follower,
-            args=(r, size, port, device, threads, theirs, target, args),
+            args=(r, group, theirs, target, args),
             daemon=True,
             name=f"nextn-rank{r}",
         )
@@ -135,32 +136,42 @@ def start(size: int, device: str, target: Callable, *args) -> Ranks:
     ranks = Ranks(processes, conns)
     atexit.register(ranks.close)  # before multiprocessing's own exit handler kills the followers
     try:
-        _join(0, size, port, device, threads)
+        _join(0, group)
     except BaseException:
         ranks.close(timeout=5.0)
         raise
     return ranks
 
 
-def _join(r: int, size: int, port: int, device: str, threads: int) -> None:
-    cuda = device.startswith("cuda")
+@dataclass(frozen=True)
+class _Group:
+    """Where the ranks meet and what each takes: sent to every follower."""
+
+    size: int  # the ranks
+    port: int  # rank 0's, on 127.0.0.1
+    device: str  # "cuda" (rank r on cuda:r) or "cpu"
+    threads: int  # each rank's CPU threads on gloo
+
+
+def _join(r: int, group: _Group) -> None:
+    cuda = group.device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(r)
     else:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(group.threads)
     dist.init_process_group(
         "nccl" if cuda else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://127.0.0.1:{group.port}",
         rank=r,
-        world_size=size,
+        world_size=group.size,
         timeout=timedelta(minutes=10),  # a collective waits this long for a rank (then fails)
     )
     comm.setup_all_reduce()  # the fused step's all-reduce: CUDA IPC or the group's own (logged)
 
 
-def _follower(r: int, size: int, port: int, device: str, threads: int, conn, target: Callable, args) -> None:
+def _follower(r: int, group: _Group, conn, target: Callable, args) -> None:
     logging.getLogger("nextn").setLevel(logging.ERROR)  # rank 0 logs for every rank; errors still show
-    _join(r, size, port, device, threads)
+    _join(r, group)
     try:
         target(conn, *args)
     finally:

@@ -201,12 +201,12 @@ def build_draft_vocab(
     vocab_size: int,
     glob: str = "*",
     always: Iterable[int] = (),
-    progress: bool = True,
     settings: dict | None = None,
 ) -> DraftVocab:
     """The `size` most frequent tokens of the corpus (ties to the lower id), `always` among them
     (EOS ids: a draft that can end a reply). Where the corpus has fewer distinct tokens, the
-    lowest unseen ids fill the rest. settings: recorded with the counts (e.g. the model)."""
+    lowest unseen ids fill the rest. settings: recorded with the counts (e.g. the model). A
+    progress bar counts the corpus' bytes read."""
     always = sorted(set(always))
     if not 0 < size <= vocab_size or len(always) > size:
         raise DraftVocabError(f"a draft vocabulary size must be in {max(1, len(always))}..{vocab_size}, got {size}")
@@ -219,7 +219,7 @@ def build_draft_vocab(
         pending.clear()
 
     num_texts = 0
-    for text in corpus_texts(files, tokenizer, progress):
+    for text in corpus_texts(files, tokenizer):
         pending += tokenizer.encode(text)
         num_texts += 1
         if len(pending) >= 1 << 22:

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -140,29 +141,35 @@ def _seconds(table: dict[int, dict[int, float]], b: int, k: int) -> float:
     return t0 * _line(shape, k) / _line(shape, k0)
 
 
+@dataclass(frozen=True)
+class PolicyTuning:
+    """The policy's constants (the module docstring says what each does)."""
+
+    prior: tuple[float, ...] = PRIOR  # a_j before any round is seen (later positions take the last)
+    prior_weight: float = 4.0  # the prior's pseudo-tries
+    accept_decay: float = 0.995  # each new try first multiplies a position's counts by this
+    cost_alpha: float = 0.1  # the least weight of a new cost sample
+    spike: float = 2.0  # a sample above spike * the mean counts as that; one below mean / spike restarts
+    min_samples: int = 3  # the choice and its neighbours are measured this often before anything else
+    recheck_every: int = 50  # every n-th step of a bucket runs a neighbour of the choice
+    margin: float = 0.02  # the best estimate replaces the choice only when it beats it by this much
+
+    def __post_init__(self):
+        if self.min_samples < 1 or self.recheck_every < 2 or self.margin < 0 or self.spike < 1:
+            raise ValueError("KPolicy: min_samples >= 1, recheck_every >= 2, margin >= 0, spike >= 1")
+        prior, weight, decay = self.prior, self.prior_weight, self.accept_decay
+        if not prior or not all(0.0 <= p <= 1.0 for p in prior) or weight <= 0 or not 0 < decay <= 1:
+            raise ValueError("KPolicy: prior probabilities in [0, 1], prior_weight > 0, accept_decay in (0, 1]")
+
+
 class KPolicy:
     """The K of each engine step (see the module docstring). k_max: the cap, `--spec-k`."""
 
-    def __init__(
-        self,
-        k_max: int,
-        prior: tuple[float, ...] = PRIOR,
-        prior_weight: float = 4.0,
-        accept_decay: float = 0.995,
-        cost_alpha: float = 0.1,
-        spike: float = 2.0,
-        min_samples: int = 3,
-        recheck_every: int = 50,
-        margin: float = 0.02,
-    ):
-        if k_max < 0 or min_samples < 1 or recheck_every < 2 or margin < 0 or spike < 1:
-            raise ValueError("KPolicy: k_max >= 0, min_samples >= 1, recheck_every >= 2, margin >= 0, spike >= 1")
-        if not prior or not all(0.0 <= p <= 1.0 for p in prior) or prior_weight <= 0 or not 0 < accept_decay <= 1:
-            raise ValueError("KPolicy: prior probabilities in [0, 1], prior_weight > 0, accept_decay in (0, 1]")
-        self.k_max, self.prior_weight, self.accept_decay = k_max, prior_weight, accept_decay
-        self.cost_alpha, self.spike, self.min_samples = cost_alpha, spike, min_samples
-        self.recheck_every, self.margin = recheck_every, margin
-        self.prior = [prior[min(j, len(prior) - 1)] for j in range(k_max)]
+    def __init__(self, k_max: int, tuning: PolicyTuning = PolicyTuning()):
+        if k_max < 0:
+            raise ValueError(f"KPolicy: k_max >= 0, got {k_max}")
+        self.k_max, self.tuning = k_max, tuning
+        self.prior = [tuning.prior[min(j, len(tuning.prior) - 1)] for j in range(k_max)]
         self.tried, self.accepted = [0.0] * k_max, [0.0] * k_max  # decayed counts per position
         self.cost: dict[tuple[int, int], list] = {}  # (bucket, K) -> [mean seconds, samples]
         self.choice: dict[int, int] = {}  # bucket -> its current K
@@ -172,7 +179,7 @@ class KPolicy:
         """A request's round drafted k tokens (those that counted) and n of them were accepted."""
         if not 0 <= n <= k:
             raise ValueError(f"accepted {n} of {k} drafts")
-        d = self.accept_decay
+        d = self.tuning.accept_decay
         for j in range(min(n + 1, k, self.k_max)):  # position j + 1 was tried
             self.tried[j] = self.tried[j] * d + 1.0
             self.accepted[j] = self.accepted[j] * d + (j < n)
@@ -182,15 +189,16 @@ class KPolicy:
         if not 0 <= k <= self.k_max or seconds <= 0:
             raise ValueError(f"observe_step: k {k} outside 0..{self.k_max} or seconds {seconds} <= 0")
         cell = self.cost.setdefault((bucket(batch_size), k), [0.0, 0])
-        if seconds * self.spike < cell[0]:  # the cell's samples so far were warm-up
+        spike = self.tuning.spike
+        if seconds * spike < cell[0]:  # the cell's samples so far were warm-up
             cell[:] = [0.0, 0]
         cell[1] += 1
-        x = seconds if cell[1] == 1 else min(seconds, self.spike * cell[0])
-        cell[0] += max(1.0 / cell[1], self.cost_alpha) * (x - cell[0])
+        x = seconds if cell[1] == 1 else min(seconds, spike * cell[0])
+        cell[0] += max(1.0 / cell[1], self.tuning.cost_alpha) * (x - cell[0])
 
     def acceptance(self) -> list[float]:
         """a_j for j = 1..k_max: the decayed counts under the prior."""
-        w = self.prior_weight
+        w = self.tuning.prior_weight
         return [(a + w * p) / (t + w) for a, t, p in zip(self.accepted, self.tried, self.prior, strict=True)]
 
     def rates(self, batch_size: int) -> list[float]:
@@ -207,16 +215,18 @@ class KPolicy:
         rate = self.rates(batch_size)
         best = max(range(self.k_max + 1), key=lambda k: (rate[k], -k))
         current = self.choice.get(b, best)
-        if rate[best] > rate[current] * (1.0 + self.margin):
+        tuning = self.tuning
+        if rate[best] > rate[current] * (1.0 + tuning.margin):
             current = best
         self.choice[b] = current
         near = [k for k in (current, current - 1, current + 1) if 0 <= k <= self.k_max]
         samples = {k: self.cost.get((b, k), (0.0, 0))[1] for k in near}
-        unmeasured = [k for k in near if samples[k] < self.min_samples]
+        unmeasured = [k for k in near if samples[k] < tuning.min_samples]
         if unmeasured:  # the least measured first; ties in the order current, current - 1, current + 1
             return min(unmeasured, key=samples.__getitem__)
-        if len(near) > 1 and self.steps[b] % self.recheck_every == 0:  # the neighbours in turn
-            return near[1:][self.steps[b] // self.recheck_every % (len(near) - 1)]
+        every = tuning.recheck_every
+        if len(near) > 1 and self.steps[b] % every == 0:  # the neighbours in turn
+            return near[1:][self.steps[b] // every % (len(near) - 1)]
         return current
 
     def snapshot(self) -> dict:

@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -45,8 +46,31 @@ class ReplayResult:
     draft_vocab_size: int | None = None  # the draft vocabulary's rows (None: the full vocabulary)
 
 
-def trunk_pass(model: CausalLM, ids: list[int], after_norm: bool = True):
-    """Forced trunk pass: (head-input hiddens [N, H], greedy picks [N] (pick t predicts t+1), NLL sum)."""
+@dataclass(frozen=True)
+class ReplaySettings:
+    """What one replay measures: K drafts at every `stride`-th position, the head reading the
+    trunk's hiddens after its final norm (after_norm) or before, over the draft vocabulary when
+    given; dump_hidden: a safetensors file for the head-input hiddens."""
+
+    k: int
+    stride: int = 1
+    after_norm: bool = True
+    draft_vocab: DraftVocab | None = None
+    dump_hidden: str | None = None
+
+
+class TrunkPass(NamedTuple):
+    """A text's forced trunk pass."""
+
+    ids: list[int]  # the text
+    hidden: torch.Tensor  # [N, H] head-input hiddens (row t: the head input of token t)
+    picks: torch.Tensor  # [N] greedy picks (pick t predicts token t + 1)
+    nll: float  # the NLL sum over the text
+    after_norm: bool  # hidden is after the trunk's final norm
+
+
+def trunk_pass(model: CausalLM, ids: list[int], after_norm: bool = True) -> TrunkPass:
+    """Forced trunk pass: head-input hiddens, greedy picks and the NLL sum of the text."""
     param = next(model.parameters())
     cache = HybridCache(model.cfg, CacheLayout(1, len(ids) + 1, 1, draft=False), param.device, param.dtype).slot(0)
     hiddens, picks, nll = [], [], 0.0
@@ -62,21 +86,13 @@ def trunk_pass(model: CausalLM, ids: list[int], after_norm: bool = True):
             logp = torch.log_softmax(logits[: gold.numel()], -1)
             nll -= logp.gather(-1, gold[:, None]).sum().item()
             hiddens.append(normed if after_norm else h)
-    return torch.cat(hiddens), torch.cat(picks), nll
+    return TrunkPass(ids, torch.cat(hiddens), torch.cat(picks), nll, after_norm)
 
 
-def replay_rounds(
-    model: CausalLM,
-    ids: list[int],
-    hidden: torch.Tensor,
-    picks: torch.Tensor,
-    k: int,
-    positions: range,
-    after_norm: bool = True,
-    draft: DraftHead | None = None,
-):
-    """Yields (p, drafts [k], targets [k]) per evaluated position p, in order (drafts over the
-    draft vocabulary `draft` when given)."""
+def replay_rounds(model: CausalLM, trunk: TrunkPass, k: int, positions: range, draft: DraftHead | None = None):
+    """Yields (p, drafts [k], targets [k]) per evaluated position p of the trunk pass's text, in
+    order (drafts over the draft vocabulary `draft` when given)."""
+    ids, hidden, picks, _, after_norm = trunk
     cfg, param = model.cfg, next(model.parameters())
     shape = (len(ids) + k + 1, cfg.num_key_value_heads, cfg.head_dim)
     kv = KV(*torch.zeros(2, *shape, device=param.device, dtype=param.dtype).unbind(0))  # the head's K/V
@@ -108,32 +124,26 @@ def replay_rounds(
         yield p, torch.stack(drafts), picks[p : p + k]
 
 
-def replay(
-    model: CausalLM,
-    ids: list[int],
-    k: int,
-    stride: int = 1,
-    after_norm: bool = True,
-    progress: bool = True,
-    dump_hidden: str | None = None,
-    draft_vocab: DraftVocab | None = None,
-) -> ReplayResult:
+def replay(model: CausalLM, ids: list[int], settings: ReplaySettings, progress: bool = True) -> ReplayResult:
+    """Replay the text `ids` as `settings` say (progress: a count of positions on stderr)."""
+    k, draft_vocab, dump_hidden = settings.k, settings.draft_vocab, settings.dump_hidden
     if len(ids) < k + 3:
         raise ValueError(f"the text has {len(ids)} tokens; replay needs at least {k + 3}")
     if model.mtp is None:
         raise ValueError("the checkpoint has no MTP head (mtp.* tensors): nothing to replay")
     t0 = time.perf_counter()
     draft = None if draft_vocab is None else DraftHead(draft_vocab, model.lm_head_weight)
-    hidden, picks, nll = trunk_pass(model, ids, after_norm)
+    trunk = trunk_pass(model, ids, settings.after_norm)
     if dump_hidden:
         from safetensors.torch import save_file
 
         # bf16, the released heads' training dtype: hidden [N, H] (row t: the head input of token t)
-        save_file({"hidden": hidden.to(torch.bfloat16).cpu().contiguous(), "input_ids": torch.tensor(ids)}, dump_hidden)
+        hidden = trunk.hidden.to(torch.bfloat16).cpu().contiguous()
+        save_file({"hidden": hidden, "input_ids": torch.tensor(ids)}, dump_hidden)
     accepted = torch.zeros(k, dtype=torch.long)
-    positions = range(1, len(ids) - k, stride)
+    positions = range(1, len(ids) - k, settings.stride)
     with torch.inference_mode():
-        rounds = replay_rounds(model, ids, hidden, picks, k, positions, after_norm, draft)
+        rounds = replay_rounds(model, trunk, k, positions, draft)
         for n_done, (_, drafts, targets) in enumerate(rounds):
             accepted += (drafts == targets).long().cumprod(0).cpu()
             if progress and (n_done % 64 == 0 or n_done == len(positions) - 1):
@@ -141,7 +151,7 @@ def replay(
     if progress:
         print(file=sys.stderr)
     rates = (accepted.float() / max(1, len(positions))).tolist()
-    mean_nll = nll / (len(ids) - 1)
+    mean_nll = trunk.nll / (len(ids) - 1)
     return ReplayResult(
         k,
         len(ids),
@@ -150,7 +160,7 @@ def replay(
         1.0 + sum(rates),
         mean_nll,
         math.exp(mean_nll),
-        after_norm,
+        settings.after_norm,
         time.perf_counter() - t0,
         None if draft is None else draft.size,
     )
@@ -180,9 +190,8 @@ def replay_from_args(args) -> int:
     ids = tokenizer.encode(Path(args.file).read_text(errors="replace"))
     if args.max_tokens is not None:
         ids = ids[: args.max_tokens]
-    result = replay(
-        model, ids, args.k, args.stride, not args.hidden_before_norm, dump_hidden=args.dump_hidden, draft_vocab=vocab
-    )
+    settings = ReplaySettings(args.k, args.stride, not args.hidden_before_norm, vocab, args.dump_hidden)
+    result = replay(model, ids, settings)
     heads = "" if vocab is None else f" (draft vocabulary of {vocab.size})"
     print(
         f"replay: {result.num_positions} positions over {result.num_tokens} tokens, K={result.k}{heads}: "
