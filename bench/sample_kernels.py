@@ -16,6 +16,7 @@ import torch
 from nextn.ops import linear_tune
 from nextn.sample import triton_sample, verifier
 from nextn.sample.pipeline import RequestRng, SamplingParams, Stream, probs_from_logits, sample
+from nextn.sample.triton_common import Law
 
 
 def graph_us(fn, calls: int = 100) -> float:
@@ -39,17 +40,17 @@ def measure(V: int, K: int, table, index, temperature) -> dict:
         sample(q[:1], u, out=pick)
 
     def fused_draw():
-        triton_sample.temperature_sample(head, temperature, u, out=q[:1], ids=pick)
+        triton_sample.temperature_sample(head, Law(temperature), u, out=q[:1], ids=pick)
 
     filters = SamplingParams(temperature=0.7, top_k=20, top_p=0.95)  # the bundled model's defaults
-    top_k, top_p = torch.tensor(20, device=dev), torch.tensor(0.95, device=dev)
+    law = Law(temperature, top_k=torch.tensor(20, device=dev), top_p=torch.tensor(0.95, device=dev))
 
     def ref_draw_filtered():
         q[:1].copy_(probs_from_logits(head, filters))
         sample(q[:1], u, out=pick)
 
     def fused_draw_filtered():
-        triton_sample.temperature_sample(head, temperature, u, out=q[:1], ids=pick, top_k=top_k, top_p=top_p)
+        triton_sample.temperature_sample(head, law, u, out=q[:1], ids=pick)
 
     def ref_verify():
         p = torch.softmax(trunk / temperature, dim=-1)
@@ -58,7 +59,7 @@ def measure(V: int, K: int, table, index, temperature) -> dict:
         verifier.verify_sampled(p, q, drafts, ua, us, num)
 
     def fused_verify():
-        p, _ = triton_sample.temperature_sample(trunk, temperature)
+        p, _ = triton_sample.temperature_sample(trunk, Law(temperature))
         triton_sample.verify_sampled(p, q, drafts, table, index, num)
 
     fns = [("ref_draw", ref_draw), ("ref_verify", ref_verify), ("ref_draw_top_k20_p095", ref_draw_filtered)]

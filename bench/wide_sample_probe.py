@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 from nextn.ops.linear_tune import graph_us  # noqa: E402
 from nextn.sample.pipeline import SamplingParams, probs_from_logits, sample  # noqa: E402
+from nextn.sample.triton_common import Law  # noqa: E402
 from nextn.sample.triton_wide import temperature_sample  # noqa: E402
 
 V = 248_320
@@ -41,7 +42,7 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(), "V": V, "laws": {}}
     for name, (f, scale) in LAWS.items():
         params = SamplingParams(temperature=0.7, **f)
-        values = {k: torch.tensor(getattr(params, k), device=dev) for k in f}
+        law = Law(torch.tensor(0.7, device=dev), **{k: torch.tensor(getattr(params, k), device=dev) for k in f})
         for rows in (1, 4, 7):
             g = torch.Generator(device=dev).manual_seed(rows)
             logits = [(torch.randn(rows, V, generator=g, device=dev) * scale).bfloat16() for _ in range(2)]
@@ -49,21 +50,20 @@ def main() -> None:
             out = torch.empty(rows, V, device=dev)
             ids = torch.empty(rows, device=dev, dtype=torch.long)
             bounds = torch.empty(rows, 3, device=dev, dtype=torch.int32)
-            T = torch.tensor(0.7, device=dev)
 
-            def chunked(i, logits=logits, u=u, out=out, ids=ids, bounds=bounds, T=T, values=values):
-                temperature_sample(logits[i], T, u, out=out, ids=ids, bounds=bounds if values else None, **values)
+            def chunked(i, logits=logits, u=u, out=out, ids=ids, bounds=bounds if f else None, law=law):
+                temperature_sample(logits[i], law, u, out=out, ids=ids, bounds=bounds)
 
             def reference(i, logits=logits, u=u, ids=ids, params=params):
                 sample(probs_from_logits(logits[i], params), u, out=ids)
 
             entry = {"chunked_us": graph_us(chunked, 2, 20), "torch_us": graph_us(reference, 2, 20)}
-            if values:
+            if f:
                 entry["rows_covered"] = int(bounds[:, 2].sum())
             report["laws"].setdefault(name, {})[rows] = entry
             print(
                 f"{name:16s} rows {rows}: chunked {entry['chunked_us']:7.1f} us, torch {entry['torch_us']:7.1f} us"
-                + (f", {entry['rows_covered']} of {rows} rows decided on the candidates" if values else "")
+                + (f", {entry['rows_covered']} of {rows} rows decided on the candidates" if f else "")
             )
     if args.out:
         with open(args.out, "w") as fh:

@@ -148,7 +148,7 @@ def test_a_flagged_off_head_step_writes_nothing(dense_ckpt):
 
         def head(batch=batch, row=row, pos=pos, logits=logits, chained=chained):
             seen.append(runner.step.run_if)
-            runner.step.head(batch, ids, hidden, pos, row, logits, chained)
+            runner.step.head(batch, ids, hidden, pos, row, (logits, chained))
 
         with torch.inference_mode():
             head() if flag is None else runner.when(torch.tensor(flag, device=DEVICE), head)

@@ -135,7 +135,7 @@ def test_greedy_drafts_are_the_subset_argmax(dense_fitted_ckpt):
     with torch.inference_mode():
         rounds = list(replay_rounds(model, trunk, 3, positions, draft=head))
         kv = KV(*(torch.zeros(len(text) + 4, model.cfg.num_key_value_heads, model.cfg.head_dim) for _ in range(2)))
-        logits, _ = model.head_rows(kv, torch.tensor(text[1:]), trunk.hidden[:-1], 1, last_only=False)
+        logits = model.head_rows(kv, torch.tensor(text[1:]), trunk.hidden[:-1], 1, last_only=False).logits
     for p, drafts, _ in rounds:
         assert _live_drafts(reduced, text[:p], text[p], 3) == drafts.tolist(), p
         assert all(int(t) in vocab.d2t for t in drafts)
@@ -318,8 +318,8 @@ def test_triton_head_scores_the_subset_rows(dense_ckpt):
         pos, row = torch.tensor([6], dtype=torch.int32, device=device), torch.tensor([2], device=device)
         with torch.inference_mode():
             batch = engine.runner.batch([cache], [4])
-            engine.runner.step.head(batch, ids, hidden, pos, row, sub, chained, proposer.lm_head)
-            engine.runner.step.head(batch, ids, hidden, pos, row, full, chained)
+            engine.runner.step.head(batch, ids, hidden, pos, row, (sub, chained), proposer.lm_head)
+            engine.runner.step.head(batch, ids, hidden, pos, row, (full, chained))
         torch.testing.assert_close(sub, full[:, proposer.draft.d2t], rtol=1e-5, atol=1e-5)
         outs.append(sub)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)

@@ -22,7 +22,8 @@ from nextn.engine import rounds  # noqa: E402
 from nextn.sample import triton_common, triton_sample, triton_wide, verifier  # noqa: E402
 from nextn.sample.pipeline import RequestRng, SamplingParams, Stream, probs_from_logits, sample  # noqa: E402
 from nextn.sample.sampler import SlotSampler  # noqa: E402
-from nextn.sample.triton_sample import MAX_V, accept_greedy, temperature_sample, verify_sampled  # noqa: E402
+from nextn.sample.triton_common import Law  # noqa: E402
+from nextn.sample.triton_sample import MAX_V, GreedyGroup, accept_greedy, temperature_sample, verify_sampled  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -39,7 +40,7 @@ def test_temperature_sample_is_the_reference_law_and_draw(V, dtype):
     u[0] = 1.0 - 2.0**-53  # the top of the CDF: the last token with mass
     for t in (0.3, 1.0, 2.5):
         temperature = torch.tensor(t, device=DEVICE)
-        probs, ids = temperature_sample(logits.to(DEVICE), temperature, u.to(DEVICE))
+        probs, ids = temperature_sample(logits.to(DEVICE), Law(temperature), u.to(DEVICE))
         want = torch.softmax(logits.float() / torch.tensor(t), dim=-1)
         assert torch.allclose(probs.cpu(), want, rtol=1e-5, atol=1e-7)
         assert torch.equal(ids.cpu()[1:], sample(want, u)[1:])
@@ -48,7 +49,7 @@ def test_temperature_sample_is_the_reference_law_and_draw(V, dtype):
         assert want[0, ids[0]] > 0
         if V > 2:
             assert ids[1] >= V // 2
-        law, none = temperature_sample(logits.to(DEVICE), temperature)
+        law, none = temperature_sample(logits.to(DEVICE), Law(temperature))
         assert none is None and torch.equal(law, probs)
 
 
@@ -82,7 +83,7 @@ def test_the_filtered_law_keeps_what_the_reference_keeps(V, tied):
             top_p=torch.tensor(params.top_p, device=DEVICE) if "top_p" in f else None,
             min_p=torch.tensor(params.min_p, device=DEVICE) if "min_p" in f else None,
         )
-        probs, ids = temperature_sample(logits.to(DEVICE), torch.tensor(0.8, device=DEVICE), u.to(DEVICE), **dev)
+        probs, ids = temperature_sample(logits.to(DEVICE), Law(torch.tensor(0.8, device=DEVICE), **dev), u.to(DEVICE))
         assert torch.equal(probs.cpu() > 0, want > 0), f
         assert torch.allclose(probs.cpu(), want, rtol=1e-5, atol=1e-7), f
         assert torch.equal(ids.cpu(), sample(want, u)), f
@@ -120,7 +121,7 @@ def test_the_draw_never_lands_on_an_entry_without_mass():
 def test_rows_wider_than_one_program_are_refused():
     wide = torch.zeros(1, MAX_V + 1, device=DEVICE)
     with pytest.raises(ValueError, match="at most"):
-        temperature_sample(wide, torch.tensor(1.0, device=DEVICE))
+        temperature_sample(wide, Law(torch.tensor(1.0, device=DEVICE)))
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -250,8 +251,8 @@ def test_greedy_accept_kernel_is_its_reference_bitwise(heads):
         members[b], num_drafts[b] = member, count
     rounds._accept_greedy(runner, rounds._Verified(batch, befores, logits, ix(num_drafts), heads), members, index)
     table = commit_table(cache.cols, True, True, logits.device)
-    accept_greedy(logits.argmax(-1), ix([offsets[b] for b in index]), ix(slots), ix(ks), ix(counts), ix(index),
-                  befores, fast, table, heads)  # fmt: skip
+    group = GreedyGroup(ix([offsets[b] for b in index]), ix(slots), ix(ks), ix(counts), ix(index))
+    accept_greedy(logits.argmax(-1), group, befores, fast, table, heads)
     for name in base:
         assert torch.equal(fast[name], ref[name]), name
     n = fast["out"][slots, 0].tolist()

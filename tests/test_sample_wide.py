@@ -17,10 +17,11 @@ import triton_interp  # noqa: F401  (before triton)
 pytest.importorskip("triton")
 
 from nextn.sample.pipeline import SamplingParams, probs_from_logits, sample  # noqa: E402
-from nextn.sample.triton_wide import temperature_sample  # noqa: E402
+from nextn.sample.triton_common import Law  # noqa: E402
+from nextn.sample.triton_wide import Chunks, temperature_sample  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CHUNK, KCAP = 128, 16
+CHUNKS = Chunks(128, 16)
 
 # (filters, logits scale, whether the candidates decide every row): a peaked row's cuts lie among
 # its chunks' 16 best; a flat row's nucleus (or a top-k of 500 > 16 candidates x 9 chunks) does not
@@ -65,15 +66,8 @@ def test_the_chunked_law_keeps_and_draws_what_the_reference_does(V):
         params = SamplingParams(temperature=0.8, **f)
         want = probs_from_logits(logits, params)
         bounds = torch.zeros(N, 3, dtype=torch.int32, device=DEVICE)
-        probs, ids = temperature_sample(
-            logits.to(DEVICE),
-            torch.tensor(0.8, device=DEVICE),
-            u.to(DEVICE),
-            bounds=bounds,
-            chunk=CHUNK,
-            kcap=KCAP,
-            **_device_filters(f, params),
-        )
+        law = Law(torch.tensor(0.8, device=DEVICE), **_device_filters(f, params))
+        probs, ids = temperature_sample(logits.to(DEVICE), law, u.to(DEVICE), bounds=bounds, chunks=CHUNKS)
         probs, ids = probs.cpu(), ids.cpu()
         assert torch.equal(probs > 0, want > 0), f
         assert torch.allclose(probs, want, rtol=1e-5, atol=1e-7), f
@@ -101,9 +95,8 @@ def test_the_released_vocabulary_at_the_default_chunks_gpu():
         x = (logits * scale).to(DEVICE, torch.bfloat16)
         want = probs_from_logits(x, params)
         bounds = torch.zeros(N, 3, dtype=torch.int32, device=DEVICE)
-        probs, ids = temperature_sample(
-            x, torch.tensor(0.7, device=DEVICE), u.to(DEVICE), bounds=bounds, **_device_filters(f, params)
-        )
+        law = Law(torch.tensor(0.7, device=DEVICE), **_device_filters(f, params))
+        probs, ids = temperature_sample(x, law, u.to(DEVICE), bounds=bounds)
         assert torch.equal(probs > 0, want > 0), f
         assert torch.allclose(probs, want, rtol=1e-4, atol=1e-8), f
         assert torch.equal(ids, sample(want, u.to(DEVICE))), f
@@ -118,11 +111,12 @@ def test_a_rows_law_and_draw_do_not_depend_on_the_rows_beside_it():
     V = 900
     rows = (torch.randn(7, V, generator=g) * 2).to(DEVICE)
     u = torch.rand(7, generator=g, dtype=torch.float64).to(DEVICE)
-    filters = dict(top_k=torch.tensor(20, device=DEVICE), top_p=torch.tensor(0.8, device=DEVICE))
-    T = torch.tensor(0.7, device=DEVICE)
-    full, full_ids = temperature_sample(rows, T, u, chunk=CHUNK, kcap=KCAP, **filters)
+    law = Law(
+        torch.tensor(0.7, device=DEVICE), top_k=torch.tensor(20, device=DEVICE), top_p=torch.tensor(0.8, device=DEVICE)
+    )
+    full, full_ids = temperature_sample(rows, law, u, chunks=CHUNKS)
     for i in (0, 3, 6):
-        alone, alone_ids = temperature_sample(rows[i : i + 1], T, u[i : i + 1], chunk=CHUNK, kcap=KCAP, **filters)
+        alone, alone_ids = temperature_sample(rows[i : i + 1], law, u[i : i + 1], chunks=CHUNKS)
         assert torch.equal(alone[0], full[i]) and alone_ids[0] == full_ids[i]
-    three, three_ids = temperature_sample(rows[2:5], T, u[2:5], chunk=CHUNK, kcap=KCAP, **filters)
+    three, three_ids = temperature_sample(rows[2:5], law, u[2:5], chunks=CHUNKS)
     assert torch.equal(three, full[2:5]) and torch.equal(three_ids, full_ids[2:5])

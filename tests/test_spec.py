@@ -64,7 +64,7 @@ def test_mtp_head_logits_match_transformers(dense_ckpt, after_norm):
     cfg = model.cfg
     kv = KV(*(torch.zeros(32, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2)))
     with torch.no_grad():
-        ours = model.head_rows(kv, torch.tensor(ids[1:]), hidden[:-1], 1, last_only=False)[0]
+        ours = model.head_rows(kv, torch.tensor(ids[1:]), hidden[:-1], 1, last_only=False).logits
     assert torch.allclose(ours, ref, atol=1e-4), (ours - ref).abs().max()
 
 

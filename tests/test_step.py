@@ -94,7 +94,7 @@ def test_triton_head_step_matches_reference(dense_ckpt):
         pos = torch.tensor([6], dtype=torch.int32, device=DEVICE)
         with torch.inference_mode():
             batch, row = engine.runner.batch([cache], [4]), torch.tensor([2], device=DEVICE)
-            engine.runner.step.head(batch, ids, hidden, pos, row, logits, chained)
+            engine.runner.step.head(batch, ids, hidden, pos, row, (logits, chained))
         outs.append((logits, chained, cache.draft_kv()[0][6:10].clone()))
     for x, y in zip(*outs, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)

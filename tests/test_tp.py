@@ -58,8 +58,8 @@ def _logits(ckpts, tp: bool = True) -> dict:
         model = _sharded(ckpt) if tp else load_model(ckpt, device=DEVICE)
         ids = torch.tensor([PROMPT], device=model.lm_head_weight.device)
         normed = model.final_norm(model(ids))
-        cos, sin = model.rotary.cos_sin(torch.arange(1, len(PROMPT), device=ids.device), normed.dtype)
-        head = model.mtp(model.embed(ids[:, 1:]), normed[:, :-1], cos, sin, None, 0)
+        rope = model.rotary.cos_sin(torch.arange(1, len(PROMPT), device=ids.device), normed.dtype)
+        head = model.mtp(model.embed(ids[:, 1:]), normed[:, :-1], rope, None, 0)
         out[(ckpt.name, "trunk")] = model.logits(normed)[0].cpu().numpy()
         out[(ckpt.name, "head")] = model.logits(model.mtp.norm(head))[0].cpu().numpy()
     return out

@@ -204,13 +204,13 @@ def test_chain_objective_is_the_proposers_chain(tiny_run):
         assert [c.shape[1] for c in chain] == [L - 1, L - 2, L - 3]
         torch.testing.assert_close(chain[0], head_logits(model, x, hidden), atol=1e-4, rtol=1e-4)
         kv = KV(*(torch.zeros(L + 4, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2)))
-        logits, chained = model.head_rows(kv, x[0, 1:L], hidden[0, : L - 1], 1, last_only=False)
+        logits, chained, _ = model.head_rows(kv, x[0, 1:L], hidden[0, : L - 1], 1, last_only=False)
         torch.testing.assert_close(logits, chain[0][0], atol=1e-4, rtol=1e-4)
         for p in (1, 7, 20, L - 3):
             saved = kv[0].clone(), kv[1].clone()
             h = chained[p - 1 : p]
             for d in (1, 2):  # draft step d + 1 at position p + d, fed the true token x_{p+d}
-                step, h = model.head_rows(kv, x[0, p + d : p + d + 1], h, p + d)
+                step, h, _ = model.head_rows(kv, x[0, p + d : p + d + 1], h, p + d)
                 torch.testing.assert_close(step[0], chain[d][0, p - 1], atol=1e-4, rtol=1e-4)
             kv[0].copy_(saved[0])
             kv[1].copy_(saved[1])

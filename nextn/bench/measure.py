@@ -273,7 +273,7 @@ class Bench:
                     runner.run(
                         ("bench", "head"),
                         lambda: runner.step.head(
-                            batch, ids, hidden[:1], pos, None, head_logits, hidden[1:2], proposer.lm_head
+                            batch, ids, hidden[:1], pos, None, (head_logits, hidden[1:2]), proposer.lm_head
                         ),
                     )
 

@@ -169,8 +169,8 @@ def _accept_greedy(runner, verified: _Verified, members: list[Member], index: li
 
         starts = runner.index([batch.offsets[b] for b in index])
         table = commit_table(cache.cols, True, True, logits.device)
-        args = (logits.argmax(-1), starts, slots, ks, counts, runner.index(index), befores, tensors, table, heads)
-        triton_sample.accept_greedy(*args)
+        members = triton_sample.GreedyGroup(starts, slots, ks, counts, runner.index(index))
+        triton_sample.accept_greedy(logits.argmax(-1), members, befores, tensors, table, heads)
         return
     rows = runner.index([batch.offsets[b] + i for b, m in zip(index, group, strict=True) for i in range(m.k + 1)])
     cells = runner.index([g * R + i for g, m in enumerate(group) for i in range(m.k + 1)])

@@ -378,7 +378,7 @@ class ModelRunner:
             last = torch.tensor([o + n - 1 for o, n in zip(batch.offsets[:-1], rows, strict=True)], device=self.device)
             pos = torch.tensor(first, dtype=torch.int32, device=self.device)
             B = len(taken)
-            self.step.head(batch, ids, hidden, pos, last, self.head_logits[:B], self.head_hidden[:B])
+            self.step.head(batch, ids, hidden, pos, last, (self.head_logits[:B], self.head_hidden[:B]))
         for seq in seqs:
             self._caught_up(seq)
 

@@ -7,6 +7,7 @@ all-reduced before the residual.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from nextn.cache import SlotCache, StepBatch
@@ -36,8 +37,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x,
-        cos,
-        sin,
+        rope: tuple[torch.Tensor, torch.Tensor],
         cache: SlotCache | StepBatch | None,
         start: int | list[int],
         ops: Ops,
@@ -45,8 +45,9 @@ class DecoderLayer(nn.Module):
         store_all: bool = True,
     ):
         """x [B, T, H] at positions start.. (prefill with a SlotCache, training without), or a step's
-        packed rows [1, M, H] (a StepBatch; start: each sequence's first position). kv: the
-        attention cache(s) to use instead of the slots' (the MTP head's)."""
+        packed rows [1, M, H] (a StepBatch; start: each sequence's first position); rope: (cos, sin)
+        [T or M, rotary_dim] at the rows' positions. kv: the attention cache(s) to use instead of the
+        slots' (the MTP head's)."""
         h = self.input_layernorm.using(ops)(x)
         step = cache if isinstance(cache, StepBatch) else None
         if self.kind == FULL:
@@ -54,7 +55,7 @@ class DecoderLayer(nn.Module):
                 kv = [c.kv(self.layer_idx) for c in step.caches]
             elif kv is None and cache is not None:
                 kv = cache.kv(self.layer_idx)
-            h = self.self_attn(h, cos, sin, kv, start, step, ops)
+            h = self.self_attn(h, *rope, kv, start, step, ops)
         else:
             h = self.linear_attn(h, cache, ops, store_all)
         # under tensor parallelism each block ends in a partial sum: one all-reduce per block

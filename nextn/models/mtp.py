@@ -33,8 +33,7 @@ class MTPHead(nn.Module):
         self,
         embeds: torch.Tensor,  # [B, T, H] embeddings of tokens x_p
         hidden: torch.Tensor,  # [B, T, H] trunk (or previous draft step) hiddens h_{p-1}
-        cos: torch.Tensor,  # [T, rotary_dim] at positions p
-        sin: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],  # (cos, sin) [T, rotary_dim] at positions p
         kv: KV | list[KV] | None,
         slot: int | list[int],  # K/V slot of the first row (= its position - 1); a step: per sequence
         step=None,  # a StepBatch: embeds / hidden [1, M, H] hold its sequences' rows (the step attention)
@@ -42,4 +41,4 @@ class MTPHead(nn.Module):
     ) -> torch.Tensor:
         """Returns the layer output before mtp.norm [B, T, H]."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        return self.layers[0](x, cos, sin, step, slot, ops or OPS["torch"](), kv=kv)
+        return self.layers[0](x, rope, step, slot, ops or OPS["torch"](), kv=kv)

@@ -10,6 +10,8 @@ The fused Triton step is a sibling forward (nextn.models.qwen3_5_step) over the 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -26,6 +28,18 @@ from nextn.ops import OPS, Ops
 from nextn.ops.linear import pad_dim1, row_invariant_linear
 from nextn.parallel.comm import embed, gather_vocab
 from nextn.parallel.shard import vocab_rows
+
+
+class HeadRows(NamedTuple):
+    """CausalLM.head_rows's result: the logits, and the hiddens a chain feeds the next head step,
+    after mtp.norm or before it (SpecConfig.hidden_after_norm)."""
+
+    logits: torch.Tensor  # [n or 1, V or Vd] float32
+    normed: torch.Tensor  # [n or 1, H] after mtp.norm
+    hidden: torch.Tensor  # [n or 1, H] before it
+
+    def chained(self, after_norm: bool) -> torch.Tensor:
+        return self.normed if after_norm else self.hidden
 
 
 class TextModel(nn.Module):
@@ -90,9 +104,9 @@ class CausalLM(nn.Module):
             positions = range(start, start + T)
         ops = ops or OPS["torch"]()
         x = self.embed(input_ids)
-        cos, sin = self.rotary.cos_sin(torch.tensor(positions, device=input_ids.device), x.dtype)
+        rope = self.rotary.cos_sin(torch.tensor(positions, device=input_ids.device), x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, start, ops, store_all=store_all)
+            x = layer(x, rope, cache, start, ops, store_all=store_all)
         return x[:, :T]
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -109,22 +123,21 @@ class CausalLM(nn.Module):
         ids: torch.Tensor,
         hidden: torch.Tensor,
         first_pos: int,
-        after_norm: bool = True,
         last_only: bool = True,
         ops: Ops | None = None,
         lm_head: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> HeadRows:
         """The MTP head over rows of tokens ids [n] with predecessor hiddens [n, H] at positions
         first_pos.. (K/V slots first_pos-1..), any number of rows (a prompt's catch-up, replay,
-        training checks). Returns (logits [n or 1, V], the hiddens to chain [n or 1, H]).
-        lm_head [Vd, H]: the rows to score (a draft vocabulary's, nextn.spec.draft_vocab); default all."""
+        training checks); the last row only with last_only. lm_head [Vd, H]: the rows to score (a
+        draft vocabulary's, nextn.spec.draft_vocab); default all."""
         embeds = self.embed(ids)[None]
         positions = torch.arange(first_pos, first_pos + ids.numel(), device=ids.device)
-        cos, sin = self.rotary.cos_sin(positions, embeds.dtype)
-        out = self.mtp(embeds, hidden[None], cos, sin, kv, first_pos - 1, ops=ops)[0]
+        rope = self.rotary.cos_sin(positions, embeds.dtype)
+        out = self.mtp(embeds, hidden[None], rope, kv, first_pos - 1, ops=ops)[0]
         out = out[-1:] if last_only else out
         normed = self.mtp.norm(out)
-        return self.logits(normed, lm_head), normed if after_norm else out
+        return HeadRows(self.logits(normed, lm_head), normed, out)
 
     def logits(self, normed_hidden: torch.Tensor, lm_head: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits over the lm_head's rows [.., V] (gathered from the ranks' under tensor
@@ -176,25 +189,26 @@ class ReferenceStep:
         hidden: torch.Tensor,
         first: torch.Tensor,
         rows: torch.Tensor | None,
-        logits: torch.Tensor,
-        chained: torch.Tensor,
+        out: tuple[torch.Tensor, torch.Tensor],
         lm_head: torch.Tensor | None = None,
     ) -> None:
         """MTP rows of a batch: ids [M] paired with hidden [M, H]; sequence b's first row in draft
         K/V slot first[b] (int32 [B]; rope position first[b] + 1). rows [B] (packed row indices; None:
-        every row) give logits [B or M, V] and the hiddens to chain. lm_head [Vd, H]: score these
-        rows only (a draft vocabulary's copy; logits [B or M, Vd]); default the full lm_head."""
+        every row) give the logits [B or M, V] and the hiddens to chain [B or M, H], written into
+        out = (logits, chained). lm_head [Vd, H]: score these rows only (a draft vocabulary's copy;
+        logits [B or M, Vd]); default the full lm_head."""
+        logits, chained = out
         slots = [int(p) for p in first.tolist()]
         positions = [s + 1 + i for s, n in zip(slots, batch.rows, strict=True) for i in range(n)]
         M = len(positions)
         padded = -(-M // STEP_ROWS) * STEP_ROWS  # whole tiles, like the trunk's step
         positions += [positions[-1]] * (padded - M)
         embeds = self.model.embed(pad_dim1(ids[None], padded))
-        cos, sin = self.model.rotary.cos_sin(torch.tensor(positions, device=ids.device), embeds.dtype)
+        rope = self.model.rotary.cos_sin(torch.tensor(positions, device=ids.device), embeds.dtype)
         kv = [c.draft_kv() for c in batch.caches]
-        out = self.model.mtp(embeds, pad_dim1(hidden[None], padded), cos, sin, kv, slots, step=batch)[0, :M]
+        h = self.model.mtp(embeds, pad_dim1(hidden[None], padded), rope, kv, slots, step=batch)[0, :M]
         if rows is not None:
-            out = out.index_select(0, rows)
-        normed = self.model.mtp.norm(out)
+            h = h.index_select(0, rows)
+        normed = self.model.mtp.norm(h)
         logits.copy_(self.model.logits(normed, lm_head))
-        chained.copy_(normed if self.after_norm else out)
+        chained.copy_(normed if self.after_norm else h)

@@ -39,6 +39,7 @@ attention kernels with its scales (nextn.cache.hybrid.KV), which quantize and de
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,9 @@ class GDNWeights:
     out_norm: torch.Tensor  # [V] RMSNormGated weight
     out_proj: Weight  # [H, value_dim]
     mlp: MLPWeights | MoEWeights
+    # [H] the next layer's input_layernorm, fused into this layer's last GEMM (None: the last
+    # layer's, the MTP layer's): set by TritonStep
+    next_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -97,6 +101,9 @@ class AttnWeights:
     k_norm: torch.Tensor
     o_proj: Weight
     mlp: MLPWeights | MoEWeights
+    # [H] the next layer's input_layernorm, fused into this layer's last GEMM (None: the last
+    # layer's, the MTP layer's): set by TritonStep
+    next_norm: torch.Tensor | None = None
 
 
 def _weight(linear) -> Weight:
@@ -185,7 +192,8 @@ class TritonStep:
         self.layers = [
             _attn_weights(layer) if layer.kind == FULL else _gdn_weights(layer) for layer in model.model.layers
         ]
-        self.next_norms = [w.norm for w in self.layers[1:]] + [None]  # each layer's next input norm (the last: none)
+        for w, after in itertools.pairwise(self.layers):
+            w.next_norm = after.norm
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
         self.lm_head = model.lm_head_weight
@@ -323,9 +331,10 @@ class TritonStep:
         act = self._project(ni, w.gate, up_weight=w.up)
         return self._add(x, act, w.down, next_norm)
 
-    def _attn(self, x, ni, w: AttnWeights, kv: KV, row_slot, row_pos, rope_offset: int, next_norm, max_pos=None):
-        """(the layer's output, the next norm's NormInput or None); ni: the input norm's; max_pos: a
-        host bound on the rows' positions (an eager prefill step's), else None."""
+    def _attn(self, x, ni, w: AttnWeights, kv: KV, batch: StepBatch, row_pos, rope_offset: int):
+        """(the layer's output, the next norm's NormInput or None); ni: the input norm's. Row i's K/V
+        at position row_pos[i] (int32 [M]) of slot batch.row_slot[i], its rope at row_pos[i] + rope_offset."""
+        row_slot, max_pos = batch.row_slot, batch.max_pos  # max_pos: an eager prefill step's bound, else None
         qkv = self._project(ni, w.qkv)
         cos, sin = self.rope_tables(kv.key.shape[1] + 1)
         heads = self.cfg.num_attention_heads
@@ -353,9 +362,9 @@ class TritonStep:
                 b = a + ATTENTION_ROWS
                 args = (q[a:b], qkv[a:b], kv.key, kv.value, row_slot[a:b], row_pos[a:b])
                 self.attn.attend_step(*args, out=o[a:b], max_pos=max_pos, **scales)
-        return self._mlp(*self._add(x, o, w.o_proj, self._mlp_norm(w.mlp)), w.mlp, next_norm)
+        return self._mlp(*self._add(x, o, w.o_proj, self._mlp_norm(w.mlp)), w.mlp, w.next_norm)
 
-    def _gdn(self, x, ni, w: GDNWeights, batch: StepBatch, j: int, store_all: bool, live, next_norm):
+    def _gdn(self, x, ni, w: GDNWeights, batch: StepBatch, j: int, store_all: bool, live):
         """(the layer's output, the next norm's NormInput or None); ni: the input norm's."""
         if len(w.in_proj) == 1:
             proj = self._project(ni, w.in_proj[0])  # [M, conv | z | b | a]
@@ -366,7 +375,7 @@ class TritonStep:
                 self._project(ni, part, out=proj[:, col : col + part.shape[0]])
                 col += part.shape[0]
         o = self._gdn_mix(proj, w, batch.cache, j, batch.seqs, store_all, live)
-        return self._mlp(*self._add(x, o, w.out_proj, self._mlp_norm(w.mlp)), w.mlp, next_norm)
+        return self._mlp(*self._add(x, o, w.out_proj, self._mlp_norm(w.mlp)), w.mlp, w.next_norm)
 
     def _gdn_mix(self, proj, w: GDNWeights, cache: HybridCache, j: int, seqs, store_all: bool, live=None):
         """The GDN step kernel of GDN layer j over proj's rows (nextn.ops.triton_gdn.gdn_step)."""
@@ -425,14 +434,14 @@ class TritonStep:
         pos = batch.row_positions(batch.field(SEQ_LEN))
         x = embed(ids, self.embed, self.cfg)
         ni = None  # the next layer's input norm's NormInput, where the layer before wrote it
-        for layer, w, next_norm in zip(self.model.model.layers, self.layers, self.next_norms, strict=True):
+        for layer, w in zip(self.model.model.layers, self.layers, strict=True):
             i = layer.layer_idx
             if ni is None:
                 ni = self._norm_input(x, w.norm)
             if layer.kind == FULL:
-                x, ni = self._attn(x, ni, w, batch.cache.kv(i), batch.row_slot, pos, 0, next_norm, batch.max_pos)
+                x, ni = self._attn(x, ni, w, batch.cache.kv(i), batch, pos, 0)
             else:
-                x, ni = self._gdn(x, ni, w, batch, batch.cache.gdn_index[i], store_all, live, next_norm)
+                x, ni = self._gdn(x, ni, w, batch, batch.cache.gdn_index[i], store_all, live)
         normed = norm(x, self.final_norm, self.eps, out=hidden if self.after_norm else None)
         self._logits(normed if logit_rows is None else normed.index_select(0, logit_rows), None, logits)
         if not self.after_norm:
@@ -445,16 +454,17 @@ class TritonStep:
         hidden: torch.Tensor,
         first: torch.Tensor,
         rows: torch.Tensor | None,
-        logits: torch.Tensor,
-        chained: torch.Tensor,
+        out: tuple[torch.Tensor, torch.Tensor],
         lm_head: torch.Tensor | None = None,
     ) -> None:
         """MTP rows of a batch: ids [M] paired with hidden [M, H]; sequence b's first row in draft
         K/V slot first[b] (int32 [B]; rope position first[b] + 1). rows [B] (packed row indices, a
-        device tensor; None: every row) give logits [B or M, V] and the hiddens to chain.
+        device tensor; None: every row) give the logits [B or M, V] and the hiddens to chain
+        [B or M, H], written into out = (logits, chained).
         lm_head [Vd, H] contiguous: score these rows only (a draft vocabulary's copy of the selected
         rows, made at load by nextn.spec.draft_vocab.DraftHead; logits [B or M, Vd]); default all."""
         norm_embed, norm_hidden, fc, layer, final = self.head_weights
+        logits, chained = out
         H, M = self.cfg.hidden_size, ids.shape[0]
         cat = torch.empty(M, 2 * H, device=ids.device, dtype=self.embed.dtype)
         norm = functools.partial(self.norm.rms_norm, eps=self.eps, run_if=self.run_if)
@@ -463,9 +473,9 @@ class TritonStep:
         pos = batch.row_positions(first)
         x = self._lin(cat, fc)
         ni, kv = self._norm_input(x, layer.norm), batch.cache.draft_kv()
-        x, _ = self._attn(x, ni, layer, kv, batch.row_slot, pos, 1, None, batch.max_pos)
-        out = x if rows is None else x.index_select(0, rows)
-        normed = norm(out, final, out=chained if self.after_norm else None)
+        x, _ = self._attn(x, ni, layer, kv, batch, pos, 1)
+        h = x if rows is None else x.index_select(0, rows)
+        normed = norm(h, final, out=chained if self.after_norm else None)
         self._logits(normed, lm_head, logits)
         if not self.after_norm:
-            chained.copy_(out)
+            chained.copy_(h)

@@ -35,6 +35,7 @@ from nextn.sample.pipeline import (
     probs_from_logits,
     sample,
 )
+from nextn.sample.triton_common import Law
 from nextn.sample.verifier import VerifyResult, gate_draft_probs, verify_greedy, verify_sampled
 from nextn.spec.draft_vocab import DraftHead
 
@@ -130,16 +131,13 @@ class SlotSampler:
         """The request's law over logits rows [N, V] (penalized and masked), and the draws into ids
         with uniforms u, through the one-launch kernel (nextn.sample.triton_sample)."""
         values, kind = self.values, self.kind
-        probs, _ = self.kernels.temperature_sample(
-            logits,
+        law = Law(
             values.temperature,
-            u,
-            out=out,
-            ids=ids,
             top_k=values.top_k if kind.top_k else None,
             top_p=values.top_p if kind.top_p else None,
             min_p=values.min_p if kind.min_p else None,
         )
+        probs, _ = self.kernels.temperature_sample(logits, law, u, out=out, ids=ids)
         return probs
 
     def _banned(

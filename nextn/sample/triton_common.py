@@ -4,7 +4,7 @@ rows of any width). `inverse_cdf` (the capped searchsorted of every draw), `top_
 `filters` (top-k, top-p, min-p by bisection over the probabilities' bit patterns), and the pieces
 of a round's rejection sampling: `num_accepted` (the accept tests), `residual` (the law of the
 recovered token) and `emit` (the round's outcome). On the host, the checks and buffers of their
-entry points (`sample_outputs` for `temperature_sample`, `round_args` for `verify_sampled`). Their
+entry points (`Law` and `sample_outputs` for `temperature_sample`, `round_args` for `verify_sampled`). Their
 references: nextn.sample.pipeline (`probs_from_logits`, `sample`) and nextn.sample.verifier
 (`verify_sampled`); the kernel modules' docstrings say how the arithmetic compares.
 """
@@ -23,6 +23,16 @@ def contiguous_rows(name: str, *tensors: torch.Tensor | None) -> None:
     """Raise unless every given tensor's rows are contiguous (the kernels step columns by one)."""
     if any(t is not None and t.stride(1) != 1 for t in tensors):
         raise ValueError(f"{name}: rows must be contiguous")
+
+
+class Law(NamedTuple):
+    """temperature_sample's law: softmax(logits / temperature), then top-k, top-p and min-p; each
+    value a device scalar (the request's, read at replay), a filter None where it is off."""
+
+    temperature: torch.Tensor  # [] float32 > 0
+    top_k: torch.Tensor | None = None  # [] long >= 1
+    top_p: torch.Tensor | None = None  # [] float32 in (0, 1]
+    min_p: torch.Tensor | None = None  # [] float32
 
 
 def sample_outputs(

@@ -35,11 +35,13 @@ round's outcome row. Integer work only: bitwise the reference (`_accept_greedy` 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
 from nextn.sample.pipeline import Stream
-from nextn.sample.triton_common import round_args, sample_outputs
+from nextn.sample.triton_common import Law, round_args, sample_outputs
 
 MAX_V = 32768  # the widest row one program holds (the sampler keeps the torch ops above it)
 
@@ -192,18 +194,16 @@ def _launch(V: int) -> dict:
 
 def temperature_sample(
     logits: torch.Tensor,  # [N, V] float32 or bf16, rows contiguous
-    temperature: torch.Tensor,  # [] float32 > 0 (device)
+    law: Law,  # the temperature and filters (device scalars)
     u: torch.Tensor | None = None,  # [N] float64: each row's uniform (None: the law only)
     out: torch.Tensor | None = None,  # [N, V] float32: the law (default: a new tensor)
     ids: torch.Tensor | None = None,  # [N] long: the draws (default: a new tensor when u is given)
-    top_k: torch.Tensor | None = None,  # [] long >= 1 (device; None: off)
-    top_p: torch.Tensor | None = None,  # [] float32 in (0, 1] (device; None: off)
-    min_p: torch.Tensor | None = None,  # [] float32 (device; None: off)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(the filtered law softmax(logits / T), then top-k, top-p, min-p, renormalised [N, V]
     float32, the inverse-CDF draws [N] long or None)."""
     N, V = logits.shape
     out, ids = sample_outputs(logits, u, out, ids)
+    temperature, top_k, top_p, min_p = law
     _temperature_kernel[(N,)](
         logits,
         logits.stride(0),
@@ -241,13 +241,20 @@ def verify_sampled(
     return n, out_ids
 
 
+class GreedyGroup(NamedTuple):
+    """The G members of a batched greedy round, one entry each (device tensors, in the order
+    _accept_greedy_kernel takes them)."""
+
+    starts: torch.Tensor  # [G] long: each member's first packed verify row
+    slots: torch.Tensor  # [G] long
+    ks: torch.Tensor  # [G] long: drafts this round
+    counts: torch.Tensor  # [G]: the drafts that count
+    index: torch.Tensor  # [G] long: each member's row of befores
+
+
 def accept_greedy(
     target: torch.Tensor,  # [rows] long: the argmax of each packed verify row
-    starts: torch.Tensor,  # [G] long: each member's first row
-    slots: torch.Tensor,  # [G] long
-    ks: torch.Tensor,  # [G] long: drafts this round
-    counts: torch.Tensor,  # [G]: the drafts that count
-    index: torch.Tensor,  # [G] long: each member's row of befores
+    group: GreedyGroup,
     befores: torch.Tensor,  # [B, NUM_CTL] int32
     tensors: dict,  # the slots' round buffers: verify_ids, head_ids, ctl, out
     table: tuple[torch.Tensor, ...],  # nextn.cache.hybrid.commit_table's (a_idx, a, b_idx, b, k, c)
@@ -258,13 +265,9 @@ def accept_greedy(
     R, num_ctl = ids.shape[1], ctl.shape[1]
     if not all(t.is_contiguous() for t in (target, befores, ids, tensors["head_ids"], ctl, tensors["out"], *table)):
         raise ValueError("accept_greedy: the buffers must be contiguous")
-    _accept_greedy_kernel[(slots.numel(),)](
+    _accept_greedy_kernel[(group.slots.numel(),)](
         target,
-        starts,
-        slots,
-        ks,
-        counts,
-        index,
+        *group,
         befores,
         ids,
         tensors["head_ids"],

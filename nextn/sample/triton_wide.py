@@ -39,11 +39,13 @@ kernels: spec stays exact in distribution against plain decoding.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
 from nextn.sample.pipeline import Stream
-from nextn.sample.triton_common import round_args, sample_outputs
+from nextn.sample.triton_common import Law, round_args, sample_outputs
 
 CHUNK = 8192  # columns a program holds
 KCAP = 64  # candidates a chunk offers the filters under top-k: top-k up to KCAP always decides on them
@@ -363,15 +365,22 @@ def _warps(chunk: int) -> int:
     return 4 if chunk <= 2048 else 8
 
 
+class Chunks(NamedTuple):
+    """How temperature_sample splits a row (tests shrink both, to cross chunks at small widths)."""
+
+    size: int  # columns a program holds
+    kcap: int  # candidates a chunk offers the filters
+
+
 def temperature_sample(
-    logits, temperature, u=None, out=None, ids=None, top_k=None, top_p=None, min_p=None,
+    logits, law: Law, u=None, out=None, ids=None,
     bounds: torch.Tensor | None = None,  # [N, 3] int32 out (filtered laws): bound bits, last index, covered
-    chunk: int | None = None,  # columns a program holds (default CHUNK)
-    kcap: int | None = None,  # candidates a chunk offers (default KCAP with top-k, else KCAP_NUCLEUS)
+    chunks: Chunks | None = None,  # default CHUNK, and KCAP with top-k, else KCAP_NUCLEUS
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """nextn.sample.triton_sample.temperature_sample (the arguments as there) for rows of any width, in
     chunks."""
-    chunk, kcap = chunk or CHUNK, kcap or (KCAP if top_k is not None else KCAP_NUCLEUS)
+    temperature, top_k, top_p, min_p = law
+    chunk, kcap = chunks or (CHUNK, KCAP if top_k is not None else KCAP_NUCLEUS)
     N, V = logits.shape
     out, ids = sample_outputs(logits, u, out, ids)
     dev = logits.device

@@ -76,7 +76,7 @@ class MTPProposer:
         hidden = tensors["hidden"].flatten(0, 1).index_select(0, flat)
         rows = batch.seqs[1] + batch.field(ACCEPTED)
         logits, chained = self.logits[:B], runner.head_hidden[:B]
-        runner.step.head(batch, ids, hidden, batch.field(DRAFT_LEN), rows.long(), logits, chained, self.lm_head)
+        runner.step.head(batch, ids, hidden, batch.field(DRAFT_LEN), rows.long(), (logits, chained), self.lm_head)
         uniforms = [
             None if m.sampler.kind.greedy else m.sampler.uniforms_at(Stream.DRAFT, m.cache.ctl[NUM_GEN], m.k)
             for m in members
@@ -143,11 +143,11 @@ class MTPProposer:
         ids = verify_ids.view(-1).index_select(0, batch.slot_index * verify_ids.shape[1] + 1 + j)
         first = batch.field(SEQ_LEN) + j
         if full is not None:  # every sequence chains: in place
-            runner.step.head(batch, ids, chained, first, None, logits, chained, self.lm_head)
+            runner.step.head(batch, ids, chained, first, None, (logits, chained), self.lm_head)
             return
         at = runner.index(index)
         out_logits, out_hidden = self.logits[-len(members) :], runner.head_hidden[-len(members) :]
-        runner.step.head(batch, ids, chained.index_select(0, at), first, None, out_logits, out_hidden, self.lm_head)
+        runner.step.head(batch, ids, chained.index_select(0, at), first, None, (out_logits, out_hidden), self.lm_head)
         logits.index_copy_(0, at, out_logits)
         chained.index_copy_(0, at, out_hidden)
 

@@ -107,19 +107,18 @@ def replay_rounds(model: CausalLM, trunk: TrunkPass, k: int, positions: range, d
     # every row p >= 1, in chunks: the persistent draft K/V and draft 0 of each position
     for s in range(1, len(ids), CHUNK):
         e = min(s + CHUNK, len(ids))
-        logits, chained = model.head_rows(
-            kv, tok[s:e], hidden[s - 1 : e - 1], s, after_norm, last_only=False, lm_head=lm_head
-        )
-        draft0.append(pick(logits))
-        chained0.append(chained)
+        out = model.head_rows(kv, tok[s:e], hidden[s - 1 : e - 1], s, last_only=False, lm_head=lm_head)
+        draft0.append(pick(out.logits))
+        chained0.append(out.chained(after_norm))
     draft0, chained0 = torch.cat(draft0), torch.cat(chained0)  # row p at index p-1
     for p in positions:
         drafts = [draft0[p - 1]]
         chained = chained0[p - 1 : p]
         saved = (kv[0][p : p + k].clone(), kv[1][p : p + k].clone())
         for j in range(1, k):
-            logits, chained = model.head_rows(kv, drafts[-1].reshape(1), chained, p + j, after_norm, lm_head=lm_head)
-            drafts.append(pick(logits)[0])
+            out = model.head_rows(kv, drafts[-1].reshape(1), chained, p + j, lm_head=lm_head)
+            chained = out.chained(after_norm)
+            drafts.append(pick(out.logits)[0])
         kv[0][p : p + k], kv[1][p : p + k] = saved  # chain rows -> true rows again
         yield p, torch.stack(drafts), picks[p : p + k]
 

@@ -43,9 +43,9 @@ def head_logits(model: CausalLM, x: torch.Tensor, hidden: torch.Tensor) -> torch
     """x [B, L+1] tokens, hidden [B, L, H] post-norm trunk hidden -> head logits [B, L-1, V]."""
     L = hidden.shape[1]
     positions = torch.arange(1, L, device=x.device)
-    cos, sin = model.rotary.cos_sin(positions, hidden.dtype)
+    rope = model.rotary.cos_sin(positions, hidden.dtype)
     embeds = model.model.embed_tokens(x[:, 1:L])  # x_p for p = 1..L-1
-    out = model.mtp(embeds, hidden[:, : L - 1], cos, sin, kv=None, slot=0)  # paired with h_{p-1}
+    out = model.mtp(embeds, hidden[:, : L - 1], rope, kv=None, slot=0)  # paired with h_{p-1}
     return model.logits(model.mtp.norm(out))
 
 
