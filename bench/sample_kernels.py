@@ -15,8 +15,7 @@ import torch
 
 from nextn.ops import linear_tune
 from nextn.sample import triton_sample, verifier
-from nextn.sample.pipeline import RequestRng, SamplingParams, Stream, probs_from_logits, sample
-from nextn.sample.triton_common import Law
+from nextn.sample.pipeline import Law, RequestRng, SamplingParams, Stream, probs_from_logits, sample
 
 
 def graph_us(fn, calls: int = 100) -> float:

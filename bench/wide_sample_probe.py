@@ -21,8 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's ne
 import torch  # noqa: E402
 
 from nextn.ops.linear_tune import graph_us  # noqa: E402
-from nextn.sample.pipeline import SamplingParams, probs_from_logits, sample  # noqa: E402
-from nextn.sample.triton_common import Law  # noqa: E402
+from nextn.sample.pipeline import (  # noqa: E402
+    Law,  # noqa: E402
+    SamplingParams,
+    probs_from_logits,
+    sample,
+)
 from nextn.sample.triton_wide import temperature_sample  # noqa: E402
 
 V = 248_320

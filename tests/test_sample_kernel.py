@@ -20,9 +20,15 @@ import nextn  # noqa: E402
 from nextn.cache.hybrid import NUM_CTL, commit_table  # noqa: E402
 from nextn.engine import rounds  # noqa: E402
 from nextn.sample import triton_common, triton_sample, triton_wide, verifier  # noqa: E402
-from nextn.sample.pipeline import RequestRng, SamplingParams, Stream, probs_from_logits, sample  # noqa: E402
+from nextn.sample.pipeline import (  # noqa: E402
+    Law,  # noqa: E402
+    RequestRng,
+    SamplingParams,
+    Stream,
+    probs_from_logits,
+    sample,
+)
 from nextn.sample.sampler import SlotSampler  # noqa: E402
-from nextn.sample.triton_common import Law  # noqa: E402
 from nextn.sample.triton_sample import MAX_V, GreedyGroup, accept_greedy, temperature_sample, verify_sampled  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,8 +16,12 @@ import triton_interp  # noqa: F401  (before triton)
 
 pytest.importorskip("triton")
 
-from nextn.sample.pipeline import SamplingParams, probs_from_logits, sample  # noqa: E402
-from nextn.sample.triton_common import Law  # noqa: E402
+from nextn.sample.pipeline import (  # noqa: E402
+    Law,  # noqa: E402
+    SamplingParams,
+    probs_from_logits,
+    sample,
+)
 from nextn.sample.triton_wide import Chunks, temperature_sample  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

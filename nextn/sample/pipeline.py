@@ -49,6 +49,17 @@ from torch import Tensor
 
 from nextn.core import SamplingParams
 
+
+class Law(NamedTuple):
+    """temperature_sample's law: softmax(logits / temperature), then top-k, top-p and min-p; each
+    value a device scalar (the request's, read at replay), a filter None where it is off."""
+
+    temperature: torch.Tensor  # [] float32 > 0
+    top_k: torch.Tensor | None = None  # [] long >= 1
+    top_p: torch.Tensor | None = None  # [] float32 in (0, 1]
+    min_p: torch.Tensor | None = None  # [] float32
+
+
 # ---------------------------------------------------------------------------------------------
 # Token history and penalties
 

@@ -26,6 +26,7 @@ from nextn.config import STEP_ROWS
 from nextn.core import SamplingParams
 from nextn.grammar import GrammarState
 from nextn.sample.pipeline import (
+    Law,
     RequestRng,
     SamplerKind,
     Stream,
@@ -35,7 +36,6 @@ from nextn.sample.pipeline import (
     probs_from_logits,
     sample,
 )
-from nextn.sample.triton_common import Law
 from nextn.sample.verifier import VerifyResult, gate_draft_probs, verify_greedy, verify_sampled
 from nextn.spec.draft_vocab import DraftHead
 

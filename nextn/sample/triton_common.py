@@ -25,16 +25,6 @@ def contiguous_rows(name: str, *tensors: torch.Tensor | None) -> None:
         raise ValueError(f"{name}: rows must be contiguous")
 
 
-class Law(NamedTuple):
-    """temperature_sample's law: softmax(logits / temperature), then top-k, top-p and min-p; each
-    value a device scalar (the request's, read at replay), a filter None where it is off."""
-
-    temperature: torch.Tensor  # [] float32 > 0
-    top_k: torch.Tensor | None = None  # [] long >= 1
-    top_p: torch.Tensor | None = None  # [] float32 in (0, 1]
-    min_p: torch.Tensor | None = None  # [] float32
-
-
 def sample_outputs(
     logits: torch.Tensor, u: torch.Tensor | None, out: torch.Tensor | None, ids: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

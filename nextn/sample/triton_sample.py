@@ -40,8 +40,8 @@ from typing import NamedTuple
 import torch
 
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
-from nextn.sample.pipeline import Stream
-from nextn.sample.triton_common import Law, round_args, sample_outputs
+from nextn.sample.pipeline import Law, Stream
+from nextn.sample.triton_common import round_args, sample_outputs
 
 MAX_V = 32768  # the widest row one program holds (the sampler keeps the torch ops above it)
 

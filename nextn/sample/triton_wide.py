@@ -44,8 +44,8 @@ from typing import NamedTuple
 import torch
 
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2
-from nextn.sample.pipeline import Stream
-from nextn.sample.triton_common import Law, round_args, sample_outputs
+from nextn.sample.pipeline import Law, Stream
+from nextn.sample.triton_common import round_args, sample_outputs
 
 CHUNK = 8192  # columns a program holds
 KCAP = 64  # candidates a chunk offers the filters under top-k: top-k up to KCAP always decides on them
