@@ -19,8 +19,8 @@ def _local(args, default_model: bool = True) -> None:
     """Resolve the model to a directory, and device / dtype "auto", for the commands that load the
     model themselves (replay, bench, train). generate and serve leave that to LLM."""
     from nextn.config import resolve_device, resolve_dtype
+    from nextn.config.model import ModelConfig
     from nextn.hub import resolve_model
-    from nextn.model_config import ModelConfig
 
     args.device = resolve_device(args.device)
     if args.model is not None or default_model:
@@ -31,7 +31,7 @@ def _local(args, default_model: bool = True) -> None:
 
 
 def _replay(args) -> int:
-    from nextn.model_config import ModelConfig
+    from nextn.config.model import ModelConfig
     from nextn.spec.draft_vocab import load_draft_vocab
     from nextn.spec.replay import check_args, replay_from_args
     from nextn.tokenizer import Tokenizer
@@ -72,8 +72,8 @@ def _bench_serve(args) -> int:
 
 
 def _draft_vocab(args) -> int:
+    from nextn.config.model import ModelConfig
     from nextn.hub import resolve_model
-    from nextn.model_config import ModelConfig
     from nextn.spec.draft_vocab import build_draft_vocab
     from nextn.tokenizer import Tokenizer
 

@@ -6,7 +6,7 @@ chat template and safetensors files: nothing else a checkpoint repository holds)
 errors for what a user can fix (offline without a cached copy, no such repository, a gated one).
 huggingface_hub keeps its own settings: its cache (HF_HOME, HF_HUB_CACHE), offline mode
 (HF_HUB_OFFLINE) and token (HF_TOKEN) apply as they do for transformers and vLLM.
-Does not read the files: nextn.model_config, nextn.models.checkpoint and loader, and nextn.tokenizer do.
+Does not read the files: nextn.config.model, nextn.models.checkpoint and loader, and nextn.tokenizer do.
 """
 
 from __future__ import annotations

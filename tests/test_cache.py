@@ -19,8 +19,8 @@ from nextn.cache.hybrid import (
     nbytes_of,
     tensor_specs,
 )
+from nextn.config.model import ModelConfig
 from nextn.engine.rounds import round_buffers
-from nextn.model_config import ModelConfig
 from nextn.models.loader import load_model
 from nextn.sample.sampler import sampler_buffers
 

@@ -25,9 +25,9 @@ import nextn
 from nextn.bench import offline as bench
 from nextn.cli import main
 from nextn.config import EngineConfig
+from nextn.config.model import ConfigError, QuantConfig
 from nextn.layers.ffn import FP8Experts
 from nextn.layers.linear import FP8Linear, Linear
-from nextn.model_config import ConfigError, QuantConfig
 from nextn.models.loader import CheckpointError, fuse_weights, load_model, quantize_model
 from nextn.ops.fp8 import FP8Weight, block_scale, channel_scale, compact_scales, dequantize, quantize_blocks
 from nextn.ops.norm import rms_norm as rms_norm_reference

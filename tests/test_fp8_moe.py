@@ -168,7 +168,7 @@ def test_fp8_moe_decode_block_at_512_experts_top_10():
 
 
 def _reference_block(E, k, H, I, Is, gates, gu, dn, s) -> SparseMoeBlock:
-    from nextn.model_config import ModelConfig
+    from nextn.config.model import ModelConfig
 
     cfg = ModelConfig.from_dict(_small("qwen3-next-80b-a3b", hidden_size=H, moe_intermediate_size=I))
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.shared_expert_intermediate_size) == (E, k, Is)

@@ -851,8 +851,8 @@ def test_step_attention_9b_shapes_gpu():
 
 
 def _moe_block(E, k, H, I, Is, dtype, seed):
+    from nextn.config.model import ModelConfig
     from nextn.layers.ffn import SparseMoeBlock
-    from nextn.model_config import ModelConfig
 
     cfg = ModelConfig(
         family="qwen3_5_moe",

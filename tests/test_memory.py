@@ -16,8 +16,8 @@ from nextn.cache.hybrid import HybridCache, nbytes_of, tensor_specs
 from nextn.cache.pool import CacheMemoryError, GiB, check_fits
 from nextn.cli import main
 from nextn.config import ATTENTION_ROWS, MAX_NUM_SEQS, PREFILL_CHUNK, STEP_ROWS, EngineConfig, SpecConfig
+from nextn.config.model import ModelConfig
 from nextn.engine import memory
-from nextn.model_config import ModelConfig
 from nextn.models.random_weights import PRESETS
 
 BF16 = torch.bfloat16

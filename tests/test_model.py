@@ -14,7 +14,7 @@ import nextn
 from nextn.cache import CacheLayout, HybridCache, StepBatch
 from nextn.cache.hybrid import PENDING
 from nextn.config import FULL
-from nextn.model_config import ConfigError, ModelConfig
+from nextn.config.model import ConfigError, ModelConfig
 from nextn.models.loader import CheckpointError, load_model
 
 CKPTS = ["dense_ckpt", "moe_ckpt", "moe_perexpert_ckpt", "next_ckpt", "vlm_ckpt", "moe_vlm_ckpt"]

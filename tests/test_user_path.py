@@ -27,10 +27,10 @@ import torch
 import nextn
 from nextn.cli import main, parse_args
 from nextn.config import DEFAULT_MODEL_DIR, resolve_device, resolve_dtype
+from nextn.config.model import ConfigError
 from nextn.core import SamplingParams
 from nextn.engine.llm import RequestError
 from nextn.hub import ModelNotFoundError, is_hub_id, resolve_model
-from nextn.model_config import ConfigError
 from nextn.models import loader
 from nextn.models.loader import CheckpointError, load_model
 from nextn.tokenizer import TokenizerError

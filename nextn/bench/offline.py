@@ -72,7 +72,7 @@ from nextn.bench.roofline import routed_roofline
 from nextn.bench.sweeps import batched_runs, gate_entry, profiled_runs, sampled_runs, spec_sweep
 from nextn.cache.pool import GiB
 from nextn.config import STEP_ROWS, EngineConfig, check_kernels, resolve_device, resolve_dtype
-from nextn.model_config import ModelConfig
+from nextn.config.model import ModelConfig
 from nextn.models.loader import load_model
 from nextn.models.qwen3_5 import CausalLM
 from nextn.models.random_weights import PRESETS, CacheQuery, random_model, weight_bytes, weight_bytes_per_token

@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 
 from nextn.config import FULL, STEP_ROWS
-from nextn.model_config import ModelConfig
+from nextn.config.model import ModelConfig
 from nextn.ops.fp8 import E4M3
 
 KV_BLOCK = 64  # K/V storage is allocated in whole blocks (the step attention reads whole blocks)

@@ -15,7 +15,7 @@ import torch
 
 from nextn.cache.hybrid import KV_BLOCK, CacheLayout, HybridCache, nbytes_of, tensor_specs
 from nextn.config import MAX_NUM_SEQS, STEP_ROWS
-from nextn.model_config import ModelConfig
+from nextn.config.model import ModelConfig
 
 GiB = 2**30
 

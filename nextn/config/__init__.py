@@ -1,6 +1,9 @@
-"""Frozen run configuration: the engine's settings (EngineConfig, SpecConfig), `nextn serve`'s
-(ServeConfig), their constants, and device / dtype "auto" resolved. Validation happens here, once.
-The checkpoint's own hyperparameters are nextn.model_config's.
+"""Configuration, one package. Here: the engine's frozen settings as it runs them (EngineConfig,
+SpecConfig), their constants and checks, and device / dtype "auto" resolved. Beside it:
+engine_args (EngineArgs: the settings as a user gives them, LLM's keyword arguments and the flags,
+checked once and turned into an EngineConfig), serve (ServeConfig, ServerOptions: `nextn serve`'s
+own), model (ModelConfig: the checkpoint's hyperparameters), flags (the parsers generated from the
+dataclasses) and reference (docs/flags.md).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from nextn.core import checked_number
 if TYPE_CHECKING:
     from nextn.spec.draft_vocab import DraftVocab
 
-# layer_types values of a hybrid model (nextn.model_config.ModelConfig)
+# layer_types values of a hybrid model (nextn.config.model.ModelConfig)
 LINEAR = "linear_attention"
 FULL = "full_attention"
 

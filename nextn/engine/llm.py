@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from nextn.config import DEFAULT_MAX_MODEL_LEN, resolve_device, resolve_dtype
 from nextn.config.engine_args import DEFAULT_K_WITH_HEAD, EngineArgs
+from nextn.config.model import ModelConfig, read_generation_config
 from nextn.core import (
     RequestError,
     RequestOutput,
@@ -37,7 +38,6 @@ from nextn.core import (
 from nextn.engine.engine import Engine, StreamEvent
 from nextn.engine.replica import Leader, follow
 from nextn.hub import resolve_model
-from nextn.model_config import ModelConfig, read_generation_config
 from nextn.models.loader import load_model
 from nextn.models.random_weights import preset_config, random_model
 from nextn.parallel.launch import RankError, Ranks, check_ranks, initialized, rank, rank_device, start

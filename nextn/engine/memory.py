@@ -38,8 +38,8 @@ from nextn.config import (
     STEP_ROWS,
     EngineConfig,
 )
+from nextn.config.model import ModelConfig
 from nextn.engine.rounds import round_buffers
-from nextn.model_config import ModelConfig
 from nextn.sample.sampler import sampler_buffers
 
 # graphs' memory beyond the rows of the round they capture (their private pool's slack, the sampler's

@@ -42,12 +42,12 @@ import torch
 
 from nextn.cache import SlotCache, StepBatch, commit_ctl
 from nextn.cache.hybrid import DRAFT_LEN, NUM_CTL, NUM_GEN, SEQ_LEN, commit_table
+from nextn.config.model import ModelConfig
 from nextn.core import SpecStats
 from nextn.engine.runner import PhaseClock
 from nextn.engine.scheduler import RoundSettings
 from nextn.engine.sequence import Sequence
 from nextn.grammar import GrammarState
-from nextn.model_config import ModelConfig
 from nextn.sample.pipeline import SamplerKind
 from nextn.sample.sampler import SlotSampler
 from nextn.spec.adaptive import AdaptiveK

@@ -15,10 +15,10 @@ from torch import nn
 
 from nextn.cache import KV, StepBatch
 from nextn.config import STEP_ROWS
+from nextn.config.model import ModelConfig
 from nextn.layers.linear import Linear
 from nextn.layers.norm import RMSNorm
 from nextn.layers.rotary import apply_rotary
-from nextn.model_config import ModelConfig
 from nextn.ops.attention import attend, prefill_attention
 from nextn.ops.fp8 import dequantize_rows, quantize_rows
 from nextn.ops.linear import pad_dim1

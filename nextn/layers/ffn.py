@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nextn.config.model import ModelConfig
 from nextn.layers.linear import Linear
-from nextn.model_config import ModelConfig
 from nextn.ops import OPS, Ops
 from nextn.ops.fp8 import E4M3, FP8Weight, scale_shape
 from nextn.ops.linear import row_invariant_linear

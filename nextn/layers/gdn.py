@@ -15,9 +15,9 @@ from torch import nn
 
 from nextn.cache import SlotCache, StepBatch
 from nextn.config import STEP_ROWS
+from nextn.config.model import ModelConfig
 from nextn.layers.linear import Linear
 from nextn.layers.norm import RMSNormGated
-from nextn.model_config import ModelConfig
 from nextn.ops import Ops
 from nextn.ops import conv as conv_ops
 from nextn.ops import gdn as gdn_ops

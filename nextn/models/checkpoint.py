@@ -7,7 +7,7 @@ offsets, is a one-line error naming the file). Maps checkpoint keys onto the mod
 identity map after the trunk prefix; the vision tower is skipped) and packs per-expert MoE weights
 `experts.{e}.{gate,up,down}_proj` into fused 3-D `experts.gate_up_proj`, `experts.down_proj` (what
 transformers 5 stores): each per-expert tensor's slot is its expert's rows of the packed tensor.
-FP8 checkpoints (a `quantization_config`, nextn.model_config.QuantConfig): each scale tensor
+FP8 checkpoints (a `quantization_config`, nextn.config.model.QuantConfig): each scale tensor
 (`*.weight_scale_inv` per block, `*.weight_scale` per channel) is checked against its e4m3 weight
 and planned in nextn's layout (nextn.ops.fp8). Under tensor parallelism each shape is the rank's
 part (nextn.parallel.shard).
@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from nextn.model_config import ModelConfig, QuantConfig
+from nextn.config.model import ModelConfig, QuantConfig
 from nextn.ops.fp8 import scale_shape
 from nextn.parallel.shard import Split, split_of
 

@@ -12,11 +12,11 @@ from torch import nn
 
 from nextn.cache import SlotCache, StepBatch
 from nextn.config import FULL
+from nextn.config.model import ModelConfig
 from nextn.layers.attention import KV, Attention
 from nextn.layers.ffn import MLP, SparseMoeBlock
 from nextn.layers.gdn import GatedDeltaNet, GatedDeltaNetNext
 from nextn.layers.norm import RMSNorm
-from nextn.model_config import ModelConfig
 from nextn.ops import Ops
 from nextn.parallel.comm import all_reduce
 

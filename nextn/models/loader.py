@@ -19,7 +19,7 @@ read whole (regrouped first, for Qwen3-Next), cut, and the whole copy dropped be
 so a rank holds its shard plus one checkpoint tensor at a time; per-expert tensors are cut before
 they are packed.
 
-FP8 weights (nextn.ops.fp8): a checkpoint with a `quantization_config` (nextn.model_config.QuantConfig)
+FP8 weights (nextn.ops.fp8): a checkpoint with a `quantization_config` (nextn.config.model.QuantConfig)
 stores some weights as e4m3 beside a scale tensor (`*.weight_scale_inv` per block, or
 `*.weight_scale` per channel); those modules become FP8Linear / FP8Experts and their scales are
 converted to nextn's layout as they stream in; the modules a checkpoint keeps in bf16 stay so. With
@@ -42,9 +42,9 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from nextn.config import check_quantization, resolve_device, resolve_dtype
+from nextn.config.model import ModelConfig, QuantConfig
 from nextn.layers.ffn import Experts, FP8Experts
 from nextn.layers.linear import FP8Linear, Linear
-from nextn.model_config import ModelConfig, QuantConfig
 from nextn.models.checkpoint import (
     CheckpointError,
     CheckpointPlan,

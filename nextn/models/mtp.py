@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from nextn.config import FULL
+from nextn.config.model import ModelConfig
 from nextn.layers.attention import KV
 from nextn.layers.linear import Linear
 from nextn.layers.norm import RMSNorm
-from nextn.model_config import ModelConfig
 from nextn.ops import OPS, Ops
 
 

@@ -17,11 +17,11 @@ from torch import nn
 
 from nextn.cache import SlotCache, StepBatch
 from nextn.config import FULL, STEP_ROWS
+from nextn.config.model import ModelConfig
 from nextn.layers.attention import KV
 from nextn.layers.linear import Linear
 from nextn.layers.norm import RMSNorm
 from nextn.layers.rotary import RotaryEmbedding
-from nextn.model_config import ModelConfig
 from nextn.models.decoder import DecoderLayer
 from nextn.models.mtp import MTPHead
 from nextn.ops import OPS, Ops

@@ -15,8 +15,8 @@ import torch
 
 from nextn.cache.pool import GiB, available_bytes
 from nextn.config import DEFAULT_GPU_MEMORY_UTILIZATION, check_quantization
+from nextn.config.model import ModelConfig, QuantConfig
 from nextn.engine.memory import bytes_per_sequence, sequences_that_fit
-from nextn.model_config import ModelConfig, QuantConfig
 from nextn.models.loader import DTYPES, fp8_at_load, fuse_weights, quantize_weight, use_fp8_modules
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.fp8 import BLOCK, compact

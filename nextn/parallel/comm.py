@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nextn.model_config import ModelConfig
+from nextn.config.model import ModelConfig
 
 log = logging.getLogger("nextn")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nextn.model_config import ModelConfig
+from nextn.config.model import ModelConfig
 
 # module leaf names whose output rows are split whole (column-parallel), and whose input columns (row-parallel)
 _ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_z", "in_proj_b", "in_proj_a")

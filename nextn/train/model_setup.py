@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from nextn.config.model import ModelConfig
 from nextn.layers.norm import RMSNorm, RMSNormGated
-from nextn.model_config import ModelConfig
 from nextn.models.loader import load_model
 from nextn.models.mtp import MTPHead
 from nextn.models.qwen3_5 import CausalLM
