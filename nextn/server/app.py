@@ -70,8 +70,16 @@ ERROR_RESPONSES = {
     503: "Too many open connections, the engine full (with Retry-After), shutting down, or stopped",
 }
 # a generation route's 200: its JSON body, or with `"stream": true` server-sent events (`data: {chunk}`
-# lines, then `data: [DONE]`)
-STREAM = {"text/event-stream": {"schema": {"type": "string", "description": "Server-sent events"}}}
+# lines, then `data: [DONE]`). Before OpenAPI 3.2 (FastAPI writes 3.1) an event stream's `schema`
+# describes one event, as its fields: what a client (and schemathesis) reads from each
+SSE_EVENT = {
+    "type": "object",
+    "description": "One server-sent event: `data` a JSON chunk of the stream (the last `[DONE]` on the "
+    "completions routes); /v1/responses names each event's type in `event`",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}},
+    "required": ["data"],
+}
+STREAM = {"text/event-stream": {"schema": SSE_EVENT}}
 
 
 def error_response(
