@@ -71,7 +71,7 @@ class EngineArgs:
     random_weights: str | None = setting(
         None,
         f"instead of MODEL, a released shape with random weights drawn on the device ({PRESETS_HELP}); "
-        "needs --tokenizer",
+        "generate and serve need --tokenizer with it",
         metavar="PRESET",
     )
     tokenizer: str | Path | None = setting(
