@@ -25,13 +25,19 @@ from nextn.config import (
     EngineConfig,
     SpecConfig,
     check_gpu_memory_utilization,
-    check_kernels,
-    check_kv_cache_dtype,
-    check_quantization,
     resolve_device,
     resolve_dtype,
 )
-from nextn.config.flags import aliased, cli_fields, command_defaults, fields_given, json_object, model_len, setting
+from nextn.config.flags import (
+    aliased,
+    cli_fields,
+    command_defaults,
+    fields_given,
+    json_object,
+    model_len,
+    setting,
+    values,
+)
 
 if TYPE_CHECKING:
     from nextn.spec.draft_vocab import DraftVocab
@@ -258,26 +264,24 @@ class EngineArgs:
     @classmethod
     def from_cli(cls, args) -> EngineArgs:
         """The settings of parsed flags (nextn.config.flags.add_cli_args put them on the parser)."""
-        given = fields_given(args)
-        values = {f.name: getattr(args, f.name) for f in cli_fields(cls) if hasattr(args, f.name)}
-        return cls(**values, given={k: v for k, v in given.items() if k in values}, defaults=command_defaults(args))
+        given, settings = fields_given(args), values(args, cls)
+        return cls(**settings, given={k: v for k, v in given.items() if k in settings}, defaults=command_defaults(args))
 
     def name(self, field: str) -> str:
         """A field as the user wrote it (its flag on a command line), else its name."""
         return self.given.get(field, field)
 
     def __post_init__(self):
-        check_quantization(self.quantization)
-        check_kv_cache_dtype(self.kv_cache_dtype)
+        # checked here (EngineConfig checks it again) for its error to name the flag as given
         value = check_gpu_memory_utilization(self.gpu_memory_utilization, self.name("gpu_memory_utilization"))
         object.__setattr__(self, "gpu_memory_utilization", value)
         self._check_weights_source()
         self._check_generation_config()
         self._check_draft_settings()
-        # everything else EngineConfig checks, on the device: K and the context provisional (the
-        # checkpoint's head and limit are known once it is read), a draft vocabulary file not yet read
+        # everything else EngineConfig checks (quantization, K/V dtype, kernels, the numbers), on the
+        # device: K and the context provisional (the checkpoint's head and limit are known once it is
+        # read), a draft vocabulary file not yet read
         device = resolve_device(self.device)
-        check_kernels(self.kernels, device)
         self.engine_config(self.model, device, resolve_dtype(self.dtype, device, None), None, None, None)
 
     @property

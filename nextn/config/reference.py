@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from dataclasses import Field
-
 from nextn.config.engine_args import CLI_DEFAULTS, SERVE_DEFAULTS, EngineArgs
 from nextn.config.flags import cli_fields, field_default, flags_of, shown
 from nextn.config.serve import ServeConfig, ServerOptions
@@ -20,7 +18,7 @@ def reference() -> str:
             "command's default differs from the Python API's, both are shown. `generate` takes every one but "
             "`--seed` (there the request's), `serve` every one but `--trace`.",
             EngineArgs,
-            {name: (field_default(f), _command_default(name)) for name, f in _named(EngineArgs)},
+            {f.name: (field_default(f), _command_default(f.name)) for f in cli_fields(EngineArgs)},
         ),
         ("Server (`nextn serve`)", "nextn.config.serve.ServeConfig.", ServeConfig, {}),
         (
@@ -51,10 +49,6 @@ def _command_default(name: str) -> str | None:
     if name in CLI_DEFAULTS:
         return f"generate, serve: `{CLI_DEFAULTS[name]}`"
     return f"serve: `{SERVE_DEFAULTS[name]}`" if name in SERVE_DEFAULTS else None
-
-
-def _named(cls) -> list[tuple[str, Field]]:
-    return [(f.name, f) for f in cli_fields(cls)]
 
 
 def _cell(value) -> str:
