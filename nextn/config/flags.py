@@ -94,8 +94,9 @@ def add_cli_args(parser, cls, *, only=None, skip=(), defaults=None, group: str |
     for f in cli_fields(cls):
         if (only is not None and f.name not in only) or f.name in skip:
             continue
-        _add(target, f, defaults.get(f.name, field_default(f)))
-        specs.append((f.name, defaults.get(f.name, field_default(f))))
+        default = defaults.get(f.name, field_default(f))
+        _add(target, f, default)
+        specs.append((f.name, default))
     parser._nextn_fields = specs
     parser.set_defaults(_nextn_fields=specs)
 
@@ -112,8 +113,7 @@ def _add(target, f: Field, default) -> None:
         help = f"the same as {meta['positional']}"
     if _is_bool(f):
         target.add_argument(primary, *meta.get("aliases", ()), nargs=0, const=True, help=help, **common)
-        negations = ["--no-" + primary[2:], *meta.get("negations", ())]
-        target.add_argument(*negations, nargs=0, const=False, help=SUPPRESS, **common)
+        target.add_argument(*_negations(f), nargs=0, const=False, help=SUPPRESS, **common)
     else:
         value = {k: meta[k] for k in ("type", "choices", "metavar", "nargs") if k in meta}
         target.add_argument(primary, *meta.get("aliases", ()), help=help, **value, **common)
@@ -146,8 +146,12 @@ def flags_of(cls, name: str) -> list[str]:
     meta = f.metadata["cli"]
     forms = [meta["positional"]] if "positional" in meta else []
     forms += [flag_name(name), *meta.get("aliases", ())]
-    forms += ["--no-" + name.replace("_", "-")] if _is_bool(f) else []
-    return [*forms, *meta.get("negations", ()), *meta.get("consts", {})]
+    return [*forms, *(_negations(f) if _is_bool(f) else ()), *meta.get("consts", {})]
+
+
+def _negations(f: Field) -> list[str]:
+    """A switch's forms that set it False: `--no-NAME`, then its own (vLLM's `--disable-...`)."""
+    return ["--no-" + f.name.replace("_", "-"), *f.metadata["cli"].get("negations", ())]
 
 
 # --- value parsers of flags
