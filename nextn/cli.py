@@ -241,11 +241,24 @@ def build_bench_serve_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no bound)")
     p.add_argument("--seed", type=int, default=0, help="for the prompts and the arrival times")
-    p.add_argument("--num-warmups", type=int, default=0, help="requests sent (and awaited) before the timed run")
+    p.add_argument(
+        "--num-warmups",
+        type=int,
+        default=0,
+        help=(
+            "requests sent (and awaited) before the timed run: prompts drawn apart from the measured"
+            " ones (the next seed, no shared prefix), as long as they"
+        ),
+    )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds nextn serve gets to come up")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file (vLLM's names)")
     p.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="extra fields of the JSON")
+    p.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="the JSON also lists each request's ttfts, e2els and sent_at (seconds), vLLM's detail",
+    )
     return p
 
 

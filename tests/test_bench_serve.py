@@ -24,7 +24,13 @@ from live_server import serving  # noqa: E402
 
 from nextn import LLM  # noqa: E402
 from nextn.bench import serve as bench_serve  # noqa: E402
-from nextn.bench.serve import arrival_times, mean_acceptance_length, parse_metrics, sample_prompts  # noqa: E402
+from nextn.bench.serve import (  # noqa: E402
+    arrival_times,
+    mean_acceptance_length,
+    parse_metrics,
+    sample_prompts,
+    warmup_prompts,
+)
 from nextn.cli import main  # noqa: E402
 from nextn.config import DEFAULT_MODEL_DIR  # noqa: E402
 from nextn.config.serve import ServeConfig  # noqa: E402
@@ -239,6 +245,20 @@ def test_concurrency_is_bounded(limit, capsys, tmp_path):
     assert res["mean_acceptance_length"] == 2.5  # the deltas over the run, not the totals (2.06)
     assert res["spec_k"] == 3 and res["graph_metrics"] == {"vllm:cuda_graph_captures_total": 7.0}
     assert res["mean_itl_ms"] > 0 and res["median_ttft_ms"] <= res["median_e2el_ms"]
+    assert "ttfts" not in res  # the per-request lists with --save-detailed only
+
+
+def test_save_detailed_lists_each_request(capsys, tmp_path):
+    with FakeServer(hold=3, unheld=0) as srv:
+        rc, res, _ = fake_bench(
+            capsys, tmp_path, srv.url, "--num-prompts", "6", "--max-concurrency", "3", "--save-detailed"
+        )
+    assert rc == 0 and len(res["ttfts"]) == len(res["e2els"]) == len(res["sent_at"]) == 6
+    assert all(0 < t <= e for t, e in zip(res["ttfts"], res["e2els"], strict=True))
+    # the fourth leaves when one of the first three has finished (at most three in flight)
+    order = sorted(range(6), key=lambda i: res["sent_at"][i])
+    first_end = min(res["sent_at"][i] + res["e2els"][i] for i in order[:3])
+    assert first_end - 0.01 <= res["sent_at"][order[3]] <= res["duration"]
 
 
 def test_without_usage_the_bench_counts_chunks_and_its_own_lengths(capsys, tmp_path):
@@ -303,6 +323,17 @@ def test_prompts_are_reproducible_and_in_range():
     assert all(0 <= t < tok.vocab_size for p in prompts for t in p.prompt)
     text = sample_prompts(Namespace(**{**vars(args), "prompt_file": str(PROMPT_FILE)}), None)
     assert all(len(p.prompt) == 4 * p.input_len and p.prompt in PROMPT_FILE.read_text() * 2 for p in text)
+
+
+def test_warmup_prompts_share_nothing_with_the_measured_ones():
+    """Warm-ups at the run's lengths that leave none of its blocks in a prefix cache."""
+    lengths = dict(random_input_len=20, random_output_len=8, random_range_ratio=0.0)
+    args = Namespace(num_prompts=6, num_warmups=4, seed=7, prompt_file=None, prefix_len=40, **lengths)
+    tok = Tokenizer(DEFAULT_MODEL_DIR)
+    measured, warm = sample_prompts(args, tok), warmup_prompts(args, tok)
+    assert len(warm) == 4 and {p.input_len for p in warm} == {p.input_len for p in measured} == {60}
+    assert not {tuple(p.prompt[:8]) for p in warm} & {tuple(p.prompt[:8]) for p in measured}
+    assert warmup_prompts(Namespace(**{**vars(args), "num_warmups": 0}), tok) == []
 
 
 def test_acceptance_length_from_metric_deltas():

@@ -91,6 +91,55 @@ def test_pad_members_change_nothing():
     assert warm.seq.slot == session and out.cached_tokens > 4 and out.token_ids == cold_ids
 
 
+def test_a_batch_past_the_last_full_bucket_pads_to_the_pool():
+    """A pool of 6 slots: five requests pad to 6 (their bucket, 8, is more than the pool holds), so
+    every batch size still has a graph to replay; and they emit what they emit alone."""
+    params = nextn.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    llm = nextn.LLM(device="cpu", num_speculative_tokens=2, max_num_seqs=6)
+    engine = llm.engine
+    prompts = PROMPTS + [[9, 9, 1, 4], [30, 31, 32]]
+    alone = [_run(engine, [p], params)[0][0] for p in prompts]
+    engine.runner.pad_rounds = True
+    assert engine.runner.pool.num_slots == 6
+    together, _ = _run(engine, prompts, params)
+    assert 6 in engine.runner._slot_sets and 5 not in engine.runner._slot_sets and 8 not in engine.runner._slot_sets
+    assert together == alone
+
+
+def test_pads_on_a_prefilling_slot_change_nothing(monkeypatch):
+    """With every slot taken (three decoding, one prefilling a long prompt a piece a step), the
+    decoders' rounds still pad to their bucket: the pad sits on the prefilling request's slot. The
+    prefilling request, and the decoders, emit what they emit alone."""
+    import nextn.engine.rounds as rounds
+
+    params = nextn.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = nextn.LLM(device="cpu", num_speculative_tokens=3, max_num_seqs=4, max_num_batched_tokens=32)
+    engine = llm.engine
+    long_prompt = [(7 * i + 3) % 200 + 5 for i in range(150)]  # 150 tokens: pieces over several steps
+    alone = [_run(engine, [p], params)[0][0] for p in PROMPTS + [long_prompt]]
+    engine.runner.pad_rounds = True
+    padded_on: list[int] = []  # the slots pads took
+    pads = rounds._pads
+    monkeypatch.setattr(rounds, "_pads", lambda *a: [padded_on.append(m.cache.slot) or m for m in pads(*a)])
+    reqs = [engine.add(p, params) for p in PROMPTS]
+    outputs: dict = {}
+    while not all(r.request_id in engine.live for r in reqs):  # the three decoding
+        for r, ev in engine.step():
+            if ev.output is not None:
+                outputs[r.request_id] = ev.output.token_ids
+    late = engine.add(long_prompt, params)
+    engine.step()  # admitted: a piece prefilled
+    assert late.request_id in engine.prefilling and engine.scheduler.free == []
+    del padded_on[:]
+    engine.step()  # the three decoders' round, padded onto the prefilling slot
+    assert late.request_id in engine.prefilling and padded_on == [late.seq.slot]
+    while len(outputs) < 4:
+        for r, ev in engine.step():
+            if ev.output is not None:
+                outputs[r.request_id] = ev.output.token_ids
+    assert [outputs[r.request_id] for r in reqs + [late]] == alone
+
+
 def test_warm_up_rounds_leave_the_slots_empty():
     """The start-up warm-up (rounds of pad members at every batch bucket and K; on a GPU it captures
     their graphs) runs here eagerly: afterwards every slot's counters are as they were and requests

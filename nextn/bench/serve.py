@@ -29,6 +29,7 @@ nextn's extra fields (usage's spec_decode, /metrics) are read only where present
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -79,6 +80,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # seconds between successive content chunks
     output_tokens: int = 0
     error: str = ""
+    sent: float = 0.0  # perf_counter when sent (run_requests: seconds after the run's start)
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,19 @@ def sample_prompts(args, tokenizer) -> list[Prompt]:
     return [Prompt(prefix.prompt + p.prompt, prefix.input_len + p.input_len, p.output_len) for p in prompts]
 
 
+def warmup_prompts(args, tokenizer) -> list[Prompt]:
+    """`--num-warmups` prompts drawn apart from the measured ones (the next seed, no shared prefix,
+    each as long as a measured prompt with its prefix): they warm the server's kernels and graphs at
+    the run's shapes without leaving the measured prompts' blocks in a prefix cache."""
+    if not args.num_warmups:
+        return []
+    apart = argparse.Namespace(
+        **{**vars(args), "seed": args.seed + 1, "prefix_len": 0, "num_prompts": args.num_warmups}
+    )
+    apart.random_input_len = args.random_input_len + args.prefix_len
+    return sample_prompts(apart, tokenizer)
+
+
 def _prompts(args, tokenizer, rng: random.Random, input_lens: list[int], output_lens: list[int]) -> list[Prompt]:
     pairs = zip(input_lens, output_lens, strict=True)
     if args.prompt_file is None:
@@ -212,7 +227,7 @@ def _cut(source, start: int, n: int):
 async def send(session: aiohttp.ClientSession, target: Target, prompt: Prompt) -> RequestResult:
     """One streamed request, timed from the moment it is sent."""
     res = RequestResult(prompt.input_len)
-    start = last = time.perf_counter()
+    start = last = res.sent = time.perf_counter()
     counted = 0  # output tokens seen in chunks, for a server that sends no usage block
     try:
         async with session.post(
@@ -276,10 +291,12 @@ async def run_requests(
         return res
 
     results = await asyncio.gather(*(one(p, t) for p, t in zip(prompts, times, strict=True)))
+    for r in results:
+        r.sent -= start
     return list(results), time.perf_counter() - start
 
 
-async def benchmark(args, base_url: str, prompts: list[Prompt]) -> Run:
+async def benchmark(args, base_url: str, prompts: list[Prompt], warm: list[Prompt]) -> Run:
     timeout = aiohttp.ClientTimeout(total=6 * 3600)  # a long queue is a measurement, not an error
     connector = aiohttp.TCPConnector(limit=0)  # what is in flight is the semaphore's to bound, not the pool's
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
@@ -287,8 +304,7 @@ async def benchmark(args, base_url: str, prompts: list[Prompt]) -> Run:
         # --model names the request's model for a running server, the checkpoint for a started one
         model = args.model if args.base_url is not None and args.model else await first_model(session, target)
         target = dataclasses.replace(target, model=model)
-        if args.num_warmups:
-            warm = [prompts[i % len(prompts)] for i in range(args.num_warmups)]
+        if warm:
             results, _ = await run_requests(session, target, warm, [0.0] * len(warm), args)
             if failed := [r for r in results if not r.success]:
                 raise ValueError(f"{len(failed)} of {len(warm)} warm-up requests failed: {failed[0].error}")
@@ -547,7 +563,7 @@ def bench_serve_from_args(args) -> int:
     launched = LaunchedServer(*serve_command(_serve_flags(args)), args.ready_timeout) if args.base_url is None else None
     with launched or contextlib.nullcontext():
         base_url = (args.base_url or launched.url).rstrip("/")
-        run = asyncio.run(benchmark(args, base_url, prompts))
+        run = asyncio.run(benchmark(args, base_url, prompts, warmup_prompts(args, tokenizer)))
         device = device_name()  # after the run: CUDA taken here must not shrink a starting server's cache
     spec_k = _launched_spec_k(args.serve)
     result = {
@@ -572,6 +588,9 @@ def bench_serve_from_args(args) -> int:
         "command": shlex.join(args.argv),
         **dict(m.split("=", 1) for m in args.metadata),
     }
+    if args.save_detailed:  # vLLM's per-request lists (seconds), in prompt order, and when each left
+        ok = [r for r in run.results if r.success]
+        result.update(ttfts=[r.ttft for r in ok], e2els=[r.latency for r in ok], sent_at=[r.sent for r in ok])
     print_report(result)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")

@@ -217,9 +217,13 @@ class Engine:
         events += self._prefill()
         running = [req for req in self.scheduler.running if req.request_id in self.live]
         if running:
-            # what pad members may take: slots no request runs in (free, or kept sessions'), for this
-            # step's rounds only (a round run another way must not pad onto a slot taken since)
-            self.runner.spare_slots = self.scheduler.free + list(self.scheduler.sessions)
+            # what pad members may take: slots no round runs in (free, kept sessions', and those of
+            # requests still prefilling: their committed state is a session's, the next piece
+            # rewrites what a pad wrote past it), for this step's rounds only (a round run another
+            # way must not pad onto a slot taken since). With prefilling slots, a pool full of
+            # requests still pads every batch to its bucket (no new graph under load)
+            prefilling = [r.seq.slot for r in self.scheduler.running if r.request_id in self.prefilling]
+            self.runner.spare_slots = self.scheduler.free + list(self.scheduler.sessions) + prefilling
             try:
                 events += self._run(running, prefilled=self.prefilled_rows > 0)
             finally:

@@ -279,12 +279,18 @@ def _pads(runner, members: list[Member]) -> list[Member]:
     of the GDN buffers, the round buffers a request's start rewrites) and its counters are put back
     at the round's end (inside the graph: `device_round`); its outcome is never read. None without
     enough spare slots (or where a member is not plain greedy)."""
-    need = bucket(len(members)) - len(members)
+    need = padded_size(len(members), runner.pool.num_slots) - len(members)
     spare = runner.spare_slots
     if not need or len(spare) < need or not all(m.sampler.plain_greedy for m in members):
         return []
     k = members[0].k
     return [Member(runner.slot(s), _PadSampler(), Buffers.of(runner.slot(s)), k) for s in spare[:need]]
+
+
+def padded_size(batch_size: int, num_slots: int) -> int:
+    """The size a round of batch_size plain greedy members is padded to: its bucket, or every slot
+    where the pool holds fewer (a pool of 60 pads 57 to 60, not to 64, which it cannot fill)."""
+    return min(bucket(batch_size), num_slots)
 
 
 @torch.inference_mode()
@@ -294,10 +300,8 @@ def warm_up(runner, proposer, max_batch: int, ks: list[int]) -> int:
     server's first requests replay rather than capture. The rounds run on pad members only (a
     pad's round leaves its slot as it was). Returns the graphs captured."""
     before = runner.graph_counts["captures"]
-    sizes = sorted({bucket(b) for b in range(1, max_batch + 1)})
+    sizes = sorted({padded_size(b, runner.pool.num_slots) for b in range(1, min(max_batch, runner.pool.num_slots) + 1)})
     for size in sizes:
-        if size > runner.pool.num_slots:
-            break
         slots = list(range(size))
         for k in ks:
             members = [Member(runner.slot(s), _PadSampler(), Buffers.of(runner.slot(s)), k) for s in slots]
