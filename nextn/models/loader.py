@@ -53,6 +53,7 @@ from nextn.models.checkpoint import (
     plan_checkpoint,
     safetensor_files,
 )
+from nextn.models.gguf import gguf_config, is_gguf, load_gguf
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.fp8 import E4M3, FP8Weight, block_scale, channel_scale, quantize, scale_shape
 
@@ -70,7 +71,7 @@ FUSED = (
 KEEP_BF16 = ("in_proj_a", "in_proj_b", "in_proj_ba", "shared_expert_gate")
 
 
-def _regroup_next(name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def regroup_next(name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """Qwen3-Next's GDN projections, grouped per key head in the checkpoint, in the Qwen3.5 row order
     (a weight's rows; the columns of its scales in nextn's layout)."""
     base = name.removesuffix("_scale")
@@ -240,13 +241,17 @@ def load_model(
     quantization: str | None = None,
     tp: tuple[int, int] = (0, 1),
 ) -> CausalLM:
-    """The checkpoint's model on `device` in `dtype` (either may be "auto": see
+    """The checkpoint's model (a directory, or a GGUF file) on `device` in `dtype` (either may be "auto": see
     nextn.config.resolve_device and resolve_dtype), every tensor checked against the config before
     any is read. FP8 weights of an FP8 checkpoint stay FP8; quantization "fp8" quantizes a bf16
     checkpoint's at load (an FP8 checkpoint loads as it is). tp (rank, size): this rank's share of
     the model under tensor parallelism (its config is `ModelConfig.shard(rank, size)`)."""
     check_quantization(quantization)
     model_dir = Path(model_dir)
+    if is_gguf(model_dir):  # a llama.cpp file: its own reader (nextn.models.gguf)
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device, gguf_config(model_dir).dtype)
+        return load_gguf(model_dir, device, DTYPES[dtype], quantization, tp)
     cfg = ModelConfig.from_hf(model_dir)
     if quantization == "fp8" and cfg.quantization is None:
         cfg = replace(cfg, quantization=QuantConfig("fp8", (128, 128), at_load=True))
@@ -304,7 +309,7 @@ def _place(state: dict, slot: Slot, t: torch.Tensor, cfg: ModelConfig, device, d
     """One checkpoint tensor into the state: cast (FP8 weights kept e4m3, scales converted to
     nextn's layout, quantized if asked; a rank's part cut) and moved, or copied into its expert's rows."""
     if slot.quantize:  # from the checkpoint's own values (quantize computes in float32)
-        q = quantize_weight(slot.name, _regroup_next(slot.name, t, cfg).to(device))
+        q = quantize_weight(slot.name, regroup_next(slot.name, t, cfg).to(device))
         _put(state, slot, q.weight)
         _put(state, slot._replace(name=slot.name + "_scale"), q.scale, columns=True)
         return
@@ -312,7 +317,7 @@ def _place(state: dict, slot: Slot, t: torch.Tensor, cfg: ModelConfig, device, d
     if slot.scale is not None:
         kind, rows, n, k = slot.scale
         t, target = block_scale(t, n, rows) if kind == "block" else channel_scale(t, n, k), torch.float32
-    t = _regroup_next(slot.name, t, cfg)
+    t = regroup_next(slot.name, t, cfg)
     if slot.split is not None:
         t = slot.split.take(t, *tp)
     _put(state, slot, t.to(device=device, dtype=target), columns=slot.scale is not None)

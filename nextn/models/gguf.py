@@ -1,0 +1,400 @@
+"""A GGUF file (llama.cpp's format) of architecture `qwen35`, `qwen35moe` or `qwen3next` -> the
+ModelConfig and CausalLM its Hugging Face checkpoint gives, read with the `gguf` package
+(llama.cpp's own reader).
+
+Owns: the hyperparameters from the file's `{arch}.*` metadata (`gguf_config`), the map from
+llama.cpp's tensor names back to the checkpoint's (`token_embd` -> `model.embed_tokens`,
+`blk.N.attn_qkv` -> `...linear_attn.in_proj_qkv`, the NextN block `blk.{n_layers}.nextn.*` ->
+`mtp.*`), and the inverse of every change llama.cpp's convert_hf_to_gguf.py makes to a tensor as it
+writes it (listed at `_inverse`, each with its source there), by hand because the file holds
+llama.cpp's layout and nothing else undoes it. Weight types: F32, F16 and BF16 load as they are;
+Q8_0 stays quantized where nextn has its kernel (nextn.ops.q8_0), other quantized types
+(Q4_K, Q6_K, IQ*, ...) are dequantized at load by gguf's own dequantizer, said in one log line; a
+type gguf cannot dequantize is a one-line error naming it.
+
+Does not read the tokenizer (nextn.gguf_tokenizer does) or find the file (nextn.hub does); the
+model it builds is nextn.models.qwen3_5's, fused like a safetensors checkpoint's
+(nextn.models.loader.fuse_weights).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from nextn.config import FULL, LINEAR
+from nextn.config.model import ConfigError, ModelConfig
+from nextn.models.checkpoint import CheckpointError
+
+log = logging.getLogger(__name__)
+
+# llama.cpp's architecture name (general.architecture; gguf-py constants.py MODEL_ARCH_NAMES) -> family
+ARCHS = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}
+# general.file_type (llama.cpp's LlamaFileType) -> the dtype "auto" picks on CUDA
+_FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+_REQUIRED = object()
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file nextn cannot read as a Qwen3.5 / Qwen3-Next model."""
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf"
+
+
+def open_gguf(path: str | Path):
+    """gguf's reader over the file (memory-mapped: no tensor is read yet)."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as e:
+        raise GGUFError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def _value(reader, key: str, default=_REQUIRED):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise GGUFError(f"GGUF metadata lacks {key!r}")
+        return default
+    value = field.contents()
+    if isinstance(value, list):  # a per-layer count (head_count_kv of some files): its layers' one value
+        values = {v for v in value if v}
+        if len(values) != 1:
+            raise GGUFError(f"GGUF metadata {key!r} varies by layer ({sorted(values)}); nextn runs one value")
+        value = values.pop()
+    return value
+
+
+def gguf_config(source) -> ModelConfig:
+    """The ModelConfig of a GGUF file (a path or an open reader), as its config.json would give it.
+
+    Keys are those llama.cpp's converter writes (convert_hf_to_gguf.py: TextModel.set_gguf_parameters,
+    Qwen2MoeModel's expert sizes, Qwen3NextModel's ssm_* and full_attention_interval). Its block_count
+    counts the NextN layers too (_Qwen35MtpMixin): the trunk is block_count - nextn_predict_layers.
+    Which layers are attention, which MoE, and whether the head is tied are read off the tensors."""
+    reader = open_gguf(source) if isinstance(source, str | Path) else source
+    arch = _value(reader, "general.architecture")
+    if arch not in ARCHS:
+        raise GGUFError(f"GGUF architecture {arch!r} is not supported; nextn runs {sorted(ARCHS)}")
+    shapes = tensor_shapes(reader)
+
+    def get(key: str, default=_REQUIRED):
+        return _value(reader, f"{arch}.{key}", default)
+
+    n_layers = int(get("block_count")) - int(get("nextn_predict_layers", 0))
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    num_v_heads = int(get("ssm.time_step_rank"))
+    num_experts = int(get("expert_count", 0)) if arch != "qwen35" else 0
+    if "token_embd.weight" not in shapes:
+        raise GGUFError("GGUF file has no token_embd.weight")
+    layer_types = tuple(LINEAR if f"blk.{i}.ssm_a" in shapes else FULL for i in range(n_layers))
+    first_full = layer_types.index(FULL) if FULL in layer_types else 0
+    eos = tuple(
+        dict.fromkeys(
+            int(v)
+            for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+            if (v := _value(reader, f"tokenizer.ggml.{key}", None)) is not None
+        )
+    )
+    try:
+        return ModelConfig(
+            family=ARCHS[arch],
+            vocab_size=shapes["token_embd.weight"][0],
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            layer_types=layer_types,
+            rms_norm_eps=_float32(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            num_attention_heads=heads,
+            num_key_value_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rope_theta=_float32(get("rope.freq_base", 10000.0)),
+            partial_rotary_factor=int(get("rope.dimension_count", head_dim)) / head_dim,
+            attention_bias=f"blk.{first_full}.attn_q.bias" in shapes,
+            max_position_embeddings=int(get("context_length", 32768)),
+            linear_num_key_heads=int(get("ssm.group_count")),
+            linear_num_value_heads=num_v_heads,
+            linear_key_head_dim=int(get("ssm.state_size")),
+            linear_value_head_dim=int(get("ssm.inner_size")) // num_v_heads,
+            linear_conv_kernel_dim=int(get("ssm.conv_kernel", 4)),
+            intermediate_size=int(get("feed_forward_length", 0)),
+            num_experts=num_experts,
+            num_experts_per_tok=int(get("expert_used_count", 0)) if num_experts else 0,
+            moe_intermediate_size=int(get("expert_feed_forward_length", 0)) if num_experts else 0,
+            shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0)) if num_experts else 0,
+            norm_topk_prob=bool(get("expert_weights_norm", True)),
+            mlp_only_layers=tuple(
+                i for i in range(n_layers) if num_experts and f"blk.{i}.ffn_gate_inp.weight" not in shapes
+            ),
+            tie_word_embeddings="output.weight" not in shapes,
+            eos_token_ids=eos,
+            mtp_num_hidden_layers=int(get("nextn_predict_layers", 0)),
+            dtype=_FILE_DTYPES.get(int(_value(reader, "general.file_type", -1)), "bfloat16"),
+        )
+    except ConfigError as e:
+        raise GGUFError(f"GGUF metadata: {e}") from None
+
+
+def tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in PyTorch's order (GGUF lists a tensor's dims reversed, ggml's `ne`)."""
+    return {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+
+
+# --------------------------------------------------------------------------------------------
+# Names: module key -> the GGUF tensors it is made of (llama.cpp: gguf-py tensor_mapping.py,
+# constants.py TENSOR_NAMES; the NextN block: convert_hf_to_gguf.py _Qwen35MtpMixin, which writes
+# `mtp.layers.0.*` as block n_layers and `mtp.{fc, pre_fc_norm_*, norm}` as its `nextn.*`)
+# --------------------------------------------------------------------------------------------
+
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attn_gate.weight",
+    "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_NEXTN = {
+    "mtp.fc.weight": "nextn.eh_proj.weight",
+    "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+    "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
+    "mtp.norm.weight": "nextn.shared_head_norm.weight",
+}
+_BLOCK = re.compile(r"^(?:model\.layers\.(\d+)|mtp\.layers\.0)\.(.+)$")
+
+
+def sources(key: str, cfg: ModelConfig, shapes: dict) -> list[str]:
+    """The GGUF tensors module key `key` is made of (in the order they are joined)."""
+    if key in _TOP:
+        return [_TOP[key]]
+    n = cfg.num_hidden_layers
+    if key in _NEXTN:
+        return [f"blk.{n}.{_NEXTN[key]}"]
+    m = _BLOCK.match(key)
+    if m is None:
+        raise GGUFError(f"nextn's tensor {key} has no GGUF name")
+    block, rest = (int(m[1]) if m[1] is not None else n), m[2]
+    pre = f"blk.{block}."
+    if rest == "mlp.experts.gate_up_proj":  # one packed tensor, or gate and up apart (convert splits them)
+        fused = pre + "ffn_gate_up_exps.weight"
+        return [fused] if fused in shapes else [pre + "ffn_gate_exps.weight", pre + "ffn_up_exps.weight"]
+    if rest == "linear_attn.in_proj_qkvz.weight":  # Qwen3NextModel.modify_tensors splits it in two
+        return [pre + "attn_qkv.weight", pre + "attn_gate.weight"]
+    stem, dot, suffix = rest.rpartition(".")
+    if rest in _LAYER:
+        return [pre + _LAYER[rest]]
+    if stem in _LAYER:  # attention weights and biases
+        return [pre + _LAYER[stem] + dot + suffix]
+    raise GGUFError(f"nextn's tensor {key} has no GGUF name")
+
+
+# --------------------------------------------------------------------------------------------
+# Transforms: the inverse of what convert_hf_to_gguf.py does to a tensor
+# --------------------------------------------------------------------------------------------
+
+
+def _float32(value) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07)."""
+    return float(str(np.float32(value)))
+
+
+def _swap_heads(t: torch.Tensor, dim: int, a: int, b: int, head_dim: int) -> torch.Tensor:
+    """Along `dim` (a * b * head_dim long), blocks of head_dim ordered [a, b] -> ordered [b, a]."""
+    dim %= t.dim()
+    shape = list(t.shape)
+    t = t.reshape(*shape[:dim], a, b, head_dim, *shape[dim + 1 :])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def _inverse(key: str, cfg: ModelConfig, arch: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool]:
+    """(the function that turns the GGUF tensor(s), joined, back into the checkpoint's, whether it
+    only moves whole rows: then it applies to Q8_0 blocks as they are).
+
+    The changes convert_hf_to_gguf.py makes, undone here:
+    - Qwen3NextModel.modify_tensors (Qwen3.5 inherits it through _LinearAttentionVReorderBase):
+      `A_log` -> -exp(A_log) (undone: log(-a)); `conv1d.weight` [D, 1, W] squeezed to [D, W];
+      `dt_bias` renamed `dt_proj.bias` (ssm_dt.bias); every `*norm.weight` but `linear_attn.norm`
+      stored +1 (ggml's RMSNorm multiplies by w, the checkpoint's by 1 + w; undone: -1); Qwen3-Next's
+      `in_proj_qkvz` (rows [q k v z] per key head) split into attn_qkv (rows [q all | k all | v all])
+      and attn_gate (z all): nextn's own row order for in_proj_qkvz (nextn.models.loader.regroup_next),
+      so the two are joined as they are; `in_proj_ba` kept as in the checkpoint (ssm_ba).
+    - _LinearAttentionVReorderBase.modify_tensors (qwen35 / qwen35moe, num_v_heads != num_k_heads):
+      V heads reordered from grouped by key head [k0: v0..v(r-1), k1: ...] to tiled
+      [v0 of every k, v1 of every k, ...] in the rows of in_proj_qkv's V part, in_proj_z,
+      in_proj_a and in_proj_b, in A_log and dt_bias, in conv1d's V channels and in out_proj's
+      columns (undone by the reverse swap).
+    - ModelBase.prepare_tensors: every tensor squeezed (shared_expert_gate [1, H] -> [H]; undone by
+      the reshape to the module's shape after this), norms and 1-D tensors in F32.
+    - Qwen2MoeModel.modify_tensors: experts stacked [E, ...] and gate_up_proj split into
+      ffn_gate_exps and ffn_up_exps (joined again along the rows).
+    """
+    from nextn.models.loader import regroup_next  # (the loader imports this module)
+
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    r, dk, dv = nv // max(1, nk), cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    untile = arch in ("qwen35", "qwen35moe") and nk != nv and ".linear_attn." in key
+
+    def heads(t, dim, head_dim):  # tiled -> grouped V heads (_reorder_v_heads with its two counts swapped)
+        return _swap_heads(t, dim, r, nk, head_dim) if untile else t
+
+    if key.endswith(("gate_up_proj", "linear_attn.in_proj_qkvz.weight")):
+        return (lambda *ts: torch.cat(ts, dim=-2)), True
+    if key.endswith("linear_attn.in_proj_ba.weight"):  # the checkpoint's rows, regrouped as the loader does
+        return (lambda t: regroup_next(key, t, cfg)), True
+    if (key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight")) or key.startswith(
+        "mtp.pre_fc_norm_"
+    ):  # the RMSNorms stored around 0 (the NextN block's enorm and hnorm too: _Qwen35MtpMixin renames them *norm)
+        return (lambda t: t.float() - 1), False
+    if key.endswith("linear_attn.in_proj_qkv.weight"):
+        q = 2 * nk * dk
+        return (lambda t: torch.cat([t[:q], heads(t[q:], 0, dv)])), True
+    if key.endswith("linear_attn.in_proj_z.weight"):
+        return (lambda t: heads(t, 0, dv)), True
+    if key.endswith(("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight")):
+        return (lambda t: heads(t, 0, 1)), True
+    if key.endswith("linear_attn.A_log"):
+        return (lambda t: heads(torch.log(-t.float()), 0, 1)), False
+    if key.endswith("linear_attn.dt_bias"):
+        return (lambda t: heads(t, 0, 1)), False
+    if key.endswith("linear_attn.conv1d.weight"):
+        q = 2 * nk * dk
+        return (lambda t: torch.cat([t[:q], heads(t[q:], 0, dv)]).unsqueeze(1)), False
+    if key.endswith("linear_attn.out_proj.weight"):
+        return (lambda t: heads(t, 1, dv)), not untile
+    return (lambda t: t), True
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor data
+# --------------------------------------------------------------------------------------------
+
+
+def _float(tensor) -> torch.Tensor:
+    """A GGUF tensor's values in PyTorch's dim order: F32 / F16 as stored, BF16 reinterpreted,
+    anything else dequantized by gguf (float32)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    data = tensor.data
+    if tensor.tensor_type in (T.F32, T.F16):
+        return torch.from_numpy(np.array(data))  # a copy: the reader maps the file read-only
+    if tensor.tensor_type == T.BF16:
+        raw = np.array(data).view(np.int16)
+        return torch.from_numpy(raw).view(torch.bfloat16)
+    try:
+        return torch.from_numpy(dequantize(data, tensor.tensor_type))
+    except NotImplementedError:
+        raise GGUFError(
+            f"tensor {tensor.name} is {tensor.tensor_type.name}, which gguf {_gguf_version()} cannot dequantize"
+        ) from None
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import version
+
+    return version("gguf")
+
+
+def _log_types(reader) -> None:
+    """One line naming the quantized types the file holds, and what becomes of them."""
+    from gguf import GGMLQuantizationType as T
+
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        if t.tensor_type not in (T.F32, T.F16, T.BF16):
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    if counts:
+        listed = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
+        log.warning("GGUF tensors %s: dequantized at load to the model's dtype", listed)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def load_gguf(
+    path: str | Path, device: str, dtype: torch.dtype, quantization: str | None = None, tp: tuple[int, int] = (0, 1)
+):
+    """The model of GGUF file `path` on `device` in `dtype`, every tensor checked against the
+    module's before the model is assembled; an unknown or missing tensor is an error naming it."""
+    from nextn.models.loader import check_tensors, fuse_weights, quantize_model
+    from nextn.models.qwen3_5 import CausalLM
+
+    if tp[1] > 1:
+        raise GGUFError(f"{path}: tensor parallelism does not load GGUF files; give the safetensors checkpoint")
+    reader = open_gguf(path)
+    cfg = gguf_config(reader)
+    arch = _value(reader, "general.architecture")
+    shapes = tensor_shapes(reader)
+    num_mtp = cfg.mtp_num_hidden_layers
+    if num_mtp > 1:
+        raise GGUFError(f"{path} has {num_mtp} NextN layers; nextn runs one")
+    if num_mtp == 0:
+        log.warning("%s has no NextN (MTP) block: plain decoding, no speculation", path)
+    with torch.device("meta"):
+        model = CausalLM(cfg, num_mtp_layers=num_mtp)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    plan = {key: sources(key, cfg, shapes) for key in expected}
+    used = {name for names in plan.values() for name in names}
+    unknown = sorted(set(shapes) - used)
+    if unknown:
+        raise GGUFError(f"{path}: unknown tensor(s) {unknown[:8]}")
+    missing = sorted({name for names in plan.values() for name in names} - set(shapes))
+    if missing:
+        raise GGUFError(f"{path}: missing tensor(s) {missing[:8]}")
+    _log_types(reader)
+    by_name = {t.name: t for t in reader.tensors}
+    t0 = time.perf_counter()
+    state = {}
+    for key, names in tqdm(plan.items(), desc="loading", unit="tensor", disable=not log.isEnabledFor(logging.INFO)):
+        fn, _ = _inverse(key, cfg, arch)
+        t = fn(*(_float(by_name[n]) for n in names))
+        if t.numel() != np.prod(expected[key]):
+            raise GGUFError(
+                f"{path}: {' + '.join(names)} of shape {tuple(t.shape)} cannot be nextn's {key} {expected[key]}"
+            )
+        state[key] = t.reshape(expected[key]).to(device=device, dtype=dtype)
+    check_tensors(model, {k: tuple(v.shape) for k, v in state.items()})
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta).to(device)
+    if quantization == "fp8":
+        model = quantize_model(model)
+    log.info("loaded %s on %s as %s in %.1f s", path, device, dtype, time.perf_counter() - t0)
+    return fuse_weights(model.eval())
