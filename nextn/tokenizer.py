@@ -1,5 +1,6 @@
 """Text <-> token ids from a checkpoint's tokenizer.json, and its chat template from
-tokenizer_config.json (rendered with a sandboxed jinja2, as transformers does)."""
+tokenizer_config.json (rendered with a sandboxed jinja2, as transformers does); or both from a GGUF
+file's metadata (Tokenizer.from_gguf; nextn.gguf_tokenizer builds the BPE)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,25 @@ class Tokenizer:
         eos = self.config.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer, chat template and eos token of a GGUF file (`tokenizer.ggml.*`,
+        `tokenizer.chat_template`); `config` is empty (a GGUF has no tokenizer_config.json)."""
+        from gguf import GGUFReader, Keys
+
+        from nextn.gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
+
+        try:
+            reader = GGUFReader(path)
+        except (ValueError, OSError) as e:  # the reader raises ValueError for a file that is not GGUF
+            raise TokenizerError(f"{path}: not a GGUF file gguf reads ({e})") from None
+        self = cls.__new__(cls)
+        self._tok, self.config = tokenizer_from_gguf(reader), {}
+        self.chat_template = chat_template_from_gguf(reader)
+        eos = reader.fields.get(Keys.Tokenizer.EOS_ID)
+        self.eos_token_id = None if eos is None else int(eos.contents())
+        return self
 
     @property
     def vocab_size(self) -> int:
