@@ -192,7 +192,9 @@ def write_gguf(path: Path, cfg: ModelConfig, source: Source, qtype: T, tokenizer
     if tokenizer_dir is not None:
         from nextn.gguf_tokenizer import write_vocab
 
-        write_vocab(writer, Path(tokenizer_dir))
+        write_vocab(writer, Path(tokenizer_dir))  # its eos too (tokenizer_config.json's, as SpecialVocab takes it)
+    elif cfg.eos_token_ids:
+        writer.add_eos_token_id(cfg.eos_token_ids[0])
     plan = []
     for name, t in source("meta"):
         for new, v in gguf_tensors(name, t, cfg, tensor_map):
@@ -243,8 +245,6 @@ def _write_metadata(writer, cfg: ModelConfig, num_mtp: int, qtype: T) -> None:
         writer.add_rope_dimension_sections([11, 11, 10, 0])
     if num_mtp:
         writer.add_nextn_predict_layers(num_mtp)
-    if cfg.eos_token_ids:
-        writer.add_eos_token_id(cfg.eos_token_ids[0])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 

@@ -34,13 +34,13 @@ def _replay(args) -> int:
     from nextn.config.model import ModelConfig
     from nextn.spec.draft_vocab import load_draft_vocab
     from nextn.spec.replay import check_args, replay_from_args
-    from nextn.tokenizer import Tokenizer
+    from nextn.tokenizer import load_tokenizer
 
     check_args(args)  # before a download or the load
     _check_out("--dump-hidden", args.dump_hidden)  # written after the trunk pass: refused before the load
     _local(args)
     if args.draft_vocab is not None:  # checked against the checkpoint before it loads (replay reads it again)
-        load_draft_vocab(args.draft_vocab, ModelConfig.from_hf(args.model).vocab_size, Tokenizer(args.model))
+        load_draft_vocab(args.draft_vocab, ModelConfig.from_hf(args.model).vocab_size, load_tokenizer(args.model))
     return replay_from_args(args)
 
 
@@ -75,11 +75,11 @@ def _draft_vocab(args) -> int:
     from nextn.config.model import ModelConfig
     from nextn.hub import resolve_model
     from nextn.spec.draft_vocab import build_draft_vocab
-    from nextn.tokenizer import Tokenizer
+    from nextn.tokenizer import load_tokenizer
 
     _check_out("--out", args.out)  # before counting a corpus, not after
     model_dir = resolve_model(args.model)
-    cfg, tokenizer = ModelConfig.from_hf(model_dir), Tokenizer(model_dir)
+    cfg, tokenizer = ModelConfig.from_hf(model_dir), load_tokenizer(model_dir)
     # a draft vocabulary that can end a reply
     eos = {t for t in (*cfg.eos_token_ids, tokenizer.eos_token_id) if t is not None and t < cfg.vocab_size}
     vocab = build_draft_vocab(

@@ -115,3 +115,8 @@ class IncrementalDecoder:
             return ""  # an incomplete UTF-8 sequence (or nothing visible yet): wait
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text[len(prefix) :]
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a checkpoint directory, or of a GGUF file (its metadata: Tokenizer.from_gguf)."""
+    return Tokenizer.from_gguf(path) if Path(path).suffix.lower() == ".gguf" else Tokenizer(path)

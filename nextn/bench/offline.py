@@ -302,10 +302,10 @@ several tokens are accepted for the price of one forward pass.
 def text_prompt(model_dir: str, prompt_len: int, text: str = PROMPT_TEXT) -> list[int] | None:
     """prompt_len ids of a text (repeated if short) if the checkpoint has a tokenizer: a trained
     head's acceptance on random ids says nothing."""
-    from nextn.tokenizer import Tokenizer
+    from nextn.tokenizer import load_tokenizer
 
     try:
-        ids = Tokenizer(Path(model_dir)).encode(text)
+        ids = load_tokenizer(model_dir).encode(text)
     except (OSError, ValueError):
         return None
     return (ids * (prompt_len // max(1, len(ids)) + 1))[:prompt_len] if ids else None
@@ -356,9 +356,9 @@ def _draft_vocab(args, vocab_size: int) -> DraftVocab | None:
     if args.draft_vocab_size is not None:
         return DraftVocab.first(args.draft_vocab_size, vocab_size)
     if args.draft_vocab is not None:
-        from nextn.tokenizer import Tokenizer
+        from nextn.tokenizer import load_tokenizer
 
-        return load_draft_vocab(args.draft_vocab, vocab_size, Tokenizer(args.model))
+        return load_draft_vocab(args.draft_vocab, vocab_size, load_tokenizer(args.model))
     return None
 
 

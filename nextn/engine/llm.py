@@ -42,7 +42,7 @@ from nextn.models.loader import load_model
 from nextn.models.random_weights import preset_config, random_model
 from nextn.parallel.launch import RankError, Ranks, check_ranks, initialized, rank, rank_device, start
 from nextn.spec.draft_vocab import DraftVocab, load_draft_vocab
-from nextn.tokenizer import Tokenizer
+from nextn.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class LLM:
         # the engine config's `model` is the directory the tokenizer comes from: a server's API process
         # reads it there (nextn.engine.core.model_facts)
         tokenizer_dir = model_dir if args.tokenizer is None else Path(args.tokenizer)
-        self.tokenizer = Tokenizer(tokenizer_dir)
+        self.tokenizer = load_tokenizer(tokenizer_dir)
         # checked before the weights load: the vocabulary, the context, the draft vocabulary
         cfg = _model_config(model_dir, preset)
         source = f"the {preset} preset" if preset is not None else str(model_dir)

@@ -23,6 +23,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from nextn.config import FULL, LINEAR
-from nextn.config.model import ConfigError, ModelConfig
+from nextn.config.model import ConfigError, ModelConfig, QuantConfig
 from nextn.models.checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -100,13 +101,7 @@ def gguf_config(source) -> ModelConfig:
         raise GGUFError("GGUF file has no token_embd.weight")
     layer_types = tuple(LINEAR if f"blk.{i}.ssm_a" in shapes else FULL for i in range(n_layers))
     first_full = layer_types.index(FULL) if FULL in layer_types else 0
-    eos = tuple(
-        dict.fromkeys(
-            int(v)
-            for key in ("eos_token_id", "eot_token_id", "eom_token_id")
-            if (v := _value(reader, f"tokenizer.ggml.{key}", None)) is not None
-        )
-    )
+    eos = _eog_ids(reader)
     try:
         return ModelConfig(
             family=ARCHS[arch],
@@ -143,6 +138,26 @@ def gguf_config(source) -> ModelConfig:
         )
     except ConfigError as e:
         raise GGUFError(f"GGUF metadata: {e}") from None
+
+
+# llama.cpp's end-of-generation tokens by text (src/llama-vocab.cpp, the special_eog_ids it adds):
+# the ones of this family's vocabularies
+_EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
+
+
+def _eog_ids(reader) -> tuple[int, ...]:
+    """The tokens that end a reply: tokenizer.ggml's eos (eot, eom) ids, then the vocabulary's
+    end-of-turn tokens by text, as llama.cpp takes them (Qwen's <|im_end|> and <|endoftext|>: what
+    config.json's and generation_config.json's eos_token_id list together)."""
+    ids = [
+        int(v)
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if (v := _value(reader, f"tokenizer.ggml.{key}", None)) is not None
+    ]
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is not None:
+        ids += [i for i, text in enumerate(field.contents()) if text in _EOG_TEXTS]
+    return tuple(dict.fromkeys(ids))
 
 
 def tensor_shapes(reader) -> dict[str, tuple[int, ...]]:
@@ -325,23 +340,67 @@ def _float(tensor) -> torch.Tensor:
         ) from None
 
 
+def _check_types(tensors) -> None:
+    """Every tensor's type is one gguf dequantizes (or F32 / F16 / BF16), checked before any is read."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    for t in tensors:
+        if t.tensor_type in (T.F32, T.F16, T.BF16):
+            continue
+        block_bytes = GGML_QUANT_SIZES.get(t.tensor_type, (0, 0))[1]
+        try:
+            dequantize(np.zeros((1, block_bytes), dtype=np.uint8), t.tensor_type)
+        except (NotImplementedError, ValueError):
+            raise GGUFError(
+                f"tensor {t.name} is {t.tensor_type.name}, which gguf {_gguf_version()} cannot dequantize; "
+                "nextn loads F32, F16, BF16, Q8_0 and the types gguf dequantizes"
+            ) from None
+
+
 def _gguf_version() -> str:
     from importlib.metadata import version
 
     return version("gguf")
 
 
-def _log_types(reader) -> None:
-    """One line naming the quantized types the file holds, and what becomes of them."""
+def _log_types(by_name: dict, plan: dict[str, list[str]], q8: set[str]) -> None:
+    """One line naming the quantized types the file holds and what becomes of them (nothing when
+    every tensor is F32, F16 or BF16)."""
     from gguf import GGMLQuantizationType as T
 
+    kept = sum(len(plan[key]) for key in q8)
     counts: dict[str, int] = {}
-    for t in reader.tensors:
+    for t in by_name.values():
         if t.tensor_type not in (T.F32, T.F16, T.BF16):
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    if counts.get("Q8_0", 0) > kept:
+        counts["Q8_0"] -= kept
+    else:
+        counts.pop("Q8_0", None)
+    parts = [f"{kept} Q8_0 tensors kept in Q8_0"] if kept else []
     if counts:
         listed = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
-        log.warning("GGUF tensors %s: dequantized at load to the model's dtype", listed)
+        parts.append(f"{listed} dequantized at load to the model's dtype (gguf.quants)")
+    if parts:
+        log.warning("%s: %s", "GGUF weights", "; ".join(parts))
+
+
+def _q8_keys(model, plan: dict[str, list[str]], by_name: dict, cfg: ModelConfig, arch: str) -> set[str]:
+    """The module weights that stay Q8_0: stored Q8_0 in the file, among those nextn's quantized
+    kernels read (the decoder layers' projections and experts, nextn.models.loader.fp8_at_load), and
+    changed by the converter in whole rows only (nextn.ops.q8_0 takes the blocks as they are)."""
+    from gguf import GGMLQuantizationType as T
+
+    from nextn.models.loader import fp8_at_load
+
+    quantizable = fp8_at_load(model)
+    return {
+        key
+        for key, names in plan.items()
+        if key in quantizable and all(by_name[n].tensor_type == T.Q8_0 for n in names) and _inverse(key, cfg, arch)[1]
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,10 +411,13 @@ def _log_types(reader) -> None:
 def load_gguf(
     path: str | Path, device: str, dtype: torch.dtype, quantization: str | None = None, tp: tuple[int, int] = (0, 1)
 ):
-    """The model of GGUF file `path` on `device` in `dtype`, every tensor checked against the
-    module's before the model is assembled; an unknown or missing tensor is an error naming it."""
-    from nextn.models.loader import check_tensors, fuse_weights, quantize_model
+    """The model of GGUF file `path` on `device` in `dtype` (Q8_0 projections kept in Q8_0), every
+    tensor checked against the module's before any is read; an unknown or missing tensor is an error
+    naming it. quantization "fp8": a file of F32 / F16 / BF16 weights quantized at load as a
+    safetensors checkpoint's (nextn.models.loader.quantize_model)."""
+    from nextn.models.loader import fuse_weights, quantize_model, use_fp8_modules
     from nextn.models.qwen3_5 import CausalLM
+    from nextn.ops.q8_0 import q8_0_from_blocks
 
     if tp[1] > 1:
         raise GGUFError(f"{path}: tensor parallelism does not load GGUF files; give the safetensors checkpoint")
@@ -366,8 +428,6 @@ def load_gguf(
     num_mtp = cfg.mtp_num_hidden_layers
     if num_mtp > 1:
         raise GGUFError(f"{path} has {num_mtp} NextN layers; nextn runs one")
-    if num_mtp == 0:
-        log.warning("%s has no NextN (MTP) block: plain decoding, no speculation", path)
     with torch.device("meta"):
         model = CausalLM(cfg, num_mtp_layers=num_mtp)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -376,25 +436,45 @@ def load_gguf(
     unknown = sorted(set(shapes) - used)
     if unknown:
         raise GGUFError(f"{path}: unknown tensor(s) {unknown[:8]}")
-    missing = sorted({name for names in plan.values() for name in names} - set(shapes))
+    missing = sorted(used - set(shapes))
     if missing:
         raise GGUFError(f"{path}: missing tensor(s) {missing[:8]}")
-    _log_types(reader)
     by_name = {t.name: t for t in reader.tensors}
+    _check_types(by_name.values())
+    q8 = _q8_keys(model, plan, by_name, cfg, arch)
+    if q8 and quantization is not None:
+        raise GGUFError(f"{path} holds Q8_0 weights: load it without quantization={quantization!r}")
+    if quantization not in (None, "fp8"):
+        raise GGUFError(f"quantization={quantization!r} does not apply to a GGUF file")
+    _log_types(by_name, plan, q8)
+    use_fp8_modules(model, frozenset(q8))
     t0 = time.perf_counter()
-    state = {}
     for key, names in tqdm(plan.items(), desc="loading", unit="tensor", disable=not log.isEnabledFor(logging.INFO)):
         fn, _ = _inverse(key, cfg, arch)
+        if key in q8:  # the converter's row moves applied to the blocks, then nextn's Q8_0 layout
+            w = q8_0_from_blocks(fn(*(torch.from_numpy(np.array(by_name[n].data)) for n in names)))
+            _check_shape(path, key, names, w.weight, expected[key])
+            _assign(model, key, w.weight.to(device))
+            _assign(model, key + "_scale", w.scale.to(device))
+            continue
         t = fn(*(_float(by_name[n]) for n in names))
-        if t.numel() != np.prod(expected[key]):
-            raise GGUFError(
-                f"{path}: {' + '.join(names)} of shape {tuple(t.shape)} cannot be nextn's {key} {expected[key]}"
-            )
-        state[key] = t.reshape(expected[key]).to(device=device, dtype=dtype)
-    check_tensors(model, {k: tuple(v.shape) for k, v in state.items()})
-    model.load_state_dict(state, strict=True, assign=True)
+        _check_shape(path, key, names, t, expected[key])
+        _assign(model, key, t.reshape(expected[key]).to(device=device, dtype=dtype))
     model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta).to(device)
+    if q8:
+        model.cfg = cfg = replace(cfg, quantization=QuantConfig("q8_0"))
     if quantization == "fp8":
         model = quantize_model(model)
     log.info("loaded %s on %s as %s in %.1f s", path, device, dtype, time.perf_counter() - t0)
     return fuse_weights(model.eval())
+
+
+def _check_shape(path, key: str, names: list[str], t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """t holds the module tensor's values (the converter squeezes a tensor's unit dims: a reshape restores them)."""
+    if t.numel() != int(np.prod(shape)) or (t.dim() == len(shape) and tuple(t.shape) != shape):
+        raise GGUFError(f"{path}: {' + '.join(names)} of shape {tuple(t.shape)} cannot be nextn's {key} {shape}")
+
+
+def _assign(model, key: str, t: torch.Tensor) -> None:
+    prefix, _, attr = key.rpartition(".")
+    setattr(model.get_submodule(prefix), attr, torch.nn.Parameter(t, requires_grad=False))
