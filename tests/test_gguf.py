@@ -25,7 +25,7 @@ from nextn.config.model import ModelConfig
 from nextn.hub import ModelNotFoundError, resolve_model
 from nextn.layers.attention import KV
 from nextn.layers.linear import FP8Linear
-from nextn.models.gguf import GGUFError, gguf_config, load_gguf
+from nextn.models.gguf import GGUFError, gguf_config
 from nextn.models.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -84,11 +84,11 @@ def test_f32_file_gives_the_checkpoints_config_and_logits(kind, request, tmp_pat
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def _q8_dequantized(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors with each that a Q8_0 file stores in Q8_0 replaced by its
-    dequantized value (gguf.quants both ways), in the checkpoint's layout: Q8_0 quantizes rows, so
-    only a column move (out_proj's V heads, tiled by the converter) needs undoing around it; and
-    those it stores in F16 (rows not whole blocks of 32), rounded so."""
+def _as_stored(tensors: dict[str, torch.Tensor], cfg: ModelConfig, qtype) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors as a file of `qtype` holds them, in the checkpoint's layout: each
+    stored in F16 or BF16 rounded so, each stored in Q8_0 replaced by its dequantized value
+    (gguf.quants both ways). Q8_0 quantizes rows, so only a column move (out_proj's V heads, tiled
+    by the converter) needs undoing around it."""
     arch = wg.ARCH_OF[cfg.family]
     tensor_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers + 1)
     nk, nv, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim
@@ -101,33 +101,38 @@ def _q8_dequantized(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[
     out = {}
     for name, t in tensors.items():
         parts = wg.gguf_tensors(name, t, cfg, tensor_map)
-        kinds = {wg.storage_type(new, tuple(v.squeeze().shape), name, T.Q8_0) for new, v in parts}
-        if kinds == {T.F16}:  # rows not whole blocks: the converter's F16 fallback
-            out[name] = t.half().float()
-        elif kinds != {T.Q8_0}:
-            out[name] = t
-        elif tiled and name.endswith("linear_attn.out_proj.weight"):
+        (kind,) = {wg.storage_type(new, tuple(v.squeeze().shape), name, qtype) for new, v in parts}
+        if kind in (T.F16, T.BF16):
+            out[name] = t.to(torch.float16 if kind == T.F16 else torch.bfloat16).float()
+        elif kind == T.Q8_0 and tiled and name.endswith("linear_attn.out_proj.weight"):
             tile = wg._reorder_v_heads(t, 1, nk, nv // nk, dv)
             out[name] = wg._reorder_v_heads(q8(tile), 1, nv // nk, nk, dv)
         else:
-            out[name] = q8(t)
+            out[name] = q8(t) if kind == T.Q8_0 else t
     return out
 
 
-@pytest.mark.parametrize("kind", sorted(CKPTS))
-def test_q8_0_file_gives_the_logits_of_its_dequantized_weights(kind, request, tmp_path):
+FILES = [(kind, qtype, True) for kind in sorted(CKPTS) for qtype in ("f16", "bf16", "q8_0")]
+FILES += [(kind, "q8_0", False) for kind in sorted(CKPTS)]
+
+
+@pytest.mark.parametrize(("kind", "qtype", "with_mtp"), FILES)
+def test_a_file_gives_the_logits_of_the_weights_it_stores(kind, qtype, with_mtp, request, tmp_path):
+    """F16 and BF16 weights load as they are, Q8_0 ones as they dequantize: the model equals the
+    safetensors checkpoint of those values, with its NextN block or without one."""
     ckpt = request.getfixturevalue(CKPTS[kind])
-    path = write(ckpt, tmp_path / f"{kind}-q8_0.gguf", T.Q8_0)
-    cfg = ModelConfig.from_hf(ckpt)
-    ref_dir = tmp_path / "dequantized"
+    tensors = _tensors(ckpt, with_mtp)
+    path = write(ckpt, tmp_path / f"{kind}-{qtype}.gguf", wg.TYPES[qtype], tensors=tensors)
+    ref_dir = tmp_path / "stored"
     shutil.copytree(ckpt, ref_dir)
-    hf.write_tensors(_q8_dequantized(_tensors(ckpt), cfg), ref_dir, None)
+    hf.write_tensors(_as_stored(tensors, ModelConfig.from_hf(ckpt), wg.TYPES[qtype]), ref_dir, None)
     ref = load_model(ref_dir, "cpu", "float32")
     model = load_model(path, "cpu", "float32")
-    # the decoder layers' projections stay Q8_0 (int8 values, fp16 scales): nextn.ops.q8_0's layout
-    kept = [m for m in model.modules() if isinstance(m, FP8Linear)]
-    assert kept and all(m.weight.dtype == torch.int8 for m in kept)
-    assert model.cfg.quantization.method == "q8_0"
+    assert (model.mtp is None) == (ref.mtp is None) == (not with_mtp)
+    if qtype == "q8_0":  # the decoder layers' projections stay Q8_0 (int8 values, fp16 scales: nextn.ops.q8_0)
+        kept = [m for m in model.modules() if isinstance(m, FP8Linear)]
+        assert kept and all(m.weight.dtype == torch.int8 for m in kept)
+        assert model.cfg.quantization.method == "q8_0"
     for a, b in zip(_logits(model, PROMPT), _logits(ref, PROMPT), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -205,7 +210,7 @@ def test_other_types_dequantize_with_one_line_and_unknown_ones_are_refused(dense
     junk = np.zeros((up.shape[0], up.shape[1] // block * nbytes), np.uint8)
     _copy_with(path, tmp_path / "q8_1.gguf", "blk.0.ffn_up.weight", junk, T.Q8_1)
     with pytest.raises(GGUFError, match=r"blk\.0\.ffn_up\.weight is Q8_1, which gguf .* cannot dequantize") as e:
-        load_gguf(tmp_path / "q8_1.gguf", "cpu", torch.float32)
+        load_model(tmp_path / "q8_1.gguf", "cpu", "float32")
     assert "\n" not in str(e.value)
 
 

@@ -73,7 +73,7 @@ from nextn.bench.sweeps import batched_runs, gate_entry, profiled_runs, sampled_
 from nextn.cache.pool import GiB
 from nextn.config import STEP_ROWS, EngineConfig, check_kernels, resolve_device, resolve_dtype
 from nextn.config.model import ModelConfig
-from nextn.models.loader import load_model
+from nextn.models.loader import load_model, model_config
 from nextn.models.qwen3_5 import CausalLM
 from nextn.models.random_weights import PRESETS, CacheQuery, random_model, weight_bytes, weight_bytes_per_token
 from nextn.ops import OPS
@@ -345,7 +345,7 @@ def _bench(args, cfg: BenchConfig, prompt_text: str | None) -> dict:
 def _model_config(args) -> ModelConfig:
     """The whole model's config: the --random-weights preset's or the checkpoint's (no weight read)."""
     if args.random_weights is None:
-        return ModelConfig.from_hf(args.model)
+        return model_config(args.model)
     if args.random_weights not in PRESETS:
         raise ValueError(f"unknown preset {args.random_weights!r}; choose from {sorted(PRESETS)}")
     return ModelConfig.from_dict(PRESETS[args.random_weights])

@@ -226,10 +226,6 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, model_dir: str | Path) -> ModelConfig:
-        if Path(model_dir).suffix.lower() == ".gguf":  # a llama.cpp file: its metadata (nextn.models.gguf)
-            from nextn.models.gguf import gguf_config
-
-            return gguf_config(model_dir)
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{model_dir}: no config.json")

@@ -38,7 +38,7 @@ from nextn.core import (
 from nextn.engine.engine import Engine, StreamEvent
 from nextn.engine.replica import Leader, follow
 from nextn.hub import resolve_model
-from nextn.models.loader import load_model
+from nextn.models.loader import load_model, model_config
 from nextn.models.random_weights import preset_config, random_model
 from nextn.parallel.launch import RankError, Ranks, check_ranks, initialized, rank, rank_device, start
 from nextn.spec.draft_vocab import DraftVocab, load_draft_vocab
@@ -413,7 +413,7 @@ def _start_ranks(args: EngineArgs, device: str, model_dir: Path | None) -> Ranks
 
 def _model_config(model_dir: Path | None, preset: str | None) -> ModelConfig:
     """The whole model's config: the random-weight preset's, else the checkpoint's."""
-    return preset_config(preset) if preset is not None else ModelConfig.from_hf(model_dir)
+    return preset_config(preset) if preset is not None else model_config(model_dir)
 
 
 def _follow(conn, args: EngineArgs) -> None:

@@ -12,27 +12,24 @@ Q8_0 stays quantized where nextn has its kernel (nextn.ops.q8_0), other quantize
 (Q4_K, Q6_K, IQ*, ...) are dequantized at load by gguf's own dequantizer, said in one log line; a
 type gguf cannot dequantize is a one-line error naming it.
 
-Does not read the tokenizer (nextn.gguf_tokenizer does) or find the file (nextn.hub does); the
-model it builds is nextn.models.qwen3_5's, fused like a safetensors checkpoint's
-(nextn.models.loader.fuse_weights).
+Does not read the tokenizer (nextn.gguf_tokenizer does), find the file (nextn.hub does) or build
+the model: nextn.models.loader.load_gguf asks this module for the plan and each module tensor and
+assembles the model as it does a safetensors checkpoint's.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from nextn.config import FULL, LINEAR
-from nextn.config.model import ConfigError, ModelConfig, QuantConfig
-from nextn.models.checkpoint import CheckpointError
+from nextn.config.model import ConfigError, ModelConfig
+from nextn.models.checkpoint import CheckpointError, regroup_next
 
 log = logging.getLogger(__name__)
 
@@ -279,8 +276,6 @@ def _inverse(key: str, cfg: ModelConfig, arch: str) -> tuple[Callable[[torch.Ten
     - Qwen2MoeModel.modify_tensors: experts stacked [E, ...] and gate_up_proj split into
       ffn_gate_exps and ffn_up_exps (joined again along the rows).
     """
-    from nextn.models.loader import regroup_next  # (the loader imports this module)
-
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     r, dk, dv = nv // max(1, nk), cfg.linear_key_head_dim, cfg.linear_value_head_dim
     untile = arch in ("qwen35", "qwen35moe") and nk != nv and ".linear_attn." in key
@@ -365,14 +360,56 @@ def _gguf_version() -> str:
     return version("gguf")
 
 
-def _log_types(by_name: dict, plan: dict[str, list[str]], q8: set[str]) -> None:
-    """One line naming the quantized types the file holds and what becomes of them (nothing when
-    every tensor is F32, F16 or BF16)."""
+# --------------------------------------------------------------------------------------------
+# What the loader (nextn.models.loader.load_gguf) asks of a file
+# --------------------------------------------------------------------------------------------
+
+
+def plan_tensors(reader, cfg: ModelConfig, expected) -> dict[str, list[str]]:
+    """Each module tensor (`expected`: the model's keys) -> the GGUF tensors it is made of; a file
+    tensor no module takes, or one a module needs and the file lacks, is an error naming it; every
+    tensor's type is checked readable before any is read."""
+    shapes = tensor_shapes(reader)
+    plan = {key: sources(key, cfg, shapes) for key in expected}
+    used = {name for names in plan.values() for name in names}
+    unknown = sorted(set(shapes) - used)
+    if unknown:
+        raise GGUFError(f"unknown tensor(s) in the GGUF file: {unknown[:8]}")
+    missing = sorted(used - set(shapes))
+    if missing:
+        raise GGUFError(f"missing tensor(s) in the GGUF file: {missing[:8]}")
+    _check_types(reader.tensors)
+    return plan
+
+
+def is_q8_0(reader, key: str, names: list[str], cfg: ModelConfig) -> bool:
+    """Whether module tensor `key` can stay Q8_0: every GGUF tensor it is made of is Q8_0, and the
+    converter changed it in whole rows only (so its blocks are nextn.ops.q8_0's as they are)."""
     from gguf import GGMLQuantizationType as T
 
-    kept = sum(len(plan[key]) for key in q8)
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    arch = _value(reader, "general.architecture")
+    return all(types[n] == T.Q8_0 for n in names) and _inverse(key, cfg, arch)[1]
+
+
+def module_tensor(reader, key: str, names: list[str], cfg: ModelConfig, blocks: bool = False) -> torch.Tensor:
+    """Module tensor `key` from its GGUF tensors, the converter's changes undone: float values
+    (F32 / F16 / BF16 as stored, other types dequantized), or with `blocks` (is_q8_0) the Q8_0
+    bytes uint8 [..., N, K / 32 * 34] with their rows moved back."""
+    by_name = {t.name: t for t in reader.tensors if t.name in names}
+    fn, _ = _inverse(key, cfg, _value(reader, "general.architecture"))
+    if blocks:
+        return fn(*(torch.from_numpy(np.array(by_name[n].data)) for n in names))
+    return fn(*(_float(by_name[n]) for n in names))
+
+
+def log_types(reader, kept: int) -> None:
+    """One line naming the quantized types the file holds and what becomes of them (`kept`: the Q8_0
+    tensors that stay Q8_0); nothing when every tensor is F32, F16 or BF16."""
+    from gguf import GGMLQuantizationType as T
+
     counts: dict[str, int] = {}
-    for t in by_name.values():
+    for t in reader.tensors:
         if t.tensor_type not in (T.F32, T.F16, T.BF16):
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
     if counts.get("Q8_0", 0) > kept:
@@ -384,97 +421,4 @@ def _log_types(by_name: dict, plan: dict[str, list[str]], q8: set[str]) -> None:
         listed = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
         parts.append(f"{listed} dequantized at load to the model's dtype (gguf.quants)")
     if parts:
-        log.warning("%s: %s", "GGUF weights", "; ".join(parts))
-
-
-def _q8_keys(model, plan: dict[str, list[str]], by_name: dict, cfg: ModelConfig, arch: str) -> set[str]:
-    """The module weights that stay Q8_0: stored Q8_0 in the file, among those nextn's quantized
-    kernels read (the decoder layers' projections and experts, nextn.models.loader.fp8_at_load), and
-    changed by the converter in whole rows only (nextn.ops.q8_0 takes the blocks as they are)."""
-    from gguf import GGMLQuantizationType as T
-
-    from nextn.models.loader import fp8_at_load
-
-    quantizable = fp8_at_load(model)
-    return {
-        key
-        for key, names in plan.items()
-        if key in quantizable and all(by_name[n].tensor_type == T.Q8_0 for n in names) and _inverse(key, cfg, arch)[1]
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
-
-
-def load_gguf(
-    path: str | Path, device: str, dtype: torch.dtype, quantization: str | None = None, tp: tuple[int, int] = (0, 1)
-):
-    """The model of GGUF file `path` on `device` in `dtype` (Q8_0 projections kept in Q8_0), every
-    tensor checked against the module's before any is read; an unknown or missing tensor is an error
-    naming it. quantization "fp8": a file of F32 / F16 / BF16 weights quantized at load as a
-    safetensors checkpoint's (nextn.models.loader.quantize_model)."""
-    from nextn.models.loader import fuse_weights, quantize_model, use_fp8_modules
-    from nextn.models.qwen3_5 import CausalLM
-    from nextn.ops.q8_0 import q8_0_from_blocks
-
-    if tp[1] > 1:
-        raise GGUFError(f"{path}: tensor parallelism does not load GGUF files; give the safetensors checkpoint")
-    reader = open_gguf(path)
-    cfg = gguf_config(reader)
-    arch = _value(reader, "general.architecture")
-    shapes = tensor_shapes(reader)
-    num_mtp = cfg.mtp_num_hidden_layers
-    if num_mtp > 1:
-        raise GGUFError(f"{path} has {num_mtp} NextN layers; nextn runs one")
-    with torch.device("meta"):
-        model = CausalLM(cfg, num_mtp_layers=num_mtp)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    plan = {key: sources(key, cfg, shapes) for key in expected}
-    used = {name for names in plan.values() for name in names}
-    unknown = sorted(set(shapes) - used)
-    if unknown:
-        raise GGUFError(f"{path}: unknown tensor(s) {unknown[:8]}")
-    missing = sorted(used - set(shapes))
-    if missing:
-        raise GGUFError(f"{path}: missing tensor(s) {missing[:8]}")
-    by_name = {t.name: t for t in reader.tensors}
-    _check_types(by_name.values())
-    q8 = _q8_keys(model, plan, by_name, cfg, arch)
-    if q8 and quantization is not None:
-        raise GGUFError(f"{path} holds Q8_0 weights: load it without quantization={quantization!r}")
-    if quantization not in (None, "fp8"):
-        raise GGUFError(f"quantization={quantization!r} does not apply to a GGUF file")
-    _log_types(by_name, plan, q8)
-    use_fp8_modules(model, frozenset(q8))
-    t0 = time.perf_counter()
-    for key, names in tqdm(plan.items(), desc="loading", unit="tensor", disable=not log.isEnabledFor(logging.INFO)):
-        fn, _ = _inverse(key, cfg, arch)
-        if key in q8:  # the converter's row moves applied to the blocks, then nextn's Q8_0 layout
-            w = q8_0_from_blocks(fn(*(torch.from_numpy(np.array(by_name[n].data)) for n in names)))
-            _check_shape(path, key, names, w.weight, expected[key])
-            _assign(model, key, w.weight.to(device))
-            _assign(model, key + "_scale", w.scale.to(device))
-            continue
-        t = fn(*(_float(by_name[n]) for n in names))
-        _check_shape(path, key, names, t, expected[key])
-        _assign(model, key, t.reshape(expected[key]).to(device=device, dtype=dtype))
-    model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta).to(device)
-    if q8:
-        model.cfg = cfg = replace(cfg, quantization=QuantConfig("q8_0"))
-    if quantization == "fp8":
-        model = quantize_model(model)
-    log.info("loaded %s on %s as %s in %.1f s", path, device, dtype, time.perf_counter() - t0)
-    return fuse_weights(model.eval())
-
-
-def _check_shape(path, key: str, names: list[str], t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    """t holds the module tensor's values (the converter squeezes a tensor's unit dims: a reshape restores them)."""
-    if t.numel() != int(np.prod(shape)) or (t.dim() == len(shape) and tuple(t.shape) != shape):
-        raise GGUFError(f"{path}: {' + '.join(names)} of shape {tuple(t.shape)} cannot be nextn's {key} {shape}")
-
-
-def _assign(model, key: str, t: torch.Tensor) -> None:
-    prefix, _, attr = key.rpartition(".")
-    setattr(model.get_submodule(prefix), attr, torch.nn.Parameter(t, requires_grad=False))
+        log.warning("GGUF weights: %s", "; ".join(parts))

@@ -27,12 +27,19 @@ converted to nextn's layout as they stream in; the modules a checkpoint keeps in
 (128x128 blocks), except the few a published FP8 checkpoint keeps (`KEEP_BF16`); lm_head, the
 embeddings and the MTP head stay in the checkpoint's dtype.
 
-Does not parse the files' headers or map checkpoint keys to module names: nextn.models.checkpoint does.
+GGUF files (llama.cpp's, `load_gguf`): nextn.models.gguf gives the hyperparameters, the tensors each
+module tensor is made of and their values with the converter's changes undone; the Q8_0 weights of
+the projections FP8 would quantize stay Q8_0 (FP8Linear / FP8Experts holding nextn.ops.q8_0's
+layout), the rest load in the model's dtype. `model_config` is either kind's ModelConfig.
+
+Does not parse the files' headers or map checkpoint keys to module names: nextn.models.checkpoint
+(and nextn.models.gguf) do.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -45,15 +52,16 @@ from nextn.config import check_quantization, resolve_device, resolve_dtype
 from nextn.config.model import ModelConfig, QuantConfig
 from nextn.layers.ffn import Experts, FP8Experts
 from nextn.layers.linear import FP8Linear, Linear
+from nextn.models import gguf
 from nextn.models.checkpoint import (
     CheckpointError,
     CheckpointPlan,
     Slot,
     count_mtp_layers,
     plan_checkpoint,
+    regroup_next,
     safetensor_files,
 )
-from nextn.models.gguf import gguf_config, is_gguf, load_gguf
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.fp8 import E4M3, FP8Weight, block_scale, channel_scale, quantize, scale_shape
 
@@ -69,22 +77,6 @@ FUSED = (
 # Linear modules of the decoder layers that quantization="fp8" leaves in bf16, as the published FP8
 # checkpoints do: the GDN gate projections (one row per value head) and the shared-expert gate
 KEEP_BF16 = ("in_proj_a", "in_proj_b", "in_proj_ba", "shared_expert_gate")
-
-
-def regroup_next(name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Qwen3-Next's GDN projections, grouped per key head in the checkpoint, in the Qwen3.5 row order
-    (a weight's rows; the columns of its scales in nextn's layout)."""
-    base = name.removesuffix("_scale")
-    nk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    r = cfg.linear_num_value_heads // max(1, nk)
-    if base.endswith("linear_attn.in_proj_qkvz.weight"):
-        sizes = [dk, dk, r * dv, r * dv]
-    elif base.endswith("linear_attn.in_proj_ba.weight"):
-        sizes = [r, r]
-    else:
-        return t
-    parts = torch.arange(nk * sum(sizes)).view(nk, -1).split(sizes, dim=1)
-    return t.index_select(-1 if name.endswith("_scale") else 0, torch.cat([p.reshape(-1) for p in parts]))
 
 
 def fp8_at_load(model: CausalLM) -> frozenset[str]:
@@ -248,10 +240,10 @@ def load_model(
     the model under tensor parallelism (its config is `ModelConfig.shard(rank, size)`)."""
     check_quantization(quantization)
     model_dir = Path(model_dir)
-    if is_gguf(model_dir):  # a llama.cpp file: its own reader (nextn.models.gguf)
+    if gguf.is_gguf(model_dir):  # a llama.cpp file: its own reader (nextn.models.gguf)
         device = resolve_device(device)
-        dtype = resolve_dtype(dtype, device, gguf_config(model_dir).dtype)
-        return load_gguf(model_dir, device, DTYPES[dtype], quantization, tp)
+        dtype = resolve_dtype(dtype, device, gguf.gguf_config(model_dir).dtype)
+        return load_gguf(model_dir, device, dtype, quantization, tp)
     cfg = ModelConfig.from_hf(model_dir)
     if quantization == "fp8" and cfg.quantization is None:
         cfg = replace(cfg, quantization=QuantConfig("fp8", (128, 128), at_load=True))
@@ -343,3 +335,61 @@ def check_tensors(model: CausalLM, shapes: dict[str, tuple[int, ...]]) -> None:
     for name, shape in expected.items():
         if tuple(shapes[name]) != shape:
             raise CheckpointError(f"tensor {name} has shape {tuple(shapes[name])}, expected {shape}")
+
+
+def model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory (its config.json) or of a GGUF file (its metadata)."""
+    return gguf.gguf_config(path) if gguf.is_gguf(path) else ModelConfig.from_hf(path)
+
+
+def load_gguf(path: Path, device: str, dtype: str, quantization: str | None = None, tp: tuple[int, int] = (0, 1)):
+    """A GGUF file's model on `device` in `dtype` (nextn.models.gguf reads and maps its tensors): the
+    Q8_0 weights of the projections nextn's quantized kernels read (fp8_at_load's) stay Q8_0
+    (FP8Linear / FP8Experts holding nextn.ops.q8_0's layout), every other tensor in `dtype`.
+    quantization "fp8": a file of F32 / F16 / BF16 weights quantized at load (quantize_model)."""
+    from nextn.ops.q8_0 import q8_0_from_blocks
+
+    if tp[1] > 1:
+        raise CheckpointError(f"{path}: tensor parallelism does not load GGUF files; give the safetensors checkpoint")
+    reader = gguf.open_gguf(path)
+    cfg = gguf.gguf_config(reader)
+    if cfg.mtp_num_hidden_layers > 1:
+        raise CheckpointError(f"{path} has {cfg.mtp_num_hidden_layers} NextN layers; nextn runs one")
+    with torch.device("meta"):
+        model = CausalLM(cfg, num_mtp_layers=cfg.mtp_num_hidden_layers)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    plan = gguf.plan_tensors(reader, cfg, expected)
+    q8 = frozenset(key for key in fp8_at_load(model) if gguf.is_q8_0(reader, key, plan[key], cfg))
+    if q8 and quantization is not None:
+        raise CheckpointError(f"{path} holds Q8_0 weights: load it without quantization={quantization!r}")
+    gguf.log_types(reader, sum(len(plan[key]) for key in q8))
+    use_fp8_modules(model, q8)
+    t0 = time.perf_counter()
+    for key, names in tqdm(plan.items(), desc="loading", unit="tensor", disable=not log.isEnabledFor(logging.INFO)):
+        t = gguf.module_tensor(reader, key, names, cfg, blocks=key in q8)
+        if key in q8:  # the converter's row moves undone on the blocks, then nextn's Q8_0 layout
+            w = q8_0_from_blocks(t)
+            _check_gguf_shape(key, names, w.weight, expected[key])
+            _assign(model, key, w.weight.to(device))
+            _assign(model, key + "_scale", w.scale.to(device))
+        else:
+            _check_gguf_shape(key, names, t, expected[key])
+            _assign(model, key, t.reshape(expected[key]).to(device=device, dtype=DTYPES[dtype]))
+    model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta).to(device)
+    if q8:
+        model.cfg = replace(cfg, quantization=QuantConfig("q8_0"))
+    if quantization == "fp8":
+        model = quantize_model(model)
+    log.info("loaded %s on %s as %s in %.1f s", path, device, dtype, time.perf_counter() - t0)
+    return fuse_weights(model.eval())
+
+
+def _check_gguf_shape(key: str, names: list[str], t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """t holds module tensor `key`'s values (the converter squeezes unit dims: a reshape restores them)."""
+    if t.numel() != math.prod(shape) or (t.dim() == len(shape) and tuple(t.shape) != shape):
+        raise CheckpointError(f"GGUF {' + '.join(names)} of shape {tuple(t.shape)} cannot be nextn's {key} {shape}")
+
+
+def _assign(model: CausalLM, key: str, t: torch.Tensor) -> None:
+    prefix, _, attr = key.rpartition(".")
+    setattr(model.get_submodule(prefix), attr, torch.nn.Parameter(t, requires_grad=False))
