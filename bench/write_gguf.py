@@ -192,7 +192,9 @@ def write_gguf(path: Path, cfg: ModelConfig, source: Source, qtype: T, tokenizer
     if tokenizer_dir is not None:
         from nextn.gguf_tokenizer import write_vocab
 
-        write_vocab(writer, Path(tokenizer_dir))  # its eos too (tokenizer_config.json's, as SpecialVocab takes it)
+        # its eos too (tokenizer_config.json's, as SpecialVocab takes it); the token list padded to the
+        # embedding's rows, as the converter's get_vocab_base pads it ([PAD{i}])
+        write_vocab(writer, Path(tokenizer_dir), vocab_size=cfg.vocab_size)
     elif cfg.eos_token_ids:
         writer.add_eos_token_id(cfg.eos_token_ids[0])
     plan = []
@@ -282,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where weights are drawn")
     args = p.parse_args(argv)
+    if not args.out.resolve().parent.is_dir():
+        p.error(f"--out {args.out}: its folder does not exist")
     cfg = preset_config(args.preset) if args.preset else ModelConfig.from_dict(json.loads(args.config.read_text()))
     if cfg.family not in ARCH_OF:
         p.error(f"family {cfg.family} has no llama.cpp architecture")

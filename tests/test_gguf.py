@@ -25,8 +25,11 @@ from nextn.config.model import ModelConfig
 from nextn.hub import ModelNotFoundError, resolve_model
 from nextn.layers.attention import KV
 from nextn.layers.linear import FP8Linear
+from nextn.models import gguf as gguf_reader
 from nextn.models.gguf import GGUFError, gguf_config
 from nextn.models.loader import load_model
+from nextn.ops.fp8 import dequantize
+from nextn.ops.q8_0 import q8_0_from_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import write_gguf as wg  # noqa: E402
@@ -135,6 +138,23 @@ def test_a_file_gives_the_logits_of_the_weights_it_stores(kind, qtype, with_mtp,
         assert model.cfg.quantization.method == "q8_0"
     for a, b in zip(_logits(model, PROMPT), _logits(ref, PROMPT), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_out_proj_v_heads_move_back_as_whole_q8_0_blocks():
+    """Value heads 32 columns wide or more (every released shape's are 128; the fixtures' 16 are
+    dequantized instead): out_proj's V heads, tiled by the converter, are moved back block by block,
+    so the weight stays Q8_0 and dequantizes to the values the file holds, in the checkpoint's order."""
+    cfg = replace(ModelConfig.from_dict(hf.text_config("dense").to_dict()), linear_value_head_dim=64)
+    nk, nv, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    fn, on_blocks = gguf_reader._inverse("model.layers.0.linear_attn.out_proj.weight", cfg, "qwen35")
+    w = torch.randn(cfg.hidden_size, nv * dv)
+    raw = gguf.quants.quantize(wg._reorder_v_heads(w, 1, nk, nv // nk, dv).numpy(), T.Q8_0)
+    kept = q8_0_from_blocks(on_blocks(torch.from_numpy(raw)))
+    want = fn(torch.from_numpy(gguf.quants.dequantize(raw, T.Q8_0)))
+    assert torch.equal(dequantize(kept.weight, kept.scale, torch.float32), want)
+    torch.testing.assert_close(want, w, rtol=0, atol=0.02)  # the checkpoint's order, to Q8_0's precision
+    small = replace(cfg, linear_value_head_dim=16)
+    assert gguf_reader._inverse("model.layers.0.linear_attn.out_proj.weight", small, "qwen35")[1] is None
 
 
 def _generate(llm, prompt, max_tokens=24):

@@ -108,7 +108,7 @@ class LLM:
                 f"tokenizer {tokenizer_dir} has {self.tokenizer.vocab_size} tokens, more than the "
                 f"vocab_size {cfg.vocab_size} of {source}"
             )
-        limit_where = source if preset is not None else model_dir / "config.json"
+        limit_where = source if preset is not None or model_dir.is_file() else model_dir / "config.json"
         max_len = _max_model_len(args.max_model_len, cfg.max_position_embeddings, limit_where)
         draft_vocab = (
             None if args.draft_vocab is None else _draft_vocab(args.draft_vocab, cfg.vocab_size, self.tokenizer)

@@ -254,9 +254,14 @@ def _swap_heads(t: torch.Tensor, dim: int, a: int, b: int, head_dim: int) -> tor
     return t.transpose(dim, dim + 1).reshape(shape)
 
 
-def _inverse(key: str, cfg: ModelConfig, arch: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool]:
-    """(the function that turns the GGUF tensor(s), joined, back into the checkpoint's, whether it
-    only moves whole rows: then it applies to Q8_0 blocks as they are).
+Inverse = Callable[..., torch.Tensor]
+
+
+def _inverse(key: str, cfg: ModelConfig, arch: str) -> tuple[Inverse, Inverse | None]:
+    """(the function that turns the GGUF tensor(s), joined, back into the checkpoint's; the one that
+    does it to Q8_0 bytes uint8 [..., N, K / 32 * 34], or None where the change is not a move of
+    whole rows or whole 32-column blocks: a row move is the same function, a block move permutes
+    the blocks).
 
     The changes convert_hf_to_gguf.py makes, undone here:
     - Qwen3NextModel.modify_tensors (Qwen3.5 inherits it through _LinearAttentionVReorderBase):
@@ -284,30 +289,48 @@ def _inverse(key: str, cfg: ModelConfig, arch: str) -> tuple[Callable[[torch.Ten
         return _swap_heads(t, dim, r, nk, head_dim) if untile else t
 
     if key.endswith(("gate_up_proj", "linear_attn.in_proj_qkvz.weight")):
-        return (lambda *ts: torch.cat(ts, dim=-2)), True
+        join = lambda *ts: torch.cat(ts, dim=-2)  # noqa: E731
+        return join, join
     if key.endswith("linear_attn.in_proj_ba.weight"):  # the checkpoint's rows, regrouped as the loader does
-        return (lambda t: regroup_next(key, t, cfg)), True
+        regroup = lambda t: regroup_next(key, t, cfg)  # noqa: E731
+        return regroup, regroup
     if (key.endswith("norm.weight") and not key.endswith("linear_attn.norm.weight")) or key.startswith(
         "mtp.pre_fc_norm_"
     ):  # the RMSNorms stored around 0 (the NextN block's enorm and hnorm too: _Qwen35MtpMixin renames them *norm)
-        return (lambda t: t.float() - 1), False
+        return (lambda t: t.float() - 1), None
     if key.endswith("linear_attn.in_proj_qkv.weight"):
         q = 2 * nk * dk
-        return (lambda t: torch.cat([t[:q], heads(t[q:], 0, dv)])), True
+        qkv = lambda t: torch.cat([t[:q], heads(t[q:], 0, dv)])  # noqa: E731
+        return qkv, qkv
     if key.endswith("linear_attn.in_proj_z.weight"):
-        return (lambda t: heads(t, 0, dv)), True
+        z = lambda t: heads(t, 0, dv)  # noqa: E731
+        return z, z
     if key.endswith(("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight")):
-        return (lambda t: heads(t, 0, 1)), True
+        ab = lambda t: heads(t, 0, 1)  # noqa: E731
+        return ab, ab
     if key.endswith("linear_attn.A_log"):
-        return (lambda t: heads(torch.log(-t.float()), 0, 1)), False
+        return (lambda t: heads(torch.log(-t.float()), 0, 1)), None
     if key.endswith("linear_attn.dt_bias"):
-        return (lambda t: heads(t, 0, 1)), False
+        return (lambda t: heads(t, 0, 1)), None
     if key.endswith("linear_attn.conv1d.weight"):
         q = 2 * nk * dk
-        return (lambda t: torch.cat([t[:q], heads(t[q:], 0, dv)]).unsqueeze(1)), False
-    if key.endswith("linear_attn.out_proj.weight"):
-        return (lambda t: heads(t, 1, dv)), not untile
-    return (lambda t: t), True
+        return (lambda t: torch.cat([t[:q], heads(t[q:], 0, dv)]).unsqueeze(1)), None
+    if key.endswith("linear_attn.out_proj.weight"):  # V heads in the columns: whole blocks when dv % 32 == 0
+        if not untile:
+            return (lambda t: t), (lambda t: t)
+        return (lambda t: heads(t, 1, dv)), (_column_blocks(lambda b: heads(b, 1, dv // 32)) if dv % 32 == 0 else None)
+    return (lambda t: t), (lambda t: t)
+
+
+def _column_blocks(move: Callable[[torch.Tensor], torch.Tensor]) -> Inverse:
+    """A move of whole 32-column blocks (`move` of a tensor [..., N, K / 32, 34] along dim 1) as a
+    function of Q8_0 bytes [..., N, K / 32 * 34]."""
+
+    def on_bytes(raw: torch.Tensor) -> torch.Tensor:
+        *lead, n, row_bytes = raw.shape
+        return move(raw.reshape(*lead, n, row_bytes // 34, 34)).reshape(raw.shape)
+
+    return on_bytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,22 +407,23 @@ def plan_tensors(reader, cfg: ModelConfig, expected) -> dict[str, list[str]]:
 
 def is_q8_0(reader, key: str, names: list[str], cfg: ModelConfig) -> bool:
     """Whether module tensor `key` can stay Q8_0: every GGUF tensor it is made of is Q8_0, and the
-    converter changed it in whole rows only (so its blocks are nextn.ops.q8_0's as they are)."""
+    converter moved whole rows or whole 32-column blocks only (so its blocks, moved back, are
+    nextn.ops.q8_0's)."""
     from gguf import GGMLQuantizationType as T
 
     types = {t.name: t.tensor_type for t in reader.tensors}
     arch = _value(reader, "general.architecture")
-    return all(types[n] == T.Q8_0 for n in names) and _inverse(key, cfg, arch)[1]
+    return all(types[n] == T.Q8_0 for n in names) and _inverse(key, cfg, arch)[1] is not None
 
 
 def module_tensor(reader, key: str, names: list[str], cfg: ModelConfig, blocks: bool = False) -> torch.Tensor:
     """Module tensor `key` from its GGUF tensors, the converter's changes undone: float values
     (F32 / F16 / BF16 as stored, other types dequantized), or with `blocks` (is_q8_0) the Q8_0
-    bytes uint8 [..., N, K / 32 * 34] with their rows moved back."""
+    bytes uint8 [..., N, K / 32 * 34] with their rows (or whole blocks) moved back."""
     by_name = {t.name: t for t in reader.tensors if t.name in names}
-    fn, _ = _inverse(key, cfg, _value(reader, "general.architecture"))
+    fn, on_blocks = _inverse(key, cfg, _value(reader, "general.architecture"))
     if blocks:
-        return fn(*(torch.from_numpy(np.array(by_name[n].data)) for n in names))
+        return on_blocks(*(torch.from_numpy(np.array(by_name[n].data)) for n in names))
     return fn(*(_float(by_name[n]) for n in names))
 
 
