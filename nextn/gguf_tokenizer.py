@@ -91,7 +91,7 @@ def tokenizer_from_gguf(reader: GGUFReader) -> Tokenizer:
     model = _field(reader, Keys.Tokenizer.MODEL)
     if model != "gpt2":
         raise GGUFTokenizerError(f"tokenizer.ggml.model {model!r}: nextn reads only 'gpt2' (byte-level BPE)")
-    pre = _field(reader, Keys.Tokenizer.PRE, "")
+    pre = _field(reader, Keys.Tokenizer.PRE)
     if pre not in PRE_TOKENIZERS:
         raise GGUFTokenizerError(
             f"tokenizer.ggml.pre {pre!r}: not a pre-tokenizer nextn knows ({', '.join(sorted(PRE_TOKENIZERS))})"
