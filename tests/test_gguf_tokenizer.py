@@ -25,7 +25,7 @@ from nextn.gguf_tokenizer import (
     tokenizer_from_gguf,
     write_vocab,
 )
-from nextn.tokenizer import Tokenizer
+from nextn.tokenizer import Tokenizer, TokenizerError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,6 +129,7 @@ def test_the_gguf_holds_the_vocabulary_as_llama_cpp_reads_it(bundled_gguf):
 
 def test_the_chat_template_and_eos_come_back(bundled_gguf):
     directory, from_gguf = Tokenizer(DEFAULT_MODEL_DIR), Tokenizer.from_gguf(bundled_gguf)
+    assert Tokenizer.from_gguf(gguf.GGUFReader(bundled_gguf)).to_str() == from_gguf.to_str()  # an open reader
     config = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
     assert chat_template_from_gguf(gguf.GGUFReader(bundled_gguf)) == config["chat_template"]
     assert from_gguf.chat_template == directory.chat_template
@@ -183,6 +184,8 @@ def test_an_unknown_pre_name_or_model_is_refused_by_name(tmp_path, bundled_gguf,
     assert str(e.value) == error
     with pytest.raises(ValueError, match="not a pre-tokenizer nextn knows|reads only 'gpt2'|has no"):
         Tokenizer.from_gguf(path)  # a ValueError: the CLI's one-line error
+    with pytest.raises(TokenizerError, match="not a GGUF file gguf reads"):
+        Tokenizer.from_gguf(DEFAULT_MODEL_DIR / "tokenizer.json")
 
 
 def test_a_tokenizer_json_without_a_known_split_is_not_written(tmp_path):
