@@ -20,8 +20,8 @@ two settings that change ids, which `write_vocab` records under keys of nextn's 
 it does not know) when the tokenizer.json differs from llama.cpp, and the reader takes over llama.cpp's:
 - IGNORE_MERGES_KEY: a pre-token that is a vocabulary entry is one token, as tiktoken encodes. A
   tokenizer.json converted from tiktoken ranks (bench/qwen_tokenizer.py) sets it where llama.cpp's
-  `qwen35` does not, and some words split differently (201 of Qwen3.5's 248,044 tokens are not reached
-  by their merges).
+  `qwen35` does not, and some words split differently (its merges do not reach 201 of its 248,044
+  tokens, " seputar" among them).
 - NORMALIZED_KEY: the ids of added tokens matched in the NFC-normalized text, not the raw text llama.cpp
   matches in (nextn's trained vocabulary has its `<think>`-style tokens so: `<think>` followed by U+0338
   differs).
@@ -91,7 +91,7 @@ def tokenizer_from_gguf(reader: GGUFReader) -> Tokenizer:
     model = _field(reader, Keys.Tokenizer.MODEL)
     if model != "gpt2":
         raise GGUFTokenizerError(f"tokenizer.ggml.model {model!r}: nextn reads only 'gpt2' (byte-level BPE)")
-    pre = _field(reader, Keys.Tokenizer.PRE, "")
+    pre = _field(reader, Keys.Tokenizer.PRE)
     if pre not in PRE_TOKENIZERS:
         raise GGUFTokenizerError(
             f"tokenizer.ggml.pre {pre!r}: not a pre-tokenizer nextn knows ({', '.join(sorted(PRE_TOKENIZERS))})"

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 
 class TokenizerError(ValueError):
@@ -40,17 +44,19 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> Tokenizer:
+    def from_gguf(cls, source: str | Path | GGUFReader) -> Tokenizer:
         """The tokenizer, chat template and eos token of a GGUF file (`tokenizer.ggml.*`,
-        `tokenizer.chat_template`); `config` is empty (a GGUF has no tokenizer_config.json)."""
+        `tokenizer.chat_template`): a path, or a gguf.GGUFReader already open (parsing a 248k-token
+        vocabulary's metadata takes seconds: a model loader passes its own). `config` is empty (a GGUF has
+        no tokenizer_config.json)."""
         from gguf import GGUFReader, Keys
 
         from nextn.gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
 
         try:
-            reader = GGUFReader(path)
+            reader = source if isinstance(source, GGUFReader) else GGUFReader(source)
         except (ValueError, OSError) as e:  # the reader raises ValueError for a file that is not GGUF
-            raise TokenizerError(f"{path}: not a GGUF file gguf reads ({e})") from None
+            raise TokenizerError(f"{source}: not a GGUF file gguf reads ({e})") from None
         self = cls.__new__(cls)
         self._tok, self.config = tokenizer_from_gguf(reader), {}
         self.chat_template = chat_template_from_gguf(reader)
