@@ -220,3 +220,74 @@ def test_quantization_q8_0_at_load(src, request):
 def test_quantization_names_q8_0():
     with pytest.raises(ValueError, match="fp8 or q8_0"):
         check_quantization("q4_k")
+
+
+# ---------------------------------------------------------------------------------------------
+# the MoE kernels over Q8_0 experts
+
+
+def _q8_stack(g, *shape):
+    """Q8_0 weights and their dequantized float32 copy."""
+    q = q8_0_quantize(torch.randn(*shape, generator=g, device=DEVICE) * shape[-1] ** -0.5)
+    return q, dequantize(q.weight, q.scale, torch.float32)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit on the interpreter; on a GPU an int8 tile's in-tile sums may add in another order
+    than its dequantized copy's (test_fp8_moe's rule)."""
+    if not CUDA:
+        return torch.equal(a, b)
+    tol = 1e-5 if a.dtype == torch.float32 else 2**-7
+    return bool(((a.float() - b.float()).abs() <= tol * (1 + b.float().abs())).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_0_moe_decode_block_computes_its_dequantized_weights(dtype):
+    """The decode block (nextn.ops.triton_moe) over Q8_0 experts and shared expert: the same kernels
+    over the dequantized copies (I of three 32-column groups, a partial k tile), each row alone bit
+    for bit its row of the batch; a mix of formats is an error naming it."""
+    from nextn.ops.fp8 import quantize
+    from nextn.ops.triton_moe import moe_step
+
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    E, k, H, I, Is, T = 8, 2, 64, 96, 64, 3
+    (gu8, gu), (dn8, dn) = _q8_stack(g, E, 2 * I, H), _q8_stack(g, E, H, I)
+    shared = [_q8_stack(g, *shape) for shape in ((Is, H), (Is, H), (H, Is))]
+    gates = (torch.randn(E + 1, H, generator=g, device=DEVICE) * H**-0.5).to(dtype)
+    x, norm = torch.randn(T, H, generator=g, device=DEVICE).to(dtype), torch.zeros(H, device=DEVICE, dtype=dtype)
+
+    def run(rows, *ws):
+        return moe_step(rows, norm, 1e-6, gates, *ws, k, True)
+
+    q8 = (gu8, dn8, *(q for q, _ in shared))
+    out = run(x, *q8)
+    assert _same(out, run(x, *(w.to(dtype) for w in (gu, dn, *(d for _, d in shared)))))
+    for t in range(T):
+        assert torch.equal(run(x[t : t + 1], *q8)[0], out[t]), t
+    fp8_shared = [quantize(d) for _, d in shared]
+    with pytest.raises(ValueError, match="share one format"):
+        run(x, gu8, dn8, *fp8_shared)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_0_grouped_experts_compute_their_dequantized_weights(dtype):
+    """The prefill's grouped GEMMs read int8 experts, each k tile of two 32-column groups dequantized
+    as `dequantize` does: the grouped GEMMs over the dequantized copies (bit for bit on the
+    interpreter) and the reference's values; the reference over Q8_0 weights (a routed expert
+    dequantized at a time) bit for bit the reference over the dequantized stack."""
+    from nextn.ops.moe import routed_experts
+    from nextn.ops.triton_moe_grouped import grouped_experts
+
+    g = torch.Generator(device=DEVICE).manual_seed(6)
+    E, k, H, I, N = 8, 2, 64, 96, 9
+    (gu8, gu), (dn8, dn) = _q8_stack(g, E, 2 * I, H), _q8_stack(g, E, H, I)
+    gu, dn = gu.to(dtype), dn.to(dtype)
+    x = torch.randn(N, H, generator=g, device=DEVICE).to(dtype)
+    top_w, top_idx = torch.topk(torch.softmax(torch.randn(N, E, generator=g, device=DEVICE), -1), k, dim=-1)
+    top_w = (top_w / top_w.sum(-1, keepdim=True)).to(dtype)
+    out = grouped_experts(x, top_idx, top_w, gu8, dn8)
+    assert _same(out, grouped_experts(x, top_idx, top_w, gu, dn))
+    ref = routed_experts(x, top_idx, top_w, gu8, dn8)
+    assert torch.equal(ref, routed_experts(x, top_idx, top_w, gu, dn))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
