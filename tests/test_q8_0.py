@@ -275,19 +275,14 @@ def test_q8_0_grouped_experts_compute_their_dequantized_weights(dtype):
     as `dequantize` does: the grouped GEMMs over the dequantized copies (bit for bit on the
     interpreter) and the reference's values; the reference over Q8_0 weights (a routed expert
     dequantized at a time) bit for bit the reference over the dequantized stack."""
-    from nextn.ops.moe import routed_experts
+    from test_fp8_moe import grouped_matches_dequantized
+
+    from nextn.ops.fp8 import quantize
     from nextn.ops.triton_moe_grouped import grouped_experts
 
     g = torch.Generator(device=DEVICE).manual_seed(6)
-    E, k, H, I, N = 8, 2, 64, 96, 9
+    E, k, H, I = 8, 2, 64, 96
     (gu8, gu), (dn8, dn) = _q8_stack(g, E, 2 * I, H), _q8_stack(g, E, H, I)
-    gu, dn = gu.to(dtype), dn.to(dtype)
-    x = torch.randn(N, H, generator=g, device=DEVICE).to(dtype)
-    top_w, top_idx = torch.topk(torch.softmax(torch.randn(N, E, generator=g, device=DEVICE), -1), k, dim=-1)
-    top_w = (top_w / top_w.sum(-1, keepdim=True)).to(dtype)
-    out = grouped_experts(x, top_idx, top_w, gu8, dn8)
-    assert _same(out, grouped_experts(x, top_idx, top_w, gu, dn))
-    ref = routed_experts(x, top_idx, top_w, gu8, dn8)
-    assert torch.equal(ref, routed_experts(x, top_idx, top_w, gu, dn))
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    x, top_idx, top_w = grouped_matches_dequantized(gu8, dn8, gu, dn, k, 9, dtype, g)
+    with pytest.raises(ValueError, match="one format"):
+        grouped_experts(x, top_idx, top_w, gu8, quantize(dn))

@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from nextn.config import check_quantization, resolve_device, resolve_dtype
 from nextn.config.model import ModelConfig, QuantConfig
-from nextn.layers.ffn import Experts, FP8Experts
+from nextn.layers.ffn import MLP, Experts, FP8Experts
 from nextn.layers.linear import FP8Linear, Linear
 from nextn.models.checkpoint import (
     CheckpointError,
@@ -105,14 +105,19 @@ def fp8_at_load(model: CausalLM, fmt: Format = FP8) -> frozenset[str]:
     """The module weights quantization="fp8" quantizes: the decoder layers' Linear weights and
     experts, but KEEP_BF16 (lm_head, the embeddings, norms, routers and mtp.* are not among them).
     Q8_0 (fmt) quantizes those whose rows are whole blocks of 32 (as llama.cpp keeps the others in
-    a float type); an expert stack whole or not at all."""
-    out = set()
-    for name, m in model.named_modules():
+    a float type); an expert stack, and an MLP's three projections, whole or not at all (the MoE
+    kernels read a shared expert in one format)."""
+    out, kept = set(), set()
+    for name, m in model.named_modules():  # (a module before its children)
         if not name.startswith("model.layers."):
             continue
+        if isinstance(m, MLP) and not _whole_blocks(fmt, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight):
+            kept |= {f"{name}.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
         if isinstance(m, Experts) and _whole_blocks(fmt, m.gate_up_proj, m.down_proj):
             out |= {f"{name}.gate_up_proj", f"{name}.down_proj"}
-        elif isinstance(m, Linear) and not name.endswith(KEEP_BF16) and _whole_blocks(fmt, m.weight):
+        elif (
+            isinstance(m, Linear) and not name.endswith(KEEP_BF16) and name not in kept and _whole_blocks(fmt, m.weight)
+        ):
             out.add(f"{name}.weight")
     return frozenset(out)
 
