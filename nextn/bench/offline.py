@@ -141,14 +141,12 @@ def run_bench(
         head_vocab = None if draft_vocab is None else draft_vocab.size
         res["linear_configs"] = step.tune(log=log, head_vocab=head_vocab)
         if model.cfg.tp_size > 1:  # rank 0's choices everywhere: replicated GEMMs must round alike
-            for table in (step.linear.CONFIGS, step.linear.FP8_CONFIGS):
+            for table in (step.linear.CONFIGS, *step.linear.QUANT_CONFIGS.values()):
                 table.update(broadcast_object(dict(table)))
         res["tune_seconds"] = time.perf_counter() - t0
         # what the step's matmuls alone would take, from the tuning measurements (graph, L2 cold)
         res["step_matmul_ms_estimate"] = (
-            sum(
-                res["linear_configs"][config_key(n, k, fp8)]["us_1row"] for n, k, _, fp8 in step.linear_uses(head=False)
-            )
+            sum(res["linear_configs"][config_key(n, k, q)]["us_1row"] for n, k, _, q in step.linear_uses(head=False))
             / 1e3
         )
     res["weight_bytes"] = weight_bytes(model)  # every weight held (one rank's), the MTP head's included

@@ -222,14 +222,14 @@ class TritonStep:
             self._rope.append((n, *self.model.rotary.cos_sin(positions, self.embed.dtype)))
         return self._rope[-1][1], self._rope[-1][2]
 
-    def linear_uses(self, head: bool = True, head_vocab: int | None = None) -> list[tuple[int, int, bool, bool]]:
-        """(N, K, second weight, FP8) of each skinny_linear one trunk step
+    def linear_uses(self, head: bool = True, head_vocab: int | None = None) -> list[tuple[int, int, bool, str]]:
+        """(N, K, second weight, kind: "" bf16 or the quantized format's name) of each skinny_linear one trunk step
         runs (and the MTP head's step, with head=True, its logits over head_vocab rows: a draft
         vocabulary's; default the full lm_head's), repeats included."""
         uses = []
 
         def use(w: Weight, dual: bool = False):
-            uses.append((*w.shape, dual, isinstance(w, FP8Weight)))
+            uses.append((*w.shape, dual, w.format.name if isinstance(w, FP8Weight) else ""))
 
         def mlp(w):
             if not isinstance(w, MoEWeights):  # (the MoE block's router runs in its own kernel)
@@ -250,7 +250,7 @@ class TritonStep:
             use(self.head_weights[2])
             layer(self.head_weights[3])
             if head_vocab is not None:
-                uses.append((head_vocab, self.lm_head.shape[1], False, False))  # a bf16 copy
+                uses.append((head_vocab, self.lm_head.shape[1], False, ""))  # a bf16 copy
         return uses
 
     def tune(self, log=None, head_vocab: int | None = None) -> dict:

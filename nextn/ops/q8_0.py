@@ -50,8 +50,8 @@ def q8_0_to_blocks(w: FP8Weight) -> torch.Tensor:
         raise ValueError(f"not a Q8_0 weight: {q.dtype} values, {d.dtype} scales, {w.rows} rows per scale")
     *lead, n, k = q.shape
     kb = k // BLOCK
-    d_bytes = d.transpose(-1, -2).contiguous().view(torch.uint8).reshape(*lead, n, kb, 2)
-    q_bytes = q.contiguous().view(torch.uint8).reshape(*lead, n, kb, BLOCK)
+    d_bytes = d.transpose(-1, -2).reshape(-1).view(torch.uint8).reshape(*lead, n, kb, 2)  # (flat: any strides)
+    q_bytes = q.reshape(-1).view(torch.uint8).reshape(*lead, n, kb, BLOCK)
     return torch.cat([d_bytes, q_bytes], dim=-1).reshape(*lead, n, kb * BLOCK_BYTES)
 
 
