@@ -19,6 +19,7 @@ assembles the model as it does a safetensors checkpoint's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable
@@ -49,11 +50,22 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def open_gguf(path: str | Path):
-    """gguf's reader over the file (memory-mapped: no tensor is read yet)."""
+    """gguf's reader over the file (memory-mapped: no tensor is read yet). The last files opened are
+    kept (a 248k-token vocabulary takes gguf seconds to parse, and the config, the loader and the
+    tokenizer each ask): a file changed since is opened again."""
+    try:
+        stat = Path(path).stat()
+    except OSError as e:
+        raise GGUFError(f"{path}: not a readable GGUF file ({e})") from None
+    return _reader(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, mtime_ns: int, size: int):
     from gguf import GGUFReader
 
     try:
-        return GGUFReader(str(path))
+        return GGUFReader(path)
     except (ValueError, OSError, IndexError) as e:
         raise GGUFError(f"{path}: not a readable GGUF file ({e})") from None
 
