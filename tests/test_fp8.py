@@ -546,7 +546,11 @@ def test_triton_step_reads_fp8_and_matches_the_reference_step(fp8_ckpt):
 
 def test_triton_step_fp8_verify_rows_equal_decode_rows_bitwise(fp8_ckpt):
     """bf16: a verify of 4 tokens committing 3 == 3 single-token decodes (logits and hiddens)."""
-    engine = _engine(fp8_ckpt("dense_fitted_ckpt", "block", True), "bfloat16")
+    verify_rows_equal_decode_rows(_engine(fp8_ckpt("dense_fitted_ckpt", "block", True), "bfloat16"))
+
+
+def verify_rows_equal_decode_rows(engine) -> None:
+    """A verify of 4 tokens committing 3 == 3 single-token decodes, bitwise (logits and hiddens)."""
     ids = [5, 77, 300, 12]
     a, b = _prefilled(engine, 0), _prefilled(engine, 1)
     verify_logits, verify_hidden = _step(engine, a, ids)
