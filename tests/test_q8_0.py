@@ -9,7 +9,6 @@ On CPU the Triton kernels run under Triton's interpreter (triton_interp.py).
 from __future__ import annotations
 
 import functools
-import json
 import shutil
 
 import hf_fixtures as hf
@@ -404,8 +403,9 @@ def test_bench_random_preset_quantized_to_q8_0(monkeypatch, tmp_path):
     """`nextn bench --random-weights P --quantization q8_0`: the random weights quantized to Q8_0
     (int8, fp16 scales), the roofline counting GGUF's 34 bytes per 32 weights of each, spec == plain,
     `quantization` recorded."""
+    from test_fp8 import bench_tiny
+
     from nextn.bench import offline as bench
-    from nextn.cli import main
 
     monkeypatch.setitem(bench.PRESETS, "tiny", hf.text_config("dense").to_dict())
     plain = bench.random_model("tiny", "cpu", "float32")
@@ -414,9 +414,6 @@ def test_bench_random_preset_quantized_to_q8_0(monkeypatch, tmp_path):
     quantized = [m.weight for n, m in q8.named_modules() if isinstance(m, FP8Linear) and n.startswith("model.")]
     saved = sum(w.numel() * (4 - 34 / 32) for w in quantized)  # float32 bytes against Q8_0's
     assert quantized and bench.weight_bytes_per_token(q8) == bench.weight_bytes_per_token(plain) - saved
-    out = tmp_path / "res.json"
-    argv = ["bench", "--random-weights", "tiny", "--quantization", "q8_0", "--spec-k", "1", "--prompt-len", "8"]
-    assert main([*argv, "--gen-len", "6", "--repeats", "1", "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
+    res = bench_tiny(tmp_path, "q8_0")
     assert res["quantization"] == "q8_0" and res["quantization_config"]["weight_block_size"] == [1, 32]
     assert res["spec_equals_plain"] == {"1": True}
