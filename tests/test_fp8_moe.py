@@ -107,7 +107,7 @@ def test_presets_draw_at_small_scale_straight_into_fp8(preset, monkeypatch, capl
 def test_fp8_under_tensor_parallelism_is_refused_before_a_weight_is_drawn(monkeypatch):
     monkeypatch.setitem(random_weights.PRESETS, "small", _small("qwen3.5-122b-a10b"))
     monkeypatch.setattr(random_weights, "_random_", lambda *a: pytest.fail("a weight was drawn"))
-    with pytest.raises(ValueError, match="does not shard FP8 weights"):
+    with pytest.raises(ValueError, match=r"does not shard quantized \(fp8\) weights"):
         random_weights.random_model("small", "cpu", "float32", quantization="fp8", tp=(0, 2))
 
 
