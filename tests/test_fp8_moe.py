@@ -78,7 +78,9 @@ def test_presets_draw_at_small_scale_straight_into_fp8(preset, monkeypatch, capl
     monkeypatch.setattr(random_weights, "FP8_DRAW_BYTES", 3 * 4 * 2 * cfg.moe_intermediate_size * cfg.hidden_size)
     drawn = []
     real = random_weights.quantize_weight
-    monkeypatch.setattr(random_weights, "quantize_weight", lambda n, w: drawn.append((n, w.shape)) or real(n, w))
+    monkeypatch.setattr(
+        random_weights, "quantize_weight", lambda n, w, *f: drawn.append((n, w.shape)) or real(n, w, *f)
+    )
     with caplog.at_level(logging.INFO, logger=random_weights.__name__):
         model = random_weights.random_model("small", "cpu", "float32", quantization="fp8")
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fit:")]
@@ -107,7 +109,7 @@ def test_presets_draw_at_small_scale_straight_into_fp8(preset, monkeypatch, capl
 def test_fp8_under_tensor_parallelism_is_refused_before_a_weight_is_drawn(monkeypatch):
     monkeypatch.setitem(random_weights.PRESETS, "small", _small("qwen3.5-122b-a10b"))
     monkeypatch.setattr(random_weights, "_random_", lambda *a: pytest.fail("a weight was drawn"))
-    with pytest.raises(ValueError, match="does not shard FP8 weights"):
+    with pytest.raises(ValueError, match=r"does not shard quantized \(fp8\) weights"):
         random_weights.random_model("small", "cpu", "float32", quantization="fp8", tp=(0, 2))
 
 

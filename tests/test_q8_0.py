@@ -8,6 +8,10 @@ On CPU the Triton kernels run under Triton's interpreter (triton_interp.py).
 
 from __future__ import annotations
 
+import functools
+import shutil
+
+import hf_fixtures as hf
 import numpy as np
 import pytest
 import torch
@@ -16,8 +20,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from hf_fixtures import FIT_PROMPTS
+from test_batching import CASES, _run
 from test_fp8 import _close as _fp8_close
 from test_fp8 import _fp8_variants
+from test_kv_fp8 import _spec_equals_plain
 
 import nextn
 from nextn.config import check_quantization
@@ -286,3 +292,128 @@ def test_q8_0_grouped_experts_compute_their_dequantized_weights(dtype):
     x, top_idx, top_w = grouped_matches_dequantized(gu8, dn8, gu, dn, k, 9, dtype, g)
     with pytest.raises(ValueError, match="one format"):
         grouped_experts(x, top_idx, top_w, gu8, quantize(dn))
+
+
+# ---------------------------------------------------------------------------------------------
+# a Q8_0 model: the Triton step, spec == plain, a request alone or batched
+
+
+@pytest.fixture(scope="module")
+def q8_fitted(tmp_path_factory, request):
+    """A source checkpoint whose trunk weights are their own Q8_0 round trip (float32: what loading
+    it with quantization="q8_0" quantizes to the same bits), with an MTP head fitted to that trunk
+    (hf_fixtures.fit_mtp_head): Q8_0 changes the greedy continuations the bf16 fit memorised."""
+    made = {}
+
+    def make(src: str):
+        if src not in made:
+            out = tmp_path_factory.mktemp(f"{src}_q8_0")
+            shutil.copytree(request.getfixturevalue(src), out, dirs_exist_ok=True)
+            tensors = hf.read_tensors(out)
+            for name, t in tensors.items():
+                if name.startswith("model.layers.") and t.dim() >= 2 and t.shape[-1] % 32 == 0:
+                    q = q8_0_quantize(t)
+                    tensors[name] = dequantize(q.weight, q.scale, torch.float32)
+            hf.write_tensors(tensors, out, None)
+            hf.fit_mtp_head(out, [list(p) for p in FIT_PROMPTS])
+            made[src] = out
+        return made[src]
+
+    return make
+
+
+@functools.lru_cache(maxsize=4)
+def _engine(ckpt, kernels="torch", dtype="float32", k=8):
+    return _llm(ckpt, kernels, dtype, k=k, max_model_len=96, max_num_seqs=8).engine
+
+
+def test_triton_step_reads_q8_0_and_matches_the_reference_step(moe_ckpt):
+    """float32: the fused step over Q8_0 projections and experts (int8 with fp16 scales, as loaded;
+    the shared expert, 48 wide, not whole blocks of 32, in float32) gives the reference step's logits
+    and hiddens."""
+    from test_step import _prefilled, _step
+
+    ref, fast = _engine(moe_ckpt), _engine(moe_ckpt, "triton")
+    step = fast.runner.step
+    attn = next(w for w in step.layers if hasattr(w, "qkv"))
+    moe = next(w.mlp for w in step.layers if hasattr(w.mlp, "gate_up"))
+    assert isinstance(attn.qkv, FP8Weight) and attn.qkv.format == Q8_0 and attn.qkv.rows == 1
+    assert moe.gate_up.format == moe.down.format == Q8_0 and moe.shared_down.dtype == torch.float32
+    outs = [_step(e, _prefilled(e, 0), [5, 77, 300]) for e in (ref, fast)]
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_step_q8_0_verify_rows_equal_decode_rows_bitwise(dense_ckpt):
+    """bf16: a verify of 4 tokens committing 3 == 3 single-token decodes (logits and hiddens)."""
+    from test_fp8 import verify_rows_equal_decode_rows
+
+    engine = _engine(dense_ckpt, "triton", "bfloat16")
+    assert engine.runner.step.layers[0].out_proj.format == Q8_0
+    verify_rows_equal_decode_rows(engine)
+
+
+@pytest.mark.parametrize("src,prompt", [("dense_ckpt", 1), ("moe_ckpt", 0)])
+def test_greedy_spec_equals_plain_under_q8_0(src, prompt, q8_fitted):
+    """The reference path (float32) on a Q8_0 trunk: K = 1..8 emit plain greedy's tokens; the
+    fitted heads get drafts accepted."""
+    engine = _engine(q8_fitted(src))
+    mlp = engine.model.model.layers[0].mlp
+    assert isinstance(mlp.down_proj if src == "dense_ckpt" else mlp.experts, FP8Linear | FP8Experts)
+    assert _spec_equals_plain(engine, list(FIT_PROMPTS[prompt]), 14, ks=range(1, 9)) > 0
+
+
+def test_triton_greedy_spec_equals_plain_under_q8_0_bf16(q8_fitted):
+    """The fused step in bf16 (the interpreter on CPU, about 40 s) over a Q8_0 trunk: K = 3 emits
+    plain greedy's tokens (the GPU test below runs K = 1..8; its rows' invariance, which makes it
+    so, is the kernel tests' above)."""
+    engine = _engine(q8_fitted("dense_ckpt"), "triton", "bfloat16")
+    assert _spec_equals_plain(engine, list(FIT_PROMPTS[1]), 8, ks=(3,)) > 0
+
+
+def test_each_request_equals_itself_alone_under_q8_0(q8_fitted):
+    """test_batching's requests (greedy and seeded sampled, K = 0, 1, 3, arriving at different
+    steps) on a Q8_0 trunk, the reference path: each one's output batched is its output alone."""
+    _alone_equals_batched(_engine(q8_fitted("dense_ckpt")), range(len(CASES)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_triton_q8_0_spec_equals_plain_and_batched_equals_alone_gpu(q8_fitted):
+    """The fused step in bf16 over a Q8_0 trunk, compiled (CUDA graphs): K = 1..8 emit plain
+    greedy's tokens, and test_batching's requests batched equal their outputs alone."""
+    engine = _engine(q8_fitted("dense_ckpt"), "triton", "bfloat16")
+    assert _spec_equals_plain(engine, list(FIT_PROMPTS[1]), 14, ks=range(1, 9)) > 0
+    _alone_equals_batched(engine, range(len(CASES)))
+
+
+def _alone_equals_batched(engine, cases) -> None:
+    alone = {i: _run(engine, [(i, 0)])[i] for i in cases}
+    engine.batch_sizes.clear()
+    together = _run(engine, [(i, CASES[i][3]) for i in cases])
+    assert together == alone
+    assert max(engine.batch_sizes) >= 6, engine.batch_sizes
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+
+
+def test_bench_random_preset_quantized_to_q8_0(monkeypatch, tmp_path):
+    """`nextn bench --random-weights P --quantization q8_0`: the random weights quantized to Q8_0
+    (int8, fp16 scales), the roofline counting GGUF's 34 bytes per 32 weights of each, spec == plain,
+    `quantization` recorded."""
+    from test_fp8 import bench_tiny
+
+    from nextn.bench import offline as bench
+
+    monkeypatch.setitem(bench.PRESETS, "tiny", hf.text_config("dense").to_dict())
+    plain = bench.random_model("tiny", "cpu", "float32")
+    q8 = bench.random_model("tiny", "cpu", "float32", quantization="q8_0")
+    assert q8.model.layers[0].linear_attn.in_proj_qkv.weight.dtype == torch.int8
+    quantized = [m.weight for n, m in q8.named_modules() if isinstance(m, FP8Linear) and n.startswith("model.")]
+    saved = sum(w.numel() * (4 - 34 / 32) for w in quantized)  # float32 bytes against Q8_0's
+    assert quantized and bench.weight_bytes_per_token(q8) == bench.weight_bytes_per_token(plain) - saved
+    res = bench_tiny(tmp_path, "q8_0")
+    assert res["quantization"] == "q8_0" and res["quantization_config"]["weight_block_size"] == [1, 32]
+    assert res["spec_equals_plain"] == {"1": True}

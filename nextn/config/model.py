@@ -186,7 +186,10 @@ class ModelConfig:
         if size == 1:
             return self
         if self.quantization is not None:
-            raise ConfigError("tensor parallelism does not shard FP8 weights yet; load the bf16 checkpoint")
+            raise ConfigError(
+                f"tensor parallelism does not shard quantized ({self.quantization.method}) weights yet; "
+                "load the bf16 checkpoint without quantization"
+            )
         if self.attention_bias:
             raise ConfigError("tensor parallelism does not shard attention biases")
         counts = {

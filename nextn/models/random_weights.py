@@ -149,8 +149,8 @@ class FitPlan(NamedTuple):
     preset: str
     device: str
     dtype: str
-    fp8: bool
-    weight_bytes: int  # every parameter as drawn (FP8: e4m3 bytes and their float32 scales)
+    quant: str  # "" (the model's dtype), or the quantized weights' format: "fp8", "q8_0"
+    weight_bytes: int  # every parameter as drawn (FP8: e4m3 bytes and their float32 scales; Q8_0 34 per 32)
     free_bytes: int  # the device's free memory now
     budget_bytes: int  # what the engine may take beside the weights (a GPU: utilization of its total)
     sequence_bytes: int  # one sequence's cache at the query's context
@@ -159,7 +159,7 @@ class FitPlan(NamedTuple):
 
     def line(self) -> str:
         """The plan in one line."""
-        kind = f"{self.dtype} with FP8 weights" if self.fp8 else self.dtype
+        kind = f"{self.dtype} with {self.quant.upper()} weights" if self.quant else self.dtype
         q = self.query
         return (
             f"fit: the {self.preset} preset in {kind}: weights {self.weight_bytes / GiB:.1f} GiB of "
@@ -184,8 +184,8 @@ def plan_fit(model: CausalLM, preset: str, device: str, dtype: str, query: Cache
     torch_dtype = DTYPES[dtype]
     slot = bytes_per_sequence(model.cfg, query.max_len, query.k, torch_dtype, query.kv_cache_dtype)
     num_seqs = sequences_that_fit(model.cfg, query.max_len, query.k, max(0, budget), torch_dtype, query.kv_cache_dtype)
-    fp8 = model.cfg.quantization is not None
-    return FitPlan(preset, device, dtype, fp8, nbytes, free, budget, slot, num_seqs, query)
+    quant = model.cfg.quantization.method if model.cfg.quantization is not None else ""
+    return FitPlan(preset, device, dtype, quant, nbytes, free, budget, slot, num_seqs, query)
 
 
 @torch.no_grad()
@@ -247,10 +247,10 @@ def _check_fits(plan: FitPlan) -> None:
     it (9B in float32 on a laptop's CPU) is a one-line error, not the kernel's OOM killer."""
     if plan.weight_bytes > plan.free_bytes:
         hint = "; run it on a GPU (--device cuda)" if torch.device(plan.device).type == "cpu" else ""
+        quant = f" with {plan.quant.upper()} weights" if plan.quant else ""
         raise ValueError(
-            f"the {plan.preset} preset's weights take {plan.weight_bytes / GiB:.1f} GiB in {plan.dtype}"
-            f"{' with FP8 weights' if plan.fp8 else ''}, more than the {plan.free_bytes / GiB:.1f} GiB free on "
-            f"{plan.device}{hint}"
+            f"the {plan.preset} preset's weights take {plan.weight_bytes / GiB:.1f} GiB in {plan.dtype}{quant}, "
+            f"more than the {plan.free_bytes / GiB:.1f} GiB free on {plan.device}{hint}"
         )
 
 
