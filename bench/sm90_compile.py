@@ -100,12 +100,16 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
     args.update(M=M, N=N, K=K, K_SPLIT=K // 2, stride_x=K, stride_y=N, stride_res=0, stride_s=N // 128)
     args.update(stride_s2=N // 128, shift=1.0, shift2=1.0, P=1, eps=1e-6)
     consts = dict(EPILOGUE=2, BLOCK_M=linear.TILE_ROWS, BLOCK_N=128, BLOCK_K=128, EVEN_K=True, DOT_F32=False, SPLIT=2,
-                  FP8=True, SCALE_ROWS=128, SCALE_ROWS2=128, HAS_FLAG=False, TMA=False, CHAIN=True, RMS=False,
-                  P_BLOCK=1, NORM_OUT=False, PDL=False)  # fmt: skip
+                  FP8=True, GROUP=128, SCALE_ROWS=128, SCALE_ROWS2=128, HAS_FLAG=False, TMA=False, CHAIN=True,
+                  RMS=False, P_BLOCK=1, NORM_OUT=False, PDL=False)  # fmt: skip
     options = dict(num_warps=4, num_stages=4)
+    # Q8_0 (int8, float16 scales per row and 32 columns): each 128-column tile dequantized, one dot
+    q8_args = dict(args, w_ptr="*i8", w2_ptr="*i8", s_ptr="*fp16", s2_ptr="*fp16", stride_s=N, stride_s2=N)
+    q8_consts = dict(consts, GROUP=32, SCALE_ROWS=1, SCALE_ROWS2=1, CHAIN=False, XMAJOR=False, BLOCK_N=64)
     return [
         ("skinny_fp8_wgmma", linear._skinny_kernel, args, dict(consts, XMAJOR=False), options, ("wgmma", "mma.sync")),
         ("skinny_fp8_xmajor", linear._skinny_kernel, args, dict(consts, XMAJOR=True), options, ("mma.sync", None)),
+        ("skinny_q8_0", linear._skinny_kernel, q8_args, q8_consts, options),
     ]
 
 
@@ -130,28 +134,42 @@ def moe_cases(N=517, H=2048, I=512, top_k=8):
             "moe_grouped_gate_up",
             moe._grouped_gate_up_kernel,
             args,
-            dict(TOP_K=top_k, DOT_F32=False, FP8=False, **moe.GATE_UP_BLOCKS),
+            dict(TOP_K=top_k, DOT_F32=False, FP8=False, GROUP=128, **moe.GATE_UP_BLOCKS),
             moe.GATE_UP_OPTIONS,
         ),
         (
             "moe_grouped_gate_up_fp8",
             moe._grouped_gate_up_kernel,
             dict(args, w_ptr="*fp8e4nv", NK=N * 10),
-            dict(TOP_K=10, DOT_F32=False, FP8=True, **moe.GATE_UP_BLOCKS),
+            dict(TOP_K=10, DOT_F32=False, FP8=True, GROUP=128, **moe.GATE_UP_BLOCKS),
+            moe.GATE_UP_OPTIONS,
+        ),
+        (
+            "moe_grouped_gate_up_q8_0",
+            moe._grouped_gate_up_kernel,
+            dict(args, w_ptr="*i8", s_ptr="*fp16"),
+            dict(TOP_K=top_k, DOT_F32=False, FP8=True, GROUP=32, **moe.GATE_UP_BLOCKS),
             moe.GATE_UP_OPTIONS,
         ),
         (
             "moe_grouped_down",
             moe._grouped_down_kernel,
             args,
-            dict(DOT_F32=False, FP8=False, **moe.DOWN_BLOCKS),
+            dict(DOT_F32=False, FP8=False, GROUP=128, **moe.DOWN_BLOCKS),
             moe.DOWN_OPTIONS,
         ),
         (
             "moe_grouped_down_fp8",
             moe._grouped_down_kernel,
             dict(args, w_ptr="*fp8e4nv"),
-            dict(DOT_F32=False, FP8=True, **moe.DOWN_BLOCKS),
+            dict(DOT_F32=False, FP8=True, GROUP=128, **moe.DOWN_BLOCKS),
+            moe.DOWN_OPTIONS,
+        ),
+        (
+            "moe_grouped_down_q8_0",
+            moe._grouped_down_kernel,
+            dict(args, w_ptr="*i8", s_ptr="*fp16"),
+            dict(DOT_F32=False, FP8=True, GROUP=32, **moe.DOWN_BLOCKS),
             moe.DOWN_OPTIONS,
         ),
     ]

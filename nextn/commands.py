@@ -19,28 +19,28 @@ def _local(args, default_model: bool = True) -> None:
     """Resolve the model to a directory, and device / dtype "auto", for the commands that load the
     model themselves (replay, bench, train). generate and serve leave that to LLM."""
     from nextn.config import resolve_device, resolve_dtype
-    from nextn.config.model import ModelConfig
     from nextn.hub import resolve_model
+    from nextn.models.loader import model_config
 
     args.device = resolve_device(args.device)
     if args.model is not None or default_model:
         args.model = str(resolve_model(args.model))
     if args.dtype == "auto":
-        checkpoint_dtype = ModelConfig.from_hf(args.model).dtype if args.model is not None else None
+        checkpoint_dtype = model_config(args.model).dtype if args.model is not None else None
         args.dtype = resolve_dtype("auto", args.device, checkpoint_dtype)
 
 
 def _replay(args) -> int:
-    from nextn.config.model import ModelConfig
+    from nextn.models.loader import model_config
     from nextn.spec.draft_vocab import load_draft_vocab
     from nextn.spec.replay import check_args, replay_from_args
-    from nextn.tokenizer import Tokenizer
+    from nextn.tokenizer import load_tokenizer
 
     check_args(args)  # before a download or the load
     _check_out("--dump-hidden", args.dump_hidden)  # written after the trunk pass: refused before the load
     _local(args)
     if args.draft_vocab is not None:  # checked against the checkpoint before it loads (replay reads it again)
-        load_draft_vocab(args.draft_vocab, ModelConfig.from_hf(args.model).vocab_size, Tokenizer(args.model))
+        load_draft_vocab(args.draft_vocab, model_config(args.model).vocab_size, load_tokenizer(args.model))
     return replay_from_args(args)
 
 
@@ -72,14 +72,14 @@ def _bench_serve(args) -> int:
 
 
 def _draft_vocab(args) -> int:
-    from nextn.config.model import ModelConfig
     from nextn.hub import resolve_model
+    from nextn.models.loader import model_config
     from nextn.spec.draft_vocab import build_draft_vocab
-    from nextn.tokenizer import Tokenizer
+    from nextn.tokenizer import load_tokenizer
 
     _check_out("--out", args.out)  # before counting a corpus, not after
     model_dir = resolve_model(args.model)
-    cfg, tokenizer = ModelConfig.from_hf(model_dir), Tokenizer(model_dir)
+    cfg, tokenizer = model_config(model_dir), load_tokenizer(model_dir)
     # a draft vocabulary that can end a reply
     eos = {t for t in (*cfg.eos_token_ids, tokenizer.eos_token_id) if t is not None and t < cfg.vocab_size}
     vocab = build_draft_vocab(

@@ -1,13 +1,18 @@
 """Text <-> token ids from a checkpoint's tokenizer.json, and its chat template from
-tokenizer_config.json (rendered with a sandboxed jinja2, as transformers does)."""
+tokenizer_config.json (rendered with a sandboxed jinja2, as transformers does); or both from a GGUF
+file's metadata (Tokenizer.from_gguf; nextn.gguf_tokenizer builds the BPE)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 
 class TokenizerError(ValueError):
@@ -37,6 +42,27 @@ class Tokenizer:
         eos = self.config.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
+
+    @classmethod
+    def from_gguf(cls, source: str | Path | GGUFReader) -> Tokenizer:
+        """The tokenizer, chat template and eos token of a GGUF file (`tokenizer.ggml.*`,
+        `tokenizer.chat_template`): a path, or a gguf.GGUFReader already open (parsing a 248k-token
+        vocabulary's metadata takes seconds: a model loader passes its own). `config` is empty (a GGUF has
+        no tokenizer_config.json)."""
+        from gguf import GGUFReader, Keys
+
+        from nextn.gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
+
+        try:
+            reader = source if isinstance(source, GGUFReader) else GGUFReader(source)
+        except (ValueError, OSError) as e:  # the reader raises ValueError for a file that is not GGUF
+            raise TokenizerError(f"{source}: not a GGUF file gguf reads ({e})") from None
+        self = cls.__new__(cls)
+        self._tok, self.config = tokenizer_from_gguf(reader), {}
+        self.chat_template = chat_template_from_gguf(reader)
+        eos = reader.fields.get(Keys.Tokenizer.EOS_ID)
+        self.eos_token_id = None if eos is None else int(eos.contents())
+        return self
 
     @property
     def vocab_size(self) -> int:
@@ -95,3 +121,8 @@ class IncrementalDecoder:
             return ""  # an incomplete UTF-8 sequence (or nothing visible yet): wait
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text[len(prefix) :]
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a checkpoint directory, or of a GGUF file (its metadata: Tokenizer.from_gguf)."""
+    return Tokenizer.from_gguf(path) if Path(path).suffix.lower() == ".gguf" else Tokenizer(path)

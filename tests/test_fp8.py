@@ -546,7 +546,11 @@ def test_triton_step_reads_fp8_and_matches_the_reference_step(fp8_ckpt):
 
 def test_triton_step_fp8_verify_rows_equal_decode_rows_bitwise(fp8_ckpt):
     """bf16: a verify of 4 tokens committing 3 == 3 single-token decodes (logits and hiddens)."""
-    engine = _engine(fp8_ckpt("dense_fitted_ckpt", "block", True), "bfloat16")
+    verify_rows_equal_decode_rows(_engine(fp8_ckpt("dense_fitted_ckpt", "block", True), "bfloat16"))
+
+
+def verify_rows_equal_decode_rows(engine) -> None:
+    """A verify of 4 tokens committing 3 == 3 single-token decodes, bitwise (logits and hiddens)."""
     ids = [5, 77, 300, 12]
     a, b = _prefilled(engine, 0), _prefilled(engine, 1)
     verify_logits, verify_hidden = _step(engine, a, ids)
@@ -638,9 +642,14 @@ def test_bench_random_preset_quantized_at_load(monkeypatch, tmp_path):
     )
     assert isinstance(fp8.model.layers[0].linear_attn.in_proj_qkv, FP8Linear)
     assert bench.weight_bytes_per_token(fp8) < 0.5 * bench.weight_bytes_per_token(plain)
-    out = tmp_path / "res.json"
-    argv = ["bench", "--random-weights", "tiny", "--quantization", "fp8", "--spec-k", "1", "--prompt-len", "8"]
-    assert main([*argv, "--gen-len", "6", "--repeats", "1", "--json", str(out)]) == 0
-    res = json.loads(out.read_text())
+    res = bench_tiny(tmp_path, "fp8")
     assert res["quantization"] == "fp8" and res["quantization_config"]["weight_block_size"] == [128, 128]
     assert res["spec_equals_plain"] == {"1": True}
+
+
+def bench_tiny(tmp_path, quantization: str) -> dict:
+    """`nextn bench --random-weights tiny --quantization Q` at K = 1, a few tokens: its JSON report."""
+    out = tmp_path / "res.json"
+    argv = ["bench", "--random-weights", "tiny", "--quantization", quantization, "--spec-k", "1", "--prompt-len", "8"]
+    assert main([*argv, "--gen-len", "6", "--repeats", "1", "--json", str(out)]) == 0
+    return json.loads(out.read_text())

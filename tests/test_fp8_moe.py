@@ -78,7 +78,9 @@ def test_presets_draw_at_small_scale_straight_into_fp8(preset, monkeypatch, capl
     monkeypatch.setattr(random_weights, "FP8_DRAW_BYTES", 3 * 4 * 2 * cfg.moe_intermediate_size * cfg.hidden_size)
     drawn = []
     real = random_weights.quantize_weight
-    monkeypatch.setattr(random_weights, "quantize_weight", lambda n, w: drawn.append((n, w.shape)) or real(n, w))
+    monkeypatch.setattr(
+        random_weights, "quantize_weight", lambda n, w, *f: drawn.append((n, w.shape)) or real(n, w, *f)
+    )
     with caplog.at_level(logging.INFO, logger=random_weights.__name__):
         model = random_weights.random_model("small", "cpu", "float32", quantization="fp8")
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fit:")]
@@ -107,7 +109,7 @@ def test_presets_draw_at_small_scale_straight_into_fp8(preset, monkeypatch, capl
 def test_fp8_under_tensor_parallelism_is_refused_before_a_weight_is_drawn(monkeypatch):
     monkeypatch.setitem(random_weights.PRESETS, "small", _small("qwen3.5-122b-a10b"))
     monkeypatch.setattr(random_weights, "_random_", lambda *a: pytest.fail("a weight was drawn"))
-    with pytest.raises(ValueError, match="does not shard FP8 weights"):
+    with pytest.raises(ValueError, match=r"does not shard quantized \(fp8\) weights"):
         random_weights.random_model("small", "cpu", "float32", quantization="fp8", tp=(0, 2))
 
 
@@ -195,6 +197,18 @@ def test_fp8_grouped_experts_at_512_experts_top_10(dtype):
     g = torch.Generator(device=DEVICE).manual_seed(3)
     E, k, H, I, N = 512, 10, 128, 64, 9
     (gu8, gu), (dn8, dn) = _fp8_stack(E, 2 * I, H, g), _fp8_stack(E, H, I, g)
+    x, top_idx, top_w = grouped_matches_dequantized(gu8, dn8, gu, dn, k, N, dtype, g)
+    with pytest.raises(ValueError, match="both be FP8"):
+        grouped_experts(x, top_idx, top_w, gu8, dn)
+
+
+def grouped_matches_dequantized(gu8, dn8, gu, dn, k, N, dtype, g):
+    """The grouped GEMMs over quantized experts (gu8, dn8: FP8Weight) against the same over their
+    dequantized float32 copies (gu, dn), and against the reference; N random rows routed to k of
+    them. Returns the rows and their routing."""
+    from nextn.ops.triton_moe_grouped import grouped_experts
+
+    E, _, H = gu.shape
     gu, dn = gu.to(dtype), dn.to(dtype)
     x = torch.randn(N, H, generator=g, device=DEVICE).to(dtype)
     top_w, top_idx = torch.topk(torch.softmax(torch.randn(N, E, generator=g, device=DEVICE), -1), k, dim=-1)
@@ -205,8 +219,7 @@ def test_fp8_grouped_experts_at_512_experts_top_10(dtype):
     assert torch.equal(ref, routed_experts(x, top_idx, top_w, gu, dn))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-    with pytest.raises(ValueError, match="both be FP8"):
-        grouped_experts(x, top_idx, top_w, gu8, dn)
+    return x, top_idx, top_w
 
 
 # ---------------------------------------------------------------------------------------------

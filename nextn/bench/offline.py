@@ -73,7 +73,7 @@ from nextn.bench.sweeps import batched_runs, gate_entry, profiled_runs, sampled_
 from nextn.cache.pool import GiB
 from nextn.config import STEP_ROWS, EngineConfig, check_kernels, resolve_device, resolve_dtype
 from nextn.config.model import ModelConfig
-from nextn.models.loader import load_model
+from nextn.models.loader import load_model, model_config
 from nextn.models.qwen3_5 import CausalLM
 from nextn.models.random_weights import PRESETS, CacheQuery, random_model, weight_bytes, weight_bytes_per_token
 from nextn.ops import OPS
@@ -141,14 +141,12 @@ def run_bench(
         head_vocab = None if draft_vocab is None else draft_vocab.size
         res["linear_configs"] = step.tune(log=log, head_vocab=head_vocab)
         if model.cfg.tp_size > 1:  # rank 0's choices everywhere: replicated GEMMs must round alike
-            for table in (step.linear.CONFIGS, step.linear.FP8_CONFIGS):
+            for table in (step.linear.CONFIGS, *step.linear.QUANT_CONFIGS.values()):
                 table.update(broadcast_object(dict(table)))
         res["tune_seconds"] = time.perf_counter() - t0
         # what the step's matmuls alone would take, from the tuning measurements (graph, L2 cold)
         res["step_matmul_ms_estimate"] = (
-            sum(
-                res["linear_configs"][config_key(n, k, fp8)]["us_1row"] for n, k, _, fp8 in step.linear_uses(head=False)
-            )
+            sum(res["linear_configs"][config_key(n, k, q)]["us_1row"] for n, k, _, q in step.linear_uses(head=False))
             / 1e3
         )
     res["weight_bytes"] = weight_bytes(model)  # every weight held (one rank's), the MTP head's included
@@ -302,10 +300,10 @@ several tokens are accepted for the price of one forward pass.
 def text_prompt(model_dir: str, prompt_len: int, text: str = PROMPT_TEXT) -> list[int] | None:
     """prompt_len ids of a text (repeated if short) if the checkpoint has a tokenizer: a trained
     head's acceptance on random ids says nothing."""
-    from nextn.tokenizer import Tokenizer
+    from nextn.tokenizer import load_tokenizer
 
     try:
-        ids = Tokenizer(Path(model_dir)).encode(text)
+        ids = load_tokenizer(model_dir).encode(text)
     except (OSError, ValueError):
         return None
     return (ids * (prompt_len // max(1, len(ids)) + 1))[:prompt_len] if ids else None
@@ -345,7 +343,7 @@ def _bench(args, cfg: BenchConfig, prompt_text: str | None) -> dict:
 def _model_config(args) -> ModelConfig:
     """The whole model's config: the --random-weights preset's or the checkpoint's (no weight read)."""
     if args.random_weights is None:
-        return ModelConfig.from_hf(args.model)
+        return model_config(args.model)
     if args.random_weights not in PRESETS:
         raise ValueError(f"unknown preset {args.random_weights!r}; choose from {sorted(PRESETS)}")
     return ModelConfig.from_dict(PRESETS[args.random_weights])
@@ -356,9 +354,9 @@ def _draft_vocab(args, vocab_size: int) -> DraftVocab | None:
     if args.draft_vocab_size is not None:
         return DraftVocab.first(args.draft_vocab_size, vocab_size)
     if args.draft_vocab is not None:
-        from nextn.tokenizer import Tokenizer
+        from nextn.tokenizer import load_tokenizer
 
-        return load_draft_vocab(args.draft_vocab, vocab_size, Tokenizer(args.model))
+        return load_draft_vocab(args.draft_vocab, vocab_size, load_tokenizer(args.model))
     return None
 
 

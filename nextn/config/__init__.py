@@ -44,7 +44,7 @@ MAX_NUM_SEQS = 256
 CPU_MAX_NUM_SEQS = 8
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # what `quantization=` makes of a checkpoint's bf16 weights at load
-QUANTIZATIONS = ("fp8",)
+QUANTIZATIONS = ("fp8", "q8_0")  # nextn.ops.fp8.FORMATS
 # the attention layers' K/V cache: "auto" the model dtype, "fp8" e4m3 rows with float32 scales
 KV_CACHE_DTYPES = ("auto", "fp8")
 # the prefix cache (nextn.cache.prefix): a prompt's state is kept at every block boundary, and a
@@ -224,7 +224,7 @@ class EngineConfig:
     # requests being prefilled (a long prompt is prefilled over several steps while streams run);
     # None: PREFILL_CHUNK plus every slot's round rows, so prompts prefill in whole PREFILL_CHUNKs
     max_num_batched_tokens: int | None = None
-    # "fp8": the checkpoint's bf16 weights quantized at load (an FP8 checkpoint loads as it is either way)
+    # "fp8" / "q8_0": the checkpoint's bf16 weights quantized at load (an FP8 checkpoint loads as it is either way)
     quantization: str | None = None
     # ranks the model is sharded over (nextn.parallel: one process per rank, cuda:<rank> on CUDA);
     # `device` is this rank's

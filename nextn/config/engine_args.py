@@ -116,8 +116,8 @@ class EngineArgs:
     )
     quantization: str | None = setting(
         None,
-        "fp8: a bf16 checkpoint's weights quantized at load (128x128 blocks of e4m3); FP8 checkpoints load as "
-        "they are without it",
+        "fp8: a bf16 checkpoint's weights quantized at load (128x128 blocks of e4m3); q8_0: into GGUF's Q8_0 "
+        "(int8 with an fp16 scale per 32 weights), kept quantized; FP8 checkpoints load as they are without it",
         aliases=("-q",),
         choices=QUANTIZATIONS,
     )

@@ -32,7 +32,8 @@ _LOADABLE = "nextn loads FP8 checkpoints: quant_method 'fp8' (block-wise e4m3) o
 @dataclass(frozen=True)
 class QuantConfig:
     """FP8 weights (e4m3 with float32 scales, nextn.ops.fp8): how a checkpoint stores them (its
-    config.json `quantization_config`), or `quantization="fp8"` applied at load (`at_load`).
+    config.json `quantization_config`), or `quantization="fp8"` applied at load (`at_load`); method
+    "q8_0": GGUF's Q8_0 (nextn.ops.q8_0), made at load (weight_block_size (1, 32)).
 
     method "fp8": the publisher's block-wise layout, a `*.weight_scale_inv` per weight_block_size
     block (rows x 128 columns); "compressed-tensors": llm-compressor's FP8, a `*.weight_scale` per
@@ -185,7 +186,10 @@ class ModelConfig:
         if size == 1:
             return self
         if self.quantization is not None:
-            raise ConfigError("tensor parallelism does not shard FP8 weights yet; load the bf16 checkpoint")
+            raise ConfigError(
+                f"tensor parallelism does not shard quantized ({self.quantization.method}) weights yet; "
+                "load the bf16 checkpoint without quantization"
+            )
         if self.attention_bias:
             raise ConfigError("tensor parallelism does not shard attention biases")
         counts = {

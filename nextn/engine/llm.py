@@ -38,11 +38,11 @@ from nextn.core import (
 from nextn.engine.engine import Engine, StreamEvent
 from nextn.engine.replica import Leader, follow
 from nextn.hub import resolve_model
-from nextn.models.loader import load_model
+from nextn.models.loader import load_model, model_config
 from nextn.models.random_weights import preset_config, random_model
 from nextn.parallel.launch import RankError, Ranks, check_ranks, initialized, rank, rank_device, start
 from nextn.spec.draft_vocab import DraftVocab, load_draft_vocab
-from nextn.tokenizer import Tokenizer
+from nextn.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class LLM:
         # the engine config's `model` is the directory the tokenizer comes from: a server's API process
         # reads it there (nextn.engine.core.model_facts)
         tokenizer_dir = model_dir if args.tokenizer is None else Path(args.tokenizer)
-        self.tokenizer = Tokenizer(tokenizer_dir)
+        self.tokenizer = load_tokenizer(tokenizer_dir)
         # checked before the weights load: the vocabulary, the context, the draft vocabulary
         cfg = _model_config(model_dir, preset)
         source = f"the {preset} preset" if preset is not None else str(model_dir)
@@ -108,7 +108,7 @@ class LLM:
                 f"tokenizer {tokenizer_dir} has {self.tokenizer.vocab_size} tokens, more than the "
                 f"vocab_size {cfg.vocab_size} of {source}"
             )
-        limit_where = source if preset is not None else model_dir / "config.json"
+        limit_where = source if preset is not None or model_dir.is_file() else model_dir / "config.json"
         max_len = _max_model_len(args.max_model_len, cfg.max_position_embeddings, limit_where)
         draft_vocab = (
             None if args.draft_vocab is None else _draft_vocab(args.draft_vocab, cfg.vocab_size, self.tokenizer)
@@ -413,7 +413,7 @@ def _start_ranks(args: EngineArgs, device: str, model_dir: Path | None) -> Ranks
 
 def _model_config(model_dir: Path | None, preset: str | None) -> ModelConfig:
     """The whole model's config: the random-weight preset's, else the checkpoint's."""
-    return preset_config(preset) if preset is not None else ModelConfig.from_hf(model_dir)
+    return preset_config(preset) if preset is not None else model_config(model_dir)
 
 
 def _follow(conn, args: EngineArgs) -> None:

@@ -10,7 +10,7 @@ from torch import nn
 from nextn.config.model import ModelConfig
 from nextn.layers.linear import Linear
 from nextn.ops import OPS, Ops
-from nextn.ops.fp8 import E4M3, FP8Weight, scale_shape
+from nextn.ops.fp8 import FP8, Format, FP8Weight, scale_shape
 from nextn.ops.linear import row_invariant_linear
 
 REFERENCE_OPS = OPS["torch"]()
@@ -43,16 +43,17 @@ class Experts(nn.Module):
 
 class FP8Experts(nn.Module):
     """Experts whose fused weights are e4m3, each with `*_scale` [E, ceil(in / 128), out] in nextn's
-    layout (nextn.ops.fp8). The forward hands them to the Ops table's `routed_experts` as FP8Weight
-    pairs: the reference dequantizes the routed experts one at a time, the grouped GEMM
+    layout (nextn.ops.fp8), or in another format (fmt: Q8_0's int8 with float16 scales [E, in / 32,
+    out]). The forward hands them to the Ops table's `routed_experts` as FP8Weight pairs: the
+    reference dequantizes the routed experts one at a time, the grouped GEMM
     (nextn.ops.triton_moe_grouped) tile by tile; neither copies the stack into the input's dtype."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fmt: Format = FP8):
         super().__init__()
         shapes = {"gate_up_proj": (2 * intermediate_size, hidden_size), "down_proj": (hidden_size, intermediate_size)}
         for name, (n, k) in shapes.items():
-            weight = torch.empty(num_experts, n, k, dtype=E4M3)
-            scale = torch.empty(num_experts, *scale_shape(n, k), dtype=torch.float32)
+            weight = torch.empty(num_experts, n, k, dtype=fmt.values)
+            scale = torch.empty(num_experts, *scale_shape(n, k, fmt.block), dtype=fmt.scale)
             self.register_parameter(name, nn.Parameter(weight, requires_grad=False))
             self.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 

@@ -1,12 +1,12 @@
 """nn.Linear computed row-invariantly (nextn.ops.linear), under the checkpoint's parameter names;
-and its FP8 form, whose e4m3 weight the forward dequantizes (nextn.ops.fp8)."""
+and its quantized form (FP8, or GGUF's Q8_0), whose weight the forward dequantizes (nextn.ops.fp8)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from nextn.ops.fp8 import E4M3, FP8Weight, dequantize, scale_shape
+from nextn.ops.fp8 import FP8, Format, FP8Weight, dequantize, scale_shape
 from nextn.ops.linear import row_invariant_linear
 
 
@@ -18,16 +18,17 @@ class Linear(nn.Linear):
 
 
 class FP8Linear(nn.Module):
-    """A Linear whose `weight` is e4m3 [out, in] with `weight_scale` [ceil(in / 128), out] in nextn's
-    layout (nextn.ops.fp8); the bias, if any, stays in the model's dtype. The forward (the reference
-    path) dequantizes the weight to the input's dtype; the step kernels read the e4m3 bytes."""
+    """A Linear whose `weight` is e4m3 [out, in] with `weight_scale` [ceil(in / 128), out] float32 in
+    nextn's layout (nextn.ops.fp8), or in another format (fmt: Q8_0's int8 with float16 scales [in /
+    32, out]); the bias, if any, stays in the model's dtype. The forward (the reference path)
+    dequantizes the weight to the input's dtype; the step kernels read the quantized bytes."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, fmt: Format = FP8):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=E4M3), requires_grad=False)
-        shape = scale_shape(out_features, in_features)
-        self.weight_scale = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=fmt.values), requires_grad=False)
+        shape = scale_shape(out_features, in_features, fmt.block)
+        self.weight_scale = nn.Parameter(torch.empty(shape, dtype=fmt.scale), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     @property

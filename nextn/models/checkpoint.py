@@ -10,7 +10,8 @@ transformers 5 stores): each per-expert tensor's slot is its expert's rows of th
 FP8 checkpoints (a `quantization_config`, nextn.config.model.QuantConfig): each scale tensor
 (`*.weight_scale_inv` per block, `*.weight_scale` per channel) is checked against its e4m3 weight
 and planned in nextn's layout (nextn.ops.fp8). Under tensor parallelism each shape is the rank's
-part (nextn.parallel.shard).
+part (nextn.parallel.shard). Qwen3-Next's GDN projections, grouped per key head in the checkpoint,
+take the Qwen3.5 row order (`regroup_next`, the loader's and the GGUF reader's).
 
 Does not read tensor data, build the model or know its modules: nextn.models.loader checks the plan
 against the model, streams the tensors in, regroups Qwen3-Next's projections, quantizes at load and
@@ -25,6 +26,8 @@ import math
 import re
 from pathlib import Path
 from typing import NamedTuple
+
+import torch
 
 from nextn.config.model import ModelConfig, QuantConfig
 from nextn.ops.fp8 import scale_shape
@@ -294,6 +297,22 @@ def _pack_experts(pre: str, projs: dict[str, dict[int, tuple[int, ...]]]) -> dic
             raise CheckpointError(f"{pre}.{odd[0]}.{proj}.weight has shape {by_e[odd[0]]}, expert 0's {by_e[0]}")
     gate, up, down = (projs[p][0] for p in ("gate_proj", "up_proj", "down_proj"))
     return {f"{pre}.gate_up_proj": (num, gate[0] + up[0], *gate[1:]), f"{pre}.down_proj": (num, *down)}
+
+
+def regroup_next(name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Qwen3-Next's GDN projections, grouped per key head in the checkpoint, in the Qwen3.5 row order
+    (a weight's rows; the columns of its scales in nextn's layout)."""
+    base = name.removesuffix("_scale")
+    nk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = cfg.linear_num_value_heads // max(1, nk)
+    if base.endswith("linear_attn.in_proj_qkvz.weight"):
+        sizes = [dk, dk, r * dv, r * dv]
+    elif base.endswith("linear_attn.in_proj_ba.weight"):
+        sizes = [r, r]
+    else:
+        return t
+    parts = torch.arange(nk * sum(sizes)).view(nk, -1).split(sizes, dim=1)
+    return t.index_select(-1 if name.endswith("_scale") else 0, torch.cat([p.reshape(-1) for p in parts]))
 
 
 def count_mtp_layers(names) -> int:

@@ -25,14 +25,23 @@ stores some weights as e4m3 beside a scale tensor (`*.weight_scale_inv` per bloc
 converted to nextn's layout as they stream in; the modules a checkpoint keeps in bf16 stay so. With
 `quantization="fp8"` a bf16 checkpoint's decoder-layer projections are quantized as they stream in
 (128x128 blocks), except the few a published FP8 checkpoint keeps (`KEEP_BF16`); lm_head, the
-embeddings and the MTP head stay in the checkpoint's dtype.
+embeddings and the MTP head stay in the checkpoint's dtype. `quantization="q8_0"` quantizes the same
+weights into GGUF's Q8_0 (nextn.ops.q8_0: int8 with an fp16 scale per row and 32 columns), held by the
+same modules in that format (nextn.ops.fp8.Format, `weight_format`).
 
-Does not parse the files' headers or map checkpoint keys to module names: nextn.models.checkpoint does.
+GGUF files (llama.cpp's, `load_gguf`): nextn.models.gguf gives the hyperparameters, the tensors each
+module tensor is made of and their values with the converter's changes undone; the Q8_0 weights of
+the projections FP8 would quantize stay Q8_0 (FP8Linear / FP8Experts holding nextn.ops.q8_0's
+layout), the rest load in the model's dtype. `model_config` is either kind's ModelConfig.
+
+Does not parse the files' headers or map checkpoint keys to module names: nextn.models.checkpoint
+(and nextn.models.gguf) do.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -43,18 +52,21 @@ from tqdm import tqdm
 
 from nextn.config import check_quantization, resolve_device, resolve_dtype
 from nextn.config.model import ModelConfig, QuantConfig
-from nextn.layers.ffn import Experts, FP8Experts
+from nextn.layers.ffn import MLP, Experts, FP8Experts
 from nextn.layers.linear import FP8Linear, Linear
+from nextn.models import gguf
 from nextn.models.checkpoint import (
     CheckpointError,
     CheckpointPlan,
     Slot,
     count_mtp_layers,
     plan_checkpoint,
+    regroup_next,
     safetensor_files,
 )
 from nextn.models.qwen3_5 import CausalLM
-from nextn.ops.fp8 import E4M3, FP8Weight, block_scale, channel_scale, quantize, scale_shape
+from nextn.ops.fp8 import E4M3, FORMATS, FP8, Q8_0, Format, FP8Weight, block_scale, channel_scale, quantize, scale_shape
+from nextn.ops.q8_0 import q8_0_quantize
 
 log = logging.getLogger(__name__)
 
@@ -70,44 +82,52 @@ FUSED = (
 KEEP_BF16 = ("in_proj_a", "in_proj_b", "in_proj_ba", "shared_expert_gate")
 
 
-def _regroup_next(name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Qwen3-Next's GDN projections, grouped per key head in the checkpoint, in the Qwen3.5 row order
-    (a weight's rows; the columns of its scales in nextn's layout)."""
-    base = name.removesuffix("_scale")
-    nk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    r = cfg.linear_num_value_heads // max(1, nk)
-    if base.endswith("linear_attn.in_proj_qkvz.weight"):
-        sizes = [dk, dk, r * dv, r * dv]
-    elif base.endswith("linear_attn.in_proj_ba.weight"):
-        sizes = [r, r]
-    else:
-        return t
-    parts = torch.arange(nk * sum(sizes)).view(nk, -1).split(sizes, dim=1)
-    return t.index_select(-1 if name.endswith("_scale") else 0, torch.cat([p.reshape(-1) for p in parts]))
+def at_load_config(quantization: str) -> QuantConfig:
+    """The QuantConfig of `quantization=` applied to a bf16 checkpoint at load: "fp8" (128x128
+    blocks) or "q8_0" (a scale per row and 32 columns)."""
+    fmt = FORMATS[quantization]
+    return QuantConfig(fmt.name, (fmt.block if fmt == FP8 else 1, fmt.block), at_load=True)
 
 
-def fp8_at_load(model: CausalLM) -> frozenset[str]:
+def weight_format(quant: QuantConfig | None) -> Format:
+    """The format of a model's quantized weights: Q8_0 for method "q8_0", else FP8."""
+    return FORMATS[quant.method] if quant is not None and quant.method in FORMATS else FP8
+
+
+def fp8_at_load(model: CausalLM, fmt: Format = FP8) -> frozenset[str]:
     """The module weights quantization="fp8" quantizes: the decoder layers' Linear weights and
-    experts, but KEEP_BF16 (lm_head, the embeddings, norms, routers and mtp.* are not among them)."""
-    out = set()
-    for name, m in model.named_modules():
+    experts, but KEEP_BF16 (lm_head, the embeddings, norms, routers and mtp.* are not among them).
+    Q8_0 (fmt) quantizes those whose rows are whole blocks of 32 (as llama.cpp keeps the others in
+    a float type); an expert stack, and an MLP's three projections, whole or not at all (the MoE
+    kernels read a shared expert in one format)."""
+    out, kept = set(), set()
+    for name, m in model.named_modules():  # (a module before its children)
         if not name.startswith("model.layers."):
             continue
-        if isinstance(m, Experts):
+        if isinstance(m, MLP) and not _whole_blocks(fmt, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight):
+            kept |= {f"{name}.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+        if isinstance(m, Experts) and _whole_blocks(fmt, m.gate_up_proj, m.down_proj):
             out |= {f"{name}.gate_up_proj", f"{name}.down_proj"}
-        elif isinstance(m, Linear) and not name.endswith(KEEP_BF16):
+        elif (
+            isinstance(m, Linear) and not name.endswith(KEEP_BF16) and name not in kept and _whole_blocks(fmt, m.weight)
+        ):
             out.add(f"{name}.weight")
     return frozenset(out)
 
 
-def quantize_at_load(plan: CheckpointPlan, model: CausalLM) -> CheckpointPlan:
-    """The plan of a bf16 checkpoint loaded with quantization="fp8": fp8_at_load's weights
-    quantized as they stream in, their scales beside them."""
-    fp8 = fp8_at_load(model) & plan.shapes.keys()
+def _whole_blocks(fmt: Format, *weights: torch.Tensor) -> bool:
+    """Whether each weight's rows are whole blocks of the format (FP8 takes a partial last block)."""
+    return fmt == FP8 or all(w.shape[-1] % fmt.block == 0 for w in weights)
+
+
+def quantize_at_load(plan: CheckpointPlan, model: CausalLM, fmt: Format = FP8) -> CheckpointPlan:
+    """The plan of a bf16 checkpoint loaded with quantization="fp8" (or "q8_0", fmt): fp8_at_load's
+    weights quantized as they stream in, their scales beside them."""
+    fp8 = fp8_at_load(model, fmt) & plan.shapes.keys()
     shapes = dict(plan.shapes)
     for name in fp8:
         *lead, n, k = shapes[name]
-        shapes[name + "_scale"] = (*lead, *scale_shape(n, k))
+        shapes[name + "_scale"] = (*lead, *scale_shape(n, k, fmt.block))
     keys = {
         path: {key: slot._replace(quantize=slot.name in fp8) for key, slot in slots.items()}
         for path, slots in plan.keys.items()
@@ -115,27 +135,30 @@ def quantize_at_load(plan: CheckpointPlan, model: CausalLM) -> CheckpointPlan:
     return CheckpointPlan(shapes, keys, fp8, plan.tp)
 
 
-def use_fp8_modules(model: CausalLM, fp8: frozenset[str]) -> None:
-    """Swap the modules whose weights are FP8 for FP8Linear / FP8Experts (on the meta device; a
-    bias is kept). lm_head, embeddings, norms and routers stay in the model's dtype."""
+def use_fp8_modules(model: CausalLM, fp8: frozenset[str], fmt: Format = FP8) -> None:
+    """Swap the modules whose weights are quantized (FP8, or fmt) for FP8Linear / FP8Experts (on the
+    meta device; a bias is kept). lm_head, embeddings, norms and routers stay in the model's dtype."""
     for prefix in sorted({name.rpartition(".")[0] for name in fp8}):
         module = model.get_submodule(prefix)
         with torch.device("meta"):
             if isinstance(module, Linear) and prefix != "lm_head":
-                new = FP8Linear(module.in_features, module.out_features)
+                new = FP8Linear(module.in_features, module.out_features, fmt=fmt)
                 new.bias = module.bias
             elif isinstance(module, Experts) and {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"} <= fp8:
                 num, rows, hidden = module.gate_up_proj.shape
-                new = FP8Experts(num, hidden, rows // 2)
+                new = FP8Experts(num, hidden, rows // 2, fmt=fmt)
             else:
                 raise CheckpointError(f"the checkpoint quantizes {prefix}, which nextn keeps in the model's dtype")
         parent, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
 
 
-def quantize_weight(name: str, w: torch.Tensor) -> FP8Weight:
+def quantize_weight(name: str, w: torch.Tensor, fmt: Format = FP8) -> FP8Weight:
     """Module weight `name` ([N, K], or packed experts [E, N, K]) quantized in 128x128 blocks as a
-    published checkpoint stores it: expert by expert, gate and up rows of gate_up_proj apart."""
+    published checkpoint stores it: expert by expert, gate and up rows of gate_up_proj apart; Q8_0
+    (fmt) as GGUF does, row by row."""
+    if fmt != FP8:
+        return q8_0_quantize(w)
     if w.dim() == 2:
         return quantize(w)
     parts = w.chunk(2, dim=1) if name.endswith("gate_up_proj") else (w,)
@@ -144,27 +167,29 @@ def quantize_weight(name: str, w: torch.Tensor) -> FP8Weight:
 
 
 @torch.no_grad()
-def quantize_model(model: CausalLM) -> CausalLM:
-    """quantization="fp8" applied to a model in memory (the bench's random weights): what loading
-    its checkpoint with quantization="fp8" gives. Before fuse_weights."""
-    fp8 = fp8_at_load(model)
+def quantize_model(model: CausalLM, quantization: str = "fp8") -> CausalLM:
+    """quantization="fp8" (or "q8_0") applied to a model in memory: what loading its checkpoint with
+    that quantization gives. Before fuse_weights."""
+    quant = at_load_config(quantization)
+    fmt = weight_format(quant)
+    fp8 = fp8_at_load(model, fmt)
     weights = {name: model.get_parameter(name) for name in fp8}
-    use_fp8_modules(model, fp8)
+    use_fp8_modules(model, fp8, fmt)
     for name in sorted(fp8):
         w = weights.pop(name)  # the last reference: each bf16 weight is freed once quantized
-        q = quantize_weight(name, w)
+        q = quantize_weight(name, w, fmt)
         prefix, _, attr = name.rpartition(".")
         module = model.get_submodule(prefix)
         setattr(module, attr, torch.nn.Parameter(q.weight, requires_grad=False))
         setattr(module, attr + "_scale", torch.nn.Parameter(q.scale, requires_grad=False))
         del w
-    model.cfg = replace(model.cfg, quantization=QuantConfig("fp8", (128, 128), at_load=True))
+    model.cfg = replace(model.cfg, quantization=quant)
     return model
 
 
 def fuse_weights(model: CausalLM) -> CausalLM:
     """Make each FUSED group's weights row blocks of one tensor (the modules keep views of it): one
-    tensor per run of modules of one kind, bf16 or FP8 (whose scales are fused as column blocks)."""
+    tensor per run of modules of one kind, bf16, FP8 or Q8_0 (whose scales are fused as column blocks)."""
     with torch.no_grad():
         for module in model.modules():
             for names in FUSED:
@@ -186,10 +211,10 @@ def fuse_weights(model: CausalLM) -> CausalLM:
 
 
 def _runs(linears: list) -> list[list]:
-    """Consecutive linears of one kind (Linear or FP8Linear)."""
+    """Consecutive linears of one kind (Linear, or FP8Linear of one format: their weights' dtype)."""
     runs: list[list] = []
     for m in linears:
-        if runs and isinstance(m, FP8Linear) == isinstance(runs[-1][0], FP8Linear):
+        if runs and m.weight.dtype == runs[-1][0].weight.dtype:
             runs[-1].append(m)
         else:
             runs.append([m])
@@ -198,8 +223,8 @@ def _runs(linears: list) -> list[list]:
 
 def fused_runs(*linears) -> list[torch.Tensor | FP8Weight]:
     """The tensors whose consecutive row blocks the linears' weights are (`fuse_weights` made them),
-    one per run of one kind: a tensor for Linear modules, an FP8Weight (scales as column blocks)
-    for FP8Linear ones."""
+    one per run of one kind: a tensor for Linear modules, an FP8Weight (FP8 or Q8_0; scales as
+    column blocks) for FP8Linear ones."""
     out: list[torch.Tensor | FP8Weight] = []
     for run in _runs(list(linears)):
         weight = _joined([m.weight for m in run], dim=0)
@@ -240,16 +265,21 @@ def load_model(
     quantization: str | None = None,
     tp: tuple[int, int] = (0, 1),
 ) -> CausalLM:
-    """The checkpoint's model on `device` in `dtype` (either may be "auto": see
+    """The checkpoint's model (a directory, or a GGUF file) on `device` in `dtype` (either may be "auto": see
     nextn.config.resolve_device and resolve_dtype), every tensor checked against the config before
-    any is read. FP8 weights of an FP8 checkpoint stay FP8; quantization "fp8" quantizes a bf16
-    checkpoint's at load (an FP8 checkpoint loads as it is). tp (rank, size): this rank's share of
+    any is read. FP8 weights of an FP8 checkpoint stay FP8; quantization "fp8" (or "q8_0") quantizes a
+    bf16 checkpoint's at load (an FP8 checkpoint loads as it is). tp (rank, size): this rank's share of
     the model under tensor parallelism (its config is `ModelConfig.shard(rank, size)`)."""
     check_quantization(quantization)
     model_dir = Path(model_dir)
+    if gguf.is_gguf(model_dir):  # a llama.cpp file: its own reader (nextn.models.gguf)
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device, gguf.gguf_config(model_dir).dtype)
+        return load_gguf(model_dir, device, dtype, quantization, tp)
     cfg = ModelConfig.from_hf(model_dir)
-    if quantization == "fp8" and cfg.quantization is None:
-        cfg = replace(cfg, quantization=QuantConfig("fp8", (128, 128), at_load=True))
+    if quantization is not None and cfg.quantization is None:
+        cfg = replace(cfg, quantization=at_load_config(quantization))
+    fmt = weight_format(cfg.quantization)
     shard_cfg = cfg.shard(*tp)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device, cfg.dtype)
@@ -266,8 +296,8 @@ def load_model(
     with torch.device("meta"):
         model = CausalLM(shard_cfg, num_mtp_layers=num_mtp)
     if cfg.quantization is not None and cfg.quantization.at_load:
-        plan = quantize_at_load(plan, model)
-    use_fp8_modules(model, plan.fp8)
+        plan = quantize_at_load(plan, model, fmt)
+    use_fp8_modules(model, plan.fp8, fmt)
     check_tensors(model, plan.shapes)
     t0 = time.perf_counter()
     state = stream_tensors(plan, cfg, torch.device(device), DTYPES[dtype])
@@ -279,11 +309,15 @@ def load_model(
 
 
 def stream_tensors(plan: CheckpointPlan, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict:
-    """The module tensors on `device` in `dtype` (FP8 weights in e4m3, their scales in float32),
-    read one at a time: host memory holds one tensor (and its cast) while the device fills up."""
+    """The module tensors on `device` in `dtype` (FP8 weights in e4m3, their scales in float32; Q8_0
+    in int8 and float16), read one at a time: host memory holds one tensor (and its cast) while the
+    device fills up."""
+    fmt = weight_format(cfg.quantization)
     packed = {slot.name for k in plan.keys.values() for slot in k.values() if slot.e is not None}
     packed |= {name + "_scale" for name in packed & plan.fp8}
-    state = {name: torch.empty(plan.shapes[name], device=device, dtype=_dtype(name, plan, dtype)) for name in packed}
+    state = {
+        name: torch.empty(plan.shapes[name], device=device, dtype=_dtype(name, plan, dtype, fmt)) for name in packed
+    }
     for path in tqdm(plan.keys, desc="loading", unit="shard", disable=not log.isEnabledFor(logging.INFO)):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -294,17 +328,17 @@ def stream_tensors(plan: CheckpointPlan, cfg: ModelConfig, device: torch.device,
     return state
 
 
-def _dtype(name: str, plan: CheckpointPlan, dtype: torch.dtype) -> torch.dtype:
+def _dtype(name: str, plan: CheckpointPlan, dtype: torch.dtype, fmt: Format) -> torch.dtype:
     if name in plan.fp8:
-        return E4M3
-    return torch.float32 if name.removesuffix("_scale") in plan.fp8 else dtype
+        return fmt.values
+    return fmt.scale if name.removesuffix("_scale") in plan.fp8 else dtype
 
 
 def _place(state: dict, slot: Slot, t: torch.Tensor, cfg: ModelConfig, device, dtype, tp=(0, 1)) -> None:
     """One checkpoint tensor into the state: cast (FP8 weights kept e4m3, scales converted to
     nextn's layout, quantized if asked; a rank's part cut) and moved, or copied into its expert's rows."""
     if slot.quantize:  # from the checkpoint's own values (quantize computes in float32)
-        q = quantize_weight(slot.name, _regroup_next(slot.name, t, cfg).to(device))
+        q = quantize_weight(slot.name, regroup_next(slot.name, t, cfg).to(device), weight_format(cfg.quantization))
         _put(state, slot, q.weight)
         _put(state, slot._replace(name=slot.name + "_scale"), q.scale, columns=True)
         return
@@ -312,7 +346,7 @@ def _place(state: dict, slot: Slot, t: torch.Tensor, cfg: ModelConfig, device, d
     if slot.scale is not None:
         kind, rows, n, k = slot.scale
         t, target = block_scale(t, n, rows) if kind == "block" else channel_scale(t, n, k), torch.float32
-    t = _regroup_next(slot.name, t, cfg)
+    t = regroup_next(slot.name, t, cfg)
     if slot.split is not None:
         t = slot.split.take(t, *tp)
     _put(state, slot, t.to(device=device, dtype=target), columns=slot.scale is not None)
@@ -338,3 +372,76 @@ def check_tensors(model: CausalLM, shapes: dict[str, tuple[int, ...]]) -> None:
     for name, shape in expected.items():
         if tuple(shapes[name]) != shape:
             raise CheckpointError(f"tensor {name} has shape {tuple(shapes[name])}, expected {shape}")
+
+
+def model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory (its config.json) or of a GGUF file (its metadata)."""
+    return gguf.gguf_config(path) if gguf.is_gguf(path) else ModelConfig.from_hf(path)
+
+
+def load_gguf(path: Path, device: str, dtype: str, quantization: str | None = None, tp: tuple[int, int] = (0, 1)):
+    """A GGUF file's model on `device` in `dtype` (nextn.models.gguf reads and maps its tensors): the
+    Q8_0 weights of the projections nextn's quantized kernels read (fp8_at_load's) stay Q8_0
+    (FP8Linear / FP8Experts holding nextn.ops.q8_0's layout), every other tensor in `dtype`.
+    quantization "fp8" or "q8_0": a file of F32 / F16 / BF16 weights quantized at load (quantize_model)."""
+    from nextn.ops.q8_0 import q8_0_from_blocks
+
+    if tp[1] > 1:
+        raise CheckpointError(f"{path}: tensor parallelism does not load GGUF files; give the safetensors checkpoint")
+    reader = gguf.open_gguf(path)
+    cfg = gguf.gguf_config(reader)
+    if cfg.mtp_num_hidden_layers > 1:
+        raise CheckpointError(f"{path} has {cfg.mtp_num_hidden_layers} NextN layers; nextn runs one")
+    with torch.device("meta"):
+        model = CausalLM(cfg, num_mtp_layers=cfg.mtp_num_hidden_layers)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    plan = gguf.plan_tensors(reader, cfg, expected)
+    q8 = _whole_modules(model, {key for key in fp8_at_load(model, Q8_0) if gguf.is_q8_0(reader, key, plan[key], cfg)})
+    if q8 and quantization is not None:
+        raise CheckpointError(f"{path} holds Q8_0 weights: load it without quantization={quantization!r}")
+    gguf.log_types(reader, sum(len(plan[key]) for key in q8))
+    use_fp8_modules(model, q8, Q8_0)
+    t0 = time.perf_counter()
+    for key, names in tqdm(plan.items(), desc="loading", unit="tensor", disable=not log.isEnabledFor(logging.INFO)):
+        t = gguf.module_tensor(reader, key, names, cfg, blocks=key in q8)
+        if key in q8:  # the converter's row moves undone on the blocks, then nextn's Q8_0 layout
+            w = q8_0_from_blocks(t)
+            _check_gguf_shape(key, names, w.weight, expected[key])
+            _assign(model, key, w.weight.to(device))
+            _assign(model, key + "_scale", w.scale.to(device))
+        else:
+            _check_gguf_shape(key, names, t, expected[key])
+            _assign(model, key, t.reshape(expected[key]).to(device=device, dtype=DTYPES[dtype]))
+    model.rotary = type(model.rotary)(cfg.rotary_dim, cfg.rope_theta).to(device)
+    if q8:
+        model.cfg = replace(cfg, quantization=QuantConfig(Q8_0.name, (1, Q8_0.block)))
+    if quantization is not None:
+        model = quantize_model(model, quantization)
+    log.info("loaded %s on %s as %s in %.1f s", path, device, dtype, time.perf_counter() - t0)
+    return fuse_weights(model.eval())
+
+
+def _whole_modules(model: CausalLM, q8: set[str]) -> frozenset[str]:
+    """q8 without the weights of an MLP or an expert stack some of whose weights are not in it: the
+    MoE kernels read a shared expert, and an expert stack, in one format (fp8_at_load's rule)."""
+    out = set(q8)
+    for name, m in model.named_modules():
+        members = ()
+        if isinstance(m, MLP):
+            members = tuple(f"{name}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj"))
+        elif isinstance(m, Experts):
+            members = (f"{name}.gate_up_proj", f"{name}.down_proj")
+        if not set(members) <= q8:
+            out -= set(members)
+    return frozenset(out)
+
+
+def _check_gguf_shape(key: str, names: list[str], t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """t holds module tensor `key`'s values (the converter squeezes unit dims: a reshape restores them)."""
+    if t.numel() != math.prod(shape) or (t.dim() == len(shape) and tuple(t.shape) != shape):
+        raise CheckpointError(f"GGUF {' + '.join(names)} of shape {tuple(t.shape)} cannot be nextn's {key} {shape}")
+
+
+def _assign(model: CausalLM, key: str, t: torch.Tensor) -> None:
+    prefix, _, attr = key.rpartition(".")
+    setattr(model.get_submodule(prefix), attr, torch.nn.Parameter(t, requires_grad=False))

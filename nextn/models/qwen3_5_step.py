@@ -29,7 +29,8 @@ residual added in one call (nextn.parallel.comm.all_reduce_add: the reference mo
 for bit, over CUDA IPC between the GPUs of one host), so a captured CUDA graph holds the
 collectives; the embedding gathers from the ranks' rows and the logits from their vocabulary columns.
 
-FP8 weights (nextn.ops.fp8) reach the skinny GEMM as FP8Weight pairs in place of tensors. A fused
+FP8 weights (nextn.ops.fp8), and Q8_0 ones (nextn.ops.q8_0, an FP8Weight of int8 values), reach
+the skinny GEMM as FP8Weight pairs in place of tensors. A fused
 projection whose members differ in kind (FP8 q/k/v/z beside the bf16 GDN gates b/a) runs one GEMM
 per run of one kind, each into its columns of the projection; MoE layers' FP8 experts and shared
 expert reach nextn.ops.triton_moe, which dequantizes them tile by tile. An fp8 K/V cache reaches the
@@ -222,14 +223,14 @@ class TritonStep:
             self._rope.append((n, *self.model.rotary.cos_sin(positions, self.embed.dtype)))
         return self._rope[-1][1], self._rope[-1][2]
 
-    def linear_uses(self, head: bool = True, head_vocab: int | None = None) -> list[tuple[int, int, bool, bool]]:
-        """(N, K, second weight, FP8) of each skinny_linear one trunk step
+    def linear_uses(self, head: bool = True, head_vocab: int | None = None) -> list[tuple[int, int, bool, str]]:
+        """(N, K, second weight, kind: "" bf16 or the quantized format's name) of each skinny_linear one trunk step
         runs (and the MTP head's step, with head=True, its logits over head_vocab rows: a draft
         vocabulary's; default the full lm_head's), repeats included."""
         uses = []
 
         def use(w: Weight, dual: bool = False):
-            uses.append((*w.shape, dual, isinstance(w, FP8Weight)))
+            uses.append((*w.shape, dual, w.format.name if isinstance(w, FP8Weight) else ""))
 
         def mlp(w):
             if not isinstance(w, MoEWeights):  # (the MoE block's router runs in its own kernel)
@@ -250,7 +251,7 @@ class TritonStep:
             use(self.head_weights[2])
             layer(self.head_weights[3])
             if head_vocab is not None:
-                uses.append((head_vocab, self.lm_head.shape[1], False, False))  # a bf16 copy
+                uses.append((head_vocab, self.lm_head.shape[1], False, ""))  # a bf16 copy
         return uses
 
     def tune(self, log=None, head_vocab: int | None = None) -> dict:

@@ -15,11 +15,19 @@ import torch
 
 from nextn.cache.pool import GiB, available_bytes
 from nextn.config import DEFAULT_GPU_MEMORY_UTILIZATION, check_quantization
-from nextn.config.model import ModelConfig, QuantConfig
+from nextn.config.model import ModelConfig
 from nextn.engine.memory import bytes_per_sequence, sequences_that_fit
-from nextn.models.loader import DTYPES, fp8_at_load, fuse_weights, quantize_weight, use_fp8_modules
+from nextn.models.loader import (
+    DTYPES,
+    at_load_config,
+    fp8_at_load,
+    fuse_weights,
+    quantize_weight,
+    use_fp8_modules,
+    weight_format,
+)
 from nextn.models.qwen3_5 import CausalLM
-from nextn.ops.fp8 import BLOCK, compact
+from nextn.ops.fp8 import FP8, compact
 from nextn.parallel.shard import shard_tensor
 
 log = logging.getLogger(__name__)
@@ -141,8 +149,8 @@ class FitPlan(NamedTuple):
     preset: str
     device: str
     dtype: str
-    fp8: bool
-    weight_bytes: int  # every parameter as drawn (FP8: e4m3 bytes and their float32 scales)
+    quant: str  # "" (the model's dtype), or the quantized weights' format: "fp8", "q8_0"
+    weight_bytes: int  # every parameter as drawn (FP8: e4m3 bytes and their float32 scales; Q8_0 34 per 32)
     free_bytes: int  # the device's free memory now
     budget_bytes: int  # what the engine may take beside the weights (a GPU: utilization of its total)
     sequence_bytes: int  # one sequence's cache at the query's context
@@ -151,7 +159,7 @@ class FitPlan(NamedTuple):
 
     def line(self) -> str:
         """The plan in one line."""
-        kind = f"{self.dtype} with FP8 weights" if self.fp8 else self.dtype
+        kind = f"{self.dtype} with {self.quant.upper()} weights" if self.quant else self.dtype
         q = self.query
         return (
             f"fit: the {self.preset} preset in {kind}: weights {self.weight_bytes / GiB:.1f} GiB of "
@@ -176,8 +184,8 @@ def plan_fit(model: CausalLM, preset: str, device: str, dtype: str, query: Cache
     torch_dtype = DTYPES[dtype]
     slot = bytes_per_sequence(model.cfg, query.max_len, query.k, torch_dtype, query.kv_cache_dtype)
     num_seqs = sequences_that_fit(model.cfg, query.max_len, query.k, max(0, budget), torch_dtype, query.kv_cache_dtype)
-    fp8 = model.cfg.quantization is not None
-    return FitPlan(preset, device, dtype, fp8, nbytes, free, budget, slot, num_seqs, query)
+    quant = model.cfg.quantization.method if model.cfg.quantization is not None else ""
+    return FitPlan(preset, device, dtype, quant, nbytes, free, budget, slot, num_seqs, query)
 
 
 @torch.no_grad()
@@ -192,8 +200,8 @@ def random_model(
 ) -> CausalLM:
     """A preset's model with random weights drawn on `device` (seconds, even for 35B), scaled so
     activations stay O(1): projections ~ N(0, 1/fan_in), residual outputs shrunk by the depth.
-    quantization "fp8": the weights a checkpoint loaded with it quantizes (nextn.models.loader.
-    fp8_at_load) are drawn straight into 128x128-block e4m3 a few experts at a time (float32 chunks of
+    quantization "fp8" (or "q8_0"): the weights a checkpoint loaded with it quantizes (nextn.models.loader.
+    fp8_at_load) are drawn straight into 128x128-block e4m3 (Q8_0) a few experts at a time (float32 chunks of
     at most FP8_DRAW_BYTES), never as a whole copy in the model's dtype: the 122B's FP8 weights fit an
     H200, its bf16 ones do not. tp (rank, size): this rank's shard of the same weights (each whole
     tensor drawn, then cut; not with FP8, which tensor parallelism does not shard). Before any weight
@@ -202,8 +210,8 @@ def random_model(
     than the device's free memory are a ValueError."""
     check_quantization(quantization)
     cfg = preset_config(preset)
-    if quantization == "fp8":
-        cfg = replace(cfg, quantization=QuantConfig("fp8", (BLOCK, BLOCK), at_load=True))
+    if quantization is not None:
+        cfg = replace(cfg, quantization=at_load_config(quantization))
         cfg.shard(*tp)  # FP8 under tensor parallelism: the loader's one-line error
     torch_dtype = DTYPES[dtype]
     default = torch.get_default_dtype()
@@ -214,8 +222,8 @@ def random_model(
             model = CausalLM(cfg.shard(*tp), num_mtp_layers=1)
     finally:
         torch.set_default_dtype(default)
-    fp8 = fp8_at_load(model) if quantization == "fp8" else frozenset()
-    use_fp8_modules(model, fp8)
+    fp8 = fp8_at_load(model, weight_format(cfg.quantization)) if quantization is not None else frozenset()
+    use_fp8_modules(model, fp8, weight_format(cfg.quantization))
     plan = plan_fit(model, preset, device, dtype, cache or CacheQuery())
     _check_fits(plan)
     log.info(plan.line())
@@ -239,10 +247,10 @@ def _check_fits(plan: FitPlan) -> None:
     it (9B in float32 on a laptop's CPU) is a one-line error, not the kernel's OOM killer."""
     if plan.weight_bytes > plan.free_bytes:
         hint = "; run it on a GPU (--device cuda)" if torch.device(plan.device).type == "cpu" else ""
+        quant = f" with {plan.quant.upper()} weights" if plan.quant else ""
         raise ValueError(
-            f"the {plan.preset} preset's weights take {plan.weight_bytes / GiB:.1f} GiB in {plan.dtype}"
-            f"{' with FP8 weights' if plan.fp8 else ''}, more than the {plan.free_bytes / GiB:.1f} GiB free on "
-            f"{plan.device}{hint}"
+            f"the {plan.preset} preset's weights take {plan.weight_bytes / GiB:.1f} GiB in {plan.dtype}{quant}, "
+            f"more than the {plan.free_bytes / GiB:.1f} GiB free on {plan.device}{hint}"
         )
 
 
@@ -252,7 +260,7 @@ FP8_DRAW_BYTES = 2**28  # the float32 chunk an FP8 weight is drawn in, before it
 def _random_fp8_(name: str, model: CausalLM, gen: torch.Generator, cfg: ModelConfig) -> None:
     """FP8 weight `name` ([N, K] or an expert stack [E, N, K]) and its scales drawn as _random_ draws
     the weight, in float32 chunks of whole experts, each quantized as the loader quantizes a
-    checkpoint's weight (quantize_weight: 128x128 blocks, an expert's gate and up rows apart)."""
+    checkpoint's weight (quantize_weight: 128x128 blocks, an expert's gate and up rows apart; or Q8_0)."""
     prefix, _, attr = name.rpartition(".")
     module = model.get_submodule(prefix)
     weight, scale = getattr(module, attr), getattr(module, f"{attr}_scale")
@@ -262,7 +270,7 @@ def _random_fp8_(name: str, model: CausalLM, gen: torch.Generator, cfg: ModelCon
     for e in range(0, stack.shape[0], step):
         chunk = torch.empty(min(step, stack.shape[0] - e), n, k, device=weight.device, dtype=torch.float32)
         _random_(name, chunk, gen, cfg)
-        q = quantize_weight(name, chunk)
+        q = quantize_weight(name, chunk, weight_format(cfg.quantization))
         stack[e : e + len(chunk)].copy_(q.weight)
         scales[e : e + len(chunk)].copy_(q.scale)
 
@@ -298,7 +306,7 @@ def weight_bytes_per_token(model: CausalLM, experts_read: list[float] | None = N
     row), the lm_head, and of each MoE layer's experts only those the step reads: experts_read[i]
     for the i-th MoE layer (the distinct experts a step's rows route to, nextn.bench.roofline;
     default top-k each, a one-row decode step's). FP8 weights at a byte per weight plus their scales
-    as the step reads them (one per 128x128 block where exact)."""
+    as the step reads them (one per 128x128 block where exact); Q8_0 at GGUF's 34 bytes per 32."""
     cfg = model.cfg
     moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
     if experts_read is None:
@@ -311,7 +319,7 @@ def weight_bytes_per_token(model: CausalLM, experts_read: list[float] | None = N
         if name.startswith("mtp.") or name == "model.embed_tokens.weight":
             continue
         nbytes = p.numel() * p.element_size()
-        if name.endswith("_scale") and p.dim() == 2 and (scale := compact(p)) is not None:
+        if name.endswith("_scale") and p.dtype == FP8.scale and p.dim() == 2 and (scale := compact(p)) is not None:
             nbytes = scale.numel() * scale.element_size()  # FP8 scales as the step reads them
         if ".experts." in name:  # model.layers.{i}.mlp.experts.*: a stack of num_experts alike
             nbytes = nbytes // cfg.num_experts * read[int(name.split(".")[2])]

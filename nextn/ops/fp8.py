@@ -1,6 +1,7 @@
-"""FP8 (e4m3) weights: nextn's layout of them, quantization into it, and the reference dequantization;
-and the rows of an fp8 K/V cache (`quantize_rows` / `dequantize_rows`, the reference of the step
-kernels' in-kernel quantization in nextn.ops.triton_attention).
+"""Block-quantized weights, FP8 (e4m3) and GGUF's Q8_0 (int8; nextn.ops.q8_0): nextn's layout of
+them, FP8 quantization into it, and the reference dequantization of both; and the rows of an fp8
+K/V cache (`quantize_rows` / `dequantize_rows`, the reference of the step kernels' in-kernel
+quantization in nextn.ops.triton_attention).
 
 nextn holds a quantized weight [N, K] as `weight` float8_e4m3fn [N, K] and `scale` float32
 [ceil(K / 128), N], the weight's value being weight[n, k] * scale[k // 128, n]: every row has its
@@ -10,6 +11,12 @@ of several weights stay valid when concatenated, whatever their sizes (the fused
 expert's gate | up rows, Qwen3-Next's regrouped rows). The scales of a 128-column block are
 contiguous, so the skinny GEMM (nextn.ops.triton_linear) reads them as one vector per k-tile.
 The scales cost 4 bytes per 128 weights (3% over the e4m3 bytes).
+
+Q8_0 weights (`Format` Q8_0) take the same layout with other dtypes and blocks: `weight` int8 [N, K]
+and `scale` float16 [K / 32, N], one scale per row per 32 columns: GGUF's own bytes (34 per 32
+weights, 1.0625 per weight), its fp16 d and its 32 int8 q of a block stored as two aligned planes
+so a kernel loads 16-byte vectors of each. A weight's format follows from its values' dtype
+(`format_of`), so every path that takes an FP8Weight takes a Q8_0 one through the same code.
 
 An fp8 K/V cache (`kv_cache_dtype="fp8"`) stores each row of D values (one position, one kv head)
 as e4m3 with its own float32 scale, amax / 448: a row's bytes depend on that row alone, never on
@@ -29,17 +36,39 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-BLOCK = 128  # columns per scale
+BLOCK = 128  # columns per scale (FP8)
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # the largest finite e4m3fn value
 
 
-class FP8Weight(NamedTuple):
-    """A quantized weight in nextn's layout, what the step kernels take in place of a tensor:
-    weight[n, k] * scale[k // 128, n // rows]."""
+class Format(NamedTuple):
+    """How a block-quantized weight stores its values: their dtype, columns per scale, the scales' dtype."""
 
-    weight: torch.Tensor  # [N, K] float8_e4m3fn
-    scale: torch.Tensor  # [ceil(K / 128), ceil(N / rows)] float32, last dim contiguous
+    name: str  # the `quantization=` value that makes it at load
+    values: torch.dtype
+    block: int
+    scale: torch.dtype
+
+
+FP8 = Format("fp8", E4M3, BLOCK, torch.float32)
+Q8_0 = Format("q8_0", torch.int8, 32, torch.float16)  # GGUF's Q8_0 (nextn.ops.q8_0)
+FORMATS = {f.name: f for f in (FP8, Q8_0)}
+
+
+def format_of(values: torch.Tensor) -> Format:
+    """The format whose values `values` are (by dtype)."""
+    for f in FORMATS.values():
+        if f.values == values.dtype:
+            return f
+    raise ValueError(f"no quantized weight format holds {values.dtype} values")
+
+
+class FP8Weight(NamedTuple):
+    """A block-quantized weight in nextn's layout (FP8, or Q8_0 by its int8 values), what the step
+    kernels take in place of a tensor: weight[n, k] * scale[k // block, n // rows]."""
+
+    weight: torch.Tensor  # [N, K] float8_e4m3fn (FP8) or int8 (Q8_0)
+    scale: torch.Tensor  # [ceil(K / block), ceil(N / rows)] float32 (FP8) or float16 (Q8_0), last dim contiguous
     rows: int = 1  # rows per scale: 1 (nextn's layout), or 128 (compact_scales)
     exponent: int = 0  # compact_scales: 2^exponent puts the largest scale in [1, 2) (the skinny GEMM's fp16 range)
 
@@ -47,18 +76,25 @@ class FP8Weight(NamedTuple):
     def shape(self) -> torch.Size:
         return self.weight.shape
 
+    @property
+    def format(self) -> Format:
+        return format_of(self.weight)
 
-def scale_shape(n: int, k: int) -> tuple[int, int]:
-    """The shape of nextn's scales for a weight [n, k]."""
-    return (-(-k // BLOCK), n)
+
+def scale_shape(n: int, k: int, block: int = BLOCK) -> tuple[int, int]:
+    """The shape of nextn's scales for a weight [n, k] with `block` columns per scale."""
+    return (-(-k // block), n)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """weight [..., N, K] e4m3, scale [..., ceil(K/128), N] -> [..., N, K] in dtype (products in float32)."""
+    """weight [..., N, K] (e4m3 or int8), scale [..., ceil(K/block), N] -> [..., N, K] in dtype: each
+    value times its scale in float32 (exact for Q8_0: an int8 times an fp16), then rounded to dtype.
+    The Q8_0 kernels dequantize a tile exactly so."""
+    block = format_of(weight).block
     *lead, n, k = weight.shape
     kb = scale.shape[-2]
-    w = F.pad(weight.float(), (0, kb * BLOCK - k)).view(*lead, n, kb, BLOCK)
-    return (w * scale.transpose(-1, -2)[..., None]).view(*lead, n, kb * BLOCK)[..., :k].to(dtype)
+    w = F.pad(weight.float(), (0, kb * block - k)).view(*lead, n, kb, block)
+    return (w * scale.float().transpose(-1, -2)[..., None]).view(*lead, n, kb * block)[..., :k].to(dtype)
 
 
 def quantize_blocks(w: torch.Tensor, block_n: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +158,9 @@ def compact(scale: torch.Tensor, rows: int = BLOCK) -> torch.Tensor | None:
 
 
 def compact_scales(w: FP8Weight, rows: int = BLOCK) -> FP8Weight:
-    """w with one scale per `rows` rows where that is the same weight, else w."""
-    scale = compact(w.scale, rows) if w.rows == 1 else None
+    """w with one scale per `rows` rows where that is the same weight, else w (and Q8_0 weights,
+    whose kernels read a scale per row)."""
+    scale = compact(w.scale, rows) if w.rows == 1 and w.format == FP8 else None
     if scale is None:
         return w
     top = scale.abs().max().item()

@@ -1,6 +1,6 @@
 """Block configs for the skinny GEMM (nextn.ops.triton_linear), measured: each candidate timed per
 weight shape at 1 and 9 rows inside a CUDA graph with the weights out of L2, the best kept in the
-kernel module's CONFIGS / FP8_CONFIGS before any step is captured (TritonStep.tune, `nextn bench`).
+kernel module's CONFIGS / QUANT_CONFIGS (FP8, Q8_0) before any step is captured (TritonStep.tune, `nextn bench`).
 GPU only. `graph_us` is the timing the bench scripts share.
 """
 
@@ -8,9 +8,17 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.fp8 import BLOCK as FP8_BLOCK
-from nextn.ops.fp8 import FP8Weight, compact_scales, quantize
-from nextn.ops.triton_linear import CONFIGS, FP8_CONFIGS, WAY_TMA, WAY_XMAJOR, pick_config, skinny_linear
+from nextn.ops.fp8 import FORMATS, FP8, FP8Weight, compact_scales, quantize
+from nextn.ops.q8_0 import q8_0_quantize
+from nextn.ops.triton_linear import (
+    CONFIGS,
+    QUANT_CONFIGS,
+    WAY_TMA,
+    WAY_XMAJOR,
+    pick_config,
+    skinny_linear,
+    takes_block_k,
+)
 
 
 def graph_us(launch, num_copies: int, reps: int) -> float:
@@ -66,42 +74,48 @@ TMA_CANDIDATES = [
 FP8_CANDIDATES = [(128, 128, 8, 4, 1), (128, 128, 8, 3, 4), (128, 128, 4, 3, 4), (32, 128, 4, 4, 4), (32, 128, 4, 4, 8)]
 FP8_CANDIDATES += [(128, 128, 4, 4, 2, 2), (64, 128, 4, 4, 4, 2), (128, 128, 4, 4, 1, 2), (64, 128, 4, 4, 1, 2),
                    (64, 128, 4, 6, 2, 2), (128, 128, 8, 5, 2, 2), (64, 128, 4, 4, 2, 2)]  # fmt: skip
+# more for Q8_0: tiles of one 32-column group (scaled products), and wide ones (dequantized tiles)
+Q8_0_CANDIDATES = [(64, 32, 4, 6, 1), (128, 32, 4, 8, 1), (64, 64, 4, 4, 2), (64, 256, 4, 3, 1), (128, 256, 8, 3, 1)]
+QUANT_CANDIDATES = {FP8.name: FP8_CANDIDATES, "q8_0": Q8_0_CANDIDATES}
 
 
-def config_key(N: int, K: int, fp8: bool = False) -> str:
-    """The name of a weight shape (and kind) in tune's report."""
-    return f"{N}x{K}" + ("_fp8" if fp8 else "")
+def config_key(N: int, K: int, quant: str = "") -> str:
+    """The name of a weight shape (and kind: "" bf16, or a quantized format's name) in tune's report."""
+    return f"{N}x{K}" + (f"_{quant}" if quant else "")
 
 
-def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log=None) -> dict:
-    """Time block configs per weight shape (N, K, second weight?, FP8?) at 1
-    and 9 rows, in CUDA graphs with the weights out of L2, and keep the best in CONFIGS (FP8_CONFIGS)
+def tune(shapes: list[tuple[int, int, bool, str]], device, candidates=None, log=None) -> dict:
+    """Time block configs per weight shape (N, K, second weight?, kind: "" bf16, "fp8", "q8_0") at 1
+    and 9 rows, in CUDA graphs with the weights out of L2, and keep the best in CONFIGS (QUANT_CONFIGS)
     (the default heuristic's config is always a candidate). Run it before any step is captured: a
     shape's config then stays fixed, so rows stay invariant."""
     candidates = list(candidates or CANDIDATES + TMA_CANDIDATES)
     chosen = {}
-    merged: dict[tuple[int, int, bool], bool] = {}
-    for N, K, dual, fp8 in shapes:  # one config per (N, K, kind): tune the most demanding use
-        merged[(N, K, fp8)] = merged.get((N, K, fp8), False) or dual
+    merged: dict[tuple[int, int, str], bool] = {}
+    for N, K, dual, quant in shapes:  # one config per (N, K, kind): tune the most demanding use
+        merged[(N, K, quant)] = merged.get((N, K, quant), False) or dual
     l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
-    for (N, K, fp8), dual in sorted(merged.items()):
-        table = (FP8_CONFIGS if fp8 else CONFIGS).pop((N, K), None)
-        default = pick_config(N, K, fp8)
+    for (N, K, quant), dual in sorted(merged.items()):
+        configs = QUANT_CONFIGS[quant] if quant else CONFIGS
+        table = configs.pop((N, K), None)
+        default = pick_config(N, K, quant)
         if table is not None and table not in candidates:
             candidates.append(table)
-        nbytes = N * K * (1 if fp8 else 2) * (2 if dual else 1)
+        nbytes = int(N * K * _bytes_per_weight(quant) * (2 if dual else 1))
         copies = max(1, min(8, -(-4 * l2_bytes // nbytes)))
-        ws = [_tune_weight(N, K, fp8, device) for _ in range(copies)]
-        w2s = [_tune_weight(N, K, fp8, device) for _ in range(copies)] if dual else None
+        ws = [_tune_weight(N, K, quant, device) for _ in range(copies)]
+        w2s = [_tune_weight(N, K, quant, device) for _ in range(copies)] if dual else None
         x = torch.randn(9, K, device=device, dtype=torch.bfloat16)
         reps = max(copies, min(200, int(2e11 // nbytes)))
         best = None
-        for cfg in [default] + [c for c in candidates + (FP8_CANDIDATES if fp8 else []) if c != default]:
+        for cfg in [default] + [c for c in candidates + QUANT_CANDIDATES.get(quant, []) if c != default]:
             bn, bk, _, _, split, *way = cfg
             way = way[0] if way else 0
-            if (split > 1 and K % (split * bk)) or bk > K or (fp8 and (FP8_BLOCK % bk or way == WAY_TMA)):
+            if (split > 1 and K % (split * bk)) or bk > K:
                 continue
-            if way == WAY_XMAJOR and not fp8:
+            if quant and (not takes_block_k(FORMATS[quant], bk) or way == WAY_TMA):
+                continue
+            if way == WAY_XMAJOR and quant != FP8.name:
                 continue
             times = []
             try:
@@ -118,13 +132,13 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
             except Exception as e:  # e.g. more shared memory than the chip has: not a candidate
                 torch.cuda.synchronize()
                 if log:
-                    log(f"tune {config_key(N, K, fp8)} {cfg}: {type(e).__name__}")
+                    log(f"tune {config_key(N, K, quant)} {cfg}: {type(e).__name__}")
                 continue
             score = times[0] + 0.25 * times[1]
             if best is None or score < best[0]:
                 best = (score, cfg, times[0], times[1])
-        (FP8_CONFIGS if fp8 else CONFIGS)[(N, K)] = best[1]
-        key = config_key(N, K, fp8)
+        configs[(N, K)] = best[1]
+        key = config_key(N, K, quant)
         chosen[key] = {
             "config": list(best[1]),
             "default": list(default),
@@ -138,6 +152,16 @@ def tune(shapes: list[tuple[int, int, bool, bool]], device, candidates=None, log
     return chosen
 
 
-def _tune_weight(N: int, K: int, fp8: bool, device) -> torch.Tensor | FP8Weight:
+def _bytes_per_weight(quant: str) -> float:
+    """A weight's bytes (its values and scales) by kind."""
+    if not quant:
+        return 2.0
+    fmt = FORMATS[quant]  # (FP8's step scales: one per 128x128 block, negligible)
+    return fmt.values.itemsize + (0 if fmt == FP8 else fmt.scale.itemsize / fmt.block)
+
+
+def _tune_weight(N: int, K: int, quant: str, device) -> torch.Tensor | FP8Weight:
     w = torch.randn(N, K, device=device, dtype=torch.bfloat16)
-    return compact_scales(quantize(w)) if fp8 else w  # (the step's layout)
+    if quant == FP8.name:
+        return compact_scales(quantize(w))  # (the step's layout)
+    return q8_0_quantize(w) if quant else w

@@ -1,6 +1,6 @@
 """Routed experts of a sparse MoE block: the plain PyTorch reference (CPU path and the oracle of
-the grouped-GEMM kernel, nextn.ops.triton_moe_grouped). FP8 experts (nextn.ops.fp8.FP8Weight) are
-dequantized one routed expert at a time: a stack of 512 experts is never copied whole into the
+the grouped-GEMM kernel, nextn.ops.triton_moe_grouped). FP8 (or Q8_0) experts (nextn.ops.fp8.FP8Weight)
+are dequantized one routed expert at a time: a stack of 512 experts is never copied whole into the
 activations' dtype (the 80B's 3.2 GB a layer in bf16, more than the headroom one GPU leaves)."""
 
 from __future__ import annotations

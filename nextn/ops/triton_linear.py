@@ -41,6 +41,15 @@ columns; k-tiles of at most 128 columns, so one scale per row covers a tile), tw
   tile's row scales, then added.
 The scales depend on the weight alone and the second pass on the row alone, so rows stay invariant.
 
+Q8_0 weights (nextn.ops.q8_0: int8 with a float16 scale per row and 32 columns, GGUF's 34 bytes per
+32 weights; an FP8Weight whose values are int8, GROUP 32) take the second way's kernel, one of two
+ways by the config's BLOCK_K: a k-tile over several 32-column groups (the default, BLOCK_K 128 or
+256) is dequantized in the k-loop, each int8 times its scale in float32 (exact) then rounded to x's
+dtype, what nextn.ops.fp8.dequantize gives, value for value, and one dot takes it; a tile within one
+group (BLOCK_K 32 or 16) is widened to x's dtype exactly, dotted, and its product scaled. Either
+way a row's arithmetic depends on the weight and that row alone. There is no chain (the scales
+differ row by row) and no tensor descriptor (TMA loads bf16 weights only).
+
 On Hopper a call is a programmatic dependent launch (`pdl`, the default): its programs may start
 while the kernel ahead of it still runs (the step's GDN, attention and MoE kernels release theirs at
 once), wait for that kernel to complete (`gdc_wait`) before they read or write anything, and release
@@ -53,8 +62,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.fp8 import BLOCK as FP8_BLOCK
-from nextn.ops.fp8 import FP8Weight
+from nextn.ops.fp8 import FP8, Q8_0, Format, FP8Weight
 from nextn.ops.triton_norm import NormInput, norm_input_values, rms_rstd
 from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2, pdl_supported
 
@@ -79,10 +87,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fp8_tile(w, x, s_ptrs, mask_n, x_dtype: tl.constexpr, DOT_F32: tl.constexpr):
-        """An e4m3 weight tile w [BLOCK_N, BLOCK_K] times the rows x [BLOCK_M, BLOCK_K], scaled by the
-        tile's per-row scales (at s_ptrs [BLOCK_N], repeated where rows share one): [BLOCK_N, BLOCK_M]
-        float32."""
-        scale = tl.load(s_ptrs, mask=mask_n, other=0.0)
+        """A quantized weight tile w [BLOCK_N, BLOCK_K] (e4m3 or int8: either widens to x's dtype
+        exactly) times the rows x [BLOCK_M, BLOCK_K], scaled by the tile's per-row scales (at s_ptrs
+        [BLOCK_N], repeated where rows share one): [BLOCK_N, BLOCK_M] float32."""
+        scale = tl.load(s_ptrs, mask=mask_n, other=0.0).to(tl.float32)
         if DOT_F32:
             part = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
         else:
@@ -90,12 +98,24 @@ if HAVE_TRITON:
         return part * scale[:, None]
 
     @triton.jit
+    def _dequantized_tile(w, s_ptr, stride_s, k0, K, offs_n, mask_n, x_dtype: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+        """A tile w [BLOCK_N, BLOCK_K] of GROUP-column scale groups (Q8_0: 32 int8 per fp16 scale)
+        dequantized: each value times its scale in float32 (exact for Q8_0), rounded to x's dtype,
+        what nextn.ops.fp8.dequantize gives."""
+        offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        s_mask = mask_n[:, None] & (offs_g[None, :] * GROUP < K)
+        scale = tl.load(s_ptr + offs_g[None, :] * stride_s + offs_n[:, None], mask=s_mask, other=0.0)
+        w = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * scale.to(tl.float32)[:, :, None]
+        return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x_dtype)
+
+    @triton.jit
     def _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
                 k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd,
                 EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
                 SCALE_ROWS: tl.constexpr, SCALE_ROWS2: tl.constexpr, TMA: tl.constexpr,
-                CHAIN: tl.constexpr):  # fmt: skip
+                CHAIN: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
         """A program's reduction over its K columns: (x @ w.T, x @ w2.T) as [BLOCK_N, BLOCK_M] float32
         (CHAIN: times its shifts and the rows' rstd [BLOCK_M, 1], which scale x's tiles)."""
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -114,15 +134,15 @@ if HAVE_TRITON:
                 w = w_ptr.load([n_block * BLOCK_N, k0])
             else:
                 w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-            acc = _tile_dot(w, x, acc, s_ptr, stride_s, k0, s_col, shift, rstd, offs_n, mask_n, SCALE_ROWS, FP8,
-                            CHAIN, DOT_F32)  # fmt: skip
+            acc = _tile_dot(w, x, acc, s_ptr, stride_s, k0, K, s_col, shift, rstd, offs_n, mask_n, SCALE_ROWS, FP8,
+                            CHAIN, DOT_F32, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
             if EPILOGUE == 2:
                 if TMA:
                     w2 = w2_ptr.load([n_block * BLOCK_N, k0])
                 else:
                     w2 = tl.load(w2_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
-                acc2 = _tile_dot(w2, x, acc2, s2_ptr, stride_s2, k0, s_col, shift2, rstd, offs_n, mask_n, SCALE_ROWS2,
-                                 FP8, CHAIN, DOT_F32)  # fmt: skip
+                acc2 = _tile_dot(w2, x, acc2, s2_ptr, stride_s2, k0, K, s_col, shift2, rstd, offs_n, mask_n,
+                                 SCALE_ROWS2, FP8, CHAIN, DOT_F32, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
         return acc, acc2
 
     @triton.jit
@@ -165,13 +185,20 @@ if HAVE_TRITON:
         return tl.dot(xs.to(tl.float16), wt.to(tl.float16), acc)
 
     @triton.jit
-    def _tile_dot(w, x, acc, s_ptr, stride_s, k0, s_col, shift, rstd, offs_n, mask_n, SCALE_ROWS: tl.constexpr,
-                  FP8: tl.constexpr, CHAIN: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+    def _tile_dot(w, x, acc, s_ptr, stride_s, k0, K, s_col, shift, rstd, offs_n, mask_n, SCALE_ROWS: tl.constexpr,
+                  FP8: tl.constexpr, CHAIN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
         """acc + w @ x.T for a weight tile w [BLOCK_N, BLOCK_K] at columns k0.. and rows x [BLOCK_M, BLOCK_K]."""
         if CHAIN:  # the block's one scale times x's tile: the dots chain into one accumulator
             out = _chain_dot(w, x, tl.load(s_ptr + (k0 // 128) * stride_s + s_col) * shift * rstd, acc, DOT_F32)
-        elif FP8:  # the scales of this tile's 128-column block (nextn.ops.fp8.BLOCK)
-            s_ptrs = s_ptr + (k0 // 128) * stride_s + offs_n // SCALE_ROWS
+        elif FP8 and BLOCK_K > GROUP:  # Q8_0 tiles over several scale groups: dequantized, then one dot
+            wd = _dequantized_tile(w, s_ptr, stride_s, k0, K, offs_n, mask_n, x.dtype, BLOCK_N, BLOCK_K, GROUP)
+            if DOT_F32:
+                out = tl.dot(wd.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                out = tl.dot(wd, tl.trans(x), acc)
+        elif FP8:  # the scales of this tile's GROUP-column block (nextn.ops.fp8.Format.block)
+            s_ptrs = s_ptr + (k0 // GROUP) * stride_s + offs_n // SCALE_ROWS
             out = acc + _fp8_tile(w, x, s_ptrs, mask_n, x.dtype, DOT_F32)
         elif DOT_F32:
             out = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
@@ -231,7 +258,8 @@ if HAVE_TRITON:
         EVEN_K: tl.constexpr,
         DOT_F32: tl.constexpr,
         SPLIT: tl.constexpr,
-        FP8: tl.constexpr,  # w (and w2) e4m3, float32 scales [K / 128, N / SCALE_ROWS] (row stride stride_s)
+        FP8: tl.constexpr,  # w (and w2) quantized: scales [K / GROUP, N / SCALE_ROWS] (row stride stride_s)
+        GROUP: tl.constexpr,  # FP8: columns per scale (128: e4m3, float32 scales; 32: Q8_0's int8, fp16 scales)
         SCALE_ROWS: tl.constexpr,  # weight rows per scale: 1 or 128
         SCALE_ROWS2: tl.constexpr,
         HAS_FLAG: tl.constexpr,  # flag_ptr: run_if (nextn.engine.runner.ModelRunner.when), 0 skips the call
@@ -275,7 +303,7 @@ if HAVE_TRITON:
             acc, acc2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
                                 k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd[:, None],
                                 EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2,
-                                TMA, CHAIN)  # fmt: skip
+                                TMA, CHAIN, GROUP)  # fmt: skip
         if PDL:  # the next launch may start once every program has streamed its weights
             tl.extra.cuda.gdc_launch_dependents()
         if CHAIN:
@@ -290,7 +318,7 @@ if HAVE_TRITON:
                 again, again2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m,
                                         mask_n, k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2,
                                         rstd[:, None], EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8,
-                                        SCALE_ROWS, SCALE_ROWS2, TMA, False)  # fmt: skip
+                                        SCALE_ROWS, SCALE_ROWS2, TMA, False, GROUP)  # fmt: skip
                 acc = tl.where(bad[None, :] > 0, again * rstd[None, :], acc)
                 acc2 = tl.where(bad[None, :] > 0, again2 * rstd[None, :], acc2)
         out_mask = mask_n[:, None] & mask_m[None, :]
@@ -352,18 +380,22 @@ CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
 # the same for FP8 weights (BLOCK_K <= 128); a shape without an entry takes its bf16 config
 # with BLOCK_K capped at 128. `tune` fills it for the shapes a model runs in FP8.
 FP8_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
+# the same for Q8_0 weights (BLOCK_K dividing 32 or a multiple of it); a shape without an entry takes its
+# bf16 config without tensor descriptors
+Q8_0_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
+QUANT_CONFIGS = {FP8.name: FP8_CONFIGS, Q8_0.name: Q8_0_CONFIGS}  # by nextn.ops.fp8.Format name
 WAY_TMA, WAY_XMAJOR = 1, 2
 NUM_SMS = 132  # H200; only sets how many programs a launch aims for
 
 
-def pick_config(N: int, K: int, fp8: bool = False) -> tuple[int, ...]:
-    """Block sizes from the weight's shape (and kind) alone (never the row count: that keeps rows
-    invariant)."""
-    if fp8:
-        cfg = FP8_CONFIGS.get((N, K))
+def pick_config(N: int, K: int, quant: str = "") -> tuple[int, ...]:
+    """Block sizes from the weight's shape and kind ("" bf16 / fp16, or a quantized format's name:
+    "fp8", "q8_0") alone (never the row count: that keeps rows invariant)."""
+    if quant:
+        cfg = QUANT_CONFIGS[quant].get((N, K))
         if cfg is None:
             block_n, block_k, warps, stages, split, *_ = pick_config(N, K)  # (no tensor descriptors)
-            cfg = (block_n, min(block_k, FP8_BLOCK), warps, stages, split)
+            cfg = (block_n, min(block_k, FP8.block) if quant == FP8.name else block_k, warps, stages, split)
         return cfg
     cfg = CONFIGS.get((N, K))
     if cfg is None:
@@ -376,6 +408,12 @@ def pick_config(N: int, K: int, fp8: bool = False) -> tuple[int, ...]:
             split *= 2
         cfg = (block_n, block_k, 4, 4, split)
     return cfg
+
+
+def takes_block_k(fmt: Format, block_k: int) -> bool:
+    """Whether a k-tile of block_k columns fits the format's scale groups: within one (its products
+    scaled), or for Q8_0 over several (the tile dequantized)."""
+    return fmt.block % block_k == 0 or (fmt == Q8_0 and block_k % fmt.block == 0)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -405,9 +443,10 @@ def skinny_linear(
         raise ValueError("skinny_linear takes x or rms (a norm's input), not both")
     if rms is not None:
         x = rms.x
-    fp8 = isinstance(weight, FP8Weight)
-    if up_weight is not None and isinstance(up_weight, FP8Weight) != fp8:
-        raise ValueError("skinny_linear: weight and up_weight must both be FP8 or neither")
+    fp8 = isinstance(weight, FP8Weight)  # block-quantized: FP8 or Q8_0 (nextn.ops.fp8.Format)
+    fmt = weight.format if fp8 else None
+    if up_weight is not None and (up_weight.format if isinstance(up_weight, FP8Weight) else None) != fmt:
+        raise ValueError("skinny_linear: weight and up_weight must both be FP8 (or Q8_0) or neither")
     scale = scale2 = None
     rows = rows2 = 1
     exponent = exponent2 = 0
@@ -422,8 +461,12 @@ def skinny_linear(
     if weight.shape[1] != K or not weight.is_contiguous() or x.stride(1) != 1:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} / weight {tuple(weight.shape)} layout")
     for s, r in ((scale, rows), (scale2, rows2)):
-        if s is not None and (s.shape != (-(-K // FP8_BLOCK), -(-N // r)) or (s.stride(1) != 1 and s.shape[1] > 1)):
-            raise ValueError(f"skinny_linear: FP8 scales {tuple(s.shape)} ({r} rows each) for weight {(N, K)}")
+        if s is not None and (
+            s.shape != (-(-K // fmt.block), -(-N // r)) or (s.stride(1) != 1 and s.shape[1] > 1) or s.dtype != fmt.scale
+        ):
+            raise ValueError(
+                f"skinny_linear: {fmt.name} scales {s.dtype} {tuple(s.shape)} ({r} rows each) for weight {(N, K)}"
+            )
     if out is None:
         out = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     epilogue = 1 if residual is not None else (2 if up_weight is not None else 0)
@@ -431,7 +474,7 @@ def skinny_linear(
         raise ValueError("skinny_linear: norm_out takes a residual GEMM and the norm's [N] weight")
     if rms is not None and (rms.ss.dim() != 2 or rms.ss.shape[1] != M or not rms.ss.is_contiguous()):
         raise ValueError(f"skinny_linear: rms sums {tuple(rms.ss.shape)} for {M} rows")
-    block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, fp8)
+    block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, fmt.name if fp8 else "")
     way = way[0] if way else 0
     if way not in (0, WAY_TMA, WAY_XMAJOR) or (way == WAY_TMA and fp8) or (way == WAY_XMAJOR and not fp8):
         raise ValueError(f"skinny_linear: config way {way}: 1 (TMA loads) takes bf16 / fp16 weights, 2 (x-major) FP8")
@@ -439,8 +482,9 @@ def skinny_linear(
     chain = fp8 and rows % block_n == 0 and (up_weight is None or rows2 % block_n == 0)
     if split > 1 and K % (split * block_k):
         raise ValueError(f"split {split} does not fit K={K}, BLOCK_K={block_k}")
-    if fp8 and FP8_BLOCK % block_k:
-        raise ValueError(f"FP8 weights take BLOCK_K dividing {FP8_BLOCK}, got {block_k}")
+    if fp8 and not takes_block_k(fmt, block_k):
+        raise ValueError(f"{fmt.name} weights take BLOCK_K dividing {fmt.block}" + (
+            " or a multiple of it" if fmt == Q8_0 else "") + f", got {block_k}")  # fmt: skip
     dummy = weight
     part = count = dummy
     if split > 1:
@@ -491,6 +535,7 @@ def skinny_linear(
         DOT_F32=interpreting() or x.dtype == torch.float32,
         SPLIT=split,
         FP8=fp8,
+        GROUP=fmt.block if fp8 else 1,
         SCALE_ROWS=rows,
         SCALE_ROWS2=rows2,
         HAS_FLAG=run_if is not None,

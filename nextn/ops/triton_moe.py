@@ -24,8 +24,9 @@ the block runs in three launches:
   has, load their weight tiles while the gate/up kernel runs, and wait for it to complete before
   they read the activations.
 Every product, weight and partial sum is rounded to the model dtype where the reference rounds it.
-FP8 experts and shared expert (e4m3, nextn.ops.fp8's layout) are dequantized tile by tile to the
-model dtype as the reference's `dequantize` does, bit for bit, and their products summed like the
+FP8 experts and shared expert (e4m3, nextn.ops.fp8's layout; or Q8_0's int8 with an fp16 scale per
+32 columns, GROUP) are dequantized tile by tile to the model dtype as the reference's `dequantize`
+does, bit for bit, and their products summed like the
 dequantized copies' up to the order of the in-tile sums: on a GPU Triton lays a loaded tile out by
 its element size, so an e4m3 tile reduces in another order than a bf16 or float32 one (the
 interpreter: bit for bit).
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.fp8 import FP8Weight
+from nextn.ops.fp8 import FP8, FP8Weight
 from nextn.ops.triton_norm import NormInput, norm_input_values
 from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2, pdl_supported, row_launch
 
@@ -101,14 +102,16 @@ if HAVE_TRITON:
         tl.store(rw_ptr + TOP_K, (1.0 / (1.0 + tl.exp(-sg))).to(dtype))
 
     @triton.jit
-    def _dequant(w, s_ptr, s_stride, k0, offs_n, mask_n, K: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-        """An e4m3 tile w [BLOCK_N, BLOCK_K] at columns k0.. times its scales (nextn.ops.fp8's layout:
-        s_ptr[kb * s_stride + n]), rounded to dtype: the reference's `dequantize`, value for value."""
+    def _dequant(w, s_ptr, s_stride, k0, offs_n, mask_n, K: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr,
+                 GROUP: tl.constexpr):  # fmt: skip
+        """A quantized tile w [BLOCK_N, BLOCK_K] at columns k0.. times its scales (nextn.ops.fp8's
+        layout: s_ptr[kb * s_stride + n], a scale per GROUP columns), rounded to dtype: the
+        reference's `dequantize`, value for value."""
         n: tl.constexpr = w.shape[0]
-        offs_b = k0 // 128 + tl.arange(0, BLOCK_K // 128)
-        smask = mask_n[:, None] & (offs_b[None, :] < (K + 127) // 128)
-        s = tl.load(s_ptr + offs_b[None, :] * s_stride + offs_n[:, None], mask=smask, other=0.0)
-        w3 = tl.reshape(w.to(tl.float32), (n, BLOCK_K // 128, 128)) * s[:, :, None]
+        offs_b = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        smask = mask_n[:, None] & (offs_b[None, :] < (K + GROUP - 1) // GROUP)
+        s = tl.load(s_ptr + offs_b[None, :] * s_stride + offs_n[:, None], mask=smask, other=0.0).to(tl.float32)
+        w3 = tl.reshape(w.to(tl.float32), (n, BLOCK_K // GROUP, GROUP)) * s[:, :, None]
         return tl.reshape(w3, (n, BLOCK_K)).to(dtype)
 
     @triton.jit
@@ -176,7 +179,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _swiglu(x_ptr, wg_ptr, wu_ptr, act_ptr, offs_n, mask_n, H: tl.constexpr, BLOCK_K: tl.constexpr,
-                sg_ptr, su_ptr, s_stride, FP8: tl.constexpr):  # fmt: skip
+                sg_ptr, su_ptr, s_stride, FP8: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
         """act[offs_n] = silu(x W_gate^T) * (x W_up^T), the products rounded like the reference's. FP8:
         the weights e4m3 with scales at sg_ptr / su_ptr (row stride s_stride), dequantized per tile."""
         gate = tl.zeros(offs_n.shape, tl.float32)
@@ -190,8 +193,8 @@ if HAVE_TRITON:
             wg = tl.load(wg_ptr + offs_n[:, None] * H + offs_k[None, :], mask=wmask, other=0.0)
             wu = tl.load(wu_ptr + offs_n[:, None] * H + offs_k[None, :], mask=wmask, other=0.0)
             if FP8:
-                wg = _dequant(wg, sg_ptr, s_stride, k0, offs_n, mask_n, H, BLOCK_K, dtype)
-                wu = _dequant(wu, su_ptr, s_stride, k0, offs_n, mask_n, H, BLOCK_K, dtype)
+                wg = _dequant(wg, sg_ptr, s_stride, k0, offs_n, mask_n, H, BLOCK_K, dtype, GROUP)
+                wu = _dequant(wu, su_ptr, s_stride, k0, offs_n, mask_n, H, BLOCK_K, dtype, GROUP)
             gate += tl.sum(wg.to(tl.float32) * x, axis=1)
             up += tl.sum(wu.to(tl.float32) * x, axis=1)
         g = gate.to(dtype).to(tl.float32)
@@ -205,7 +208,7 @@ if HAVE_TRITON:
         gate_up_ptr,  # [E, 2I, H]
         shared_gate_ptr,  # [Is, H]
         shared_up_ptr,  # [Is, H]
-        gate_up_s_ptr,  # FP8_EXPERTS: [E, ceil(H / 128), 2I] float32 scales
+        gate_up_s_ptr,  # FP8_EXPERTS: [E, ceil(H / GROUP), 2I] scales (float32; Q8_0 float16)
         shared_gate_s_ptr,  # FP8_SHARED: [ceil(H / 128), Is]
         shared_up_s_ptr,
         act_ptr,  # [T, TOP_K + 1, stride_act] out
@@ -218,6 +221,7 @@ if HAVE_TRITON:
         BLOCK_K: tl.constexpr,
         FP8_EXPERTS: tl.constexpr,
         FP8_SHARED: tl.constexpr,
+        GROUP: tl.constexpr,  # columns per scale: 128 (FP8) or 32 (Q8_0)
         PDL: tl.constexpr,  # a programmatic dependent launch (of the router)
         RELEASE: tl.constexpr,  # release the launch after it: 1 at the start, 2 once past the wait
     ):
@@ -237,13 +241,13 @@ if HAVE_TRITON:
         act = act_ptr + row * stride_act
         if slot == TOP_K:  # the shared expert
             _swiglu(x_ptr + t * H, shared_gate_ptr, shared_up_ptr, act, offs_n, offs_n < Is, H, BLOCK_K,
-                    shared_gate_s_ptr, shared_up_s_ptr, Is, FP8_SHARED)  # fmt: skip
+                    shared_gate_s_ptr, shared_up_s_ptr, Is, FP8_SHARED, GROUP)  # fmt: skip
         else:
             e = tl.load(idx_ptr + t * TOP_K + slot).to(tl.int64)
             base = gate_up_ptr + e * (2 * I * H)
-            s_base = gate_up_s_ptr + e * ((H + 127) // 128 * 2 * I)
+            s_base = gate_up_s_ptr + e * ((H + GROUP - 1) // GROUP * 2 * I)
             _swiglu(x_ptr + t * H, base, base + I * H, act, offs_n, offs_n < I, H, BLOCK_K, s_base, s_base + I, 2 * I,
-                    FP8_EXPERTS)  # fmt: skip
+                    FP8_EXPERTS, GROUP)  # fmt: skip
 
     @triton.jit
     def _down_tile(w_ptr, offs_n, mask_n, I: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -255,14 +259,15 @@ if HAVE_TRITON:
         return tl.load(w_ptr + offs_n[:, None, None] * I + offs_k[None, :, :], mask=mask, other=0.0), mask, offs_k
 
     @triton.jit
-    def _down(w, mask, offs_k, act_ptr, rw_ptr, offs_n, s_ptr, s_stride, dtype: tl.constexpr, FP8: tl.constexpr):
+    def _down(w, mask, offs_k, act_ptr, rw_ptr, offs_n, s_ptr, s_stride, dtype: tl.constexpr, FP8: tl.constexpr,
+              GROUP: tl.constexpr):  # fmt: skip
         """(act @ W_down^T)[offs_n] * routing weight, each rounded to the model dtype (float32 values),
         from the slot's weight tile (_down_tile): each BLOCK_K tile summed, then the tiles' sums in
         order. FP8: the weight e4m3 with scales at s_ptr (row stride s_stride), dequantized as
         `_dequant` does."""
         if FP8:
-            s = tl.load(s_ptr + (offs_k // 128)[None, :, :] * s_stride + offs_n[:, None, None], mask=mask, other=0.0)
-            wf = (w.to(tl.float32) * s).to(dtype).to(tl.float32)
+            s = tl.load(s_ptr + (offs_k // GROUP)[None, :, :] * s_stride + offs_n[:, None, None], mask=mask, other=0.0)
+            wf = (w.to(tl.float32) * s.to(tl.float32)).to(dtype).to(tl.float32)
         else:
             wf = w.to(tl.float32)
         a = tl.load(tl.broadcast_to(act_ptr + offs_k[None, :, :], mask.shape), mask=mask, other=0.0).to(tl.float32)
@@ -277,8 +282,8 @@ if HAVE_TRITON:
         rw_ptr,  # [T, TOP_K + 1]
         down_ptr,  # [E, H, I]
         shared_down_ptr,  # [H, Is]
-        down_s_ptr,  # FP8_EXPERTS: [E, ceil(I / 128), H] float32 scales
-        shared_down_s_ptr,  # FP8_SHARED: [ceil(Is / 128), H]
+        down_s_ptr,  # FP8_EXPERTS: [E, ceil(I / GROUP), H] scales (float32; Q8_0 float16)
+        shared_down_s_ptr,  # FP8_SHARED: [ceil(Is / GROUP), H]
         res_ptr,  # [T, H]
         y_ptr,  # [T, TOP_K + 1, H] scratch: the slots' weighted outputs in the model dtype
         count_ptr,  # [T * cdiv(H, BLOCK_N)] int32 arrival counters, zero (and left zero)
@@ -298,6 +303,7 @@ if HAVE_TRITON:
         RESIDUAL: tl.constexpr,
         FP8_EXPERTS: tl.constexpr,
         FP8_SHARED: tl.constexpr,
+        GROUP: tl.constexpr,  # columns per scale: 128 (FP8) or 32 (Q8_0)
         PDL: tl.constexpr,
         NORM_OUT: tl.constexpr,  # also the next norm's input (nextn.ops.triton_norm.NormInput)
         RELEASE: tl.constexpr,  # release the launch after it: 1 at the start, 2 once past the wait
@@ -328,7 +334,7 @@ if HAVE_TRITON:
                 tl.extra.cuda.gdc_wait()
                 if RELEASE == 2:
                     tl.extra.cuda.gdc_launch_dependents()
-            y = _down(ws, mask_s, offs_s, act, rw_ptr + row, offs_n, shared_down_s_ptr, H, dtype, FP8_SHARED)
+            y = _down(ws, mask_s, offs_s, act, rw_ptr + row, offs_n, shared_down_s_ptr, H, dtype, FP8_SHARED, GROUP)
         else:
             e = tl.load(idx_ptr + t * TOP_K + slot).to(tl.int64)
             we, mask_e, offs_e = _down_tile(down_ptr + e * (H * I), offs_n, mask_n, I, CHUNKS, BLOCK_K)
@@ -336,8 +342,8 @@ if HAVE_TRITON:
                 tl.extra.cuda.gdc_wait()
                 if RELEASE == 2:
                     tl.extra.cuda.gdc_launch_dependents()
-            y = _down(we, mask_e, offs_e, act, rw_ptr + row, offs_n, down_s_ptr + e * ((I + 127) // 128 * H), H,
-                      dtype, FP8_EXPERTS)  # fmt: skip
+            y = _down(we, mask_e, offs_e, act, rw_ptr + row, offs_n, down_s_ptr + e * ((I + GROUP - 1) // GROUP * H),
+                      H, dtype, FP8_EXPERTS, GROUP)  # fmt: skip
         tl.store(y_ptr + row * H + offs_n, y.to(dtype), mask=mask_n)  # exact: y is rounded to dtype
         tl.debug_barrier()  # every thread's output is written before the counter moves
         count = count_ptr + t * tl.num_programs(1) + tl.program_id(1)
@@ -389,11 +395,14 @@ def moe_step(
     weights (nextn.ops.fp8's layout, one scale per row and 128 columns) are dequantized tile by tile
     to the model dtype as the reference's `dequantize` does, bit for bit; their products sum like the
     dequantized copies' up to the order of the in-tile sums on a GPU (bitwise on the interpreter:
-    see the module docstring). The experts' pair and the shared expert's three are each FP8 or not.
+    see the module docstring). The experts' pair and the shared expert's three are each FP8 or not;
+    Q8_0 weights (nextn.ops.q8_0) take the FP8 path with a scale per 32 columns, every quantized
+    weight of a call in one format.
     gate_up_blocks / down_blocks: the kernels' (BLOCK, num_warps), GATE_UP_BLOCKS / DOWN_BLOCKS;
     router_blocks: ROUTER_BLOCKS; pdl=False: the three kernels wait for the kernels ahead as plain
     launches (bench/moe_step_sweep.py compares)."""
     fp8_experts, fp8_shared = _fp8_kind(gate_up, down), _fp8_kind(shared_gate, shared_up, shared_down)
+    group = _group(gate_up, down, shared_gate, shared_up, shared_down)
     scales = [w.scale if isinstance(w, FP8Weight) else x for w in (gate_up, down, shared_gate, shared_up, shared_down)]
     gate_up, down, shared_gate, shared_up, shared_down = (
         w.weight if isinstance(w, FP8Weight) else w for w in (gate_up, down, shared_gate, shared_up, shared_down)
@@ -468,6 +477,7 @@ def moe_step(
         BLOCK_K=BLOCK_K,
         FP8_EXPERTS=fp8_experts,
         FP8_SHARED=fp8_shared,
+        GROUP=group,
         PDL=dependent,
         RELEASE=release,
         num_warps=gate_up_warps,
@@ -507,6 +517,7 @@ def moe_step(
         RESIDUAL=residual,
         FP8_EXPERTS=fp8_experts,
         FP8_SHARED=fp8_shared,
+        GROUP=group,
         PDL=pdl,
         RELEASE=release,
         NORM_OUT=norm_out is not None,
@@ -514,6 +525,16 @@ def moe_step(
         launch_pdl=pdl,
     )
     return out if norm_out is None else (out, NormInput(xn, ss))
+
+
+def _group(*weights) -> int:
+    """The columns per scale of the quantized weights among `weights` (one format a call; 128 if none)."""
+    formats = {w.format for w in weights if isinstance(w, FP8Weight)}
+    if len(formats) > 1:
+        raise ValueError(
+            f"moe_step: the quantized weights must share one format, got {sorted(f.name for f in formats)}"
+        )
+    return formats.pop().block if formats else FP8.block
 
 
 def _fp8_kind(*weights) -> bool:

@@ -10,14 +10,16 @@ prompt's tokens chose it (the per-row decode kernels of `triton_moe` read them o
 FP8 experts (nextn.ops.fp8.FP8Weight: e4m3 with a float32 scale per row and 128 columns) are read as
 e4m3 and each [BLOCK_K, BLOCK_N] tile dequantized to the activations' dtype as the reference's
 `dequantize` does (the float32 product, rounded), so the tile the dot takes is the dequantized
-copy's, value for value, and no copy of a layer's experts is made.
+copy's, value for value, and no copy of a layer's experts is made. Q8_0 experts (nextn.ops.q8_0:
+int8 with a float16 scale per row and 32 columns, GROUP) the same way, a k tile over two scale
+groups taking each value's own scale.
 """
 
 from __future__ import annotations
 
 import torch
 
-from nextn.ops.fp8 import BLOCK, FP8Weight
+from nextn.ops.fp8 import BLOCK, FP8, FP8Weight
 from nextn.ops.triton_utils import HAVE_TRITON, interpreting, require_triton
 
 BLOCK_M = 64
@@ -28,18 +30,26 @@ GATE_UP_BLOCKS = dict(BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=64)
 GATE_UP_OPTIONS = dict(num_warps=4)
 DOWN_BLOCKS = dict(BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=64)
 DOWN_OPTIONS = dict(num_warps=4)
-assert BLOCK % GATE_UP_BLOCKS["BLOCK_K"] == 0 and BLOCK % DOWN_BLOCKS["BLOCK_K"] == 0  # a k tile: one scale column
+assert BLOCK % GATE_UP_BLOCKS["BLOCK_K"] == 0 and BLOCK % DOWN_BLOCKS["BLOCK_K"] == 0  # an FP8 k tile: one scale column
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _dequant_tile(w, s_ptr, s_stride, k0, offs_n, mask_n, dtype: tl.constexpr):
-        """An e4m3 tile w [BLOCK_K, BLOCK_N] (columns offs_n of a weight, its rows k0..) times the
-        scales of its 128-column block (s_ptr[(k0 // 128) * s_stride + n]), rounded to dtype."""
-        s = tl.load(s_ptr + (k0 // 128) * s_stride + offs_n, mask=mask_n, other=0.0)
-        return (w.to(tl.float32) * s[None, :]).to(dtype)
+    def _dequant_tile(w, s_ptr, s_stride, k0, offs_n, mask_n, dtype: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK_K: tl.constexpr, K):  # fmt: skip
+        """A quantized tile w [BLOCK_K, BLOCK_N] (columns offs_n of a weight, its rows k0..) times its
+        scales (s_ptr[(k // GROUP) * s_stride + n]: one row of them where the tile is within a
+        GROUP-column block, FP8's; each value's own where it spans several, Q8_0's), rounded to dtype."""
+        if BLOCK_K <= GROUP:
+            s = tl.load(s_ptr + (k0 // GROUP) * s_stride + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            smask = (offs_k < K)[:, None] & mask_n[None, :]
+            s = tl.load(s_ptr + (offs_k // GROUP)[:, None] * s_stride + offs_n[None, :], mask=smask, other=0.0)
+            s = s.to(tl.float32)
+        return (w.to(tl.float32) * s).to(dtype)
 
     @triton.jit
     def _grouped_gate_up_kernel(
@@ -47,7 +57,7 @@ if HAVE_TRITON:
         pairs_ptr,
         block_expert_ptr,
         w_ptr,
-        s_ptr,  # FP8: [E, ceil(H / 128), 2I] float32 scales
+        s_ptr,  # FP8: [E, ceil(H / GROUP), 2I] scales (float32; Q8_0 float16)
         act_ptr,
         NK,
         H,
@@ -58,6 +68,7 @@ if HAVE_TRITON:
         BLOCK_K: tl.constexpr,
         DOT_F32: tl.constexpr,
         FP8: tl.constexpr,
+        GROUP: tl.constexpr,  # columns per scale: 128 (FP8) or 32 (Q8_0)
     ):
         """act[row] = silu(x[token] W_gate[e]^T) * (x[token] W_up[e]^T) for the block's sorted rows."""
         pid_m = tl.program_id(0)
@@ -70,7 +81,7 @@ if HAVE_TRITON:
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             mn = offs_n < I
             base = w_ptr + e.to(tl.int64) * (2 * I * H)
-            s_base = s_ptr + e.to(tl.int64) * ((H + 127) // 128 * 2 * I)
+            s_base = s_ptr + e.to(tl.int64) * ((H + GROUP - 1) // GROUP * 2 * I)
             dtype = act_ptr.dtype.element_ty
             gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -82,8 +93,8 @@ if HAVE_TRITON:
                 wg = tl.load(base + offs_n[None, :] * H + offs_k[:, None], mask=wmask, other=0.0)
                 wu = tl.load(base + (I + offs_n[None, :]) * H + offs_k[:, None], mask=wmask, other=0.0)
                 if FP8:
-                    wg = _dequant_tile(wg, s_base, 2 * I, k0, offs_n, mn, dtype)
-                    wu = _dequant_tile(wu, s_base + I, 2 * I, k0, offs_n, mn, dtype)
+                    wg = _dequant_tile(wg, s_base, 2 * I, k0, offs_n, mn, dtype, GROUP, BLOCK_K, H)
+                    wu = _dequant_tile(wu, s_base + I, 2 * I, k0, offs_n, mn, dtype, GROUP, BLOCK_K, H)
                 if DOT_F32:  # float32 products in full precision (Triton's default there is TF32)
                     xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
                     gate = tl.dot(xa, wg, gate, input_precision="ieee")
@@ -102,7 +113,7 @@ if HAVE_TRITON:
         pairs_ptr,
         block_expert_ptr,
         w_ptr,
-        s_ptr,  # FP8: [E, ceil(I / 128), H] float32 scales
+        s_ptr,  # FP8: [E, ceil(I / GROUP), H] scales (float32; Q8_0 float16)
         rw_ptr,
         y_ptr,
         NK,
@@ -113,6 +124,7 @@ if HAVE_TRITON:
         BLOCK_K: tl.constexpr,
         DOT_F32: tl.constexpr,
         FP8: tl.constexpr,
+        GROUP: tl.constexpr,  # columns per scale: 128 (FP8) or 32 (Q8_0)
     ):
         """y[pair] = (act[row] W_down[e]^T) * the pair's routing weight, each rounded to the dtype."""
         pid_m = tl.program_id(0)
@@ -124,7 +136,7 @@ if HAVE_TRITON:
             offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             mn = offs_n < H
             base = w_ptr + e.to(tl.int64) * (H * I)
-            s_base = s_ptr + e.to(tl.int64) * ((I + 127) // 128 * H)
+            s_base = s_ptr + e.to(tl.int64) * ((I + GROUP - 1) // GROUP * H)
             dtype = y_ptr.dtype.element_ty
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for k0 in range(0, I, BLOCK_K):
@@ -133,7 +145,7 @@ if HAVE_TRITON:
                 a = tl.load(act_ptr + rows[:, None].to(tl.int64) * I + offs_k[None, :], mask=mk[None, :], other=0.0)
                 w = tl.load(base + offs_n[None, :] * I + offs_k[:, None], mask=mk[:, None] & mn[None, :], other=0.0)
                 if FP8:
-                    w = _dequant_tile(w, s_base, H, k0, offs_n, mn, dtype)
+                    w = _dequant_tile(w, s_base, H, k0, offs_n, mn, dtype, GROUP, BLOCK_K, I)
                 if DOT_F32:
                     acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
                 else:
@@ -173,7 +185,7 @@ def grouped_experts(
     down: torch.Tensor | FP8Weight,
 ) -> torch.Tensor:
     """x [N, H]; top_idx, top_w [N, k]; gate_up [E, 2I, H]; down [E, H, I] (both tensors, or both
-    FP8Weight with scales [E, ceil(K / 128), N]) -> [N, H] (x's dtype)."""
+    FP8Weight of one format with scales [E, ceil(K / block), N]) -> [N, H] (x's dtype)."""
     require_triton()
     N, H = x.shape
     k = top_idx.shape[1]
@@ -182,8 +194,11 @@ def grouped_experts(
     if gate_up.shape[2] != H or down.shape != (E, H, I):
         raise ValueError(f"grouped_experts: weights {tuple(gate_up.shape)}, {tuple(down.shape)} do not fit H={H}")
     fp8 = isinstance(gate_up, FP8Weight)
-    if fp8 != isinstance(down, FP8Weight) or (fp8 and (gate_up.rows, down.rows) != (1, 1)):
-        raise ValueError("grouped_experts: gate_up and down must both be FP8 (a scale per row) or neither")
+    if fp8 != isinstance(down, FP8Weight) or (
+        fp8 and ((gate_up.rows, down.rows) != (1, 1) or gate_up.format != down.format)
+    ):
+        raise ValueError("grouped_experts: gate_up and down must both be FP8 (a scale per row, one format) or neither")
+    group = gate_up.format.block if fp8 else FP8.block
     if N == 0:
         return x.new_zeros(0, H)
     (gate_up, gate_up_s), (down, down_s) = (
@@ -195,7 +210,7 @@ def grouped_experts(
     dot_f32 = interpreting() or x.dtype == torch.float32
     act = torch.empty(pairs.numel(), I, device=x.device, dtype=x.dtype)
     _grouped_gate_up_kernel[(n_blocks, triton.cdiv(I, GATE_UP_BLOCKS["BLOCK_N"]))](
-        x, pairs, block_expert, gate_up, gate_up_s, act, N * k, H, I, TOP_K=k, DOT_F32=dot_f32, FP8=fp8,
+        x, pairs, block_expert, gate_up, gate_up_s, act, N * k, H, I, TOP_K=k, DOT_F32=dot_f32, FP8=fp8, GROUP=group,
         **GATE_UP_BLOCKS, **GATE_UP_OPTIONS,
     )  # fmt: skip
     y = torch.empty(N * k, H, device=x.device, dtype=x.dtype)
@@ -212,6 +227,7 @@ def grouped_experts(
         I,
         DOT_F32=dot_f32,
         FP8=fp8,
+        GROUP=group,
         **DOWN_BLOCKS,
         **DOWN_OPTIONS,
     )

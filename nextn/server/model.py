@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from nextn.core import SamplingParams, with_defaults
 from nextn.engine.core import ModelFacts, model_facts
 from nextn.engine.llm import LLM, check_params, check_prompt
-from nextn.tokenizer import Tokenizer
+from nextn.tokenizer import Tokenizer, load_tokenizer
 
 
 @dataclass
@@ -27,7 +27,7 @@ class ServedModel:
 
     @classmethod
     def load(cls, facts: ModelFacts) -> ServedModel:
-        return cls(Tokenizer(facts.model_dir), facts)
+        return cls(load_tokenizer(facts.model_dir), facts)
 
     def with_chat_template(self, template: str) -> ServedModel:
         """This model with `template` rendering its chats (`--chat-template`; the engine's tokenizer keeps its own)."""

@@ -27,7 +27,7 @@ from nextn.cache import KV, CacheLayout, HybridCache
 from nextn.models.loader import load_model
 from nextn.models.qwen3_5 import CausalLM
 from nextn.spec.draft_vocab import DraftHead, DraftVocab, load_draft_vocab
-from nextn.tokenizer import Tokenizer
+from nextn.tokenizer import load_tokenizer
 
 CHUNK = 2048  # tokens per forward: bounds attention score memory
 
@@ -182,7 +182,7 @@ def replay_from_args(args) -> int:
 
     model_dir = Path(args.model) if args.model else DEFAULT_MODEL_DIR
     model = load_model(model_dir, device=args.device, dtype=args.dtype)
-    tokenizer = Tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     vocab = None
     if args.draft_vocab is not None:
         vocab = load_draft_vocab(args.draft_vocab, model.cfg.vocab_size, tokenizer)
