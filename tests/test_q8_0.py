@@ -156,6 +156,8 @@ def test_q8_0_skinny_linear_names_what_it_does_not_take():
         skinny_linear(x, w8, up_weight=quantize(dequantize(w28.weight, w28.scale, torch.float32)))
     with pytest.raises(ValueError, match="q8_0 weights take BLOCK_K dividing 32 or a multiple of it"):
         skinny_linear(x, w8, config=(16, 48, 4, 2, 1))
+    with pytest.raises(ValueError, match=r"2 \(x-major\) FP8"):
+        skinny_linear(x, w8, config=(16, 32, 4, 2, 1, 2))
     with pytest.raises(ValueError, match="q8_0 scales"):
         skinny_linear(x, FP8Weight(w8.weight, w8.scale.float()))
 
@@ -247,16 +249,22 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a.float() - b.float()).abs() <= tol * (1 + b.float().abs())).all())
 
 
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
+# (E, k, H, I, Is): tiny (I of three 32-column groups, a partial k tile), and Qwen3.5-35B-A3B's on a GPU
+MOE_SHAPES = [(8, 2, 64, 96, 64), pytest.param((256, 8, 2048, 512, 512), marks=GPU, id="35b-a3b-gpu")]
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q8_0_moe_decode_block_computes_its_dequantized_weights(dtype):
+def test_q8_0_moe_decode_block_computes_its_dequantized_weights(dtype, shape):
     """The decode block (nextn.ops.triton_moe) over Q8_0 experts and shared expert: the same kernels
-    over the dequantized copies (I of three 32-column groups, a partial k tile), each row alone bit
+    over the dequantized copies (MOE_SHAPES), each row alone bit
     for bit its row of the batch; a mix of formats is an error naming it."""
     from nextn.ops.fp8 import quantize
     from nextn.ops.triton_moe import moe_step
 
     g = torch.Generator(device=DEVICE).manual_seed(5)
-    E, k, H, I, Is, T = 8, 2, 64, 96, 64, 3
+    (E, k, H, I, Is), T = shape, 3
     (gu8, gu), (dn8, dn) = _q8_stack(g, E, 2 * I, H), _q8_stack(g, E, H, I)
     shared = [_q8_stack(g, *shape) for shape in ((Is, H), (Is, H), (H, Is))]
     gates = (torch.randn(E + 1, H, generator=g, device=DEVICE) * H**-0.5).to(dtype)
@@ -275,8 +283,9 @@ def test_q8_0_moe_decode_block_computes_its_dequantized_weights(dtype):
         run(x, gu8, dn8, *fp8_shared)
 
 
+@pytest.mark.parametrize("shape", MOE_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q8_0_grouped_experts_compute_their_dequantized_weights(dtype):
+def test_q8_0_grouped_experts_compute_their_dequantized_weights(dtype, shape):
     """The prefill's grouped GEMMs read int8 experts, each k tile of two 32-column groups dequantized
     as `dequantize` does: the grouped GEMMs over the dequantized copies (bit for bit on the
     interpreter) and the reference's values; the reference over Q8_0 weights (a routed expert
@@ -287,7 +296,7 @@ def test_q8_0_grouped_experts_compute_their_dequantized_weights(dtype):
     from nextn.ops.triton_moe_grouped import grouped_experts
 
     g = torch.Generator(device=DEVICE).manual_seed(6)
-    E, k, H, I = 8, 2, 64, 96
+    E, k, H, I, _ = shape
     (gu8, gu), (dn8, dn) = _q8_stack(g, E, 2 * I, H), _q8_stack(g, E, H, I)
     x, top_idx, top_w = grouped_matches_dequantized(gu8, dn8, gu, dn, k, 9, dtype, g)
     with pytest.raises(ValueError, match="one format"):

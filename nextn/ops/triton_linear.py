@@ -476,7 +476,7 @@ def skinny_linear(
         raise ValueError(f"skinny_linear: rms sums {tuple(rms.ss.shape)} for {M} rows")
     block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, fmt.name if fp8 else "")
     way = way[0] if way else 0
-    if way not in (0, WAY_TMA, WAY_XMAJOR) or (way == WAY_TMA and fp8) or (way == WAY_XMAJOR and not fp8):
+    if way not in (0, WAY_TMA, WAY_XMAJOR) or (way == WAY_TMA and fp8) or (way == WAY_XMAJOR and fmt != FP8):
         raise ValueError(f"skinny_linear: config way {way}: 1 (TMA loads) takes bf16 / fp16 weights, 2 (x-major) FP8")
     tma = way == WAY_TMA
     chain = fp8 and rows % block_n == 0 and (up_weight is None or rows2 % block_n == 0)
