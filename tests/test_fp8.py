@@ -29,7 +29,7 @@ from nextn.config.model import ConfigError, QuantConfig
 from nextn.layers.ffn import FP8Experts
 from nextn.layers.linear import FP8Linear, Linear
 from nextn.models.loader import CheckpointError, fuse_weights, load_model, quantize_model
-from nextn.ops.fp8 import FP8Weight, block_scale, channel_scale, compact_scales, dequantize, quantize_blocks
+from nextn.ops.fp8 import QuantWeight, block_scale, channel_scale, compact_scales, dequantize, quantize_blocks
 from nextn.ops.norm import rms_norm as rms_norm_reference
 
 CUDA = torch.cuda.is_available()
@@ -109,7 +109,7 @@ def test_block_and_channel_scales_dequantize_like_their_layouts():
 def _fp8_case(M, N, K, dtype, seed):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     w, w2 = (torch.randn(N, K, generator=g, device=DEVICE) * K**-0.5 for _ in range(2))
-    fp8 = [FP8Weight(q, block_scale(s, N, 128)) for q, s in (quantize_blocks(w), quantize_blocks(w2))]
+    fp8 = [QuantWeight(q, block_scale(s, N, 128)) for q, s in (quantize_blocks(w), quantize_blocks(w2))]
     x = torch.randn(M, K, generator=g, device=DEVICE).to(dtype)
     res = torch.randn(M, N, generator=g, device=DEVICE).to(dtype)
     return x, fp8[0], fp8[1], res
@@ -175,7 +175,7 @@ def test_fp8_compact_scales_compute_the_same_bits():
         kw_compact = dict(kw, up_weight=compact2) if "up_weight" in kw else kw
         assert torch.equal(skinny_linear(x, compact, **kw_compact), skinny_linear(x, w8, **kw)), name
     q, scale = hf._fp8_channel(torch.randn(256, 64))
-    assert compact_scales(FP8Weight(q, channel_scale(scale, 256, 64))).rows == 1
+    assert compact_scales(QuantWeight(q, channel_scale(scale, 256, 64))).rows == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -190,7 +190,7 @@ def test_fp8_chained_blocks_match_the_reference_and_keep_rows_invariant(config, 
 
     x, w8, w28, res = _fp8_case(21, 256, 256, dtype, seed=config[0] + config[4])
     tiny = torch.tensor([0.0, 2.0**-9, -(2.0**-7), 2.0**-6, 448.0, -448.0]).to(torch.float8_e4m3fn)
-    w8 = FP8Weight(
+    w8 = QuantWeight(
         torch.cat([tiny.to(DEVICE).repeat(256 * 256 // 6 + 1)[: 256 * 128].view(256, 128), w8.weight[:, 128:]], 1),
         w8.scale,
     )
@@ -276,7 +276,7 @@ def test_fp8_chained_blocks_shift_the_scales_into_fp16_range(magnitude):
     from nextn.ops.triton_linear import skinny_linear
 
     x, w8, _, _ = _fp8_case(3, 128, 256, torch.bfloat16, seed=5)
-    w = FP8Weight(w8.weight, w8.scale * magnitude)
+    w = QuantWeight(w8.weight, w8.scale * magnitude)
     compact = compact_scales(w)
     assert 1 <= compact.scale.max().item() * 2.0**compact.exponent < 2
     ref = x.float() @ dequantize(w.weight, w.scale, torch.float32).T
@@ -297,7 +297,7 @@ def test_fp8_chained_blocks_are_exact_on_every_e4m3_value(dtype, way):
     q = torch.randint(0, 0x7F, (128, 256), dtype=torch.uint8)
     q[:, cols.cpu()] = codes.repeat(9)[: 128 * 16].view(128, 16)
     q = q.view(torch.float8_e4m3fn).to(DEVICE)
-    w = FP8Weight(q, torch.full((2, 1), 2.0**-3, device=DEVICE), 128)
+    w = QuantWeight(q, torch.full((2, 1), 2.0**-3, device=DEVICE), 128)
     x = torch.zeros(16, 256, device=DEVICE, dtype=dtype)
     x[torch.arange(16, device=DEVICE), cols] = 1.0
     out = skinny_linear(x, w, config=(64, 128, 4, 2, 1, way), out_dtype=torch.float32)
@@ -536,8 +536,8 @@ def test_triton_step_reads_fp8_and_matches_the_reference_step(fp8_ckpt):
     ckpt = fp8_ckpt("dense_fitted_ckpt", "block", True)
     ref, fast = _engine(ckpt, "float32", "torch"), _engine(ckpt, "float32")
     gdn = fast.runner.step.layers[0]
-    assert [type(p) for p in gdn.in_proj] == [FP8Weight, torch.Tensor]  # FP8 qkv | z, bf16 b | a
-    assert isinstance(gdn.out_proj, FP8Weight) and isinstance(fast.runner.step.head_weights[2], FP8Weight)
+    assert [type(p) for p in gdn.in_proj] == [QuantWeight, torch.Tensor]  # FP8 qkv | z, bf16 b | a
+    assert isinstance(gdn.out_proj, QuantWeight) and isinstance(fast.runner.step.head_weights[2], QuantWeight)
     assert gdn.mlp.gate.rows == 128 and gdn.in_proj[0].rows == 1  # 128-row blocks compact, 192 rows do not
     outs = [_step(e, _prefilled(e, 0), [5, 77, 300]) for e in (ref, fast)]
     for x, y in zip(*outs, strict=True):
@@ -592,7 +592,7 @@ def test_fp8_moe_step_computes_its_dequantized_weights(dtype):
         w = torch.randn(*shape, generator=g, device=DEVICE) * shape[-1] ** -0.5
         parts = [quantize(m) for m in w.reshape(-1, *shape[-2:])]
         scale = torch.stack([p.scale for p in parts]).view(*shape[:-2], *parts[0].scale.shape)
-        q = FP8Weight(torch.stack([p.weight for p in parts]).view(*shape), scale)
+        q = QuantWeight(torch.stack([p.weight for p in parts]).view(*shape), scale)
         return q, dequantize(q.weight, q.scale, dtype).contiguous()  # (a partial block's slice is a view)
 
     (gu8, gu), (dn8, dn) = weight(E, 2 * I, H), weight(E, H, I)
@@ -622,7 +622,7 @@ def test_triton_step_runs_fp8_moe_like_the_reference_step(fp8_ckpt):
     ckpt = fp8_ckpt("moe_ckpt", "block")
     ref, fast = _engine(ckpt, "float32", "torch"), _engine(ckpt, "float32")
     moe = next(w.mlp for w in fast.runner.step.layers if hasattr(w.mlp, "gate_up"))
-    assert isinstance(moe.gate_up, FP8Weight) and isinstance(moe.shared_down, FP8Weight)
+    assert isinstance(moe.gate_up, QuantWeight) and isinstance(moe.shared_down, QuantWeight)
     outs = [_step(e, _prefilled(e, 0), [5, 77, 300]) for e in (ref, fast)]
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -21,7 +21,7 @@ from nextn.layers.ffn import FP8Experts, SparseMoeBlock
 from nextn.layers.linear import FP8Linear
 from nextn.models import random_weights
 from nextn.models.qwen3_5 import CausalLM
-from nextn.ops.fp8 import FP8Weight, dequantize, quantize
+from nextn.ops.fp8 import QuantWeight, dequantize, quantize
 from nextn.ops.moe import routed_experts
 
 triton = pytest.importorskip("triton")
@@ -153,7 +153,7 @@ def test_fp8_moe_decode_block_at_512_experts_top_10():
     E, k, H, I, Is, T = 512, 10, 128, 32, 32, 2
     (gu8, gu), (dn8, dn) = _fp8_stack(E, 2 * I, H, g), _fp8_stack(E, H, I, g)
     shared = [_fp8_stack(1, *shape, g) for shape in ((Is, H), (Is, H), (H, Is))]
-    s8 = [FP8Weight(q.weight[0], q.scale[0]) for q, _ in shared]
+    s8 = [QuantWeight(q.weight[0], q.scale[0]) for q, _ in shared]
     s = [d[0] for _, d in shared]
     gates = torch.randn(E + 1, H, generator=g, device=DEVICE) * H**-0.5
     x, norm = torch.randn(T, H, generator=g, device=DEVICE), torch.zeros(H, device=DEVICE)
@@ -190,7 +190,7 @@ def _reference_block(E, k, H, I, Is, gates, gu, dn, s) -> SparseMoeBlock:
 def test_fp8_grouped_experts_at_512_experts_top_10(dtype):
     """The prefill's grouped GEMMs read e4m3 experts and dequantize each tile as `dequantize` does:
     the grouped GEMMs over the dequantized copies (bit for bit on the interpreter), and the reference's values; the
-    reference over FP8Weight (one routed expert dequantized at a time) is bit for bit the reference
+    reference over QuantWeight (one routed expert dequantized at a time) is bit for bit the reference
     over the whole dequantized stack."""
     from nextn.ops.triton_moe_grouped import grouped_experts
 
@@ -203,7 +203,7 @@ def test_fp8_grouped_experts_at_512_experts_top_10(dtype):
 
 
 def grouped_matches_dequantized(gu8, dn8, gu, dn, k, N, dtype, g):
-    """The grouped GEMMs over quantized experts (gu8, dn8: FP8Weight) against the same over their
+    """The grouped GEMMs over quantized experts (gu8, dn8: QuantWeight) against the same over their
     dequantized float32 copies (gu, dn), and against the reference; N random rows routed to k of
     them. Returns the rows and their routing."""
     from nextn.ops.triton_moe_grouped import grouped_experts

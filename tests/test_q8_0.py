@@ -31,7 +31,7 @@ from nextn.config.model import QuantConfig
 from nextn.layers.ffn import FP8Experts
 from nextn.layers.linear import FP8Linear
 from nextn.models.loader import fuse_weights, load_model, quantize_model
-from nextn.ops.fp8 import Q8_0, FP8Weight
+from nextn.ops.fp8 import Q8_0, QuantWeight
 from nextn.ops.q8_0 import dequantize, q8_0_from_blocks, q8_0_quantize, q8_0_to_blocks
 
 CUDA = torch.cuda.is_available()
@@ -69,7 +69,7 @@ def test_q8_0_from_blocks_reads_gguf_bytes():
         w = _weights(*shape, seed=len(shape))
         raw = gguf_quantize(w.numpy(), GGMLQuantizationType.Q8_0)
         q = q8_0_from_blocks(raw)
-        assert isinstance(q, FP8Weight) and q.format == Q8_0
+        assert isinstance(q, QuantWeight) and q.format == Q8_0
         assert q.weight.shape == shape and q.scale.shape == (*shape[:-2], shape[-1] // 32, shape[-2])
         assert q.scale.is_contiguous()
         assert torch.equal(q.weight, q8_0_quantize(w).weight) and torch.equal(q.scale, q8_0_quantize(w).scale)
@@ -159,7 +159,7 @@ def test_q8_0_skinny_linear_names_what_it_does_not_take():
     with pytest.raises(ValueError, match=r"2 \(x-major\) FP8"):
         skinny_linear(x, w8, config=(16, 32, 4, 2, 1, 2))
     with pytest.raises(ValueError, match="q8_0 scales"):
-        skinny_linear(x, FP8Weight(w8.weight, w8.scale.float()))
+        skinny_linear(x, QuantWeight(w8.weight, w8.scale.float()))
 
 
 @pytest.mark.gpu
@@ -210,7 +210,7 @@ def test_quantization_q8_0_at_load(src, request):
         for attr in ("weight",) if isinstance(m, FP8Linear) else ("gate_up_proj", "down_proj"):
             w = whole[f"{name}.{attr}"]
             raw = gguf_quantize(w.detach().float().numpy(), GGMLQuantizationType.Q8_0)
-            assert np.array_equal(q8_0_to_blocks(FP8Weight(getattr(m, attr), getattr(m, f"{attr}_scale"))), raw)
+            assert np.array_equal(q8_0_to_blocks(QuantWeight(getattr(m, attr), getattr(m, f"{attr}_scale"))), raw)
     in_memory = fuse_weights(quantize_model(load_model(ckpt), "q8_0")).state_dict()
     state = at_load.state_dict()
     assert state.keys() == in_memory.keys()
@@ -346,7 +346,7 @@ def test_triton_step_reads_q8_0_and_matches_the_reference_step(moe_ckpt):
     step = fast.runner.step
     attn = next(w for w in step.layers if hasattr(w, "qkv"))
     moe = next(w.mlp for w in step.layers if hasattr(w.mlp, "gate_up"))
-    assert isinstance(attn.qkv, FP8Weight) and attn.qkv.format == Q8_0 and attn.qkv.rows == 1
+    assert isinstance(attn.qkv, QuantWeight) and attn.qkv.format == Q8_0 and attn.qkv.rows == 1
     assert moe.gate_up.format == moe.down.format == Q8_0 and moe.shared_down.dtype == torch.float32
     outs = [_step(e, _prefilled(e, 0), [5, 77, 300]) for e in (ref, fast)]
     for a, b in zip(*outs, strict=True):

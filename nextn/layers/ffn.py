@@ -10,7 +10,7 @@ from torch import nn
 from nextn.config.model import ModelConfig
 from nextn.layers.linear import Linear
 from nextn.ops import OPS, Ops
-from nextn.ops.fp8 import FP8, Format, FP8Weight, scale_shape
+from nextn.ops.fp8 import FP8, Format, QuantWeight, scale_shape
 from nextn.ops.linear import row_invariant_linear
 
 REFERENCE_OPS = OPS["torch"]()
@@ -44,7 +44,7 @@ class Experts(nn.Module):
 class FP8Experts(nn.Module):
     """Experts whose fused weights are e4m3, each with `*_scale` [E, ceil(in / 128), out] in nextn's
     layout (nextn.ops.fp8), or in another format (fmt: Q8_0's int8 with float16 scales [E, in / 32,
-    out]). The forward hands them to the Ops table's `routed_experts` as FP8Weight pairs: the
+    out]). The forward hands them to the Ops table's `routed_experts` as QuantWeight pairs: the
     reference dequantizes the routed experts one at a time, the grouped GEMM
     (nextn.ops.triton_moe_grouped) tile by tile; neither copies the stack into the input's dtype."""
 
@@ -59,8 +59,8 @@ class FP8Experts(nn.Module):
 
     def forward(self, x, top_idx, top_w, ops: Ops):
         """x [N, H]; top_idx, top_w [N, k] -> [N, H]."""
-        gate_up = FP8Weight(self.gate_up_proj, self.gate_up_proj_scale)
-        down = FP8Weight(self.down_proj, self.down_proj_scale)
+        gate_up = QuantWeight(self.gate_up_proj, self.gate_up_proj_scale)
+        down = QuantWeight(self.down_proj, self.down_proj_scale)
         return ops.routed_experts(x, top_idx, top_w, gate_up, down)
 
 

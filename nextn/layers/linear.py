@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nextn.ops.fp8 import FP8, Format, FP8Weight, dequantize, scale_shape
+from nextn.ops.fp8 import FP8, Format, QuantWeight, dequantize, scale_shape
 from nextn.ops.linear import row_invariant_linear
 
 
@@ -32,8 +32,8 @@ class FP8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     @property
-    def fp8(self) -> FP8Weight:
-        return FP8Weight(self.weight, self.weight_scale)
+    def fp8(self) -> QuantWeight:
+        return QuantWeight(self.weight, self.weight_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return row_invariant_linear(x, dequantize(self.weight, self.weight_scale, x.dtype), self.bias)

@@ -65,7 +65,18 @@ from nextn.models.checkpoint import (
     safetensor_files,
 )
 from nextn.models.qwen3_5 import CausalLM
-from nextn.ops.fp8 import E4M3, FORMATS, FP8, Q8_0, Format, FP8Weight, block_scale, channel_scale, quantize, scale_shape
+from nextn.ops.fp8 import (
+    E4M3,
+    FORMATS,
+    FP8,
+    Q8_0,
+    Format,
+    QuantWeight,
+    block_scale,
+    channel_scale,
+    quantize,
+    scale_shape,
+)
 from nextn.ops.q8_0 import q8_0_quantize
 
 log = logging.getLogger(__name__)
@@ -153,7 +164,7 @@ def use_fp8_modules(model: CausalLM, fp8: frozenset[str], fmt: Format = FP8) -> 
         setattr(model.get_submodule(parent), child, new)
 
 
-def quantize_weight(name: str, w: torch.Tensor, fmt: Format = FP8) -> FP8Weight:
+def quantize_weight(name: str, w: torch.Tensor, fmt: Format = FP8) -> QuantWeight:
     """Module weight `name` ([N, K], or packed experts [E, N, K]) quantized in 128x128 blocks as a
     published checkpoint stores it: expert by expert, gate and up rows of gate_up_proj apart; Q8_0
     (fmt) as GGUF does, row by row."""
@@ -163,7 +174,7 @@ def quantize_weight(name: str, w: torch.Tensor, fmt: Format = FP8) -> FP8Weight:
         return quantize(w)
     parts = w.chunk(2, dim=1) if name.endswith("gate_up_proj") else (w,)
     qs = [quantize(part) for part in parts]  # each expert's matrix alone (quantize takes a stack)
-    return FP8Weight(torch.cat([q.weight for q in qs], dim=1), torch.cat([q.scale for q in qs], dim=2))
+    return QuantWeight(torch.cat([q.weight for q in qs], dim=1), torch.cat([q.scale for q in qs], dim=2))
 
 
 @torch.no_grad()
@@ -221,20 +232,20 @@ def _runs(linears: list) -> list[list]:
     return runs
 
 
-def fused_runs(*linears) -> list[torch.Tensor | FP8Weight]:
+def fused_runs(*linears) -> list[torch.Tensor | QuantWeight]:
     """The tensors whose consecutive row blocks the linears' weights are (`fuse_weights` made them),
-    one per run of one kind: a tensor for Linear modules, an FP8Weight (FP8 or Q8_0; scales as
+    one per run of one kind: a tensor for Linear modules, an QuantWeight (FP8 or Q8_0; scales as
     column blocks) for FP8Linear ones."""
-    out: list[torch.Tensor | FP8Weight] = []
+    out: list[torch.Tensor | QuantWeight] = []
     for run in _runs(list(linears)):
         weight = _joined([m.weight for m in run], dim=0)
         fp8 = isinstance(run[0], FP8Linear)
-        out.append(FP8Weight(weight, _joined([m.weight_scale for m in run], dim=1)) if fp8 else weight)
+        out.append(QuantWeight(weight, _joined([m.weight_scale for m in run], dim=1)) if fp8 else weight)
     return out
 
 
-def fused_weight(*linears) -> torch.Tensor | FP8Weight:
-    """fused_runs of linears of one kind: the one tensor (or FP8Weight) they are row blocks of."""
+def fused_weight(*linears) -> torch.Tensor | QuantWeight:
+    """fused_runs of linears of one kind: the one tensor (or QuantWeight) they are row blocks of."""
     runs = fused_runs(*linears)
     if len(runs) > 1:
         raise ValueError("a fused group holds both FP8 and unquantized weights: take fused_runs")

@@ -29,8 +29,8 @@ residual added in one call (nextn.parallel.comm.all_reduce_add: the reference mo
 for bit, over CUDA IPC between the GPUs of one host), so a captured CUDA graph holds the
 collectives; the embedding gathers from the ranks' rows and the logits from their vocabulary columns.
 
-FP8 weights (nextn.ops.fp8), and Q8_0 ones (nextn.ops.q8_0, an FP8Weight of int8 values), reach
-the skinny GEMM as FP8Weight pairs in place of tensors. A fused
+FP8 weights (nextn.ops.fp8), and Q8_0 ones (nextn.ops.q8_0, an QuantWeight of int8 values), reach
+the skinny GEMM as QuantWeight pairs in place of tensors. A fused
 projection whose members differ in kind (FP8 q/k/v/z beside the bf16 GDN gates b/a) runs one GEMM
 per run of one kind, each into its columns of the projection; MoE layers' FP8 experts and shared
 expert reach nextn.ops.triton_moe, which dequantizes them tile by tile. An fp8 K/V cache reaches the
@@ -51,11 +51,11 @@ from nextn.layers.ffn import FP8Experts
 from nextn.layers.linear import FP8Linear
 from nextn.models.loader import fused_runs, fused_weight
 from nextn.models.qwen3_5 import CausalLM
-from nextn.ops.fp8 import FP8Weight, compact_scales
+from nextn.ops.fp8 import QuantWeight, compact_scales
 from nextn.ops.triton_utils import require_triton
 from nextn.parallel.comm import all_reduce_add, embed, gather_vocab
 
-Weight = torch.Tensor | FP8Weight  # what the skinny GEMM reads: a tensor, or e4m3 with its scales
+Weight = torch.Tensor | QuantWeight  # what the skinny GEMM reads: a tensor, or e4m3 with its scales
 
 
 @dataclass
@@ -114,7 +114,7 @@ def _weight(linear) -> Weight:
 
 def _compact(w: Weight) -> Weight:
     """FP8 weights with one scale per 128 rows where that is the same weight (fewer bytes per step)."""
-    return compact_scales(w) if isinstance(w, FP8Weight) else w
+    return compact_scales(w) if isinstance(w, QuantWeight) else w
 
 
 def _mlp_weights(layer) -> MLPWeights | MoEWeights:
@@ -123,7 +123,10 @@ def _mlp_weights(layer) -> MLPWeights | MoEWeights:
         ex, se = mlp.experts, mlp.shared_expert
         experts = (ex.gate_up_proj, ex.down_proj)
         if isinstance(ex, FP8Experts):  # (per-row scales: the MoE kernels read them as they are)
-            experts = (FP8Weight(ex.gate_up_proj, ex.gate_up_proj_scale), FP8Weight(ex.down_proj, ex.down_proj_scale))
+            experts = (
+                QuantWeight(ex.gate_up_proj, ex.gate_up_proj_scale),
+                QuantWeight(ex.down_proj, ex.down_proj_scale),
+            )
         shared = [p.fp8 if isinstance(p, FP8Linear) else p.weight for p in (se.gate_proj, se.up_proj, se.down_proj)]
         return MoEWeights(
             layer.post_attention_layernorm.weight,
@@ -230,7 +233,7 @@ class TritonStep:
         uses = []
 
         def use(w: Weight, dual: bool = False):
-            uses.append((*w.shape, dual, w.format.name if isinstance(w, FP8Weight) else ""))
+            uses.append((*w.shape, dual, w.format.name if isinstance(w, QuantWeight) else ""))
 
         def mlp(w):
             if not isinstance(w, MoEWeights):  # (the MoE block's router runs in its own kernel)

@@ -16,7 +16,7 @@ Q8_0 weights (`Format` Q8_0) take the same layout with other dtypes and blocks: 
 and `scale` float16 [K / 32, N], one scale per row per 32 columns: GGUF's own bytes (34 per 32
 weights, 1.0625 per weight), its fp16 d and its 32 int8 q of a block stored as two aligned planes
 so a kernel loads 16-byte vectors of each. A weight's format follows from its values' dtype
-(`format_of`), so every path that takes an FP8Weight takes a Q8_0 one through the same code.
+(`format_of`), so every path that takes an QuantWeight takes a Q8_0 one through the same code.
 
 An fp8 K/V cache (`kv_cache_dtype="fp8"`) stores each row of D values (one position, one kv head)
 as e4m3 with its own float32 scale, amax / 448: a row's bytes depend on that row alone, never on
@@ -63,7 +63,7 @@ def format_of(values: torch.Tensor) -> Format:
     raise ValueError(f"no quantized weight format holds {values.dtype} values")
 
 
-class FP8Weight(NamedTuple):
+class QuantWeight(NamedTuple):
     """A block-quantized weight in nextn's layout (FP8, or Q8_0 by its int8 values), what the step
     kernels take in place of a tensor: weight[n, k] * scale[k // block, n // rows]."""
 
@@ -157,7 +157,7 @@ def compact(scale: torch.Tensor, rows: int = BLOCK) -> torch.Tensor | None:
     return grouped[..., 0].contiguous() if torch.equal(grouped, grouped[..., :1].expand_as(grouped)) else None
 
 
-def compact_scales(w: FP8Weight, rows: int = BLOCK) -> FP8Weight:
+def compact_scales(w: QuantWeight, rows: int = BLOCK) -> QuantWeight:
     """w with one scale per `rows` rows where that is the same weight, else w (and Q8_0 weights,
     whose kernels read a scale per row)."""
     scale = compact(w.scale, rows) if w.rows == 1 and w.format == FP8 else None
@@ -165,11 +165,11 @@ def compact_scales(w: FP8Weight, rows: int = BLOCK) -> FP8Weight:
         return w
     top = scale.abs().max().item()
     exponent = -math.floor(math.log2(top)) if 0 < top < math.inf else 0
-    return FP8Weight(w.weight, scale, rows, max(-100, min(100, exponent)))  # (2^exponent: a float32)
+    return QuantWeight(w.weight, scale, rows, max(-100, min(100, exponent)))  # (2^exponent: a float32)
 
 
-def quantize(w: torch.Tensor) -> FP8Weight:
+def quantize(w: torch.Tensor) -> QuantWeight:
     """w [..., N, K] -> its 128x128 block-wise FP8 in nextn's layout (what `quantization="fp8"`
     makes), each matrix of a stack (an expert) quantized alone."""
     q, scale_inv = quantize_blocks(w)
-    return FP8Weight(q, block_scale(scale_inv, w.shape[-2], BLOCK))
+    return QuantWeight(q, block_scale(scale_inv, w.shape[-2], BLOCK))

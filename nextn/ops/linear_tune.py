@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.fp8 import FORMATS, FP8, FP8Weight, compact_scales, quantize
+from nextn.ops.fp8 import FORMATS, FP8, QuantWeight, compact_scales, quantize
 from nextn.ops.q8_0 import q8_0_quantize
 from nextn.ops.triton_linear import (
     CONFIGS,
@@ -160,7 +160,7 @@ def _bytes_per_weight(quant: str) -> float:
     return fmt.values.itemsize + (0 if fmt == FP8 else fmt.scale.itemsize / fmt.block)
 
 
-def _tune_weight(N: int, K: int, quant: str, device) -> torch.Tensor | FP8Weight:
+def _tune_weight(N: int, K: int, quant: str, device) -> torch.Tensor | QuantWeight:
     w = torch.randn(N, K, device=device, dtype=torch.bfloat16)
     if quant == FP8.name:
         return compact_scales(quantize(w))  # (the step's layout)

@@ -2,7 +2,7 @@
 the reference dequantization.
 
 Q8_0 (llama.cpp's ggml-quants.c) stores each row of a weight [N, K] as K / 32 blocks of 34 bytes: an
-fp16 scale d then 32 int8 values q, the weight being d * q. nextn holds it as an FP8Weight
+fp16 scale d then 32 int8 values q, the weight being d * q. nextn holds it as an QuantWeight
 (nextn.ops.fp8, format Q8_0) of two aligned planes, `weight` int8 [N, K] (the q) and `scale` float16
 [K / 32, N] (the d, a row's scales down a column as FP8's are), the same bytes as GGUF's (1.0625 per
 weight) split so the kernels load 16-byte vectors of each. Stacks of experts [E, N, K] take
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nextn.ops.fp8 import Q8_0, FP8Weight, dequantize
+from nextn.ops.fp8 import Q8_0, QuantWeight, dequantize
 
 __all__ = ["BLOCK", "BLOCK_BYTES", "dequantize", "q8_0_from_blocks", "q8_0_quantize", "q8_0_to_blocks"]
 
@@ -27,7 +27,7 @@ BLOCK_BYTES = 2 + BLOCK  # GGUF's block: fp16 d, then 32 int8 q
 Q_MAX = 127.0
 
 
-def q8_0_from_blocks(raw: torch.Tensor | np.ndarray) -> FP8Weight:
+def q8_0_from_blocks(raw: torch.Tensor | np.ndarray) -> QuantWeight:
     """GGUF Q8_0 bytes, uint8 [..., N, K / 32 * 34] (a matrix, or a stack of experts [E, N, ...]) ->
     the weight in nextn's layout: int8 [..., N, K] and float16 scales [..., K / 32, N] (copies, on
     raw's device)."""
@@ -40,10 +40,10 @@ def q8_0_from_blocks(raw: torch.Tensor | np.ndarray) -> FP8Weight:
     blocks = raw.reshape(*lead, n, kb, BLOCK_BYTES)
     d = blocks[..., :2].contiguous().view(torch.float16).reshape(*lead, n, kb)
     q = blocks[..., 2:].contiguous().view(torch.int8).reshape(*lead, n, kb * BLOCK)
-    return FP8Weight(q, d.transpose(-1, -2).contiguous())
+    return QuantWeight(q, d.transpose(-1, -2).contiguous())
 
 
-def q8_0_to_blocks(w: FP8Weight) -> torch.Tensor:
+def q8_0_to_blocks(w: QuantWeight) -> torch.Tensor:
     """The inverse of q8_0_from_blocks: GGUF's bytes, uint8 [..., N, K / 32 * 34]."""
     q, d = w.weight, w.scale
     if q.dtype != Q8_0.values or d.dtype != Q8_0.scale or w.rows != 1:
@@ -55,7 +55,7 @@ def q8_0_to_blocks(w: FP8Weight) -> torch.Tensor:
     return torch.cat([d_bytes, q_bytes], dim=-1).reshape(*lead, n, kb * BLOCK_BYTES)
 
 
-def q8_0_quantize(w: torch.Tensor) -> FP8Weight:
+def q8_0_quantize(w: torch.Tensor) -> QuantWeight:
     """w [..., N, K] (K a multiple of 32) -> its Q8_0, bit for bit gguf.quants' (ggml's reference):
     in float32 per block d = amax / 127, q = round-half-away(w * (1 / d)) (0 where d is 0), stored
     d rounded to fp16. Each matrix of a stack (an expert) row by row, as GGUF quantizes."""
@@ -70,4 +70,4 @@ def q8_0_quantize(w: torch.Tensor) -> FP8Weight:
     a = x.abs()
     floored = a.floor()
     q = torch.sign(x) * (floored + (2 * (a - floored)).floor())  # gguf's np_roundf: halves away from 0
-    return FP8Weight(q.to(torch.int8).reshape(*lead, n, k), d.squeeze(-1).half().transpose(-1, -2).contiguous())
+    return QuantWeight(q.to(torch.int8).reshape(*lead, n, k), d.squeeze(-1).half().transpose(-1, -2).contiguous())

@@ -21,7 +21,7 @@ x = y * (1 + w) is rounded to the model dtype where the module rounds y * rstd *
 step is the norm then the GEMM up to that rounding (not bitwise); a row's arithmetic still depends
 on that row alone. (Normalising x inside the k-loop made every tile's dot wait: bench/NOTES.md, run 69.)
 
-FP8 weights (nextn.ops.fp8.FP8Weight: e4m3 with float32 scales, per row or per 128 rows, per 128
+FP8 weights (nextn.ops.fp8.QuantWeight: e4m3 with float32 scales, per row or per 128 rows, per 128
 columns; k-tiles of at most 128 columns, so one scale per row covers a tile), two ways:
 - one scale per 128x128 block (the block layouts after `compact_scales`) and BLOCK_N dividing 128
   (what decode runs): a program's rows share each k-tile's scale, so x's tile is scaled instead
@@ -42,7 +42,7 @@ columns; k-tiles of at most 128 columns, so one scale per row covers a tile), tw
 The scales depend on the weight alone and the second pass on the row alone, so rows stay invariant.
 
 Q8_0 weights (nextn.ops.q8_0: int8 with a float16 scale per row and 32 columns, GGUF's 34 bytes per
-32 weights; an FP8Weight whose values are int8, GROUP 32) take the second way's kernel, one of two
+32 weights; an QuantWeight whose values are int8, GROUP 32) take the second way's kernel, one of two
 ways by the config's BLOCK_K: a k-tile over several 32-column groups (the default, BLOCK_K 128 or
 256) is dequantized in the k-loop, each int8 times its scale in float32 (exact) then rounded to x's
 dtype, what nextn.ops.fp8.dequantize gives, value for value, and one dot takes it; a tile within one
@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.fp8 import FP8, Q8_0, Format, FP8Weight
+from nextn.ops.fp8 import FP8, Q8_0, Format, QuantWeight
 from nextn.ops.triton_norm import NormInput, norm_input_values, rms_rstd
 from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2, pdl_supported
 
@@ -247,7 +247,7 @@ if HAVE_TRITON:
         stride_res,
         stride_s,
         stride_s2,
-        shift,  # CHAIN: 2^exponent of w's scales (FP8Weight.exponent)
+        shift,  # CHAIN: 2^exponent of w's scales (QuantWeight.exponent)
         shift2,
         P,  # RMS: partial sums per row
         eps,  # RMS
@@ -422,12 +422,12 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def skinny_linear(
     x: torch.Tensor | None,  # [M, K], last dim contiguous (None with rms)
-    weight: torch.Tensor | FP8Weight,  # [N, K] contiguous
+    weight: torch.Tensor | QuantWeight,  # [N, K] contiguous
     *,
     out: torch.Tensor | None = None,  # [M, N]
     out_dtype: torch.dtype | None = None,
     residual: torch.Tensor | None = None,  # [M, N]: epilogue residual + y
-    up_weight: torch.Tensor | FP8Weight | None = None,  # [N, K]: epilogue silu(y) * (x @ up_weight.T)
+    up_weight: torch.Tensor | QuantWeight | None = None,  # [N, K]: epilogue silu(y) * (x @ up_weight.T)
     config: tuple[int, ...] | None = None,  # override (tuning)
     run_if: torch.Tensor | None = None,  # [] device flag: 0 skips the call (out is left as it was)
     rms: NormInput | None = None,  # in place of x: y = rms_norm(x) @ w.T (x before the norm)
@@ -443,9 +443,9 @@ def skinny_linear(
         raise ValueError("skinny_linear takes x or rms (a norm's input), not both")
     if rms is not None:
         x = rms.x
-    fp8 = isinstance(weight, FP8Weight)  # block-quantized: FP8 or Q8_0 (nextn.ops.fp8.Format)
+    fp8 = isinstance(weight, QuantWeight)  # block-quantized: FP8 or Q8_0 (nextn.ops.fp8.Format)
     fmt = weight.format if fp8 else None
-    if up_weight is not None and (up_weight.format if isinstance(up_weight, FP8Weight) else None) != fmt:
+    if up_weight is not None and (up_weight.format if isinstance(up_weight, QuantWeight) else None) != fmt:
         raise ValueError("skinny_linear: weight and up_weight must both be FP8 (or Q8_0) or neither")
     scale = scale2 = None
     rows = rows2 = 1

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.fp8 import FP8, FP8Weight
+from nextn.ops.fp8 import FP8, QuantWeight
 from nextn.ops.triton_norm import NormInput, norm_input_values
 from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2, pdl_supported, row_launch
 
@@ -375,11 +375,11 @@ def moe_step(
     norm: torch.Tensor,  # [H] post_attention_layernorm's weight (zero-centred)
     eps: float,
     gates: torch.Tensor,  # [E + 1, H]: the router's rows, then shared_expert_gate's
-    gate_up: torch.Tensor | FP8Weight,  # [E, 2I, H] (FP8: scales [E, ceil(H / 128), 2I])
-    down: torch.Tensor | FP8Weight,  # [E, H, I] (FP8: scales [E, ceil(I / 128), H])
-    shared_gate: torch.Tensor | FP8Weight,  # [Is, H] shared expert gate_proj
-    shared_up: torch.Tensor | FP8Weight,  # [Is, H]
-    shared_down: torch.Tensor | FP8Weight,  # [H, Is]
+    gate_up: torch.Tensor | QuantWeight,  # [E, 2I, H] (FP8: scales [E, ceil(H / 128), 2I])
+    down: torch.Tensor | QuantWeight,  # [E, H, I] (FP8: scales [E, ceil(I / 128), H])
+    shared_gate: torch.Tensor | QuantWeight,  # [Is, H] shared expert gate_proj
+    shared_up: torch.Tensor | QuantWeight,  # [Is, H]
+    shared_down: torch.Tensor | QuantWeight,  # [H, Is]
     top_k: int,
     renorm: bool,
     *,
@@ -403,16 +403,18 @@ def moe_step(
     launches (bench/moe_step_sweep.py compares)."""
     fp8_experts, fp8_shared = _fp8_kind(gate_up, down), _fp8_kind(shared_gate, shared_up, shared_down)
     group = _group(gate_up, down, shared_gate, shared_up, shared_down)
-    scales = [w.scale if isinstance(w, FP8Weight) else x for w in (gate_up, down, shared_gate, shared_up, shared_down)]
+    scales = [
+        w.scale if isinstance(w, QuantWeight) else x for w in (gate_up, down, shared_gate, shared_up, shared_down)
+    ]
     gate_up, down, shared_gate, shared_up, shared_down = (
-        w.weight if isinstance(w, FP8Weight) else w for w in (gate_up, down, shared_gate, shared_up, shared_down)
+        w.weight if isinstance(w, QuantWeight) else w for w in (gate_up, down, shared_gate, shared_up, shared_down)
     )
     if not all(t.is_contiguous() for t in (gate_up, down, shared_gate, shared_up, shared_down, *scales)):
         raise ValueError("moe_step: the weights and scales must be contiguous (the kernels index them as such)")
     T, H = x.shape
     E, two_i, _ = gate_up.shape
     I, Is = two_i // 2, shared_gate.shape[0]
-    if isinstance(gates, FP8Weight) or gates.shape != (E + 1, H):
+    if isinstance(gates, QuantWeight) or gates.shape != (E + 1, H):
         raise ValueError(f"moe_step: gates must be the router's {E} rows and the shared gate's [{E + 1}, {H}], not FP8")
     if not (x.is_contiguous() and gates.is_contiguous()):
         raise ValueError("moe_step: x and gates must be contiguous (the kernels index them as such)")
@@ -529,7 +531,7 @@ def moe_step(
 
 def _group(*weights) -> int:
     """The columns per scale of the quantized weights among `weights` (one format a call; 128 if none)."""
-    formats = {w.format for w in weights if isinstance(w, FP8Weight)}
+    formats = {w.format for w in weights if isinstance(w, QuantWeight)}
     if len(formats) > 1:
         raise ValueError(
             f"moe_step: the quantized weights must share one format, got {sorted(f.name for f in formats)}"
@@ -539,10 +541,10 @@ def _group(*weights) -> int:
 
 def _fp8_kind(*weights) -> bool:
     """Whether weights that one kernel branch reads are FP8 (all of them, per row scales), or none."""
-    kinds = {isinstance(w, FP8Weight) for w in weights}
+    kinds = {isinstance(w, QuantWeight) for w in weights}
     if len(kinds) > 1:
         raise ValueError("moe_step: the experts' weights (and the shared expert's) must all be FP8 or none")
     for w in weights:
-        if isinstance(w, FP8Weight) and w.rows != 1:
+        if isinstance(w, QuantWeight) and w.rows != 1:
             raise ValueError(f"moe_step: FP8 weights take one scale per row (got {w.rows} rows per scale)")
     return kinds == {True}

@@ -7,7 +7,7 @@ device with no host synchronisation (`_align`); a block of BLOCK_M sorted rows b
 expert, so each program multiplies a [BLOCK_M, K] tile of gathered rows by one expert's weights on
 the tensor cores, and an expert's weights are read once per output tile however many of the
 prompt's tokens chose it (the per-row decode kernels of `triton_moe` read them once per row).
-FP8 experts (nextn.ops.fp8.FP8Weight: e4m3 with a float32 scale per row and 128 columns) are read as
+FP8 experts (nextn.ops.fp8.QuantWeight: e4m3 with a float32 scale per row and 128 columns) are read as
 e4m3 and each [BLOCK_K, BLOCK_N] tile dequantized to the activations' dtype as the reference's
 `dequantize` does (the float32 product, rounded), so the tile the dot takes is the dequantized
 copy's, value for value, and no copy of a layer's experts is made. Q8_0 experts (nextn.ops.q8_0:
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.fp8 import BLOCK, FP8, FP8Weight
+from nextn.ops.fp8 import BLOCK, FP8, QuantWeight
 from nextn.ops.triton_utils import HAVE_TRITON, interpreting, require_triton
 
 BLOCK_M = 64
@@ -181,11 +181,11 @@ def grouped_experts(
     x: torch.Tensor,
     top_idx: torch.Tensor,
     top_w: torch.Tensor,
-    gate_up: torch.Tensor | FP8Weight,
-    down: torch.Tensor | FP8Weight,
+    gate_up: torch.Tensor | QuantWeight,
+    down: torch.Tensor | QuantWeight,
 ) -> torch.Tensor:
     """x [N, H]; top_idx, top_w [N, k]; gate_up [E, 2I, H]; down [E, H, I] (both tensors, or both
-    FP8Weight of one format with scales [E, ceil(K / block), N]) -> [N, H] (x's dtype)."""
+    QuantWeight of one format with scales [E, ceil(K / block), N]) -> [N, H] (x's dtype)."""
     require_triton()
     N, H = x.shape
     k = top_idx.shape[1]
@@ -193,8 +193,8 @@ def grouped_experts(
     I = two_i // 2
     if gate_up.shape[2] != H or down.shape != (E, H, I):
         raise ValueError(f"grouped_experts: weights {tuple(gate_up.shape)}, {tuple(down.shape)} do not fit H={H}")
-    fp8 = isinstance(gate_up, FP8Weight)
-    if fp8 != isinstance(down, FP8Weight) or (
+    fp8 = isinstance(gate_up, QuantWeight)
+    if fp8 != isinstance(down, QuantWeight) or (
         fp8 and ((gate_up.rows, down.rows) != (1, 1) or gate_up.format != down.format)
     ):
         raise ValueError("grouped_experts: gate_up and down must both be FP8 (a scale per row, one format) or neither")
