@@ -4,16 +4,22 @@
 # its MTP speculation (llama-speculative-simple --spec-type draft-mtp; random weights: its acceptance is
 # whatever the random head gives) beside `nextn bench` on the same file in the same run, and nextn's own
 # bf16 plain decode of the shape (--random-weights) for the Q8_0 / bf16 ratio.
-# llama.cpp: .llama/bin (built on the CPU machine against CUDA 13.0 for sm_90, carried) or, without it,
-# built here from .llama/llama.cpp.tgz (llama-cpp-python 0.3.36's vendored llama.cpp, trimmed).
-# Usage (device tool, carry .whl .tok .llama): bash bench/gguf_vs_llama.sh [9b] [35b]
+# llama.cpp: .llama/llama-bench.tgz and .llama/llama-spec.tgz (llama-bench and llama-speculative-simple,
+# built on the CPU machine with CUDA 13.0's nvcc for sm_90, static ggml; 44 MB each, so one a call beside
+# .whl and .tok within the 64 MiB carry) or, without them, built here from .llama/llama.cpp.tgz
+# (llama-cpp-python 0.3.36's vendored llama.cpp, trimmed to the CPU and CUDA backends: ~10 min on 16 cores).
+# Usage (device tool, carry .whl .tok .llama/llama-bench.tgz): bash bench/gguf_vs_llama.sh [9b] [35b]
+# (without llama-speculative-simple the MTP line is skipped; a second call carrying llama-spec.tgz runs it)
 #   -> $OUT/gguf_<shape>_q8_0.json (nextn's bench fields, gguf_file, quantization, llama_cpp {...})
 set -o pipefail
 source bench/device_env.sh
 LOG=$OUT/log.txt
 DISK=/tmp/gguf; mkdir -p $DISK
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $LOG
-LLAMA=$PWD/.llama/bin
+LLAMA=/tmp/llama/bin; mkdir -p $LLAMA
+for tool in bench spec; do  # prebuilt (carried: .llama/llama-bench.tgz, .llama/llama-spec.tgz, 44 MB each)
+  [ -f .llama/llama-$tool.tgz ] && tar xzf .llama/llama-$tool.tgz -C $LLAMA
+done
 if [ ! -x $LLAMA/llama-bench ]; then
   echo "=== building llama.cpp $(date +%T)" | tee -a $LOG
   mkdir -p /tmp/llama && tar xzf .llama/llama.cpp.tgz -C /tmp/llama
@@ -38,9 +44,9 @@ for shape in "${@:-9b}"; do
   timeout 180 $LLAMA/llama-bench -m $file -p 512 -n 128 -ngl 99 -fa 1 -r 3 -o json > $OUT/llama_bench_$shape.json 2> $OUT/llama_bench_$shape.err
   tail -3 $OUT/llama_bench_$shape.err | tee -a $LOG
   echo "=== $shape llama.cpp MTP $(date +%T)" | tee -a $LOG
-  timeout 120 $LLAMA/llama-speculative-simple -m $file -ngl 99 -fa on --spec-type draft-mtp --spec-draft-n-max 3 \
+  [ -x $LLAMA/llama-speculative-simple ] && timeout 120 $LLAMA/llama-speculative-simple -m $file -ngl 99 -fa on --spec-type draft-mtp --spec-draft-n-max 3 \
     -p "def fibonacci(n):" -n 128 --temp 0 > $OUT/llama_spec_$shape.log 2>&1
-  grep -E "decoded|accept" $OUT/llama_spec_$shape.log | tee -a $LOG
+  grep -E "decoded|accept" $OUT/llama_spec_$shape.log 2>/dev/null | tee -a $LOG
   echo "=== $shape nextn $(date +%T)" | tee -a $LOG
   timeout 300 python3 -m nextn.cli bench --model $file --device cuda --dtype bfloat16 --spec-k 3 \
     --acceptance-profile 0.85,0.75,0.65 --repeats 1 --json $OUT/nextn_$shape.json 2>&1 | grep -v '^ ' | tail -12 | tee -a $LOG
@@ -55,8 +61,10 @@ bf16 = json.loads((out / f"nextn_bf16_{shape}.json").read_text())
 runs = json.loads((out / f"llama_bench_{shape}.json").read_text() or "[]")
 tg = next((r for r in runs if r.get("n_gen") == 128 and not r.get("n_prompt")), {})
 pp = next((r for r in runs if r.get("n_prompt") == 512 and not r.get("n_gen")), {})
-spec = re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+)", (out / f"llama_spec_{shape}.log").read_text())
-accept = re.search(r"accept\s+=\s+([\d.]+)%", (out / f"llama_spec_{shape}.log").read_text())
+spec_log = out / f"llama_spec_{shape}.log"
+spec_text = spec_log.read_text() if spec_log.exists() else ""
+spec = re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+([\d.]+)", spec_text)
+accept = re.search(r"accept\s+=\s+([\d.]+)%", spec_text)
 llama = {"version": f"{tg.get('build_commit')} ({tg.get('build_number')}), llama-cpp-python 0.3.36's vendored source",
          "tg128_tokens_per_s": tg.get("avg_ts"), "pp512_tokens_per_s": pp.get("avg_ts"),
          "spec_tokens_per_s": float(spec[1]) if spec else None, "spec_accept_percent": float(accept[1]) if accept else None,
