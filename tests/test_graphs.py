@@ -1,12 +1,15 @@
-"""Rounds of greedy requests are CUDA graphs keyed by the batch's size and Ks, not by which slots
-run: the slots are device values the graph reads (nextn.cache.StepBatch.follow), so once a batch
-size was seen, a batch of other slots replays its graph. On the CPU, the same keyed batches run
-eagerly: their slot tensors follow the requests whatever slots they hold."""
+"""Rounds are CUDA graphs keyed by the batch's size and Ks (and sampler kinds, for rounds not all
+plain greedy), not by which slots run: the slots are device values the graph reads
+(nextn.cache.StepBatch.follow; a sampled member's work on copies gathered at its slot:
+nextn.engine.rounds.Lane), so once a batch size was seen, a batch of other slots replays its graph.
+On the CPU, the same keyed batches run eagerly: their slot tensors follow the requests whatever
+slots they hold."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton_interp  # noqa: F401  (before triton: the Triton test runs under the interpreter on CPU)
 
 import nextn
 
@@ -15,8 +18,10 @@ PROMPTS = [[5, 9, 40, 7], [11, 3, 2, 8, 90], [4, 4, 61]]
 
 
 def _run(engine, prompts, params):
-    """Outputs of the prompts run together, and the slots they ran in."""
-    reqs = [engine.add(p, params) for p in prompts]
+    """Outputs of the prompts run together (params: one for all, or a list, one each), and the
+    slots they ran in."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    reqs = [engine.add(p, q) for p, q in zip(prompts, each, strict=True)]
     outputs = {}
     while len(outputs) < len(reqs):
         for r, ev in engine.step():
@@ -41,6 +46,65 @@ def _check(device: str, dtype: str):
     assert first == second == third == alone
     assert slots != other_slots, (slots, other_slots)
     return counts, dict(engine.runner.graph_counts)
+
+
+def _sampled(max_tokens: int = 16) -> list[nextn.SamplingParams]:
+    """Seeded sampled requests (temperature, top_p, a penalty) and a greedy one with a penalty."""
+    common = dict(max_tokens=max_tokens, ignore_eos=True)
+    return [
+        nextn.SamplingParams(temperature=0.8, top_p=0.9, seed=7, **common),
+        nextn.SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.3, seed=11, **common),
+        nextn.SamplingParams(temperature=0.0, presence_penalty=0.7, **common),
+    ]
+
+
+def _check_sampled(device: str, dtype: str, max_tokens: int = 16, **options):
+    """`_check` for `_sampled` requests: the batch three times in rotating slots equals each alone;
+    returns the graph counts before and after the third run, and the round keys each run launched."""
+    params = _sampled(max_tokens)
+    llm = nextn.LLM(device=device, dtype=dtype, num_speculative_tokens=3, max_num_seqs=6, **options)
+    engine = llm.engine
+    keys: list = []  # the keys runner.run is called with, the current run's
+    run = engine.runner.run
+    engine.runner.run = lambda key, fn, *a: keys.append(key) or run(key, fn, *a)
+    alone = [_run(engine, [p], [q])[0][0] for p, q in zip(PROMPTS, params, strict=True)]
+    seen = []
+    for _ in range(2):
+        keys.clear()
+        out, slots = _run(engine, PROMPTS, params)
+        seen.append((out, slots, set(keys)))
+    counts = dict(engine.runner.graph_counts)
+    keys.clear()
+    third, other_slots = _run(engine, PROMPTS, params)
+    assert seen[0][0] == seen[1][0] == third == alone
+    assert seen[1][1] != other_slots, (seen[1][1], other_slots)
+    return counts, dict(engine.runner.graph_counts), [s[2] for s in seen] + [set(keys)]
+
+
+def test_sampled_rounds_are_keyed_without_their_slots():
+    """Seeded sampled requests (and greedy with a penalty) batched in rotating slots emit what they
+    emit alone, and their rounds' keys name sizes, Ks and sampler kinds, not slots: a run in other
+    slots launches the same keys (so on a GPU it replays their graphs)."""
+    _, _, keys = _check_sampled("cpu", "float32")
+    assert any(key[0] == "round" for key in keys[1])  # rounds that are not plain greedy ran
+    assert keys[1] == keys[2], keys[1] ^ keys[2]
+
+
+def test_sampled_rounds_follow_their_slots_with_the_triton_kernels(dense_ckpt):
+    """The same under the Triton kernels (the interpreter on the CPU; a tiny checkpoint): the lanes'
+    uniforms window is what the fused draft and verify read."""
+    _, _, keys = _check_sampled("cpu", "float32", 5, model=dense_ckpt, kernels="triton", max_model_len=64)
+    assert keys[1] == keys[2], keys[1] ^ keys[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_a_new_sampled_batch_composition_replays_a_graph():
+    """On a GPU, seeded sampled requests run again in other slots capture nothing and run nothing
+    eagerly: their rounds replay the graphs keyed by sizes, Ks and sampler kinds."""
+    before, after, _ = _check_sampled("cuda", "bfloat16")
+    assert after["captures"] == before["captures"] and after["eager"] == before["eager"], (before, after)
+    assert after["replays"] > before["replays"]
 
 
 def test_keyed_batches_follow_their_slots_on_the_cpu():

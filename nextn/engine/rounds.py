@@ -2,7 +2,9 @@
 the host side of each request, which queues its rounds one ahead and reads each round's tokens
 once.
 
-A round (`device_round`) is device work only, one CUDA graph per batch of (slot, K, sampler kind):
+A round (`device_round`) is device work only, one CUDA graph per batch of (K, sampler kind), the
+slots device values it reads (a member that is not plain greedy works on copies gathered at its
+slot: `Lane`; sampled batches are not padded, pads are plain greedy rounds' alone):
 the proposer drafts each request's K tokens after its pending token (K may differ, 0 for plain
 decoding; a confidence gate may count fewer, down to none: the round then verifies the pending
 token alone); one trunk step verifies every request's [pending, drafts] rows; per request, the
@@ -94,6 +96,38 @@ class Member(NamedTuple):
     sampler: SlotSampler
     buf: Buffers
     k: int  # drafts this round (0: plain decoding)
+    lane: Lane | None = None  # set: sampler and buf are copies gathered for the round (`Lane`)
+
+
+class Lane(NamedTuple):
+    """Where a member's gathered copies go back: its slot as a device index, so a round whose
+    members' own work (sampled drafts, `_accept`) runs on copies gathered from the pool-wide
+    tensors at that index, rather than on the slot's views, is one graph per batch of (K, sampler
+    kind) whatever slots run (`runner.follow_slots` writes the index before each replay). Gathered
+    per member per round (R = K_max + 1 rows): ctl (36 bytes), verify_ids (8R, twice: as the round
+    starts and again after the drafts, which a ProfileProposer may rewrite in the pool) and head_ids (8R),
+    the sampler's values (`SlotSampler.lane`: 36 bytes, + 24 (K + 1) sampled, + 5V with penalties,
+    + V with min_tokens); the verify logits are the trunk step's own rows (no copy) and draft_q a
+    scratch the drafts fill ([K, V] f32, zeroed). Written back: verify_ids after each draft (the
+    next head step and the verify read the pool) and at the end, head_ids, out, ctl, and the
+    output counts with penalties."""
+
+    slot: torch.Tensor  # [1] long: the member's slot
+    tensors: dict  # the pool-wide tensors [num_slots, ...]
+
+    def store(self, name: str, value: torch.Tensor) -> None:
+        """The slot's row of tensor `name` <- value (its shape without the slot dimension)."""
+        self.tensors[name].index_copy_(0, self.slot, value[None])
+
+
+def _lane(m: Member, slot: torch.Tensor, before: torch.Tensor, logits: torch.Tensor) -> Member:
+    """m for one round on copies gathered at device slot index slot [1] (`Lane`); before: its ctl
+    [NUM_CTL]; logits: its verify rows (the trunk step's, [K + 1, V]; filled by the verify)."""
+    tensors, buf = m.cache.cache.tensors, m.buf
+    ids, heads = (tensors[name].index_select(0, slot)[0] for name in ("verify_ids", "head_ids"))
+    draft_q = buf.draft_q.new_zeros(buf.draft_q.shape[0] if not m.sampler.kind.greedy else 0, buf.draft_q.shape[1])
+    lane_buf = Buffers(ids, heads, logits, None, None, None, draft_q, buf.out.new_empty(buf.out.shape))
+    return Member(m.cache, m.sampler.lane(tensors, slot, before, m.k + 1), lane_buf, m.k, Lane(slot, tensors))
 
 
 def device_round(runner, proposer, members: list[Member], clock=None) -> None:
@@ -104,6 +138,10 @@ def device_round(runner, proposer, members: list[Member], clock=None) -> None:
     batch = runner.batch([m.cache for m in members], [m.k + 1 for m in members])
     slots = batch.slot_index
     befores = tensors["ctl"].index_select(0, slots)
+    logits = runner.step_logits[: batch.num_rows]
+    if not all(_plain_greedy(m) for m in members):  # their own work on copies at their device slots
+        rows = [logits[batch.offsets[b] : batch.offsets[b] + m.k + 1] for b, m in enumerate(members)]
+        members = [_lane(m, slots[b : b + 1], befores[b], rows[b]) for b, m in enumerate(members)]
     drafting = [b for b, m in enumerate(members) if m.k > 0]
     counted = proposer.propose([members[b] for b in drafting]) if drafting else None
     num_drafts = runner.index([m.k for m in members])  # [B] the drafts that count
@@ -114,7 +152,7 @@ def device_round(runner, proposer, members: list[Member], clock=None) -> None:
     _mark(clock, 1)
     # one trunk step over every member's rows, out of and into the slots' buffers
     flat = batch.flat_rows(members[0].buf.verify_ids.shape[0])
-    logits, hidden = runner.step_logits[: batch.num_rows], runner.step_hidden[: batch.num_rows]
+    hidden = runner.step_hidden[: batch.num_rows]
     live = None if counted is None else (num_drafts + 1).to(torch.int32)  # a gate cut: the rows that count
     runner.step.trunk(batch, tensors["verify_ids"].view(-1).index_select(0, flat), logits, hidden, live=live)
     tensors["logits"].flatten(0, 1).index_copy_(0, flat, logits)
@@ -195,15 +233,24 @@ def _accept_greedy(runner, verified: _Verified, members: list[Member], index: li
 
 def _accept(m: Member, before: torch.Tensor, num_drafts: torch.Tensor, heads: bool) -> None:
     """Verify a member's drafts (the first num_drafts [] count), commit what it keeps and write its outcome."""
-    cache, sampler, buf, k = m
+    cache, sampler, buf, k, lane = m
+    if lane is not None:  # the drafts as the slot holds them (a ProfileProposer rewrites them there)
+        buf.verify_ids.copy_(cache.cache.tensors["verify_ids"].index_select(0, lane.slot)[0])
     q = None if sampler.kind.greedy else buf.draft_q[:k]
     n, out_ids = sampler.verify(buf.logits[: k + 1], buf.verify_ids[1 : k + 1], q, num_drafts, before[NUM_GEN])
     sampler.record(out_ids, n)
-    cache.ctl.copy_(commit_ctl(before, n + 1, cache.cols, round_=True))
+    ctl = commit_ctl(before, n + 1, cache.cols, round_=True).to(torch.int32)
     buf.verify_ids[:1] = out_ids.index_select(0, n.reshape(1))  # the next round's pending token
     if heads:  # the next head pass writes the rows of what this round kept
         torch.clamp(out_ids, min=0, out=buf.head_ids[: k + 1])
     _write_outcome(buf, n, num_drafts, out_ids, before)
+    if lane is None:
+        cache.ctl.copy_(ctl)
+        return
+    for name, value in (("ctl", ctl), ("verify_ids", buf.verify_ids), ("head_ids", buf.head_ids), ("out", buf.out)):
+        lane.store(name, value)
+    if sampler.kind.penalties:
+        lane.store("output_counts", sampler.history.output_counts)
 
 
 @torch.inference_mode()
@@ -239,8 +286,8 @@ def _read(rounds: RequestRounds) -> Round | Exception:
 
 @torch.inference_mode()
 def launch(runner, proposer, rounds: list[RequestRounds]) -> None:
-    """One batched round of these requests (one CUDA graph per batch of (slot, K, sampler kind);
-    eagerly when they are constrained: all or none); each queues the read of its outcome."""
+    """One batched round of these requests (one CUDA graph per batch of (K, sampler kind), whatever
+    slots run; eagerly when they are constrained: all or none); each queues the read of its outcome."""
     members = [r.member() for r in rounds]
     traced = rounds[0].trace is not None
     if rounds[0].grammar is None and runner.pad_rounds and len({m.k for m in members}) == 1:
@@ -251,15 +298,14 @@ def launch(runner, proposer, rounds: list[RequestRounds]) -> None:
         clock = runner.clock(key) if traced else None
         runner.graph_counts["eager"] += 1
         device_round(runner, proposer, members, clock)
-    elif all(m.sampler.plain_greedy for m in members):  # one graph per batch size and Ks, any slots
-        key = ("greedy round", tuple(m.k for m in members), id(proposer), traced)
+    else:  # one graph per batch of Ks (and sampler kinds, where any is not plain greedy), any slots
+        if all(m.sampler.plain_greedy for m in members):
+            key = ("greedy round", tuple(m.k for m in members), id(proposer), traced)
+        else:  # the members' sampling work on copies gathered at their device slots (`Lane`)
+            key = ("round", tuple((m.k, m.sampler.kind) for m in members), id(proposer), traced)
         clock = runner.clock(key) if traced else None
         with runner.follow_slots(slots, len(rounds)):
             runner.run(key, lambda: device_round(runner, proposer, members, clock))
-    else:  # per-slot sampling values and uniforms in the graph: one per batch of (slot, K, sampler kind)
-        key = ("round", tuple((m.cache.slot, m.k, m.sampler.kind) for m in members), id(proposer), traced)
-        clock = runner.clock(key) if traced else None
-        runner.run(key, lambda: device_round(runner, proposer, members, clock), tuple(slots))
     for r in rounds:
         r.queue_read(clock)
 

@@ -73,6 +73,7 @@ class ModelRunner:
         # launch of a round keyed by its size (`follow_slots`), and the one in force (None: keys by slot)
         self._slot_sets: dict[int, torch.Tensor] = {}
         self._following: torch.Tensor | None = None
+        self._followed: list[int] | None = None  # its slots, as the host wrote them
         self._refreshed: set[int] = set()  # the batches refreshed within the follow_slots in force
         # pad members: rounds of plain greedy requests at one K fill their batch to its size bucket
         # with members on spare slots (nextn.engine.rounds._pads), so 1..bucket requests share a graph;
@@ -94,13 +95,23 @@ class ModelRunner:
         if self._following is None:
             key = (tuple(c.slot for c in caches), tuple(rows))
             return self._made_once(self._batches, key, lambda: StepBatch(caches, rows))
-        key = ("follow", len(caches), tuple(rows))
+        # a batch of some of the followed slots (the members drafting, or still chaining, in a round
+        # whose Ks differ) follows their positions in the slot set, gathered on the device
+        positions = tuple(self._followed.index(c.slot) for c in caches)
+        whole = positions == tuple(range(len(self._followed)))
+        key = ("follow", len(caches) if whole else positions, tuple(rows))
         batch = self._made_once(self._batches, key, lambda: StepBatch(caches, rows))
         if id(batch) not in self._refreshed:  # once a round: its device ops run in every replay
-            batch.follow(self._following)
+            batch.follow(self._following if whole else self._followed_at(positions))
             batch.refresh(caches)
             self._refreshed.add(id(batch))
         return batch
+
+    def _followed_at(self, positions: tuple[int, ...]) -> torch.Tensor:
+        """The followed slots at these positions (int32, made once; written by a device op)."""
+        make = lambda: torch.empty(len(positions), dtype=torch.int32, device=self.device)  # noqa: E731
+        held = self._made_once(self._indices, ("followed", positions), make)
+        return torch.index_select(self._following, 0, self.index(list(positions)), out=held)
 
     @contextlib.contextmanager
     def follow_slots(self, slots: list[int], real: int):
@@ -115,12 +126,12 @@ class ModelRunner:
             pads = self._pad_masks[B] = torch.zeros(B, dtype=torch.bool, device=self.device)
         held.copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
         pads.copy_(torch.arange(B) >= real, non_blocking=True)
-        self._following, self.pads = held, pads
+        self._following, self.pads, self._followed = held, pads, list(slots)
         self._refreshed = set()
         try:
             yield
         finally:
-            self._following = self.pads = None
+            self._following = self.pads = self._followed = None
 
     def index(self, values: list[int]) -> torch.Tensor:
         """A long device tensor of these values (made once)."""

@@ -1,6 +1,7 @@
 """One slot's token choice on the device: the request's sampling values as device scalars, its
 seeded uniforms and its penalty history, kept in the slot's cache buffers, so a round's CUDA graph
-(captured once per slot, K and `SamplerKind`) serves every request. Drawing, drafting and
+(captured once per batch of K and `SamplerKind`: a round works on copies of them gathered at the
+slot's device index, `lane`) serves every request in any slot. Drawing, drafting and
 verifying are device ops with no host read; the host fills the buffers once per request.
 
 Generated token number i always uses uniform i of its stream (nextn.sample.pipeline), so a seeded request
@@ -16,6 +17,7 @@ renormalised laws and rejection sampling stays exact against constrained plain s
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import torch
@@ -75,6 +77,7 @@ class SlotSampler:
             **{name: values[i] for i, name in enumerate(VALUES)}, top_k=cache.t("sampling_top_k")[0]
         )
         self.uniforms = cache.t("uniforms")  # [streams, U] float64
+        self.base = 0  # the generated index of the uniforms' column 0 (a lane's window: `lane`)
         self.history = TokenHistory(cache.t("prompt_mask"), cache.t("output_counts"))
         self.stop_mask = cache.t("stop_mask")
         self.ctl = cache.ctl
@@ -119,9 +122,36 @@ class SlotSampler:
         kind = self.kind
         return kind.greedy and not kind.penalties and not kind.min_tokens and not kind.grammar
 
+    def lane(self, tensors: dict, slot: torch.Tensor, ctl: torch.Tensor, count: int) -> SlotSampler:
+        """This sampler for one round on the slot at device index slot ([1] long), over copies
+        gathered from the pool-wide tensors ([num_slots, ...]) rather than the slot's views, so a
+        round's graph serves whichever slot the index names (nextn.engine.rounds.Lane): ctl: the
+        slot's counters before the round [NUM_CTL]; count: the round's rows (K + 1). Gathered is
+        only what the request's kind reads: values and top_k (36 bytes); sampled, the uniforms of
+        generated indices NUM_GEN..NUM_GEN + count - 1 of each stream (3 * count * 8 bytes); with
+        penalties the prompt mask and output counts (5 * V bytes; the counts are written back by
+        the caller: `history.output_counts`); with min_tokens the stop mask (V bytes)."""
+        lane = copy.copy(self)
+        values = tensors["sampling_values"].index_select(0, slot)[0]
+        top_k = tensors["sampling_top_k"].index_select(0, slot)[0, 0]
+        lane.values = SimpleNamespace(**{name: values[i] for i, name in enumerate(VALUES)}, top_k=top_k)
+        lane.ctl, lane.uniforms, lane.history, lane.stop_mask = ctl, None, None, None
+        if not self.kind.greedy:  # the window [streams, count] of the slot's table from NUM_GEN
+            streams, U = self.uniforms.shape
+            lane.base = ctl[NUM_GEN]
+            rows = (slot * streams + torch.arange(streams, device=slot.device)) * U + lane.base.long()
+            cells = rows[:, None] + torch.arange(count, device=slot.device)
+            lane.uniforms = tensors["uniforms"].view(-1).index_select(0, cells.view(-1)).view(streams, count)
+        if self.kind.penalties:
+            gathered = (tensors[name].index_select(0, slot)[0] for name in ("prompt_mask", "output_counts"))
+            lane.history = TokenHistory(*gathered)
+        if self.kind.min_tokens:
+            lane.stop_mask = tensors["stop_mask"].index_select(0, slot)[0]
+        return lane
+
     def uniforms_at(self, stream: Stream, start: torch.Tensor, count: int) -> torch.Tensor:
         """Uniforms [count] of indices start.. (start a device scalar)."""
-        idx = start.long() + torch.arange(count, device=self.uniforms.device)
+        idx = (start.long() - self.base) + torch.arange(count, device=self.uniforms.device)
         return self.uniforms[int(stream)].index_select(0, idx)
 
     def _history(self):
@@ -233,7 +263,9 @@ class SlotSampler:
             return verify_greedy(target, draft_ids, num_drafts)
         if self.kernels is not None:
             p = self._fused_law(penalized_logits(logits, self.values, self._history(), draft_ids, self.kind))
-            n, out_ids = self.kernels.verify_sampled(p, draft_q, draft_ids, self.uniforms, index, num_drafts)
+            n, out_ids = self.kernels.verify_sampled(
+                p, draft_q, draft_ids, self.uniforms, index - self.base, num_drafts
+            )
             return VerifyResult(n, out_ids)
         k = draft_ids.numel()
         p = probs_from_logits(logits, self.values, self._history(), draft_ids, self.kind)  # [k+1, V]

@@ -21,7 +21,8 @@ copy of them made here at load (nextn.spec.draft_vocab.DraftHead), into the prop
 [rows, Vd] logits; the sampler maps each draft through d2t and scatters its q onto target ids.
 `ProfileProposer` replaces the head's drafts with tokens of a chosen acceptance (benchmarks).
 
-Tensor-only interface: the members (slot cache, sampler, round buffers, K) come in as arguments;
+Tensor-only interface: the members (slot cache, sampler, round buffers, K; for a round not all
+plain greedy, copies gathered at the member's device slot: nextn.engine.rounds.Lane) come in as arguments;
 nothing here reads the host, so a round's drafts are captured in its CUDA graph.
 """
 
@@ -78,7 +79,7 @@ class MTPProposer:
         logits, chained = self.logits[:B], runner.head_hidden[:B]
         runner.step.head(batch, ids, hidden, batch.field(DRAFT_LEN), rows.long(), (logits, chained), self.lm_head)
         uniforms = [
-            None if m.sampler.kind.greedy else m.sampler.uniforms_at(Stream.DRAFT, m.cache.ctl[NUM_GEN], m.k)
+            None if m.sampler.kind.greedy else m.sampler.uniforms_at(Stream.DRAFT, m.sampler.ctl[NUM_GEN], m.k)
             for m in members
         ]
         gate, fused = None, all(m.sampler.plain_greedy for m in members)
@@ -113,15 +114,12 @@ class MTPProposer:
 
     def _draft(self, m, j: int, logits: torch.Tensor, u: torch.Tensor | None):
         """Member m's draft j from its head logits [1, V or Vd] (its confidence when gated)."""
-        ids = m.buf.verify_ids
-        return m.sampler.draft(
-            logits,
-            ids[1 : 1 + j],
-            None if u is None else u[j : j + 1],
-            ids[1 + j : 2 + j],
-            m.buf.draft_q[j : j + 1],
-            self.draft,
-        )
+        ids, q = m.buf.verify_ids, m.buf.draft_q[j : j + 1]
+        u = None if u is None else u[j : j + 1]
+        confidence = m.sampler.draft(logits, ids[1 : 1 + j], u, ids[1 + j : 2 + j], q, self.draft)
+        if m.lane is not None:  # drafted into a copy (nextn.engine.rounds.Lane): the next head step reads the slot's
+            m.lane.store("verify_ids", ids)
+        return confidence
 
     def _greedy_drafts(self, batch, index: list[int], j: int, at, logits, gate: _Gate | None, run_if) -> None:
         """Draft j of the batch's members at positions index (plain greedy; at: those positions,
