@@ -29,21 +29,6 @@ bench_args() {  # $1 stage
   # slot, not K + 1 per verify row: it was ~2 GiB), so 8 fit and 32 (16 GiB) do not. So the 122B runs at 0.97
   # and --batch 1 8.
   case $1 in
-    next80 | next80batch) echo qwen3-next-80b-a3b ;;
-    q122 | q122batch) echo qwen3.5-122b-a10b ;;
-  esac
-}
-# the bench's flags per stage (the parse stage checks the same lists)
-bench_args() {  # $1 stage
-  local preset
-  preset=$(preset_of "$1")
-  local common=(bench --random-weights "$preset" --quantization fp8 --device cuda --dtype bfloat16
-    --acceptance-profile 0.85,0.75,0.65 --repeats 1)
-  # the 122B's 123.4 GiB of weights (FP8, its MTP head's experts bf16) leave 1.8 GiB at the default 0.9 of
-  # the GPU: nothing fits beside the engine's 5.3 GiB reserve; at 0.97, 11.6 GiB: 2 sequences of the
-  # bench's 800 tokens at K = 8, 3 at K = 3 (a slot's GDN states: 36 layers x 64 heads x 128 x 128 x 4 bytes
-  # per verify row). So the 122B runs at 0.97 and --batch 1 2; 8 and 32 do not fit one H200 (nextn.engine.memory).
-  case $1 in
     next80) echo "${common[@]}" --spec-k 1 2 3 4 5 6 7 8 --json "$OUT/fp8_$preset.json" ;;
     q122) echo "${common[@]}" --gpu-memory-utilization 0.97 --spec-k 1 2 3 4 5 6 7 8 --json "$OUT/fp8_$preset.json" ;;
     next80batch) echo "${common[@]}" --spec-k 3 --batch 1 8 32 --json "$OUT/fp8_batch_$preset.json" ;;
