@@ -13,7 +13,7 @@ Random weights are drawn a tensor at a time on the device (nextn.models.random_w
 distributions), changed and quantized there, and written raw: a first pass over meta tensors gives
 the writer every tensor's shape and type, a second draws and writes them one by one, so host memory
 holds one tensor. Q8_0 bytes: llama.cpp's Q8_0 (a float16 scale max|x|/127 and 32 int8 per block,
-rounded half away from zero as gguf.quants does), computed with torch (`q8_0_bytes`).
+rounded half away from zero as gguf.quants does), nextn.ops.q8_0's quantizer (`q8_0_bytes`).
 The vocabulary: nextn.gguf_tokenizer.write_vocab from a tokenizer directory (bench/qwen_tokenizer.py's).
 
   python bench/write_gguf.py --preset qwen3.5-9b --type q8_0 --tokenizer .tok/qwen3.5 --out 9b-q8_0.gguf
@@ -39,6 +39,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from nextn.config.model import ModelConfig  # noqa: E402
+from nextn.ops.q8_0 import q8_0_quantize, q8_0_to_blocks  # noqa: E402
 
 ARCH_OF = {"qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 TYPES = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0}
@@ -146,17 +147,10 @@ def storage_type(gguf_name: str, shape: tuple[int, ...], hf_name: str, qtype: T)
 
 
 def q8_0_bytes(t: torch.Tensor) -> torch.Tensor:
-    """llama.cpp's Q8_0 blocks of t [..., K] (K a multiple of 32) as uint8 [..., K / 32 * 34]: per 32
-    values a float16 d = max|x| / 127 and int8 round(x / d), half away from zero (gguf.quants Q8_0)."""
-    blocks = t.float().reshape(*t.shape[:-1], -1, 32)
-    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    x = blocks * inv
-    a = x.abs()
-    floored = a.floor()
-    q = torch.sign(x) * (floored + (2 * (a - floored)).floor())  # gguf.quants.np_roundf
-    out = torch.cat([d.half().view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=-1)
-    return out.reshape(*t.shape[:-1], -1)
+    """llama.cpp's Q8_0 blocks of t [..., K] (K a multiple of 32) as uint8 [..., K / 32 * 34]: nextn's
+    own quantizer (nextn.ops.q8_0, gguf.quants' Q8_0 bit for bit) in GGUF's byte order."""
+    rows = t.reshape(-1, t.shape[-1])
+    return q8_0_to_blocks(q8_0_quantize(rows)).reshape(*t.shape[:-1], -1)
 
 
 def stored(t: torch.Tensor, qtype: T) -> np.ndarray:
