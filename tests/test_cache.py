@@ -20,7 +20,7 @@ from nextn.cache.hybrid import (
     tensor_specs,
 )
 from nextn.config.model import ModelConfig
-from nextn.engine.rounds import round_buffers
+from nextn.engine.device_round import round_buffers
 from nextn.models.loader import load_model
 from nextn.sample.sampler import sampler_buffers
 

@@ -21,7 +21,7 @@ from nextn.bench import offline as bench
 from nextn.cache.hybrid import KV, NUM_GEN
 from nextn.cli import main
 from nextn.config import DEFAULT_MODEL_DIR, SpecConfig
-from nextn.engine.rounds import Buffers, Member
+from nextn.engine.device_round import Buffers, Member
 from nextn.engine.scheduler import Request, RoundSettings
 from nextn.sample.sampler import SlotSampler
 from nextn.spec.draft_vocab import DraftVocab, DraftVocabError, load_draft_vocab, tokenizer_fingerprint

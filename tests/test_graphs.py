@@ -1,7 +1,7 @@
 """Rounds are CUDA graphs keyed by the batch's size and Ks (and sampler kinds, for rounds not all
 plain greedy), not by which slots run: the slots are device values the graph reads
 (nextn.cache.StepBatch.follow; a sampled member's work on copies gathered at its slot:
-nextn.engine.rounds.Lane), so once a batch size was seen, a batch of other slots replays its graph.
+nextn.engine.device_round.Lane), so once a batch size was seen, a batch of other slots replays its graph.
 On the CPU, the same keyed batches run eagerly: their slot tensors follow the requests whatever
 slots they hold."""
 

@@ -12,7 +12,7 @@ from hf_fixtures import FIT_PROMPTS
 
 import nextn
 from nextn.cache.hybrid import ACCEPTED, NUM_GEN
-from nextn.engine.rounds import Buffers, Member
+from nextn.engine.device_round import Buffers, Member
 from nextn.engine.scheduler import Request, RoundSettings
 from nextn.sample.sampler import SlotSampler
 from nextn.spec.replay import replay_rounds, trunk_pass

@@ -1,7 +1,7 @@
 """The one-launch sampling kernels (nextn.sample.triton_sample) against their references: the
 temperature law and its draw (nextn.sample.pipeline.probs_from_logits, sample), the round's rejection
 sampling (nextn.sample.verifier.verify_sampled), the slot sampler drafting and verifying through
-them as through the reference, and a greedy round's accept and commit (nextn.engine.rounds).
+them as through the reference, and a greedy round's accept and commit (nextn.engine.device_round).
 
 On CPU the kernels run under Triton's interpreter (triton_interp.py); on a GPU compiled.
 """
@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 import nextn  # noqa: E402
 from nextn.cache.hybrid import NUM_CTL, commit_table  # noqa: E402
-from nextn.engine import rounds  # noqa: E402
+from nextn.engine import device_round  # noqa: E402
 from nextn.sample import triton_common, triton_sample, triton_wide, verifier  # noqa: E402
 from nextn.sample.pipeline import (  # noqa: E402
     Law,  # noqa: E402
@@ -215,7 +215,7 @@ def test_the_slot_sampler_drafts_and_verifies_through_the_kernels_as_through_the
 
 @pytest.mark.parametrize("heads", [False, True])
 def test_greedy_accept_kernel_is_its_reference_bitwise(heads):
-    """One launch accepts and commits a batch's greedy members as rounds._accept_greedy's torch ops
+    """One launch accepts and commits a batch's greedy members as device_round._accept_greedy's torch ops
     do: the pending token, head ids, counters and outcome rows of their slots, bit for bit; other
     slots untouched. Members draft 0..5 tokens, their drafts the argmax of the row before for a
     random prefix, a gate cutting one member's count, the group a subset of the batch."""
@@ -255,7 +255,7 @@ def test_greedy_accept_kernel_is_its_reference_bitwise(heads):
     members, num_drafts = [None] * len(offsets), [0] * len(offsets)  # the batch's (0 and 3: sampled members)
     for b, member, count in zip(index, group, counts, strict=True):
         members[b], num_drafts[b] = member, count
-    rounds._accept_greedy(runner, rounds._Verified(batch, befores, logits, ix(num_drafts), heads), members, index)
+    device_round._accept_greedy(runner, device_round._Verified(batch, befores, logits, ix(num_drafts), heads), members, index)
     table = commit_table(cache.cols, True, True, logits.device)
     group = GreedyGroup(ix([offsets[b] for b in index]), ix(slots), ix(ks), ix(counts), ix(index))
     accept_greedy(logits.argmax(-1), group, befores, fast, table, heads)

@@ -39,7 +39,7 @@ from nextn.config import (
     EngineConfig,
 )
 from nextn.config.model import ModelConfig
-from nextn.engine.rounds import round_buffers
+from nextn.engine.device_round import round_buffers
 from nextn.sample.sampler import sampler_buffers
 
 # graphs' memory beyond the rows of the round they capture (their private pool's slack, the sampler's

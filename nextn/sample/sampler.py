@@ -125,7 +125,7 @@ class SlotSampler:
     def lane(self, tensors: dict, slot: torch.Tensor, ctl: torch.Tensor, count: int) -> SlotSampler:
         """This sampler for one round on the slot at device index slot ([1] long), over copies
         gathered from the pool-wide tensors ([num_slots, ...]) rather than the slot's views, so a
-        round's graph serves whichever slot the index names (nextn.engine.rounds.Lane): ctl: the
+        round's graph serves whichever slot the index names (nextn.engine.device_round.Lane): ctl: the
         slot's counters before the round [NUM_CTL]; count: the round's rows (K + 1). Gathered is
         only what the request's kind reads: values and top_k (36 bytes); sampled, the uniforms of
         generated indices NUM_GEN..NUM_GEN + count - 1 of each stream (3 * count * 8 bytes); with

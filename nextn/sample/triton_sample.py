@@ -260,7 +260,7 @@ def accept_greedy(
     table: tuple[torch.Tensor, ...],  # nextn.cache.hybrid.commit_table's (a_idx, a, b_idx, b, k, c)
     heads: bool,  # write head_ids (a round with drafts)
 ) -> None:
-    """The greedy accept and commit of G members in one launch (nextn.engine.rounds._accept_greedy)."""
+    """The greedy accept and commit of G members in one launch (nextn.engine.device_round._accept_greedy)."""
     ids, ctl = tensors["verify_ids"], tensors["ctl"]
     R, num_ctl = ids.shape[1], ctl.shape[1]
     if not all(t.is_contiguous() for t in (target, befores, ids, tensors["head_ids"], ctl, tensors["out"], *table)):

@@ -22,7 +22,7 @@ copy of them made here at load (nextn.spec.draft_vocab.DraftHead), into the prop
 `ProfileProposer` replaces the head's drafts with tokens of a chosen acceptance (benchmarks).
 
 Tensor-only interface: the members (slot cache, sampler, round buffers, K; for a round not all
-plain greedy, copies gathered at the member's device slot: nextn.engine.rounds.Lane) come in as arguments;
+plain greedy, copies gathered at the member's device slot: nextn.engine.device_round.Lane) come in as arguments;
 nothing here reads the host, so a round's drafts are captured in its CUDA graph.
 """
 
@@ -117,7 +117,7 @@ class MTPProposer:
         ids, q = m.buf.verify_ids, m.buf.draft_q[j : j + 1]
         u = None if u is None else u[j : j + 1]
         confidence = m.sampler.draft(logits, ids[1 : 1 + j], u, ids[1 + j : 2 + j], q, self.draft)
-        if m.lane is not None:  # drafted into a copy (nextn.engine.rounds.Lane): the next head step reads the slot's
+        if m.lane is not None:  # drafted into a copy (nextn.engine.device_round.Lane): the next head step reads the slot's
             m.lane.store("verify_ids", ids)
         return confidence
 
