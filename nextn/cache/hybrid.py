@@ -231,13 +231,14 @@ class SlotCache:
         return parts.conv, parts.base
 
     def committed_gdn_all(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every GDN layer's committed conv columns [G, D, W-1] and recurrent state [G, HV, K, V]
-        (views), read with one host read of ctl; no rows may be pending (after a prefill step)."""
-        conv_at, state_at, p = self.ctl[[CONV_AT, STATE_AT, PENDING]].tolist()
-        if p:
-            raise ValueError(f"slot {self.slot}: {p} rows are pending: the committed state needs a fold")
+        """Copies of every GDN layer's committed conv columns [G, D, W-1] and recurrent state
+        [G, HV, K, V], gathered at ctl's device values: no host read, so a prefix snapshot does not
+        wait for the device. No rows may be pending (a prefill step leaves none; `committed_gdn`
+        checks it per layer with host reads)."""
         W = self.cfg.linear_conv_kernel_dim
-        return self.t("window")[:, :, conv_at : conv_at + W - 1], self.t("states")[:, state_at]
+        conv_at, state_at = self.ctl[CONV_AT : CONV_AT + 1].long(), self.ctl[STATE_AT : STATE_AT + 1].long()
+        cols = conv_at + torch.arange(W - 1, device=conv_at.device)
+        return self.t("window").index_select(2, cols), self.t("states").index_select(1, state_at)[:, 0]
 
     def load_gdn(self, conv: torch.Tensor, recurrent: torch.Tensor, num_tokens: int, draft_len: int) -> None:
         """An empty slot's GDN states set to every layer's conv columns [G, D, W-1] and recurrent

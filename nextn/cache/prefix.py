@@ -8,7 +8,7 @@ node holds, for its block's positions, the attention layers' K/V rows (their fp8
 the MTP head's draft K/V rows (row p, token p paired with hidden p-1, sits in draft position p-1:
 a block [s, e) keeps draft positions [s-1, e-1), the first block one row fewer); and, when a
 prefill step ended at the block's end, the state there (`Boundary`): every GDN layer's conv
-columns and recurrent state, read through SlotCache.committed_gdn_all, and the head-input hidden of
+columns and recurrent state, gathered by SlotCache.committed_gdn_all, and the head-input hidden of
 the last token (what pairs with the next token's MTP row). A request resumes from the deepest node
 with a boundary, always leaving one prompt token to prefill (its logits start the first round).
 
@@ -131,7 +131,7 @@ class PrefixCache:
             self._touch(node)
             return
         sources = self._sources(slot)
-        conv, recurrent = slot.committed_gdn_all()  # views: [G, D, W-1], [G, HV, K, V]
+        conv, recurrent = slot.committed_gdn_all()  # copies: [G, D, W-1], [G, HV, K, V]
         need = _nbytes(conv) + _nbytes(recurrent) + _nbytes(hidden)
         need += sum(_rows_nbytes(sources, node.end + k * B, B) for k in range(len(keys)))
         if not self._make_room(need, node):
@@ -144,7 +144,7 @@ class PrefixCache:
             self.lru[child] = None
             self.nbytes += child.nbytes
             node = child
-        node.boundary = Boundary(conv.clone(), recurrent.clone(), hidden.clone())
+        node.boundary = Boundary(conv, recurrent, hidden.clone())
         self.nbytes += sum(_nbytes(t) for t in node.boundary)
         self._touch(node)
 

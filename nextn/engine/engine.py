@@ -298,16 +298,23 @@ class Engine:
         is in start their rounds. Returns their events."""
         rows = sum(live.rounds.k + 1 for live in self.live.values())
         budget = max(self.config.max_num_batched_tokens - rows, STEP_ROWS)
-        self.prefilled_rows, events = 0, []
+        self.prefilled_rows, events, timed = 0, [], {}
+        t0 = time.perf_counter()
         while budget > 0:
             todo = self._plan(budget)
             if not todo:  # (no sync either: the rounds queued ahead keep running)
                 break
             computed, new = self._prefill_pass(todo)
+            timed.update((id(state), state) for _, state, _ in todo)
             events += new
             budget -= computed
             if self.runner.prefix is None or computed == 0:
                 break
+        if self.prefilled_rows:  # the step's prefill wall time: one host wait, after its last pass
+            _sync(self.runner.device)
+            seconds = time.perf_counter() - t0
+            for state in timed.values():
+                state.seconds += seconds
         return events
 
     def _plan(self, budget: int) -> list:
@@ -345,7 +352,6 @@ class Engine:
         computed = sum(len(p.token_ids) for p in pieces)
         self.prefilled_rows += computed
         self.prefilled_tokens += computed
-        t0 = time.perf_counter()
         try:
             self.runner.prefill(pieces)
         except Exception as e:  # the step's pieces fail together (their slots are taken back whole)
@@ -358,11 +364,7 @@ class Engine:
             if req.use_sessions and state.done == state.split and not state.checkpointed:
                 self.runner.checkpoint(req.seq)
                 state.checkpointed = True
-        if pieces:  # the prefill's wall time (a host wait, in steps that prefill only)
-            _sync(self.runner.device)
-        seconds = time.perf_counter() - t0
         for req, state, _ in todo:
-            state.seconds += seconds
             if state.done < len(req.prompt_ids):
                 continue
             del self.prefilling[req.request_id]
