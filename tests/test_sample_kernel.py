@@ -255,7 +255,8 @@ def test_greedy_accept_kernel_is_its_reference_bitwise(heads):
     members, num_drafts = [None] * len(offsets), [0] * len(offsets)  # the batch's (0 and 3: sampled members)
     for b, member, count in zip(index, group, counts, strict=True):
         members[b], num_drafts[b] = member, count
-    device_round._accept_greedy(runner, device_round._Verified(batch, befores, logits, ix(num_drafts), heads), members, index)
+    verified = device_round._Verified(batch, befores, logits, ix(num_drafts), heads)
+    device_round._accept_greedy(runner, verified, members, index)
     table = commit_table(cache.cols, True, True, logits.device)
     group = GreedyGroup(ix([offsets[b] for b in index]), ix(slots), ix(ks), ix(counts), ix(index))
     accept_greedy(logits.argmax(-1), group, befores, fast, table, heads)

@@ -31,7 +31,7 @@ import torch
 from nextn.cache import commit_ctl
 from nextn.cache.hybrid import DRAFT_LEN, SEQ_LEN
 from nextn.core import SpecStats
-from nextn.engine.device_round import OUT_DRAFTED, OUT_ACCEPTED, OUT_TOKENS, Buffers, Member, device_round, first_token
+from nextn.engine.device_round import OUT_ACCEPTED, OUT_DRAFTED, OUT_TOKENS, Buffers, Member, device_round, first_token
 from nextn.engine.runner import PhaseClock
 from nextn.engine.scheduler import RoundSettings
 from nextn.engine.sequence import Sequence
@@ -292,7 +292,8 @@ class RequestRounds:
             event.synchronize()
         out = host.tolist()
         R = self.buf.verify_ids.shape[0]
-        n, tokens, before = out[OUT_ACCEPTED], out[OUT_TOKENS : OUT_TOKENS + out[OUT_ACCEPTED] + 1], out[OUT_TOKENS + R :]
+        n = out[OUT_ACCEPTED]
+        tokens, before = out[OUT_TOKENS : OUT_TOKENS + n + 1], out[OUT_TOKENS + R :]
         self.reads = (self.reads + [_Read(index, n, tokens, before)])[-2:]
         room = 1  # the first token commits nothing
         self._record(None)

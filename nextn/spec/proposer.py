@@ -117,7 +117,8 @@ class MTPProposer:
         ids, q = m.buf.verify_ids, m.buf.draft_q[j : j + 1]
         u = None if u is None else u[j : j + 1]
         confidence = m.sampler.draft(logits, ids[1 : 1 + j], u, ids[1 + j : 2 + j], q, self.draft)
-        if m.lane is not None:  # drafted into a copy (nextn.engine.device_round.Lane): the next head step reads the slot's
+        # drafted into a copy (nextn.engine.device_round.Lane): the next head step reads the slot's row
+        if m.lane is not None:
             m.lane.store("verify_ids", ids)
         return confidence
 
