@@ -46,17 +46,18 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, source: str | Path | GGUFReader) -> Tokenizer:
         """The tokenizer, chat template and eos token of a GGUF file (`tokenizer.ggml.*`,
-        `tokenizer.chat_template`): a path, or a gguf.GGUFReader already open (parsing a 248k-token
-        vocabulary's metadata takes seconds: a model loader passes its own). `config` is empty (a GGUF has
-        no tokenizer_config.json)."""
+        `tokenizer.chat_template`): a path (opened through nextn.models.gguf.open_gguf, whose reader the
+        model loader shares: parsing a 248k-token vocabulary's metadata takes ~17 s), or a reader.
+        `config` is empty (a GGUF has no tokenizer_config.json)."""
         from gguf import GGUFReader, Keys
 
         from nextn.gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
+        from nextn.models.gguf import GGUFError, open_gguf
 
-        try:
-            reader = source if isinstance(source, GGUFReader) else GGUFReader(source)
-        except (ValueError, OSError) as e:  # the reader raises ValueError for a file that is not GGUF
-            raise TokenizerError(f"{source}: not a GGUF file gguf reads ({e})") from None
+        try:  # a path: the reader the model loader opens too (open_gguf keeps the last two), parsed once
+            reader = source if isinstance(source, GGUFReader) else open_gguf(source)
+        except GGUFError as e:
+            raise TokenizerError(str(e)) from None
         self = cls.__new__(cls)
         self._tok, self.config = tokenizer_from_gguf(reader), {}
         self.chat_template = chat_template_from_gguf(reader)

@@ -202,6 +202,23 @@ def test_a_file_without_nextn_decodes_plainly_and_says_so_once(dense_ckpt, tmp_p
     assert _generate(llm, PROMPT).token_ids == _generate(ref, PROMPT).token_ids
 
 
+def test_the_tokenizer_and_the_weights_share_one_parse(dense_ckpt, tmp_path, monkeypatch):
+    """LLM(FILE.gguf) parses the file's metadata once (a 248k-token vocabulary takes gguf ~17 s): the
+    tokenizer, the config and the loader read one reader (nextn.models.gguf.open_gguf)."""
+    path = write(dense_ckpt, tmp_path / "once.gguf")
+    opened = []
+
+    class Counted(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            opened.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counted)
+    llm = nextn.LLM(model=str(path), num_speculative_tokens=0)
+    assert len(opened) == 1, opened
+    assert _generate(llm, PROMPT, max_tokens=4).token_ids  # (and it runs)
+
+
 def _copy_with(src: Path, out: Path, name: str, data: np.ndarray, qtype) -> Path:
     """GGUF file src with tensor `name` replaced by `data` stored as `qtype`."""
     reader = gguf.GGUFReader(str(src))
