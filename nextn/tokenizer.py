@@ -46,17 +46,16 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, source: str | Path | GGUFReader) -> Tokenizer:
         """The tokenizer, chat template and eos token of a GGUF file (`tokenizer.ggml.*`,
-        `tokenizer.chat_template`): a path (opened through nextn.models.gguf.open_gguf, whose reader the
-        model loader shares: parsing a 248k-token vocabulary's metadata takes ~17 s), or a reader.
-        `config` is empty (a GGUF has no tokenizer_config.json)."""
+        `tokenizer.chat_template`): a path (its reader shared with the model loader: nextn.gguf_file), or
+        a reader. `config` is empty (a GGUF has no tokenizer_config.json)."""
         from gguf import GGUFReader, Keys
 
+        from nextn.gguf_file import GGUFFileError, gguf_reader
         from nextn.gguf_tokenizer import chat_template_from_gguf, tokenizer_from_gguf
-        from nextn.models.gguf import GGUFError, open_gguf
 
-        try:  # a path: the reader the model loader opens too (open_gguf keeps the last two), parsed once
-            reader = source if isinstance(source, GGUFReader) else open_gguf(source)
-        except GGUFError as e:
+        try:  # a path: the reader the config and the model loader read too, parsed once (nextn.gguf_file)
+            reader = source if isinstance(source, GGUFReader) else gguf_reader(source)
+        except GGUFFileError as e:
             raise TokenizerError(str(e)) from None
         self = cls.__new__(cls)
         self._tok, self.config = tokenizer_from_gguf(reader), {}

@@ -204,7 +204,7 @@ def test_a_file_without_nextn_decodes_plainly_and_says_so_once(dense_ckpt, tmp_p
 
 def test_the_tokenizer_and_the_weights_share_one_parse(dense_ckpt, tmp_path, monkeypatch):
     """LLM(FILE.gguf) parses the file's metadata once (a 248k-token vocabulary takes gguf ~17 s): the
-    tokenizer, the config and the loader read one reader (nextn.models.gguf.open_gguf)."""
+    tokenizer, the config and the loader read one reader (nextn.gguf_file)."""
     path = write(dense_ckpt, tmp_path / "once.gguf")
     opened = []
 

@@ -19,7 +19,6 @@ assembles the model as it does a safetensors checkpoint's.
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 from collections.abc import Callable
@@ -30,6 +29,7 @@ import torch
 
 from nextn.config import FULL, LINEAR
 from nextn.config.model import ConfigError, ModelConfig
+from nextn.gguf_file import GGUFFileError, gguf_reader
 from nextn.models.checkpoint import CheckpointError, regroup_next
 
 log = logging.getLogger(__name__)
@@ -50,24 +50,12 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def open_gguf(path: str | Path):
-    """gguf's reader over the file (memory-mapped: no tensor is read yet). The last files opened are
-    kept (a 248k-token vocabulary takes gguf seconds to parse, and the config, the loader and the
-    tokenizer each ask): a file changed since is opened again."""
+    """gguf's reader over the file, parsed once a process (nextn.gguf_file: the tokenizer reads the
+    same one); a file gguf cannot read is a GGUFError."""
     try:
-        stat = Path(path).stat()
-    except OSError as e:
-        raise GGUFError(f"{path}: not a readable GGUF file ({e})") from None
-    return _reader(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=2)
-def _reader(path: str, mtime_ns: int, size: int):
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(path)
-    except (ValueError, OSError, IndexError) as e:
-        raise GGUFError(f"{path}: not a readable GGUF file ({e})") from None
+        return gguf_reader(path)
+    except GGUFFileError as e:
+        raise GGUFError(str(e)) from None
 
 
 def _value(reader, key: str, default=_REQUIRED):
