@@ -1,0 +1,43 @@
+#!/bin/bash
+# The working tree a device call carries is at most 64 MiB, and the tracked files are 43.7 MiB, 35.6 of
+# them the bundled model's safetensors. A call that does not need the bundled model (bench/gguf_vs_llama.sh
+# draws random weights) can leave them behind and carry llama.cpp (.llama/llama-bench.tgz, 42.3 MiB):
+#   bash bench/device_tree.sh slim     # untrack the safetensors (index only; the files stay) and ignore them
+#   ... the device call (carry .llama/llama-bench.tgz .llama/tok .llama/whl) ...
+#   bash bench/device_tree.sh full     # track them again, as committed
+#   bash bench/device_tree.sh prepare  # .llama/tok (Qwen3.5's tokenizer, tar.xz) and .llama/whl (gguf, pyyaml, tqdm)
+# `slim` refuses while other changes are staged, and `full` is safe to run twice; never commit in between.
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+MODEL=nextn/default_model
+EXCLUDE=.git/info/exclude
+PATTERN="/$MODEL/*.safetensors"
+case "${1:-}" in
+  slim)
+    if ! git diff --cached --quiet; then
+      echo "device_tree: changes are staged; commit or unstage them first" >&2
+      exit 1
+    fi
+    grep -qxF "$PATTERN" "$EXCLUDE" || echo "$PATTERN" >> "$EXCLUDE"
+    git rm -q --cached $MODEL/*.safetensors
+    echo "device_tree: the bundled model's safetensors left out of the tree; run 'bash bench/device_tree.sh full' after the call"
+    ;;
+  full)
+    git reset -q -- $MODEL
+    sed -i "\\|^$PATTERN\$|d" "$EXCLUDE"
+    git diff --quiet -- $MODEL || { echo "device_tree: $MODEL differs from the commit" >&2; exit 1; }
+    echo "device_tree: the bundled model is tracked again ($(git ls-files $MODEL | wc -l) files)"
+    ;;
+  prepare)
+    [ -f .tok/qwen3.5/tokenizer.json ] || { echo "device_tree: no .tok/qwen3.5 (python bench/qwen_tokenizer.py --out .tok/qwen3.5)" >&2; exit 2; }
+    mkdir -p .llama/tok .llama/whl
+    tar cJf .llama/tok/tok.txz .tok/qwen3.5
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .llama/whl gguf pyyaml tqdm
+    du -sh .llama/tok .llama/whl
+    ;;
+  *)
+    echo "usage: bash bench/device_tree.sh slim|full|prepare" >&2
+    exit 2
+    ;;
+esac
