@@ -24,7 +24,8 @@ case "${1:-}" in
     ;;
   full)
     git reset -q -- $MODEL
-    sed -i "\\|^$PATTERN\$|d" "$EXCLUDE"
+    grep -vxF "$PATTERN" "$EXCLUDE" > "$EXCLUDE.new" || true
+    mv "$EXCLUDE.new" "$EXCLUDE"
     git diff --quiet -- $MODEL || { echo "device_tree: $MODEL differs from the commit" >&2; exit 1; }
     echo "device_tree: the bundled model is tracked again ($(git ls-files $MODEL | wc -l) files)"
     ;;
