@@ -219,6 +219,25 @@ def test_the_tokenizer_and_the_weights_share_one_parse(dense_ckpt, tmp_path, mon
     assert _generate(llm, PROMPT, max_tokens=4).token_ids  # (and it runs)
 
 
+def test_the_shared_reader_reads_what_gguf_reads(dense_ckpt, tmp_path):
+    """nextn.gguf_file's reader (gguf's, its data a plain view of the memory map: 3x faster to
+    parse) gives the same fields, parts, tensors and tensor bytes as gguf.GGUFReader."""
+    from nextn.gguf_file import gguf_reader
+
+    path = write(dense_ckpt, tmp_path / "same.gguf", T.Q8_0)
+    ours, theirs = gguf_reader(path), gguf.GGUFReader(path)
+    assert ours is gguf_reader(path)  # kept: parsed once
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert mine.types == field.types and mine.data == field.data, key
+        assert all(np.array_equal(a, b) for a, b in zip(mine.parts, field.parts, strict=True)), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.tensor_type, a.shape.tolist(), a.data_offset) == (b.tensor_type, b.shape.tolist(), b.data_offset)
+        assert np.array_equal(a.data, b.data), a.name
+
+
 def _copy_with(src: Path, out: Path, name: str, data: np.ndarray, qtype) -> Path:
     """GGUF file src with tensor `name` replaced by `data` stored as `qtype`."""
     reader = gguf.GGUFReader(str(src))
