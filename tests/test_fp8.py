@@ -26,8 +26,8 @@ from nextn.bench import offline as bench
 from nextn.cli import main
 from nextn.config import EngineConfig
 from nextn.config.model import ConfigError, QuantConfig
-from nextn.layers.ffn import FP8Experts
-from nextn.layers.linear import FP8Linear, Linear
+from nextn.layers.ffn import QuantExperts
+from nextn.layers.linear import Linear, QuantLinear
 from nextn.models.loader import CheckpointError, fuse_weights, load_model, quantize_model
 from nextn.ops.fp8 import QuantWeight, block_scale, channel_scale, compact_scales, dequantize, quantize_blocks
 from nextn.ops.norm import rms_norm as rms_norm_reference
@@ -72,9 +72,9 @@ def _fp8_weights(model) -> dict[str, torch.Tensor]:
     """Every FP8 weight of the model, dequantized to float32, by module weight name."""
     out = {}
     for name, m in model.named_modules():
-        if isinstance(m, FP8Linear):
+        if isinstance(m, QuantLinear):
             out[f"{name}.weight"] = dequantize(m.weight, m.weight_scale, torch.float32)
-        elif isinstance(m, FP8Experts):
+        elif isinstance(m, QuantExperts):
             for p in ("gate_up_proj", "down_proj"):
                 out[f"{name}.{p}"] = dequantize(getattr(m, p), getattr(m, f"{p}_scale"), torch.float32)
     return out
@@ -366,12 +366,12 @@ def test_fp8_checkpoints_load(src, layout, quantize_mtp, fp8_ckpt, dequantized):
         assert t.dtype == torch.float32 and torch.equal(t, ref_state[name]), name
     layer0 = model.model.layers[0]
     assert isinstance(
-        layer0.mlp.experts if src != "dense_fitted_ckpt" else layer0.mlp.gate_proj, FP8Linear | FP8Experts
+        layer0.mlp.experts if src != "dense_fitted_ckpt" else layer0.mlp.gate_proj, QuantLinear | QuantExperts
     )
     gdn = layer0.linear_attn
-    assert isinstance(gdn.in_proj_qkvz if src == "next_ckpt" else gdn.in_proj_qkv, FP8Linear)
+    assert isinstance(gdn.in_proj_qkvz if src == "next_ckpt" else gdn.in_proj_qkv, QuantLinear)
     assert type(gdn.in_proj_ba if src == "next_ckpt" else gdn.in_proj_a) is Linear
-    assert isinstance(model.mtp.fc, FP8Linear) == quantize_mtp and type(model.lm_head_weight) is torch.nn.Parameter
+    assert isinstance(model.mtp.fc, QuantLinear) == quantize_mtp and type(model.lm_head_weight) is torch.nn.Parameter
     assert model.lm_head_weight.dtype == torch.float32
 
 
@@ -640,7 +640,7 @@ def test_bench_random_preset_quantized_at_load(monkeypatch, tmp_path):
         bench.random_model("tiny", "cpu", "float32"),
         bench.random_model("tiny", "cpu", "float32", quantization="fp8"),
     )
-    assert isinstance(fp8.model.layers[0].linear_attn.in_proj_qkv, FP8Linear)
+    assert isinstance(fp8.model.layers[0].linear_attn.in_proj_qkv, QuantLinear)
     assert bench.weight_bytes_per_token(fp8) < 0.5 * bench.weight_bytes_per_token(plain)
     res = bench_tiny(tmp_path, "fp8")
     assert res["quantization"] == "fp8" and res["quantization_config"]["weight_block_size"] == [128, 128]

@@ -17,8 +17,8 @@ import triton_interp  # noqa: F401  (before triton)
 from hf_fixtures import tiny_preset
 
 from nextn.bench.roofline import distinct_experts, routing, verify_steps
-from nextn.layers.ffn import FP8Experts, SparseMoeBlock
-from nextn.layers.linear import FP8Linear
+from nextn.layers.ffn import QuantExperts, SparseMoeBlock
+from nextn.layers.linear import QuantLinear
 from nextn.models import random_weights
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.fp8 import QuantWeight, dequantize, quantize
@@ -72,7 +72,7 @@ def test_released_presets_have_the_published_sizes():
 def test_presets_draw_at_small_scale_straight_into_fp8(preset, monkeypatch, caplog):
     """FP8 weights drawn a chunk of experts at a time (a chunk here: 3 experts' float32), quantized
     as the loader quantizes (every 128x128 block's scale its amax / 448), the fit line logged first;
-    the trunk's experts FP8Experts, the MTP head's in the model dtype (as fp8_at_load leaves them)."""
+    the trunk's experts QuantExperts, the MTP head's in the model dtype (as quantized_at_load leaves them)."""
     monkeypatch.setitem(random_weights.PRESETS, "small", _small(preset))
     cfg = random_weights.preset_config("small")
     monkeypatch.setattr(random_weights, "FP8_DRAW_BYTES", 3 * 4 * 2 * cfg.moe_intermediate_size * cfg.hidden_size)
@@ -87,9 +87,9 @@ def test_presets_draw_at_small_scale_straight_into_fp8(preset, monkeypatch, capl
     assert "the small preset in float32 with FP8 weights: weights" in line and "sequences fit" in line
     assert "a sequence of 8192 tokens at K=3" in line
     experts = model.model.layers[0].mlp.experts
-    assert isinstance(experts, FP8Experts) and experts.gate_up_proj.shape[0] == cfg.num_experts
-    assert isinstance(model.model.layers[0].mlp.shared_expert.down_proj, FP8Linear)
-    assert not isinstance(model.mtp.layers[0].mlp.experts, FP8Experts)
+    assert isinstance(experts, QuantExperts) and experts.gate_up_proj.shape[0] == cfg.num_experts
+    assert isinstance(model.model.layers[0].mlp.shared_expert.down_proj, QuantLinear)
+    assert not isinstance(model.mtp.layers[0].mlp.experts, QuantExperts)
     chunks = {}
     for name, shape in drawn:
         if ".experts." in name:

@@ -24,7 +24,7 @@ import nextn
 from nextn.config.model import ModelConfig
 from nextn.hub import ModelNotFoundError, resolve_model
 from nextn.layers.attention import KV
-from nextn.layers.linear import FP8Linear
+from nextn.layers.linear import QuantLinear
 from nextn.models import gguf as gguf_reader
 from nextn.models.gguf import GGUFError, gguf_config
 from nextn.models.loader import load_model
@@ -143,7 +143,7 @@ def test_a_file_gives_the_logits_of_the_weights_it_stores(kind, qtype, with_mtp,
     model = load_model(path, "cpu", "float32")
     assert (model.mtp is None) == (ref.mtp is None) == (not with_mtp)
     if qtype == "q8_0":  # the decoder layers' projections stay Q8_0 (int8 values, fp16 scales: nextn.ops.q8_0)
-        kept = [m for m in model.modules() if isinstance(m, FP8Linear)]
+        kept = [m for m in model.modules() if isinstance(m, QuantLinear)]
         assert kept and all(m.weight.dtype == torch.int8 for m in kept)
         assert model.cfg.quantization.method == "q8_0"
     for a, b in zip(_logits(model, PROMPT), _logits(ref, PROMPT), strict=True):

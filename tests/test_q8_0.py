@@ -28,8 +28,8 @@ from test_kv_fp8 import _spec_equals_plain
 import nextn
 from nextn.config import check_quantization
 from nextn.config.model import QuantConfig
-from nextn.layers.ffn import FP8Experts
-from nextn.layers.linear import FP8Linear
+from nextn.layers.ffn import QuantExperts
+from nextn.layers.linear import QuantLinear
 from nextn.models.loader import fuse_weights, load_model, quantize_model
 from nextn.ops.fp8 import Q8_0, QuantWeight
 from nextn.ops.q8_0 import dequantize, q8_0_from_blocks, q8_0_quantize, q8_0_to_blocks
@@ -202,12 +202,12 @@ def test_quantization_q8_0_at_load(src, request):
     plain = load_model(ckpt)
     at_load = load_model(ckpt, quantization="q8_0")
     assert at_load.cfg.quantization == QuantConfig("q8_0", (1, 32), at_load=True)
-    quantized = {n: m for n, m in at_load.named_modules() if isinstance(m, FP8Linear | FP8Experts)}
+    quantized = {n: m for n, m in at_load.named_modules() if isinstance(m, QuantLinear | QuantExperts)}
     assert quantized and all(p.dtype in (torch.int8, torch.float16) for m in quantized.values() for p in m.parameters())
-    assert any(isinstance(m, FP8Experts) for m in quantized.values()) == (src != "dense_ckpt")
+    assert any(isinstance(m, QuantExperts) for m in quantized.values()) == (src != "dense_ckpt")
     whole = dict(plain.named_parameters())
     for name, m in quantized.items():
-        for attr in ("weight",) if isinstance(m, FP8Linear) else ("gate_up_proj", "down_proj"):
+        for attr in ("weight",) if isinstance(m, QuantLinear) else ("gate_up_proj", "down_proj"):
             w = whole[f"{name}.{attr}"]
             raw = gguf_quantize(w.detach().float().numpy(), GGMLQuantizationType.Q8_0)
             assert np.array_equal(q8_0_to_blocks(QuantWeight(getattr(m, attr), getattr(m, f"{attr}_scale"))), raw)
@@ -217,7 +217,7 @@ def test_quantization_q8_0_at_load(src, request):
     for name, t in state.items():
         assert t.dtype == in_memory[name].dtype and torch.equal(t, in_memory[name]), name
     for m in quantized.values():  # the dequantized model
-        for attr in ("weight",) if isinstance(m, FP8Linear) else ("gate_up_proj", "down_proj"):
+        for attr in ("weight",) if isinstance(m, QuantLinear) else ("gate_up_proj", "down_proj"):
             w = dequantize(getattr(m, attr), getattr(m, f"{attr}_scale"), torch.float32)
             plain.get_submodule(next(n for n, x in at_load.named_modules() if x is m)).get_parameter(attr).data = w
     ids = torch.tensor([list(FIT_PROMPTS[0])])
@@ -368,7 +368,7 @@ def test_greedy_spec_equals_plain_under_q8_0(src, prompt, q8_fitted):
     fitted heads get drafts accepted."""
     engine = _engine(q8_fitted(src))
     mlp = engine.model.model.layers[0].mlp
-    assert isinstance(mlp.down_proj if src == "dense_ckpt" else mlp.experts, FP8Linear | FP8Experts)
+    assert isinstance(mlp.down_proj if src == "dense_ckpt" else mlp.experts, QuantLinear | QuantExperts)
     assert _spec_equals_plain(engine, list(FIT_PROMPTS[prompt]), 14, ks=range(1, 9)) > 0
 
 
@@ -420,7 +420,7 @@ def test_bench_random_preset_quantized_to_q8_0(monkeypatch, tmp_path):
     plain = bench.random_model("tiny", "cpu", "float32")
     q8 = bench.random_model("tiny", "cpu", "float32", quantization="q8_0")
     assert q8.model.layers[0].linear_attn.in_proj_qkv.weight.dtype == torch.int8
-    quantized = [m.weight for n, m in q8.named_modules() if isinstance(m, FP8Linear) and n.startswith("model.")]
+    quantized = [m.weight for n, m in q8.named_modules() if isinstance(m, QuantLinear) and n.startswith("model.")]
     saved = sum(w.numel() * (4 - 34 / 32) for w in quantized)  # float32 bytes against Q8_0's
     assert quantized and bench.weight_bytes_per_token(q8) == bench.weight_bytes_per_token(plain) - saved
     res = bench_tiny(tmp_path, "q8_0")

@@ -41,7 +41,7 @@ class Experts(nn.Module):
         return ops.routed_experts(x, top_idx, top_w, self.gate_up_proj, self.down_proj)
 
 
-class FP8Experts(nn.Module):
+class QuantExperts(nn.Module):
     """Experts whose fused weights are e4m3, each with `*_scale` [E, ceil(in / 128), out] in nextn's
     layout (nextn.ops.fp8), or in another format (fmt: Q8_0's int8 with float16 scales [E, in / 32,
     out]). The forward hands them to the Ops table's `routed_experts` as QuantWeight pairs: the

@@ -17,7 +17,7 @@ class Linear(nn.Linear):
         return row_invariant_linear(x, self.weight, self.bias)
 
 
-class FP8Linear(nn.Module):
+class QuantLinear(nn.Module):
     """A Linear whose `weight` is e4m3 [out, in] with `weight_scale` [ceil(in / 128), out] float32 in
     nextn's layout (nextn.ops.fp8), or in another format (fmt: Q8_0's int8 with float16 scales [in /
     32, out]); the bias, if any, stays in the model's dtype. The forward (the reference path)

@@ -21,7 +21,7 @@ they are packed.
 
 FP8 weights (nextn.ops.fp8): a checkpoint with a `quantization_config` (nextn.config.model.QuantConfig)
 stores some weights as e4m3 beside a scale tensor (`*.weight_scale_inv` per block, or
-`*.weight_scale` per channel); those modules become FP8Linear / FP8Experts and their scales are
+`*.weight_scale` per channel); those modules become QuantLinear / QuantExperts and their scales are
 converted to nextn's layout as they stream in; the modules a checkpoint keeps in bf16 stay so. With
 `quantization="fp8"` a bf16 checkpoint's decoder-layer projections are quantized as they stream in
 (128x128 blocks), except the few a published FP8 checkpoint keeps (`KEEP_BF16`); lm_head, the
@@ -31,7 +31,7 @@ same modules in that format (nextn.ops.fp8.Format, `weight_format`).
 
 GGUF files (llama.cpp's, `load_gguf`): nextn.models.gguf gives the hyperparameters, the tensors each
 module tensor is made of and their values with the converter's changes undone; the Q8_0 weights of
-the projections FP8 would quantize stay Q8_0 (FP8Linear / FP8Experts holding nextn.ops.q8_0's
+the projections FP8 would quantize stay Q8_0 (QuantLinear / QuantExperts holding nextn.ops.q8_0's
 layout), the rest load in the model's dtype. `model_config` is either kind's ModelConfig.
 
 Does not parse the files' headers or map checkpoint keys to module names: nextn.models.checkpoint
@@ -52,8 +52,8 @@ from tqdm import tqdm
 
 from nextn.config import check_quantization, resolve_device, resolve_dtype
 from nextn.config.model import ModelConfig, QuantConfig
-from nextn.layers.ffn import MLP, Experts, FP8Experts
-from nextn.layers.linear import FP8Linear, Linear
+from nextn.layers.ffn import MLP, Experts, QuantExperts
+from nextn.layers.linear import Linear, QuantLinear
 from nextn.models import gguf
 from nextn.models.checkpoint import (
     CheckpointError,
@@ -105,7 +105,7 @@ def weight_format(quant: QuantConfig | None) -> Format:
     return FORMATS[quant.method] if quant is not None and quant.method in FORMATS else FP8
 
 
-def fp8_at_load(model: CausalLM, fmt: Format = FP8) -> frozenset[str]:
+def quantized_at_load(model: CausalLM, fmt: Format = FP8) -> frozenset[str]:
     """The module weights quantization="fp8" quantizes: the decoder layers' Linear weights and
     experts, but KEEP_BF16 (lm_head, the embeddings, norms, routers and mtp.* are not among them).
     Q8_0 (fmt) quantizes those whose rows are whole blocks of 32 (as llama.cpp keeps the others in
@@ -132,9 +132,9 @@ def _whole_blocks(fmt: Format, *weights: torch.Tensor) -> bool:
 
 
 def quantize_at_load(plan: CheckpointPlan, model: CausalLM, fmt: Format = FP8) -> CheckpointPlan:
-    """The plan of a bf16 checkpoint loaded with quantization="fp8" (or "q8_0", fmt): fp8_at_load's
+    """The plan of a bf16 checkpoint loaded with quantization="fp8" (or "q8_0", fmt): quantized_at_load's
     weights quantized as they stream in, their scales beside them."""
-    fp8 = fp8_at_load(model, fmt) & plan.shapes.keys()
+    fp8 = quantized_at_load(model, fmt) & plan.shapes.keys()
     shapes = dict(plan.shapes)
     for name in fp8:
         *lead, n, k = shapes[name]
@@ -146,18 +146,18 @@ def quantize_at_load(plan: CheckpointPlan, model: CausalLM, fmt: Format = FP8) -
     return CheckpointPlan(shapes, keys, fp8, plan.tp)
 
 
-def use_fp8_modules(model: CausalLM, fp8: frozenset[str], fmt: Format = FP8) -> None:
-    """Swap the modules whose weights are quantized (FP8, or fmt) for FP8Linear / FP8Experts (on the
+def use_quant_modules(model: CausalLM, fp8: frozenset[str], fmt: Format = FP8) -> None:
+    """Swap the modules whose weights are quantized (FP8, or fmt) for QuantLinear / QuantExperts (on the
     meta device; a bias is kept). lm_head, embeddings, norms and routers stay in the model's dtype."""
     for prefix in sorted({name.rpartition(".")[0] for name in fp8}):
         module = model.get_submodule(prefix)
         with torch.device("meta"):
             if isinstance(module, Linear) and prefix != "lm_head":
-                new = FP8Linear(module.in_features, module.out_features, fmt=fmt)
+                new = QuantLinear(module.in_features, module.out_features, fmt=fmt)
                 new.bias = module.bias
             elif isinstance(module, Experts) and {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"} <= fp8:
                 num, rows, hidden = module.gate_up_proj.shape
-                new = FP8Experts(num, hidden, rows // 2, fmt=fmt)
+                new = QuantExperts(num, hidden, rows // 2, fmt=fmt)
             else:
                 raise CheckpointError(f"the checkpoint quantizes {prefix}, which nextn keeps in the model's dtype")
         parent, _, child = prefix.rpartition(".")
@@ -183,9 +183,9 @@ def quantize_model(model: CausalLM, quantization: str = "fp8") -> CausalLM:
     that quantization gives. Before fuse_weights."""
     quant = at_load_config(quantization)
     fmt = weight_format(quant)
-    fp8 = fp8_at_load(model, fmt)
+    fp8 = quantized_at_load(model, fmt)
     weights = {name: model.get_parameter(name) for name in fp8}
-    use_fp8_modules(model, fp8, fmt)
+    use_quant_modules(model, fp8, fmt)
     for name in sorted(fp8):
         w = weights.pop(name)  # the last reference: each bf16 weight is freed once quantized
         q = quantize_weight(name, w, fmt)
@@ -209,7 +209,7 @@ def fuse_weights(model: CausalLM) -> CausalLM:
                 for run in _runs([getattr(module, n) for n in names]):
                     fused = torch.cat([m.weight.detach() for m in run]).contiguous()
                     scales = None
-                    if isinstance(run[0], FP8Linear):
+                    if isinstance(run[0], QuantLinear):
                         scales = torch.cat([m.weight_scale.detach() for m in run], dim=1).contiguous()
                     start = 0
                     for m in run:
@@ -222,7 +222,7 @@ def fuse_weights(model: CausalLM) -> CausalLM:
 
 
 def _runs(linears: list) -> list[list]:
-    """Consecutive linears of one kind (Linear, or FP8Linear of one format: their weights' dtype)."""
+    """Consecutive linears of one kind (Linear, or QuantLinear of one format: their weights' dtype)."""
     runs: list[list] = []
     for m in linears:
         if runs and m.weight.dtype == runs[-1][0].weight.dtype:
@@ -235,11 +235,11 @@ def _runs(linears: list) -> list[list]:
 def fused_runs(*linears) -> list[torch.Tensor | QuantWeight]:
     """The tensors whose consecutive row blocks the linears' weights are (`fuse_weights` made them),
     one per run of one kind: a tensor for Linear modules, an QuantWeight (FP8 or Q8_0; scales as
-    column blocks) for FP8Linear ones."""
+    column blocks) for QuantLinear ones."""
     out: list[torch.Tensor | QuantWeight] = []
     for run in _runs(list(linears)):
         weight = _joined([m.weight for m in run], dim=0)
-        fp8 = isinstance(run[0], FP8Linear)
+        fp8 = isinstance(run[0], QuantLinear)
         out.append(QuantWeight(weight, _joined([m.weight_scale for m in run], dim=1)) if fp8 else weight)
     return out
 
@@ -308,7 +308,7 @@ def load_model(
         model = CausalLM(shard_cfg, num_mtp_layers=num_mtp)
     if cfg.quantization is not None and cfg.quantization.at_load:
         plan = quantize_at_load(plan, model, fmt)
-    use_fp8_modules(model, plan.fp8, fmt)
+    use_quant_modules(model, plan.fp8, fmt)
     check_tensors(model, plan.shapes)
     t0 = time.perf_counter()
     state = stream_tensors(plan, cfg, torch.device(device), DTYPES[dtype])
@@ -392,8 +392,8 @@ def model_config(path: str | Path) -> ModelConfig:
 
 def load_gguf(path: Path, device: str, dtype: str, quantization: str | None = None, tp: tuple[int, int] = (0, 1)):
     """A GGUF file's model on `device` in `dtype` (nextn.models.gguf reads and maps its tensors): the
-    Q8_0 weights of the projections nextn's quantized kernels read (fp8_at_load's) stay Q8_0
-    (FP8Linear / FP8Experts holding nextn.ops.q8_0's layout), every other tensor in `dtype`.
+    Q8_0 weights of the projections nextn's quantized kernels read (quantized_at_load's) stay Q8_0
+    (QuantLinear / QuantExperts holding nextn.ops.q8_0's layout), every other tensor in `dtype`.
     quantization "fp8" or "q8_0": a file of F32 / F16 / BF16 weights quantized at load (quantize_model)."""
     from nextn.ops.q8_0 import q8_0_from_blocks
 
@@ -407,11 +407,13 @@ def load_gguf(path: Path, device: str, dtype: str, quantization: str | None = No
         model = CausalLM(cfg, num_mtp_layers=cfg.mtp_num_hidden_layers)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     plan = gguf.plan_tensors(reader, cfg, expected)
-    q8 = _whole_modules(model, {key for key in fp8_at_load(model, Q8_0) if gguf.is_q8_0(reader, key, plan[key], cfg)})
+    q8 = _whole_modules(
+        model, {key for key in quantized_at_load(model, Q8_0) if gguf.is_q8_0(reader, key, plan[key], cfg)}
+    )
     if q8 and quantization is not None:
         raise CheckpointError(f"{path} holds Q8_0 weights: load it without quantization={quantization!r}")
     gguf.log_types(reader, sum(len(plan[key]) for key in q8))
-    use_fp8_modules(model, q8, Q8_0)
+    use_quant_modules(model, q8, Q8_0)
     t0 = time.perf_counter()
     for key, names in tqdm(plan.items(), desc="loading", unit="tensor", disable=not log.isEnabledFor(logging.INFO)):
         t = gguf.module_tensor(reader, key, names, cfg, blocks=key in q8)
@@ -434,7 +436,7 @@ def load_gguf(path: Path, device: str, dtype: str, quantization: str | None = No
 
 def _whole_modules(model: CausalLM, q8: set[str]) -> frozenset[str]:
     """q8 without the weights of an MLP or an expert stack some of whose weights are not in it: the
-    MoE kernels read a shared expert, and an expert stack, in one format (fp8_at_load's rule)."""
+    MoE kernels read a shared expert, and an expert stack, in one format (quantized_at_load's rule)."""
     out = set(q8)
     for name, m in model.named_modules():
         members = ()

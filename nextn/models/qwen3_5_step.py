@@ -47,8 +47,8 @@ import torch
 
 from nextn.cache.hybrid import KV, PENDING, SEQ_LEN, STATE_AT, HybridCache, SlotCache, StepBatch
 from nextn.config import ATTENTION_ROWS, FULL
-from nextn.layers.ffn import FP8Experts
-from nextn.layers.linear import FP8Linear
+from nextn.layers.ffn import QuantExperts
+from nextn.layers.linear import QuantLinear
 from nextn.models.loader import fused_runs, fused_weight
 from nextn.models.qwen3_5 import CausalLM
 from nextn.ops.fp8 import QuantWeight, compact_scales
@@ -109,7 +109,7 @@ class AttnWeights:
 
 def _weight(linear) -> Weight:
     """A linear's weight as the skinny GEMM reads it."""
-    return _compact(linear.fp8) if isinstance(linear, FP8Linear) else linear.weight
+    return _compact(linear.fp8) if isinstance(linear, QuantLinear) else linear.weight
 
 
 def _compact(w: Weight) -> Weight:
@@ -122,12 +122,12 @@ def _mlp_weights(layer) -> MLPWeights | MoEWeights:
     if hasattr(mlp, "experts"):
         ex, se = mlp.experts, mlp.shared_expert
         experts = (ex.gate_up_proj, ex.down_proj)
-        if isinstance(ex, FP8Experts):  # (per-row scales: the MoE kernels read them as they are)
+        if isinstance(ex, QuantExperts):  # (per-row scales: the MoE kernels read them as they are)
             experts = (
                 QuantWeight(ex.gate_up_proj, ex.gate_up_proj_scale),
                 QuantWeight(ex.down_proj, ex.down_proj_scale),
             )
-        shared = [p.fp8 if isinstance(p, FP8Linear) else p.weight for p in (se.gate_proj, se.up_proj, se.down_proj)]
+        shared = [p.fp8 if isinstance(p, QuantLinear) else p.weight for p in (se.gate_proj, se.up_proj, se.down_proj)]
         return MoEWeights(
             layer.post_attention_layernorm.weight,
             torch.cat([mlp.gate.weight, mlp.shared_expert_gate.weight]).detach(),

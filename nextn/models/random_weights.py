@@ -20,10 +20,10 @@ from nextn.engine.memory import bytes_per_sequence, sequences_that_fit
 from nextn.models.loader import (
     DTYPES,
     at_load_config,
-    fp8_at_load,
     fuse_weights,
     quantize_weight,
-    use_fp8_modules,
+    quantized_at_load,
+    use_quant_modules,
     weight_format,
 )
 from nextn.models.qwen3_5 import CausalLM
@@ -201,7 +201,7 @@ def random_model(
     """A preset's model with random weights drawn on `device` (seconds, even for 35B), scaled so
     activations stay O(1): projections ~ N(0, 1/fan_in), residual outputs shrunk by the depth.
     quantization "fp8" (or "q8_0"): the weights a checkpoint loaded with it quantizes (nextn.models.loader.
-    fp8_at_load) are drawn straight into 128x128-block e4m3 (Q8_0) a few experts at a time (float32 chunks of
+    quantized_at_load) are drawn straight into 128x128-block e4m3 (Q8_0) a few experts at a time (float32 chunks of
     at most FP8_DRAW_BYTES), never as a whole copy in the model's dtype: the 122B's FP8 weights fit an
     H200, its bf16 ones do not. tp (rank, size): this rank's shard of the same weights (each whole
     tensor drawn, then cut; not with FP8, which tensor parallelism does not shard). Before any weight
@@ -222,8 +222,8 @@ def random_model(
             model = CausalLM(cfg.shard(*tp), num_mtp_layers=1)
     finally:
         torch.set_default_dtype(default)
-    fp8 = fp8_at_load(model, weight_format(cfg.quantization)) if quantization is not None else frozenset()
-    use_fp8_modules(model, fp8, weight_format(cfg.quantization))
+    fp8 = quantized_at_load(model, weight_format(cfg.quantization)) if quantization is not None else frozenset()
+    use_quant_modules(model, fp8, weight_format(cfg.quantization))
     plan = plan_fit(model, preset, device, dtype, cache or CacheQuery())
     _check_fits(plan)
     log.info(plan.line())
