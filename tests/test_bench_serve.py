@@ -24,13 +24,8 @@ from live_server import serving  # noqa: E402
 
 from nextn import LLM  # noqa: E402
 from nextn.bench import serve as bench_serve  # noqa: E402
-from nextn.bench.serve import (  # noqa: E402
-    arrival_times,
-    mean_acceptance_length,
-    parse_metrics,
-    sample_prompts,
-    warmup_prompts,
-)
+from nextn.bench.serve_metrics import mean_acceptance_length, parse_metrics  # noqa: E402
+from nextn.bench.serve_workload import arrival_times, sample_prompts, warmup_prompts  # noqa: E402
 from nextn.cli import main  # noqa: E402
 from nextn.config import DEFAULT_MODEL_DIR  # noqa: E402
 from nextn.config.serve import ServeConfig  # noqa: E402

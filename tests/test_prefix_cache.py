@@ -200,7 +200,8 @@ def test_serve_flags():
 def test_bench_serve_shares_a_prefix_and_reads_the_cache_counters():
     from argparse import Namespace
 
-    from nextn.bench.serve import parse_metrics, prefix_caching, sample_prompts
+    from nextn.bench.serve_metrics import parse_metrics, prefix_caching
+    from nextn.bench.serve_workload import sample_prompts
 
     lengths = dict(random_input_len=20, random_output_len=8, random_range_ratio=0.5)
     args = Namespace(num_prompts=6, seed=3, prompt_file=None, prefix_len=40, **lengths)

@@ -24,12 +24,12 @@ nextn exports. A client cannot count it: a chunk is cut where the detokenizer ca
 server's loop gets to it, not where a round ends.
 
 Knows HTTP and the OpenAI wire format, not the engine: any OpenAI-compatible server works, and
-nextn's extra fields (usage's spec_decode, /metrics) are read only where present.
+nextn's extra fields (usage's spec_decode, /metrics) are read only where present. The prompts and
+send times are nextn.bench.serve_workload's, the /metrics readings nextn.bench.serve_metrics'.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -37,8 +37,6 @@ import json
 import math
 import os
 import platform
-import random
-import re
 import shlex
 import socket
 import subprocess
@@ -55,19 +53,12 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
+from nextn.bench.serve_metrics import mean_acceptance_length, metrics_spec_k, parse_metrics, prefix_caching
+from nextn.bench.serve_workload import Prompt, arrival_times, sample_prompts, warmup_prompts
 from nextn.config.engine_args import speculative_tokens
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 ERRORS_SHOWN = 5
-# Prometheus text: name, optional {labels}, value (an optional timestamp after it is ignored)
-_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
-_POSITION = re.compile(r'position="(\d+)"')
-
-
-class Prompt(NamedTuple):
-    prompt: str | list[int]  # text, or token ids (the completions `prompt` field takes either)
-    input_len: int  # tokens (characters / 4 without a tokenizer)
-    output_len: int  # max_tokens
 
 
 @dataclass
@@ -155,73 +146,6 @@ def check_args(args) -> None:
     for ok, message in checks:  # a comparison with nan is False: refused too
         if not ok:
             raise ValueError(message)
-
-
-def arrival_times(num: int, rate: float, seed: int) -> list[float]:
-    """Seconds after the start at which each request leaves: Poisson arrivals at `rate` per second
-    (exponential gaps drawn from a generator seeded with `seed`), the first at 0; all at 0 for inf."""
-    if math.isinf(rate):
-        return [0.0] * num
-    rng, t, out = random.Random(seed), 0.0, []
-    for _ in range(num):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
-
-
-def sample_prompts(args, tokenizer) -> list[Prompt]:
-    """`--num-prompts` prompts, the same for the same `--seed`: random token ids from the tokenizer's
-    vocabulary, or slices of `--prompt-file` from random offsets (the file repeated where too short).
-    `--random-range-ratio` spreads both lengths for the random dataset (vLLM's), the input lengths
-    only for a prompt file (its outputs are `--random-output-len` each). `--prefix-len N`: every
-    prompt starts with the same N tokens (drawn once the same way) before its own."""
-    rng = random.Random(args.seed)
-    prefix = _prompts(args, tokenizer, rng, [args.prefix_len], [0])[0] if args.prefix_len else None
-
-    def lengths(mean: int, ratio: float) -> list[int]:
-        return [max(1, rng.randint(int(mean * (1 - ratio)), int(mean * (1 + ratio)))) for _ in range(args.num_prompts)]
-
-    ratio = args.random_range_ratio
-    input_lens = lengths(args.random_input_len, ratio)
-    output_lens = lengths(args.random_output_len, ratio if args.prompt_file is None else 0.0)
-    prompts = _prompts(args, tokenizer, rng, input_lens, output_lens)
-    if prefix is None:
-        return prompts
-    return [Prompt(prefix.prompt + p.prompt, prefix.input_len + p.input_len, p.output_len) for p in prompts]
-
-
-def warmup_prompts(args, tokenizer) -> list[Prompt]:
-    """`--num-warmups` prompts drawn apart from the measured ones (the next seed, no shared prefix,
-    each as long as a measured prompt with its prefix): they warm the server's kernels and graphs at
-    the run's shapes without leaving the measured prompts' blocks in a prefix cache."""
-    if not args.num_warmups:
-        return []
-    apart = argparse.Namespace(
-        **{**vars(args), "seed": args.seed + 1, "prefix_len": 0, "num_prompts": args.num_warmups}
-    )
-    apart.random_input_len = args.random_input_len + args.prefix_len
-    return sample_prompts(apart, tokenizer)
-
-
-def _prompts(args, tokenizer, rng: random.Random, input_lens: list[int], output_lens: list[int]) -> list[Prompt]:
-    pairs = zip(input_lens, output_lens, strict=True)
-    if args.prompt_file is None:
-        return [Prompt([rng.randrange(tokenizer.vocab_size) for _ in range(n)], n, m) for n, m in pairs]
-    text = Path(args.prompt_file).read_text(errors="replace")
-    if not text:
-        raise ValueError(f"--prompt-file {args.prompt_file}: empty")
-    if tokenizer is None:  # a token taken as 4 characters
-        return [Prompt(_cut(text, rng.randrange(len(text)), 4 * n), n, m) for n, m in pairs]
-    ids = tokenizer.encode(text)
-    return [Prompt(tokenizer.decode(_cut(ids, rng.randrange(len(ids)), n)), n, m) for n, m in pairs]
-
-
-def _cut(source, start: int, n: int):
-    """n items of `source` from `start`, wrapping around to its beginning."""
-    out = source[start : start + n]
-    while len(out) < n:
-        out += source[: n - len(out)]
-    return out
 
 
 async def send(session: aiohttp.ClientSession, target: Target, prompt: Prompt) -> RequestResult:
@@ -336,67 +260,6 @@ async def scrape_metrics(session: aiohttp.ClientSession, target: Target) -> dict
             if r.status == 200:
                 return parse_metrics(await r.text())
     return None
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {sample (name with its labels): value}."""
-    out = {}
-    for line in text.splitlines():
-        if (m := _SAMPLE.match(line)) and not line.startswith("#"):
-            with contextlib.suppress(ValueError):
-                out[m[1] + (m[2] or "")] = float(m[3])
-    return out
-
-
-def _samples(metrics: dict[str, float], name: str) -> dict[str, float]:
-    """The samples of counter `name` under any prefix (`nextn:`, `vllm:`), with or without `_total`."""
-    return {k: v for k, v in metrics.items() if k.split("{")[0].rsplit(":", 1)[-1].removesuffix("_total") == name}
-
-
-def mean_acceptance_length(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
-    """1 + accepted draft tokens / drafts over the run, from the counters' deltas; None without them
-    or without a draft (plain decoding)."""
-    if before is None or after is None:
-        return None
-
-    def delta(name: str) -> float:
-        return sum(_samples(after, name).values()) - sum(_samples(before, name).values())
-
-    drafts = delta("spec_decode_num_drafts")
-    return 1 + delta("spec_decode_num_accepted_tokens") / drafts if drafts > 0 else None
-
-
-def prefix_caching(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
-    """`prefix_caching` (whether the server's /metrics has prefix-cache counters; None without
-    /metrics), and over the run, from the counters' deltas: `prefix_cache_hit_rate` (hit / looked-up
-    prompt tokens) and `prefill_tokens_computed` (prompt tokens the server computed; nextn's)."""
-    if before is None or after is None:
-        return {"prefix_caching": None, "prefix_cache_hit_rate": None, "prefill_tokens_computed": None}
-
-    def delta(name: str) -> float | None:
-        if not _samples(after, name):
-            return None
-        return sum(_samples(after, name).values()) - sum(_samples(before, name).values())
-
-    queries, hits, computed = (
-        delta("prefix_cache_queries"),
-        delta("prefix_cache_hits"),
-        delta("prefill_tokens_computed"),
-    )
-    return {
-        "prefix_caching": queries is not None,
-        "prefix_cache_hit_rate": hits / queries if queries else None,
-        "prefill_tokens_computed": None if computed is None else int(computed),
-    }
-
-
-def metrics_spec_k(metrics: dict[str, float] | None) -> int | None:
-    """K as the server's per-position draft counters tell it (their positions: 0..K-1; nextn keeps at
-    most 8), 0 for a server with spec counters and no positions, None for one without."""
-    if metrics is None or not _samples(metrics, "spec_decode_num_drafts"):
-        return None
-    per_pos = _samples(metrics, "spec_decode_num_draft_tokens_per_pos")
-    return len({m[1] for k in per_pos if (m := _POSITION.search(k))})
 
 
 def _stats(name: str, seconds: list[float]) -> dict[str, float | None]:
