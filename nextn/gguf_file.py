@@ -42,8 +42,8 @@ def _reader(path: str, mtime_ns: int, size: int):
             return self._plain
 
         @data.setter
-        def data(self, value):
-            self._map, self._plain = value, value.view(np.ndarray)
+        def data(self, value):  # (the view keeps the map open: its base)
+            self._plain = value.view(np.ndarray)
 
     try:
         return PlainReader(path)

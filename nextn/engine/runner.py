@@ -73,7 +73,7 @@ class ModelRunner:
         # launch of a round keyed by its size (`follow_slots`), and the one in force (None: keys by slot)
         self._slot_sets: dict[int, torch.Tensor] = {}
         self._following: torch.Tensor | None = None
-        self._followed: list[int] | None = None  # its slots, as the host wrote them
+        self._followed: dict[int, int] | None = None  # its slots' positions in it, as the host wrote them
         self._refreshed: set[int] = set()  # the batches refreshed within the follow_slots in force
         # pad members: rounds of plain greedy requests at one K fill their batch to its size bucket
         # with members on spare slots (nextn.engine.rounds._pads), so 1..bucket requests share a graph;
@@ -97,7 +97,7 @@ class ModelRunner:
             return self._made_once(self._batches, key, lambda: StepBatch(caches, rows))
         # a batch of some of the followed slots (the members drafting, or still chaining, in a round
         # whose Ks differ) follows their positions in the slot set, gathered on the device
-        positions = tuple(self._followed.index(c.slot) for c in caches)
+        positions = tuple(self._followed[c.slot] for c in caches)
         whole = positions == tuple(range(len(self._followed)))
         key = ("follow", len(caches) if whole else positions, tuple(rows))
         batch = self._made_once(self._batches, key, lambda: StepBatch(caches, rows))
@@ -126,7 +126,7 @@ class ModelRunner:
             pads = self._pad_masks[B] = torch.zeros(B, dtype=torch.bool, device=self.device)
         held.copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
         pads.copy_(torch.arange(B) >= real, non_blocking=True)
-        self._following, self.pads, self._followed = held, pads, list(slots)
+        self._following, self.pads, self._followed = held, pads, {s: i for i, s in enumerate(slots)}
         self._refreshed = set()
         try:
             yield

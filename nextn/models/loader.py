@@ -234,7 +234,7 @@ def _runs(linears: list) -> list[list]:
 
 def fused_runs(*linears) -> list[torch.Tensor | QuantWeight]:
     """The tensors whose consecutive row blocks the linears' weights are (`fuse_weights` made them),
-    one per run of one kind: a tensor for Linear modules, an QuantWeight (FP8 or Q8_0; scales as
+    one per run of one kind: a tensor for Linear modules, a QuantWeight (FP8 or Q8_0; scales as
     column blocks) for QuantLinear ones."""
     out: list[torch.Tensor | QuantWeight] = []
     for run in _runs(list(linears)):

@@ -29,7 +29,7 @@ residual added in one call (nextn.parallel.comm.all_reduce_add: the reference mo
 for bit, over CUDA IPC between the GPUs of one host), so a captured CUDA graph holds the
 collectives; the embedding gathers from the ranks' rows and the logits from their vocabulary columns.
 
-FP8 weights (nextn.ops.fp8), and Q8_0 ones (nextn.ops.q8_0, an QuantWeight of int8 values), reach
+FP8 weights (nextn.ops.fp8), and Q8_0 ones (nextn.ops.q8_0, a QuantWeight of int8 values), reach
 the skinny GEMM as QuantWeight pairs in place of tensors. A fused
 projection whose members differ in kind (FP8 q/k/v/z beside the bf16 GDN gates b/a) runs one GEMM
 per run of one kind, each into its columns of the projection; MoE layers' FP8 experts and shared

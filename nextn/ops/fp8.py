@@ -16,7 +16,7 @@ Q8_0 weights (`Format` Q8_0) take the same layout with other dtypes and blocks: 
 and `scale` float16 [K / 32, N], one scale per row per 32 columns: GGUF's own bytes (34 per 32
 weights, 1.0625 per weight), its fp16 d and its 32 int8 q of a block stored as two aligned planes
 so a kernel loads 16-byte vectors of each. A weight's format follows from its values' dtype
-(`format_of`), so every path that takes an QuantWeight takes a Q8_0 one through the same code.
+(`format_of`), so every path that takes a QuantWeight takes a Q8_0 one through the same code.
 
 An fp8 K/V cache (`kv_cache_dtype="fp8"`) stores each row of D values (one position, one kv head)
 as e4m3 with its own float32 scale, amax / 448: a row's bytes depend on that row alone, never on

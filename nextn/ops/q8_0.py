@@ -2,7 +2,7 @@
 the reference dequantization.
 
 Q8_0 (llama.cpp's ggml-quants.c) stores each row of a weight [N, K] as K / 32 blocks of 34 bytes: an
-fp16 scale d then 32 int8 values q, the weight being d * q. nextn holds it as an QuantWeight
+fp16 scale d then 32 int8 values q, the weight being d * q. nextn holds it as a QuantWeight
 (nextn.ops.fp8, format Q8_0) of two aligned planes, `weight` int8 [N, K] (the q) and `scale` float16
 [K / 32, N] (the d, a row's scales down a column as FP8's are), the same bytes as GGUF's (1.0625 per
 weight) split so the kernels load 16-byte vectors of each. Stacks of experts [E, N, K] take

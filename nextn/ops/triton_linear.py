@@ -42,7 +42,7 @@ columns; k-tiles of at most 128 columns, so one scale per row covers a tile), tw
 The scales depend on the weight alone and the second pass on the row alone, so rows stay invariant.
 
 Q8_0 weights (nextn.ops.q8_0: int8 with a float16 scale per row and 32 columns, GGUF's 34 bytes per
-32 weights; an QuantWeight whose values are int8, GROUP 32) take the second way's kernel, one of two
+32 weights; a QuantWeight whose values are int8, GROUP 32) take the second way's kernel, one of two
 ways by the config's BLOCK_K: a k-tile over several 32-column groups (the default, BLOCK_K 128 or
 256) is dequantized in the k-loop, each int8 times its scale in float32 (exact) then rounded to x's
 dtype, what nextn.ops.fp8.dequantize gives, value for value, and one dot takes it; a tile within one
