@@ -1,0 +1,166 @@
+"""Issue 44's 16-stream TTFT cell on the engine alone: no HTTP, no core process, no detokenizing.
+
+The bundled model with serve's engine settings (K=3 with the K policy, --max-num-seqs 64, steps
+prefill unless --prefill chunked, the prefix cache on unless --no-prefix-cache), prompts of 60-900
+tokens cut from nextn/engine/rounds.py, 128 greedy output tokens each (ignore_eos), a closed loop
+of 16 streams (a request leaves as one finishes) driving `Engine.add` / `Engine.step` directly.
+It prints what the served figures leave unexplained:
+- TTFT (arrival to the step that returns the first token) median / p99, output tokens/s;
+- the engine steps: how many prefilled, their mean wall time and rows, the others' mean wall time;
+- Triton compiles during the timed requests (kernel name and specialization key, seconds each);
+- with --profile, torch.profiler's CUDA kernel totals over the timed requests, and the CUDA busy
+  time against the wall time.
+Usage (device): python3 bench/serve_core_probe.py [--no-prefix-cache] [--prefill chunked] [--profile]
+  [--json OUT]."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def watch_compiles() -> list:
+    """Every Triton JIT compile from now on: (kernel, key, seconds)."""
+    import triton.knobs as knobs
+
+    seen, started = [], {}
+
+    def before(**kw):
+        started[kw["key"]] = time.perf_counter()
+        return False
+
+    def after(**kw):
+        t = started.pop(kw["key"], time.perf_counter())
+        seen.append((kw["fn"].name, str(kw["key"]), time.perf_counter() - t))
+        return False
+
+    knobs.runtime.jit_cache_hook = before
+    knobs.runtime.jit_post_compile_hook = after
+    return seen
+
+
+def prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
+    ids = tokenizer.encode(Path("nextn/engine/rounds.py").read_text())
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(60, 900)
+        start = rng.randrange(len(ids))
+        out.append([ids[(start + i) % len(ids)] for i in range(length)])
+    return out
+
+
+def closed_loop(engine, todo: list[list[int]], streams: int, params) -> dict:
+    """The requests at `streams` at once, each leaving as another finishes; per-request TTFT and the
+    steps' wall times."""
+    pending = list(todo)
+    live, ttft, steps, out_tokens = {}, [], [], 0
+    t_start = time.perf_counter()
+
+    def send():
+        req = engine.add(pending.pop(0), params, use_sessions=True, detokenize=False)  # as the core adds them
+        live[req.request_id] = [time.perf_counter(), None]
+
+    for _ in range(min(streams, len(pending))):
+        send()
+    while live:
+        t0 = time.perf_counter()
+        events = engine.step()
+        t1 = time.perf_counter()
+        steps.append((t1 - t0, engine.prefilled_rows, len(engine.scheduler.running)))
+        for req, ev in events:
+            if isinstance(ev, BaseException):
+                raise ev
+            rec = live[req.request_id]
+            if ev.token_ids and rec[1] is None:
+                rec[1] = t1
+                ttft.append(t1 - rec[0])
+            out_tokens += len(ev.token_ids)
+            if ev.output is not None:
+                del live[req.request_id]
+                if pending:
+                    send()
+    wall = time.perf_counter() - t_start
+    pre = [s for s in steps if s[1]]
+    dec = [s for s in steps if not s[1]]
+    return {
+        "requests": len(todo),
+        "wall_s": wall,
+        "output_tokens_per_s": out_tokens / wall,
+        "median_ttft_ms": 1e3 * statistics.median(ttft),
+        "p99_ttft_ms": 1e3 * sorted(ttft)[int(0.99 * (len(ttft) - 1))],
+        "steps": len(steps),
+        "prefill_steps": len(pre),
+        "prefill_step_ms_mean": 1e3 * statistics.mean(s[0] for s in pre) if pre else None,
+        "prefill_step_rows_mean": statistics.mean(s[1] for s in pre) if pre else None,
+        "prefill_steps_s": sum(s[0] for s in pre),
+        "other_step_ms_mean": 1e3 * statistics.mean(s[0] for s in dec) if dec else None,
+        "other_steps_s": sum(s[0] for s in dec),
+        "step_ms_hist": dict(collections.Counter(min(int(s[0] * 1e3), 50) for s in steps)),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-prefix-cache", action="store_true")
+    ap.add_argument("--prefill", default="steps")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from nextn.core import SamplingParams
+    from nextn.engine.llm import LLM
+
+    settings = dict(
+        num_speculative_tokens=3,
+        max_num_seqs=64,
+        prefill=args.prefill,
+        k_policy="auto",
+        enable_prefix_caching=not args.no_prefix_cache,
+    )
+    if args.max_num_batched_tokens:
+        settings["max_num_batched_tokens"] = args.max_num_batched_tokens
+    t = time.perf_counter()
+    llm = LLM(None, **settings)
+    print(f"probe: {settings}: LLM ready in {time.perf_counter() - t:.1f} s")
+    engine = llm.engine
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    closed_loop(engine, prompts(llm.tokenizer, 32, 8), 16, params)  # warm-up, apart from the measured
+    compiles = watch_compiles()
+    measured = prompts(llm.tokenizer, 64, 7)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            result = closed_loop(engine, measured, 16, params)
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        busy = sum(e.self_device_time_total for e in events) / 1e6
+        result["cuda_busy_s"] = busy
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[:25]
+        result["cuda_kernels"] = [(e.key[:80], e.count, e.self_device_time_total / 1e3) for e in top]
+    else:
+        result = closed_loop(engine, measured, 16, params)
+    result["compiles"] = compiles
+    result["settings"] = settings
+    result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    tag = f"[{args.prefill}{' nocache' if args.no_prefix_cache else ''}{' prof' if args.profile else ''}]"
+    for k, v in result.items():
+        if k in ("cuda_kernels", "compiles"):
+            print(f"{tag} {k}:")
+            for row in v:
+                print(f"{tag}   {row}")
+        else:
+            print(f"{tag} {k}: {v}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
