@@ -10,7 +10,7 @@ It prints what the served figures leave unexplained:
 - Triton compiles during the timed requests (kernel name and specialization key, seconds each);
 - with --profile, torch.profiler's CUDA kernel totals over the timed requests, and the CUDA busy
   time against the wall time.
-Usage (device): python3 bench/serve_core_probe.py [--no-prefix-cache] [--prefill chunked] [--profile]
+Usage (device): python3 bench/serve_core_probe.py [--no-prefix-cache] [--prefill chunked] [--profile | --cprofile]
   [--json OUT]."""
 
 from __future__ import annotations
@@ -113,6 +113,9 @@ def main() -> None:
     ap.add_argument("--prefill", default="steps")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--cprofile", action="store_true", help="the timed requests under cProfile: the host's time by function"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from nextn.core import SamplingParams
@@ -145,6 +148,20 @@ def main() -> None:
         result["cuda_busy_s"] = busy
         top = sorted(events, key=lambda e: -e.self_device_time_total)[:25]
         result["cuda_kernels"] = [(e.key[:80], e.count, e.self_device_time_total / 1e3) for e in top]
+    elif args.cprofile:
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        result = closed_loop(engine, measured, 16, params)
+        prof.disable()
+        for key in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats(key).print_stats(35)
+            print(f"probe: cProfile by {key}:")
+            print("\n".join(line[:200] for line in text.getvalue().splitlines()[4:50]))
     else:
         result = closed_loop(engine, measured, 16, params)
     result["compiles"] = compiles

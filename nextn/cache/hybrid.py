@@ -48,6 +48,16 @@ from nextn.config import FULL, STEP_ROWS
 from nextn.config.model import ModelConfig
 from nextn.ops.fp8 import E4M3
 
+
+def to_device(values, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list (or CPU tensor) on the device without waiting for it: `torch.tensor(values,
+    device=cuda)` copies and then synchronises the stream, so the host would wait for every launch
+    queued ahead (a prefill step's trunk, the rounds in flight) before it could queue the next; a
+    non-blocking copy from pageable memory is staged at once and runs in stream order."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    return t.to(device=device, dtype=dtype, non_blocking=True)
+
+
 KV_BLOCK = 64  # K/V storage is allocated in whole blocks (the step attention reads whole blocks)
 SEQ_LEN, STATE_AT, STATE_WRITE, CONV_AT, CONV_WRITE, DRAFT_LEN, NUM_GEN, ACCEPTED, PENDING = range(9)
 NUM_CTL = 9
@@ -325,10 +335,12 @@ class StepBatch:
         slots = [c.slot for c in caches]
         if len(set(slots)) != len(slots):
             raise ValueError(f"a step batch holds each slot once, got {slots}")
-        self.seqs = torch.tensor([slots, self.offsets[:-1], rows], dtype=torch.int32, device=device)  # [3, B]
+        self.seqs = to_device([slots, self.offsets[:-1], rows], device, torch.int32)  # [3, B]
         self.slot_index = self.seqs[0].long()  # [B]
-        self.row_seq = torch.tensor([b for b, r in enumerate(rows) for _ in range(r)], device=device)  # [M]
-        self.row_idx = torch.tensor([i for r in rows for i in range(r)], dtype=torch.int32, device=device)
+        # (device ops from seqs, output sizes known: no host work per row, no sync)
+        B, M = len(rows), self.num_rows
+        self.row_seq = torch.repeat_interleave(torch.arange(B, device=device), self.seqs[2], output_size=M)  # [M]
+        self.row_idx = torch.arange(M, device=device, dtype=torch.int32) - self.seqs[1][self.row_seq]
         self.row_slot = self.seqs[0][self.row_seq]  # [M] int32
         self._flat: dict[int, torch.Tensor] = {}
         self._source: torch.Tensor | None = None

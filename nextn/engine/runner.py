@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache import SlotCache, SlotPool, StepBatch, commit_ctl
+from nextn.cache.hybrid import to_device
 from nextn.cache.prefix import Match, PrefixCache
 from nextn.config import STEP_ROWS, EngineConfig
 from nextn.engine.sequence import Sequence
@@ -239,7 +240,7 @@ class ModelRunner:
         caches = [self.slot(s) for s in slots]
         self.step.fold(caches)
         cache = self.pool.cache
-        index = torch.tensor(slots, device=self.device)
+        index = to_device(slots, self.device)
         ctl = cache.ctl.index_select(0, index)
         cache.ctl.index_copy_(0, index, commit_ctl(ctl, 0, caches[0].cols, store_all=False))
 
@@ -335,20 +336,20 @@ class ModelRunner:
         rows = [len(p.token_ids) for p in pieces]
         starts = [len(p.seq.tokens) for p in pieces]  # (a sequence's committed tokens: its slot's SEQ_LEN)
         batch = StepBatch(caches, rows, max_pos=max(s + n for s, n in zip(starts, rows, strict=True)))
-        ids = torch.tensor([t for p in pieces for t in p.token_ids], device=self.device)
+        ids = to_device([t for p in pieces for t in p.token_ids], self.device)
         # logits of each piece's last row, or of all its rows where asked (prompt logprobs)
         offsets = batch.offsets[:-1]
         wanted = [
             range(o, o + n) if p.on_logits else range(o + n - 1, o + n)
             for p, o, n in zip(pieces, offsets, rows, strict=True)
         ]
-        logit_rows = torch.tensor([r for w in wanted for r in w], device=self.device)
+        logit_rows = to_device([r for w in wanted for r in w], self.device)
         logits = torch.empty(logit_rows.numel(), self.cfg.vocab_size, dtype=torch.float32, device=self.device)
         hidden = torch.empty(batch.num_rows, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         self.step.trunk(batch, ids, logits, hidden, store_all=False, logit_rows=logit_rows)
         slots = batch.slot_index
         cache = caches[0]
-        kept = torch.tensor(rows, dtype=torch.int32, device=self.device)[:, None]
+        kept = to_device(rows, self.device, torch.int32)[:, None]
         ctl = self.pool.cache.ctl
         ctl.index_copy_(0, slots, commit_ctl(ctl.index_select(0, slots), kept, cache.cols, store_all=False))
         at = 0
@@ -384,10 +385,10 @@ class ModelRunner:
             rows = [len(ids) for _, ids, _ in taken]
             first = [seq.draft_len for seq, _, _ in taken]  # row draft_len + 1 sits in draft slot draft_len
             batch = StepBatch(caches, rows, max_pos=max(f + n for f, n in zip(first, rows, strict=True)))
-            ids = torch.tensor([t for _, piece, _ in taken for t in piece], device=self.device)
+            ids = to_device([t for _, piece, _ in taken for t in piece], self.device)
             hidden = torch.cat([h for _, _, h in taken]) if len(taken) > 1 else taken[0][2]
-            last = torch.tensor([o + n - 1 for o, n in zip(batch.offsets[:-1], rows, strict=True)], device=self.device)
-            pos = torch.tensor(first, dtype=torch.int32, device=self.device)
+            last = to_device([o + n - 1 for o, n in zip(batch.offsets[:-1], rows, strict=True)], self.device)
+            pos = to_device(first, self.device, torch.int32)
             B = len(taken)
             self.step.head(batch, ids, hidden, pos, last, (self.head_logits[:B], self.head_hidden[:B]))
         for seq in seqs:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nextn.cache.hybrid import KV, PENDING, SEQ_LEN, STATE_AT, HybridCache, SlotCache, StepBatch
+from nextn.cache.hybrid import KV, PENDING, SEQ_LEN, STATE_AT, HybridCache, SlotCache, StepBatch, to_device
 from nextn.config import ATTENTION_ROWS, FULL
 from nextn.layers.ffn import QuantExperts
 from nextn.layers.linear import QuantLinear
@@ -406,8 +406,8 @@ class TritonStep:
         """Each slot's pending GDN rows into its base state: a step of no rows (the kernel folds, then
         stores the state and carried columns in the write halves); the caller commits 0 tokens."""
         cache = caches[0].cache
-        seqs = torch.tensor([[c.slot for c in caches], [0] * len(caches), [0] * len(caches)], dtype=torch.int32)
-        seqs = seqs.to(cache.ctl.device)
+        B = len(caches)
+        seqs = to_device([[c.slot for c in caches], [0] * B, [0] * B], cache.ctl.device, torch.int32)
         for layer, w in zip(self.model.model.layers, self.layers, strict=True):
             if layer.kind != FULL:
                 width = sum(p.shape[0] for p in w.in_proj)

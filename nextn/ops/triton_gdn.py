@@ -109,7 +109,7 @@ if HAVE_TRITON:
         m = (j[:, None] < count) & mask[None, :]
         tl.store(window_ptr + ch[None, :] * stride_win + col0 + j[:, None], cols, mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_seqs"])
     def _gdn_step_kernel(
         proj_ptr,
         stride_p,  # [T, conv_dim | z (HV*V) | b (HV) | a (HV)]: the in_proj output
@@ -127,9 +127,8 @@ if HAVE_TRITON:
         R,  # rows a half of gates holds
         slots_ptr,  # int32 [S, > PEND] (row stride stride_slots): (state_at, state_write, conv_at, conv_write), pending
         stride_slots,
-        seq_slot_ptr,
-        seq_start_ptr,
-        seq_rows_ptr,  # int32 [B]: each sequence's slot, first row and number of rows
+        seqs_ptr,  # int32 [3, B] (row stride stride_seqs): each sequence's slot, first row and number of rows
+        stride_seqs,  # (not specialised: a batch's size never picks another compiled variant)
         live_ptr,  # int32 [B]: the rows that count (LIVE): the recurrence stops there, o is 0 past it
         norm_w_ptr,  # [V] RMSNormGated weight
         o_ptr,
@@ -159,9 +158,9 @@ if HAVE_TRITON:
         vb = tl.program_id(1)
         seq = tl.program_id(2)
         NB: tl.constexpr = V // BLOCK_V
-        slot = tl.load(seq_slot_ptr + seq).to(tl.int64)
-        row0 = tl.load(seq_start_ptr + seq)
-        T = tl.load(seq_rows_ptr + seq)
+        slot = tl.load(seqs_ptr + seq).to(tl.int64)
+        row0 = tl.load(seqs_ptr + stride_seqs + seq)
+        T = tl.load(seqs_ptr + 2 * stride_seqs + seq)
         proj_ptr += row0 * stride_p
         o_ptr += row0 * stride_o
         sumsq_ptr += row0 * HV * NB
@@ -380,10 +379,9 @@ def gdn_step(
         gates.shape[1] // 2,
         slots,
         slots.stride(0),
-        seqs[0],
-        seqs[1],
-        seqs[2],
-        live if live is not None else seqs[2],
+        seqs,  # (one base pointer: views of its rows would be 16-byte aligned or not by B, a variant each)
+        seqs.stride(0),
+        live if live is not None else seqs,
         norm_weight,
         out,
         out.stride(0),
