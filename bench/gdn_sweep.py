@@ -1,14 +1,27 @@
-"""The GDN decode / verify step kernel (nextn.ops.triton_gdn.gdn_step) at a model's shape, per
-block size and warp count: microseconds per layer in a CUDA graph of one call per layer (each
-layer its own state and window, as a step runs them).
+"""The GDN step kernel (nextn.ops.triton_gdn.gdn_step) at a model's shape, per block size and warp
+count: microseconds per layer in a CUDA graph of one call per layer (each layer its own window,
+states and gates, as a step runs them).
 
-    python bench/gdn_sweep.py [--out F] [--tokens 1 4 7] [--block-v 16 32 64] [--warps 1 2 4 8]
-        [--kernel FILE --label NAME]
+Two kinds of call, as the engine makes them:
+- a verify / decode (`--tokens 1 4`, store_all): B sequences of T rows each, every row's gates
+  and the base state kept (T at most the slots' rows);
+- a "steps" prefill (`--prefill-tokens 256 512`, store_all=False): B sequences of T rows each,
+  only the state after the last row kept. Its rows run one after another in each program, so a
+  prefill step's GDN time is about T times a row's latency (issue 44's TTFT: bench/NOTES.md).
+
+    python bench/gdn_sweep.py [--out F] [--tokens 1 4] [--prefill-tokens 256 512] [--batch 1 6]
+        [--block-v 16 32 64] [--warps 1 2 4 8] [--shapes default_model qwen3.5-9b]
+        [--kernel FILE --label NAME] [--check]
 
 --kernel: time the gdn_step of another copy of the module (`git show REV:nextn/ops/triton_gdn.py
-> FILE`), so a change is measured against its parent in one run; results are keyed by --label."""
+> FILE`), so a change is measured against its parent in one run; results are keyed by --label.
+--check: also run the checked-in module on the same inputs and report whether the outputs, states
+and windows are bitwise equal (a change meant to keep the arithmetic must keep them)."""
+
+from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import itertools
 import json
@@ -17,99 +30,145 @@ import torch
 
 from nextn.ops import triton_gdn
 
-gdn_step = triton_gdn.gdn_step
-
 SHAPES = {"qwen3.5-9b": (16, 32, 128, 128, 24), "default_model": (4, 4, 64, 64, 6)}  # H, HV, K, V, layers
+W = 4  # conv taps (every released Qwen3.5 / Qwen3-Next config)
 
 
-def layer_us(H, HV, K, V, layers, T, block_v, warps, W=4) -> float:
-    dev, dt = torch.device("cuda"), torch.bfloat16
+def make_case(H, HV, K, V, layers, B, T, store_all, device, seed=0):
+    """Inputs of `layers` calls: proj [B*T, conv | z | b | a], per layer a window, states and gates of
+    B slots (slot b: base in half 0, written to half 1), weights shared."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dt = torch.bfloat16
+
+    def rand(*shape, scale=1.0, dtype=dt):
+        return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
     conv_dim = 2 * H * K + HV * V
-    proj = torch.randn(T, conv_dim + HV * V + 2 * HV, device=dev, dtype=dt)
-    bufs = [
+    R = max(T, 8) if store_all else 8  # rows a half of gates holds (a prefill keeps no rows' gates)
+    NW = 2 * (W - 1 + R)
+    layer = [
         dict(
-            conv_home=torch.randn(1, conv_dim, W - 1, device=dev, dtype=dt),
-            window=torch.zeros(1, conv_dim, 2 * (W - 1 + 8), device=dev, dtype=dt),
-            state_home=torch.randn(1, HV, K, V, device=dev) * 0.1,
-            states=torch.zeros(1, 16, HV, K, V, device=dev),
+            window=rand(B, conv_dim, NW),
+            states=rand(B, 2, HV, K, V, scale=0.1, dtype=torch.float32),
+            gates=rand(B, 2 * R, 2 * HV),
         )
         for _ in range(layers)
     ]
-    w = dict(
-        conv_weight=torch.randn(conv_dim, W, device=dev, dtype=dt),
-        A_log=torch.randn(HV, device=dev, dtype=dt) * 0.5,
-        dt_bias=torch.randn(HV, device=dev, dtype=dt) * 0.5,
-        norm_weight=torch.ones(V, device=dev, dtype=dt),
+    ctl = torch.tensor(
+        [[0, 1, 0, W - 1 + R, 0]] * B, dtype=torch.int32, device=device
+    )  # at, write, conv at/write, pending
+    seqs = torch.tensor([list(range(B)), [b * T for b in range(B)], [T] * B], dtype=torch.int32, device=device)
+    return dict(
+        proj=rand(B * T, conv_dim + HV * V + 2 * HV),
+        conv_weight=rand(conv_dim, W, scale=0.5),
+        A_log=rand(HV, scale=0.5),
+        dt_bias=rand(HV, scale=0.5),
+        norm_weight=(1.0 + rand(V, scale=0.1, dtype=torch.float32)).to(dt),
+        layer=layer,
+        slots=ctl,
+        seqs=seqs,
+        out=torch.empty(B * T, HV * V, device=device, dtype=dt),
+        H=H,
+        store_all=store_all,
     )
-    slots = torch.tensor([[-1, 0, -1, 0]], device=dev, dtype=torch.int32)
-    seqs = torch.tensor([[0], [0], [T]], device=dev, dtype=torch.int32)
-    out = torch.empty(T, HV * V, device=dev, dtype=dt)
 
-    def step():
-        for b in bufs:
-            gdn_step(
-                proj,
-                w["conv_weight"],
-                b["conv_home"],
-                b["window"],
-                w["A_log"],
-                w["dt_bias"],
-                b["state_home"],
-                b["states"],
-                w["norm_weight"],
-                H,
-                1e-6,
-                slots,
-                seqs,
-                out=out,
-                block_v=block_v,
-                num_warps=warps,
-            )
 
-    step()
+def run(step_fn, c, block_v, warps):
+    for buf in c["layer"]:
+        step_fn(
+            c["proj"],
+            c["conv_weight"],
+            buf["window"],
+            c["A_log"],
+            c["dt_bias"],
+            buf["states"],
+            buf["gates"],
+            c["norm_weight"],
+            c["H"],
+            1e-6,
+            slots=c["slots"],
+            seqs=c["seqs"],
+            pending_col=4,
+            out=c["out"],
+            store_all=c["store_all"],
+            block_v=block_v,
+            num_warps=warps,
+        )
+
+
+def layer_us(step_fn, c, block_v, warps) -> float:
+    run(step_fn, c, block_v, warps)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        step()
+        run(step_fn, c, block_v, warps)
     g.replay()
     times = []
     for _ in range(7):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for _ in range(10):
+        for _ in range(5):
             g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / 10 / layers)
+        times.append(a.elapsed_time(b) * 1e3 / 5 / len(c["layer"]))
     return sorted(times)[3]
+
+
+def same_bits(fn_a, fn_b, make, block_v, warps) -> bool:
+    """Both modules from the same inputs: outputs, states and windows bitwise equal."""
+    results = []
+    for fn in (fn_a, fn_b):
+        c = make()
+        run(fn, c, block_v, warps)
+        results.append([c["out"]] + [t for buf in c["layer"] for t in (buf["states"], buf["window"])])
+    return all(torch.equal(x.view(torch.int16 if x.element_size() == 2 else torch.int32),
+                           y.view(torch.int16 if y.element_size() == 2 else torch.int32))
+               for x, y in zip(*results, strict=True))  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 7])
-    ap.add_argument("--block-v", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 4])
+    ap.add_argument("--prefill-tokens", type=int, nargs="*", default=[256, 512])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 6])
+    ap.add_argument("--block-v", type=int, nargs="+", default=[32])
     ap.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--kernel", help="a copy of nextn/ops/triton_gdn.py to time instead")
     ap.add_argument("--label", default="")
+    ap.add_argument("--check", action="store_true", help="bitwise against the checked-in module")
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
+    step_fn = triton_gdn.gdn_step
     if args.kernel:
-        global gdn_step
         spec = importlib.util.spec_from_file_location("gdn_under_test", args.kernel)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        gdn_step = module.gdn_step
+        step_fn = module.gdn_step
+    cases = [(T, True) for T in args.tokens] + [(T, False) for T in args.prefill_tokens]
     res = {}
-    for name, (H, HV, K, V, layers) in SHAPES.items():
-        for T, bv, warps in itertools.product(args.tokens, args.block_v, args.warps):
+    for name in args.shapes:
+        H, HV, K, V, layers = SHAPES[name]
+        for (T, store_all), B, bv, warps in itertools.product(cases, args.batch, args.block_v, args.warps):
             if bv > V:
                 continue
-            us = layer_us(H, HV, K, V, layers, T, bv, warps)
-            key = f"{args.label + ' ' if args.label else ''}{name} T={T} block_v={bv} warps={warps}"
-            res[key] = us
-            print(f"gdn {key}: {us:.2f} us per layer", flush=True)
+            kind = "T" if store_all else "prefill T"
+            key = f"{args.label + ' ' if args.label else ''}{name} {kind}={T} B={B} block_v={bv} warps={warps}"
+            shape = (H, HV, K, V)
+            entry = {}
+            if args.device == "cuda":
+                case = make_case(*shape, layers, B, T, store_all, "cuda")
+                entry["us_per_layer"] = layer_us(step_fn, case, bv, warps)
+            if args.check:
+                make = functools.partial(make_case, *shape, 1, B, T, store_all, args.device)
+                entry["same_bits"] = same_bits(triton_gdn.gdn_step, step_fn, make, bv, warps)
+            res[key] = entry
+            print(f"gdn {key}: {entry}", flush=True)
     if args.out:
-        json.dump(res, open(args.out, "w"), indent=1)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
