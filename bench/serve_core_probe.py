@@ -61,12 +61,12 @@ def closed_loop(engine, todo: list[list[int]], streams: int, params) -> dict:
     """The requests at `streams` at once, each leaving as another finishes; per-request TTFT and the
     steps' wall times."""
     pending = list(todo)
-    live, ttft, steps, out_tokens = {}, [], [], 0
+    live, ttft, ttft_steps, steps, out_tokens = {}, [], [], [], 0
     t_start = time.perf_counter()
 
     def send():
         req = engine.add(pending.pop(0), params, use_sessions=True, detokenize=False)  # as the core adds them
-        live[req.request_id] = [time.perf_counter(), None]
+        live[req.request_id] = [time.perf_counter(), None, len(steps)]
 
     for _ in range(min(streams, len(pending))):
         send()
@@ -82,6 +82,7 @@ def closed_loop(engine, todo: list[list[int]], streams: int, params) -> dict:
             if ev.token_ids and rec[1] is None:
                 rec[1] = t1
                 ttft.append(t1 - rec[0])
+                ttft_steps.append(len(steps) - rec[2])  # engine steps from its arrival to its first token
             out_tokens += len(ev.token_ids)
             if ev.output is not None:
                 del live[req.request_id]
@@ -96,6 +97,8 @@ def closed_loop(engine, todo: list[list[int]], streams: int, params) -> dict:
         "output_tokens_per_s": out_tokens / wall,
         "median_ttft_ms": 1e3 * statistics.median(ttft),
         "p99_ttft_ms": 1e3 * sorted(ttft)[int(0.99 * (len(ttft) - 1))],
+        "median_ttft_steps": statistics.median(ttft_steps),
+        "ttft_steps_hist": dict(sorted(collections.Counter(ttft_steps).items())),
         "steps": len(steps),
         "prefill_steps": len(pre),
         "prefill_step_ms_mean": 1e3 * statistics.mean(s[0] for s in pre) if pre else None,
@@ -117,6 +120,9 @@ def main() -> None:
         "--cprofile", action="store_true", help="the timed requests under cProfile: the host's time by function"
     )
     ap.add_argument("--json", default=None)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--kernels", default=None, help="the engine's kernels (default: its own choice)")
     args = ap.parse_args()
     from nextn.core import SamplingParams
     from nextn.engine.llm import LLM
@@ -130,14 +136,19 @@ def main() -> None:
     )
     if args.max_num_batched_tokens:
         settings["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.kernels:
+        settings["kernels"] = args.kernels
     t = time.perf_counter()
     llm = LLM(None, **settings)
     print(f"probe: {settings}: LLM ready in {time.perf_counter() - t:.1f} s")
     engine = llm.engine
-    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
-    closed_loop(engine, prompts(llm.tokenizer, 32, 8), 16, params)  # warm-up, apart from the measured
-    compiles = watch_compiles()
-    measured = prompts(llm.tokenizer, 64, 7)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    if torch.cuda.is_available():  # warm-up, apart from the measured (kernels and graphs at these shapes)
+        closed_loop(engine, prompts(llm.tokenizer, 32, 8), 16, params)
+        compiles = watch_compiles()
+    else:
+        compiles = []
+    measured = prompts(llm.tokenizer, args.num_prompts, 7)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

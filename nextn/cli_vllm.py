@@ -74,7 +74,11 @@ IGNORED: tuple[Ignored, ...] = (
     Ignored(("--data-parallel-size", "-dp"), "one engine per server is nextn's only layout", only=("1",)),
     Ignored(("--api-server-count", "-asc"), _PROCESS, only=("1",)),
     Ignored(("--cpu-offload-gb",), "nextn keeps every weight on the device", only=("0",)),
-    Ignored(("--scheduling-policy",), "nextn serves waiting requests by arrival", only=("fcfs",)),
+    Ignored(
+        ("--scheduling-policy",),
+        "nextn admits waiting requests by arrival (admitted prompts share each step's prefill shortest first)",
+        only=("fcfs",),
+    ),
     Ignored(("--load-format",), "nextn loads safetensors", only=("auto", "safetensors")),
     Ignored(("--tokenizer-mode",), "nextn reads tokenizer.json with the tokenizers library", only=("auto", "hf")),
     Ignored(("--runner",), "nextn generates text", only=("auto", "generate")),
