@@ -5,7 +5,7 @@
 #   bash bench/device_tree.sh slim     # untrack the safetensors (index only; the files stay) and ignore them
 #   ... the device call (carry .llama/llama-bench.tgz .llama/tok .llama/whl) ...
 #   bash bench/device_tree.sh full     # track them again, as committed
-#   bash bench/device_tree.sh prepare  # .llama/tok (Qwen3.5's tokenizer, tar.xz) and .llama/whl (gguf, pyyaml, tqdm)
+#   bash bench/device_tree.sh prepare  # .llama/tok (Qwen3.5's tokenizer, tar.xz) and .llama/whl (gguf, pyyaml, tqdm, llguidance)
 # `slim` refuses while other changes are staged, and `full` is safe to run twice; never commit in between.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -35,6 +35,9 @@ case "${1:-}" in
     tar cJf .llama/tok/tok.txz .tok/qwen3.5
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .llama/whl gguf pyyaml tqdm
+    # nextn imports llguidance (not on the device image either): without it the bench on the file fails (run 144)
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_31_x86_64 -d .llama/whl llguidance
     du -sh .llama/tok .llama/whl
     ;;
   *)

@@ -14,6 +14,8 @@
 set -o pipefail
 source bench/device_env.sh
 LOG=$OUT/log.txt
+# nextn must import before minutes go into writing a file (run 144: llguidance was missing)
+python3 -c "import gguf, llguidance, nextn.cli" || { echo "gguf_vs_llama: nextn does not import here (carry .llama/whl: bench/device_tree.sh prepare)"; exit 2; }
 DISK=/tmp/gguf; mkdir -p $DISK
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $LOG
 LLAMA=/tmp/llama/bin; mkdir -p $LLAMA
