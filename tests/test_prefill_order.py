@@ -101,3 +101,19 @@ def test_order_ranks_tokens_left_less_a_budget_per_step_waited(dense_fitted_ckpt
         engine.abort(old)
         engine.abort(new)
         assert not engine.has_work
+
+
+def test_a_prompt_its_slot_holds_whole_still_starts(dense_fitted_ckpt):
+    """A request whose whole prompt its slot already holds (a kept session's tokens) has no token
+    left to prefill: it is planned all the same, and starts (a share of 0 tokens must not skip it)."""
+    engine = _engine(dense_fitted_ckpt)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompt = _prompt(24, 7)
+    first = engine.add(prompt, params, use_sessions=True)
+    out = [ev for _ in range(20) if engine.has_work for _, ev in engine.step()]
+    tokens = [t for ev in out for t in ev.token_ids]
+    assert first.seq is not None and len(tokens) == 2
+    again = engine.add(prompt + tokens[:1], params, use_sessions=True)  # the kept conversation, one token on
+    later = [ev for _ in range(20) if engine.has_work for _, ev in engine.step()]
+    assert again.cached == len(prompt) + 1, again.cached  # its slot held every prompt token
+    assert not engine.has_work and later[-1].output is not None
