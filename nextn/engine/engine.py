@@ -304,16 +304,13 @@ class Engine:
         rows = sum(live.rounds.k + 1 for live in self.live.values())
         budget = max(self.config.max_num_batched_tokens - rows, STEP_ROWS)
         self.prefilled_rows, events, timed = 0, [], {}
-        shares: dict[int, int] = {}  # request id -> prompt tokens it may still take this step (`_plan`)
+        limits: dict[int, int] = {}  # request id -> the prompt position it may reach this step (`_plan`)
         t0 = time.perf_counter()
         while budget > 0:
-            todo = self._plan(budget, shares)
+            todo = self._plan(budget, limits)
             if not todo:  # (no sync either: the rounds queued ahead keep running)
                 break
-            sizes = [(req.request_id, hi - state.done) for req, state, hi in todo]
             computed, new = self._prefill_pass(todo)
-            for request_id, n in sizes:
-                shares[request_id] -= n
             timed.update((id(state), state) for _, state, _ in todo)
             events += new
             budget -= computed
@@ -326,32 +323,34 @@ class Engine:
                 state.seconds += seconds
         return events
 
-    def _plan(self, budget: int, shares: dict[int, int]) -> list:
-        """A pass's pieces: (request, its state, piece end) in `_order` within budget tokens. A
-        request's share of the step is set by the first pass of the step that plans it: the tokens
-        it has left, as far as the budget no earlier request holds goes. So with the prefix cache,
-        whose passes end at block boundaries, the step's passes finish the first prompts of the
-        order rather than spending the budget on every prompt's first block."""
+    def _plan(self, budget: int, limits: dict[int, int]) -> list:
+        """A pass's pieces: (request, its state, piece end) in `_order` within the step's budget
+        left. A request's share of the step is set by the first pass of the step that plans it: the
+        tokens it has left, as far as the budget no earlier request holds goes (`limits`: the prompt
+        position each may reach). So with the prefix cache, whose passes end at block boundaries,
+        the step's passes finish the first prompts of the order rather than spending the budget on
+        every prompt's first block."""
         B, todo = self.config.prefix_block_size, []
-        free = budget - sum(shares.values())
+        held = (limit - self.prefilling[i].done for i, limit in limits.items() if i in self.prefilling)
+        free = budget - sum(held)
         waiting = self._order([r for r in self.scheduler.running if r.request_id in self.prefilling])
         for req in waiting:
             state = self.prefilling[req.request_id]
-            if req.request_id not in shares and free <= 0:
+            if req.request_id not in limits and free <= 0:
                 continue  # (one that holds a share may still take it)
             if not state.looked_up:
                 if self._behind(req):
                     continue
                 self._look_up(req, state)
             lo = state.done
-            left = len(req.prompt_ids) - lo  # (0: all of it cached; planned all the same, so that it starts)
-            if req.request_id not in shares:
-                shares[req.request_id] = min(left, free)
-                free -= shares[req.request_id]
-            if shares[req.request_id] <= 0 < left:
+            if req.request_id not in limits:
+                share = min(len(req.prompt_ids) - lo, free)
+                limits[req.request_id], free = lo + share, free - share
+            # (a prompt with nothing left, all of it cached, is planned all the same: so that it starts)
+            if limits[req.request_id] <= lo < len(req.prompt_ids):
                 continue
             end = state.split if lo < state.split else len(req.prompt_ids)
-            hi = min(end, lo + shares[req.request_id])
+            hi = min(end, limits[req.request_id])
             if self.config.prefill == "chunked" and hi < end:  # whole chunks (EngineConfig.prefill_chunk)
                 hi = lo + (hi - lo) // self.config.prefill_chunk * self.config.prefill_chunk
             if self.runner.prefix is not None:  # a pass ends at each block boundary: its state is cached there
