@@ -35,7 +35,7 @@ for _ in range(240):
     --prompt-file nextn/engine/rounds.py --random-input-len 480 --random-range-ratio 0.875 --random-output-len 128 \
     --ignore-eos --num-prompts 64 --max-concurrency 16 --num-warmups 16 --disable-tqdm --save-detailed \
     --metadata tree=$TAG flags="$flags" --json $OUT/profile_${TAG}_$i.json 2>&1 \
-    | grep -E "Output token throughput|Median TTFT|Median TPOT|acceptance length" | sed "s/^/[$TAG $i: $flags] /"
+    | grep -E "Output token throughput|Median TTFT|P99 TTFT|Median TPOT|acceptance length" | sed "s/^/[$TAG $i: $flags] /"
   kill -INT $spy; wait $spy 2>/dev/null
   tail -2 /tmp/spy_$i.log
   kill $pid; wait $pid 2>/dev/null

@@ -100,17 +100,29 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
     args.update(M=M, N=N, K=K, K_SPLIT=K // 2, stride_x=K, stride_y=N, stride_res=0, stride_s=N // 128)
     args.update(stride_s2=N // 128, shift=1.0, shift2=1.0, P=1, eps=1e-6)
     consts = dict(EPILOGUE=2, BLOCK_M=linear.TILE_ROWS, BLOCK_N=128, BLOCK_K=128, EVEN_K=True, DOT_F32=False, SPLIT=2,
-                  FP8=True, GROUP=128, SCALE_ROWS=128, SCALE_ROWS2=128, HAS_FLAG=False, TMA=False, CHAIN=True,
+                  SERIAL=1, FP8=True, GROUP=128, SCALE_ROWS=128, SCALE_ROWS2=128, HAS_FLAG=False, TMA=False, CHAIN=True,
                   RMS=False, P_BLOCK=1, NORM_OUT=False, PDL=False)  # fmt: skip
     options = dict(num_warps=4, num_stages=4)
     # Q8_0 (int8, float16 scales per row and 32 columns): each 128-column tile dequantized, one dot
     q8_args = dict(args, w_ptr="*i8", w2_ptr="*i8", s_ptr="*fp16", s2_ptr="*fp16", stride_s=N, stride_s2=N)
     q8_consts = dict(consts, GROUP=32, SCALE_ROWS=1, SCALE_ROWS2=1, CHAIN=False, XMAJOR=False, BLOCK_N=64)
-    return [
+    cases = [
         ("skinny_fp8_wgmma", linear._skinny_kernel, args, dict(consts, XMAJOR=False), options, ("wgmma", "mma.sync")),
         ("skinny_fp8_xmajor", linear._skinny_kernel, args, dict(consts, XMAJOR=True), options, ("mma.sync", None)),
         ("skinny_q8_0", linear._skinny_kernel, q8_args, q8_consts, options),
     ]
+    # bf16 weights in wide row tiles (a prefill's rows: linear.wide_tile), the SwiGLU pair and a split-K
+    # residual shape, each split summed in the program
+    bf16_args = dict(args, w_ptr="*bf16", w2_ptr="*bf16")
+    for name, (n, k), epilogue in (("skinny_wide_swiglu", (N, K), 2), ("skinny_wide_down", (K, N), 1)):
+        block_m, (block_n, block_k, warps, stages, split) = linear.wide_tile(n, k, epilogue == 2, 2)
+        wide = dict(consts, EPILOGUE=epilogue, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=1,
+                    SERIAL=split, FP8=False, GROUP=1, SCALE_ROWS=1, SCALE_ROWS2=1, CHAIN=False,
+                    XMAJOR=False)  # fmt: skip
+        wide_args = dict(bf16_args, M=3000, N=n, K=k, K_SPLIT=k // split, stride_y=n, stride_res=n)
+        cases.append((name, linear._skinny_kernel, wide_args, wide, dict(num_warps=warps, num_stages=stages),
+                      ("wgmma", None)))  # fmt: skip
+    return cases
 
 
 def moe_cases(N=517, H=2048, I=512, top_k=8):

@@ -686,6 +686,32 @@ def test_skinny_linear_rows_past_one_tile():
         assert torch.equal(skinny_linear(None, w3, rms=one, eps=1e-6)[0], out[m]), m
 
 
+@pytest.mark.parametrize("config", [(16, 16, 4, 1, 1), (16, 16, 4, 1, 2), (32, 32, 4, 1, 2)])
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_skinny_linear_wide_tiles_keep_the_bits(config, block_m):
+    """A prefill's rows in wide tiles (block_m rows a program, its K splits summed in the program in
+    split order) give the 16-row tiles' bits, row for row: the plain GEMM, both epilogues and the
+    norm between two GEMMs. A wide tile reducing its splits in another order, or rows whose
+    arithmetic followed the tile, would differ."""
+    g = torch.Generator(device=DEVICE).manual_seed(21)
+    x, w, w2, res = _linear_case(70, 48, 64, torch.bfloat16, g)
+    for name, (kw, ref) in _linear_variants(x, w, w2, res).items():
+        narrow = skinny_linear(x, w, config=config, **kw)
+        _close(narrow, ref, torch.bfloat16)
+        wide = skinny_linear(x, w, config=config, block_m=block_m, **kw)
+        assert torch.equal(_bits(wide), _bits(narrow)), name
+    nw, w3 = _rand(48, dtype=torch.bfloat16, scale=0.3, gen=g), w2[:, :48].contiguous()
+    y, ni = skinny_linear(x, w, residual=res, norm_out=nw, config=config)
+    y_w, ni_w = skinny_linear(x, w, residual=res, norm_out=nw, config=config, block_m=block_m)
+    assert torch.equal(_bits(y_w), _bits(y)) and torch.equal(_bits(ni_w.x), _bits(ni.x))
+    assert torch.equal(_bits(ni_w.ss), _bits(ni.ss))
+    cfg3 = config[:4] + (1,)  # (K = 48: one split)
+    out = skinny_linear(None, w3, rms=ni, eps=1e-6, config=cfg3)
+    assert torch.equal(_bits(skinny_linear(None, w3, rms=ni, eps=1e-6, config=cfg3, block_m=block_m)), _bits(out))
+    with pytest.raises(ValueError, match="block_m"):
+        skinny_linear(x, w, block_m=24)
+
+
 # ---------------------------------------------------------------------------------------------
 # the H200: Qwen3.5-9B shapes in bf16
 

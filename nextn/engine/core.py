@@ -41,6 +41,7 @@ from nextn.config.engine_args import EngineArgs
 from nextn.core import RequestError, RequestOutput, SamplingParams
 from nextn.engine.engine import Engine
 from nextn.engine.scheduler import Request, SessionCounters
+from nextn.ops.triton_utils import compile_count
 
 log = logging.getLogger("nextn.engine.core")
 
@@ -224,7 +225,7 @@ class EngineCore:
             # a kept conversation holds its slot and the graphs captured for it
             len(sched.sessions) * engine.pool.slot_nbytes + engine.runner.graph_memory.of(sched.sessions),
             dict(engine.batch_sizes),
-            None if counts is None else {k: int(v) for k, v in counts.items()},
+            None if counts is None else {**{k: int(v) for k, v in counts.items()}, "kernel_compiles": compile_count()},
             None if prefix is None else dataclasses.replace(prefix.counters),
             0 if prefix is None else prefix.nbytes,
             engine.prefilled_tokens,

@@ -35,6 +35,7 @@ from nextn.engine.sequence import Sequence
 from nextn.models.qwen3_5 import CausalLM, ReferenceStep
 from nextn.models.qwen3_5_step import TritonStep
 from nextn.ops import OPS
+from nextn.ops.triton_linear import WIDE_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -360,6 +361,27 @@ class ModelRunner:
                 p.on_logits(0, own)
             p.seq.commit(p.token_ids, hidden[o : o + n], own[-1].clone())
         self._catch_up([p.seq for p in pieces if p.seq.heads])
+
+    @torch.inference_mode()
+    def warm_prefill(self, heads: bool) -> None:
+        """Compile a "steps" prefill's kernel variants before any request, so that no request waits
+        on a compile: a piece of one row (a cached prompt's last token; one-row launches are arranged
+        as a decode's, nextn.ops.triton_utils.row_launch), one of a few rows, and two pieces of
+        WIDE_ROWS rows together (the GEMMs' wide tiles, nextn.ops.triton_linear), each with its MTP
+        head's catch-up where the engine drafts, on slots reset after."""
+        if self.config.prefill != "steps":
+            return
+        slots = list(range(min(2, self.pool.num_slots)))
+        wide = -(-WIDE_ROWS // len(slots)) + 1  # (the head's catch-up takes a row fewer a prompt)
+        for lengths in ([1], [17], [wide] * len(slots)):
+            pieces = []
+            for slot, n in zip(slots, lengths, strict=False):  # ([1] and [17]: the first slot)
+                self.slot(slot).reset()
+                n = min(n, self.slot(slot).max_len - 1)
+                pieces.append(Piece(Sequence(slot, heads=heads), [0] * n))
+            self.prefill(pieces)
+        for slot in slots:
+            self.slot(slot).reset()
 
     @torch.inference_mode()
     def catch_up(self, seq: Sequence) -> None:

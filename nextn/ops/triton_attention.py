@@ -119,7 +119,7 @@ if HAVE_TRITON:
                 tl.store(key_ptr + dst, out)
                 tl.store(value_ptr + dst, v)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["NUM_CHUNKS"])
     def _attend_chunk_kernel(
         q_ptr,  # [T, Hq, D]
         key_ptr,
@@ -134,10 +134,10 @@ if HAVE_TRITON:
         part_acc_ptr,  # [T, Hq, NUM_CHUNKS] (, D) float32 out
         flag_ptr,  # run_if: 0 skips the call
         scale,
+        NUM_CHUNKS,  # partials per row and head (not specialised: an eager prefill's count follows its positions)
         HQ: tl.constexpr,
         HKV: tl.constexpr,
         D: tl.constexpr,
-        NUM_CHUNKS: tl.constexpr,
         CHUNK_SIZE: tl.constexpr,
         BLOCK_S: tl.constexpr,
         FP8: tl.constexpr,  # e4m3 K/V: each row times its scale after the load
@@ -189,7 +189,7 @@ if HAVE_TRITON:
             tl.store(part_l_ptr + part, l)
             tl.store(part_acc_ptr + part * D + offs_d, acc)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["NUM_CHUNKS"])
     def _combine_kernel(
         part_m_ptr,
         part_l_ptr,
@@ -199,9 +199,9 @@ if HAVE_TRITON:
         row_pos_ptr,
         o_ptr,  # [T, Hq*D] out: attention * sigmoid(gate)
         flag_ptr,  # run_if: 0 skips the call
+        NUM_CHUNKS,  # (not specialised, as the chunk kernel's)
         HQ: tl.constexpr,
         D: tl.constexpr,
-        NUM_CHUNKS: tl.constexpr,
         CHUNK_SIZE: tl.constexpr,
         BLOCK_C: tl.constexpr,
         HAS_FLAG: tl.constexpr,

@@ -8,6 +8,11 @@ padded to 16 in one tensor-core dot (weights as the 16+-row operand: "swap AB").
 chosen from (N, K) alone and M is never specialised, so the reduction order of a row does not
 depend on M. More than 16 rows (a batch of sequences) run as tiles of 16, each computed exactly
 as a 16-row call; a weight block's tiles are neighbouring programs, so they share its L2 reads.
+From WIDE_ROWS rows (a prefill step's) a program owns 64 or 128 rows instead, and a split-K
+shape's splits are summed in the program, in the split order the 16-row tiles' last arrival adds
+them: the dot is wide enough for the tensor cores, and each row's products are summed in the same
+k order by the same MMA, so its bits do not change (checked on the GPU per shape and row count:
+bench/wide_tile_probe.py; a prompt row must be what a decode row of it would be).
 
 Fused after the dot, so a decoder layer needs fewer launches:
 - epilogue `residual`: y = residual + x @ w.T (each rounded to x's dtype first, like `x + f(x)`);
@@ -222,6 +227,41 @@ if HAVE_TRITON:
         """[BLOCK_N, BLOCK_M] -> [BLOCK_M] int32: 1 where a column (a row of x) holds an inf or a NaN."""
         return tl.max(((acc != acc) | (tl.abs(acc) == float("inf"))).to(tl.int32), axis=0)
 
+    @triton.jit
+    def _reduce(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n, k_start, K_SPLIT, K,
+                stride_x, stride_s, stride_s2, shift, shift2, rstd, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+                FP8: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_ROWS2: tl.constexpr, TMA: tl.constexpr,
+                CHAIN: tl.constexpr, XMAJOR: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+        """One split's sums over columns [k_start, k_start + K_SPLIT): [BLOCK_N, BLOCK_M] float32 (x @ w.T,
+        x @ w2.T), times the rows' rstd [BLOCK_M] where the chain scaled x's tiles by it."""
+        if XMAJOR:
+            acc, acc2 = _k_loop_xmajor(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
+                                       k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2,
+                                       rstd[:, None], EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32,
+                                       SCALE_ROWS)  # fmt: skip
+        else:
+            acc, acc2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
+                                k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd[:, None],
+                                EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2,
+                                TMA, CHAIN, GROUP)  # fmt: skip
+        if CHAIN:
+            acc = acc * (1.0 / shift)  # (powers of two: exact)
+            acc2 = acc2 * (1.0 / shift2)
+            # x * scale past fp16's range (65504 after the shift) gives inf: such rows (a row's own
+            # values decide, so rows stay invariant) are computed again tile by tile, scaled products
+            bad = _nonfinite_rows(acc)
+            if EPILOGUE == 2:
+                bad = tl.maximum(bad, _nonfinite_rows(acc2))
+            if tl.max(bad, axis=0) > 0:
+                again, again2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m,
+                                        mask_n, k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2,
+                                        rstd[:, None], EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8,
+                                        SCALE_ROWS, SCALE_ROWS2, TMA, False, GROUP)  # fmt: skip
+                acc = tl.where(bad[None, :] > 0, again * rstd[None, :], acc)
+                acc2 = tl.where(bad[None, :] > 0, again2 * rstd[None, :], acc2)
+        return acc, acc2
+
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(
         x_ptr,
@@ -257,7 +297,8 @@ if HAVE_TRITON:
         BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr,
         DOT_F32: tl.constexpr,
-        SPLIT: tl.constexpr,
+        SPLIT: tl.constexpr,  # programs a row tile's K is split over (float32 partials summed by the last)
+        SERIAL: tl.constexpr,  # splits one program sums itself, in split order (a wide tile's; SPLIT is then 1)
         FP8: tl.constexpr,  # w (and w2) quantized: scales [K / GROUP, N / SCALE_ROWS] (row stride stride_s)
         GROUP: tl.constexpr,  # FP8: columns per scale (128: e4m3, float32 scales; 32: Q8_0's int8, fp16 scales)
         SCALE_ROWS: tl.constexpr,  # weight rows per scale: 1 or 128
@@ -272,8 +313,8 @@ if HAVE_TRITON:
         PDL: tl.constexpr,  # wait for the kernel ahead, release the next launch after the k-loop
     ):
         """Program (n * M_TILES + m, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs
-        for rows [m*BLOCK_M, (m+1)*BLOCK_M). SPLIT > 1: float32 partials [SPLIT, M, N] in part_ptr,
-        arrivals per (N block, row tile) in count_ptr."""
+        for rows [m*BLOCK_M, (m+1)*BLOCK_M) (SERIAL > 1: all SERIAL splits of them). SPLIT > 1: float32
+        partials [SPLIT, M, N] in part_ptr, arrivals per (N block, row tile) in count_ptr."""
         pid = tl.program_id(0)
         m_tiles = tl.cdiv(M, BLOCK_M)
         k_start = tl.program_id(1) * K_SPLIT
@@ -294,33 +335,20 @@ if HAVE_TRITON:
             ss = tl.load(ss_in_ptr + offs_p[:, None] * M + offs_m[None, :],
                          mask=(offs_p[:, None] < P) & mask_m[None, :], other=0.0)  # fmt: skip
             rstd = rms_rstd(tl.sum(ss, axis=0), K, eps)
-        if XMAJOR:
-            acc, acc2 = _k_loop_xmajor(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
-                                       k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2,
-                                       rstd[:, None], EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32,
-                                       SCALE_ROWS)  # fmt: skip
-        else:
-            acc, acc2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
-                                k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd[:, None],
-                                EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2,
-                                TMA, CHAIN, GROUP)  # fmt: skip
+        acc, acc2 = _reduce(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n, k_start,
+                            K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd, EPILOGUE, BLOCK_M, BLOCK_N,
+                            BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2, TMA, CHAIN, XMAJOR,
+                            GROUP)  # fmt: skip
+        for s in range(1, SERIAL):  # the other splits' sums added in split order, as the split-K path adds them
+            more, more2 = _reduce(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
+                                  s * K_SPLIT, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd,
+                                  EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2,
+                                  TMA, CHAIN, XMAJOR, GROUP)  # fmt: skip
+            acc += more
+            if EPILOGUE == 2:
+                acc2 += more2
         if PDL:  # the next launch may start once every program has streamed its weights
             tl.extra.cuda.gdc_launch_dependents()
-        if CHAIN:
-            acc = acc * (1.0 / shift)  # (powers of two: exact)
-            acc2 = acc2 * (1.0 / shift2)
-            # x * scale past fp16's range (65504 after the shift) gives inf: such rows (a row's own
-            # values decide, so rows stay invariant) are computed again tile by tile, scaled products
-            bad = _nonfinite_rows(acc)
-            if EPILOGUE == 2:
-                bad = tl.maximum(bad, _nonfinite_rows(acc2))
-            if tl.max(bad, axis=0) > 0:
-                again, again2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m,
-                                        mask_n, k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2,
-                                        rstd[:, None], EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8,
-                                        SCALE_ROWS, SCALE_ROWS2, TMA, False, GROUP)  # fmt: skip
-                acc = tl.where(bad[None, :] > 0, again * rstd[None, :], acc)
-                acc2 = tl.where(bad[None, :] > 0, again2 * rstd[None, :], acc2)
         out_mask = mask_n[:, None] & mask_m[None, :]
         store_mask = out_mask
         last = mask_m  # the rows this program stores (split-K: only the last split to arrive)
@@ -385,6 +413,11 @@ FP8_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
 Q8_0_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
 QUANT_CONFIGS = {FP8.name: FP8_CONFIGS, Q8_0.name: Q8_0_CONFIGS}  # by nextn.ops.fp8.Format name
 WAY_TMA, WAY_XMAJOR = 1, 2
+# From this many rows (a prefill's, a large batch's verify) a call with bf16 / fp16 weights runs in wide
+# tiles (`wide_tile`): 2.3-3.6x the 16-row tiles' speed at 256-8,192 rows of the 9B's shapes, 330-540
+# TFLOP/s, the same bits (bench/results/wide_tile_probe_run145.json, H100). Below it, 16-row tiles.
+WIDE_ROWS = 256
+WIDE_SMEM = 200 * 1024  # shared memory a wide tile's stages may take (an SM has 227 KiB on Hopper)
 NUM_SMS = 132  # H200; only sets how many programs a launch aims for
 
 
@@ -408,6 +441,19 @@ def pick_config(N: int, K: int, quant: str = "") -> tuple[int, ...]:
             split *= 2
         cfg = (block_n, block_k, 4, 4, split)
     return cfg
+
+
+def wide_tile(N: int, K: int, dual: bool, x_bytes: int) -> tuple[int, tuple[int, ...]]:
+    """(block_m, config) of a call of WIDE_ROWS rows or more (bf16 / fp16 weights): 128 rows a program
+    where a k-tile of both operands fits three stages of shared memory (else 64), the shape's BLOCK_K
+    and split kept, so each row's sums are the 16-row tiles' (the split's partials added in the
+    program in split order; tests/test_kernels.py, the wide-tile tests)."""
+    _, block_k, _, _, split, *_ = pick_config(N, K)
+    for block_m, block_n, warps in ((128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)):
+        stages = min(3, WIDE_SMEM // (((2 if dual else 1) * block_n + block_m) * block_k * x_bytes))
+        if stages >= 2:
+            return block_m, (block_n, block_k, warps, stages, split)
+    return TILE_ROWS, pick_config(N, K)
 
 
 def takes_block_k(fmt: Format, block_k: int) -> bool:
@@ -434,6 +480,7 @@ def skinny_linear(
     eps: float = 0.0,  # rms: the norm's
     norm_out: torch.Tensor | None = None,  # [N] with residual: also return the next norm's NormInput
     pdl: bool = True,  # a programmatic dependent launch where the GPU has them (the same bits)
+    block_m: int | None = None,  # rows a program owns (with config; default: wide_tile's choice for M rows)
 ) -> torch.Tensor | tuple[torch.Tensor, NormInput]:
     """y = x @ weight.T [M, N] with the epilogues above; rms: of the norm whose input (times its
     weight, with its rows' sums of squares) it is, scaling each row's products by its rstd;
@@ -474,6 +521,10 @@ def skinny_linear(
         raise ValueError("skinny_linear: norm_out takes a residual GEMM and the norm's [N] weight")
     if rms is not None and (rms.ss.dim() != 2 or rms.ss.shape[1] != M or not rms.ss.is_contiguous()):
         raise ValueError(f"skinny_linear: rms sums {tuple(rms.ss.shape)} for {M} rows")
+    if block_m is None:
+        block_m = TILE_ROWS
+        if config is None and not fp8 and M >= WIDE_ROWS:
+            block_m, config = wide_tile(N, K, up_weight is not None, x.element_size())
     block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, fmt.name if fp8 else "")
     way = way[0] if way else 0
     if way not in (0, WAY_TMA, WAY_XMAJOR) or (way == WAY_TMA and fp8) or (way == WAY_XMAJOR and fmt != FP8):
@@ -485,6 +536,10 @@ def skinny_linear(
     if fp8 and not takes_block_k(fmt, block_k):
         raise ValueError(f"{fmt.name} weights take BLOCK_K dividing {fmt.block}" + (
             " or a multiple of it" if fmt == Q8_0 else "") + f", got {block_k}")  # fmt: skip
+    if block_m % TILE_ROWS or not TILE_ROWS <= block_m <= 256:
+        raise ValueError(f"skinny_linear: block_m {block_m} is not a multiple of {TILE_ROWS} up to 256")
+    serial = split if block_m > TILE_ROWS else 1  # a wide tile's program sums its splits itself
+    split = split // serial
     dummy = weight
     part = count = dummy
     if split > 1:
@@ -499,7 +554,7 @@ def skinny_linear(
     if tma:
         w = _descriptor(weight, block_n, block_k)
         w2 = _descriptor(up_weight, block_n, block_k) if up_weight is not None else dummy
-    _skinny_kernel[(triton_cdiv(N, block_n) * triton_cdiv(M, TILE_ROWS), split)](
+    _skinny_kernel[(triton_cdiv(N, block_n) * triton_cdiv(M, block_m), split)](
         x,
         w,
         w2,
@@ -517,7 +572,7 @@ def skinny_linear(
         M,
         N,
         K,
-        K // split,
+        K // (split * serial),
         x.stride(0),
         out.stride(0),
         residual.stride(0) if residual is not None else 0,
@@ -528,12 +583,13 @@ def skinny_linear(
         rms.ss.shape[0] if rms is not None else 1,
         eps,
         EPILOGUE=epilogue,
-        BLOCK_M=TILE_ROWS,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=K % block_k == 0,
         DOT_F32=interpreting() or x.dtype == torch.float32,
         SPLIT=split,
+        SERIAL=serial,
         FP8=fp8,
         GROUP=fmt.block if fp8 else 1,
         SCALE_ROWS=rows,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 
 # probe without importing: triton decides at import whether it interprets (TRITON_INTERPRET),
 # and the kernel modules import it only when a fast path is built
@@ -83,3 +84,41 @@ def arrival_counters(device, n: int):
             _OUTGROWN.append(buf)
         buf = _COUNTERS[device] = torch.zeros(max(n, 1 << 14), device=device, dtype=torch.int32)
     return buf
+
+
+class _Compiles:
+    count = 0  # kernels compiled in this process since `watch_compiles`
+    settled = False  # past the engine's warm-up: each compile is logged
+    installed = False
+
+
+def watch_compiles(settled: bool = False) -> None:
+    """Count the Triton kernels this process compiles (Triton's post-compile hook; chained after one
+    already set), from the first call on. settled=True (the engine's warm-up is over): log a warning
+    for each further compile, naming the kernel and its specialisation, since the request that met it
+    waited for it (a compile takes a second or more). Does nothing without Triton or interpreting."""
+    if not HAVE_TRITON or interpreting():
+        return
+    _Compiles.settled = _Compiles.settled or settled
+    if _Compiles.installed:
+        return
+    from triton import knobs
+
+    before = knobs.runtime.jit_post_compile_hook
+
+    def hook(*args, **kwargs):
+        _Compiles.count += 1
+        if _Compiles.settled:
+            logging.getLogger("nextn.ops").warning(
+                "Triton compiled a kernel variant after the warm-up (the step that met it waited): %s",
+                kwargs.get("repr", "?"),
+            )
+        return before(*args, **kwargs) if before is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    _Compiles.installed = True
+
+
+def compile_count() -> int:
+    """Triton kernels compiled since `watch_compiles` was first called (0 before)."""
+    return _Compiles.count

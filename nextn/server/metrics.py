@@ -25,6 +25,7 @@ GRAPH_COUNTS = (
     ("captures", "CUDA graph captures (the model runner's count)."),
     ("replays", "CUDA graph replays (the model runner's count)."),
     ("eager", "Forwards run eagerly, outside CUDA graphs (the model runner's count)."),
+    ("kernel_compiles", "Triton kernels compiled by the engine; after its warm-up each is also logged as a warning."),
 )
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 

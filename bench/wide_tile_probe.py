@@ -1,0 +1,95 @@
+"""skinny_linear in wide row tiles (`block_m`) against its 16-row tiles and cuBLAS, at the 9B's shapes.
+
+A prefill step's rows go through the same GEMM as a decode's (a prompt row must be what a decode row
+of it would be: sessions resume, the prefix cache and batches never change a request's bits). In
+16-row tiles a program's weight tile meets 16 rows; at thousands of rows that re-reads each weight
+tile hundreds of times and the dot is too narrow for the tensor cores. A wide tile (64-256 rows a
+program, the shape's K splits summed in the program in split order) keeps each row's arithmetic
+(the same k order and MMA; bits checked here per row count) and multiplies more rows per weight load.
+
+Per shape and row count M: the default (16-row tiles) us and TFLOP/s, each wide candidate's us and
+whether its output equals the default's bitwise, and torch's F.linear (cuBLAS, not row-invariant)
+as the ceiling. Usage (device): python3 bench/wide_tile_probe.py [--rows 16 256 1024 3072 8192]
+[--json OUT]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nextn.ops.linear_tune import graph_us
+from nextn.ops.triton_linear import pick_config, skinny_linear
+
+# (N, K, epilogue): the 9B's trunk GEMMs (bf16), as a layer calls them
+SHAPES = [
+    (12352, 4096, "plain"),  # GDN in_proj (fused)
+    (10240, 4096, "plain"),  # q/k/v (fused)
+    (4096, 4096, "residual"),  # o_proj / out_proj
+    (12288, 4096, "silu_mul"),  # gate + up
+    (4096, 12288, "residual"),  # down
+]
+# (block_m, block_n, warps, stages); BLOCK_K and the split stay the shape's
+WIDE = [(64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (256, 64, 8, 2),
+        (256, 128, 8, 2)]  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 256, 1024, 3072, 8192])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    result = {"device": torch.cuda.get_device_name(), "shapes": {}}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for N, K, kind in SHAPES:
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * K**-0.5
+        w2 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * K**-0.5
+        base = pick_config(N, K)
+        for M in args.rows:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+            res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
+            kw = {"residual": dict(residual=res), "silu_mul": dict(up_weight=w2), "plain": {}}[kind]
+            flops = 2 * M * N * K * (2 if kind == "silu_mul" else 1)
+
+            def call(cfg=base, block_m=16, x=x, w=w, kw=kw):
+                return skinny_linear(x, w, config=cfg, block_m=block_m, **kw)
+
+            ref = call()
+            row = {"default": base, "default_us": graph_us(lambda i: call(), 1, 10)}
+            if kind == "silu_mul":
+                row["cublas_us"] = graph_us(lambda i, x=x, w=w, w2=w2: F.silu(F.linear(x, w)) * F.linear(x, w2), 1, 10)
+            else:
+                row["cublas_us"] = graph_us(lambda i, x=x, w=w: F.linear(x, w), 1, 10)
+            row["wide"] = []
+            best = None
+            for bm, bn, warps, stages in WIDE:
+                cfg = (bn, base[1], warps, stages, base[4])
+                try:
+                    y = call(cfg, bm)
+                except Exception as e:  # a tile that does not fit the SM's shared memory
+                    row["wide"].append([bm, cfg, type(e).__name__])
+                    continue
+                same = bool(torch.equal(y.view(torch.int16), ref.view(torch.int16)))
+                us = graph_us(lambda i, cfg=cfg, bm=bm: call(cfg, bm), 1, 10)
+                row["wide"].append([bm, cfg, round(us, 2), same])
+                if same and (best is None or us < best[2]):
+                    best = (bm, cfg, us)
+            row["best_same_bits"] = best
+            result["shapes"][f"{N}x{K} {kind} M={M}"] = row
+            tf = lambda us, flops=flops: flops / us / 1e6  # noqa: E731
+            diff = [c for c in row["wide"] if len(c) == 4 and not c[3]]
+            print(
+                f"wide: {N}x{K} {kind} M={M}: 16-row {row['default_us']:.1f} us ({tf(row['default_us']):.0f} TFLOP/s), "
+                + (f"best wide {best[0]} {best[1]} {best[2]:.1f} us ({tf(best[2]):.0f}), " if best else "no wide, ")
+                + f"cuBLAS {row['cublas_us']:.1f} us ({tf(row['cublas_us']):.0f}); other bits: {diff}",
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
