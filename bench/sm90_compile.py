@@ -111,14 +111,14 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
         ("skinny_fp8_xmajor", linear._skinny_kernel, args, dict(consts, XMAJOR=True), options, ("mma.sync", None)),
         ("skinny_q8_0", linear._skinny_kernel, q8_args, q8_consts, options),
     ]
-    # bf16 weights in wide row tiles (a prefill's rows: linear.wide_tile), the SwiGLU pair and a split-K
-    # residual shape, each split summed in the program
+    # bf16 weights in wide row tiles (a prefill's rows: linear.wide_tile), the SwiGLU pair over a norm's
+    # input and a split-K residual shape writing the next norm's, each split summed in the program
     bf16_args = dict(args, w_ptr="*bf16", w2_ptr="*bf16")
     for name, (n, k), epilogue in (("skinny_wide_swiglu", (N, K), 2), ("skinny_wide_down", (K, N), 1)):
         block_m, (block_n, block_k, warps, stages, split) = linear.wide_tile(n, k, epilogue == 2, 2)
         wide = dict(consts, EPILOGUE=epilogue, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=1,
-                    SERIAL=split, FP8=False, GROUP=1, SCALE_ROWS=1, SCALE_ROWS2=1, CHAIN=False,
-                    XMAJOR=False)  # fmt: skip
+                    SERIAL=split, FP8=False, GROUP=1, SCALE_ROWS=1, SCALE_ROWS2=1, CHAIN=False, XMAJOR=False,
+                    RMS=epilogue == 2, P_BLOCK=64, NORM_OUT=epilogue == 1)  # fmt: skip
         wide_args = dict(bf16_args, M=3000, N=n, K=k, K_SPLIT=k // split, stride_y=n, stride_res=n)
         cases.append((name, linear._skinny_kernel, wide_args, wide, dict(num_warps=warps, num_stages=stages),
                       ("wgmma", None)))  # fmt: skip

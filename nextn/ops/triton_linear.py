@@ -68,7 +68,7 @@ from __future__ import annotations
 import torch
 
 from nextn.ops.fp8 import FP8, Q8_0, Format, QuantWeight
-from nextn.ops.triton_norm import NormInput, norm_input_values, rms_rstd
+from nextn.ops.triton_norm import NormInput, ordered_sum, rms_rstd
 from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, next_pow2, pdl_supported
 
 TILE_ROWS = 16  # rows of one tensor-core tile: a decode's 1, a verify's K + 1 <= 16, or a batch's share
@@ -308,7 +308,7 @@ if HAVE_TRITON:
         CHAIN: tl.constexpr,  # FP8 whose BLOCK_N rows share each scale (SCALE_ROWS % BLOCK_N == 0)
         XMAJOR: tl.constexpr,  # CHAIN with x's rows as the dot's M (config way 2)
         RMS: tl.constexpr,  # x is a norm's input times its weight: scale each row's products by its rstd
-        P_BLOCK: tl.constexpr,  # RMS: next_pow2(P)
+        P_BLOCK: tl.constexpr,  # RMS: next_pow2(P), at least 16 (ordered_sum's dot)
         NORM_OUT: tl.constexpr,  # EPILOGUE 1: also store the next norm's input (xn_ptr, ss_out_ptr)
         PDL: tl.constexpr,  # wait for the kernel ahead, release the next launch after the k-loop
     ):
@@ -334,7 +334,7 @@ if HAVE_TRITON:
             offs_p = tl.arange(0, P_BLOCK)
             ss = tl.load(ss_in_ptr + offs_p[:, None] * M + offs_m[None, :],
                          mask=(offs_p[:, None] < P) & mask_m[None, :], other=0.0)  # fmt: skip
-            rstd = rms_rstd(tl.sum(ss, axis=0), K, eps)
+            rstd = rms_rstd(ordered_sum(ss), K, eps)
         acc, acc2 = _reduce(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n, k_start,
                             K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd, EPILOGUE, BLOCK_M, BLOCK_N,
                             BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2, TMA, CHAIN, XMAJOR,
@@ -387,7 +387,8 @@ if HAVE_TRITON:
         tl.store(y_ptr + offs_m[None, :] * stride_y + offs_n[:, None], y, mask=store_mask)
         if NORM_OUT:  # the next norm's input: y * (1 + w) and y's sums of squares over this N block
             nw = tl.load(nw_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            xn, sumsq = norm_input_values(tl.where(store_mask, y.to(tl.float32), 0.0), nw[:, None], 0)
+            yf = tl.where(store_mask, y.to(tl.float32), 0.0)
+            xn, sumsq = yf * (1.0 + nw[:, None]), ordered_sum(yf * yf)
             tl.store(xn_ptr + offs_m[None, :] * N + offs_n[:, None], xn.to(xn_ptr.dtype.element_ty), mask=store_mask)
             tl.store(ss_out_ptr + n_block * M + offs_m, sumsq, mask=last)
 
@@ -599,7 +600,7 @@ def skinny_linear(
         CHAIN=chain,
         XMAJOR=chain and way == WAY_XMAJOR,  # (per-channel scales: the tile-by-tile way, weights as M)
         RMS=rms is not None,
-        P_BLOCK=next_pow2(rms.ss.shape[0]) if rms is not None else 1,
+        P_BLOCK=max(16, next_pow2(rms.ss.shape[0])) if rms is not None else 16,
         NORM_OUT=norm_out is not None,
         PDL=pdl,
         num_warps=warps,

@@ -25,6 +25,15 @@ if HAVE_TRITON:
         return 1.0 / tl.sqrt(sumsq / D + eps)
 
     @triton.jit
+    def ordered_sum(v):
+        """The sums over axis 0 of v [N, M] float32 (N, M >= 16), each added in index order whatever
+        v's layout: a float32 dot with ones runs as fused multiply-adds along its k axis in order, where
+        tl.sum's tree follows how the tile is spread over threads (its shape and warps). So a GEMM's
+        rows get the same sums in 16-row tiles and in wide ones (nextn.ops.triton_linear)."""
+        ones = tl.full((16, v.shape[0]), 1.0, tl.float32)
+        return tl.max(tl.dot(ones, v, input_precision="ieee"), axis=0)  # (its 16 rows are equal)
+
+    @triton.jit
     def norm_input_values(x, w, axis: tl.constexpr):
         """A NormInput's values for float32 rows x along `axis`: (x * (1 + w), the sums of squares),
         w broadcast to x (the norm kernel's and the residual GEMM's epilogue alike)."""
