@@ -123,21 +123,27 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--kernels", default=None, help="the engine's kernels (default: its own choice)")
+    ap.add_argument("--random-weights", default=None, help="a preset's shape (the bundled tokenizer's ids)")
+    ap.add_argument("--spec-k", type=int, default=3)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
     args = ap.parse_args()
     from nextn.core import SamplingParams
     from nextn.engine.llm import LLM
 
     settings = dict(
-        num_speculative_tokens=3,
-        max_num_seqs=64,
+        num_speculative_tokens=args.spec_k,
+        max_num_seqs=args.max_num_seqs,
         prefill=args.prefill,
-        k_policy="auto",
         enable_prefix_caching=not args.no_prefix_cache,
     )
     if args.max_num_batched_tokens:
         settings["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.kernels:
         settings["kernels"] = args.kernels
+    if args.spec_k:
+        settings["k_policy"] = "auto"
+    if args.random_weights:
+        settings.update(random_weights=args.random_weights, tokenizer="nextn/default_model", max_model_len=1024)
     t = time.perf_counter()
     llm = LLM(None, **settings)
     print(f"probe: {settings}: LLM ready in {time.perf_counter() - t:.1f} s")

@@ -109,9 +109,13 @@ def watch_compiles(settled: bool = False) -> None:
     def hook(*args, **kwargs):
         _Compiles.count += 1
         if _Compiles.settled:
+            fn, compiled = kwargs.get("fn"), kwargs.get("compile") or {}
             logging.getLogger("nextn.ops").warning(
-                "Triton compiled a kernel variant after the warm-up (the step that met it waited): %s",
-                kwargs.get("repr", "?"),
+                "Triton compiled a kernel variant after the warm-up (the step that met it waited): %s, "
+                "warps %s, specialisation %s",
+                getattr(fn, "name", "?"),
+                compiled.get("num_warps"),
+                str(compiled.get("key", "?"))[:600],
             )
         return before(*args, **kwargs) if before is not None else None
 
