@@ -66,3 +66,35 @@ def test_prefill_after_the_warm_up_compiles_nothing(dense_ckpt, monkeypatch):
     assert out == cold
     assert len({k[0] for k in warmed}) >= 4, warmed  # the trunk's and the head's kernels
     assert launched and launched <= warmed, sorted(launched - warmed)
+
+
+def test_a_compile_after_the_warm_up_is_counted_and_logged(monkeypatch, caplog):
+    """watch_compiles counts every compile (Triton's post-compile hook, chained after one already
+    set) and logs those made while no engine warms up, once one has: a second engine's warm-up in
+    the same process (an LLM beside another) is not a request waiting."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    from nextn.ops import triton_utils
+
+    chained = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: chained.append(kw["fn"].name))
+    monkeypatch.setattr(triton_utils, "interpreting", lambda: False)
+    for name, value in dict(count=0, warming=0, settled=False, installed=False).items():
+        monkeypatch.setattr(triton_utils._Compiles, name, value)
+
+    def compile_(name):
+        knobs.runtime.jit_post_compile_hook(fn=SimpleNamespace(name=name), compile={"key": name, "num_warps": 4})
+
+    triton_utils.watch_compiles(warming=True)
+    compile_("warm_a")
+    triton_utils.watch_compiles(warming=False)
+    compile_("late_a")
+    triton_utils.watch_compiles(warming=True)  # a second engine warms up
+    compile_("warm_b")
+    triton_utils.watch_compiles(warming=False)
+    compile_("late_b")
+    assert triton_utils.compile_count() == 4 and chained == ["warm_a", "late_a", "warm_b", "late_b"]
+    logged = [r.getMessage() for r in caplog.records if "after the warm-up" in r.getMessage()]
+    assert len(logged) == 2 and "late_a" in logged[0] and "late_b" in logged[1], logged

@@ -123,15 +123,17 @@ class Engine:
         self.prefilled_tokens = 0  # prompt tokens prefilled so far (computed, not served from a cache)
         self.steps = 0  # engine steps so far (a prefilling request's age: Engine._order)
         if self.runner.use_graphs and self.runner.pad_rounds:  # the rounds' graphs before any request
-            watch_compiles()
-            t0 = time.perf_counter()
-            k_max = config.spec.num_speculative_tokens
-            ks = list(range(k_max + 1)) if self.k_policy is not None else [k_max]
-            n = warm_up(self.runner, self.proposer, config.max_num_seqs, ks)
-            log.info("captured %d round graphs (K %s, batches up to %d) in %.1f s", n, ks, config.max_num_seqs,
-                     time.perf_counter() - t0)  # fmt: skip
-            self.runner.warm_prefill(heads=self.proposer is not None)
-            watch_compiles(settled=True)  # a compile from here on is one a request waits for: logged
+            watch_compiles(warming=True)
+            try:
+                t0 = time.perf_counter()
+                k_max = config.spec.num_speculative_tokens
+                ks = list(range(k_max + 1)) if self.k_policy is not None else [k_max]
+                n = warm_up(self.runner, self.proposer, config.max_num_seqs, ks)
+                log.info("captured %d round graphs (K %s, batches up to %d) in %.1f s", n, ks,
+                         config.max_num_seqs, time.perf_counter() - t0)  # fmt: skip
+                self.runner.warm_prefill(heads=self.proposer is not None)
+            finally:
+                watch_compiles(warming=False)  # a compile from here on is one a request waits for: logged
 
     def add(
         self,

@@ -88,18 +88,21 @@ def arrival_counters(device, n: int):
 
 class _Compiles:
     count = 0  # kernels compiled in this process since `watch_compiles`
-    settled = False  # past the engine's warm-up: each compile is logged
+    warming = 0  # engines warming up now (their compiles are expected)
+    settled = False  # an engine's warm-up has ended: each compile outside a warm-up is logged
     installed = False
 
 
-def watch_compiles(settled: bool = False) -> None:
+def watch_compiles(warming: bool) -> None:
     """Count the Triton kernels this process compiles (Triton's post-compile hook; chained after one
-    already set), from the first call on. settled=True (the engine's warm-up is over): log a warning
-    for each further compile, naming the kernel and its specialisation, since the request that met it
-    waited for it (a compile takes a second or more). Does nothing without Triton or interpreting."""
+    already set) from the first call on. warming=True: an engine's warm-up begins; False: it has
+    ended. A compile while no engine warms up, after one has, is logged as a warning naming the
+    kernel and its specialisation, since the request that met it waited for it (a compile takes a
+    second or more). Does nothing without Triton or interpreting."""
     if not HAVE_TRITON or interpreting():
         return
-    _Compiles.settled = _Compiles.settled or settled
+    _Compiles.warming = max(0, _Compiles.warming + (1 if warming else -1))
+    _Compiles.settled = _Compiles.settled or not warming
     if _Compiles.installed:
         return
     from triton import knobs
@@ -108,7 +111,7 @@ def watch_compiles(settled: bool = False) -> None:
 
     def hook(*args, **kwargs):
         _Compiles.count += 1
-        if _Compiles.settled:
+        if _Compiles.settled and not _Compiles.warming:
             fn, compiled = kwargs.get("fn"), kwargs.get("compile") or {}
             logging.getLogger("nextn.ops").warning(
                 "Triton compiled a kernel variant after the warm-up (the step that met it waited): %s, "
