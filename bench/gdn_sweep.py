@@ -115,16 +115,26 @@ def layer_us(step_fn, c, block_v, warps) -> float:
     return sorted(times)[3]
 
 
-def same_bits(fn_a, fn_b, make, block_v, warps) -> bool:
-    """Both modules from the same inputs: outputs, states and windows bitwise equal."""
+def same_bits(fn_a, fn_b, make, block_v, warps) -> bool | str:
+    """Both modules from the same inputs: True where the outputs, states and windows are bitwise
+    equal, else which differ first (the output's first row that differs, a layer's states / window)."""
     results = []
     for fn in (fn_a, fn_b):
         c = make()
         run(fn, c, block_v, warps)
         results.append([c["out"]] + [t for buf in c["layer"] for t in (buf["states"], buf["window"])])
-    return all(torch.equal(x.view(torch.int16 if x.element_size() == 2 else torch.int32),
-                           y.view(torch.int16 if y.element_size() == 2 else torch.int32))
-               for x, y in zip(*results, strict=True))  # fmt: skip
+
+    def bits(x):
+        return x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+    names = ["out"] + [f"layer {i} {n}" for i in range(len(results[0]) // 2) for n in ("states", "window")]
+    for name, x, y in zip(names, *results, strict=True):
+        if not torch.equal(bits(x), bits(y)):
+            if name == "out":
+                row = int((bits(x) != bits(y)).any(dim=-1).nonzero()[0])
+                return f"out differs from row {row} (max |diff| {(x.float() - y.float()).abs().max().item():.3g})"
+            return f"{name} differs"
+    return True
 
 
 def main() -> None:
