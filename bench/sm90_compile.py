@@ -115,7 +115,7 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
     # input and a split-K residual shape writing the next norm's, each split summed in the program
     bf16_args = dict(args, w_ptr="*bf16", w2_ptr="*bf16")
     for name, (n, k), epilogue in (("skinny_wide_swiglu", (N, K), 2), ("skinny_wide_down", (K, N), 1)):
-        block_m, (block_n, block_k, warps, stages, split) = linear.wide_tile(n, k, epilogue == 2, 2)
+        block_m, (block_n, block_k, warps, stages, split) = linear.wide_tile(n, k, epilogue == 2, 2, epilogue == 1)
         wide = dict(consts, EPILOGUE=epilogue, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=1,
                     SERIAL=split, FP8=False, GROUP=1, SCALE_ROWS=1, SCALE_ROWS2=1, CHAIN=False, XMAJOR=False,
                     RMS=epilogue == 2, P_BLOCK=64, NORM_OUT=epilogue == 1)  # fmt: skip

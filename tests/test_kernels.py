@@ -712,6 +712,27 @@ def test_skinny_linear_wide_tiles_keep_the_bits(config, block_m):
         skinny_linear(x, w, block_m=24)
 
 
+def test_skinny_linear_default_wide_tiles_keep_each_rows_bits():
+    """With the default configs a call of WIDE_ROWS rows runs in wide tiles (wide_tile): each row of
+    a residual GEMM writing the next norm's input, and of the projection reading it, equals the row
+    computed alone (16-row tiles). The next norm's sums of squares are partials per BLOCK_N columns,
+    so a wide tile of another BLOCK_N would regroup them (another rstd): wide_tile keeps it there."""
+    from nextn.ops.triton_linear import WIDE_ROWS
+
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    M, N, K = WIDE_ROWS + 4, 384, 64
+    x, w, w2, res = _linear_case(M, N, K, torch.bfloat16, g)
+    nw = _rand(N, dtype=torch.bfloat16, scale=0.3, gen=g)
+    w3 = _rand(96, N, dtype=torch.bfloat16, scale=N**-0.5, gen=g)
+    y, ni = skinny_linear(x, w, residual=res, norm_out=nw)
+    out = skinny_linear(None, w3, rms=ni, eps=1e-6)
+    _close(out, F.linear(reference_rms_norm(y, nw, 1e-6), w3), torch.bfloat16)
+    for m in (0, 130, M - 1):
+        y1, n1 = skinny_linear(x[m : m + 1], w, residual=res[m : m + 1], norm_out=nw)
+        assert torch.equal(_bits(y1[0]), _bits(y[m])) and torch.equal(_bits(n1.ss[:, 0]), _bits(ni.ss[:, m])), m
+        assert torch.equal(_bits(skinny_linear(None, w3, rms=n1, eps=1e-6)[0]), _bits(out[m])), m
+
+
 # ---------------------------------------------------------------------------------------------
 # the H200: Qwen3.5-9B shapes in bf16
 

@@ -444,13 +444,17 @@ def pick_config(N: int, K: int, quant: str = "") -> tuple[int, ...]:
     return cfg
 
 
-def wide_tile(N: int, K: int, dual: bool, x_bytes: int) -> tuple[int, tuple[int, ...]]:
+def wide_tile(N: int, K: int, dual: bool, x_bytes: int, norm_out: bool = False) -> tuple[int, tuple[int, ...]]:
     """(block_m, config) of a call of WIDE_ROWS rows or more (bf16 / fp16 weights): 128 rows a program
     where a k-tile of both operands fits three stages of shared memory (else 64), the shape's BLOCK_K
     and split kept, so each row's sums are the 16-row tiles' (the split's partials added in the
-    program in split order; tests/test_kernels.py, the wide-tile tests)."""
-    _, block_k, _, _, split, *_ = pick_config(N, K)
-    for block_m, block_n, warps in ((128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)):
+    program in split order; tests/test_kernels.py, the wide-tile tests). norm_out: the shape's
+    BLOCK_N kept too, since the next norm's sums of squares are partials per BLOCK_N columns."""
+    narrow_n, block_k, _, _, split, *_ = pick_config(N, K)
+    choices = [(128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)]
+    if norm_out:
+        choices = [(128, narrow_n, 8 if narrow_n >= 128 else 4), (64, narrow_n, 4)]
+    for block_m, block_n, warps in choices:
         stages = min(3, WIDE_SMEM // (((2 if dual else 1) * block_n + block_m) * block_k * x_bytes))
         if stages >= 2:
             return block_m, (block_n, block_k, warps, stages, split)
@@ -525,7 +529,7 @@ def skinny_linear(
     if block_m is None:
         block_m = TILE_ROWS
         if config is None and not fp8 and M >= WIDE_ROWS:
-            block_m, config = wide_tile(N, K, up_weight is not None, x.element_size())
+            block_m, config = wide_tile(N, K, up_weight is not None, x.element_size(), norm_out is not None)
     block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, fmt.name if fp8 else "")
     way = way[0] if way else 0
     if way not in (0, WAY_TMA, WAY_XMAJOR) or (way == WAY_TMA and fp8) or (way == WAY_XMAJOR and fmt != FP8):
