@@ -12,7 +12,10 @@ From WIDE_ROWS rows (a prefill step's) a program owns 64 or 128 rows instead, an
 shape's splits are summed in the program, in the split order the 16-row tiles' last arrival adds
 them: the dot is wide enough for the tensor cores, and each row's products are summed in the same
 k order by the same MMA, so its bits do not change (checked on the GPU per shape and row count:
-bench/wide_tile_probe.py; a prompt row must be what a decode row of it would be).
+bench/wide_tile_probe.py; a prompt row must be what a decode row of it would be). A residual GEMM
+that writes the next norm's input keeps its BLOCK_N there, since the norm's sums of squares are
+partials per BLOCK_N columns, and every such sum is added in index order (triton_norm.ordered_sum),
+not in a tree that follows the tile's layout.
 
 Fused after the dot, so a decoder layer needs fewer launches:
 - epilogue `residual`: y = residual + x @ w.T (each rounded to x's dtype first, like `x + f(x)`);
