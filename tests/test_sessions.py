@@ -47,18 +47,24 @@ def test_prefill_mode_is_validated(dense_ckpt):
 def test_resumed_equals_cold_on_the_gpu(dense_fitted_ckpt, sampling):
     """The Triton path, greedy and seeded sampled: a 6-turn conversation (each turn the previous
     prompt, the reply and new text) resumed from kept sessions emits what a cold engine emits,
-    drafts included (the head's catch-up runs the step's per-row arithmetic whatever the split)."""
+    drafts included (the head's catch-up runs the step's per-row arithmetic whatever the split),
+    token for token and logprob for logprob. The later turns' cold prefills pass WIDE_ROWS rows
+    (the GEMMs' wide tiles) where the resumed replies' rows were decoded in 16-row tiles."""
+    from nextn.ops.triton_linear import WIDE_ROWS
+
     kw = dict(model=dense_fitted_ckpt, device="cuda", dtype="bfloat16", num_speculative_tokens=3, prefill="steps")
     warm, cold = nextn.LLM(**kw), nextn.LLM(**kw)
-    params = nextn.SamplingParams(max_tokens=24, ignore_eos=True, **sampling)
+    params = nextn.SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1, **sampling)
     rng = random.Random(1)
     prompt: list[int] = []
     for _ in range(6):
-        prompt = prompt + [rng.randrange(340) for _ in range(rng.randrange(5, 40))]
+        prompt = prompt + [rng.randrange(340) for _ in range(rng.randrange(20, 60))]
         resumed = warm.generate(prompt_token_ids=prompt, params=params, use_sessions=True)
-        assert resumed.token_ids == cold.generate(prompt_token_ids=prompt, params=params).token_ids
+        fresh = cold.generate(prompt_token_ids=prompt, params=params)
+        assert resumed.token_ids == fresh.token_ids
+        assert [e["logprob"] for e in resumed.logprobs] == [e["logprob"] for e in fresh.logprobs]
         prompt = prompt + resumed.token_ids
-    assert resumed.cached_tokens > 0
+    assert resumed.cached_tokens > 0 and len(prompt) - 24 > WIDE_ROWS
 
 
 def test_a_request_waiting_for_a_slot_is_one_session_lookup():
