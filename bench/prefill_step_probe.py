@@ -74,7 +74,8 @@ def step_kernels(llm, result: dict) -> None:
 
 
 def linear_configs(llm, result: dict) -> None:
-    from nextn.ops.triton_linear import pick_config, skinny_linear
+    from nextn.ops.linear_configs import pick_config
+    from nextn.ops.triton_linear import skinny_linear
 
     shapes = sorted({tuple(p.shape) for p in llm.model.parameters() if p.dim() == 2 and p.shape[0] <= 16384})
     print("probe: 2-D weights:", shapes)

@@ -80,7 +80,7 @@ B, gen, prompt = 16, offline["config"]["gen_len"], offline["prefill_len"]
 tps = offline["batch_tokens_per_s"]["plain"][str(B)]
 prefill = offline["prefill_tokens_per_s"]
 try:  # the bench tunes the skinny GEMM's block configs first; a server runs triton_linear's table as it is
-    from nextn.ops.triton_linear import CONFIGS
+    from nextn.ops.linear_configs import CONFIGS
     table = {f"{n}x{k}": list(c) for (n, k), c in CONFIGS.items()}
     unlike = {key: {"tuned": v["config"], "server": table.get(key)}
               for key, v in offline.get("linear_configs", {}).items() if v["config"] != table.get(key)}

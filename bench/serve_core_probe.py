@@ -26,20 +26,22 @@ from pathlib import Path
 import torch
 
 
-def watch_compiles() -> list:
-    """Every Triton JIT compile from now on: (kernel, key, seconds)."""
+def record_compiles() -> list:
+    """Every Triton JIT compile from now on: (kernel, key, seconds). The hooks chain after those
+    already set (the engine's own count and warning: nextn.ops.triton_utils.watch_compiles)."""
     import triton.knobs as knobs
 
     seen, started = [], {}
+    cache_hook, post_hook = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
 
     def before(**kw):
         started[kw["key"]] = time.perf_counter()
-        return False
+        return cache_hook(**kw) if cache_hook is not None else False
 
     def after(**kw):
         t = started.pop(kw["key"], time.perf_counter())
         seen.append((kw["fn"].name, str(kw["key"]), time.perf_counter() - t))
-        return False
+        return post_hook(**kw) if post_hook is not None else False
 
     knobs.runtime.jit_cache_hook = before
     knobs.runtime.jit_post_compile_hook = after
@@ -151,7 +153,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     if torch.cuda.is_available():  # warm-up, apart from the measured (kernels and graphs at these shapes)
         closed_loop(engine, prompts(llm.tokenizer, 32, 8), 16, params)
-        compiles = watch_compiles()
+        compiles = record_compiles()
     else:
         compiles = []
     measured = prompts(llm.tokenizer, args.num_prompts, 7)

@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from nextn.ops import linear_configs as cfgs  # noqa: E402
 from nextn.ops import triton_gdn_chunk as gdn  # noqa: E402
 from nextn.ops import triton_linear as linear  # noqa: E402
 from nextn.ops import triton_moe_grouped as moe  # noqa: E402
@@ -99,7 +100,7 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
     args.update(res_ptr="*bf16", count_ptr="*i32", flag_ptr="*i32", nw_ptr="*bf16", xn_ptr="*bf16")
     args.update(M=M, N=N, K=K, K_SPLIT=K // 2, stride_x=K, stride_y=N, stride_res=0, stride_s=N // 128)
     args.update(stride_s2=N // 128, shift=1.0, shift2=1.0, P=1, eps=1e-6)
-    consts = dict(EPILOGUE=2, BLOCK_M=linear.TILE_ROWS, BLOCK_N=128, BLOCK_K=128, EVEN_K=True, DOT_F32=False, SPLIT=2,
+    consts = dict(EPILOGUE=2, BLOCK_M=cfgs.TILE_ROWS, BLOCK_N=128, BLOCK_K=128, EVEN_K=True, DOT_F32=False, SPLIT=2,
                   SERIAL=1, FP8=True, GROUP=128, SCALE_ROWS=128, SCALE_ROWS2=128, HAS_FLAG=False, TMA=False, CHAIN=True,
                   RMS=False, P_BLOCK=1, NORM_OUT=False, PDL=False)  # fmt: skip
     options = dict(num_warps=4, num_stages=4)
@@ -111,11 +112,11 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
         ("skinny_fp8_xmajor", linear._skinny_kernel, args, dict(consts, XMAJOR=True), options, ("mma.sync", None)),
         ("skinny_q8_0", linear._skinny_kernel, q8_args, q8_consts, options),
     ]
-    # bf16 weights in wide row tiles (a prefill's rows: linear.wide_tile), the SwiGLU pair over a norm's
+    # bf16 weights in wide row tiles (a prefill's rows: cfgs.wide_tile), the SwiGLU pair over a norm's
     # input and a split-K residual shape writing the next norm's, each split summed in the program
     bf16_args = dict(args, w_ptr="*bf16", w2_ptr="*bf16")
     for name, (n, k), epilogue in (("skinny_wide_swiglu", (N, K), 2), ("skinny_wide_down", (K, N), 1)):
-        block_m, (block_n, block_k, warps, stages, split) = linear.wide_tile(n, k, epilogue == 2, 2, epilogue == 1)
+        block_m, (block_n, block_k, warps, stages, split) = cfgs.wide_tile(n, k, epilogue == 2, 2, epilogue == 1)
         wide = dict(consts, EPILOGUE=epilogue, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=1,
                     SERIAL=split, FP8=False, GROUP=1, SCALE_ROWS=1, SCALE_ROWS2=1, CHAIN=False, XMAJOR=False,
                     RMS=epilogue == 2, P_BLOCK=64, NORM_OUT=epilogue == 1)  # fmt: skip

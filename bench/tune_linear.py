@@ -1,5 +1,5 @@
 """Time skinny_linear block configs on the GPU at 1 row (decode) and 9 rows (verify K=8); print
-the best per weight shape as a CONFIGS table for nextn/ops/triton_linear.py.
+the best per weight shape as a CONFIGS table for nextn/ops/linear_configs.py.
 
 python bench/tune_linear.py [--out tune.json]
 """
@@ -12,7 +12,7 @@ import json
 import torch
 from triton.testing import do_bench
 
-from nextn.ops import triton_linear
+from nextn.ops import linear_configs
 from nextn.ops.triton_linear import skinny_linear
 
 SHAPES = [(12352, 4096), (4096, 12288), (24576, 4096), (4096, 4096), (248320, 4096), (8192, 2048)]
@@ -39,7 +39,7 @@ def main() -> None:
         x = torch.randn(9, K, device="cuda", dtype=torch.bfloat16)
         rows = []
         for cfg in CANDIDATES:
-            triton_linear.CONFIGS[(N, K)] = cfg
+            linear_configs.CONFIGS[(N, K)] = cfg
             try:
                 t1 = do_bench(lambda x=x, w=w: skinny_linear(x[:1], w), warmup=5, rep=30, return_mode="median")
                 t9 = do_bench(lambda x=x, w=w: skinny_linear(x, w), warmup=5, rep=30, return_mode="median")
@@ -49,7 +49,7 @@ def main() -> None:
             gbps = N * K * 2 / (t1 * 1e-3) / 1e9
             rows.append((t1, t9, cfg, gbps))
             print(f"{N}x{K} {cfg}: 1 row {t1 * 1e3:.1f} us ({gbps:.0f} GB/s), 9 rows {t9 * 1e3:.1f} us", flush=True)
-        del triton_linear.CONFIGS[(N, K)]
+        del linear_configs.CONFIGS[(N, K)]
         best = min(rows, key=lambda r: r[0] + 0.25 * r[1])
         results[f"{N}x{K}"] = {
             "config": best[2],

@@ -1,7 +1,7 @@
 """Exactness with wide-tile prefills on the GPU (run 150): the bundled model, a 300-token prompt and two
 more turns (reply + 30 new tokens each), greedy: a session resumed from kept state (its reply's rows
 were decode rows, in 16-row tiles) equals a cold engine's prefill of the whole conversation (300-440
-rows a step, wide tiles: nextn.ops.triton_linear.WIDE_ROWS), and spec K=3 equals plain K=0.
+rows a step, wide tiles: nextn.ops.linear_configs.WIDE_ROWS), and spec K=3 equals plain K=0.
 Usage (device): python3 bench/wide_prefill_exactness.py [--json OUT]"""
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nextn.ops.linear_configs import pick_config
 from nextn.ops.linear_tune import graph_us
-from nextn.ops.triton_linear import pick_config, skinny_linear
+from nextn.ops.triton_linear import skinny_linear
 
 # (N, K, epilogue): the 9B's trunk GEMMs (bf16), as a layer calls them
 SHAPES = [

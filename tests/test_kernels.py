@@ -717,7 +717,7 @@ def test_skinny_linear_default_wide_tiles_keep_each_rows_bits():
     a residual GEMM writing the next norm's input, and of the projection reading it, equals the row
     computed alone (16-row tiles). The next norm's sums of squares are partials per BLOCK_N columns,
     so a wide tile of another BLOCK_N would regroup them (another rstd): wide_tile keeps it there."""
-    from nextn.ops.triton_linear import WIDE_ROWS
+    from nextn.ops.linear_configs import WIDE_ROWS
 
     g = torch.Generator(device=DEVICE).manual_seed(5)
     M, N, K = WIDE_ROWS + 4, 384, 64

@@ -50,7 +50,7 @@ def test_resumed_equals_cold_on_the_gpu(dense_fitted_ckpt, sampling):
     drafts included (the head's catch-up runs the step's per-row arithmetic whatever the split),
     token for token and logprob for logprob. The later turns' cold prefills pass WIDE_ROWS rows
     (the GEMMs' wide tiles) where the resumed replies' rows were decoded in 16-row tiles."""
-    from nextn.ops.triton_linear import WIDE_ROWS
+    from nextn.ops.linear_configs import WIDE_ROWS
 
     kw = dict(model=dense_fitted_ckpt, device="cuda", dtype="bfloat16", num_speculative_tokens=3, prefill="steps")
     warm, cold = nextn.LLM(**kw), nextn.LLM(**kw)

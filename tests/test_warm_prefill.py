@@ -43,7 +43,7 @@ def test_prefill_after_the_warm_up_compiles_nothing(dense_ckpt, monkeypatch):
     tiles; 32 rows here, so the interpreter's prompts stay short), one and several pieces a step,
     launch no kernel variant the warm-up did not; and the warm-up leaves no trace: the requests'
     outputs equal an unwarmed engine's."""
-    monkeypatch.setattr(triton_linear, "WIDE_ROWS", 32)
+    monkeypatch.setattr(triton_linear, "WIDE_ROWS", 32)  # (the name skinny_linear reads)
     monkeypatch.setattr(runner_module, "WIDE_ROWS", 32)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (1, 9, 40, 20)]

@@ -134,6 +134,7 @@ def run_bench(
         f"({fit.bytes_per_sequence / GiB:.3f} GiB each, {res['cache_bytes_total'] / GiB:.2f} GiB total; {fit.where})"
     )
     if kernels == "triton" and device.type == "cuda" and cfg.tune:
+        from nextn.ops.linear_configs import CONFIGS, QUANT_CONFIGS
         from nextn.ops.linear_tune import config_key
 
         t0 = time.perf_counter()
@@ -141,7 +142,7 @@ def run_bench(
         head_vocab = None if draft_vocab is None else draft_vocab.size
         res["linear_configs"] = step.tune(log=log, head_vocab=head_vocab)
         if model.cfg.tp_size > 1:  # rank 0's choices everywhere: replicated GEMMs must round alike
-            for table in (step.linear.CONFIGS, *step.linear.QUANT_CONFIGS.values()):
+            for table in (CONFIGS, *QUANT_CONFIGS.values()):
                 table.update(broadcast_object(dict(table)))
         res["tune_seconds"] = time.perf_counter() - t0
         # what the step's matmuls alone would take, from the tuning measurements (graph, L2 cold)

@@ -35,7 +35,7 @@ from nextn.engine.sequence import Sequence
 from nextn.models.qwen3_5 import CausalLM, ReferenceStep
 from nextn.models.qwen3_5_step import TritonStep
 from nextn.ops import OPS
-from nextn.ops.triton_linear import WIDE_ROWS
+from nextn.ops.linear_configs import WIDE_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -367,7 +367,7 @@ class ModelRunner:
         """Compile a "steps" prefill's kernel variants before any request, so that no request waits
         on a compile: a piece of one row (a cached prompt's last token; one-row launches are arranged
         as a decode's, nextn.ops.triton_utils.row_launch), one of a few rows, and two pieces of
-        WIDE_ROWS rows together (the GEMMs' wide tiles, nextn.ops.triton_linear), each with its MTP
+        WIDE_ROWS rows together (the GEMMs' wide tiles, nextn.ops.linear_configs), each with its MTP
         head's catch-up where the engine drafts, on slots reset after."""
         if self.config.prefill != "steps":
             return

@@ -1,6 +1,7 @@
 """Block configs for the skinny GEMM (nextn.ops.triton_linear), measured: each candidate timed per
-weight shape at 1 and 9 rows inside a CUDA graph with the weights out of L2, the best kept in the
-kernel module's CONFIGS / QUANT_CONFIGS (FP8, Q8_0) before any step is captured (TritonStep.tune, `nextn bench`).
+weight shape at 1 and 9 rows inside a CUDA graph with the weights out of L2, the best kept in
+nextn.ops.linear_configs' CONFIGS / QUANT_CONFIGS (FP8, Q8_0) before any step is captured
+(TritonStep.tune, `nextn bench`).
 GPU only. `graph_us` is the timing the bench scripts share.
 """
 
@@ -9,16 +10,9 @@ from __future__ import annotations
 import torch
 
 from nextn.ops.fp8 import FORMATS, FP8, QuantWeight, compact_scales, quantize
+from nextn.ops.linear_configs import CONFIGS, QUANT_CONFIGS, WAY_TMA, WAY_XMAJOR, pick_config, takes_block_k
 from nextn.ops.q8_0 import q8_0_quantize
-from nextn.ops.triton_linear import (
-    CONFIGS,
-    QUANT_CONFIGS,
-    WAY_TMA,
-    WAY_XMAJOR,
-    pick_config,
-    skinny_linear,
-    takes_block_k,
-)
+from nextn.ops.triton_linear import skinny_linear
 
 
 def graph_us(launch, num_copies: int, reps: int) -> float:

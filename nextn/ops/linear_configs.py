@@ -1,0 +1,90 @@
+"""The skinny GEMM's block configs (nextn.ops.triton_linear.skinny_linear): per weight shape and kind,
+chosen from (N, K) alone, never the row count, so a row's arithmetic does not depend on how many
+rows a call has; and the wide row tiles a call of WIDE_ROWS rows or more runs in, which keep each
+row's arithmetic (`wide_tile`). `nextn.ops.linear_tune` measures candidates and overwrites entries.
+"""
+
+from __future__ import annotations
+
+from nextn.ops.fp8 import FP8, Q8_0, Format
+from nextn.ops.triton_utils import interpreting, next_pow2
+
+TILE_ROWS = 16  # rows of one tensor-core tile: a decode's 1, a verify's K + 1 <= 16, or a batch's share
+
+
+# (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT[, WAY]), WAY 1: weight tiles through tensor descriptors
+# (TMA, bf16 weights), 2: FP8 chained dots x-major (XMAJOR). `linear_tune.tune` measures candidates per shape
+# and overwrites entries; the defaults are Qwen3.5-9B's shapes as swept on an H200 (CUDA graphs,
+# weights out of L2: bench/results/gemv_sweep_qwen3.5-9b_run4.json).
+CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
+    (4096, 4096): (64, 128, 8, 3, 4),  # o_proj, out_proj
+    (4096, 8192): (64, 128, 4, 3, 4),  # mtp.fc
+    (4096, 12288): (64, 128, 4, 3, 4),  # down_proj
+    (10240, 4096): (128, 128, 8, 3, 2),  # q/k/v fused
+    (12288, 4096): (64, 128, 8, 3, 1),  # gate + up
+    (12352, 4096): (128, 128, 8, 3, 2),  # GDN in_proj fused
+    (248320, 4096): (128, 128, 4, 4, 1),  # lm_head
+}
+# the same for FP8 weights (BLOCK_K <= 128); a shape without an entry takes its bf16 config
+# with BLOCK_K capped at 128. `tune` fills it for the shapes a model runs in FP8.
+FP8_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
+# the same for Q8_0 weights (BLOCK_K dividing 32 or a multiple of it); a shape without an entry takes its
+# bf16 config without tensor descriptors
+Q8_0_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
+QUANT_CONFIGS = {FP8.name: FP8_CONFIGS, Q8_0.name: Q8_0_CONFIGS}  # by nextn.ops.fp8.Format name
+WAY_TMA, WAY_XMAJOR = 1, 2
+# From this many rows (a prefill's, a large batch's verify) a call with bf16 / fp16 weights runs in wide
+# tiles (`wide_tile`): 2.3-3.6x the 16-row tiles' speed at 256-8,192 rows of the 9B's shapes, 330-540
+# TFLOP/s, the same bits (bench/results/wide_tile_probe_run145.json, H100). Below it, 16-row tiles.
+WIDE_ROWS = 256
+WIDE_SMEM = 200 * 1024  # shared memory a wide tile's stages may take (an SM has 227 KiB on Hopper)
+NUM_SMS = 132  # H200; only sets how many programs a launch aims for
+
+
+def pick_config(N: int, K: int, quant: str = "") -> tuple[int, ...]:
+    """Block sizes from the weight's shape and kind ("" bf16 / fp16, or a quantized format's name:
+    "fp8", "q8_0") alone (never the row count: that keeps rows invariant)."""
+    if quant:
+        cfg = QUANT_CONFIGS[quant].get((N, K))
+        if cfg is None:
+            block_n, block_k, warps, stages, split, *_ = pick_config(N, K)  # (no tensor descriptors)
+            cfg = (block_n, min(block_k, FP8.block) if quant == FP8.name else block_k, warps, stages, split)
+        return cfg
+    cfg = CONFIGS.get((N, K))
+    if cfg is None:
+        block_k = min(256, max(16, next_pow2(K)))
+        block_n = 32 if N >= 32 * NUM_SMS else 16
+        if interpreting():  # the CPU tests' tiny shapes: fewer, wider programs (each a Python loop there)
+            block_n = min(256, max(16, next_pow2(N)))
+        split = 1
+        while triton_cdiv(N, block_n) * split < 3 * NUM_SMS and K % (2 * split * block_k) == 0:
+            split *= 2
+        cfg = (block_n, block_k, 4, 4, split)
+    return cfg
+
+
+def wide_tile(N: int, K: int, dual: bool, x_bytes: int, norm_out: bool = False) -> tuple[int, tuple[int, ...]]:
+    """(block_m, config) of a call of WIDE_ROWS rows or more (bf16 / fp16 weights): 128 rows a program
+    where a k-tile of both operands fits three stages of shared memory (else 64), the shape's BLOCK_K
+    and split kept, so each row's sums are the 16-row tiles' (the split's partials added in the
+    program in split order; tests/test_kernels.py, the wide-tile tests). norm_out: the shape's
+    BLOCK_N kept too, since the next norm's sums of squares are partials per BLOCK_N columns."""
+    narrow_n, block_k, _, _, split, *_ = pick_config(N, K)
+    choices = [(128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)]
+    if norm_out:
+        choices = [(128, narrow_n, 8 if narrow_n >= 128 else 4), (64, narrow_n, 4)]
+    for block_m, block_n, warps in choices:
+        stages = min(3, WIDE_SMEM // (((2 if dual else 1) * block_n + block_m) * block_k * x_bytes))
+        if stages >= 2:
+            return block_m, (block_n, block_k, warps, stages, split)
+    return TILE_ROWS, pick_config(N, K)
+
+
+def takes_block_k(fmt: Format, block_k: int) -> bool:
+    """Whether a k-tile of block_k columns fits the format's scale groups: within one (its products
+    scaled), or for Q8_0 over several (the tile dequantized)."""
+    return fmt.block % block_k == 0 or (fmt == Q8_0 and block_k % fmt.block == 0)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
