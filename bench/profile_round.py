@@ -100,15 +100,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument(
         "--sampled",
-        nargs="+",
+        nargs="*",
         default=["0.7"],
         help="sampled cases T[,top_k[,top_p]] (e.g. 0.7,20,0.8: Qwen's suggested law), each profiled at K and, "
         "with --plain-sampled, at K = 0 too",
     )
     ap.add_argument("--plain-sampled", action="store_true")
+    ap.add_argument("--quantization", default=None, help="fp8 / q8_0: --preset's weights drawn quantized")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    model = load_model(args.model, "cuda", "bfloat16") if args.model else random_model(args.preset, "cuda", "bfloat16")
+    model = (
+        load_model(args.model, "cuda", "bfloat16")
+        if args.model
+        else random_model(args.preset, "cuda", "bfloat16", quantization=args.quantization)
+    )
     prompt = torch.randint(0, model.cfg.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
     bench = Bench(model, prompt, BenchConfig(spec_ks=[args.k], gen_len=64, kernels="triton"))
     report = {}

@@ -32,7 +32,7 @@ bench_args() {  # $1 stage
     next80) echo "${common[@]}" --spec-k 1 2 3 4 5 6 7 8 --json "$OUT/fp8_$preset.json" ;;
     q122) echo "${common[@]}" --gpu-memory-utilization 0.97 --spec-k 1 2 3 4 5 6 7 8 --json "$OUT/fp8_$preset.json" ;;
     next80batch) echo "${common[@]}" --spec-k 3 --batch 1 8 32 --json "$OUT/fp8_batch_$preset.json" ;;
-    q122batch) echo "${common[@]}" --gpu-memory-utilization 0.97 --spec-k 3 --batch 1 8 \
+    q122batch) echo "${common[@]}" --gpu-memory-utilization 0.98 --spec-k 3 --batch 1 8 \
       --json "$OUT/fp8_batch_$preset.json" ;;
   esac
 }
