@@ -11,12 +11,15 @@ Two kinds of call, as the engine makes them:
 
     python bench/gdn_sweep.py [--out F] [--tokens 1 4] [--prefill-tokens 256 512] [--batch 1 6]
         [--block-v 16 32 64] [--warps 1 2 4 8] [--shapes default_model qwen3.5-9b]
-        [--kernel FILE --label NAME] [--check]
+        [--kernel FILE --label NAME] [--check] [--preconv]
 
 --kernel: time the gdn_step of another copy of the module (`git show REV:nextn/ops/triton_gdn.py
 > FILE`), so a change is measured against its parent in one run; results are keyed by --label.
 --check: also run the checked-in module on the same inputs and report whether the outputs, states
-and windows are bitwise equal (a change meant to keep the arithmetic must keep them)."""
+and windows are bitwise equal (a change meant to keep the arithmetic must keep them).
+--preconv: the checked-in module's prefill calls run the conv pre-pass (`gdn_step(preconv=T)`); with
+--check --kernel <a module before it>, whether the pre-pass gives the in-loop conv's bits (run 158:
+it did not before `triton_gdn._rounded`). The timings stay the --kernel module's."""
 
 from __future__ import annotations
 
@@ -73,7 +76,7 @@ def make_case(H, HV, K, V, layers, B, T, store_all, device, seed=0):
     )
 
 
-def run(step_fn, c, block_v, warps):
+def run(step_fn, c, block_v, warps, **kw):
     for buf in c["layer"]:
         step_fn(
             c["proj"],
@@ -93,15 +96,16 @@ def run(step_fn, c, block_v, warps):
             store_all=c["store_all"],
             block_v=block_v,
             num_warps=warps,
+            **kw,
         )
 
 
-def layer_us(step_fn, c, block_v, warps) -> float:
-    run(step_fn, c, block_v, warps)
+def layer_us(step_fn, c, block_v, warps, **kw) -> float:
+    run(step_fn, c, block_v, warps, **kw)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        run(step_fn, c, block_v, warps)
+        run(step_fn, c, block_v, warps, **kw)
     g.replay()
     times = []
     for _ in range(7):
@@ -115,13 +119,13 @@ def layer_us(step_fn, c, block_v, warps) -> float:
     return sorted(times)[3]
 
 
-def same_bits(fn_a, fn_b, make, block_v, warps) -> bool | str:
+def same_bits(fn_a, fn_b, make, block_v, warps, kw_a) -> bool | str:
     """Both modules from the same inputs: True where the outputs, states and windows are bitwise
     equal, else which differ first (the output's first row that differs, a layer's states / window)."""
     results = []
-    for fn in (fn_a, fn_b):
+    for fn, kw in ((fn_a, kw_a), (fn_b, {})):
         c = make()
-        run(fn, c, block_v, warps)
+        run(fn, c, block_v, warps, **kw)
         results.append([c["out"]] + [t for buf in c["layer"] for t in (buf["states"], buf["window"])])
 
     def bits(x):
@@ -150,6 +154,7 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--check", action="store_true", help="bitwise against the checked-in module")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--preconv", action="store_true", help="prefill calls with the conv pre-pass")
     args = ap.parse_args()
     step_fn = triton_gdn.gdn_step
     if args.kernel:
@@ -168,12 +173,13 @@ def main() -> None:
             key = f"{args.label + ' ' if args.label else ''}{name} {kind}={T} B={B} block_v={bv} warps={warps}"
             shape = (H, HV, K, V)
             entry = {}
+            own = {"preconv": T} if args.preconv and not store_all else {}  # (the checked-in module's calls)
             if args.device == "cuda":
                 case = make_case(*shape, layers, B, T, store_all, "cuda")
-                entry["us_per_layer"] = layer_us(step_fn, case, bv, warps)
+                entry["us_per_layer"] = layer_us(step_fn, case, bv, warps, **({} if args.kernel else own))
             if args.check:
                 make = functools.partial(make_case, *shape, 1, B, T, store_all, args.device)
-                entry["same_bits"] = same_bits(triton_gdn.gdn_step, step_fn, make, bv, warps)
+                entry["same_bits"] = same_bits(triton_gdn.gdn_step, step_fn, make, bv, warps, own)
             res[key] = entry
             print(f"gdn {key}: {entry}", flush=True)
     if args.out:

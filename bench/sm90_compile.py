@@ -30,6 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from nextn.ops import linear_configs as cfgs  # noqa: E402
+from nextn.ops import triton_gdn as gdn_step  # noqa: E402
 from nextn.ops import triton_gdn_chunk as gdn  # noqa: E402
 from nextn.ops import triton_linear as linear  # noqa: E402
 from nextn.ops import triton_moe_grouped as moe  # noqa: E402
@@ -88,6 +89,41 @@ def gdn_cases(B=1, T=517, H=16, HV=32, K=128, V=128):
     return [
         ("gdn_chunk_prep", gdn._chunk_prep_kernel, args, prep, gdn.PREP_OPTIONS),
         ("gdn_chunk_scan", gdn._chunk_scan_kernel, args, scan, gdn.SCAN_OPTIONS),
+    ]
+
+
+def gdn_step_cases(H=16, HV=32, K=128, V=128, W=4, M=512):
+    """The GDN step kernel (`triton_gdn.gdn_step`) at Qwen3.5-9B's heads in bfloat16, as a prefill step
+    launches it: the row loop with its conv in the loop and with the conv pre-pass's outputs
+    (PRECONV), and the pre-pass kernel. The conv's products must not be contracted with its sums into
+    bf16 fmas in any of them (`triton_gdn._rounded`: the pre-pass compiled to fma.rn.bf16 before, run
+    158), or the pre-pass's values differ from the loop's."""
+    conv_dim = 2 * H * K + HV * V
+    step = dict(proj_ptr="*bf16", stride_p=conv_dim + HV * V + 2 * HV, conv_w_ptr="*bf16", window_ptr="*bf16",
+                stride_win_slot=conv_dim * 64, stride_win=64, a_log_ptr="*fp32", dt_bias_ptr="*fp32",
+                states_ptr="*fp32", stride_states_slot=2 * HV * K * V, stride_states=HV * K * V, gates_ptr="*bf16",
+                stride_gates_slot=2 * 8 * 2 * HV, R=8, slots_ptr="*i32", stride_slots=8, seqs_ptr="*i32",
+                stride_seqs=3, live_ptr="*i32", conv_ptr="*bf16", stride_c=conv_dim, norm_w_ptr="*bf16",
+                o_ptr="*bf16", stride_o=HV * V, sumsq_ptr="*fp32", count_ptr="*i32", scale=K**-0.5, eps=1e-6,
+                norm_eps=1e-6)  # fmt: skip
+    consts = dict(H=H, HV=HV, K=K, V=V, W=W, W_BLOCK=4, T_CHUNK=gdn_step.T_CHUNK, BLOCK_V=32, PEND=4,
+                  STORE_ALL=False, LIVE=False, PDL=False, RELEASE=0)  # fmt: skip
+    conv = dict(proj_ptr="*bf16", stride_p=step["stride_p"], conv_w_ptr="*bf16", window_ptr="*bf16",
+                stride_win_slot=conv_dim * 64, stride_win=64, slots_ptr="*i32", stride_slots=8, seqs_ptr="*i32",
+                stride_seqs=3, out_ptr="*bf16", stride_out=conv_dim)  # fmt: skip
+    no_fma = ("cvt.rn.bf16.f32", "fma.rn.bf16")
+    options = dict(num_warps=4)
+    return [
+        ("gdn_step_loop_conv", gdn_step._gdn_step_kernel, step, dict(consts, PRECONV=False), options, no_fma),
+        ("gdn_step_preconv", gdn_step._gdn_step_kernel, step, dict(consts, PRECONV=True), options, no_fma),
+        (
+            "gdn_conv_prepass",
+            gdn_step._gdn_conv_kernel,
+            conv,
+            dict(W=W, BLOCK_C=256, ROWS=gdn_step.CONV_ROWS, PEND=4),
+            options,
+            no_fma,
+        ),
     ]
 
 
@@ -223,7 +259,7 @@ def specialise(fn: JITFunction, args: dict, constexprs: dict) -> tuple[dict, dic
 
 def main() -> int:
     failures = []
-    for name, fn, args, constexprs, options, *ptx in gdn_cases() + moe_cases() + skinny_fp8_cases():
+    for name, fn, args, constexprs, options, *ptx in gdn_cases() + gdn_step_cases() + moe_cases() + skinny_fp8_cases():
         opts = " ".join(f"{k}={v}" for k, v in options.items())
         if not isinstance(fn, JITFunction):
             print(

@@ -238,7 +238,7 @@ def _gdn_buffers(c, H, HV, K, V, W, T_max):
     return window, states, torch.full((2 * T_max, 2 * HV), float("nan"), device=DEVICE, dtype=dtype)
 
 
-def _run_gdn_step(c, H, HV, K, V, W, norm_eps, T_max=8, slots=None, store_all=True, bufs=None, live=None):
+def _run_gdn_step(c, H, HV, K, V, W, norm_eps, T_max=8, slots=None, store_all=True, bufs=None, live=None, preconv=None):
     """The step of one sequence (a batch of one, slot 0) into bufs = (window, states, gates) (fresh
     ones by default); slots (state_at, state_write, conv_at, conv_write, pending) as a list, by
     default reading half 0 and writing half 1."""
@@ -262,6 +262,7 @@ def _run_gdn_step(c, H, HV, K, V, W, norm_eps, T_max=8, slots=None, store_all=Tr
         pending_col=4,
         store_all=store_all,
         live=None if live is None else torch.tensor([live], device=DEVICE, dtype=torch.int32),
+        preconv=preconv,
     )
     return out, bufs
 
@@ -367,6 +368,34 @@ def test_gdn_step_slots(T, dtype):
             assert torch.equal(again, out) and torch.equal(st2[1], whole_states[1])
         else:
             assert torch.equal(st[0], whole_states[1]) and gt[:T_max].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("P", [0, 3])
+def test_gdn_step_conv_prepass_is_bitwise(P, dtype):
+    """A prefill step's conv pre-pass (preconv: the step rows' conv outputs computed first, in
+    parallel, then loaded by the row loop) gives the in-loop conv's bits: outputs, states, window and
+    gates, with P pending rows folded first (their conv stays in the loop)."""
+    H, HV, K, V, W, eps, T_max, T = 2, 4, 16, 32, 4, 1e-6, 8, 6
+    half = W - 1 + T_max
+    g = torch.Generator(device=DEVICE).manual_seed(40 + P)
+    c = _gdn_case(P + T, H, HV, K, V, W, dtype, g)
+    slots = None
+    bufs = _gdn_buffers(c, H, HV, K, V, W, T_max)
+    if P:  # a verify of P rows into half 1, then the prefill step from there with them pending
+        _, bufs = _run_gdn_step(dict(c, proj=c["proj"][:P]), H, HV, K, V, W, eps, bufs=bufs)
+        slots = [1, 0, half + P, 0, P]
+    rest = dict(c, proj=c["proj"][P:])
+    got = [
+        _run_gdn_step(
+            rest, H, HV, K, V, W, eps, slots=slots, store_all=False, bufs=tuple(b.clone() for b in bufs), preconv=pre
+        )  # fmt: skip
+        for pre in (None, T)
+    ]
+    (out, bufs_loop), (out_pre, bufs_pre) = got
+    assert torch.equal(out_pre, out)
+    for x, y in zip(bufs_pre, bufs_loop, strict=True):
+        assert torch.equal(_bits(x), _bits(y))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -378,11 +378,17 @@ class TritonStep:
             for part in w.in_proj:
                 self._project(ni, part, out=proj[:, col : col + part.shape[0]])
                 col += part.shape[0]
-        o = self._gdn_mix(proj, w, batch.cache, j, batch.seqs, store_all, live)
+        # a bf16 prefill step of more than a row a sequence: the conv of its rows in a pre-pass (bf16's
+        # products are rounded by integer ops there, which no compiler contracts: triton_gdn._rounded;
+        # fp16 / fp32 keep the loop's conv, as one-row steps do: tests/test_prefill.py sets them side by side)
+        rows = max(batch.rows)
+        preconv = rows if not store_all and rows > 1 and proj.dtype == torch.bfloat16 else None
+        o = self._gdn_mix(proj, w, batch.cache, j, batch.seqs, store_all=store_all, live=live, preconv=preconv)
         return self._mlp(*self._add(x, o, w.out_proj, self._mlp_norm(w.mlp)), w.mlp, w.next_norm)
 
-    def _gdn_mix(self, proj, w: GDNWeights, cache: HybridCache, j: int, seqs, store_all: bool, live=None):
-        """The GDN step kernel of GDN layer j over proj's rows (nextn.ops.triton_gdn.gdn_step)."""
+    def _gdn_mix(self, proj, w: GDNWeights, cache: HybridCache, j: int, seqs, **step):
+        """The GDN step kernel of GDN layer j over proj's rows (nextn.ops.triton_gdn.gdn_step; step:
+        its store_all, live and preconv)."""
         t = cache.tensors
         return self.gdn.gdn_step(
             proj,
@@ -398,8 +404,7 @@ class TritonStep:
             slots=cache.ctl[:, STATE_AT:],
             seqs=seqs,
             pending_col=PENDING - STATE_AT,
-            store_all=store_all,
-            live=live,
+            **step,
         )
 
     def fold(self, caches: list[SlotCache]) -> None:

@@ -21,6 +21,18 @@ t's result does not depend on T. The carried conv window (the step's inputs afte
 columns) is written too: v channels by their program, q/k channels by block 0 of the first value
 head of each key head.
 
+A prefill step (`preconv`, store_all=False) may compute its rows' conv first: `_gdn_conv_kernel`
+runs `_conv_silu` over every step row and channel in parallel (rows in blocks, the same function on
+the same columns) and stores the bf16 values; the row loop then loads q, k and v for its step rows
+and keeps only the norms and the state update serial (the pending rows' conv stays in the loop).
+The conv is about half of a row's instructions in the loop (bench/NOTES.md, fifteenth session).
+Both compute the same `_conv_silu`, whose products are rounded by integer ops (`_rounded`): with a
+plain cast, the pre-pass compiled to bf16 fmas (the product not rounded before the sum) where the
+loop did not, and run 158 found every prefill row's output differing (bench/sm90_compile.py now
+fails on an fma.rn.bf16 in either kernel). The model's step uses the pre-pass in bfloat16 only;
+tests/test_prefill.py on a GPU and `bench/gdn_sweep.py --check --preconv --kernel <an older
+module>` check the bits; on the interpreter they are equal.
+
 A step runs a batch of sequences (program axis 2), each over its own rows of `proj` and its own
 cache slot. Where a sequence's step reads and writes is five int32 device values of its slot
 (`gdn_step`'s `slots`), read by the kernel itself (no host read: one CUDA graph serves every
@@ -40,6 +52,22 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _rounded(x, dtype: tl.constexpr):
+        """x (float32) rounded to dtype, as float32; bfloat16 by integer ops on the bits (round to
+        nearest even, as `.to(dtype)`). Through a cast, LLVM narrows a float32 product of two
+        bfloat16 values to a bf16 multiply and may contract it with the add after it into one fma,
+        a single rounding where the reference rounds twice, in one compilation and not another:
+        run 158's conv pre-pass compiled to fma.rn.bf16 where the step's loop kept mul.bf16 and
+        add.bf16 (bench/NOTES.md; bench/sm90_compile.py checks it). No compiler contracts across
+        integer ops."""
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        else:
+            return x.to(dtype).to(tl.float32)
+
+    @triton.jit
     def _conv_silu(proj_ptr, stride_p, w_ptr, carried_ptr, stride_c, ch, t, n_carried, W: tl.constexpr,
                    dtype: tl.constexpr):  # fmt: skip
         """silu(causal conv) of channels ch at row t, rounded like the reference, as float32. Columns
@@ -54,7 +82,7 @@ if HAVE_TRITON:
             from_x = tl.load(proj_ptr + (c - n_carried) * stride_p + ch, mask=c >= n_carried, other=0.0)
             v = tl.where(carried, from_state.to(dtype), from_x).to(tl.float32)
             tap = tl.load(w_ptr + ch * W + j).to(dtype).to(tl.float32)
-            prod = (v * tap).to(dtype).to(tl.float32)
+            prod = _rounded(v * tap, dtype)  # (never contracted with the sum below)
             if j == 0:
                 y = prod
             else:
@@ -67,6 +95,12 @@ if HAVE_TRITON:
         """The state S [K, BLOCK_V] after row t (its gate inputs b, a)."""
         k = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, k_ch, t, n_carried, W, dtype)
         v = _conv_silu(proj_ptr, stride_p, conv_w_ptr, carried_ptr, stride_c, v_ch, t, n_carried, W, dtype)
+        return _update(S, k, v, b, a, decay_rate, dt_bias, eps, dtype)
+
+    @triton.jit
+    def _update(S, k, v, b, a, decay_rate, dt_bias, eps, dtype: tl.constexpr):
+        """The state S [K, BLOCK_V] after a row whose conv outputs are k [K], v [BLOCK_V] (float32 of
+        bf16 values) and gate inputs b, a."""
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
         beta = (1.0 / (1.0 + tl.exp(-b))).to(dtype).to(tl.float32)
         a = a + dt_bias
@@ -109,6 +143,51 @@ if HAVE_TRITON:
         m = (j[:, None] < count) & mask[None, :]
         tl.store(window_ptr + ch[None, :] * stride_win + col0 + j[:, None], cols, mask=m)
 
+    @triton.jit(do_not_specialize=["stride_seqs", "stride_out"])
+    def _gdn_conv_kernel(
+        proj_ptr,
+        stride_p,
+        conv_w_ptr,
+        window_ptr,
+        stride_win_slot,
+        stride_win,
+        slots_ptr,
+        stride_slots,
+        seqs_ptr,
+        stride_seqs,
+        out_ptr,  # [M, conv_dim]: silu(causal conv) of every step row's q | k | v channels
+        stride_out,
+        W: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        ROWS: tl.constexpr,
+        PEND: tl.constexpr,
+    ):
+        """A prefill step's conv pre-pass (`gdn_step(preconv=True)`): program (sequence, block of ROWS
+        rows, block of BLOCK_C channels) computes `_conv_silu` of its rows exactly as the step's row
+        loop would (the same function on the same columns: the pending rows' and carried columns of
+        the window, then the step's inputs), so the loop only loads them."""
+        seq = tl.program_id(0)
+        slot = tl.load(seqs_ptr + seq).to(tl.int64)
+        row0 = tl.load(seqs_ptr + stride_seqs + seq)
+        T = tl.load(seqs_ptr + 2 * stride_seqs + seq)
+        proj_ptr += row0 * stride_p
+        out_ptr += row0 * stride_out
+        window_ptr += slot * stride_win_slot
+        slots_ptr += slot * stride_slots
+        dtype = proj_ptr.dtype.element_ty
+        conv_at = tl.load(slots_ptr + 2)
+        pending = tl.load(slots_ptr + PEND)
+        fold_ptr = window_ptr + conv_at - pending
+        n_carried = pending + W - 1
+        ch = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        for i in range(ROWS):
+            r = tl.program_id(1) * ROWS + i
+            if r < T:
+                y = _conv_silu(
+                    proj_ptr, stride_p, conv_w_ptr, fold_ptr, stride_win, ch, pending + r, n_carried, W, dtype
+                )
+                tl.store(out_ptr + r * stride_out + ch, y.to(dtype))
+
     @triton.jit(do_not_specialize=["stride_seqs"])
     def _gdn_step_kernel(
         proj_ptr,
@@ -130,6 +209,8 @@ if HAVE_TRITON:
         seqs_ptr,  # int32 [3, B] (row stride stride_seqs): each sequence's slot, first row and number of rows
         stride_seqs,  # (not specialised: a batch's size never picks another compiled variant)
         live_ptr,  # int32 [B]: the rows that count (LIVE): the recurrence stops there, o is 0 past it
+        conv_ptr,  # PRECONV: [M, conv_dim] the step rows' conv outputs (`_gdn_conv_kernel`)
+        stride_c,
         norm_w_ptr,  # [V] RMSNormGated weight
         o_ptr,
         stride_o,  # [M, HV*V] out: RMSNormGated(o) * silu(z)
@@ -148,6 +229,7 @@ if HAVE_TRITON:
         BLOCK_V: tl.constexpr,
         PEND: tl.constexpr,  # column of slots holding the pending rows' count
         STORE_ALL: tl.constexpr,  # else only the last token's state, at slots[1]
+        PRECONV: tl.constexpr,  # the step rows' q / k / v conv outputs come from conv_ptr (not STORE_ALL)
         LIVE: tl.constexpr,
         PDL: tl.constexpr,  # a programmatic dependent launch: the state loaded before the wait
         RELEASE: tl.constexpr,  # release the launch after it: 1 at the start, 2 once past the wait
@@ -163,6 +245,7 @@ if HAVE_TRITON:
         T = tl.load(seqs_ptr + 2 * stride_seqs + seq)
         proj_ptr += row0 * stride_p
         o_ptr += row0 * stride_o
+        conv_ptr += row0 * stride_c
         sumsq_ptr += row0 * HV * NB
         count_ptr += seq * HV
         window_ptr += slot * stride_win_slot
@@ -248,10 +331,22 @@ if HAVE_TRITON:
             gate = tl.where(r < 0, fold_gates + t * 2 * HV, proj_ptr + r * stride_p + conv_dim + HV * V)
             b = tl.load(gate + hv).to(tl.float32)
             a = tl.load(gate + HV + hv).to(tl.float32)
-            S = _advance(S, proj_ptr, stride_p, conv_w_ptr, fold_ptr, stride_win, k_ch, v_ch, t, n_carried, b, a,
-                         decay_rate, dt_bias, eps, W, dtype)  # fmt: skip
+            if PRECONV:
+                if r >= 0:  # a step row: its conv outputs from the pre-pass
+                    k = tl.load(conv_ptr + r * stride_c + k_ch).to(tl.float32)
+                    v = tl.load(conv_ptr + r * stride_c + v_ch).to(tl.float32)
+                else:
+                    k = _conv_silu(proj_ptr, stride_p, conv_w_ptr, fold_ptr, stride_win, k_ch, t, n_carried, W, dtype)
+                    v = _conv_silu(proj_ptr, stride_p, conv_w_ptr, fold_ptr, stride_win, v_ch, t, n_carried, W, dtype)
+                S = _update(S, k, v, b, a, decay_rate, dt_bias, eps, dtype)
+            else:
+                S = _advance(S, proj_ptr, stride_p, conv_w_ptr, fold_ptr, stride_win, k_ch, v_ch, t, n_carried, b, a,
+                             decay_rate, dt_bias, eps, W, dtype)  # fmt: skip
             if r >= 0:
-                q = _conv_silu(proj_ptr, stride_p, conv_w_ptr, fold_ptr, stride_win, q_ch, t, n_carried, W, dtype)
+                if PRECONV:
+                    q = tl.load(conv_ptr + r * stride_c + q_ch).to(tl.float32)
+                else:
+                    q = _conv_silu(proj_ptr, stride_p, conv_w_ptr, fold_ptr, stride_win, q_ch, t, n_carried, W, dtype)
                 q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps) * scale
                 o = tl.sum(S * q[:, None], axis=0).to(dtype)
                 tl.store(o_ptr + r * stride_o + hv * V + offs_v, o)
@@ -306,6 +401,7 @@ def gdn_step(
     block_v: int = 32,  # value columns per program (capped at V): a model's one choice (it orders the norm's sum)
     num_warps: int = 4,
     pdl: bool = True,  # PDL where the GPU has it (the same bits): below
+    preconv: int | None = None,  # a prefill step (not store_all): its longest sequence's rows, conv pre-pass
 ) -> torch.Tensor:
     """One GDN decode / verify step of B sequences; returns `out` [M, HV*V].
 
@@ -361,6 +457,9 @@ def gdn_step(
         raise ValueError(f"gdn_step: live must be int32 [B={B}], not {live.dtype} {tuple(live.shape)}")
     block_v = min(block_v, V)
     sumsq = torch.empty(M, HV, V // block_v, device=proj.device, dtype=torch.float32)
+    conv = proj  # (PRECONV off: not read)
+    if preconv is not None:
+        conv = _conv_prepass(proj, conv_weight, window, slots, seqs, pending_col, preconv, store_all)
     dependent, release = row_launch(pdl and pdl_supported(proj), M)
     _gdn_step_kernel[(HV, V // block_v, B)](
         proj,
@@ -382,6 +481,8 @@ def gdn_step(
         seqs,  # (one base pointer: views of its rows would be 16-byte aligned or not by B, a variant each)
         seqs.stride(0),
         live if live is not None else seqs,
+        conv,
+        conv.stride(0),
         norm_weight,
         out,
         out.stride(0),
@@ -400,10 +501,43 @@ def gdn_step(
         BLOCK_V=block_v,
         PEND=pending_col,
         STORE_ALL=bool(store_all),
+        PRECONV=preconv is not None,
         LIVE=live is not None,
         PDL=dependent,
         RELEASE=release,
         num_warps=num_warps,
         launch_pdl=dependent,
     )
+    return out
+
+
+CONV_ROWS = 8  # rows a pre-pass program computes
+
+
+def _conv_prepass(proj, conv_weight, window, slots, seqs, pending_col: int, max_rows: int, store_all: bool):
+    """silu(causal conv) of every step row's q | k | v channels [M, conv_dim] (`_gdn_conv_kernel`)."""
+    if store_all:
+        raise ValueError("gdn_step: the conv pre-pass serves a prefill step (store_all=False)")
+    conv_dim, W = conv_weight.shape
+    out = torch.empty(proj.shape[0], conv_dim, device=proj.device, dtype=proj.dtype)
+    block_c = min(256, conv_dim & -conv_dim)  # a power of two dividing conv_dim: no channel mask
+    if max_rows > 0:
+        _gdn_conv_kernel[(seqs.shape[1], -(-max_rows // CONV_ROWS), conv_dim // block_c)](
+            proj,
+            proj.stride(0),
+            conv_weight,
+            window,
+            window.stride(0),
+            window.stride(1),
+            slots,
+            slots.stride(0),
+            seqs,
+            seqs.stride(0),
+            out,
+            out.stride(0),
+            W=W,
+            BLOCK_C=block_c,
+            ROWS=CONV_ROWS,
+            PEND=pending_col,
+        )
     return out
