@@ -741,6 +741,31 @@ def test_skinny_linear_wide_tiles_keep_the_bits(config, block_m):
         skinny_linear(x, w, block_m=24)
 
 
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_skinny_linear_norm_sums_in_halves_of_a_block(block_m):
+    """A residual GEMM writing the next norm's input at twice a config's BLOCK_N stores two sums of
+    squares a program, one per half (norm_block): the same partials, bit for bit, as programs of
+    BLOCK_N / 2 columns (what a wide tile of 128 columns keeps of the 16-row tiles' 64), so the
+    projection reading them gives the same rows. Summing a whole block once would group them anew."""
+    g = torch.Generator(device=DEVICE).manual_seed(23)
+    x, w, _, res = _linear_case(40, 64, 64, torch.bfloat16, g)
+    nw = _rand(64, dtype=torch.bfloat16, scale=0.3, gen=g)
+    w3 = _rand(24, 64, dtype=torch.bfloat16, scale=0.125, gen=g)
+    narrow, wide = (16, 32, 4, 1, 1), (32, 32, 4, 1, 1)
+    y, ni = skinny_linear(x, w, residual=res, norm_out=nw, config=narrow)
+    y2, ni2 = skinny_linear(x, w, residual=res, norm_out=nw, config=wide, block_m=block_m, norm_block=16)
+    assert torch.equal(_bits(y2), _bits(y)) and torch.equal(_bits(ni2.x), _bits(ni.x))
+    assert ni2.ss.shape == ni.ss.shape == (4, 40) and torch.equal(_bits(ni2.ss), _bits(ni.ss))
+    out = skinny_linear(None, w3, rms=ni, eps=1e-6, config=(16, 32, 4, 1, 1))
+    assert torch.equal(_bits(skinny_linear(None, w3, rms=ni2, eps=1e-6, config=(16, 32, 4, 1, 1))), _bits(out))
+    _close(out, F.linear(reference_rms_norm(y, nw, 1e-6), w3), torch.bfloat16)
+    _, whole = skinny_linear(x, w, residual=res, norm_out=nw, config=wide, block_m=block_m)
+    assert whole.ss.shape == (2, 40)  # (one sum a block: another grouping of the same squares)
+    for bad in (8, 24):
+        with pytest.raises(ValueError, match="norm_block"):
+            skinny_linear(x, w, residual=res, norm_out=nw, config=wide, norm_block=bad)
+
+
 def test_skinny_linear_default_wide_tiles_keep_each_rows_bits():
     """With the default configs a call of WIDE_ROWS rows runs in wide tiles (wide_tile): each row of
     a residual GEMM writing the next norm's input, and of the projection reading it, equals the row

@@ -67,12 +67,14 @@ def wide_tile(N: int, K: int, dual: bool, x_bytes: int, norm_out: bool = False) 
     """(block_m, config) of a call of WIDE_ROWS rows or more (bf16 / fp16 weights): 128 rows a program
     where a k-tile of both operands fits three stages of shared memory (else 64), the shape's BLOCK_K
     and split kept, so each row's sums are the 16-row tiles' (the split's partials added in the
-    program in split order; tests/test_kernels.py, the wide-tile tests). norm_out: the shape's
-    BLOCK_N kept too, since the next norm's sums of squares are partials per BLOCK_N columns."""
+    program in split order; tests/test_kernels.py, the wide-tile tests). norm_out: the next norm's
+    sums of squares are partials per the 16-row tiles' BLOCK_N columns, so BLOCK_N is the shape's
+    or twice it where N allows (skinny_linear then stores two sums a program, one per half)."""
     narrow_n, block_k, _, _, split, *_ = pick_config(N, K)
     choices = [(128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)]
     if norm_out:
-        choices = [(128, narrow_n, 8 if narrow_n >= 128 else 4), (64, narrow_n, 4)]
+        widths = ([2 * narrow_n] if 2 * narrow_n <= 128 and N % (2 * narrow_n) == 0 else []) + [narrow_n]
+        choices = [(block_m, n, 8 if n >= 128 and block_m == 128 else 4) for n in widths for block_m in (128, 64)]
     for block_m, block_n, warps in choices:
         stages = min(3, WIDE_SMEM // (((2 if dual else 1) * block_n + block_m) * block_k * x_bytes))
         if stages >= 2:

@@ -29,9 +29,14 @@ The conv is about half of a row's instructions in the loop (bench/NOTES.md, fift
 Both compute the same `_conv_silu`, whose products are rounded by integer ops (`_rounded`): with a
 plain cast, the pre-pass compiled to bf16 fmas (the product not rounded before the sum) where the
 loop did not, and run 158 found every prefill row's output differing (bench/sm90_compile.py now
-fails on an fma.rn.bf16 in either kernel). The model's step uses the pre-pass in bfloat16 only;
-tests/test_prefill.py on a GPU and `bench/gdn_sweep.py --check --preconv --kernel <an older
-module>` check the bits; on the interpreter they are equal.
+fails on an fma.rn.bf16 in either kernel). With it, run 160 found the pre-pass's bits equal to the
+loop's on an H100 (every prefill case of bench/gdn_sweep.py --check --preconv, the 9B's and the
+bundled model's heads; tests/test_prefill.py's bitwise tests there too), the 9B's prefill of 512
+rows 1.26x (B = 1) / 1.35x (B = 6) faster a layer and the bundled model's 1.74x / 1.69x; the
+integer rounding costs the decode 0.6 us a layer on the 9B's heads (6.2 -> 6.8) and 1.6 on the
+bundled model's (5.9 -> 7.5), and changed the loop's bits against the module before it (run 159:
+decode rows too, so that loop's conv had not rounded each product on that GPU). The model's step
+uses the pre-pass in bfloat16 only.
 
 A step runs a batch of sequences (program axis 2), each over its own rows of `proj` and its own
 cache slot. Where a sequence's step reads and writes is five int32 device values of its slot

@@ -288,7 +288,7 @@ if HAVE_TRITON:
         ss_in_ptr,  # RMS: [P, M] float32, the partial sums of squares of x's rows before its norm
         nw_ptr,  # NORM_OUT: [N] the next norm's weight (zero-centred)
         xn_ptr,  # NORM_OUT: [M, N] y * (1 + nw), in y's dtype
-        ss_out_ptr,  # NORM_OUT: [cdiv(N, BLOCK_N), M] float32, y's sums of squares per N block
+        ss_out_ptr,  # NORM_OUT: [cdiv(N, BLOCK_N) * NORM_PARTS, M] float32, y's sums of squares per N block part
         M,
         N,
         K,
@@ -321,6 +321,7 @@ if HAVE_TRITON:
         RMS: tl.constexpr,  # x is a norm's input times its weight: scale each row's products by its rstd
         P_BLOCK: tl.constexpr,  # RMS: next_pow2(P), at least 16 (ordered_sum's dot)
         NORM_OUT: tl.constexpr,  # EPILOGUE 1: also store the next norm's input (xn_ptr, ss_out_ptr)
+        NORM_PARTS: tl.constexpr,  # NORM_OUT: sums of squares a program stores, over BLOCK_N / NORM_PARTS columns each
         PDL: tl.constexpr,  # wait for the kernel ahead, release the next launch after the k-loop
     ):
         """Program (n * M_TILES + m, s) reduces K columns [s*K_SPLIT, (s+1)*K_SPLIT) of BLOCK_N outputs
@@ -399,9 +400,15 @@ if HAVE_TRITON:
         if NORM_OUT:  # the next norm's input: y * (1 + w) and y's sums of squares over this N block
             nw = tl.load(nw_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             yf = tl.where(store_mask, y.to(tl.float32), 0.0)
-            xn, sumsq = yf * (1.0 + nw[:, None]), ordered_sum(yf * yf)
+            xn = yf * (1.0 + nw[:, None])
             tl.store(xn_ptr + offs_m[None, :] * N + offs_n[:, None], xn.to(xn_ptr.dtype.element_ty), mask=store_mask)
-            tl.store(ss_out_ptr + n_block * M + offs_m, sumsq, mask=last)
+            if NORM_PARTS == 1:
+                tl.store(ss_out_ptr + n_block * M + offs_m, ordered_sum(yf * yf), mask=last)
+            else:  # 2: a sum over each half of the block, as two programs of BLOCK_N / 2 columns store them
+                halves = tl.permute(tl.reshape(yf * yf, (2, BLOCK_N // 2, BLOCK_M)), (1, 2, 0))
+                lo, hi = tl.split(halves)
+                tl.store(ss_out_ptr + 2 * n_block * M + offs_m, ordered_sum(lo), mask=last)
+                tl.store(ss_out_ptr + (2 * n_block + 1) * M + offs_m, ordered_sum(hi), mask=last)
 
 
 def skinny_linear(
@@ -419,11 +426,13 @@ def skinny_linear(
     norm_out: torch.Tensor | None = None,  # [N] with residual: also return the next norm's NormInput
     pdl: bool = True,  # a programmatic dependent launch where the GPU has them (the same bits)
     block_m: int | None = None,  # rows a program owns (with config; default: wide_tile's choice for M rows)
+    norm_block: int | None = None,  # norm_out: columns a sum of squares covers (default: the config's BLOCK_N)
 ) -> torch.Tensor | tuple[torch.Tensor, NormInput]:
     """y = x @ weight.T [M, N] with the epilogues above; rms: of the norm whose input (times its
     weight, with its rows' sums of squares) it is, scaling each row's products by its rstd;
     norm_out (the zero-centred weight of the norm after a residual GEMM): returns (y, its NormInput)
-    as well, from this launch's output."""
+    as well, from this launch's output, its sums of squares one per norm_block columns (BLOCK_N or
+    half of it: a wide tile keeps the 16-row tiles' grouping at twice their BLOCK_N)."""
     if (x is None) == (rms is None):
         raise ValueError("skinny_linear takes x or rms (a norm's input), not both")
     if rms is not None:
@@ -463,6 +472,7 @@ def skinny_linear(
         block_m = TILE_ROWS
         if config is None and not fp8 and M >= WIDE_ROWS:
             block_m, config = wide_tile(N, K, up_weight is not None, x.element_size(), norm_out is not None)
+            norm_block = pick_config(N, K)[0]  # the 16-row tiles' BLOCK_N: their sums' grouping
     block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, fmt.name if fp8 else "")
     way = way[0] if way else 0
     if way not in (0, WAY_TMA, WAY_XMAJOR) or (way == WAY_TMA and fp8) or (way == WAY_XMAJOR and fmt != FP8):
@@ -474,6 +484,12 @@ def skinny_linear(
     if fp8 and not takes_block_k(fmt, block_k):
         raise ValueError(f"{fmt.name} weights take BLOCK_K dividing {fmt.block}" + (
             " or a multiple of it" if fmt == Q8_0 else "") + f", got {block_k}")  # fmt: skip
+    norm_parts = block_n // (norm_block or block_n)
+    if norm_out is not None and (norm_parts not in (1, 2) or norm_parts * (norm_block or block_n) != block_n or (
+            norm_parts == 2 and N % block_n)):  # fmt: skip
+        raise ValueError(
+            f"skinny_linear: norm_block {norm_block} is not BLOCK_N {block_n} or its half (N % BLOCK_N = 0)"
+        )
     if block_m % TILE_ROWS or not TILE_ROWS <= block_m <= 256:
         raise ValueError(f"skinny_linear: block_m {block_m} is not a multiple of {TILE_ROWS} up to 256")
     serial = split if block_m > TILE_ROWS else 1  # a wide tile's program sums its splits itself
@@ -486,7 +502,7 @@ def skinny_linear(
     xn = ss_out = dummy
     if norm_out is not None:
         xn = torch.empty(M, N, device=x.device, dtype=out.dtype)
-        ss_out = torch.empty(triton_cdiv(N, block_n), M, device=x.device, dtype=torch.float32)
+        ss_out = torch.empty(triton_cdiv(N, block_n) * norm_parts, M, device=x.device, dtype=torch.float32)
     w, w2 = weight, up_weight if up_weight is not None else dummy
     pdl = pdl and pdl_supported(x)
     if tma:
@@ -539,6 +555,7 @@ def skinny_linear(
         RMS=rms is not None,
         P_BLOCK=max(16, next_pow2(rms.ss.shape[0])) if rms is not None else 16,
         NORM_OUT=norm_out is not None,
+        NORM_PARTS=norm_parts,
         PDL=pdl,
         num_warps=warps,
         num_stages=stages,
