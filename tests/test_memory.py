@@ -61,9 +61,11 @@ def test_sequences_that_fit_is_the_budget_over_a_slot_and_its_share_of_the_reser
     assert steps.fixed == r.fixed + partials and steps.per_seq == r.per_seq
 
 
-def _fake_gpu(monkeypatch, total: int, in_use: int) -> None:
-    """The GPU has `total` bytes, `in_use` of them taken (the weights, the CUDA context)."""
+def _fake_gpu(monkeypatch, total: int, in_use: int, tensors: int | None = None) -> None:
+    """The GPU has `total` bytes, `in_use` of them taken, `tensors` of those by torch's tensors (the
+    weights; default all but 1 GiB of the CUDA context)."""
     monkeypatch.setattr(pool_mod, "device_memory", lambda device: (total, total - in_use))
+    monkeypatch.setattr(pool_mod, "tensor_bytes", lambda device: in_use - GiB if tensors is None else tensors)
 
 
 def _gpu_config(max_len=8192, k=3, **kw) -> EngineConfig:
@@ -93,12 +95,14 @@ def test_max_num_seqs_defaults_to_what_fits_the_gpu(cfg_9b, monkeypatch):
 
 
 def test_nothing_fits_is_one_error_saying_what_would(cfg_9b, monkeypatch):
-    _fake_gpu(monkeypatch, 80 * GiB, 70 * GiB)  # 0.9 of 80 GiB leaves 2 GiB: less than the reserve and a slot
+    _fake_gpu(monkeypatch, 80 * GiB, 70 * GiB, 66 * GiB)  # 0.9 of 80 GiB leaves 2 GiB: less than the reserve and a slot
     with pytest.raises(CacheMemoryError) as info:
         memory.fit_cache(cfg_9b, _gpu_config(), BF16)
     msg = str(info.value)
     assert "\n" not in msg and "0 sequence(s) of 8192 tokens fit (--max-num-seqs)" in msg
     assert "0.9 of the GPU's 80.0 GiB (less 70.00 GiB in use" in msg and "--gpu-memory-utilization" in msg
+    # what of it torch's tensors hold and what lies beside them (run 156: memory outside the allocator)
+    assert "66.00 GiB of tensors" in msg and "4.00 GiB beside them" in msg
 
 
 def test_an_explicit_max_num_seqs_over_the_budget_is_refused(cfg_9b, monkeypatch):

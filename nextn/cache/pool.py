@@ -52,6 +52,7 @@ class Budget(NamedTuple):
     per_seq: int = 0
     where: str = ""  # what nbytes is a part of, for messages: "0.9 of the GPU's 79.1 GiB"
     in_use: int | None = None  # a GPU's bytes in use when it was read (the weights, the CUDA context, ...)
+    tensors: int | None = None  # of in_use, the bytes of torch's live tensors (the rest: context, libraries, kernels)
     gpu: bool = False  # sized by gpu_memory_utilization (the flag an error can name)
     prefix: int = 0  # bytes set aside for the prefix cache (not in nbytes)
 
@@ -66,7 +67,13 @@ class Budget(NamedTuple):
     def describe(self) -> str:
         """Where the budget comes from, with what was in use and what the prefix cache holds: for an error."""
         where = self.where
-        if self.in_use is not None:
+        if self.in_use is not None and self.tensors is not None:
+            where += (
+                f" (less {self.in_use / GiB:.2f} GiB in use: {self.tensors / GiB:.2f} GiB of tensors, the weights "
+                f"among them, and {(self.in_use - self.tensors) / GiB:.2f} GiB beside them: the CUDA context, "
+                "libraries' workspaces, kernels' local memory)"
+            )
+        elif self.in_use is not None:
             where += f" (less {self.in_use / GiB:.2f} GiB in use: the weights, the CUDA context, ...)"
         if self.prefix:
             where += f", less {self.prefix / GiB:.2f} GiB for the prefix cache (--prefix-cache-gb)"
@@ -81,7 +88,13 @@ def gpu_budget(device: torch.device, utilization: float, fixed: int, per_seq: in
     """gpu_memory_utilization of the GPU's total memory less what is in use on it now."""
     total, free = device_memory(device)
     where = f"{utilization:g} of the GPU's {total / GiB:.1f} GiB"
-    return Budget(int(utilization * total) - (total - free), fixed, per_seq, where, total - free, gpu=True)
+    in_use = total - free
+    return Budget(int(utilization * total) - in_use, fixed, per_seq, where, in_use, tensor_bytes(device), gpu=True)
+
+
+def tensor_bytes(device: torch.device) -> int:
+    """Bytes of torch's live tensors on a CUDA device (what its allocator hands out, not what it caches)."""
+    return torch.cuda.memory_allocated(device)
 
 
 def cpu_budget(device: torch.device) -> Budget:
