@@ -22,7 +22,8 @@ Fused after the dot, so a decoder layer needs fewer launches:
 - epilogue `silu_mul`: y = silu(x @ w.T) * (x @ w2.T) (the SwiGLU of an MLP, gate and up weights).
 Roundings follow the PyTorch modules they replace, op by op, except around a norm. The zero-centred
 RMSNorm before a projection is no launch of its own: the residual GEMM before it also stores its
-output times (1 + w) and the output's sums of squares per N block (`norm_out`), and the projection
+output times (1 + w) and the output's sums of squares per N block (`norm_out`; a wide tile of twice
+the 16-row tiles' BLOCK_N stores one per half, `norm_block`, so the grouping stays), and the projection
 reads those (`rms`, a nextn.ops.triton_norm.NormInput), adds a row's sums in a fixed order and
 scales its products by rstd after the loop (FP8 chained dots: x's tiles with the block scale).
 x = y * (1 + w) is rounded to the model dtype where the module rounds y * rstd * (1 + w), so the
