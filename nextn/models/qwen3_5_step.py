@@ -368,8 +368,9 @@ class TritonStep:
                 self.attn.attend_step(*args, out=o[a:b], max_pos=max_pos, **scales)
         return self._mlp(*self._add(x, o, w.o_proj, self._mlp_norm(w.mlp)), w.mlp, w.next_norm)
 
-    def _gdn(self, x, ni, w: GDNWeights, batch: StepBatch, j: int, store_all: bool, live):
-        """(the layer's output, the next norm's NormInput or None); ni: the input norm's."""
+    def _gdn(self, x, ni, w: GDNWeights, batch: StepBatch, j: int, step: dict):
+        """(the layer's output, the next norm's NormInput or None); ni: the input norm's; step: the GDN
+        step kernel's store_all, live and preconv (`trunk`)."""
         if len(w.in_proj) == 1:
             proj = self._project(ni, w.in_proj[0])  # [M, conv | z | b | a]
         else:  # runs of one kind (FP8 qkv | z, bf16 b | a), each into its columns
@@ -378,12 +379,7 @@ class TritonStep:
             for part in w.in_proj:
                 self._project(ni, part, out=proj[:, col : col + part.shape[0]])
                 col += part.shape[0]
-        # a bf16 prefill step of more than a row a sequence: the conv of its rows in a pre-pass (bf16's
-        # products are rounded by integer ops there, which no compiler contracts: triton_gdn._rounded;
-        # fp16 / fp32 keep the loop's conv, as one-row steps do: tests/test_prefill.py sets them side by side)
-        rows = max(batch.rows)
-        preconv = rows if not store_all and rows > 1 and proj.dtype == torch.bfloat16 else None
-        o = self._gdn_mix(proj, w, batch.cache, j, batch.seqs, store_all=store_all, live=live, preconv=preconv)
+        o = self._gdn_mix(proj, w, batch.cache, j, batch.seqs, **step)
         return self._mlp(*self._add(x, o, w.out_proj, self._mlp_norm(w.mlp)), w.mlp, w.next_norm)
 
     def _gdn_mix(self, proj, w: GDNWeights, cache: HybridCache, j: int, seqs, **step):
@@ -441,6 +437,13 @@ class TritonStep:
         if store_all and max(batch.rows) > batch.caches[0].rows:  # past the slots' state buffers
             raise ValueError(f"a step keeping every state takes at most {batch.caches[0].rows} rows per sequence")
         pos = batch.row_positions(batch.field(SEQ_LEN))
+        # a bf16 prefill step of more than a row a sequence: the GDN conv of its rows in a pre-pass
+        # (bf16's products are rounded by integer ops there, which no compiler contracts:
+        # triton_gdn._rounded; fp16 / fp32 keep the loop's conv, as one-row steps do:
+        # tests/test_prefill.py sets them side by side)
+        rows = max(batch.rows)
+        preconv = rows if not store_all and rows > 1 and self.embed.dtype == torch.bfloat16 else None
+        step = dict(store_all=store_all, live=live, preconv=preconv)
         x = embed(ids, self.embed, self.cfg)
         ni = None  # the next layer's input norm's NormInput, where the layer before wrote it
         for layer, w in zip(self.model.model.layers, self.layers, strict=True):
@@ -450,7 +453,7 @@ class TritonStep:
             if layer.kind == FULL:
                 x, ni = self._attn(x, ni, w, batch.cache.kv(i), batch, pos, 0)
             else:
-                x, ni = self._gdn(x, ni, w, batch, batch.cache.gdn_index[i], store_all, live)
+                x, ni = self._gdn(x, ni, w, batch, batch.cache.gdn_index[i], step)
         normed = norm(x, self.final_norm, self.eps, out=hidden if self.after_norm else None)
         self._logits(normed if logit_rows is None else normed.index_select(0, logit_rows), None, logits)
         if not self.after_norm:

@@ -73,6 +73,12 @@ if HAVE_TRITON:
             return x.to(dtype).to(tl.float32)
 
     @triton.jit
+    def _sequence(seqs_ptr, stride_seqs, seq):
+        """Sequence seq's (slot, first row, rows) from `gdn_step`'s seqs [3, B] (a step's batch)."""
+        slot = tl.load(seqs_ptr + seq).to(tl.int64)
+        return slot, tl.load(seqs_ptr + stride_seqs + seq), tl.load(seqs_ptr + 2 * stride_seqs + seq)
+
+    @triton.jit
     def _conv_silu(proj_ptr, stride_p, w_ptr, carried_ptr, stride_c, ch, t, n_carried, W: tl.constexpr,
                    dtype: tl.constexpr):  # fmt: skip
         """silu(causal conv) of channels ch at row t, rounded like the reference, as float32. Columns
@@ -172,9 +178,7 @@ if HAVE_TRITON:
         loop would (the same function on the same columns: the pending rows' and carried columns of
         the window, then the step's inputs), so the loop only loads them."""
         seq = tl.program_id(0)
-        slot = tl.load(seqs_ptr + seq).to(tl.int64)
-        row0 = tl.load(seqs_ptr + stride_seqs + seq)
-        T = tl.load(seqs_ptr + 2 * stride_seqs + seq)
+        slot, row0, T = _sequence(seqs_ptr, stride_seqs, seq)
         proj_ptr += row0 * stride_p
         out_ptr += row0 * stride_out
         window_ptr += slot * stride_win_slot
@@ -245,9 +249,7 @@ if HAVE_TRITON:
         vb = tl.program_id(1)
         seq = tl.program_id(2)
         NB: tl.constexpr = V // BLOCK_V
-        slot = tl.load(seqs_ptr + seq).to(tl.int64)
-        row0 = tl.load(seqs_ptr + stride_seqs + seq)
-        T = tl.load(seqs_ptr + 2 * stride_seqs + seq)
+        slot, row0, T = _sequence(seqs_ptr, stride_seqs, seq)
         proj_ptr += row0 * stride_p
         o_ptr += row0 * stride_o
         conv_ptr += row0 * stride_c
