@@ -370,12 +370,12 @@ def test_gdn_step_slots(T, dtype):
             assert torch.equal(st[0], whole_states[1]) and gt[:T_max].isnan().all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("P", [0, 3])
-def test_gdn_step_conv_prepass_is_bitwise(P, dtype):
+def test_gdn_step_conv_prepass_is_bitwise(P, dtype=torch.bfloat16):
     """A prefill step's conv pre-pass (preconv: the step rows' conv outputs computed first, in
     parallel, then loaded by the row loop) gives the in-loop conv's bits: outputs, states, window and
-    gates, with P pending rows folded first (their conv stays in the loop)."""
+    gates, with P pending rows folded first (their conv stays in the loop). bfloat16 only: gdn_step
+    refuses the pre-pass in float32 (run 162: its bits were off the loop's with P = 3 on an H100)."""
     H, HV, K, V, W, eps, T_max, T = 2, 4, 16, 32, 4, 1e-6, 8, 6
     half = W - 1 + T_max
     g = torch.Generator(device=DEVICE).manual_seed(40 + P)
@@ -396,6 +396,15 @@ def test_gdn_step_conv_prepass_is_bitwise(P, dtype):
     assert torch.equal(out_pre, out)
     for x, y in zip(bufs_pre, bufs_loop, strict=True):
         assert torch.equal(_bits(x), _bits(y))
+
+
+def test_gdn_step_conv_prepass_refuses_float32():
+    """The pre-pass's float32 bits are not the loop's on a GPU (a product and its sum contracted in
+    one kernel only): gdn_step refuses it there rather than give other bits."""
+    H, HV, K, V, W, T_max, T = 2, 4, 16, 32, 4, 8, 6
+    c = _gdn_case(T, H, HV, K, V, W, torch.float32, torch.Generator(device=DEVICE).manual_seed(3))
+    with pytest.raises(ValueError, match="bfloat16 only"):
+        _run_gdn_step(c, H, HV, K, V, W, 1e-6, store_all=False, bufs=_gdn_buffers(c, H, HV, K, V, W, T_max), preconv=T)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ rows 1.26x (B = 1) / 1.35x (B = 6) faster a layer and the bundled model's 1.74x 
 integer rounding costs the decode 0.6 us a layer on the 9B's heads (6.2 -> 6.8) and 1.6 on the
 bundled model's (5.9 -> 7.5), and changed the loop's bits against the module before it (run 159:
 decode rows too, so that loop's conv had not rounded each product on that GPU). The model's step
-uses the pre-pass in bfloat16 only.
+uses the pre-pass in bfloat16 only, and gdn_step refuses it in another dtype.
 
 A step runs a batch of sequences (program axis 2), each over its own rows of `proj` and its own
 cache slot. Where a sequence's step reads and writes is five int32 device values of its slot
@@ -525,6 +525,10 @@ def _conv_prepass(proj, conv_weight, window, slots, seqs, pending_col: int, max_
     """silu(causal conv) of every step row's q | k | v channels [M, conv_dim] (`_gdn_conv_kernel`)."""
     if store_all:
         raise ValueError("gdn_step: the conv pre-pass serves a prefill step (store_all=False)")
+    if proj.dtype != torch.bfloat16:  # float32: a product and the sum after it may compile to one fma in
+        # one kernel and not the other (`_rounded` rounds bfloat16 products only); run 162's H100
+        # found the pre-pass's float32 bits off the loop's with pending rows
+        raise ValueError(f"gdn_step: the conv pre-pass is exact in bfloat16 only, not {proj.dtype}")
     conv_dim, W = conv_weight.shape
     out = torch.empty(proj.shape[0], conv_dim, device=proj.device, dtype=proj.dtype)
     block_c = min(256, conv_dim & -conv_dim)  # a power of two dividing conv_dim: no channel mask

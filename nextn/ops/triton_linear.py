@@ -123,8 +123,19 @@ if HAVE_TRITON:
         offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         s_mask = mask_n[:, None] & (offs_g[None, :] * GROUP < K)
         scale = tl.load(s_ptr + offs_g[None, :] * stride_s + offs_n[:, None], mask=s_mask, other=0.0)
-        w = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * scale.to(tl.float32)[:, :, None]
+        w = tl.reshape(widened(w), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * scale.to(tl.float32)[:, :, None]
         return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x_dtype)
+
+    @triton.jit
+    def widened(w):
+        """A quantized tile's values (e4m3 or int8) as float32, exactly. int8 by integer ops: the
+        bits of 1.5 * 2^23 plus the value are the float 1.5 * 2^23 + value (its ulp is 1), less
+        1.5 * 2^23. sm90 converts int to float (I2F) at 16 a clock an SM, a quarter of its integer
+        adds': the tile's I2F and its bf16 rounding bounded the Q8_0 GEMV (2,234 GB/s against
+        bf16's 3,049 at the 9B's gate|up, run 162; bench/NOTES.md). Also the MoE kernels'."""
+        if w.dtype == tl.int8:
+            return (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        return w.to(tl.float32)
 
     @triton.jit
     def _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,

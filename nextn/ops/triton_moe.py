@@ -69,6 +69,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from nextn.ops.triton_linear import widened
+
     @triton.jit
     def _route_row(logits_ptr, idx_ptr, rw_ptr, E: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
                    BLOCK_E: tl.constexpr, WARPS: tl.constexpr):  # fmt: skip
@@ -111,7 +113,7 @@ if HAVE_TRITON:
         offs_b = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         smask = mask_n[:, None] & (offs_b[None, :] < (K + GROUP - 1) // GROUP)
         s = tl.load(s_ptr + offs_b[None, :] * s_stride + offs_n[:, None], mask=smask, other=0.0).to(tl.float32)
-        w3 = tl.reshape(w.to(tl.float32), (n, BLOCK_K // GROUP, GROUP)) * s[:, :, None]
+        w3 = tl.reshape(widened(w), (n, BLOCK_K // GROUP, GROUP)) * s[:, :, None]
         return tl.reshape(w3, (n, BLOCK_K)).to(dtype)
 
     @triton.jit
@@ -267,7 +269,7 @@ if HAVE_TRITON:
         `_dequant` does."""
         if FP8:
             s = tl.load(s_ptr + (offs_k // GROUP)[None, :, :] * s_stride + offs_n[:, None, None], mask=mask, other=0.0)
-            wf = (w.to(tl.float32) * s.to(tl.float32)).to(dtype).to(tl.float32)
+            wf = (widened(w) * s.to(tl.float32)).to(dtype).to(tl.float32)
         else:
             wf = w.to(tl.float32)
         a = tl.load(tl.broadcast_to(act_ptr + offs_k[None, :, :], mask.shape), mask=mask, other=0.0).to(tl.float32)
