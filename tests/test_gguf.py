@@ -30,6 +30,7 @@ from nextn.models.gguf import GGUFError, gguf_config
 from nextn.models.loader import load_model
 from nextn.ops.fp8 import dequantize
 from nextn.ops.q8_0 import q8_0_from_blocks
+from nextn.spec.draft_vocab import DraftVocab, tokenizer_fingerprint
 
 
 def _script(name: str):
@@ -146,6 +147,9 @@ def test_a_file_gives_the_logits_of_the_weights_it_stores(kind, qtype, with_mtp,
         kept = [m for m in model.modules() if isinstance(m, QuantLinear)]
         assert kept and all(m.weight.dtype == torch.int8 for m in kept)
         assert model.cfg.quantization.method == "q8_0"
+        # the file's Q8_0 lm_head (untied) and NextN projections stay Q8_0 as the trunk's do
+        assert isinstance(getattr(model, "lm_head", None), QuantLinear) != model.cfg.tie_word_embeddings
+        assert not with_mtp or isinstance(model.mtp.fc, QuantLinear)
     for a, b in zip(_logits(model, PROMPT), _logits(ref, PROMPT), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -189,6 +193,28 @@ def test_greedy_spec_equals_plain_on_a_q8_0_file(fitted_q8_file):
             assert got.token_ids == want.token_ids, (k, prompt)
             accepted += got.spec.num_accepted
     assert accepted > 0  # the head drafts, and drafts are kept: spec really ran
+
+
+def test_greedy_spec_equals_plain_with_a_q8_0_lm_head_and_a_draft_vocabulary(moe_fitted_ckpt, tmp_path):
+    """An untied Q8_0 lm_head stays Q8_0: the step's logits, the MTP head's and a draft
+    vocabulary's rows (their scales with them) read it, and greedy spec equals plain."""
+    path = write(moe_fitted_ckpt, tmp_path / "moe-q8_0.gguf", T.Q8_0)
+    plain = nextn.LLM(model=str(path), num_speculative_tokens=0)
+    assert isinstance(plain.model.lm_head, QuantLinear)
+    refs = [_generate(plain, p).token_ids for p in hf.FIT_PROMPTS]
+    seen = {t for p, ref in zip(hf.FIT_PROMPTS, refs, strict=True) for t in [*p, *ref]}
+    vocab = DraftVocab(tuple(sorted(seen)[1:]), tokenizer_fingerprint(plain.tokenizer))
+    accepted = 0
+    for k, dv in ((1, None), (3, None), (3, vocab)):
+        spec = nextn.LLM(model=str(path), num_speculative_tokens=k, draft_vocab=dv)
+        if dv is not None:
+            head = spec.engine.proposer.draft
+            assert head.lm_head.weight.dtype == torch.int8 and head.lm_head.shape[0] == len(vocab.d2t)
+        for prompt, ref in zip(hf.FIT_PROMPTS, refs, strict=True):
+            got = _generate(spec, prompt)
+            assert got.token_ids == ref, (k, dv is not None, prompt)
+            accepted += got.spec.num_accepted
+    assert accepted > 0
 
 
 def test_a_file_without_nextn_decodes_plainly_and_says_so_once(dense_ckpt, tmp_path, caplog):

@@ -105,15 +105,20 @@ def weight_format(quant: QuantConfig | None) -> Format:
     return FORMATS[quant.method] if quant is not None and quant.method in FORMATS else FP8
 
 
-def quantized_at_load(model: CausalLM, fmt: Format = FP8) -> frozenset[str]:
+def quantized_at_load(model: CausalLM, fmt: Format = FP8, head: bool = False) -> frozenset[str]:
     """The module weights quantization="fp8" quantizes: the decoder layers' Linear weights and
     experts, but KEEP_BF16 (lm_head, the embeddings, norms, routers and mtp.* are not among them).
     Q8_0 (fmt) quantizes those whose rows are whole blocks of 32 (as llama.cpp keeps the others in
     a float type); an expert stack, and an MLP's three projections, whole or not at all (the MoE
-    kernels read a shared expert in one format)."""
+    kernels read a shared expert in one format). head: the lm_head (untied) and the MTP layer's
+    projections too, as llama.cpp's converter stores a GGUF file's (load_gguf keeps them Q8_0 where
+    the file has them so; a published FP8 checkpoint keeps them in bf16)."""
     out, kept = set(), set()
+    layers = ("model.layers.", "mtp.") if head else ("model.layers.",)
     for name, m in model.named_modules():  # (a module before its children)
-        if not name.startswith("model.layers."):
+        if head and name == "lm_head" and _whole_blocks(fmt, m.weight):
+            out.add("lm_head.weight")
+        if not name.startswith(layers):
             continue
         if isinstance(m, MLP) and not _whole_blocks(fmt, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight):
             kept |= {f"{name}.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
@@ -146,13 +151,14 @@ def quantize_at_load(plan: CheckpointPlan, model: CausalLM, fmt: Format = FP8) -
     return CheckpointPlan(shapes, keys, fp8, plan.tp)
 
 
-def use_quant_modules(model: CausalLM, fp8: frozenset[str], fmt: Format = FP8) -> None:
+def use_quant_modules(model: CausalLM, fp8: frozenset[str], fmt: Format = FP8, head: bool = False) -> None:
     """Swap the modules whose weights are quantized (FP8, or fmt) for QuantLinear / QuantExperts (on the
-    meta device; a bias is kept). lm_head, embeddings, norms and routers stay in the model's dtype."""
+    meta device; a bias is kept). Embeddings, norms and routers stay in the model's dtype, and so does
+    lm_head but with head (a GGUF file's Q8_0 lm_head: quantized_at_load's head)."""
     for prefix in sorted({name.rpartition(".")[0] for name in fp8}):
         module = model.get_submodule(prefix)
         with torch.device("meta"):
-            if isinstance(module, Linear) and prefix != "lm_head":
+            if isinstance(module, Linear) and (head or prefix != "lm_head"):
                 new = QuantLinear(module.in_features, module.out_features, fmt=fmt)
                 new.bias = module.bias
             elif isinstance(module, Experts) and {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"} <= fp8:
@@ -408,12 +414,12 @@ def load_gguf(path: Path, device: str, dtype: str, quantization: str | None = No
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     plan = gguf.plan_tensors(reader, cfg, expected)
     q8 = _whole_modules(
-        model, {key for key in quantized_at_load(model, Q8_0) if gguf.is_q8_0(reader, key, plan[key], cfg)}
+        model, {key for key in quantized_at_load(model, Q8_0, head=True) if gguf.is_q8_0(reader, key, plan[key], cfg)}
     )
     if q8 and quantization is not None:
         raise CheckpointError(f"{path} holds Q8_0 weights: load it without quantization={quantization!r}")
     gguf.log_types(reader, sum(len(plan[key]) for key in q8))
-    use_quant_modules(model, q8, Q8_0)
+    use_quant_modules(model, q8, Q8_0, head=True)
     t0 = time.perf_counter()
     for key, names in tqdm(plan.items(), desc="loading", unit="tensor", disable=not log.isEnabledFor(logging.INFO)):
         t = gguf.module_tensor(reader, key, names, cfg, blocks=key in q8)

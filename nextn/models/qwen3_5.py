@@ -19,12 +19,13 @@ from nextn.cache import SlotCache, StepBatch
 from nextn.config import FULL, STEP_ROWS
 from nextn.config.model import ModelConfig
 from nextn.layers.attention import KV
-from nextn.layers.linear import Linear
+from nextn.layers.linear import Linear, QuantLinear
 from nextn.layers.norm import RMSNorm
 from nextn.layers.rotary import RotaryEmbedding
 from nextn.models.decoder import DecoderLayer
 from nextn.models.mtp import MTPHead
 from nextn.ops import OPS, Ops
+from nextn.ops.fp8 import QuantWeight, dense
 from nextn.ops.linear import pad_dim1, row_invariant_linear
 from nextn.parallel.comm import embed, gather_vocab
 from nextn.parallel.shard import vocab_rows
@@ -63,9 +64,12 @@ class CausalLM(nn.Module):
         self.mtp = MTPHead(cfg, DecoderLayer) if num_mtp_layers > 0 else None
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:
-        """[V, H], or this rank's rows of it under tensor parallelism."""
-        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+    def lm_head_weight(self) -> torch.Tensor | QuantWeight:
+        """[V, H], or this rank's rows of it under tensor parallelism; a QuantWeight where a GGUF
+        file's lm_head stays Q8_0 (nextn.models.loader.load_gguf)."""
+        if self.cfg.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.fp8 if isinstance(self.lm_head, QuantLinear) else self.lm_head.weight
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embeddings of ids [...] -> [..., H] (gathered from the ranks' rows under tensor parallelism)."""
@@ -142,9 +146,10 @@ class CausalLM(nn.Module):
     def logits(self, normed_hidden: torch.Tensor, lm_head: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits over the lm_head's rows [.., V] (gathered from the ranks' under tensor
         parallelism), or over the given rows [Vd, H] (a draft vocabulary's, never sharded)."""
+        dtype = normed_hidden.dtype
         if lm_head is not None:
-            return row_invariant_linear(normed_hidden, lm_head).float()
-        local = row_invariant_linear(normed_hidden, self.lm_head_weight).float()
+            return row_invariant_linear(normed_hidden, dense(lm_head, dtype)).float()
+        local = row_invariant_linear(normed_hidden, dense(self.lm_head_weight, dtype)).float()
         return gather_vocab(local.reshape(-1, local.shape[-1]), self.cfg).view(*local.shape[:-1], -1)
 
 

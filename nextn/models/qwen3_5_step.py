@@ -254,7 +254,8 @@ class TritonStep:
             use(self.head_weights[2])
             layer(self.head_weights[3])
             if head_vocab is not None:
-                uses.append((head_vocab, self.lm_head.shape[1], False, ""))  # a bf16 copy
+                kind = self.lm_head.format.name if isinstance(self.lm_head, QuantWeight) else ""
+                uses.append((head_vocab, self.lm_head.shape[1], False, kind))  # a copy of its rows
         return uses
 
     def tune(self, log=None, head_vocab: int | None = None) -> dict:

@@ -97,6 +97,25 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (w * scale.float().transpose(-1, -2)[..., None]).view(*lead, n, kb * block)[..., :k].to(dtype)
 
 
+def dense(w: torch.Tensor | QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """w as a dense tensor in dtype (a QuantWeight in nextn's layout dequantized; a tensor as it is)."""
+    if not isinstance(w, QuantWeight):
+        return w
+    if w.rows != 1:
+        raise ValueError("dense: a weight with compacted scales (compact_scales) is the step's, not the reference's")
+    return dequantize(w.weight, w.scale, dtype)
+
+
+def select_rows(w: torch.Tensor | QuantWeight, rows: torch.Tensor) -> torch.Tensor | QuantWeight:
+    """Rows `rows` of a weight [N, K], a contiguous copy (a draft vocabulary's lm_head rows); a
+    QuantWeight's with their scales, where each row has its own (Q8_0's: nextn's layout, rows=1)."""
+    if not isinstance(w, QuantWeight):
+        return w.detach().index_select(0, rows)
+    if w.rows != 1 or w.scale.shape[-1] != w.weight.shape[0]:
+        raise ValueError(f"select_rows: a {w.format.name} weight whose rows share scales cannot be cut by rows")
+    return QuantWeight(w.weight.index_select(0, rows), w.scale.index_select(1, rows).contiguous())
+
+
 def quantize_blocks(w: torch.Tensor, block_n: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """The publisher's block-wise FP8 of w [..., N, K] (each matrix of a stack alone): (e4m3 [..., N,
     K], float32 scale [..., ceil(N/block_n), ceil(K/128)]) with each block's scale amax / 448 (1 for

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from nextn.ops.fp8 import QuantWeight, select_rows
 from nextn.sample.pipeline import TokenHistory
 from nextn.sample.verifier import draft_probs_on_target_vocab
 from nextn.tokenizer import Tokenizer
@@ -259,14 +260,14 @@ class DraftHead:
     subset) and `lm_head` [Vd, H], a contiguous copy of the selected rows made once (the step
     backends' MTP head reads it instead of the full lm_head)."""
 
-    def __init__(self, vocab: DraftVocab, lm_head: torch.Tensor):
-        V, device = lm_head.shape[0], lm_head.device
+    def __init__(self, vocab: DraftVocab, lm_head):
+        V, device = lm_head.shape[0], (lm_head.weight if isinstance(lm_head, QuantWeight) else lm_head).device
         vocab.check(V)
         self.vocab, self.vocab_size, self.size = vocab, V, vocab.size
         self.d2t = torch.tensor(vocab.d2t, dtype=torch.long, device=device)  # [Vd]
         self.t2d = torch.full((V,), -1, dtype=torch.long, device=device)  # [V]
         self.t2d[self.d2t] = torch.arange(vocab.size, device=device)
-        self.lm_head = lm_head.detach().index_select(0, self.d2t)  # [Vd, H]
+        self.lm_head = select_rows(lm_head, self.d2t)  # [Vd, H] (Q8_0 rows with their scales)
 
     def to_target(self, draft_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Draft rows [N] -> target ids [N] (into out)."""
