@@ -32,7 +32,7 @@ FP8_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
 # bf16 config without tensor descriptors
 Q8_0_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
 QUANT_CONFIGS = {FP8.name: FP8_CONFIGS, Q8_0.name: Q8_0_CONFIGS}  # by nextn.ops.fp8.Format name
-WAY_TMA, WAY_XMAJOR = 1, 2
+WAY_TMA, WAY_XMAJOR, WAY_GROUPED = 1, 2, 3  # a config's sixth field (nextn.ops.triton_linear)
 # From this many rows (a prefill's, a large batch's verify) a call with bf16 / fp16 weights runs in wide
 # tiles (`wide_tile`): 2.3-3.6x the 16-row tiles' speed at 256-8,192 rows of the 9B's shapes, 330-540
 # TFLOP/s, the same bits (bench/results/wide_tile_probe_run145.json, H100). Below it, 16-row tiles.

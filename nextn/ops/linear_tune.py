@@ -10,7 +10,15 @@ from __future__ import annotations
 import torch
 
 from nextn.ops.fp8 import FORMATS, FP8, QuantWeight, compact_scales, quantize
-from nextn.ops.linear_configs import CONFIGS, QUANT_CONFIGS, WAY_TMA, WAY_XMAJOR, pick_config, takes_block_k
+from nextn.ops.linear_configs import (
+    CONFIGS,
+    QUANT_CONFIGS,
+    WAY_GROUPED,
+    WAY_TMA,
+    WAY_XMAJOR,
+    pick_config,
+    takes_block_k,
+)
 from nextn.ops.q8_0 import q8_0_quantize
 from nextn.ops.triton_linear import skinny_linear
 
@@ -70,6 +78,8 @@ FP8_CANDIDATES += [(128, 128, 4, 4, 2, 2), (64, 128, 4, 4, 4, 2), (128, 128, 4, 
                    (64, 128, 4, 6, 2, 2), (128, 128, 8, 5, 2, 2), (64, 128, 4, 4, 2, 2)]  # fmt: skip
 # more for Q8_0: tiles of one 32-column group (scaled products), and wide ones (dequantized tiles)
 Q8_0_CANDIDATES = [(64, 32, 4, 6, 1), (128, 32, 4, 8, 1), (64, 64, 4, 4, 2), (64, 256, 4, 3, 1), (128, 256, 8, 3, 1)]
+# and the grouped way (a dot per 32-column group, its sums scaled: config way 3), 128-column tiles
+Q8_0_CANDIDATES += [(64, 128, 4, 3, 4, 3), (64, 128, 4, 3, 8, 3), (32, 128, 4, 4, 4, 3), (128, 128, 4, 3, 1, 3)]
 QUANT_CANDIDATES = {FP8.name: FP8_CANDIDATES, "q8_0": Q8_0_CANDIDATES}
 
 
@@ -109,7 +119,7 @@ def tune(shapes: list[tuple[int, int, bool, str]], device, candidates=None, log=
                 continue
             if quant and (not takes_block_k(FORMATS[quant], bk) or way == WAY_TMA):
                 continue
-            if way == WAY_XMAJOR and quant != FP8.name:
+            if (way == WAY_XMAJOR and quant != FP8.name) or (way == WAY_GROUPED and (quant != "q8_0" or bk > 128)):
                 continue
             times = []
             try:
