@@ -260,7 +260,7 @@ class DraftHead:
     subset) and `lm_head` [Vd, H], a contiguous copy of the selected rows made once (the step
     backends' MTP head reads it instead of the full lm_head)."""
 
-    def __init__(self, vocab: DraftVocab, lm_head):
+    def __init__(self, vocab: DraftVocab, lm_head: torch.Tensor | QuantWeight):
         V, device = lm_head.shape[0], (lm_head.weight if isinstance(lm_head, QuantWeight) else lm_head).device
         vocab.check(V)
         self.vocab, self.vocab_size, self.size = vocab, V, vocab.size
