@@ -1166,3 +1166,28 @@ def test_split_k_matches_reference_and_rows_are_invariant(split):
         # the last split to arrive reduces and re-arms its N block's counter for the next launch
         assert not triton_utils._COUNTERS[x.device].any(), name
         assert torch.equal(skinny_linear(x, w, config=cfg, **kw), out), name
+
+
+@gpu
+def test_tune_refuses_a_config_that_computes_something_else(monkeypatch):
+    """A candidate config whose output is off the default config's is not chosen, however fast: here
+    one that does no work (zeros), the fastest of all."""
+    from nextn.ops import linear_configs, linear_tune
+
+    real, bad = linear_tune.skinny_linear, (16, 64, 4, 2, 1)
+
+    def patched(x, w, up_weight=None, config=None, **kw):
+        if config == bad:
+            return torch.zeros(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+        return real(x, w, up_weight=up_weight, config=config, **kw)
+
+    monkeypatch.setattr(linear_tune, "skinny_linear", patched)
+    saved, logs = dict(linear_configs.CONFIGS), []
+    try:
+        candidates = [bad, (32, 128, 4, 3, 1)]
+        chosen = linear_tune.tune([(256, 512, False, "")], "cuda", candidates=candidates, log=logs.append)
+    finally:
+        linear_configs.CONFIGS.clear()
+        linear_configs.CONFIGS.update(saved)
+    assert chosen["256x512"]["config"] != list(bad)
+    assert any(f"{bad}: its output is off the default config's" in line for line in logs)

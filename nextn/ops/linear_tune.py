@@ -91,8 +91,10 @@ def config_key(N: int, K: int, quant: str = "") -> str:
 def tune(shapes: list[tuple[int, int, bool, str]], device, candidates=None, log=None) -> dict:
     """Time block configs per weight shape (N, K, second weight?, kind: "" bf16, "fp8", "q8_0") at 1
     and 9 rows, in CUDA graphs with the weights out of L2, and keep the best in CONFIGS (QUANT_CONFIGS)
-    (the default heuristic's config is always a candidate). Run it before any step is captured: a
-    shape's config then stays fixed, so rows stay invariant."""
+    (the default heuristic's config is always a candidate). A candidate whose output at 9 rows is off
+    the default config's by more than AGREE of its scale is not one (logged): a fast config that
+    computes something else never serves. Run it before any step is captured: a shape's config then
+    stays fixed, so rows stay invariant."""
     candidates = list(candidates or CANDIDATES + TMA_CANDIDATES)
     chosen = {}
     merged: dict[tuple[int, int, str], bool] = {}
@@ -111,6 +113,7 @@ def tune(shapes: list[tuple[int, int, bool, str]], device, candidates=None, log=
         w2s = [_tune_weight(N, K, quant, device) for _ in range(copies)] if dual else None
         x = torch.randn(9, K, device=device, dtype=torch.bfloat16)
         reps = max(copies, min(200, int(2e11 // nbytes)))
+        want = skinny_linear(x, ws[0], up_weight=w2s[0] if dual else None, config=default).float()
         best = None
         for cfg in [default] + [c for c in candidates + QUANT_CANDIDATES.get(quant, []) if c != default]:
             bn, bk, _, _, split, *way = cfg
@@ -138,6 +141,11 @@ def tune(shapes: list[tuple[int, int, bool, str]], device, candidates=None, log=
                 if log:
                     log(f"tune {config_key(N, K, quant)} {cfg}: {type(e).__name__}")
                 continue
+            got = skinny_linear(x, ws[0], up_weight=w2s[0] if dual else None, config=cfg).float()
+            if (err := disagreement(got, want)) > AGREE:  # a fast config must compute the same product
+                if log:
+                    log(f"tune {config_key(N, K, quant)} {cfg}: its output is off the default config's by {err:.3g}")
+                continue
             score = times[0] + 0.25 * times[1]
             if best is None or score < best[0]:
                 best = (score, cfg, times[0], times[1])
@@ -154,6 +162,19 @@ def tune(shapes: list[tuple[int, int, bool, str]], device, candidates=None, log=
             log(f"tune {key}: {best[1]} {chosen[key]['GBps_1row']:.0f} GB/s at 1 row ({best[2]:.1f} us)")
         ws = w2s = None  # free the copies before the next shape's
     return chosen
+
+
+# a candidate's output against the default config's: other configs sum in other orders (a few ulps of
+# the output's scale in bf16); one that computes something else is off by its whole scale
+AGREE = 2e-2
+
+
+def disagreement(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| over max |want| (inf where got is not finite): how far a config's output is
+    from the default config's."""
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
 def _bytes_per_weight(quant: str) -> float:
