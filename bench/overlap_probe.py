@@ -1,0 +1,144 @@
+"""Whether a prefill's GEMMs and the decode round's run at once on one GPU (issue 44's 9B bar): the
+9B's projections (random bf16 weights: per layer gate|up, down, the fused input projection and the
+output projection; lm_head left out) run as (a) a decode round, 16 rows through every layer's GEMMs
+(skinny 16-row tiles: memory-bound) captured in a CUDA graph, (b) a prefill pass of P rows through the
+same weights (wide tiles: compute-bound), captured too, then (c) both from one start: the prefill
+graph on a low-priority stream, as many rounds as its time holds on a high-priority stream. It
+prints each alone, when each ends at once, and the gain: that work's time one after the other over
+its time at once (bench/NOTES.md: the served 9B needs the prompts' compute under the rounds' weight
+reads). Counters: the 16-row GEMMs' split-K arrival counters are one buffer a device
+(nextn.ops.triton_utils), used here by the decode stream alone (a wide tile sums its splits in its
+program), so the concurrent launches do not share them. The engine's steps do not run so today.
+
+    python bench/overlap_probe.py [--rows 512 2048] [--layers 32] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's nextn, run from anywhere
+
+import torch  # noqa: E402
+
+from nextn.ops.triton_linear import skinny_linear  # noqa: E402
+
+# the Qwen3.5-9B's per-layer projections: (N, K, gate|up pair)
+LAYER = [(12288, 4096, True), (4096, 12288, False), (12288, 4096, False), (4096, 4096, False)]
+
+
+def _forward(ins: dict, outs: dict, weights: list) -> None:
+    """Every weight's GEMM over the rows of ins (by input width) into outs (by output width): the
+    values do not matter, the launches and bytes do."""
+    for w, w2 in weights:
+        n, k = w.shape
+        skinny_linear(ins[k], w, up_weight=w2, out=outs[n])
+
+
+def _buffers(rows: int, dev) -> tuple[dict, dict]:
+    widths = {n for n, _, _ in LAYER} | {k for _, k, _ in LAYER}
+    ins = {k: torch.randn(rows, k, device=dev, dtype=torch.bfloat16) for k in widths}
+    return ins, {n: torch.empty(rows, n, device=dev, dtype=torch.bfloat16) for n in widths}
+
+
+def _graph(fn) -> torch.cuda.CUDAGraph:
+    fn()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def _ms(fn, reps: int = 5) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[512, 2048], help="prefill rows a pass")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    weights = []
+    for _ in range(args.layers):
+        for n, k, dual in LAYER:
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k**-0.5
+            weights.append((w, torch.randn_like(w) * k**-0.5 if dual else None))
+    nbytes = sum(w.numel() * 2 * (2 if w2 is not None else 1) for w, w2 in weights)
+    dec_in, dec_out = _buffers(16, dev)
+    decode = _graph(lambda: _forward(dec_in, dec_out, weights))
+    t_dec = _ms(decode.replay)
+    report = {
+        "device": torch.cuda.get_device_name(0),
+        "command": "python bench/overlap_probe.py " + " ".join(sys.argv[1:]),
+        "weight_bytes": nbytes,
+        "decode_round_ms": t_dec,
+        "decode_GBps": nbytes / t_dec / 1e6,
+        "prefill": {},
+    }
+    print(f"decode round (16 rows, {args.layers} layers): {t_dec:.3f} ms, {nbytes / t_dec / 1e6:.0f} GB/s")
+    low, high = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)  # lower number: higher priority
+    for rows in args.rows:
+        pre_in, pre_out = _buffers(rows, dev)
+        prefill = _graph(lambda pre_in=pre_in, pre_out=pre_out: _forward(pre_in, pre_out, weights))
+        t_pre = _ms(prefill.replay)
+        flops = 2 * rows * nbytes / 2
+        n = max(1, round(t_pre / t_dec))  # the rounds one prefill's time holds
+
+        def both(prefill=prefill, n=n) -> tuple[float, float]:
+            """The prefill on the low-priority stream and n rounds on the high one, from one start:
+            (ms to the prefill's end, ms to the last round's end)."""
+            start, end_pre, end_dec = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            torch.cuda.synchronize()
+            start.record()
+            for stream in (low, high):
+                stream.wait_event(start)
+            with torch.cuda.stream(low):
+                prefill.replay()
+                end_pre.record(low)
+            with torch.cuda.stream(high):
+                for _ in range(n):
+                    decode.replay()
+                end_dec.record(high)
+            torch.cuda.synchronize()
+            return start.elapsed_time(end_pre), start.elapsed_time(end_dec)
+
+        both()  # warm
+        pre_at_once, dec_at_once = sorted(both() for _ in range(3))[1]
+        t_both = max(pre_at_once, dec_at_once)
+        sequential = t_pre + n * t_dec
+        row = {
+            "prefill_ms": t_pre,
+            "prefill_TFLOPs": flops / t_pre / 1e9,
+            "rounds": n,
+            "at_once_prefill_ms": pre_at_once,
+            "at_once_rounds_ms": dec_at_once,
+            "at_once_round_ms": dec_at_once / n,
+            "sequential_ms": sequential,
+            "gain": sequential / t_both,
+        }
+        print(
+            f"prefill {rows} rows: {t_pre:.2f} ms ({row['prefill_TFLOPs']:.0f} TFLOP/s); at once with {n} rounds: "
+            f"prefill ends at {pre_at_once:.2f} ms, the rounds at {dec_at_once:.2f} ({dec_at_once / n:.3f} a round "
+            f"against {t_dec:.3f}); {sequential:.2f} ms one after the other: {row['gain']:.2f}x"
+        )
+        report["prefill"][str(rows)] = row
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
