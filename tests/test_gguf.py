@@ -27,8 +27,8 @@ from nextn.layers.attention import KV
 from nextn.layers.linear import QuantLinear
 from nextn.models import gguf as gguf_reader
 from nextn.models.gguf import GGUFError, gguf_config
-from nextn.models.loader import load_model
-from nextn.ops.fp8 import dequantize
+from nextn.models.loader import fused_runs, load_model
+from nextn.ops.fp8 import QuantWeight, dequantize
 from nextn.ops.q8_0 import q8_0_from_blocks
 from nextn.spec.draft_vocab import DraftVocab, tokenizer_fingerprint
 
@@ -150,6 +150,13 @@ def test_a_file_gives_the_logits_of_the_weights_it_stores(kind, qtype, with_mtp,
         # the file's Q8_0 lm_head (untied) and NextN projections stay Q8_0 as the trunk's do
         assert isinstance(getattr(model, "lm_head", None), QuantLinear) != model.cfg.tie_word_embeddings
         assert not with_mtp or isinstance(model.mtp.fc, QuantLinear)
+        # and the GDN gate projections, fused with the input projection into one Q8_0 GEMM
+        gdn = next(layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn"))
+        gates = [getattr(gdn, n) for n in ("in_proj_b", "in_proj_a", "in_proj_ba") if hasattr(gdn, n)]
+        assert gates and all(isinstance(g, QuantLinear) for g in gates)
+        inputs = [getattr(gdn, n) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz",
+                                            "in_proj_ba") if hasattr(gdn, n)]  # fmt: skip
+        assert len(fused_runs(*inputs)) == 1
     for a, b in zip(_logits(model, PROMPT), _logits(ref, PROMPT), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -215,6 +222,27 @@ def test_greedy_spec_equals_plain_with_a_q8_0_lm_head_and_a_draft_vocabulary(moe
             assert got.token_ids == ref, (k, dv is not None, prompt)
             accepted += got.spec.num_accepted
     assert accepted > 0
+
+
+@pytest.mark.parametrize("kind", ["moe", "next"])
+def test_triton_step_on_a_q8_0_file_matches_the_reference_step(kind, request, tmp_path):
+    """float32: the fused step over a file's Q8_0 projections, its Q8_0 lm_head and the GDN gate
+    projections fused with the input projection (one Q8_0 GEMM) gives the reference step's logits
+    and hiddens."""
+    from test_step import _prefilled, _step
+
+    path = write(request.getfixturevalue(CKPTS[kind]), tmp_path / f"{kind}-q8_0.gguf", T.Q8_0)
+    ref, fast = (
+        nextn.LLM(model=str(path), kernels=k, dtype="float32", max_model_len=96, max_num_seqs=8).engine
+        for k in ("torch", "triton")
+    )
+    step = fast.runner.step
+    assert isinstance(step.lm_head, QuantWeight) and step.lm_head.weight.dtype == torch.int8
+    gdn = next(w for w in step.layers if hasattr(w, "in_proj"))
+    assert len(gdn.in_proj) == 1 and isinstance(gdn.in_proj[0], QuantWeight)
+    outs = [_step(e, _prefilled(e, 0), [5, 77, 300]) for e in (ref, fast)]
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_a_file_without_nextn_decodes_plainly_and_says_so_once(dense_ckpt, tmp_path, caplog):

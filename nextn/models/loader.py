@@ -105,18 +105,20 @@ def weight_format(quant: QuantConfig | None) -> Format:
     return FORMATS[quant.method] if quant is not None and quant.method in FORMATS else FP8
 
 
-def quantized_at_load(model: CausalLM, fmt: Format = FP8, head: bool = False) -> frozenset[str]:
+def quantized_at_load(model: CausalLM, fmt: Format = FP8, gguf: bool = False) -> frozenset[str]:
     """The module weights quantization="fp8" quantizes: the decoder layers' Linear weights and
     experts, but KEEP_BF16 (lm_head, the embeddings, norms, routers and mtp.* are not among them).
     Q8_0 (fmt) quantizes those whose rows are whole blocks of 32 (as llama.cpp keeps the others in
     a float type); an expert stack, and an MLP's three projections, whole or not at all (the MoE
-    kernels read a shared expert in one format). head: the lm_head (untied) and the MTP layer's
-    projections too, as llama.cpp's converter stores a GGUF file's (load_gguf keeps them Q8_0 where
-    the file has them so; a published FP8 checkpoint keeps them in bf16)."""
+    kernels read a shared expert in one format). gguf: also the lm_head (untied), the MTP layer's
+    projections and the GDN gate projections (in_proj_b / a / ba), as llama.cpp's converter stores a
+    GGUF file's (load_gguf keeps those the file has in Q8_0 so; a published FP8 checkpoint keeps them
+    in bf16); the gate projections then fuse with the GDN input projection into one GEMM."""
     out, kept = set(), set()
-    layers = ("model.layers.", "mtp.") if head else ("model.layers.",)
+    layers = ("model.layers.", "mtp.") if gguf else ("model.layers.",)
+    keep = ("shared_expert_gate",) if gguf else KEEP_BF16  # (the MoE router kernel reads that gate in bf16)
     for name, m in model.named_modules():  # (a module before its children)
-        if head and name == "lm_head" and _whole_blocks(fmt, m.weight):
+        if gguf and name == "lm_head" and _whole_blocks(fmt, m.weight):
             out.add("lm_head.weight")
         if not name.startswith(layers):
             continue
@@ -124,9 +126,7 @@ def quantized_at_load(model: CausalLM, fmt: Format = FP8, head: bool = False) ->
             kept |= {f"{name}.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
         if isinstance(m, Experts) and _whole_blocks(fmt, m.gate_up_proj, m.down_proj):
             out |= {f"{name}.gate_up_proj", f"{name}.down_proj"}
-        elif (
-            isinstance(m, Linear) and not name.endswith(KEEP_BF16) and name not in kept and _whole_blocks(fmt, m.weight)
-        ):
+        elif isinstance(m, Linear) and not name.endswith(keep) and name not in kept and _whole_blocks(fmt, m.weight):
             out.add(f"{name}.weight")
     return frozenset(out)
 
@@ -151,14 +151,14 @@ def quantize_at_load(plan: CheckpointPlan, model: CausalLM, fmt: Format = FP8) -
     return CheckpointPlan(shapes, keys, fp8, plan.tp)
 
 
-def use_quant_modules(model: CausalLM, fp8: frozenset[str], fmt: Format = FP8, head: bool = False) -> None:
+def use_quant_modules(model: CausalLM, fp8: frozenset[str], fmt: Format = FP8, gguf: bool = False) -> None:
     """Swap the modules whose weights are quantized (FP8, or fmt) for QuantLinear / QuantExperts (on the
     meta device; a bias is kept). Embeddings, norms and routers stay in the model's dtype, and so does
-    lm_head but with head (a GGUF file's Q8_0 lm_head: quantized_at_load's head)."""
+    lm_head but with gguf (a GGUF file's Q8_0 lm_head: quantized_at_load's gguf)."""
     for prefix in sorted({name.rpartition(".")[0] for name in fp8}):
         module = model.get_submodule(prefix)
         with torch.device("meta"):
-            if isinstance(module, Linear) and (head or prefix != "lm_head"):
+            if isinstance(module, Linear) and (gguf or prefix != "lm_head"):
                 new = QuantLinear(module.in_features, module.out_features, fmt=fmt)
                 new.bias = module.bias
             elif isinstance(module, Experts) and {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"} <= fp8:
@@ -414,12 +414,12 @@ def load_gguf(path: Path, device: str, dtype: str, quantization: str | None = No
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     plan = gguf.plan_tensors(reader, cfg, expected)
     q8 = _whole_modules(
-        model, {key for key in quantized_at_load(model, Q8_0, head=True) if gguf.is_q8_0(reader, key, plan[key], cfg)}
+        model, {key for key in quantized_at_load(model, Q8_0, gguf=True) if gguf.is_q8_0(reader, key, plan[key], cfg)}
     )
     if q8 and quantization is not None:
         raise CheckpointError(f"{path} holds Q8_0 weights: load it without quantization={quantization!r}")
     gguf.log_types(reader, sum(len(plan[key]) for key in q8))
-    use_quant_modules(model, q8, Q8_0, head=True)
+    use_quant_modules(model, q8, Q8_0, gguf=True)
     t0 = time.perf_counter()
     for key, names in tqdm(plan.items(), desc="loading", unit="tensor", disable=not log.isEnabledFor(logging.INFO)):
         t = gguf.module_tensor(reader, key, names, cfg, blocks=key in q8)
