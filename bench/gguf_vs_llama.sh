@@ -2,8 +2,9 @@
 # Issue 49's GPU run: GGUF files of the Qwen3.5-9B and 35B-A3B shapes (random weights, Q8_0, with the
 # NextN block and Qwen3.5's vocabulary: bench/write_gguf.py), llama.cpp's llama-bench (pp512, tg128) and
 # its MTP speculation (llama-speculative-simple --spec-type draft-mtp; random weights: its acceptance is
-# whatever the random head gives) beside `nextn bench` on the same file in the same run, and nextn's own
-# bf16 plain decode of the shape (--random-weights) for the Q8_0 / bf16 ratio.
+# whatever the random head gives) beside `nextn bench` on the same file in the same run (also with FR-Spec:
+# the head drafting over 32,768 ids, `frspec` in the JSON), and nextn's own bf16 plain decode of the shape
+# (--random-weights) for the Q8_0 / bf16 ratio.
 # llama.cpp: .llama/llama-bench.tgz and .llama/llama-spec.tgz (llama-bench and llama-speculative-simple,
 # built on the CPU machine with CUDA 13.0's nvcc for sm_90, static ggml; 44 MB each, so one a call beside
 # .whl and .tok within the 64 MiB carry) or, without them, built here from .llama/llama.cpp.tgz
@@ -52,6 +53,9 @@ for shape in "${@:-9b}"; do
   echo "=== $shape nextn $(date +%T)" | tee -a $LOG
   timeout 300 python3 -m nextn.cli bench --model $file --device cuda --dtype bfloat16 --spec-k 3 \
     --acceptance-profile 0.85,0.75,0.65 --repeats 1 --json $OUT/nextn_$shape.json 2>&1 | grep -v '^ ' | tail -12 | tee -a $LOG
+  # FR-Spec: the head drafts over 32,768 ids (random weights: the first ones; a real model's most frequent)
+  timeout 240 python3 -m nextn.cli bench --model $file --device cuda --dtype bfloat16 --spec-k 3 --draft-vocab-size 32768 \
+    --acceptance-profile 0.85,0.75,0.65 --repeats 1 --json $OUT/nextn_frspec_$shape.json 2>&1 | grep -v '^ ' | tail -3 | tee -a $LOG
   timeout 240 python3 -m nextn.cli bench --random-weights $preset --device cuda --dtype bfloat16 --spec-k 0 \
     --repeats 1 --json $OUT/nextn_bf16_$shape.json 2>&1 | grep -v '^ ' | tail -4 | tee -a $LOG
   python3 - "$OUT" "$shape" "$file" <<'PY' | tee -a $LOG
@@ -60,6 +64,8 @@ from pathlib import Path
 out, shape, file = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 nextn = json.loads((out / f"nextn_{shape}.json").read_text())
 bf16 = json.loads((out / f"nextn_bf16_{shape}.json").read_text())
+frspec_file = out / f"nextn_frspec_{shape}.json"
+frspec = json.loads(frspec_file.read_text()) if frspec_file.exists() else {}
 runs = json.loads((out / f"llama_bench_{shape}.json").read_text() or "[]")
 tg = next((r for r in runs if r.get("n_gen") == 128 and not r.get("n_prompt")), {})
 pp = next((r for r in runs if r.get("n_prompt") == 512 and not r.get("n_gen")), {})
@@ -74,9 +80,13 @@ llama = {"version": f"{tg.get('build_commit')} ({tg.get('build_number')}), llama
 plain, spec_k3 = nextn.get("decode_tokens_per_s"), (nextn.get("profile_tokens_per_s") or {}).get("3")
 result = {**nextn, "gguf_file": Path(file).name, "quantization": "q8_0", "llama_cpp": llama,
           "nextn_bf16_plain_tokens_per_s": bf16.get("decode_tokens_per_s"),
+          "frspec": {k: frspec.get(k) for k in ("draft_vocab_size", "profile_tokens_per_s", "profile_spec_speedup",
+                                                "draft_cost_ratio", "profile_equals_plain")},
           "ratios": {"plain_over_llama_tg128": plain / llama["tg128_tokens_per_s"] if plain and tg else None,
                      "q8_0_over_bf16_plain": plain / bf16["decode_tokens_per_s"] if plain and bf16.get("decode_tokens_per_s") else None,
-                     "profile_spec_k3_over_llama_tg128": spec_k3 / llama["tg128_tokens_per_s"] if spec_k3 and tg else None},
+                     "profile_spec_k3_over_llama_tg128": spec_k3 / llama["tg128_tokens_per_s"] if spec_k3 and tg else None,
+                     "frspec_profile_spec_k3_over_llama_tg128": (frspec.get("profile_tokens_per_s") or {}).get("3", 0)
+                     / llama["tg128_tokens_per_s"] if frspec and tg else None},
           "command": "bash bench/gguf_vs_llama.sh " + shape}
 (out / f"gguf_{shape}_q8_0.json").write_text(json.dumps(result, indent=2) + "\n")
 print(json.dumps({"shape": shape, "llama_cpp": llama, "nextn_plain": plain, "nextn_bf16_plain": result["nextn_bf16_plain_tokens_per_s"],
