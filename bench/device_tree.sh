@@ -6,7 +6,8 @@
 #   ... the device call (carry .llama/llama-bench.tgz .llama/tok .llama/whl) ...
 #   bash bench/device_tree.sh full     # track them again, as committed
 #   bash bench/device_tree.sh prepare  # .llama/tok (Qwen3.5's tokenizer, tar.xz) and .llama/whl (gguf, pyyaml, tqdm, llguidance)
-# `slim` refuses while other changes are staged, and `full` is safe to run twice; never commit in between.
+# `slim` refuses while other changes are staged, and `full` is safe to run twice; never commit in between
+# (`slim` installs a local pre-commit hook that refuses a commit deleting the bundled model's files).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 MODEL=nextn/default_model
@@ -19,6 +20,24 @@ case "${1:-}" in
       exit 1
     fi
     grep -qxF "$PATTERN" "$EXCLUDE" || echo "$PATTERN" >> "$EXCLUDE"
+    # a commit made while slim would delete the bundled model: a local hook refuses it (kept after `full`)
+    HOOK=$(git rev-parse --git-path hooks)/pre-commit
+    mkdir -p "$(dirname "$HOOK")"
+    if ! grep -qs "device_tree" "$HOOK"; then
+      if [ -e "$HOOK" ]; then
+        echo "device_tree: $HOOK is not ours: commit nothing until 'bash bench/device_tree.sh full'" >&2
+      else
+        cat > "$HOOK" <<'SH'
+#!/bin/sh
+# installed by bench/device_tree.sh: never commit the deletion of the bundled model (a slim tree's index)
+if git diff --cached --name-only --diff-filter=D | grep -q '^nextn/default_model/.*\.safetensors$'; then
+  echo "pre-commit: the bundled model is untracked (bench/device_tree.sh slim): run 'bash bench/device_tree.sh full' first" >&2
+  exit 1
+fi
+SH
+        chmod +x "$HOOK"
+      fi
+    fi
     git rm -q --cached $MODEL/*.safetensors
     echo "device_tree: the bundled model's safetensors left out of the tree; run 'bash bench/device_tree.sh full' after the call"
     ;;
