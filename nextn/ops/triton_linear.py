@@ -60,9 +60,8 @@ sixth field 3 (`GROUPED`, BLOCK_K 32-128) splits the tile into its groups in reg
 group of the exactly widened values, each group's sums scaled and added in group order: no multiply
 and rounding per weight value (the dequantized tile's k-loop was issue-bound on sm90: in the SASS of
 a 64x128 tile, 491 instructions a thread an iteration, ~7.7 a weight, the grouped loop's 461; the
-tuner picks by time). Each way a row's
-arithmetic depends on the weight and that row alone. There is no chain (the scales
-differ row by row) and no tensor descriptor (TMA loads bf16 weights only).
+tuner picks by time). Each way a row's arithmetic depends on the weight and that row alone. There
+is no chain (the scales differ row by row) and no tensor descriptor (TMA loads bf16 weights only).
 
 On Hopper a call is a programmatic dependent launch (`pdl`, the default): its programs may start
 while the kernel ahead of it still runs (the step's GDN, attention and MoE kernels release theirs at
