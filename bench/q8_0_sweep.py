@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from nextn.ops.linear_tune import graph_us
+from nextn.ops.linear_tune import graph_plan, graph_us
 from nextn.ops.q8_0 import q8_0_quantize
 from nextn.ops.triton_linear import skinny_linear
 
@@ -57,8 +57,7 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(0), "command": f"python bench/q8_0_sweep.py --shapes {args.shapes}"}
     for N, K, dual in SHAPES[args.shapes]:
         nbytes = N * K * 34 // 32 * (2 if dual else 1)
-        copies = max(1, min(8, -(-4 * l2 // nbytes)))
-        reps = max(copies, min(200, int(2e11 // nbytes)))
+        copies, reps = graph_plan(nbytes, l2)
         x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
         rows = {}
         bf, bf2 = _weights(N, K, copies, False), _weights(N, K, copies, False) if dual else None

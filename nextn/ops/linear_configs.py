@@ -13,7 +13,8 @@ TILE_ROWS = 16  # rows of one tensor-core tile: a decode's 1, a verify's K + 1 <
 
 
 # (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT[, WAY]), WAY 1: weight tiles through tensor descriptors
-# (TMA, bf16 weights), 2: FP8 chained dots x-major (XMAJOR). `linear_tune.tune` measures candidates per shape
+# (TMA, bf16 weights), 2: FP8 chained dots x-major (XMAJOR), 3: Q8_0 a dot per scale group (GROUPED;
+# `takes_way` says which weights each takes). `linear_tune.tune` measures candidates per shape
 # and overwrites entries; the defaults are Qwen3.5-9B's shapes as swept on an H200 (CUDA graphs,
 # weights out of L2: bench/results/gemv_sweep_qwen3.5-9b_run4.json).
 CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
@@ -86,6 +87,18 @@ def takes_block_k(fmt: Format, block_k: int) -> bool:
     """Whether a k-tile of block_k columns fits the format's scale groups: within one (its products
     scaled), or for Q8_0 over several (the tile dequantized)."""
     return fmt.block % block_k == 0 or (fmt == Q8_0 and block_k % fmt.block == 0)
+
+
+def takes_way(way: int, fmt: Format | None, block_k: int) -> bool:
+    """Whether config way `way` runs weights of format fmt (None: bf16 / fp16) at BLOCK_K block_k: 0
+    any, 1 (TMA loads) bf16 / fp16, 2 (x-major) FP8, 3 (grouped) Q8_0 with BLOCK_K 32, 64 or 128."""
+    if way == WAY_TMA:
+        return fmt is None
+    if way == WAY_XMAJOR:
+        return fmt == FP8
+    if way == WAY_GROUPED:
+        return fmt == Q8_0 and block_k in (32, 64, 128)
+    return way == 0
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -13,11 +13,9 @@ from nextn.ops.fp8 import FORMATS, FP8, QuantWeight, compact_scales, quantize
 from nextn.ops.linear_configs import (
     CONFIGS,
     QUANT_CONFIGS,
-    WAY_GROUPED,
-    WAY_TMA,
-    WAY_XMAJOR,
     pick_config,
     takes_block_k,
+    takes_way,
 )
 from nextn.ops.q8_0 import q8_0_quantize
 from nextn.ops.triton_linear import skinny_linear
@@ -43,6 +41,13 @@ def graph_us(launch, num_copies: int, reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / reps)
     return sorted(times)[len(times) // 2]
+
+
+def graph_plan(nbytes: int, l2_bytes: int) -> tuple[int, int]:
+    """(copies, reps) for `graph_us` over weights of nbytes: enough copies that the L2 cache holds
+    none of them when its turn comes, and enough launches to time (~200 GB read, at most 200)."""
+    copies = max(1, min(8, -(-4 * l2_bytes // nbytes)))
+    return copies, max(copies, min(200, int(2e11 // nbytes)))
 
 
 # bf16 weights through plain loads: (BLOCK_N, BLOCK_K, warps, stages, SPLIT)
@@ -108,11 +113,10 @@ def tune(shapes: list[tuple[int, int, bool, str]], device, candidates=None, log=
         if table is not None and table not in candidates:
             candidates.append(table)
         nbytes = int(N * K * _bytes_per_weight(quant) * (2 if dual else 1))
-        copies = max(1, min(8, -(-4 * l2_bytes // nbytes)))
+        copies, reps = graph_plan(nbytes, l2_bytes)
         ws = [_tune_weight(N, K, quant, device) for _ in range(copies)]
         w2s = [_tune_weight(N, K, quant, device) for _ in range(copies)] if dual else None
         x = torch.randn(9, K, device=device, dtype=torch.bfloat16)
-        reps = max(copies, min(200, int(2e11 // nbytes)))
         want = skinny_linear(x, ws[0], up_weight=w2s[0] if dual else None, config=default).float()
         best = None
         for cfg in [default] + [c for c in candidates + QUANT_CANDIDATES.get(quant, []) if c != default]:
@@ -120,9 +124,8 @@ def tune(shapes: list[tuple[int, int, bool, str]], device, candidates=None, log=
             way = way[0] if way else 0
             if (split > 1 and K % (split * bk)) or bk > K:
                 continue
-            if quant and (not takes_block_k(FORMATS[quant], bk) or way == WAY_TMA):
-                continue
-            if (way == WAY_XMAJOR and quant != FP8.name) or (way == WAY_GROUPED and (quant != "q8_0" or bk > 128)):
+            fmt = FORMATS[quant] if quant else None
+            if (fmt and not takes_block_k(fmt, bk)) or not takes_way(way, fmt, bk):
                 continue
             times = []
             try:

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.fp8 import FP8, Q8_0, QuantWeight
+from nextn.ops.fp8 import Q8_0, QuantWeight
 from nextn.ops.linear_configs import (
     TILE_ROWS,
     WAY_GROUPED,
@@ -84,6 +84,7 @@ from nextn.ops.linear_configs import (
     WIDE_ROWS,
     pick_config,
     takes_block_k,
+    takes_way,
     triton_cdiv,
     wide_tile,
 )
@@ -560,12 +561,7 @@ def skinny_linear(
             norm_block = pick_config(N, K)[0]  # the 16-row tiles' BLOCK_N: their sums' grouping
     block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, fmt.name if fp8 else "")
     way = way[0] if way else 0
-    if (
-        way not in (0, WAY_TMA, WAY_XMAJOR, WAY_GROUPED)
-        or (way == WAY_TMA and fp8)
-        or (way == WAY_XMAJOR and fmt != FP8)
-        or (way == WAY_GROUPED and (fmt != Q8_0 or block_k not in (32, 64, 128)))
-    ):
+    if not takes_way(way, fmt, block_k):
         raise ValueError(
             f"skinny_linear: config way {way}: 1 (TMA loads) takes bf16 / fp16 weights, 2 (x-major) FP8, "
             "3 (grouped) Q8_0 with BLOCK_K 32, 64 or 128"
