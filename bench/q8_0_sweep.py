@@ -26,16 +26,13 @@ SHAPES = {
 
 
 def candidates() -> list[tuple[int, ...]]:
-    """(BLOCK_N, BLOCK_K, warps, stages, SPLIT[, way 3]): k-tiles of one to sixteen 32-column groups."""
+    """(BLOCK_N, BLOCK_K, warps, stages, SPLIT): k-tiles of one to sixteen 32-column groups."""
     out = []
     for bn, bk, warps in itertools.product((32, 64, 128), (64, 128, 256, 512), (4, 8)):
         if bn * bk > 64 * 512 or (warps == 8 and bn * bk < 64 * 256):
             continue
         out += [(bn, bk, warps, 3 if bn * bk >= 64 * 256 else 5, split) for split in (1, 4)]
-    out += [(16, 256, 4, 4, 4), (16, 512, 4, 3, 4), (64, 128, 4, 3, 8), (32, 256, 4, 4, 8), (64, 32, 4, 6, 4)]
-    # the grouped way (config way 3: a dot per 32-column group, its sums scaled)
-    grouped = [(bn, 128, 4, stages, split, 3) for bn in (32, 64, 128) for stages in (3, 4) for split in (1, 4, 8)]
-    return out + grouped + [(64, 64, 4, 4, 4, 3), (64, 64, 4, 6, 8, 3)]
+    return out + [(16, 256, 4, 4, 4), (16, 512, 4, 3, 4), (64, 128, 4, 3, 8), (32, 256, 4, 4, 8), (64, 32, 4, 6, 4)]
 
 
 def _time(x, ws, w2s, copies: int, reps: int, cfg=None) -> float:
@@ -66,7 +63,7 @@ def main() -> None:
         bf = bf2 = None
         ws, w2s = _weights(N, K, copies, True), _weights(N, K, copies, True) if dual else None
         for cfg in candidates():
-            bn, bk, _, _, split, *_ = cfg
+            bn, bk, _, _, split = cfg
             if (split > 1 and K % (split * bk)) or bk > K:
                 continue
             try:

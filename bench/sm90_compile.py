@@ -1,5 +1,5 @@
 """Compile the prefill Triton kernels for Hopper (sm90) on the CPU and check their shared memory
-(and which tensor-core instructions the FP8 skinny GEMM's two ways and Q8_0's grouped way compile to).
+(and which tensor-core instructions the FP8 skinny GEMM's two ways compile to).
 
 A kernel whose tiles and pipeline stages need more shared memory than an H200 block may have
 (232448 bytes) compiles anywhere but fails on the GPU at its first launch ("OutOfResources: shared
@@ -138,7 +138,7 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
     args.update(stride_s2=N // 128, shift=1.0, shift2=1.0, P=1, eps=1e-6)
     consts = dict(EPILOGUE=2, BLOCK_M=cfgs.TILE_ROWS, BLOCK_N=128, BLOCK_K=128, EVEN_K=True, DOT_F32=False, SPLIT=2,
                   SERIAL=1, FP8=True, GROUP=128, SCALE_ROWS=128, SCALE_ROWS2=128, HAS_FLAG=False, TMA=False, CHAIN=True,
-                  RMS=False, P_BLOCK=1, NORM_OUT=False, NORM_PARTS=1, PDL=False, GROUPED=False)  # fmt: skip
+                  RMS=False, P_BLOCK=1, NORM_OUT=False, NORM_PARTS=1, PDL=False)  # fmt: skip
     options = dict(num_warps=4, num_stages=4)
     # Q8_0 (int8, float16 scales per row and 32 columns): each 128-column tile dequantized, one dot
     q8_args = dict(args, w_ptr="*i8", w2_ptr="*i8", s_ptr="*fp16", s2_ptr="*fp16", stride_s=N, stride_s2=N)
@@ -147,15 +147,6 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
         ("skinny_fp8_wgmma", linear._skinny_kernel, args, dict(consts, XMAJOR=False), options, ("wgmma", "mma.sync")),
         ("skinny_fp8_xmajor", linear._skinny_kernel, args, dict(consts, XMAJOR=True), options, ("mma.sync", None)),
         ("skinny_q8_0", linear._skinny_kernel, q8_args, q8_consts, options),
-        # Q8_0 config way 3: a wgmma per 32-column group of a 128-column tile (`_grouped_tile`)
-        (
-            "skinny_q8_0_grouped",
-            linear._skinny_kernel,
-            q8_args,
-            dict(q8_consts, GROUPED=True),
-            options,
-            ("wgmma", None),
-        ),  # fmt: skip
     ]
     # bf16 weights in wide row tiles (a prefill's rows: cfgs.wide_tile), the SwiGLU pair over a norm's
     # input and a split-K residual shape writing the next norm's, each split summed in the program

@@ -107,11 +107,9 @@ def _q8_case(M, N, K, dtype, seed):
 _q8_variants, _close = _fp8_variants, _fp8_close
 
 
-# (BLOCK_N, BLOCK_K, warps, stages, split[, way]): None the picked config (tiles over several 32-column
-# groups, dequantized), 32 / 16 columns a tile (within one group: scaled products), 64 split in two;
-# way 3 (grouped): a dot per 32-column group of a 128- / 64- / 32-column tile, its sums scaled
+# (BLOCK_N, BLOCK_K, warps, stages, split): None the picked config (tiles over several 32-column
+# groups, dequantized), 32 / 16 columns a tile (within one group: scaled products), 64 split in two
 CONFIGS = [None, (16, 32, 4, 2, 1), (16, 16, 4, 2, 1), (16, 64, 4, 2, 2)]
-CONFIGS += [(16, 128, 4, 2, 1, 3), (16, 64, 4, 2, 1, 3), (16, 32, 4, 2, 1, 3)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -160,8 +158,6 @@ def test_q8_0_skinny_linear_names_what_it_does_not_take():
         skinny_linear(x, w8, config=(16, 48, 4, 2, 1))
     with pytest.raises(ValueError, match=r"2 \(x-major\) FP8"):
         skinny_linear(x, w8, config=(16, 32, 4, 2, 1, 2))
-    with pytest.raises(ValueError, match=r"3 \(grouped\) Q8_0 with BLOCK_K 32, 64 or 128"):
-        skinny_linear(x, w8, config=(16, 16, 4, 2, 1, 3))
     with pytest.raises(ValueError, match="q8_0 scales"):
         skinny_linear(x, QuantWeight(w8.weight, w8.scale.float()))
 
@@ -173,10 +169,7 @@ def test_q8_0_skinny_linear_names_what_it_does_not_take():
     [(12288, 4096, "plain"), (10240, 4096, "plain"), (12288, 4096, "silu_mul"), (4096, 4096, "residual"),
      (4096, 12288, "residual")],
 )  # fmt: skip
-@pytest.mark.parametrize(
-    "config",
-    [None, (64, 32, 4, 4, 1), (64, 256, 4, 3, 1), (64, 128, 4, 4, 4), (64, 128, 4, 3, 4, 3), (32, 128, 4, 4, 1, 3)],
-)
+@pytest.mark.parametrize("config", [None, (64, 32, 4, 4, 1), (64, 256, 4, 3, 1), (64, 128, 4, 4, 4)])
 def test_q8_0_skinny_linear_9b_shapes_gpu(N, K, kind, config):
     """Qwen3.5-9B's projections in Q8_0 compiled (the picked config, and others): the reference, and
     9 rows == each row alone."""

@@ -13,10 +13,9 @@ TILE_ROWS = 16  # rows of one tensor-core tile: a decode's 1, a verify's K + 1 <
 
 
 # (N, K) -> (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT[, WAY]), WAY 1: weight tiles through tensor descriptors
-# (TMA, bf16 weights), 2: FP8 chained dots x-major (XMAJOR), 3: Q8_0 a dot per scale group (GROUPED;
-# `takes_way` says which weights each takes). `linear_tune.tune` measures candidates per shape
-# and overwrites entries; the defaults are Qwen3.5-9B's shapes as swept on an H200 (CUDA graphs,
-# weights out of L2: bench/results/gemv_sweep_qwen3.5-9b_run4.json).
+# (TMA, bf16 weights), 2: FP8 chained dots x-major (XMAJOR) (`takes_way` says which weights each takes).
+# `linear_tune.tune` measures candidates per shape and overwrites entries; the defaults are Qwen3.5-9B's
+# shapes as swept on an H200 (CUDA graphs, weights out of L2: bench/results/gemv_sweep_qwen3.5-9b_run4.json).
 CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
     (4096, 4096): (64, 128, 8, 3, 4),  # o_proj, out_proj
     (4096, 8192): (64, 128, 4, 3, 4),  # mtp.fc
@@ -33,7 +32,7 @@ FP8_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
 # bf16 config without tensor descriptors
 Q8_0_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
 QUANT_CONFIGS = {FP8.name: FP8_CONFIGS, Q8_0.name: Q8_0_CONFIGS}  # by nextn.ops.fp8.Format name
-WAY_TMA, WAY_XMAJOR, WAY_GROUPED = 1, 2, 3  # a config's sixth field (nextn.ops.triton_linear)
+WAY_TMA, WAY_XMAJOR = 1, 2  # a config's sixth field (nextn.ops.triton_linear)
 # From this many rows (a prefill's, a large batch's verify) a call with bf16 / fp16 weights runs in wide
 # tiles (`wide_tile`): 2.3-3.6x the 16-row tiles' speed at 256-8,192 rows of the 9B's shapes, 330-540
 # TFLOP/s, the same bits (bench/results/wide_tile_probe_run145.json, H100). Below it, 16-row tiles.
@@ -89,15 +88,13 @@ def takes_block_k(fmt: Format, block_k: int) -> bool:
     return fmt.block % block_k == 0 or (fmt == Q8_0 and block_k % fmt.block == 0)
 
 
-def takes_way(way: int, fmt: Format | None, block_k: int) -> bool:
-    """Whether config way `way` runs weights of format fmt (None: bf16 / fp16) at BLOCK_K block_k: 0
-    any, 1 (TMA loads) bf16 / fp16, 2 (x-major) FP8, 3 (grouped) Q8_0 with BLOCK_K 32, 64 or 128."""
+def takes_way(way: int, fmt: Format | None) -> bool:
+    """Whether config way `way` runs weights of format fmt (None: bf16 / fp16): 0 any, 1 (TMA loads)
+    bf16 / fp16, 2 (x-major) FP8."""
     if way == WAY_TMA:
         return fmt is None
     if way == WAY_XMAJOR:
         return fmt == FP8
-    if way == WAY_GROUPED:
-        return fmt == Q8_0 and block_k in (32, 64, 128)
     return way == 0
 
 

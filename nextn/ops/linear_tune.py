@@ -83,8 +83,6 @@ FP8_CANDIDATES += [(128, 128, 4, 4, 2, 2), (64, 128, 4, 4, 4, 2), (128, 128, 4, 
                    (64, 128, 4, 6, 2, 2), (128, 128, 8, 5, 2, 2), (64, 128, 4, 4, 2, 2)]  # fmt: skip
 # more for Q8_0: tiles of one 32-column group (scaled products), and wide ones (dequantized tiles)
 Q8_0_CANDIDATES = [(64, 32, 4, 6, 1), (128, 32, 4, 8, 1), (64, 64, 4, 4, 2), (64, 256, 4, 3, 1), (128, 256, 8, 3, 1)]
-# and the grouped way (a dot per 32-column group, its sums scaled: config way 3), 128-column tiles
-Q8_0_CANDIDATES += [(64, 128, 4, 3, 4, 3), (64, 128, 4, 3, 8, 3), (32, 128, 4, 4, 4, 3), (128, 128, 4, 3, 1, 3)]
 QUANT_CANDIDATES = {FP8.name: FP8_CANDIDATES, "q8_0": Q8_0_CANDIDATES}
 
 
@@ -125,7 +123,7 @@ def tune(shapes: list[tuple[int, int, bool, str]], device, candidates=None, log=
             if (split > 1 and K % (split * bk)) or bk > K:
                 continue
             fmt = FORMATS[quant] if quant else None
-            if (fmt and not takes_block_k(fmt, bk)) or not takes_way(way, fmt, bk):
+            if (fmt and not takes_block_k(fmt, bk)) or not takes_way(way, fmt):
                 continue
             times = []
             try:

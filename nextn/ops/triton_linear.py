@@ -55,13 +55,12 @@ Q8_0 weights (nextn.ops.q8_0: int8 with a float16 scale per row and 32 columns, 
 ways by the config's BLOCK_K: a k-tile over several 32-column groups (the default, BLOCK_K 128 or
 256) is dequantized in the k-loop, each int8 times its scale in float32 (exact) then rounded to x's
 dtype, what nextn.ops.fp8.dequantize gives, value for value, and one dot takes it; a tile within one
-group (BLOCK_K 32 or 16) is widened to x's dtype exactly, dotted, and its product scaled. A config's
-sixth field 3 (`GROUPED`, BLOCK_K 32-128) splits the tile into its groups in registers, one dot per
-group of the exactly widened values, each group's sums scaled and added in group order: no multiply
-and rounding per weight value (the dequantized tile's k-loop was issue-bound on sm90: in the SASS of
-a 64x128 tile, 491 instructions a thread an iteration, ~7.7 a weight, the grouped loop's 461; the
-tuner picks by time). Each way a row's arithmetic depends on the weight and that row alone. There
-is no chain (the scales differ row by row) and no tensor descriptor (TMA loads bf16 weights only).
+group (BLOCK_K 32 or 16) is widened to x's dtype exactly, dotted, and its product scaled. Either
+way a row's arithmetic depends on the weight and that row alone. The dequantized tile's k-loop is
+issue-bound on sm90 (in the SASS of a 64x128 tile, 491 instructions a thread an iteration, ~7.7 a
+weight); a dot per scale group, its sums scaled, was tried and lost (never the tuner's pick: run
+165). There is no chain (the scales differ row by row) and no tensor descriptor (TMA loads bf16
+weights only).
 
 On Hopper a call is a programmatic dependent launch (`pdl`, the default): its programs may start
 while the kernel ahead of it still runs (the step's GDN, attention and MoE kernels release theirs at
@@ -78,7 +77,6 @@ import torch
 from nextn.ops.fp8 import Q8_0, QuantWeight
 from nextn.ops.linear_configs import (
     TILE_ROWS,
-    WAY_GROUPED,
     WAY_TMA,
     WAY_XMAJOR,
     WIDE_ROWS,
@@ -133,71 +131,6 @@ if HAVE_TRITON:
         return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x_dtype)
 
     @triton.jit
-    def _grouped_tile(w, x, acc, s_ptr, stride_s, k0, K, offs_n, mask_n, DOT_F32: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
-        """acc + w @ x.T [BLOCK_N, BLOCK_M] float32 for a Q8_0 tile w [BLOCK_N, BLOCK_K] (int8) of one,
-        two or four GROUP-column scale groups: each group's int8 values widened to x's dtype exactly
-        (`_exact_bf16`), dotted with x's columns of the group (float32 products and sums in the MMA),
-        the sums times the group's scales added to acc, group after group. Per weight value the tile
-        costs an exact widening only, where the dequantized tile multiplies and rounds each; the tile
-        is split in registers (reshape, permute, split), each group's dot keeps acc's layout."""
-        G: tl.constexpr = BLOCK_K // GROUP
-        tl.static_assert(G == 1 or G == 2 or G == 4, "the grouped way takes BLOCK_K of 32, 64 or 128")
-        BLOCK_M: tl.constexpr = x.shape[0]
-        offs_g = k0 // GROUP + tl.arange(0, G)
-        s_mask = mask_n[:, None] & (offs_g[None, :] * GROUP < K)
-        scale = tl.load(s_ptr + offs_g[None, :] * stride_s + offs_n[:, None], mask=s_mask, other=0.0)  # [BLOCK_N, G]
-        scale = scale.to(tl.float32)
-        if DOT_F32:
-            wv = widened(w)
-            xv = x.to(tl.float32)
-        else:
-            wv = _exact_bf16(w) if x.dtype == tl.bfloat16 else w.to(x.dtype)
-            xv = x
-        if G == 1:
-            acc = _group_dot(wv, xv, scale.reshape(BLOCK_N), acc, DOT_F32)
-        else:  # column c of the tile is (group c // GROUP, column c % GROUP): groups split off the last axis
-            w3 = tl.permute(tl.reshape(wv, (BLOCK_N, G // 2, 2, GROUP)), (0, 1, 3, 2))
-            x3 = tl.permute(tl.reshape(xv, (BLOCK_M, G // 2, 2, GROUP)), (0, 1, 3, 2))
-            s3 = tl.reshape(scale, (BLOCK_N, G // 2, 2))
-            w_even, w_odd = tl.split(w3)  # [BLOCK_N, G/2, GROUP]: groups 0, 2 / 1, 3
-            x_even, x_odd = tl.split(x3)
-            s_even, s_odd = tl.split(s3)  # [BLOCK_N, G/2]
-            if G == 2:
-                acc = _group_dot(tl.reshape(w_even, (BLOCK_N, GROUP)), tl.reshape(x_even, (BLOCK_M, GROUP)),
-                                 tl.reshape(s_even, (BLOCK_N,)), acc, DOT_F32)  # fmt: skip
-                acc = _group_dot(tl.reshape(w_odd, (BLOCK_N, GROUP)), tl.reshape(x_odd, (BLOCK_M, GROUP)),
-                                 tl.reshape(s_odd, (BLOCK_N,)), acc, DOT_F32)  # fmt: skip
-            else:
-                w0, w2 = tl.split(tl.permute(w_even, (0, 2, 1)))  # [BLOCK_N, GROUP]: groups 0, 2
-                w1, w3_ = tl.split(tl.permute(w_odd, (0, 2, 1)))
-                x0, x2 = tl.split(tl.permute(x_even, (0, 2, 1)))
-                x1, x3_ = tl.split(tl.permute(x_odd, (0, 2, 1)))
-                s0, s2 = tl.split(s_even)
-                s1, s3_ = tl.split(s_odd)
-                acc = _group_dot(w0, x0, s0, acc, DOT_F32)
-                acc = _group_dot(w1, x1, s1, acc, DOT_F32)
-                acc = _group_dot(w2, x2, s2, acc, DOT_F32)
-                acc = _group_dot(w3_, x3_, s3_, acc, DOT_F32)
-        return acc
-
-    @triton.jit
-    def _group_dot(w, x, scale, acc, DOT_F32: tl.constexpr):
-        """acc + (w @ x.T) * scale[:, None]: one scale group's sums [BLOCK_N, BLOCK_M], scaled per row of w."""
-        if DOT_F32:
-            part = tl.dot(w, tl.trans(x), input_precision="ieee")
-        else:
-            part = tl.dot(w, tl.trans(x))
-        return acc + part * scale[:, None]
-
-    @triton.jit
-    def _exact_bf16(w):
-        """int8 values as bfloat16, exactly, by integer ops: the float32 of `widened` has at most 8
-        significant bits, so its upper 16 bits are the bfloat16 (no conversion instruction)."""
-        bits = widened(w).to(tl.uint32, bitcast=True) >> 16
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-    @triton.jit
     def widened(w):
         """A quantized tile's values (e4m3 or int8) as float32, exactly. int8 by integer ops: the
         bits of 1.5 * 2^23 plus the value are the float 1.5 * 2^23 + value (its ulp is 1), less
@@ -214,7 +147,7 @@ if HAVE_TRITON:
                 EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
                 SCALE_ROWS: tl.constexpr, SCALE_ROWS2: tl.constexpr, TMA: tl.constexpr,
-                CHAIN: tl.constexpr, GROUP: tl.constexpr, GROUPED: tl.constexpr):  # fmt: skip
+                CHAIN: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
         """A program's reduction over its K columns: (x @ w.T, x @ w2.T) as [BLOCK_N, BLOCK_M] float32
         (CHAIN: times its shifts and the rows' rstd [BLOCK_M, 1], which scale x's tiles)."""
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -234,14 +167,14 @@ if HAVE_TRITON:
             else:
                 w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
             acc = _tile_dot(w, x, acc, s_ptr, stride_s, k0, K, s_col, shift, rstd, offs_n, mask_n, SCALE_ROWS, FP8,
-                            CHAIN, DOT_F32, BLOCK_N, BLOCK_K, GROUP, GROUPED)  # fmt: skip
+                            CHAIN, DOT_F32, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
             if EPILOGUE == 2:
                 if TMA:
                     w2 = w2_ptr.load([n_block * BLOCK_N, k0])
                 else:
                     w2 = tl.load(w2_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
                 acc2 = _tile_dot(w2, x, acc2, s2_ptr, stride_s2, k0, K, s_col, shift2, rstd, offs_n, mask_n,
-                                 SCALE_ROWS2, FP8, CHAIN, DOT_F32, BLOCK_N, BLOCK_K, GROUP, GROUPED)  # fmt: skip
+                                 SCALE_ROWS2, FP8, CHAIN, DOT_F32, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
         return acc, acc2
 
     @triton.jit
@@ -286,12 +219,10 @@ if HAVE_TRITON:
     @triton.jit
     def _tile_dot(w, x, acc, s_ptr, stride_s, k0, K, s_col, shift, rstd, offs_n, mask_n, SCALE_ROWS: tl.constexpr,
                   FP8: tl.constexpr, CHAIN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, GROUPED: tl.constexpr):  # fmt: skip
+                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
         """acc + w @ x.T for a weight tile w [BLOCK_N, BLOCK_K] at columns k0.. and rows x [BLOCK_M, BLOCK_K]."""
         if CHAIN:  # the block's one scale times x's tile: the dots chain into one accumulator
             out = _chain_dot(w, x, tl.load(s_ptr + (k0 // 128) * stride_s + s_col) * shift * rstd, acc, DOT_F32)
-        elif GROUPED:  # Q8_0 (config way 3): a dot per scale group of the exact int8 values, scaled, added
-            out = _grouped_tile(w, x, acc, s_ptr, stride_s, k0, K, offs_n, mask_n, DOT_F32, BLOCK_N, BLOCK_K, GROUP)
         elif FP8 and BLOCK_K > GROUP:  # Q8_0 tiles over several scale groups: dequantized, then one dot
             wd = _dequantized_tile(w, s_ptr, stride_s, k0, K, offs_n, mask_n, x.dtype, BLOCK_N, BLOCK_K, GROUP)
             if DOT_F32:
@@ -328,7 +259,7 @@ if HAVE_TRITON:
                 stride_x, stride_s, stride_s2, shift, shift2, rstd, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                 FP8: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_ROWS2: tl.constexpr, TMA: tl.constexpr,
-                CHAIN: tl.constexpr, XMAJOR: tl.constexpr, GROUP: tl.constexpr, GROUPED: tl.constexpr):  # fmt: skip
+                CHAIN: tl.constexpr, XMAJOR: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
         """One split's sums over columns [k_start, k_start + K_SPLIT): [BLOCK_N, BLOCK_M] float32 (x @ w.T,
         x @ w2.T), times the rows' rstd [BLOCK_M] where the chain scaled x's tiles by it."""
         if XMAJOR:
@@ -340,7 +271,7 @@ if HAVE_TRITON:
             acc, acc2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
                                 k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd[:, None],
                                 EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2,
-                                TMA, CHAIN, GROUP, GROUPED)  # fmt: skip
+                                TMA, CHAIN, GROUP)  # fmt: skip
         if CHAIN:
             acc = acc * (1.0 / shift)  # (powers of two: exact)
             acc2 = acc2 * (1.0 / shift2)
@@ -353,7 +284,7 @@ if HAVE_TRITON:
                 again, again2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m,
                                         mask_n, k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2,
                                         rstd[:, None], EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8,
-                                        SCALE_ROWS, SCALE_ROWS2, TMA, False, GROUP, False)  # fmt: skip
+                                        SCALE_ROWS, SCALE_ROWS2, TMA, False, GROUP)  # fmt: skip
                 acc = tl.where(bad[None, :] > 0, again * rstd[None, :], acc)
                 acc2 = tl.where(bad[None, :] > 0, again2 * rstd[None, :], acc2)
         return acc, acc2
@@ -403,7 +334,6 @@ if HAVE_TRITON:
         TMA: tl.constexpr,  # w_ptr (and w2_ptr) are [BLOCK_N, BLOCK_K] tensor descriptors (bf16 weights)
         CHAIN: tl.constexpr,  # FP8 whose BLOCK_N rows share each scale (SCALE_ROWS % BLOCK_N == 0)
         XMAJOR: tl.constexpr,  # CHAIN with x's rows as the dot's M (config way 2)
-        GROUPED: tl.constexpr,  # Q8_0: a dot per scale group, its sums scaled (config way 3; `_grouped_tile`)
         RMS: tl.constexpr,  # x is a norm's input times its weight: scale each row's products by its rstd
         P_BLOCK: tl.constexpr,  # RMS: next_pow2(P), at least 16 (ordered_sum's dot)
         NORM_OUT: tl.constexpr,  # EPILOGUE 1: also store the next norm's input (xn_ptr, ss_out_ptr)
@@ -436,12 +366,12 @@ if HAVE_TRITON:
         acc, acc2 = _reduce(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n, k_start,
                             K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd, EPILOGUE, BLOCK_M, BLOCK_N,
                             BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2, TMA, CHAIN, XMAJOR,
-                            GROUP, GROUPED)  # fmt: skip
+                            GROUP)  # fmt: skip
         for s in range(1, SERIAL):  # the other splits' sums added in split order, as the split-K path adds them
             more, more2 = _reduce(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
                                   s * K_SPLIT, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd,
                                   EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2,
-                                  TMA, CHAIN, XMAJOR, GROUP, GROUPED)  # fmt: skip
+                                  TMA, CHAIN, XMAJOR, GROUP)  # fmt: skip
             acc += more
             if EPILOGUE == 2:
                 acc2 += more2
@@ -561,11 +491,8 @@ def skinny_linear(
             norm_block = pick_config(N, K)[0]  # the 16-row tiles' BLOCK_N: their sums' grouping
     block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, fmt.name if fp8 else "")
     way = way[0] if way else 0
-    if not takes_way(way, fmt, block_k):
-        raise ValueError(
-            f"skinny_linear: config way {way}: 1 (TMA loads) takes bf16 / fp16 weights, 2 (x-major) FP8, "
-            "3 (grouped) Q8_0 with BLOCK_K 32, 64 or 128"
-        )
+    if not takes_way(way, fmt):
+        raise ValueError(f"skinny_linear: config way {way}: 1 (TMA loads) takes bf16 / fp16 weights, 2 (x-major) FP8")
     tma = way == WAY_TMA
     chain = fp8 and rows % block_n == 0 and (up_weight is None or rows2 % block_n == 0)
     if split > 1 and K % (split * block_k):
@@ -641,7 +568,6 @@ def skinny_linear(
         TMA=tma,
         CHAIN=chain,
         XMAJOR=chain and way == WAY_XMAJOR,  # (per-channel scales: the tile-by-tile way, weights as M)
-        GROUPED=way == WAY_GROUPED,
         RMS=rms is not None,
         P_BLOCK=max(16, next_pow2(rms.ss.shape[0])) if rms is not None else 16,
         NORM_OUT=norm_out is not None,
