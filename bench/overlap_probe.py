@@ -6,11 +6,13 @@ same weights (wide tiles: compute-bound), captured too, then (c) both from one s
 graph on a low-priority stream, as many rounds as its time holds on a high-priority stream. It
 prints each alone, when each ends at once, and the gain: that work's time one after the other over
 its time at once (bench/NOTES.md: the served 9B needs the prompts' compute under the rounds' weight
-reads). Counters: the 16-row GEMMs' split-K arrival counters are one buffer a device
+reads). --mixed P ...: a round of 16 + P rows through the same graphed GEMMs (the engine's tiles for
+that row count), the premise of prefill rows riding in the decode steps: what P prompt rows add to a
+round. Counters: the 16-row GEMMs' split-K arrival counters are one buffer a device
 (nextn.ops.triton_utils), used here by the decode stream alone (a wide tile sums its splits in its
 program), so the concurrent launches do not share them. The engine's steps do not run so today.
 
-    python bench/overlap_probe.py [--rows 512 2048] [--layers 32] [--json OUT]
+    python bench/overlap_probe.py [--rows 512 2048] [--mixed 48 112 240] [--layers 32] [--json OUT]
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def _ms(fn, reps: int = 5) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[512, 2048], help="prefill rows a pass")
+    ap.add_argument("--mixed", type=int, nargs="*", default=[], help="prompt rows riding in a 16-row round")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -90,6 +93,23 @@ def main() -> None:
         "prefill": {},
     }
     print(f"decode round (16 rows, {args.layers} layers): {t_dec:.3f} ms, {nbytes / t_dec / 1e6:.0f} GB/s")
+    report["mixed"] = {}
+    for extra in args.mixed:
+        mix_in, mix_out = _buffers(16 + extra, dev)
+        mixed = _graph(lambda mix_in=mix_in, mix_out=mix_out: _forward(mix_in, mix_out, weights))
+        t_mix = _ms(mixed.replay)
+        prompt_flops = 2 * extra * nbytes / 2
+        report["mixed"][str(extra)] = {
+            "round_ms": t_mix,
+            "over_16_rows": t_mix / t_dec,
+            "added_ms_per_prompt_row": (t_mix - t_dec) / extra,
+        }
+        margin = prompt_flops / (t_mix - t_dec) / 1e9 if t_mix > t_dec else float("inf")
+        print(
+            f"round of 16 + {extra} rows: {t_mix:.3f} ms ({t_mix / t_dec:.2f}x the 16-row round; "
+            f"{(t_mix - t_dec) / extra * 1e3:.1f} us a prompt row, {margin:.0f} TFLOP/s at the margin)"
+        )
+        del mixed
     low, high = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)  # lower number: higher priority
     for rows in args.rows:
         pre_in, pre_out = _buffers(rows, dev)
