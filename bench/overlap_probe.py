@@ -8,11 +8,14 @@ prints each alone, when each ends at once, and the gain: that work's time one af
 its time at once (bench/NOTES.md: the served 9B needs the prompts' compute under the rounds' weight
 reads). --mixed P ...: a round of 16 + P rows through the same graphed GEMMs (the engine's tiles for
 that row count), the premise of prefill rows riding in the decode steps: what P prompt rows add to a
-round. Counters: the 16-row GEMMs' split-K arrival counters are one buffer a device
+round. --gdn B T: the 9B's GDN recurrence of a "steps" prefill (B sequences of T rows, 24 layers, the
+conv pre-pass; bench/gdn_sweep.py's inputs) graphed, alone and on the low-priority stream beside the
+rounds as the prefill GEMMs are: whether the row-by-row recurrence of prompt rows hides under the
+rounds' weight reads. Counters: the 16-row GEMMs' split-K arrival counters are one buffer a device
 (nextn.ops.triton_utils), used here by the decode stream alone (a wide tile sums its splits in its
 program), so the concurrent launches do not share them. The engine's steps do not run so today.
 
-    python bench/overlap_probe.py [--rows 512 2048] [--mixed 48 112 240] [--layers 32] [--json OUT]
+    python bench/overlap_probe.py [--rows 512 2048] [--mixed 48 112 240] [--gdn 6 512] [--layers 32] [--json OUT]
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's nextn, run from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gdn_sweep's inputs
 
 import torch  # noqa: E402
 
+from nextn.ops import triton_gdn  # noqa: E402
 from nextn.ops.triton_linear import skinny_linear  # noqa: E402
 
 # the Qwen3.5-9B's per-layer projections: (N, K, gate|up pair)
@@ -71,6 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[512, 2048], help="prefill rows a pass")
     ap.add_argument("--mixed", type=int, nargs="*", default=[], help="prompt rows riding in a 16-row round")
+    ap.add_argument("--gdn", type=int, nargs=2, default=None, metavar=("B", "T"), help="a GDN prefill beside rounds")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -111,16 +117,13 @@ def main() -> None:
         )
         del mixed
     low, high = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)  # lower number: higher priority
-    for rows in args.rows:
-        pre_in, pre_out = _buffers(rows, dev)
-        prefill = _graph(lambda pre_in=pre_in, pre_out=pre_out: _forward(pre_in, pre_out, weights))
-        t_pre = _ms(prefill.replay)
-        flops = 2 * rows * nbytes / 2
-        n = max(1, round(t_pre / t_dec))  # the rounds one prefill's time holds
 
-        def both(prefill=prefill, n=n) -> tuple[float, float]:
-            """The prefill on the low-priority stream and n rounds on the high one, from one start:
-            (ms to the prefill's end, ms to the last round's end)."""
+    def beside(prefill: torch.cuda.CUDAGraph, t_pre: float) -> dict:
+        """prefill on the low-priority stream and as many rounds as its time holds on the high one,
+        from one start: when each ends, against one after the other."""
+        n = max(1, round(t_pre / t_dec))
+
+        def both() -> tuple[float, float]:
             start, end_pre, end_dec = (torch.cuda.Event(enable_timing=True) for _ in range(3))
             torch.cuda.synchronize()
             start.record()
@@ -138,24 +141,54 @@ def main() -> None:
 
         both()  # warm
         pre_at_once, dec_at_once = sorted(both() for _ in range(3))[1]
-        t_both = max(pre_at_once, dec_at_once)
         sequential = t_pre + n * t_dec
-        row = {
-            "prefill_ms": t_pre,
-            "prefill_TFLOPs": flops / t_pre / 1e9,
+        return {
             "rounds": n,
             "at_once_prefill_ms": pre_at_once,
             "at_once_rounds_ms": dec_at_once,
             "at_once_round_ms": dec_at_once / n,
             "sequential_ms": sequential,
-            "gain": sequential / t_both,
+            "gain": sequential / max(pre_at_once, dec_at_once),
         }
+
+    for rows in args.rows:
+        pre_in, pre_out = _buffers(rows, dev)
+        prefill = _graph(lambda pre_in=pre_in, pre_out=pre_out: _forward(pre_in, pre_out, weights))
+        t_pre = _ms(prefill.replay)
+        flops = 2 * rows * nbytes / 2
+        row = {"prefill_ms": t_pre, "prefill_TFLOPs": flops / t_pre / 1e9, **beside(prefill, t_pre)}
+        n, pre_at_once, dec_at_once, sequential = (
+            row[k] for k in ("rounds", "at_once_prefill_ms", "at_once_rounds_ms", "sequential_ms")
+        )
         print(
             f"prefill {rows} rows: {t_pre:.2f} ms ({row['prefill_TFLOPs']:.0f} TFLOP/s); at once with {n} rounds: "
             f"prefill ends at {pre_at_once:.2f} ms, the rounds at {dec_at_once:.2f} ({dec_at_once / n:.3f} a round "
             f"against {t_dec:.3f}); {sequential:.2f} ms one after the other: {row['gain']:.2f}x"
         )
         report["prefill"][str(rows)] = row
+    if args.gdn:
+        from gdn_sweep import SHAPES, make_case, run
+
+        B, T = args.gdn
+        H, HV, K, V, layers = SHAPES["qwen3.5-9b"]
+        case = make_case(H, HV, K, V, layers, B, T, store_all=False, device=dev)
+        gdn = _graph(lambda: run(triton_gdn.gdn_step, case, 32, 4, preconv=T))
+        t_gdn = _ms(gdn.replay)
+        row = {
+            "sequences": B,
+            "rows": T,
+            "layers": layers,
+            "gdn_ms": t_gdn,
+            "us_per_prompt_row": t_gdn * 1e3 / (B * T),
+            **beside(gdn, t_gdn),
+        }
+        print(
+            f"GDN prefill {B} x {T} rows, {layers} layers: {t_gdn:.2f} ms ({row['us_per_prompt_row']:.1f} us a prompt "
+            f"row); at once with {row['rounds']} rounds: it ends at {row['at_once_prefill_ms']:.2f} ms, the rounds at "
+            f"{row['at_once_rounds_ms']:.2f} ({row['at_once_round_ms']:.3f} a round against {t_dec:.3f}); "
+            f"{row['sequential_ms']:.2f} ms one after the other: {row['gain']:.2f}x"
+        )
+        report["gdn"] = row
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
 
