@@ -10,6 +10,7 @@
 # .whl and .tok within the 64 MiB carry) or, without them, built here from .llama/llama.cpp.tgz
 # (llama-cpp-python 0.3.36's vendored llama.cpp, trimmed to the CPU and CUDA backends: ~10 min on 16 cores).
 # Usage (device tool, carry .whl .tok .llama/llama-bench.tgz): bash bench/gguf_vs_llama.sh [9b] [35b]
+# Env: FRSPEC=1 adds the FR-Spec run, PROFILE=1 bench/profile_round.py on the file (each ~100-250 s more)
 # (without llama-speculative-simple the MTP line is skipped; a second call carrying llama-spec.tgz runs it)
 #   -> $OUT/gguf_<shape>_q8_0.json (nextn's bench fields, gguf_file, quantization, llama_cpp {...})
 set -o pipefail
@@ -53,9 +54,16 @@ for shape in "${@:-9b}"; do
   echo "=== $shape nextn $(date +%T)" | tee -a $LOG
   timeout 300 python3 -m nextn.cli bench --model $file --device cuda --dtype bfloat16 --spec-k 3 \
     --acceptance-profile 0.85,0.75,0.65 --repeats 1 --json $OUT/nextn_$shape.json 2>&1 | grep -v '^ ' | tail -12 | tee -a $LOG
-  # FR-Spec: the head drafts over 32,768 ids (random weights: the first ones; a real model's most frequent)
-  timeout 240 python3 -m nextn.cli bench --model $file --device cuda --dtype bfloat16 --spec-k 3 --draft-vocab-size 32768 \
-    --acceptance-profile 0.85,0.75,0.65 --repeats 1 --json $OUT/nextn_frspec_$shape.json 2>&1 | grep -v '^ ' | tail -3 | tee -a $LOG
+  # FR-Spec (FRSPEC=1): the head drafts over 32,768 ids (random weights: the first ones; a real model's most
+  # frequent). Off by default: each nextn bench on the 9B file takes ~280 s (~95 of them tuning), and three
+  # do not fit a 600 s call (run 165 lost its bf16 run so)
+  [ "${FRSPEC:-0}" = 1 ] && timeout 240 python3 -m nextn.cli bench --model $file --device cuda --dtype bfloat16 --spec-k 3 \
+    --draft-vocab-size 32768 --acceptance-profile 0.85,0.75,0.65 --repeats 1 --json $OUT/nextn_frspec_$shape.json 2>&1 \
+    | grep -v '^ ' | tail -3 | tee -a $LOG
+  # PROFILE=1: a round on the file by kernel (the Q8_0 rounds cost ~0.1 of a plain step more beyond their
+  # steps than bf16's: run 165's round_overhead 0.099 at zero acceptance, bf16's 0.01-0.02 on the H200)
+  [ "${PROFILE:-0}" = 1 ] && timeout 200 python3 bench/profile_round.py --model $file --k 3 \
+    --out $OUT/profile_round_$shape.json 2>&1 | tail -25 | tee -a $LOG
   timeout 240 python3 -m nextn.cli bench --random-weights $preset --device cuda --dtype bfloat16 --spec-k 0 \
     --repeats 1 --json $OUT/nextn_bf16_$shape.json 2>&1 | grep -v '^ ' | tail -4 | tee -a $LOG
   python3 - "$OUT" "$shape" "$file" <<'PY' | tee -a $LOG
