@@ -10,7 +10,8 @@
 # .whl and .tok within the 64 MiB carry) or, without them, built here from .llama/llama.cpp.tgz
 # (llama-cpp-python 0.3.36's vendored llama.cpp, trimmed to the CPU and CUDA backends: ~10 min on 16 cores).
 # Usage (device tool, carry .whl .tok .llama/llama-bench.tgz): bash bench/gguf_vs_llama.sh [9b] [35b]
-# Env: FRSPEC=1 adds the FR-Spec run, PROFILE=1 bench/profile_round.py on the file (each ~100-250 s more)
+# Env: FRSPEC=1 adds the FR-Spec run, PROFILE=1 bench/profile_round.py on the file (each ~100-250 s more),
+# BF16=0 skips nextn's bf16 run of the shape (~150 s): a call holds at most two of the three
 # (without llama-speculative-simple the MTP line is skipped; a second call carrying llama-spec.tgz runs it)
 #   -> $OUT/gguf_<shape>_q8_0.json (nextn's bench fields, gguf_file, quantization, llama_cpp {...})
 set -o pipefail
@@ -64,14 +65,15 @@ for shape in "${@:-9b}"; do
   # steps than bf16's: run 165's round_overhead 0.099 at zero acceptance, bf16's 0.01-0.02 on the H200)
   [ "${PROFILE:-0}" = 1 ] && timeout 200 python3 bench/profile_round.py --model $file --k 3 \
     --out $OUT/profile_round_$shape.json 2>&1 | tail -25 | tee -a $LOG
-  timeout 240 python3 -m nextn.cli bench --random-weights $preset --device cuda --dtype bfloat16 --spec-k 0 \
+  [ "${BF16:-1}" = 1 ] && timeout 240 python3 -m nextn.cli bench --random-weights $preset --device cuda --dtype bfloat16 --spec-k 0 \
     --repeats 1 --json $OUT/nextn_bf16_$shape.json 2>&1 | grep -v '^ ' | tail -4 | tee -a $LOG
   python3 - "$OUT" "$shape" "$file" <<'PY' | tee -a $LOG
 import json, re, sys
 from pathlib import Path
 out, shape, file = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 nextn = json.loads((out / f"nextn_{shape}.json").read_text())
-bf16 = json.loads((out / f"nextn_bf16_{shape}.json").read_text())
+bf16_file = out / f"nextn_bf16_{shape}.json"  # BF16=0 skips that run
+bf16 = json.loads(bf16_file.read_text()) if bf16_file.exists() else {}
 frspec_file = out / f"nextn_frspec_{shape}.json"
 frspec = json.loads(frspec_file.read_text()) if frspec_file.exists() else {}
 runs = json.loads((out / f"llama_bench_{shape}.json").read_text() or "[]")
