@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from nextn.ops.fp8 import FORMATS, FP8, QuantWeight, compact_scales, quantize
+from nextn.ops.fp8 import FORMATS, FP8, Q8_0, QuantWeight, compact_scales, quantize
 from nextn.ops.linear_configs import (
     CONFIGS,
     QUANT_CONFIGS,
@@ -83,7 +83,7 @@ FP8_CANDIDATES += [(128, 128, 4, 4, 2, 2), (64, 128, 4, 4, 4, 2), (128, 128, 4, 
                    (64, 128, 4, 6, 2, 2), (128, 128, 8, 5, 2, 2), (64, 128, 4, 4, 2, 2)]  # fmt: skip
 # more for Q8_0: tiles of one 32-column group (scaled products), and wide ones (dequantized tiles)
 Q8_0_CANDIDATES = [(64, 32, 4, 6, 1), (128, 32, 4, 8, 1), (64, 64, 4, 4, 2), (64, 256, 4, 3, 1), (128, 256, 8, 3, 1)]
-QUANT_CANDIDATES = {FP8.name: FP8_CANDIDATES, "q8_0": Q8_0_CANDIDATES}
+QUANT_CANDIDATES = {FP8.name: FP8_CANDIDATES, Q8_0.name: Q8_0_CANDIDATES}
 
 
 def config_key(N: int, K: int, quant: str = "") -> str:
