@@ -29,7 +29,7 @@ from nextn.config.model import ConfigError, QuantConfig
 from nextn.layers.ffn import QuantExperts
 from nextn.layers.linear import Linear, QuantLinear
 from nextn.models.loader import CheckpointError, fuse_weights, load_model, quantize_model
-from nextn.ops.fp8 import QuantWeight, block_scale, channel_scale, compact_scales, dequantize, quantize_blocks
+from nextn.ops.fp8 import E4M3, QuantWeight, block_scale, channel_scale, compact_scales, dequantize, quantize_blocks
 from nextn.ops.norm import rms_norm as rms_norm_reference
 
 CUDA = torch.cuda.is_available()
@@ -82,6 +82,24 @@ def _fp8_weights(model) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------
 # nextn's layout against the published ones
+
+
+@pytest.mark.parametrize("values, k", [("int8", 256), ("e4m3", 256), ("e4m3", 250)])  # Q8_0 has whole blocks
+def test_dequantize_is_each_value_times_its_scale(values, k):
+    """dequantize (whole blocks: one pass widening in the multiply; partial: padded) gives each value
+    times its column block's scale in float32, rounded to the dtype, for a stack of weights too."""
+    g = torch.Generator().manual_seed(1)
+    if values == "int8":
+        w, block = torch.randint(-127, 128, (3, 40, k), generator=g, dtype=torch.int8), 32
+        scale = (torch.rand(3, k // block, 40, generator=g) * 0.02).half()
+    else:
+        w, block = (torch.randn(3, 40, k, generator=g) * 20).to(E4M3), 128
+        scale = torch.rand(3, -(-k // block), 40, generator=g)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        want = (w.float() * scale.float().transpose(-1, -2).repeat_interleave(block, -1)[..., :k]).to(dtype)
+        got = dequantize(w, scale, dtype)
+        assert got.dtype == dtype and torch.equal(got, want)
+        assert torch.equal(dequantize(w[1], scale[1], dtype), want[1])
 
 
 def test_block_and_channel_scales_dequantize_like_their_layouts():
