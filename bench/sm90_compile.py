@@ -160,6 +160,18 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
         wide_args = dict(bf16_args, M=3000, N=n, K=k, K_SPLIT=k // split, stride_y=n, stride_res=n)
         cases.append((name, linear._skinny_kernel, wide_args, wide, dict(num_warps=warps, num_stages=stages),
                       ("wgmma", None)))  # fmt: skip
+    # Q8_0 weights in wide row tiles (a GGUF file's prefill), each k-tile dequantized, the same two shapes
+    for name, (n, k), epilogue in (("skinny_wide_q8_0_swiglu", (N, K), 2), ("skinny_wide_q8_0_down", (K, N), 1)):
+        block_m, (block_n, block_k, warps, stages, split) = cfgs.wide_tile(
+            n, k, epilogue == 2, 2, epilogue == 1, "q8_0", 1
+        )
+        wide = dict(q8_consts, EPILOGUE=epilogue, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=1,
+                    SERIAL=split, RMS=epilogue == 2, P_BLOCK=64, NORM_OUT=epilogue == 1,
+                    NORM_PARTS=block_n // cfgs.pick_config(n, k, "q8_0")[0] if epilogue == 1 else 1)  # fmt: skip
+        wide_args = dict(q8_args, M=3000, N=n, K=k, K_SPLIT=k // split, stride_y=n, stride_res=n, stride_s=n,
+                         stride_s2=n)  # fmt: skip
+        cases.append((name, linear._skinny_kernel, wide_args, wide, dict(num_warps=warps, num_stages=stages),
+                      ("wgmma", None)))  # fmt: skip
     return cases
 
 

@@ -182,6 +182,57 @@ def test_q8_0_skinny_linear_9b_shapes_gpu(N, K, kind, config):
     _each_row_alone(x, w8, kw, config, out, (0, 3, 8))
 
 
+def _wide_rows_alone(N, K, seed, rows, monkeypatch):
+    """A default call of WIDE_ROWS + 4 rows over Q8_0 weights runs in wide tiles (wide_tile asked for
+    q8_0's config), and its rows equal the rows alone (16-row tiles), bitwise, in each fusion and in
+    the norm between two GEMMs (norm_out, then a projection reading its sums)."""
+    from nextn.ops import triton_linear
+    from nextn.ops.linear_configs import WIDE_ROWS
+    from nextn.ops.norm import rms_norm as reference_rms_norm
+    from nextn.ops.triton_linear import skinny_linear
+
+    asked = []
+
+    def spy(*args, **kwargs):
+        out = wide_tile(*args, **kwargs)
+        asked.append((args, kwargs, out))
+        return out
+
+    wide_tile = triton_linear.wide_tile
+    monkeypatch.setattr(triton_linear, "wide_tile", spy)
+    M = WIDE_ROWS + 4
+    x, w8, w28, res = _q8_case(M, N, K, torch.bfloat16, seed=seed)
+    for kw, ref in _q8_variants(x, w8, w28, res).values():
+        out = skinny_linear(x, w8, **kw)
+        _close(out, ref, torch.bfloat16)
+        _each_row_alone(x, w8, kw, None, out, rows)
+    assert len(asked) == 3 and all(args[5] == "q8_0" and block_m > 16 for args, _, (block_m, _) in asked)
+    g = torch.Generator(device=DEVICE).manual_seed(seed + 1)
+    nw = (1 + 0.3 * torch.randn(N, generator=g, device=DEVICE)).to(torch.bfloat16)
+    w3 = q8_0_quantize(torch.randn(96, N, generator=g, device=DEVICE) * N**-0.5)
+    y, ni = skinny_linear(x, w8, residual=res, norm_out=nw)
+    out = skinny_linear(None, w3, rms=ni, eps=1e-6)
+    want = torch.nn.functional.linear(reference_rms_norm(y, nw, 1e-6), dequantize(w3.weight, w3.scale, y.dtype))
+    _close(out, want, torch.bfloat16)
+    for m in rows:
+        y1, n1 = skinny_linear(x[m : m + 1], w8, residual=res[m : m + 1], norm_out=nw)
+        assert torch.equal(y1[0], y[m]) and torch.equal(n1.ss[:, 0], ni.ss[:, m]), m
+        assert torch.equal(skinny_linear(None, w3, rms=n1, eps=1e-6)[0], out[m]), m
+
+
+def test_q8_0_wide_tiles_keep_each_rows_bits(monkeypatch):
+    """K = 512: a split-K shape (its two splits summed in the wide program, in split order)."""
+    _wide_rows_alone(64, 512, 11, (0, 130, 259), monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("N,K", [(12288, 4096), (4096, 12288), (4096, 4096)])
+def test_q8_0_wide_tiles_keep_each_rows_bits_9b_shapes_gpu(N, K, monkeypatch):
+    """Qwen3.5-9B's projections in Q8_0 compiled: a prefill's rows in wide tiles are the decode's."""
+    _wide_rows_alone(N, K, N + K, (0, 17, 130, 259), monkeypatch)
+
+
 # ---------------------------------------------------------------------------------------------
 # quantization="q8_0" at load
 

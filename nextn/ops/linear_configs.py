@@ -33,7 +33,7 @@ FP8_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
 Q8_0_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
 QUANT_CONFIGS = {FP8.name: FP8_CONFIGS, Q8_0.name: Q8_0_CONFIGS}  # by nextn.ops.fp8.Format name
 WAY_TMA, WAY_XMAJOR = 1, 2  # a config's sixth field (nextn.ops.triton_linear)
-# From this many rows (a prefill's, a large batch's verify) a call with bf16 / fp16 weights runs in wide
+# From this many rows (a prefill's, a large batch's verify) a call with bf16 / fp16 / Q8_0 weights runs in wide
 # tiles (`wide_tile`): 2.3-3.6x the 16-row tiles' speed at 256-8,192 rows of the 9B's shapes, 330-540
 # TFLOP/s, the same bits (bench/results/wide_tile_probe_run145.json, H100). Below it, 16-row tiles.
 WIDE_ROWS = 256
@@ -63,23 +63,28 @@ def pick_config(N: int, K: int, quant: str = "") -> tuple[int, ...]:
     return cfg
 
 
-def wide_tile(N: int, K: int, dual: bool, x_bytes: int, norm_out: bool = False) -> tuple[int, tuple[int, ...]]:
-    """(block_m, config) of a call of WIDE_ROWS rows or more (bf16 / fp16 weights): 128 rows a program
-    where a k-tile of both operands fits three stages of shared memory (else 64), the shape's BLOCK_K
-    and split kept, so each row's sums are the 16-row tiles' (the split's partials added in the
-    program in split order; tests/test_kernels.py, the wide-tile tests). norm_out: the next norm's
-    sums of squares are partials per the 16-row tiles' BLOCK_N columns, so BLOCK_N is the shape's
-    or twice it where N allows (skinny_linear then stores two sums a program, one per half)."""
-    narrow_n, block_k, _, _, split, *_ = pick_config(N, K)
+def wide_tile(
+    N: int, K: int, dual: bool, x_bytes: int, norm_out: bool = False, quant: str = "", w_bytes: int | None = None
+) -> tuple[int, tuple[int, ...]]:
+    """(block_m, config) of a call of WIDE_ROWS rows or more (bf16 / fp16 weights, or Q8_0's: quant,
+    w_bytes their element size, default x_bytes): 128 rows a program where a k-tile of both operands
+    fits three stages of shared memory (else 64), the shape's BLOCK_K and split (its 16-row config
+    for that weight kind) kept, so each row's sums are the 16-row tiles' (the split's partials added
+    in the program in split order; tests/test_kernels.py and tests/test_q8_0.py, the wide-tile tests).
+    norm_out: the next norm's sums of squares are partials per the 16-row tiles' BLOCK_N columns, so
+    BLOCK_N is the shape's or twice it where N allows (skinny_linear then stores two sums a program,
+    one per half)."""
+    w_bytes = x_bytes if w_bytes is None else w_bytes
+    narrow_n, block_k, _, _, split, *_ = pick_config(N, K, quant)
     choices = [(128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)]
     if norm_out:
         widths = ([2 * narrow_n] if 2 * narrow_n <= 128 and N % (2 * narrow_n) == 0 else []) + [narrow_n]
         choices = [(block_m, n, 8 if n >= 128 and block_m == 128 else 4) for n in widths for block_m in (128, 64)]
     for block_m, block_n, warps in choices:
-        stages = min(3, WIDE_SMEM // (((2 if dual else 1) * block_n + block_m) * block_k * x_bytes))
+        stages = min(3, WIDE_SMEM // (((2 if dual else 1) * block_n * w_bytes + block_m * x_bytes) * block_k))
         if stages >= 2:
             return block_m, (block_n, block_k, warps, stages, split)
-    return TILE_ROWS, pick_config(N, K)
+    return TILE_ROWS, pick_config(N, K, quant)
 
 
 def takes_block_k(fmt: Format, block_k: int) -> bool:

@@ -8,14 +8,15 @@ padded to 16 in one tensor-core dot (weights as the 16+-row operand: "swap AB").
 chosen from (N, K) alone and M is never specialised, so the reduction order of a row does not
 depend on M. More than 16 rows (a batch of sequences) run as tiles of 16, each computed exactly
 as a 16-row call; a weight block's tiles are neighbouring programs, so they share its L2 reads.
-From WIDE_ROWS rows (a prefill step's) a program owns 64 or 128 rows instead, and a split-K
-shape's splits are summed in the program, in the split order the 16-row tiles' last arrival adds
-them: the dot is wide enough for the tensor cores, and each row's products are summed in the same
-k order by the same MMA, so its bits do not change (checked on the GPU per shape and row count:
-bench/wide_tile_probe.py; a prompt row must be what a decode row of it would be). A residual GEMM
-that writes the next norm's input keeps its BLOCK_N there, since the norm's sums of squares are
-partials per BLOCK_N columns, and every such sum is added in index order (triton_norm.ordered_sum),
-not in a tree that follows the tile's layout.
+From WIDE_ROWS rows (a prefill step's; bf16 / fp16 or Q8_0 weights, FP8's chained dots keep 16-row
+tiles) a program owns 64 or 128 rows instead, and a split-K shape's splits are summed in the
+program, in the split order the 16-row tiles' last arrival adds them: the dot is wide enough for
+the tensor cores, and each row's products are summed in the same k order by the same MMA, so its
+bits do not change (checked on the GPU per shape and row count: bench/wide_tile_probe.py, bf16; a
+prompt row must be what a decode row of it would be). A residual GEMM that writes the next norm's
+input keeps its BLOCK_N there, since the norm's sums of squares are partials per BLOCK_N columns,
+and every such sum is added in index order (triton_norm.ordered_sum), not in a tree that follows
+the tile's layout.
 
 Fused after the dot, so a decoder layer needs fewer launches:
 - epilogue `residual`: y = residual + x @ w.T (each rounded to x's dtype first, like `x + f(x)`);
@@ -486,9 +487,12 @@ def skinny_linear(
         raise ValueError(f"skinny_linear: rms sums {tuple(rms.ss.shape)} for {M} rows")
     if block_m is None:
         block_m = TILE_ROWS
-        if config is None and not fp8 and M >= WIDE_ROWS:
-            block_m, config = wide_tile(N, K, up_weight is not None, x.element_size(), norm_out is not None)
-            norm_block = pick_config(N, K)[0]  # the 16-row tiles' BLOCK_N: their sums' grouping
+        if config is None and (not fp8 or fmt == Q8_0) and M >= WIDE_ROWS:  # (FP8's chained dots: 16-row tiles)
+            quant = fmt.name if fp8 else ""
+            block_m, config = wide_tile(
+                N, K, up_weight is not None, x.element_size(), norm_out is not None, quant, weight.element_size()
+            )
+            norm_block = pick_config(N, K, quant)[0]  # the 16-row tiles' BLOCK_N: their sums' grouping
     block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, fmt.name if fp8 else "")
     way = way[0] if way else 0
     if not takes_way(way, fmt):
