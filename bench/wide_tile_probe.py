@@ -9,8 +9,9 @@ program, the shape's K splits summed in the program in split order) keeps each r
 
 Per shape and row count M: the default (16-row tiles) us and TFLOP/s, each wide candidate's us and
 whether its output equals the default's bitwise, and torch's F.linear (cuBLAS, not row-invariant)
-as the ceiling. Usage (device): python3 bench/wide_tile_probe.py [--rows 16 256 1024 3072 8192]
-[--json OUT]"""
+as the ceiling. --q8_0: the weights in Q8_0 (a GGUF file's: int8 with fp16 scales, the tile
+dequantized in the k-loop; cuBLAS over the dequantized bf16 weights). Usage (device):
+python3 bench/wide_tile_probe.py [--rows 16 256 1024 3072 8192] [--q8_0] [--json OUT]"""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nextn.ops.fp8 import dequantize
 from nextn.ops.linear_configs import pick_config
 from nextn.ops.linear_tune import graph_us
+from nextn.ops.q8_0 import q8_0_quantize
 from nextn.ops.triton_linear import skinny_linear
 
 # (N, K, epilogue): the 9B's trunk GEMMs (bf16), as a layer calls them
@@ -41,14 +44,21 @@ WIDE = [(64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 256, 1024, 3072, 8192])
+    ap.add_argument("--q8_0", action="store_true", help="Q8_0 weights")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    result = {"device": torch.cuda.get_device_name(), "shapes": {}}
+    result = {"device": torch.cuda.get_device_name(), "weights": "q8_0" if args.q8_0 else "bf16", "shapes": {}}
     g = torch.Generator(device="cuda").manual_seed(0)
     for N, K, kind in SHAPES:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * K**-0.5
         w2 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * K**-0.5
-        base = pick_config(N, K)
+        base = pick_config(N, K, "q8_0" if args.q8_0 else "")
+        if args.q8_0:  # the kernel reads the quantized weights, cuBLAS their dequantized values
+            (w, dw), (w2, dw2) = (
+                (q, dequantize(q.weight, q.scale, torch.bfloat16)) for q in map(q8_0_quantize, (w, w2))
+            )
+        else:
+            dw, dw2 = w, w2
         for M in args.rows:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
             res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -61,9 +71,11 @@ def main() -> None:
             ref = call()
             row = {"default": base, "default_us": graph_us(lambda i: call(), 1, 10)}
             if kind == "silu_mul":
-                row["cublas_us"] = graph_us(lambda i, x=x, w=w, w2=w2: F.silu(F.linear(x, w)) * F.linear(x, w2), 1, 10)
+                row["cublas_us"] = graph_us(
+                    lambda i, x=x, w=dw, w2=dw2: F.silu(F.linear(x, w)) * F.linear(x, w2), 1, 10
+                )
             else:
-                row["cublas_us"] = graph_us(lambda i, x=x, w=w: F.linear(x, w), 1, 10)
+                row["cublas_us"] = graph_us(lambda i, x=x, w=dw: F.linear(x, w), 1, 10)
             row["wide"] = []
             best = None
             for bm, bn, warps, stages in WIDE:
