@@ -13,7 +13,8 @@ conv pre-pass; bench/gdn_sweep.py's inputs) graphed, alone and on the low-priori
 rounds as the prefill GEMMs are: whether the row-by-row recurrence of prompt rows hides under the
 rounds' weight reads. Counters: the 16-row GEMMs' split-K arrival counters are one buffer a device
 (nextn.ops.triton_utils), used here by the decode stream alone (a wide tile sums its splits in its
-program), so the concurrent launches do not share them. The engine's steps do not run so today.
+program), so the concurrent launches do not share them; the --gdn launches get their own buffer. The
+engine's steps do not run so today.
 
     python bench/overlap_probe.py [--rows 512 2048] [--mixed 48 112 240] [--gdn 6 512] [--layers 32] [--json OUT]
 """
@@ -172,7 +173,14 @@ def main() -> None:
         B, T = args.gdn
         H, HV, K, V, layers = SHAPES["qwen3.5-9b"]
         case = make_case(H, HV, K, V, layers, B, T, store_all=False, device=dev)
-        gdn = _graph(lambda: run(triton_gdn.gdn_step, case, 32, 4, preconv=T))
+        # its own arrival counters (the per-head norm's last arrival): the device's one buffer is the
+        # decode round's split-K GEMMs' on the other stream, and counts from both would mix
+        own = torch.zeros(1 << 14, device=dev, dtype=torch.int32)
+        shared, triton_gdn.arrival_counters = triton_gdn.arrival_counters, lambda device, n: own
+        try:
+            gdn = _graph(lambda: run(triton_gdn.gdn_step, case, 32, 4, preconv=T))
+        finally:
+            triton_gdn.arrival_counters = shared
         t_gdn = _ms(gdn.replay)
         row = {
             "sequences": B,
