@@ -233,6 +233,24 @@ def test_q8_0_wide_tiles_keep_each_rows_bits_9b_shapes_gpu(N, K, monkeypatch):
     _wide_rows_alone(N, K, N + K, (0, 17, 130, 259), monkeypatch)
 
 
+def test_scores_dequantize_a_quantized_lm_head_a_slice_at_a_time(monkeypatch):
+    """The reference path's logits over a Q8_0 lm_head (a GGUF file's) dequantize SCORE_ROWS rows at
+    a time, not the whole head (the 9B's: ~6 GB of temporaries), and give the logits of the whole
+    dequantized head."""
+    from nextn.models import qwen3_5
+    from nextn.ops import fp8
+
+    w = q8_0_quantize(_weights(50, 64, seed=3))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    whole = x @ dequantize(w.weight, w.scale, torch.float32).T
+    sizes = []
+    monkeypatch.setattr(qwen3_5, "SCORE_ROWS", 16)
+    monkeypatch.setattr(qwen3_5, "dense", lambda q, dtype: sizes.append(q.weight.shape[0]) or fp8.dense(q, dtype))
+    got = qwen3_5.scores(x, w)
+    assert sizes == [16, 16, 16, 2] and got.dtype == torch.float32
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)  # (matmuls over other row counts)
+
+
 # ---------------------------------------------------------------------------------------------
 # quantization="q8_0" at load
 

@@ -146,11 +146,27 @@ class CausalLM(nn.Module):
     def logits(self, normed_hidden: torch.Tensor, lm_head: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits over the lm_head's rows [.., V] (gathered from the ranks' under tensor
         parallelism), or over the given rows [Vd, H] (a draft vocabulary's, never sharded)."""
-        dtype = normed_hidden.dtype
         if lm_head is not None:
-            return row_invariant_linear(normed_hidden, dense(lm_head, dtype)).float()
-        local = row_invariant_linear(normed_hidden, dense(self.lm_head_weight, dtype)).float()
+            return scores(normed_hidden, lm_head)
+        local = scores(normed_hidden, self.lm_head_weight)
         return gather_vocab(local.reshape(-1, local.shape[-1]), self.cfg).view(*local.shape[:-1], -1)
+
+
+# rows of a quantized lm_head dequantized at a time: the 9B's whole Q8_0 lm_head (248,320 x 4,096) is
+# ~6 GB of float32 and bf16 temporaries, more than the engine sets aside beside its cache
+SCORE_ROWS = 16384
+
+
+def scores(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
+    """Float32 logits x @ w.T over the rows of w [V, H] (in x's dtype; a quantized one dequantized
+    SCORE_ROWS rows at a time, each row's values what dequantizing it whole gives)."""
+    if not isinstance(w, QuantWeight) or w.rows != 1:  # (dense refuses compacted scales: the step's)
+        return row_invariant_linear(x, dense(w, x.dtype)).float()
+    parts = []
+    for i in range(0, w.weight.shape[0], SCORE_ROWS):
+        rows = QuantWeight(w.weight[i : i + SCORE_ROWS], w.scale[:, i : i + SCORE_ROWS])
+        parts.append(row_invariant_linear(x, dense(rows, x.dtype)).float())
+    return torch.cat(parts, dim=-1)
 
 
 class ReferenceStep:
