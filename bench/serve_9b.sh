@@ -38,24 +38,7 @@ echo "=== served: nextn serve + nextn bench serve, 16 streams ($(date +%T), +$((
 python3 -m nextn.cli serve --random-weights qwen3.5-9b --tokenizer $TOK --device cuda --dtype bfloat16 --spec-k 0 \
   --max-num-seqs 16 --max-model-len 1024 --port $PORT --log-level info $SERVE_FLAGS > $OUT/server_9b.log 2>&1 &
 pid=$!
-python3 - $PORT $pid <<'EOF'
-import os, sys, time, urllib.request
-port, pid = sys.argv[1], int(sys.argv[2])
-deadline = time.monotonic() + 170
-while time.monotonic() < deadline:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        sys.exit("serve_9b: the server exited before it was ready")
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-            if r.status == 200:
-                sys.exit(0)
-    except OSError:
-        pass
-    time.sleep(0.5)
-sys.exit("serve_9b: the server was not ready in 170 s")
-EOF
+python3 bench/wait_server.py $PORT $pid 170
 ready=$?
 if [ $ready -eq 0 ]; then
   echo "server ready (+$(($(date +%s) - t0)) s): $(grep -m1 'cache:' $OUT/server_9b.log)"

@@ -21,12 +21,7 @@ for tree in base head; do
     (cd $dir && PYTHONPATH=$dir:/tmp/site exec python3 -m nextn.cli serve --model nextn/default_model --spec-k $K \
       --max-num-seqs 64 --port $PORT --log-level warning) > $OUT/ab_server_${tree}_k$K.log 2>&1 &
     pid=$!
-    python3 -c "import time, urllib.request
-for _ in range(240):
-    try:
-        urllib.request.urlopen('http://127.0.0.1:$PORT/health'); break
-    except OSError:
-        time.sleep(0.5)"
+    python3 bench/wait_server.py $PORT $pid
     for cell in $CELLS; do
       IFS=: read k out c <<< "$cell"
       [ "$k" = "$K" ] || continue

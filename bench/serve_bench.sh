@@ -15,12 +15,7 @@ for K in $KS; do
   python3 -m nextn.cli serve --model nextn/default_model --spec-k $K --max-num-seqs 64 --port $PORT \
     --log-level warning $SERVE_FLAGS > $OUT/server_${TAG}_k$K.log 2>&1 &
   pid=$!
-  python3 -c "import time, urllib.request
-for _ in range(240):
-    try:
-        urllib.request.urlopen(\"http://127.0.0.1:$PORT/health\"); break
-    except OSError:
-        time.sleep(0.5)"
+  python3 bench/wait_server.py $PORT $pid
   for out in ${OUTS:-128 512}; do
     for c in ${CONCS:-16 64}; do
       timeout 200 python3 -m nextn.cli bench serve --base-url http://127.0.0.1:$PORT --tokenizer nextn/default_model \

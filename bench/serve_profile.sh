@@ -17,12 +17,7 @@ for flags in "" "$@"; do
   python3 -m nextn.cli serve --model nextn/default_model --spec-k 3 --max-num-seqs 64 --port $PORT \
     --log-level warning $flags > /tmp/server_$i.log 2>&1 &
   pid=$!
-  python3 -c "import time, urllib.request
-for _ in range(240):
-    try:
-        urllib.request.urlopen('http://127.0.0.1:$PORT/health'); break
-    except OSError:
-        time.sleep(0.5)"
+  python3 bench/wait_server.py $PORT $pid
   # warm-up requests of the same shape first, unprofiled
   python3 -m nextn.cli bench serve --base-url http://127.0.0.1:$PORT --tokenizer nextn/default_model \
     --prompt-file nextn/engine/rounds.py --random-input-len 480 --random-range-ratio 0.875 --random-output-len 128 \

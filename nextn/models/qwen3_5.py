@@ -160,11 +160,11 @@ SCORE_ROWS = 16384
 def scores(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> torch.Tensor:
     """Float32 logits x @ w.T over the rows of w [V, H] (in x's dtype; a quantized one dequantized
     SCORE_ROWS rows at a time, each row's values what dequantizing it whole gives)."""
-    if not isinstance(w, QuantWeight) or w.rows != 1:  # (dense refuses compacted scales: the step's)
-        return row_invariant_linear(x, dense(w, x.dtype)).float()
+    if not isinstance(w, QuantWeight):
+        return row_invariant_linear(x, w).float()
     parts = []
-    for i in range(0, w.weight.shape[0], SCORE_ROWS):
-        rows = QuantWeight(w.weight[i : i + SCORE_ROWS], w.scale[:, i : i + SCORE_ROWS])
+    for i in range(0, w.weight.shape[0], SCORE_ROWS):  # (dense refuses compacted scales: the step's)
+        rows = w._replace(weight=w.weight[i : i + SCORE_ROWS], scale=w.scale[:, i : i + SCORE_ROWS])
         parts.append(row_invariant_linear(x, dense(rows, x.dtype)).float())
     return torch.cat(parts, dim=-1)
 

@@ -77,6 +77,10 @@ class QuantWeight(NamedTuple):
         return self.weight.shape
 
     @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
     def format(self) -> Format:
         return format_of(self.weight)
 

@@ -485,15 +485,15 @@ def skinny_linear(
         raise ValueError("skinny_linear: norm_out takes a residual GEMM and the norm's [N] weight")
     if rms is not None and (rms.ss.dim() != 2 or rms.ss.shape[1] != M or not rms.ss.is_contiguous()):
         raise ValueError(f"skinny_linear: rms sums {tuple(rms.ss.shape)} for {M} rows")
+    quant = fmt.name if fp8 else ""
     if block_m is None:
         block_m = TILE_ROWS
         if config is None and (not fp8 or fmt == Q8_0) and M >= WIDE_ROWS:  # (FP8's chained dots: 16-row tiles)
-            quant = fmt.name if fp8 else ""
             block_m, config = wide_tile(
                 N, K, up_weight is not None, x.element_size(), norm_out is not None, quant, weight.element_size()
             )
             norm_block = pick_config(N, K, quant)[0]  # the 16-row tiles' BLOCK_N: their sums' grouping
-    block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, fmt.name if fp8 else "")
+    block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, quant)
     way = way[0] if way else 0
     if not takes_way(way, fmt):
         raise ValueError(f"skinny_linear: config way {way}: 1 (TMA loads) takes bf16 / fp16 weights, 2 (x-major) FP8")

@@ -261,7 +261,7 @@ class DraftHead:
     backends' MTP head reads it instead of the full lm_head)."""
 
     def __init__(self, vocab: DraftVocab, lm_head: torch.Tensor | QuantWeight):
-        V, device = lm_head.shape[0], (lm_head.weight if isinstance(lm_head, QuantWeight) else lm_head).device
+        V, device = lm_head.shape[0], lm_head.device
         vocab.check(V)
         self.vocab, self.vocab_size, self.size = vocab, V, vocab.size
         self.d2t = torch.tensor(vocab.d2t, dtype=torch.long, device=device)  # [Vd]
