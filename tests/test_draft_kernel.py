@@ -8,6 +8,8 @@ On CPU the kernels run under Triton's interpreter (triton_interp.py); on a GPU c
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import triton_interp  # noqa: F401  (before triton)
@@ -41,22 +43,27 @@ def _gate(n: int, live=None) -> DraftGate:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("V,block_v", [(1, 4096), (3, 4096), (1000, 64), (1000, 4096), (5003, 1024)])
-def test_greedy_draft_picks_torch_argmax(V, block_v, dtype):
-    """Picks equal torch.argmax bitwise (ties across and within blocks, V not a power of two),
-    through rows and d2t, written where at says, other cells untouched."""
+@pytest.mark.parametrize(
+    "V,block_v,max_splits", [(1, 4096, 64), (3, 4096, 64), (1000, 64, 64), (1000, 4096, 64), (5003, 1024, 64),
+                             (5003, 256, 3), (1000, 64, 1)]
+)  # fmt: skip
+def test_greedy_draft_picks_torch_argmax(V, block_v, max_splits, dtype):
+    """Picks equal torch.argmax bitwise (ties across and within tiles and runs, V not a power of
+    two, runs of one tile or several, one run a row), through rows and d2t, written where at says,
+    other cells untouched; a row whose first runs are all -inf too."""
     n = 5
     logits = _tied_logits(n, V, dtype, seed=V)
+    logits[3, : 2 * V // 3] = float("-inf")
     rows = torch.tensor([4, 0, 2], device=DEVICE)
     at = torch.tensor([7, 1, 4], device=DEVICE)
     d2t = torch.arange(V, device=DEVICE) * 3 + 1
     for r, d in ((None, None), (rows, None), (rows, d2t)):
         m = n if r is None else r.numel()
         ids = torch.full((10,), -5, dtype=torch.long, device=DEVICE)
-        greedy_draft(logits, ids, at[:m] if r is not None else torch.arange(m, device=DEVICE), r, d, block_v=block_v)
+        cells = at[:m] if r is not None else torch.arange(m, device=DEVICE)
+        greedy_draft(logits, ids, cells, r, d, block_v=block_v, max_splits=max_splits)
         want = torch.argmax(logits if r is None else logits[r], dim=-1)
         want = want if d is None else d[want]
-        cells = at if r is not None else torch.arange(m, device=DEVICE)
         assert torch.equal(ids[cells], want)
         untouched = torch.ones(10, dtype=torch.bool, device=DEVICE)
         untouched[cells] = False
@@ -64,13 +71,15 @@ def test_greedy_draft_picks_torch_argmax(V, block_v, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("V", [7, 1000, 5003])
-def test_greedy_draft_gate_matches_reference(V, dtype):
+@pytest.mark.parametrize("V,block_v", [(7, 4096), (1000, 4096), (5003, 4096), (5003, 512)])
+def test_greedy_draft_gate_matches_reference(V, block_v, dtype):
     """The gate's update equals the reference's: p_min set just below each row's probability
-    keeps it, just above cuts it (so the kernel's probability is the softmax's within 1e-5
-    relative), a member already cut stays cut and counts nothing, head_steps counts the call."""
+    keeps it, just above cuts it (so the kernel's probability, summed over runs of the row, is the
+    softmax's within 1e-5 relative; a run of -inf adds nothing), a member already cut stays cut and
+    counts nothing, head_steps counts the call."""
     n = 4
     logits = (torch.randn(n, V, generator=torch.Generator().manual_seed(V)) * 3).to(dtype).to(DEVICE)
+    logits[1, : V // 2] = float("-inf")
     p = torch.softmax(logits.float(), -1).max(-1).values  # [n]
     rows = torch.tensor([3, 1, 0], device=DEVICE)
     for r in (None, rows):
@@ -80,7 +89,7 @@ def test_greedy_draft_gate_matches_reference(V, dtype):
             for p_min in q * scale:
                 for first in (True, False) if r is None else (False,):
                     outs = []
-                    for fn in (greedy_draft, greedy_draft_reference):
+                    for fn in (partial(greedy_draft, block_v=block_v), greedy_draft_reference):
                         gate = _gate(n, [True, False, True, True])._replace(p_min=float(p_min), first=first)
                         ids = torch.zeros(n, dtype=torch.long, device=DEVICE)
                         fn(logits, ids, torch.arange(x.shape[0], device=DEVICE), r, None, gate)
