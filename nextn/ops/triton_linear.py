@@ -128,7 +128,7 @@ if HAVE_TRITON:
         offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         s_mask = mask_n[:, None] & (offs_g[None, :] * GROUP < K)
         scale = tl.load(s_ptr + offs_g[None, :] * stride_s + offs_n[:, None], mask=s_mask, other=0.0)
-        w = tl.reshape(widened(w), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * scale.to(tl.float32)[:, :, None]
+        w = scaled(tl.reshape(w, (BLOCK_N, BLOCK_K // GROUP, GROUP)), scale.to(tl.float32)[:, :, None])
         return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x_dtype)
 
     @triton.jit
@@ -141,6 +141,18 @@ if HAVE_TRITON:
         if w.dtype == tl.int8:
             return (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
         return w.to(tl.float32)
+
+    @triton.jit
+    def scaled(w, scale):
+        """widened(w) * scale, exactly (a quantized tile's values times their scales, float32, scale
+        broadcast from one value a group). int8 in one FFMA a value where widened and the product
+        were an FADD and an FMUL: fma(1.5 * 2^23 + v, s, -1.5 * 2^23 * s) rounds once the exact
+        v * s, which float32 holds (8 by 11 significant bits), as -1.5 * 2^23 * s (2 by 11 bits, one
+        FMUL a group). The same bits as widened(w) * scale, so the dequantized tiles do not change."""
+        if w.dtype == tl.int8:
+            magic = (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
+            return tl.fma(magic, scale, scale * -12582912.0)
+        return w.to(tl.float32) * scale
 
     @triton.jit
     def _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,

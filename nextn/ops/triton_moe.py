@@ -69,7 +69,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from nextn.ops.triton_linear import widened
+    from nextn.ops.triton_linear import scaled, widened
 
     @triton.jit
     def _route_row(logits_ptr, idx_ptr, rw_ptr, E: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
@@ -113,7 +113,7 @@ if HAVE_TRITON:
         offs_b = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         smask = mask_n[:, None] & (offs_b[None, :] < (K + GROUP - 1) // GROUP)
         s = tl.load(s_ptr + offs_b[None, :] * s_stride + offs_n[:, None], mask=smask, other=0.0).to(tl.float32)
-        w3 = tl.reshape(widened(w), (n, BLOCK_K // GROUP, GROUP)) * s[:, :, None]
+        w3 = scaled(tl.reshape(w, (n, BLOCK_K // GROUP, GROUP)), s[:, :, None])
         return tl.reshape(w3, (n, BLOCK_K)).to(dtype)
 
     @triton.jit
