@@ -29,8 +29,17 @@ CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
 # with BLOCK_K capped at 128. `tune` fills it for the shapes a model runs in FP8.
 FP8_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
 # the same for Q8_0 weights (BLOCK_K dividing 32 or a multiple of it); a shape without an entry takes its
-# bf16 config without tensor descriptors
-Q8_0_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
+# bf16 config without tensor descriptors. The defaults: the 9B's shapes as `tune` picked them on an H100
+# (bench/results/gguf_9b_q8_0_run165.json), so a run that does not tune (serve, generate) runs them too
+Q8_0_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
+    (4096, 4096): (32, 256, 4, 4, 4),
+    (4096, 8192): (32, 256, 4, 4, 4),
+    (4096, 12288): (32, 256, 4, 4, 4),
+    (10240, 4096): (64, 128, 4, 3, 4),
+    (12288, 4096): (64, 128, 4, 3, 4),
+    (12352, 4096): (64, 128, 4, 3, 4),
+    (248320, 4096): (64, 128, 4, 4, 1),
+}
 QUANT_CONFIGS = {FP8.name: FP8_CONFIGS, Q8_0.name: Q8_0_CONFIGS}  # by nextn.ops.fp8.Format name
 WAY_TMA, WAY_XMAJOR = 1, 2  # a config's sixth field (nextn.ops.triton_linear)
 # From this many rows (a prefill's, a large batch's verify) a call with bf16 / fp16 / Q8_0 weights runs in wide
