@@ -146,7 +146,17 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
     cases = [
         ("skinny_fp8_wgmma", linear._skinny_kernel, args, dict(consts, XMAJOR=False), options, ("wgmma", "mma.sync")),
         ("skinny_fp8_xmajor", linear._skinny_kernel, args, dict(consts, XMAJOR=True), options, ("mma.sync", None)),
-        ("skinny_q8_0", linear._skinny_kernel, q8_args, q8_consts, options),
+        ("skinny_q8_0", linear._skinny_kernel, q8_args, q8_consts, options, ("wgmma", "mma.sync")),
+        # a 16-row tile narrower than WGMMA_ROWS compiles to mma.sync, which sums a k-step otherwise than
+        # the wide tiles' wgmma: wide_tile leaves such shapes in 16-row tiles (run 171)
+        (
+            "skinny_q8_0_narrow",
+            linear._skinny_kernel,
+            q8_args,
+            dict(q8_consts, BLOCK_N=cfgs.WGMMA_ROWS // 2),
+            options,
+            ("mma.sync", "wgmma"),
+        ),
     ]
     # bf16 weights in wide row tiles (a prefill's rows: cfgs.wide_tile), the SwiGLU pair over a norm's
     # input and a split-K residual shape writing the next norm's, each split summed in the program

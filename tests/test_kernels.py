@@ -775,6 +775,21 @@ def test_skinny_linear_norm_sums_in_halves_of_a_block(block_m):
             skinny_linear(x, w, residual=res, norm_out=nw, config=wide, norm_block=bad)
 
 
+def test_wide_tiles_only_where_the_16_row_tiles_are_wgmma(monkeypatch):
+    """A shape whose 16-row config is narrower than WGMMA_ROWS (its dot an mma.sync on Hopper, which
+    sums a k-step otherwise than a wide tile's wgmma: run 171) stays in 16-row tiles at any row
+    count; from WGMMA_ROWS it takes wide tiles, its BLOCK_K and split kept."""
+    from nextn.ops import linear_configs as cfgs
+
+    for narrow, wide in (((32, 256, 4, 4, 4), False), ((cfgs.WGMMA_ROWS, 256, 4, 3, 4), True)):
+        monkeypatch.setitem(cfgs.CONFIGS, (4096, 4096), narrow)
+        monkeypatch.setitem(cfgs.Q8_0_CONFIGS, (4096, 4096), narrow)
+        for quant, w_bytes in (("", 2), ("q8_0", 1)):
+            block_m, config = cfgs.wide_tile(4096, 4096, False, 2, quant=quant, w_bytes=w_bytes)
+            assert (block_m > cfgs.TILE_ROWS) == wide, (narrow, quant)
+            assert config[1::3] == (256, 4) if wide else config == narrow
+
+
 def test_skinny_linear_default_wide_tiles_keep_each_rows_bits():
     """With the default configs a call of WIDE_ROWS rows runs in wide tiles (wide_tile): each row of
     a residual GEMM writing the next norm's input, and of the projection reading it, equals the row

@@ -29,16 +29,17 @@ CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
 # with BLOCK_K capped at 128. `tune` fills it for the shapes a model runs in FP8.
 FP8_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
 # the same for Q8_0 weights (BLOCK_K dividing 32 or a multiple of it); a shape without an entry takes its
-# bf16 config without tensor descriptors. The defaults: the 9B's shapes as `tune` picked them on an H100
-# (bench/results/gguf_9b_q8_0_run165.json), so a run that does not tune (serve, generate) runs them too
+# bf16 config without tensor descriptors. The defaults: the 9B's shapes as tune picked them (runs 165, 170,
+# H100) or bench/q8_0_sweep.py found faster (run 171), each 64 rows or more a program (WGMMA_ROWS, so a
+# prefill takes wide tiles); a run that does not tune (serve, generate) runs them too
 Q8_0_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
-    (4096, 4096): (32, 256, 4, 4, 4),
-    (4096, 8192): (32, 256, 4, 4, 4),
-    (4096, 12288): (32, 256, 4, 4, 4),
+    (4096, 4096): (64, 256, 4, 3, 4),  # 10.7 us (run 171's sweep; the tuner's 32-row pick 11.7-12.2)
+    (4096, 8192): (64, 128, 4, 3, 8),
+    (4096, 12288): (64, 128, 4, 3, 8),  # 24.9 us (26.5-28.2)
     (10240, 4096): (64, 128, 4, 3, 4),
     (12288, 4096): (64, 128, 4, 3, 4),
     (12352, 4096): (64, 128, 4, 3, 4),
-    (248320, 4096): (64, 128, 4, 4, 1),
+    (248320, 4096): (128, 128, 4, 3, 1),  # 386 us (392)
 }
 QUANT_CONFIGS = {FP8.name: FP8_CONFIGS, Q8_0.name: Q8_0_CONFIGS}  # by nextn.ops.fp8.Format name
 WAY_TMA, WAY_XMAJOR = 1, 2  # a config's sixth field (nextn.ops.triton_linear)
@@ -46,6 +47,11 @@ WAY_TMA, WAY_XMAJOR = 1, 2  # a config's sixth field (nextn.ops.triton_linear)
 # tiles (`wide_tile`): 2.3-3.6x the 16-row tiles' speed at 256-8,192 rows of the 9B's shapes, 330-540
 # TFLOP/s, the same bits (bench/results/wide_tile_probe_run145.json, H100). Below it, 16-row tiles.
 WIDE_ROWS = 256
+# ... and only where the 16-row tiles' dot (the weights as its M) compiles to a wgmma, as the wide tile's does:
+# from 64 weight rows a program (a warpgroup's M). Narrower programs compile to mma.sync (HMMA.16816), which
+# sums a k-step's products otherwise: a 32-row config's prefill rows differed from its decode rows on an H100
+# (run 171, tests/test_q8_0.py's 9B shapes at (32, 256, 4, 4, 4); bench/sm90_compile.py checks the SASS)
+WGMMA_ROWS = 64
 WIDE_SMEM = 200 * 1024  # shared memory a wide tile's stages may take (an SM has 227 KiB on Hopper)
 NUM_SMS = 132  # H200; only sets how many programs a launch aims for
 
@@ -85,6 +91,8 @@ def wide_tile(
     one per half)."""
     w_bytes = x_bytes if w_bytes is None else w_bytes
     narrow_n, block_k, _, _, split, *_ = pick_config(N, K, quant)
+    if narrow_n < WGMMA_ROWS:  # the 16-row tiles' dot is an mma.sync: a wide tile's wgmma would sum otherwise
+        return TILE_ROWS, pick_config(N, K, quant)
     choices = [(128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)]
     if norm_out:
         widths = ([2 * narrow_n] if 2 * narrow_n <= 128 and N % (2 * narrow_n) == 0 else []) + [narrow_n]
