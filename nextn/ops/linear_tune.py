@@ -81,8 +81,10 @@ TMA_CANDIDATES = [
 FP8_CANDIDATES = [(128, 128, 8, 4, 1), (128, 128, 8, 3, 4), (128, 128, 4, 3, 4), (32, 128, 4, 4, 4), (32, 128, 4, 4, 8)]
 FP8_CANDIDATES += [(128, 128, 4, 4, 2, 2), (64, 128, 4, 4, 4, 2), (128, 128, 4, 4, 1, 2), (64, 128, 4, 4, 1, 2),
                    (64, 128, 4, 6, 2, 2), (128, 128, 8, 5, 2, 2), (64, 128, 4, 4, 2, 2)]  # fmt: skip
-# more for Q8_0: tiles of one 32-column group (scaled products), and wide ones (dequantized tiles)
-Q8_0_CANDIDATES = [(64, 32, 4, 6, 1), (128, 32, 4, 8, 1), (64, 64, 4, 4, 2), (64, 256, 4, 3, 1), (128, 256, 8, 3, 1)]
+# more for Q8_0: tiles of one 32-column group (scaled products), and wide ones (dequantized tiles; run 171's
+# q8_0_sweep found (64, 256, 4, 3, 4) and (64, 128, 4, 3, 8) fastest at the 9B's 4096-row shapes)
+Q8_0_CANDIDATES = [(64, 32, 4, 6, 1), (128, 32, 4, 8, 1), (64, 64, 4, 4, 2), (64, 256, 4, 3, 1), (128, 256, 8, 3, 1),
+                   (64, 256, 4, 3, 4), (64, 128, 4, 3, 8), (128, 128, 4, 3, 1)]  # fmt: skip
 QUANT_CANDIDATES = {FP8.name: FP8_CANDIDATES, Q8_0.name: Q8_0_CANDIDATES}
 
 
