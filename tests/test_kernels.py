@@ -750,6 +750,28 @@ def test_skinny_linear_wide_tiles_keep_the_bits(config, block_m):
         skinny_linear(x, w, block_m=24)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("config", [(16, 256, 4, 3, 1), (32, 256, 4, 4, 4)])
+@pytest.mark.parametrize("N,K", [(1024, 384), (4096, 4096)])
+def test_skinny_linear_narrow_wide_tiles_keep_the_bits_gpu(N, K, config):
+    """Compiled, 16- and 32-row configs (mma.sync on Hopper) at the bundled model's and the 9B's
+    sizes: wide tiles of the same BLOCK_N (block_m x rows as the dot's N, an mma.sync too) give the
+    16-row tiles' bits. wide_tile does not take them yet (WGMMA_ROWS): this is the check before it may."""
+    from nextn.ops.linear_configs import WIDE_SMEM
+
+    if K % (config[1] * config[4]):
+        pytest.skip("split does not fit K")
+    g = torch.Generator(device=DEVICE).manual_seed(N + K)
+    x, w, w2, res = _linear_case(300, N, K, torch.bfloat16, g)
+    for name, (kw, _) in _linear_variants(x, w, w2, res).items():
+        narrow = skinny_linear(x, w, config=config, **kw)
+        for block_m in (64, 128):  # pipeline stages within the wide tiles' shared memory (no bits depend on them)
+            stages = min(3, WIDE_SMEM // ((2 if "silu" in name else 1) * 2 * config[0] + 2 * block_m) // config[1])
+            wide = skinny_linear(x, w, config=config[:3] + (stages,) + config[4:], block_m=block_m, **kw)
+            assert torch.equal(_bits(wide), _bits(narrow)), (name, block_m)
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_skinny_linear_norm_sums_in_halves_of_a_block(block_m):
     """A residual GEMM writing the next norm's input at twice a config's BLOCK_N stores two sums of
