@@ -724,6 +724,7 @@ def test_skinny_linear_rows_past_one_tile():
         assert torch.equal(skinny_linear(None, w3, rms=one, eps=1e-6)[0], out[m]), m
 
 
+@pytest.mark.gpu  # (also on the CPU: the mark puts it in the GPU runs' `-m gpu`, which had left it out)
 @pytest.mark.parametrize("config", [(16, 16, 4, 1, 1), (16, 16, 4, 1, 2), (32, 32, 4, 1, 2)])
 @pytest.mark.parametrize("block_m", [32, 64])
 def test_skinny_linear_wide_tiles_keep_the_bits(config, block_m):
