@@ -34,7 +34,7 @@ FP8_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {}
 # prefill takes wide tiles); a run that does not tune (serve, generate) runs them too
 Q8_0_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
     (4096, 4096): (64, 256, 4, 3, 4),  # 10.7 us (run 171's sweep; the tuner's 32-row pick 11.7-12.2)
-    (4096, 8192): (64, 128, 4, 3, 8),
+    (4096, 8192): (64, 128, 4, 3, 8),  # mtp.fc: as 4096x12288, not timed at this shape
     (4096, 12288): (64, 128, 4, 3, 8),  # 24.9 us (26.5-28.2)
     (10240, 4096): (64, 128, 4, 3, 4),
     (12288, 4096): (64, 128, 4, 3, 4),
