@@ -31,6 +31,30 @@ def test_run_bench_on_a_checkpoint(dense_fitted_ckpt):
     assert set(res["round_overhead"]) == {1, 2}
 
 
+def test_the_draft_step_cost_counts_its_pick(dense_fitted_ckpt, monkeypatch):
+    """draft_cost_ratio times a greedy round's draft step whole: the head step and its pick (the
+    argmax kernel a round runs after it, on the head's one row of logits), which round_overhead had
+    hidden (run 165)."""
+    from nextn.models.loader import load_model
+    from nextn.spec import proposer as proposer_mod
+
+    picks = []
+    original = proposer_mod.MTPProposer.__init__
+
+    def spy_init(self, *a, **kw):
+        original(self, *a, **kw)
+        pick = self.greedy_draft
+        self.greedy_draft = lambda logits, ids, at, rows, d2t, *rest: (
+            picks.append((logits, d2t)) or pick(logits, ids, at, rows, d2t, *rest)
+        )
+
+    monkeypatch.setattr(proposer_mod.MTPProposer, "__init__", spy_init)
+    cfg = bench_measure.BenchConfig(spec_ks=[1], prompt_len=12, gen_len=4, iters=2, repeats=1)
+    model = load_model(dense_fitted_ckpt)
+    costs = bench_measure.Bench(model, list(range(5, 17)), cfg).step_costs([1])
+    assert costs["head_step_ms"] > 0 and picks and all(logits.shape[0] == 1 and d2t is None for logits, d2t in picks)
+
+
 def test_acceptance_profile_and_sampled_runs(dense_ckpt):
     """Drafts that follow a profile are accepted exactly as often as it says (a random head alone
     accepts nothing), output stays plain greedy's; sampled runs report their own speed-up."""

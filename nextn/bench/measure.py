@@ -245,8 +245,8 @@ class Bench:
         return runs, statistics.median(len(r.token_ids) / r.seconds for r in runs)
 
     def step_costs(self, ks: list[int]) -> dict:
-        """Median ms of one trunk step of T = 1..max(K)+1 tokens and of one MTP head step (graph
-        replays where graphs run: what the step costs the device)."""
+        """Median ms of one trunk step of T = 1..max(K)+1 tokens and of one MTP head step with its
+        greedy pick (graph replays where graphs run: what the step costs the device)."""
         k_max = max(ks)
         _, runner, proposer = self.core(k_max)
         seq = self.prefilled(k_max)
@@ -268,14 +268,15 @@ class Bench:
             if proposer is not None:
                 ids, pos = ids[:1], torch.tensor([len(seq.tokens)], dtype=torch.int32, device=self.device)
                 batch, head_logits = runner.batch([cache], [1]), proposer.logits[:1]  # [1, V or Vd]
+                drafted, at = torch.zeros(1, dtype=torch.long, device=self.device), torch.zeros_like(ids)
+                d2t = None if proposer.draft is None else proposer.draft.d2t
+
+                def head_and_pick():  # a greedy round's draft step: the head, then its pick (the argmax kernel)
+                    runner.step.head(batch, ids, hidden[:1], pos, None, (head_logits, hidden[1:2]), proposer.lm_head)
+                    proposer.greedy_draft(head_logits, drafted, at, None, d2t)
 
                 def head():
-                    runner.run(
-                        ("bench", "head"),
-                        lambda: runner.step.head(
-                            batch, ids, hidden[:1], pos, None, (head_logits, hidden[1:2]), proposer.lm_head
-                        ),
-                    )
+                    runner.run(("bench", "head"), head_and_pick)
 
                 out["head_step_ms"] = time_ms(head, self.device, iters=self.cfg.iters)
         return out

@@ -14,8 +14,10 @@ One run measures, with CUDA events around warmed-up work, medians:
   `batch_roofline_fraction[B]`);
 - prefill tokens/s; decode tokens/s through the engine's round loop, plain and for each K;
 - `verify_cost_ratio[K]` = t(step of K+1 tokens) / t(step of 1 token), `draft_cost_ratio` =
-  t(one MTP head step) / t(step of 1 token); `round_overhead[K]` = t(spec round) / t(plain token)
-  - verify_cost_ratio[K] - K * draft_cost_ratio: what a round costs beyond its steps;
+  t(one MTP head step and its greedy pick) / t(step of 1 token) (the pick's kernel counted: a
+  one-program argmax over the vocabulary had hidden in round_overhead, run 165); `round_overhead[K]` =
+  t(spec round) / t(plain token) - verify_cost_ratio[K] - K * draft_cost_ratio: what a round costs
+  beyond its steps;
 - `spec_equals_plain[K]`: greedy speculative output == plain greedy output, token for token;
 - per K, from one more run traced round by round: `round_split_ms[K]` (the mean wall time of a
   round's draft, verify and commit: CUDA events inside its graph), `head_steps_per_round[K]`,
