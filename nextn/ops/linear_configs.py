@@ -90,9 +90,10 @@ def wide_tile(
     BLOCK_N is the shape's or twice it where N allows (skinny_linear then stores two sums a program,
     one per half)."""
     w_bytes = x_bytes if w_bytes is None else w_bytes
-    narrow_n, block_k, _, _, split, *_ = pick_config(N, K, quant)
+    narrow = pick_config(N, K, quant)
+    narrow_n, block_k, _, _, split, *_ = narrow
     if narrow_n < WGMMA_ROWS:  # the 16-row tiles' dot is an mma.sync: a wide tile's wgmma would sum otherwise
-        return TILE_ROWS, pick_config(N, K, quant)
+        return TILE_ROWS, narrow
     choices = [(128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)]
     if norm_out:
         widths = ([2 * narrow_n] if 2 * narrow_n <= 128 and N % (2 * narrow_n) == 0 else []) + [narrow_n]
@@ -101,7 +102,7 @@ def wide_tile(
         stages = min(3, WIDE_SMEM // (((2 if dual else 1) * block_n * w_bytes + block_m * x_bytes) * block_k))
         if stages >= 2:
             return block_m, (block_n, block_k, warps, stages, split)
-    return TILE_ROWS, pick_config(N, K, quant)
+    return TILE_ROWS, narrow
 
 
 def takes_block_k(fmt: Format, block_k: int) -> bool:

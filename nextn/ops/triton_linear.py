@@ -132,26 +132,18 @@ if HAVE_TRITON:
         return tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x_dtype)
 
     @triton.jit
-    def widened(w):
-        """A quantized tile's values (e4m3 or int8) as float32, exactly. int8 by integer ops: the
-        bits of 1.5 * 2^23 plus the value are the float 1.5 * 2^23 + value (its ulp is 1), less
-        1.5 * 2^23. sm90 converts int to float (I2F) at 16 a clock an SM, a quarter of its integer
-        adds': the tile's I2F and its bf16 rounding bounded the Q8_0 GEMV (2,234 GB/s against
-        bf16's 3,049 at the 9B's gate|up, run 162; bench/NOTES.md). Also the MoE kernels'."""
-        if w.dtype == tl.int8:
-            return (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-        return w.to(tl.float32)
-
-    @triton.jit
     def scaled(w, scale):
-        """widened(w) * scale, exactly (a quantized tile's values times their scales, float32, scale
-        broadcast from one value a group). int8 in one FFMA a value where widened and the product
-        were an FADD and an FMUL: fma(1.5 * 2^23 + v, s, -1.5 * 2^23 * s) rounds once the exact
-        v * s, which float32 holds (8 by 11 significant bits), as -1.5 * 2^23 * s (2 by 11 bits, one
-        FMUL a group). The same bits as widened(w) * scale, so the dequantized tiles do not change."""
+        """A quantized tile's values (e4m3 or int8) times their scales (float32, broadcastable), exactly:
+        every kernel's dequantization (the skinny GEMM's, the MoE decode block's, the grouped GEMMs').
+        int8 by integer ops and one FFMA a value: the bits of 1.5 * 2^23 plus v are the float 1.5 * 2^23
+        + v (its ulp is 1), and fma(1.5 * 2^23 + v, s, -1.5 * 2^23 * s) rounds once the exact v * s,
+        which float32 holds (8 by 11 significant bits), as it holds -1.5 * 2^23 * s (2 by 11 bits: one
+        FMUL a scale value, a group's where it is broadcast). No I2F: sm90 converts int to float at 16 a
+        clock an SM, a quarter of its integer adds (the I2F bounded the Q8_0 GEMV, run 162), and an
+        FADD and an FMUL a value were the rest (8164f1f: the same bits, 1,664 -> 1,544 instructions)."""
         if w.dtype == tl.int8:
-            magic = (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
-            return tl.fma(magic, scale, scale * -12582912.0)
+            biased = (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
+            return tl.fma(biased, scale, scale * -12582912.0)
         return w.to(tl.float32) * scale
 
     @triton.jit

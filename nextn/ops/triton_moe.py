@@ -69,7 +69,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from nextn.ops.triton_linear import scaled, widened
+    from nextn.ops.triton_linear import scaled
 
     @triton.jit
     def _route_row(logits_ptr, idx_ptr, rw_ptr, E: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
@@ -269,7 +269,7 @@ if HAVE_TRITON:
         `_dequant` does."""
         if FP8:
             s = tl.load(s_ptr + (offs_k // GROUP)[None, :, :] * s_stride + offs_n[:, None, None], mask=mask, other=0.0)
-            wf = (widened(w) * s.to(tl.float32)).to(dtype).to(tl.float32)
+            wf = scaled(w, s.to(tl.float32)).to(dtype).to(tl.float32)
         else:
             wf = w.to(tl.float32)
         a = tl.load(tl.broadcast_to(act_ptr + offs_k[None, :, :], mask.shape), mask=mask, other=0.0).to(tl.float32)

@@ -36,7 +36,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from nextn.ops.triton_linear import widened
+    from nextn.ops.triton_linear import scaled
 
     @triton.jit
     def _dequant_tile(w, s_ptr, s_stride, k0, offs_n, mask_n, dtype: tl.constexpr, GROUP: tl.constexpr,
@@ -51,7 +51,7 @@ if HAVE_TRITON:
             smask = (offs_k < K)[:, None] & mask_n[None, :]
             s = tl.load(s_ptr + (offs_k // GROUP)[:, None] * s_stride + offs_n[None, :], mask=smask, other=0.0)
             s = s.to(tl.float32)
-        return (widened(w) * s).to(dtype)
+        return scaled(w, s).to(dtype)
 
     @triton.jit
     def _grouped_gate_up_kernel(
