@@ -758,7 +758,7 @@ def test_skinny_linear_wide_tiles_keep_the_bits(config, block_m):
 def test_skinny_linear_narrow_wide_tiles_keep_the_bits_gpu(N, K, config):
     """Compiled, 16- and 32-row configs (mma.sync on Hopper) at the bundled model's and the 9B's
     sizes: wide tiles of the same BLOCK_N (block_m x rows as the dot's N, an mma.sync too) give the
-    16-row tiles' bits. wide_tile does not take them yet (WGMMA_ROWS): this is the check before it may."""
+    16-row tiles' bits (what wide_tile takes below WGMMA_ROWS; passed on an H100, run 173)."""
     from nextn.ops.linear_configs import WIDE_SMEM
 
     if K % (config[1] * config[4]):
@@ -800,17 +800,53 @@ def test_skinny_linear_norm_sums_in_halves_of_a_block(block_m):
 
 def test_wide_tiles_only_where_the_16_row_tiles_are_wgmma(monkeypatch):
     """A shape whose 16-row config is narrower than WGMMA_ROWS (its dot an mma.sync on Hopper, which
-    sums a k-step otherwise than a wide tile's wgmma: run 171) stays in 16-row tiles at any row
-    count; from WGMMA_ROWS it takes wide tiles, its BLOCK_K and split kept."""
+    sums a k-step otherwise than a wide tile's wgmma: run 171) takes wide tiles of its own BLOCK_N and
+    warps (an mma.sync again) over bf16 weights, and stays in 16-row tiles over Q8_0's; from
+    WGMMA_ROWS both take wide tiles. Every wide tile keeps the shape's BLOCK_K and split."""
     from nextn.ops import linear_configs as cfgs
 
-    for narrow, wide in (((32, 256, 4, 4, 4), False), ((cfgs.WGMMA_ROWS, 256, 4, 3, 4), True)):
+    narrow_cfg, wgmma_cfg = (32, 256, 2, 4, 4), (cfgs.WGMMA_ROWS, 256, 4, 3, 4)
+    for narrow in (narrow_cfg, wgmma_cfg):
         monkeypatch.setitem(cfgs.CONFIGS, (4096, 4096), narrow)
         monkeypatch.setitem(cfgs.Q8_0_CONFIGS, (4096, 4096), narrow)
         for quant, w_bytes in (("", 2), ("q8_0", 1)):
-            block_m, config = cfgs.wide_tile(4096, 4096, False, 2, quant=quant, w_bytes=w_bytes)
-            assert (block_m > cfgs.TILE_ROWS) == wide, (narrow, quant)
-            assert config[1::3] == (256, 4) if wide else config == narrow
+            for dual, norm_out in ((False, False), (True, False), (False, True)):
+                block_m, config = cfgs.wide_tile(4096, 4096, dual, 2, norm_out, quant=quant, w_bytes=w_bytes)
+                wide = narrow == wgmma_cfg or not quant
+                assert (block_m > cfgs.TILE_ROWS) == wide, (narrow, quant, dual, norm_out)
+                assert config[1::3] == (256, 4) if wide else config == narrow
+                if wide and narrow == narrow_cfg:  # the mma.sync's BLOCK_N and warps
+                    assert config[:3] == narrow[:3], (quant, dual, norm_out)
+
+
+@gpu
+@pytest.mark.parametrize("N,K", [(1024, 384), (384, 1024), (384, 384), (8192, 384)])
+def test_default_narrow_wide_tiles_keep_each_rows_bits_gpu(N, K):
+    """The bundled model's shapes compiled (16- and 32-row defaults, mma.sync): a default call of
+    WIDE_ROWS + 4 rows runs in wide tiles of the 16-row config's BLOCK_N, and each of its rows equals
+    the row alone (a 16-row tile), bit for bit, in every fusion and in the norm between two GEMMs
+    (norm_out's sums of squares, then a projection reading them)."""
+    from nextn.ops.linear_configs import TILE_ROWS, WIDE_ROWS, pick_config, wide_tile
+
+    assert pick_config(N, K)[0] < 64 and wide_tile(N, K, False, 2)[0] > TILE_ROWS
+    g = torch.Generator(device=DEVICE).manual_seed(N + 7 * K)
+    rows = (0, 17, 130, WIDE_ROWS + 3)
+    x, w, w2, res = _linear_case(WIDE_ROWS + 4, N, K, torch.bfloat16, g)
+    for name, (kw, ref) in _linear_variants(x, w, w2, res).items():
+        out = skinny_linear(x, w, **kw)
+        _close(out, ref, torch.bfloat16)
+        for m in rows:
+            one = {k: (v[m : m + 1] if k == "residual" else v) for k, v in kw.items()}
+            assert torch.equal(_bits(skinny_linear(x[m : m + 1], w, **one)[0]), _bits(out[m])), (name, m)
+    nw = _rand(N, dtype=torch.bfloat16, scale=0.3, gen=g)
+    w3 = _rand(96, N, dtype=torch.bfloat16, scale=N**-0.5, gen=g)
+    y, ni = skinny_linear(x, w, residual=res, norm_out=nw)
+    out = skinny_linear(None, w3, rms=ni, eps=1e-6)
+    _close(out, F.linear(reference_rms_norm(y, nw, 1e-6), w3), torch.bfloat16)
+    for m in rows:
+        y1, n1 = skinny_linear(x[m : m + 1], w, residual=res[m : m + 1], norm_out=nw)
+        assert torch.equal(_bits(y1[0]), _bits(y[m])) and torch.equal(_bits(n1.ss[:, 0]), _bits(ni.ss[:, m])), m
+        assert torch.equal(_bits(skinny_linear(None, w3, rms=n1, eps=1e-6)[0]), _bits(out[m])), m
 
 
 def test_skinny_linear_default_wide_tiles_keep_each_rows_bits():

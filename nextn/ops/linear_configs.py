@@ -47,10 +47,12 @@ WAY_TMA, WAY_XMAJOR = 1, 2  # a config's sixth field (nextn.ops.triton_linear)
 # tiles (`wide_tile`): 2.3-3.6x the 16-row tiles' speed at 256-8,192 rows of the 9B's shapes, 330-540
 # TFLOP/s, the same bits (bench/results/wide_tile_probe_run145.json, H100). Below it, 16-row tiles.
 WIDE_ROWS = 256
-# ... and only where the 16-row tiles' dot (the weights as its M) compiles to a wgmma, as the wide tile's does:
-# from 64 weight rows a program (a warpgroup's M). Narrower programs compile to mma.sync (HMMA.16816), which
-# sums a k-step's products otherwise: a 32-row config's prefill rows differed from its decode rows on an H100
-# (run 171, tests/test_q8_0.py's 9B shapes at (32, 256, 4, 4, 4); bench/sm90_compile.py checks the SASS)
+# From 64 weight rows a program (a warpgroup's M) the 16-row tiles' dot (the weights as its M) compiles to a
+# wgmma, as the wide tile's of 64-128 weight rows does. Narrower programs compile to mma.sync (HMMA.16816), which
+# sums a k-step's products otherwise: a 32-row config's prefill rows differed from its decode rows in a wgmma
+# wide tile on an H100 (run 171, tests/test_q8_0.py's 9B shapes at (32, 256, 4, 4, 4); bench/sm90_compile.py
+# checks the SASS). Their wide tiles keep the narrow BLOCK_N and warps (an mma.sync again: run 173 checked
+# plain, residual and SwiGLU calls bit for bit on an H100); Q8_0's keep 16-row tiles.
 WGMMA_ROWS = 64
 WIDE_SMEM = 200 * 1024  # shared memory a wide tile's stages may take (an SM has 227 KiB on Hopper)
 NUM_SMS = 132  # H200; only sets how many programs a launch aims for
@@ -88,16 +90,21 @@ def wide_tile(
     in the program in split order; tests/test_kernels.py and tests/test_q8_0.py, the wide-tile tests).
     norm_out: the next norm's sums of squares are partials per the 16-row tiles' BLOCK_N columns, so
     BLOCK_N is the shape's or twice it where N allows (skinny_linear then stores two sums a program,
-    one per half)."""
+    one per half). A 16-row config narrower than WGMMA_ROWS (an mma.sync) keeps its BLOCK_N and warps."""
     w_bytes = x_bytes if w_bytes is None else w_bytes
     narrow = pick_config(N, K, quant)
-    narrow_n, block_k, _, _, split, *_ = narrow
+    narrow_n, block_k, narrow_warps, _, split, *_ = narrow
     if narrow_n < WGMMA_ROWS:  # the 16-row tiles' dot is an mma.sync: a wide tile's wgmma would sum otherwise
-        return TILE_ROWS, narrow
-    choices = [(128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)]
-    if norm_out:
+        if quant:  # (Q8_0's narrow wide tiles were not checked on a GPU)
+            return TILE_ROWS, narrow
+        # a wide tile of the same BLOCK_N and warps: the weight rows stay the dot's M, block_m x rows its
+        # N, an mma.sync too (each output's k-steps the same HMMA sequence; GPU tests in test_kernels.py)
+        choices = [(block_m, narrow_n, narrow_warps) for block_m in (128, 64)]
+    elif norm_out:
         widths = ([2 * narrow_n] if 2 * narrow_n <= 128 and N % (2 * narrow_n) == 0 else []) + [narrow_n]
         choices = [(block_m, n, 8 if n >= 128 and block_m == 128 else 4) for n in widths for block_m in (128, 64)]
+    else:
+        choices = [(128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)]
     for block_m, block_n, warps in choices:
         stages = min(3, WIDE_SMEM // (((2 if dual else 1) * block_n * w_bytes + block_m * x_bytes) * block_k))
         if stages >= 2:
