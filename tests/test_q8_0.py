@@ -233,6 +233,28 @@ def test_q8_0_wide_tiles_keep_each_rows_bits_9b_shapes_gpu(N, K, monkeypatch):
     _wide_rows_alone(N, K, N + K, (0, 17, 130, 259), monkeypatch)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("config", [(16, 256, 4, 3, 1), (32, 256, 4, 4, 4)])
+@pytest.mark.parametrize("N,K", [(1024, 2048), (2048, 4096)])
+def test_q8_0_narrow_wide_tiles_keep_the_bits_gpu(N, K, config):
+    """Compiled, Q8_0 weights at 16- and 32-row configs (mma.sync on Hopper; the 35B-A3B's untabled
+    dense shapes take such defaults): wide tiles of the same BLOCK_N and warps (block_m x rows as the
+    dot's N) give the 16-row tiles' bits in each fusion. wide_tile keeps Q8_0's narrow configs in
+    16-row tiles until this passes on a GPU."""
+    from nextn.ops.linear_configs import WIDE_SMEM
+    from nextn.ops.triton_linear import skinny_linear
+
+    x, w8, w28, res = _q8_case(300, N, K, torch.bfloat16, seed=N + K)
+    for name, (kw, _) in _q8_variants(x, w8, w28, res).items():
+        narrow = skinny_linear(x, w8, config=config, **kw)
+        dual = "up_weight" in kw
+        for block_m in (64, 128):
+            stages = min(3, WIDE_SMEM // (((2 if dual else 1) * config[0] + 2 * block_m) * config[1]))
+            wide = skinny_linear(x, w8, config=config[:3] + (stages,) + config[4:], block_m=block_m, **kw)
+            assert torch.equal(wide.view(torch.int16), narrow.view(torch.int16)), (name, block_m)
+
+
 def test_scores_dequantize_a_quantized_lm_head_a_slice_at_a_time(monkeypatch):
     """The reference path's logits over a Q8_0 lm_head (a GGUF file's) dequantize SCORE_ROWS rows at
     a time, not the whole head (the 9B's: ~6 GB of temporaries), and give the logits of the whole
