@@ -801,8 +801,8 @@ def test_skinny_linear_norm_sums_in_halves_of_a_block(block_m):
 def test_wide_tiles_only_where_the_16_row_tiles_are_wgmma(monkeypatch):
     """A shape whose 16-row config is narrower than WGMMA_ROWS (its dot an mma.sync on Hopper, which
     sums a k-step otherwise than a wide tile's wgmma: run 171) takes wide tiles of its own BLOCK_N and
-    warps (an mma.sync again) over bf16 weights, and stays in 16-row tiles over Q8_0's; from
-    WGMMA_ROWS both take wide tiles. Every wide tile keeps the shape's BLOCK_K and split."""
+    warps (an mma.sync again), over bf16 and Q8_0 weights; from WGMMA_ROWS, wide tiles of 64-128
+    weight rows (a wgmma). Every wide tile keeps the shape's BLOCK_K and split."""
     from nextn.ops import linear_configs as cfgs
 
     narrow_cfg, wgmma_cfg = (32, 256, 2, 4, 4), (cfgs.WGMMA_ROWS, 256, 4, 3, 4)
@@ -812,11 +812,11 @@ def test_wide_tiles_only_where_the_16_row_tiles_are_wgmma(monkeypatch):
         for quant, w_bytes in (("", 2), ("q8_0", 1)):
             for dual, norm_out in ((False, False), (True, False), (False, True)):
                 block_m, config = cfgs.wide_tile(4096, 4096, dual, 2, norm_out, quant=quant, w_bytes=w_bytes)
-                wide = narrow == wgmma_cfg or not quant
-                assert (block_m > cfgs.TILE_ROWS) == wide, (narrow, quant, dual, norm_out)
-                assert config[1::3] == (256, 4) if wide else config == narrow
-                if wide and narrow == narrow_cfg:  # the mma.sync's BLOCK_N and warps
+                assert block_m > cfgs.TILE_ROWS and config[1::3] == (256, 4), (narrow, quant, dual, norm_out)
+                if narrow == narrow_cfg:  # the mma.sync's BLOCK_N and warps
                     assert config[:3] == narrow[:3], (quant, dual, norm_out)
+                else:  # a wgmma's 64-128 weight rows
+                    assert config[0] >= cfgs.WGMMA_ROWS, (quant, dual, norm_out)
 
 
 @gpu

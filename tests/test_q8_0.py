@@ -235,13 +235,25 @@ def test_q8_0_wide_tiles_keep_each_rows_bits_9b_shapes_gpu(N, K, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("N,K", [(2048, 4096), (9216, 2048)])
+def test_q8_0_default_narrow_wide_tiles_keep_each_rows_bits_gpu(N, K, monkeypatch):
+    """The 35B-A3B's untabled dense shapes compiled at pick_config's 16 / 32-row defaults (what serve
+    runs them at, untuned): a prefill's rows in wide tiles of that BLOCK_N are the decode's."""
+    from nextn.ops.linear_configs import WGMMA_ROWS, pick_config
+
+    assert pick_config(N, K, "q8_0")[0] < WGMMA_ROWS
+    _wide_rows_alone(N, K, N + K, (0, 17, 130, 259), monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("config", [(16, 256, 4, 3, 1), (32, 256, 4, 4, 4)])
 @pytest.mark.parametrize("N,K", [(1024, 2048), (2048, 4096)])
 def test_q8_0_narrow_wide_tiles_keep_the_bits_gpu(N, K, config):
     """Compiled, Q8_0 weights at 16- and 32-row configs (mma.sync on Hopper; the 35B-A3B's untabled
     dense shapes take such defaults): wide tiles of the same BLOCK_N and warps (block_m x rows as the
-    dot's N) give the 16-row tiles' bits in each fusion. wide_tile keeps Q8_0's narrow configs in
-    16-row tiles until this passes on a GPU."""
+    dot's N) give the 16-row tiles' bits in each fusion (what wide_tile takes below WGMMA_ROWS;
+    passed on an H100, run 175)."""
     from nextn.ops.linear_configs import WIDE_SMEM
     from nextn.ops.triton_linear import skinny_linear
 

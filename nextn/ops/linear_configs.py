@@ -51,8 +51,8 @@ WIDE_ROWS = 256
 # wgmma, as the wide tile's of 64-128 weight rows does. Narrower programs compile to mma.sync (HMMA.16816), which
 # sums a k-step's products otherwise: a 32-row config's prefill rows differed from its decode rows in a wgmma
 # wide tile on an H100 (run 171, tests/test_q8_0.py's 9B shapes at (32, 256, 4, 4, 4); bench/sm90_compile.py
-# checks the SASS). Their wide tiles keep the narrow BLOCK_N and warps (an mma.sync again: run 173 checked
-# plain, residual and SwiGLU calls bit for bit on an H100); Q8_0's keep 16-row tiles.
+# checks the SASS). Their wide tiles keep the narrow BLOCK_N and warps (an mma.sync again: runs 173-175 checked
+# plain, residual and SwiGLU calls over bf16 and Q8_0 weights, and norm_out, bit for bit on an H100).
 WGMMA_ROWS = 64
 WIDE_SMEM = 200 * 1024  # shared memory a wide tile's stages may take (an SM has 227 KiB on Hopper)
 NUM_SMS = 132  # H200; only sets how many programs a launch aims for
@@ -95,8 +95,6 @@ def wide_tile(
     narrow = pick_config(N, K, quant)
     narrow_n, block_k, narrow_warps, _, split, *_ = narrow
     if narrow_n < WGMMA_ROWS:  # the 16-row tiles' dot is an mma.sync: a wide tile's wgmma would sum otherwise
-        if quant:  # (Q8_0's narrow wide tiles were not checked on a GPU)
-            return TILE_ROWS, narrow
         # a wide tile of the same BLOCK_N and warps: the weight rows stay the dot's M, block_m x rows its
         # N, an mma.sync too (each output's k-steps the same HMMA sequence; GPU tests in test_kernels.py)
         choices = [(block_m, narrow_n, narrow_warps) for block_m in (128, 64)]
