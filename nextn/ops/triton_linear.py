@@ -15,10 +15,10 @@ the tensor cores, and each row's products are summed in the same k order by the 
 bits do not change (checked on the GPU per shape and row count: bench/wide_tile_probe.py, bf16; a
 prompt row must be what a decode row of it would be). The same MMA: a 16-row config of 64 weight rows
 or more is a wgmma, as the wide tile's 64-128 are; a narrower one an mma.sync, which sums otherwise,
-so its wide tiles keep its BLOCK_N and warps (an mma.sync again): linear_configs.wide_tile. A residual GEMM that writes the next norm's
-input keeps its BLOCK_N there, since the norm's sums of squares are partials per BLOCK_N columns,
-and every such sum is added in index order (triton_norm.ordered_sum), not in a tree that follows
-the tile's layout.
+so its wide tiles keep its BLOCK_N and warps (an mma.sync again): linear_configs.wide_tile. A
+residual GEMM that writes the next norm's input keeps its BLOCK_N there, since the norm's sums of
+squares are partials per BLOCK_N columns, and every such sum is added in index order
+(triton_norm.ordered_sum), not in a tree that follows the tile's layout.
 
 Fused after the dot, so a decoder layer needs fewer launches:
 - epilogue `residual`: y = residual + x @ w.T (each rounded to x's dtype first, like `x + f(x)`);
