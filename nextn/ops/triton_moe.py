@@ -262,14 +262,20 @@ if HAVE_TRITON:
 
     @triton.jit
     def _down(w, mask, offs_k, act_ptr, rw_ptr, offs_n, s_ptr, s_stride, dtype: tl.constexpr, FP8: tl.constexpr,
-              GROUP: tl.constexpr):  # fmt: skip
+              GROUP: tl.constexpr, I: tl.constexpr):  # fmt: skip
         """(act @ W_down^T)[offs_n] * routing weight, each rounded to the model dtype (float32 values),
-        from the slot's weight tile (_down_tile): each BLOCK_K tile summed, then the tiles' sums in
-        order. FP8: the weight e4m3 with scales at s_ptr (row stride s_stride), dequantized as
-        `_dequant` does."""
+        from the slot's weight tile (_down_tile, over I columns): each BLOCK_K tile summed, then the
+        tiles' sums in order. FP8: the weight e4m3 (or int8) with scales at s_ptr (row stride
+        s_stride), dequantized as `_dequant` does: a scale loaded per GROUP columns, not per value."""
         if FP8:
-            s = tl.load(s_ptr + (offs_k // GROUP)[None, :, :] * s_stride + offs_n[:, None, None], mask=mask, other=0.0)
-            wf = scaled(w, s.to(tl.float32)).to(dtype).to(tl.float32)
+            n: tl.constexpr = w.shape[0]
+            chunks: tl.constexpr = w.shape[1]
+            groups: tl.constexpr = w.shape[2] // GROUP  # per BLOCK_K tile
+            offs_g = tl.arange(0, chunks)[:, None] * groups + tl.arange(0, groups)[None, :]
+            smask = (offs_n < s_stride)[:, None, None] & (offs_g < (I + GROUP - 1) // GROUP)[None, :, :]  # (H rows)
+            s = tl.load(s_ptr + offs_g[None, :, :] * s_stride + offs_n[:, None, None], mask=smask, other=0.0)
+            w4 = scaled(tl.reshape(w, (n, chunks, groups, GROUP)), s.to(tl.float32)[:, :, :, None])
+            wf = tl.reshape(w4, (n, chunks, groups * GROUP)).to(dtype).to(tl.float32)
         else:
             wf = w.to(tl.float32)
         a = tl.load(tl.broadcast_to(act_ptr + offs_k[None, :, :], mask.shape), mask=mask, other=0.0).to(tl.float32)
@@ -336,7 +342,7 @@ if HAVE_TRITON:
                 tl.extra.cuda.gdc_wait()
                 if RELEASE == 2:
                     tl.extra.cuda.gdc_launch_dependents()
-            y = _down(ws, mask_s, offs_s, act, rw_ptr + row, offs_n, shared_down_s_ptr, H, dtype, FP8_SHARED, GROUP)
+            y = _down(ws, mask_s, offs_s, act, rw_ptr + row, offs_n, shared_down_s_ptr, H, dtype, FP8_SHARED, GROUP, Is)
         else:
             e = tl.load(idx_ptr + t * TOP_K + slot).to(tl.int64)
             we, mask_e, offs_e = _down_tile(down_ptr + e * (H * I), offs_n, mask_n, I, CHUNKS, BLOCK_K)
@@ -345,7 +351,7 @@ if HAVE_TRITON:
                 if RELEASE == 2:
                     tl.extra.cuda.gdc_launch_dependents()
             y = _down(we, mask_e, offs_e, act, rw_ptr + row, offs_n, down_s_ptr + e * ((I + GROUP - 1) // GROUP * H),
-                      H, dtype, FP8_EXPERTS, GROUP)  # fmt: skip
+                      H, dtype, FP8_EXPERTS, GROUP, I)  # fmt: skip
         tl.store(y_ptr + row * H + offs_n, y.to(dtype), mask=mask_n)  # exact: y is rounded to dtype
         tl.debug_barrier()  # every thread's output is written before the counter moves
         count = count_ptr + t * tl.num_programs(1) + tl.program_id(1)
