@@ -12,6 +12,7 @@ defaults' bit for bit (configs with BLOCK < 2 * num_warps lay an e4m3 tile out d
 there FP8 weights would sum in another order; bf16, timed here, keeps its order).
 
   python bench/moe_step_sweep.py --out moe_step_sweep.json
+  python bench/moe_step_sweep.py --quantization q8_0 --out moe_step_sweep_q8_0.json   # experts in Q8_0 (or fp8)
   TRITON_INTERPRET=1 python bench/moe_step_sweep.py --check   # CPU: every config equals the defaults
 """
 
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's ne
 import torch  # noqa: E402
 
 from nextn.ops import triton_moe, triton_utils  # noqa: E402
+from nextn.ops.fp8 import QuantWeight, quantize  # noqa: E402
 from nextn.ops.linear_tune import graph_us  # noqa: E402
 from nextn.ops.norm import rms_norm  # noqa: E402
 from nextn.ops.triton_linear import skinny_linear  # noqa: E402
@@ -54,14 +56,30 @@ def variants(gate_up_configs, down_configs, router_blocks=()) -> dict:
     return out
 
 
-def layer(E, H, I, Is, dtype, device, gen):
+def layer(E, H, I, Is, dtype, device, gen, quantization=None):
     """A layer's MoE weights, each matrix scaled by its fan-in^-1/2 (the block's arguments after x,
-    norm, eps)."""
+    norm, eps); quantization "q8_0" / "fp8": the experts' and the shared expert's quantized (the
+    router's rows stay in dtype, as a quantized checkpoint keeps them)."""
+    from nextn.ops.q8_0 import q8_0_quantize
+
+    quant = {None: lambda t: t.to(dtype), "q8_0": q8_0_quantize, "fp8": quantize}[quantization]
 
     def w(*shape):
-        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * shape[-1] ** -0.5).to(dtype)
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * shape[-1] ** -0.5
 
-    return [w(E + 1, H), w(E, 2 * I, H), w(E, H, I), w(Is, H), w(Is, H), w(H, Is)]
+    gates = w(E + 1, H).to(dtype)
+    return [gates, *(quant(w(*shape)) for shape in ((E, 2 * I, H), (E, H, I), (Is, H), (Is, H), (H, Is)))]
+
+
+def gate_up_experts(w) -> int:
+    """The experts a [E, 2I, H] stack holds."""
+    return (w.weight if isinstance(w, QuantWeight) else w).shape[0]
+
+
+def nbytes(w) -> int:
+    """A weight's bytes (a quantized one's values and scales)."""
+    parts = (w.weight, w.scale) if isinstance(w, QuantWeight) else (w,)
+    return sum(p.numel() * p.element_size() for p in parts)
 
 
 def check() -> None:
@@ -91,9 +109,8 @@ def expert_bytes(ws, x, norm, top_k) -> int:
     gates, gate_up, down, shared_gate, shared_up, shared_down = ws
     logits = torch.nn.functional.linear(rms_norm(x, norm, EPS), gates[:-1]).float()
     routed = logits.topk(top_k, dim=-1).indices.unique().numel()
-    per_expert = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
-    shared = (shared_gate.numel() + shared_up.numel() + shared_down.numel()) * shared_gate.element_size()
-    return routed * per_expert + shared
+    per_expert = (nbytes(gate_up) + nbytes(down)) // gate_up_experts(gate_up)
+    return routed * per_expert + nbytes(shared_gate) + nbytes(shared_up) + nbytes(shared_down)
 
 
 def first_launches(xs, norms, layers) -> dict:
@@ -130,18 +147,25 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--layers", type=int, default=4, help="layers of weights the graph cycles over")
     ap.add_argument("--check", action="store_true", help="CPU: every config equals the defaults (tiny shapes)")
+    ap.add_argument("--quantization", choices=["q8_0", "fp8"], default=None, help="the experts' weights quantized")
     args = ap.parse_args()
     if args.check:
         return check()
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
-    layers = [layer(E, H, I, IS, torch.bfloat16, device, gen) for _ in range(args.layers)]
+    layers = [layer(E, H, I, IS, torch.bfloat16, device, gen, args.quantization) for _ in range(args.layers)]
     defaults = {
         "gate_up": triton_moe.GATE_UP_BLOCKS,
         "down": triton_moe.DOWN_BLOCKS,
         "router": triton_moe.ROUTER_BLOCKS,
     }
-    report = {"device": torch.cuda.get_device_name(), "defaults": defaults, "layers": args.layers, "rows": {}}
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "quantization": args.quantization,
+        "defaults": defaults,
+        "layers": args.layers,
+        "rows": {},
+    }
     for T in (1, 4):
         xs = [torch.randn(T, H, generator=gen, device=device).bfloat16() for _ in layers]
         norms = [torch.randn(H, generator=gen, device=device).bfloat16() for _ in layers]
