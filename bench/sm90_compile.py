@@ -4,10 +4,11 @@
 A kernel whose tiles and pipeline stages need more shared memory than an H200 block may have
 (232448 bytes) compiles anywhere but fails on the GPU at its first launch ("OutOfResources: shared
 memory"). This script catches that without a GPU: it compiles `triton_gdn_chunk`'s and
-`triton_moe_grouped`'s kernels with Triton's nvidia backend (the ptxas bundled with triton) at the
-real model shapes (Qwen3.5-9B's GDN heads, Qwen3.5-35B-A3B's experts), with the constexprs and
-launch options their wrappers use (imported from the kernel modules), and with the argument
-specialisations (16-divisible ints and pointers) a launch at those shapes gets. It prints one line
+`triton_moe_grouped`'s kernels (and the decode MoE block's quantized down kernel) with Triton's
+nvidia backend (the ptxas bundled with triton) at the real model shapes (Qwen3.5-9B's GDN heads,
+Qwen3.5-35B-A3B's experts), with the constexprs and launch options their wrappers use (imported
+from the kernel modules), and with the argument specialisations (16-divisible ints and pointers) a
+launch at those shapes gets. It prints one line
 per kernel and exits 1 if one fails to compile or does not fit. The FP8 skinny GEMM's chained dots
 (nextn.ops.triton_linear) compile to wgmma with the weights as the dot's M and to mma.sync x-major
 (config way 2); a build that lost either way fails here too.
@@ -33,6 +34,7 @@ from nextn.ops import linear_configs as cfgs  # noqa: E402
 from nextn.ops import triton_gdn as gdn_step  # noqa: E402
 from nextn.ops import triton_gdn_chunk as gdn  # noqa: E402
 from nextn.ops import triton_linear as linear  # noqa: E402
+from nextn.ops import triton_moe as moe_step  # noqa: E402
 from nextn.ops import triton_moe_grouped as moe  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -247,6 +249,27 @@ def moe_cases(N=517, H=2048, I=512, top_k=8):
     ]
 
 
+def moe_step_cases(H=2048, I=512, top_k=8):
+    """The decode MoE block's down kernel (`triton_moe.moe_step`, a program per row, slot and block of H)
+    over Q8_0 experts (int8, fp16 scales a 32-column group) and FP8's (e4m3, float32 scales a 128-column
+    block), Qwen3.5-35B-A3B's shapes: its scales loaded a group at a time."""
+    block_h, warps = moe_step.DOWN_BLOCKS
+    chunks = triton.next_power_of_2(-(-I // moe_step.BLOCK_K))
+    cases = []
+    for name, w, s, group in (("q8_0", "*i8", "*fp16", 32), ("fp8", "*fp8e4nv", "*fp32", 128)):
+        args = dict(
+            act_ptr="*bf16", idx_ptr="*i32", rw_ptr="*bf16", down_ptr=w, shared_down_ptr=w, down_s_ptr=s,
+            shared_down_s_ptr=s, res_ptr="*bf16", y_ptr="*bf16", count_ptr="*i32", out_ptr="*bf16",
+            nw_ptr="*bf16", xn_ptr="*bf16", ss_ptr="*fp32", stride_act=I,
+        )  # fmt: skip
+        constexprs = dict(
+            H=H, I=I, Is=I, TOP_K=top_k, BLOCK_N=block_h, BLOCK_K=moe_step.BLOCK_K, CHUNKS=chunks, CHUNKS_S=chunks,
+            RESIDUAL=True, FP8_EXPERTS=True, FP8_SHARED=True, GROUP=group, PDL=True, RELEASE=2, NORM_OUT=True,
+        )  # fmt: skip
+        cases.append((f"moe_step_down_{name}", moe_step._down_combine_kernel, args, constexprs, dict(num_warps=warps)))
+    return cases
+
+
 def specialise(fn: JITFunction, args: dict, constexprs: dict) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) for an ASTSource, from the kernel's own parameter list: each
     runtime argument's type and specialisation as the JIT derives them from the values of a launch
@@ -282,7 +305,9 @@ def specialise(fn: JITFunction, args: dict, constexprs: dict) -> tuple[dict, dic
 
 def main() -> int:
     failures = []
-    for name, fn, args, constexprs, options, *ptx in gdn_cases() + gdn_step_cases() + moe_cases() + skinny_fp8_cases():
+    for name, fn, args, constexprs, options, *ptx in (
+        gdn_cases() + gdn_step_cases() + moe_cases() + moe_step_cases() + skinny_fp8_cases()
+    ):
         opts = " ".join(f"{k}={v}" for k, v in options.items())
         if not isinstance(fn, JITFunction):
             print(
