@@ -71,11 +71,6 @@ def layer(E, H, I, Is, dtype, device, gen, quantization=None):
     return [gates, *(quant(w(*shape)) for shape in ((E, 2 * I, H), (E, H, I), (Is, H), (Is, H), (H, Is)))]
 
 
-def gate_up_experts(w) -> int:
-    """The experts a [E, 2I, H] stack holds."""
-    return (w.weight if isinstance(w, QuantWeight) else w).shape[0]
-
-
 def nbytes(w) -> int:
     """A weight's bytes (a quantized one's values and scales)."""
     parts = (w.weight, w.scale) if isinstance(w, QuantWeight) else (w,)
@@ -109,7 +104,7 @@ def expert_bytes(ws, x, norm, top_k) -> int:
     gates, gate_up, down, shared_gate, shared_up, shared_down = ws
     logits = torch.nn.functional.linear(rms_norm(x, norm, EPS), gates[:-1]).float()
     routed = logits.topk(top_k, dim=-1).indices.unique().numel()
-    per_expert = (nbytes(gate_up) + nbytes(down)) // gate_up_experts(gate_up)
+    per_expert = (nbytes(gate_up) + nbytes(down)) // gate_up.shape[0]  # (a QuantWeight's shape: its values')
     return routed * per_expert + nbytes(shared_gate) + nbytes(shared_up) + nbytes(shared_down)
 
 

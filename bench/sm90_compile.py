@@ -8,10 +8,10 @@ memory"). This script catches that without a GPU: it compiles `triton_gdn_chunk`
 nvidia backend (the ptxas bundled with triton) at the real model shapes (Qwen3.5-9B's GDN heads,
 Qwen3.5-35B-A3B's experts), with the constexprs and launch options their wrappers use (imported
 from the kernel modules), and with the argument specialisations (16-divisible ints and pointers) a
-launch at those shapes gets. It prints one line
-per kernel and exits 1 if one fails to compile or does not fit. The FP8 skinny GEMM's chained dots
-(nextn.ops.triton_linear) compile to wgmma with the weights as the dot's M and to mma.sync x-major
-(config way 2); a build that lost either way fails here too.
+launch at those shapes gets. It prints one line per kernel and exits 1 if one fails to compile or
+does not fit. The FP8 skinny GEMM's chained dots (nextn.ops.triton_linear) compile to wgmma with the
+weights as the dot's M and to mma.sync x-major (config way 2); a build that lost either way fails
+here too.
 
     python bench/sm90_compile.py      # TRITON_INTERPRET unset (or 0): interpreted kernels do not compile
 
@@ -150,7 +150,7 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
         ("skinny_fp8_xmajor", linear._skinny_kernel, args, dict(consts, XMAJOR=True), options, ("mma.sync", None)),
         ("skinny_q8_0", linear._skinny_kernel, q8_args, q8_consts, options, ("wgmma", "mma.sync")),
         # a 16-row tile narrower than WGMMA_ROWS compiles to mma.sync, which sums a k-step otherwise than
-        # the wide tiles' wgmma: wide_tile leaves such shapes in 16-row tiles (run 171)
+        # a wgmma (run 171): wide_tile gives such shapes wide tiles of the same BLOCK_N (mma.sync again)
         (
             "skinny_q8_0_narrow",
             linear._skinny_kernel,

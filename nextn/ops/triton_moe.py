@@ -266,16 +266,14 @@ if HAVE_TRITON:
         """(act @ W_down^T)[offs_n] * routing weight, each rounded to the model dtype (float32 values),
         from the slot's weight tile (_down_tile, over I columns): each BLOCK_K tile summed, then the
         tiles' sums in order. FP8: the weight e4m3 (or int8) with scales at s_ptr (row stride
-        s_stride), dequantized as `_dequant` does: a scale loaded per GROUP columns, not per value."""
-        if FP8:
+        s_stride), dequantized by `_dequant` (a scale loaded per GROUP columns, not per value)."""
+        if FP8:  # the tile's CHUNKS x BLOCK_K columns as one row of I (s_stride is H: the rows' bound)
             n: tl.constexpr = w.shape[0]
             chunks: tl.constexpr = w.shape[1]
-            groups: tl.constexpr = w.shape[2] // GROUP  # per BLOCK_K tile
-            offs_g = tl.arange(0, chunks)[:, None] * groups + tl.arange(0, groups)[None, :]
-            smask = (offs_n < s_stride)[:, None, None] & (offs_g < (I + GROUP - 1) // GROUP)[None, :, :]  # (H rows)
-            s = tl.load(s_ptr + offs_g[None, :, :] * s_stride + offs_n[:, None, None], mask=smask, other=0.0)
-            w4 = scaled(tl.reshape(w, (n, chunks, groups, GROUP)), s.to(tl.float32)[:, :, :, None])
-            wf = tl.reshape(w4, (n, chunks, groups * GROUP)).to(dtype).to(tl.float32)
+            cols: tl.constexpr = w.shape[1] * w.shape[2]
+            mask_n = offs_n < s_stride
+            wd = _dequant(tl.reshape(w, (n, cols)), s_ptr, s_stride, 0, offs_n, mask_n, I, cols, dtype, GROUP)
+            wf = tl.reshape(wd, (n, chunks, w.shape[2])).to(tl.float32)
         else:
             wf = w.to(tl.float32)
         a = tl.load(tl.broadcast_to(act_ptr + offs_k[None, :, :], mask.shape), mask=mask, other=0.0).to(tl.float32)
