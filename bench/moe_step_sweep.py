@@ -13,6 +13,7 @@ there FP8 weights would sum in another order; bf16, timed here, keeps its order)
 
   python bench/moe_step_sweep.py --out moe_step_sweep.json
   python bench/moe_step_sweep.py --quantization q8_0 --out moe_step_sweep_q8_0.json   # experts in Q8_0 (or fp8)
+  python bench/moe_step_sweep.py --preset qwen3-next-80b-a3b --quantization fp8   # another preset's block
   TRITON_INTERPRET=1 python bench/moe_step_sweep.py --check   # CPU: every config equals the defaults
 """
 
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's ne
 
 import torch  # noqa: E402
 
+from nextn.models.random_weights import preset_config  # noqa: E402
 from nextn.ops import triton_moe, triton_utils  # noqa: E402
 from nextn.ops.fp8 import QuantWeight, quantize  # noqa: E402
 from nextn.ops.linear_tune import graph_us  # noqa: E402
@@ -35,10 +37,10 @@ from nextn.ops.triton_linear import skinny_linear  # noqa: E402
 from nextn.ops.triton_moe import moe_step  # noqa: E402
 from nextn.ops.triton_norm import rms_norm as triton_rms_norm  # noqa: E402
 
-E, TOP_K, H, I, IS = 256, 8, 2048, 512, 512
+E, TOP_K, H, I, IS = 256, 8, 2048, 512, 512  # the block's sizes: qwen3.5-35b-a3b's, or --preset's
 EPS = 1e-6
 # (BLOCK, num_warps); the last three have BLOCK < 2 * num_warps, where FP8 tiles would sum in another order
-GATE_UP = [(16, 4), (8, 4), (4, 2), (2, 1), (1, 1), (4, 4), (8, 8)]
+GATE_UP = [(16, 4), (8, 4), (4, 2), (4, 1), (2, 1), (1, 1), (4, 4), (8, 8)]
 DOWN = [(16, 4), (32, 8), (8, 4), (4, 2), (4, 1), (2, 1), (1, 1), (4, 4), (8, 8)]
 ROUTER = [(2, 4), (4, 4), (1, 1), (2, 1), (4, 1), (2, 2)]  # (logits per program, num_warps) of the norm / router kernel
 
@@ -143,9 +145,19 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="layers of weights the graph cycles over")
     ap.add_argument("--check", action="store_true", help="CPU: every config equals the defaults (tiny shapes)")
     ap.add_argument("--quantization", choices=["q8_0", "fp8"], default=None, help="the experts' weights quantized")
+    ap.add_argument("--preset", default="qwen3.5-35b-a3b", help="the MoE preset whose block sizes to time")
     args = ap.parse_args()
     if args.check:
         return check()
+    global E, TOP_K, H, I, IS
+    cfg = preset_config(args.preset)
+    E, TOP_K, H, I, IS = (
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.shared_expert_intermediate_size,
+    )
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     layers = [layer(E, H, I, IS, torch.bfloat16, device, gen, args.quantization) for _ in range(args.layers)]
@@ -157,6 +169,8 @@ def main() -> None:
     report = {
         "device": torch.cuda.get_device_name(),
         "quantization": args.quantization,
+        "preset": args.preset,
+        "block": {"experts": E, "top_k": TOP_K, "hidden": H, "intermediate": I, "shared_intermediate": IS},
         "defaults": defaults,
         "layers": args.layers,
         "rows": {},
