@@ -20,7 +20,7 @@ from hf_fixtures import FIT_PROMPTS  # noqa: E402
 
 import nextn  # noqa: E402
 from nextn.ops.draft import DraftGate, greedy_draft_reference  # noqa: E402
-from nextn.ops.triton_draft import greedy_draft  # noqa: E402
+from nextn.ops.triton_draft import argmax_rows, greedy_draft  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -68,6 +68,20 @@ def test_greedy_draft_picks_torch_argmax(V, block_v, max_splits, dtype):
         untouched = torch.ones(10, dtype=torch.bool, device=DEVICE)
         untouched[cells] = False
         assert (ids[untouched] == -5).all()
+
+
+@pytest.mark.parametrize("V", [3, 5003, 70001])
+def test_argmax_rows_is_torch_argmax(V):
+    """A greedy round's pick (argmax_rows: the split kernel without a gate, each row's cell its own)
+    equals torch.argmax bitwise: ties within and across runs (the first wins), a constant row, a
+    row -inf but for its last columns, an all -inf row (index 0, as torch's)."""
+    logits = _tied_logits(5, V, torch.float32, seed=V)
+    logits[3, : V - 2] = float("-inf")
+    logits[4] = float("-inf")
+    out = torch.full((5,), -5, dtype=torch.long, device=DEVICE)
+    assert argmax_rows(logits, out) is out
+    assert torch.equal(out, torch.argmax(logits, dim=-1))
+    assert torch.equal(argmax_rows(logits[1:3]), torch.argmax(logits[1:3], dim=-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -265,3 +265,35 @@ def test_greedy_accept_kernel_is_its_reference_bitwise(heads):
     n = fast["out"][slots, 0].tolist()
     assert 0 in n and max(n) >= 2 and not torch.equal(ref["ctl"], base["ctl"].to(DEVICE))  # cases that test something
     assert torch.equal(fast["verify_ids"][[1, 3]], base["verify_ids"][[1, 3]].to(DEVICE))
+
+
+def test_keep_verify_rows_is_the_index_copy_pairs():
+    """A round's verify rows kept in the slots in one launch (triton_sample.keep_verify_rows) as
+    device_round's reference does it: each member's slot rows to prev_logits / prev_hidden, then its
+    rows 0..k the verify's packed rows; other slots, and a member's rows past k, untouched. V and H
+    not multiples of the block (several blocks of V a row), bf16 hiddens."""
+    g = torch.Generator().manual_seed(3)
+    S, R, V, H = 5, 4, 700, 96
+    slots, ks = [3, 0, 4], [1, 3, 0]
+    offsets = [0, 2, 6, 7]
+    base = {
+        "logits": torch.randn(S, R, V, generator=g),
+        "prev_logits": torch.randn(S, R, V, generator=g),
+        "hidden": torch.randn(S, R, H, generator=g).bfloat16(),
+        "prev_hidden": torch.randn(S, R, H, generator=g).bfloat16(),
+    }
+    logits, hidden = torch.randn(offsets[-1], V, generator=g), torch.randn(offsets[-1], H, generator=g).bfloat16()
+    fast, ref = ({k: v.clone().to(DEVICE) for k, v in base.items()} for _ in range(2))
+    ix = lambda v: torch.tensor(v, dtype=torch.long, device=DEVICE)  # noqa: E731
+    flat = ix([slot * R + i for slot, k in zip(slots, ks, strict=True) for i in range(k + 1)])
+    for name, new in (("logits", logits), ("hidden", hidden)):
+        ref[f"prev_{name}"].index_copy_(0, ix(slots), ref[name].index_select(0, ix(slots)))
+        ref[name].flatten(0, 1).index_copy_(0, flat, new.to(DEVICE))
+    triton_sample.keep_verify_rows(
+        fast, logits.to(DEVICE), hidden.to(DEVICE), ix(slots), ix(offsets[:-1]), ix(ks), block=256
+    )
+    for name in base:
+        assert torch.equal(fast[name], ref[name]), name
+    assert torch.equal(fast["logits"][0, 3], logits[5].to(DEVICE))  # a member's last row, k = 3
+    assert torch.equal(fast["logits"][3, 2:], base["logits"][3, 2:].to(DEVICE))  # past k: untouched
+    assert torch.equal(fast["prev_logits"][1], base["prev_logits"][1].to(DEVICE))  # not a member's slot

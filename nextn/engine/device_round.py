@@ -120,16 +120,21 @@ def device_round(runner, proposer, members: list[Member], clock=None) -> None:
     num_drafts = runner.index([m.k for m in members])  # [B] the drafts that count
     if counted is not None:  # a confidence gate cut some
         num_drafts = num_drafts.index_copy(0, runner.index(drafting), counted)
-    for name in ("logits", "hidden"):  # what a request ending in the last round reads
-        tensors[f"prev_{name}"].index_copy_(0, slots, tensors[name].index_select(0, slots))
+    fused = runner.config.kernels == "triton"  # the slots' verify rows kept in one launch (`_keep_rows`)
+    if not fused:
+        for name in ("logits", "hidden"):  # what a request ending in the last round reads
+            tensors[f"prev_{name}"].index_copy_(0, slots, tensors[name].index_select(0, slots))
     _mark(clock, 1)
     # one trunk step over every member's rows, out of and into the slots' buffers
     flat = batch.flat_rows(members[0].buf.verify_ids.shape[0])
     hidden = runner.step_hidden[: batch.num_rows]
     live = None if counted is None else (num_drafts + 1).to(torch.int32)  # a gate cut: the rows that count
     runner.step.trunk(batch, tensors["verify_ids"].view(-1).index_select(0, flat), logits, hidden, live=live)
-    tensors["logits"].flatten(0, 1).index_copy_(0, flat, logits)
-    tensors["hidden"].flatten(0, 1).index_copy_(0, flat, hidden)
+    if fused:
+        _keep_rows(runner, batch, members, tensors, logits, hidden)
+    else:
+        tensors["logits"].flatten(0, 1).index_copy_(0, flat, logits)
+        tensors["hidden"].flatten(0, 1).index_copy_(0, flat, hidden)
     _mark(clock, 2)
     # greedy members without penalties: verified and committed together
     plain = [b for b, m in enumerate(members) if _plain_greedy(m)]
@@ -143,6 +148,17 @@ def device_round(runner, proposer, members: list[Member], clock=None) -> None:
             0, slots, torch.where(runner.pads[:, None], befores, tensors["ctl"].index_select(0, slots))
         )
     _mark(clock, 3)
+
+
+def _keep_rows(runner, batch: StepBatch, members: list[Member], tensors: dict, logits, hidden) -> None:
+    """The slots' logits / hidden to prev_logits / prev_hidden (what a request ending in the round
+    before reads), then the verify's rows into them, in one launch: the reference's index_copy_
+    pairs above (the first before the drafts, which read only the slots' hidden, not prev_hidden)."""
+    from nextn.sample import triton_sample
+
+    starts = runner.index(list(batch.offsets[: len(members)]))
+    ks = runner.index([m.k for m in members])
+    triton_sample.keep_verify_rows(tensors, logits, hidden, batch.slot_index, starts, ks)
 
 
 def _mark(clock, i: int) -> None:
@@ -181,7 +197,9 @@ def _accept_greedy(runner, verified: _Verified, members: list[Member], index: li
         starts = runner.index([batch.offsets[b] for b in index])
         table = commit_table(cache.cols, True, True, logits.device)
         members = triton_sample.GreedyGroup(starts, slots, ks, counts, runner.index(index))
-        triton_sample.accept_greedy(logits.argmax(-1), members, befores, tensors, table, heads)
+        from nextn.ops.triton_draft import argmax_rows
+
+        triton_sample.accept_greedy(argmax_rows(logits), members, befores, tensors, table, heads)
         return
     rows = runner.index([batch.offsets[b] + i for b, m in zip(index, group, strict=True) for i in range(m.k + 1)])
     cells = runner.index([g * R + i for g, m in enumerate(group) for i in range(m.k + 1)])

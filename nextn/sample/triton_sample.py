@@ -184,6 +184,46 @@ if HAVE_TRITON:
         tl.store(out + 2 + offs, out_ids, mask=offs < R)
         tl.store(out + 2 + R + f, old, mask=fm)
 
+    @triton.jit
+    def _keep_rows_kernel(
+        logits_ptr,  # [S, R, V] float32: the slots' last verify logits
+        prev_logits_ptr,  # [S, R, V]
+        new_logits_ptr,  # [rows, V]: this verify's packed rows
+        hidden_ptr,  # [S, R, H] the model dtype
+        prev_hidden_ptr,
+        new_hidden_ptr,  # [rows, H]
+        slots_ptr,  # [B] the members' slots
+        starts_ptr,  # [B] long: each member's first packed row
+        ks_ptr,  # [B] long: its drafts (rows 0..k are its verify's)
+        V,
+        H,
+        R: tl.constexpr,
+        V_BLOCKS: tl.constexpr,  # programs over a row's V columns (the rest over its H)
+        BLOCK: tl.constexpr,
+    ):
+        """Program (b * R + i, c): slot row i of member b, one BLOCK of its logits (c < V_BLOCKS) or of its
+        hidden: prev <- the slot's row, then the row <- the member's packed row i if i <= k."""
+        b = tl.program_id(0) // R
+        i = tl.program_id(0) % R
+        c = tl.program_id(1)
+        slot_row = tl.load(slots_ptr + b).to(tl.int64) * R + i
+        new_row = tl.load(starts_ptr + b) + i
+        take = i <= tl.load(ks_ptr + b)
+        if c < V_BLOCKS:
+            offs = c * BLOCK + tl.arange(0, BLOCK)
+            _keep_row(logits_ptr + slot_row * V, prev_logits_ptr + slot_row * V, new_logits_ptr + new_row * V, offs,
+                      offs < V, take)  # fmt: skip
+        else:
+            offs = (c - V_BLOCKS) * BLOCK + tl.arange(0, BLOCK)
+            _keep_row(hidden_ptr + slot_row * H, prev_hidden_ptr + slot_row * H, new_hidden_ptr + new_row * H, offs,
+                      offs < H, take)  # fmt: skip
+
+    @triton.jit
+    def _keep_row(cur_ptr, prev_ptr, new_ptr, offs, mask, take):
+        tl.store(prev_ptr + offs, tl.load(cur_ptr + offs, mask=mask), mask=mask)
+        if take:
+            tl.store(cur_ptr + offs, tl.load(new_ptr + offs, mask=mask), mask=mask)
+
 
 def _launch(V: int) -> dict:
     if V > MAX_V:
@@ -281,3 +321,33 @@ def accept_greedy(
         HEADS=heads,
         num_warps=1,
     )
+
+
+def keep_verify_rows(
+    tensors: dict,  # the slots' round buffers: logits, prev_logits [S, R, V]; hidden, prev_hidden [S, R, H]
+    logits: torch.Tensor,  # [rows, V] float32: the verify's packed rows
+    hidden: torch.Tensor,  # [rows, H]
+    slots: torch.Tensor,  # [B]: the members' slots
+    starts: torch.Tensor,  # [B] long: each member's first packed row
+    ks: torch.Tensor,  # [B] long: its drafts
+    block: int = 4096,
+) -> None:
+    """A round's verify rows into its members' slots in one launch: each slot's logits and hidden move
+    to prev_logits / prev_hidden (what a request ending in the round before reads), then its rows
+    0..k take the verify's. Reference: the index_copy_ pairs of nextn.engine.device_round."""
+    cur_l, prev_l, cur_h, prev_h = (tensors[n] for n in ("logits", "prev_logits", "hidden", "prev_hidden"))
+    S, R, V = cur_l.shape
+    H = cur_h.shape[2]
+    if not all(t.is_contiguous() for t in (cur_l, prev_l, cur_h, prev_h, logits, hidden)):
+        raise ValueError("keep_verify_rows: the buffers must be contiguous")
+    if logits.shape[1] != V or hidden.shape[1] != H or logits.dtype != cur_l.dtype or hidden.dtype != cur_h.dtype:
+        raise ValueError(
+            f"keep_verify_rows: rows {tuple(logits.shape)} / {tuple(hidden.shape)} for slots of V={V}, H={H}"
+        )
+    block = min(block, next_pow2(max(V, H)))
+    v_blocks = triton.cdiv(V, block)
+    grid = (slots.numel() * R, v_blocks + triton.cdiv(H, block))
+    _keep_rows_kernel[grid](
+        cur_l, prev_l, logits, cur_h, prev_h, hidden, slots, starts, ks, V, H, R=R, V_BLOCKS=v_blocks, BLOCK=block,
+        num_warps=4,
+    )  # fmt: skip
