@@ -297,3 +297,35 @@ def test_keep_verify_rows_is_the_index_copy_pairs():
     assert torch.equal(fast["logits"][0, 3], logits[5].to(DEVICE))  # a member's last row, k = 3
     assert torch.equal(fast["logits"][3, 2:], base["logits"][3, 2:].to(DEVICE))  # past k: untouched
     assert torch.equal(fast["prev_logits"][1], base["prev_logits"][1].to(DEVICE))  # not a member's slot
+
+
+def test_greedy_accept_kernel_restores_the_pads_counters():
+    """With every member in the group, the fused accept also restores the pad members' counters
+    (device_round's where / index_copy_ after the accepts): the pads' ctl rows are their befores,
+    the others' are committed as without pads."""
+
+    g = torch.Generator().manual_seed(11)
+    S, R, V = 5, 4, 30
+    slots, ks = [2, 0, 4, 1], [3, 3, 0, 2]
+    offsets = [0, 4, 8, 9, 12]
+    pads = torch.tensor([False, True, False, True], device=DEVICE)
+    logits = torch.randn(offsets[-1], V, generator=g).to(DEVICE)
+    base = {
+        "verify_ids": torch.randint(0, V, (S, R), generator=g),
+        "head_ids": torch.randint(0, V, (S, R), generator=g),
+        "ctl": torch.randint(0, 500, (S, NUM_CTL), generator=g, dtype=torch.int32),
+        "out": torch.randint(-5, 5, (S, 2 + R + NUM_CTL), generator=g),
+    }
+    befores = base["ctl"][slots].to(DEVICE)
+    ix = lambda v: torch.tensor(v, dtype=torch.long, device=DEVICE)  # noqa: E731
+    fast, ref = ({k: v.clone().to(DEVICE) for k, v in base.items()} for _ in range(2))
+    index = list(range(len(slots)))
+    group = GreedyGroup(ix(offsets[:-1]), ix(slots), ix(ks), ix(ks), ix(index))
+    table = commit_table(3, True, True, logits.device)
+    accept_greedy(logits.argmax(-1), group, befores, ref, table, True)
+    ref["ctl"].index_copy_(0, ix(slots), torch.where(pads[:, None], befores, ref["ctl"].index_select(0, ix(slots))))
+    accept_greedy(logits.argmax(-1), group, befores, fast, table, True, pads)
+    for name in base:
+        assert torch.equal(fast[name], ref[name]), name
+    assert torch.equal(fast["ctl"][[0, 1]], befores[[1, 3]])  # the pads' slots: as the round started
+    assert not torch.equal(fast["ctl"][[2, 4]], befores[[0, 2]])  # the others committed

@@ -145,11 +145,13 @@ if HAVE_TRITON:
         b_ptr,
         kk_ptr,
         c_ptr,
+        pads_ptr,  # HAS_PADS: [B] bool, by row of befores: a pad member's counters stay as they were
         R: tl.constexpr,
         NUM_CTL: tl.constexpr,
         NUM_CTL_BLOCK: tl.constexpr,  # next_pow2(NUM_CTL)
         BLOCK_R: tl.constexpr,
         HEADS: tl.constexpr,
+        HAS_PADS: tl.constexpr,
     ):
         g = tl.program_id(0)
         slot = tl.load(slot_ptr + g)
@@ -167,7 +169,8 @@ if HAVE_TRITON:
             tl.store(head_ptr + slot * R + offs, tl.maximum(out_ids, 0), mask=offs <= k)
         f = tl.arange(0, NUM_CTL_BLOCK)
         fm = f < NUM_CTL
-        before = befores_ptr + tl.load(index_ptr + g) * NUM_CTL
+        b = tl.load(index_ptr + g)
+        before = befores_ptr + b * NUM_CTL
         old = tl.load(before + f, mask=fm).to(tl.int64)
         new = (
             tl.load(before + tl.load(a_idx_ptr + f, mask=fm, other=0), mask=fm).to(tl.int64)
@@ -177,6 +180,8 @@ if HAVE_TRITON:
             + (n + 1) * tl.load(kk_ptr + f, mask=fm)
             + tl.load(c_ptr + f, mask=fm)
         )
+        if HAS_PADS:
+            new = tl.where(tl.load(pads_ptr + b) != 0, old, new)
         tl.store(ctl_ptr + slot * NUM_CTL + f, new.to(tl.int32), mask=fm)
         out = out_ptr + slot * (2 + R + NUM_CTL)
         tl.store(out, n)
@@ -299,8 +304,10 @@ def accept_greedy(
     tensors: dict,  # the slots' round buffers: verify_ids, head_ids, ctl, out
     table: tuple[torch.Tensor, ...],  # nextn.cache.hybrid.commit_table's (a_idx, a, b_idx, b, k, c)
     heads: bool,  # write head_ids (a round with drafts)
+    pads: torch.Tensor | None = None,  # [B] bool by row of befores: pad members, whose counters stay
 ) -> None:
-    """The greedy accept and commit of G members in one launch (nextn.engine.device_round._accept_greedy)."""
+    """The greedy accept and commit of G members in one launch (nextn.engine.device_round._accept_greedy;
+    with pads, also its restore of the pad members' counters)."""
     ids, ctl = tensors["verify_ids"], tensors["ctl"]
     R, num_ctl = ids.shape[1], ctl.shape[1]
     if not all(t.is_contiguous() for t in (target, befores, ids, tensors["head_ids"], ctl, tensors["out"], *table)):
@@ -314,11 +321,13 @@ def accept_greedy(
         ctl,
         tensors["out"],
         *table,
+        pads if pads is not None else befores,
         R=R,
         NUM_CTL=num_ctl,
         NUM_CTL_BLOCK=next_pow2(num_ctl),
         BLOCK_R=max(2, next_pow2(R)),
         HEADS=heads,
+        HAS_PADS=pads is not None,
         num_warps=1,
     )
 
