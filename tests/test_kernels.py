@@ -1200,6 +1200,39 @@ def test_moe_norm_router_kernel_matches_reference_and_rows_are_invariant():
             assert torch.equal(a[0], b[t]), t
 
 
+@pytest.mark.parametrize("E,k", [(16, 4), (40, 10)])
+def test_moe_routing_breaks_ties_by_the_lowest_id(E, k):
+    """The routing's rule at ties (the reference router's torch.topk leaves their order open): the
+    k largest probabilities, a tie at the boundary and above it going to the lowest ids. Router rows
+    that are multiples of the row's own normalised input give logits equal wherever the multiples
+    are (the same row computed the same way), on a coarse grid with many repeats."""
+    from nextn.ops import triton_moe
+
+    dtype, H = torch.bfloat16, 64
+    g = torch.Generator(device=DEVICE).manual_seed(E)
+    x = _rand(1, H, dtype=dtype, gen=g)
+    norm = torch.zeros(H, device=DEVICE, dtype=dtype)
+    h = reference_rms_norm(x, norm, EPS)[0]
+    grid = torch.tensor([3, 1, 2, 3, 0, 2, 3, 1, 2, 0, 3, 2, 1, 3, 2, 2], device=DEVICE)  # repeats of 4 levels
+    scale = grid.repeat(-(-E // grid.numel()))[:E].to(dtype) / 4
+    gates = torch.cat([scale[:, None] * h[None], h[None]]).to(dtype)
+    stride = -(-(E + 1) // 16) * 16
+    out_h, logits = torch.empty_like(x), torch.empty(1, stride, device=DEVICE, dtype=dtype)
+    idx, rw = torch.empty(1, k, device=DEVICE, dtype=torch.int32), torch.empty(1, k + 1, device=DEVICE, dtype=dtype)
+    per_program, warps = triton_moe.ROUTER_BLOCKS
+    triton_moe._norm_router_kernel[(1, -(-(E + 1) // per_program))](
+        x, norm, gates, out_h, logits, triton_utils.arrival_counters(x.device, 1), idx, rw, EPS, H=H, E=E,
+        LOGIT_STRIDE=stride, TOP_K=k, RENORM=True, BLOCK_R=per_program, BLOCK_H=H,
+        BLOCK_E=triton.next_power_of_2(E), WARPS=warps, PDL=False, RELEASE=0, num_warps=warps,
+    )  # fmt: skip
+    values = logits[0, :E].float()
+    levels = values.unique()
+    assert levels.numel() == 4  # four levels, each logit repeated (the same products, the same sums)
+    ranked = sorted(range(E), key=lambda e: (-values[e].item(), e))  # largest first, then the lowest id
+    assert values[ranked[k - 1]] == values[ranked[k]]  # a tie at the boundary: the rule decides
+    assert idx[0].tolist() == sorted(ranked[:k])
+
+
 @gpu
 def test_moe_step_35b_shapes_gpu():
     block = _moe_block(E=256, k=8, H=2048, I=512, Is=512, dtype=torch.bfloat16, seed=1)

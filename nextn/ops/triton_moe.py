@@ -85,13 +85,13 @@ if HAVE_TRITON:
         x = tl.load(logits_ptr + offs, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         p = p / tl.sum(p, axis=1)[:, None]
-        p = tl.where(valid, p, -1.0)
-        chosen = tl.zeros((WARPS, BLOCK_E), tl.int32)
-        remaining = p
-        for _ in tl.static_range(TOP_K):  # k times: the largest left (ties: the lowest id)
-            first = tl.argmax(remaining, axis=1, tie_break_left=True)[:, None]
-            chosen = tl.where(offs == first, 1, chosen)
-            remaining = tl.where(offs == first, -2.0, remaining)
+        # one int64 key a logit, unique: p's bits (p >= 0, so they order as p does) over the id's
+        # complement (a tie goes to the lowest id); the invalid ones' -1 below any
+        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 16) | (BLOCK_E - 1 - offs)
+        remaining = tl.where(valid, key, -1)
+        for _ in tl.static_range(TOP_K):  # k times: the largest left, taken out (-2)
+            remaining = tl.where(remaining == tl.max(remaining, axis=1)[:, None], -2, remaining)
+        chosen = (remaining == -2).to(tl.int32)
         weight = p
         if RENORM:
             weight = p / tl.sum(tl.where(chosen == 1, p, 0.0), axis=1)[:, None]
