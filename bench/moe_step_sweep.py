@@ -48,7 +48,11 @@ ROUTER = [(2, 4), (4, 4), (1, 1), (2, 1), (4, 1), (2, 2)]  # (logits per program
 def variants(gate_up_configs, down_configs, router_blocks=()) -> dict:
     """name -> moe_step-like callable: the defaults, each gate/up config (the default down config),
     each down config (the default gate/up config) and each norm / router kernel size."""
-    out = {"default": moe_step, "no pdl": lambda *a, **kw: moe_step(*a, pdl=False, **kw)}
+    out = {
+        "default": moe_step,
+        "no pdl": lambda *a, **kw: moe_step(*a, pdl=False, **kw),
+        "no asm round": lambda *a, **kw: moe_step(*a, asm_round=False, **kw),  # Triton's convert a value
+    }
     for cfg in router_blocks:
         out[f"router {cfg}"] = lambda *a, c=cfg, **kw: moe_step(*a, router_blocks=c, **kw)
     for cfg in gate_up_configs:

@@ -36,7 +36,7 @@ from nextn.ops.triton_attention import attend_step, qk_norm_rope  # noqa: E402
 from nextn.ops.triton_attention import prefill_attention as fused_prefill_attention  # noqa: E402
 from nextn.ops.triton_gdn import gdn_step  # noqa: E402
 from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule as triton_chunk_rule  # noqa: E402
-from nextn.ops.triton_linear import skinny_linear  # noqa: E402
+from nextn.ops.triton_linear import bf16_rounded, skinny_linear  # noqa: E402
 from nextn.ops.triton_moe_grouped import grouped_experts  # noqa: E402
 from nextn.ops.triton_norm import norm_input, rms_norm, rms_norm_rows  # noqa: E402
 
@@ -47,6 +47,12 @@ DEVICE = "cuda" if CUDA else "cpu"
 def gpu(fn):
     """Real-shape bf16 tests: marked `gpu` (select with -m gpu), skipped without CUDA."""
     return pytest.mark.gpu(pytest.mark.skipif(not CUDA, reason="needs a CUDA device")(fn))
+
+
+@triton.jit
+def _bf16_rounded_kernel(x_ptr, y_ptr, BLOCK: triton.language.constexpr):
+    offs = triton.language.program_id(0) * BLOCK + triton.language.arange(0, BLOCK)
+    triton.language.store(y_ptr + offs, bf16_rounded(triton.language.load(x_ptr + offs)))
 
 
 def _rand(*shape, dtype=torch.float32, scale=1.0, seed=None, gen=None):
@@ -1198,6 +1204,23 @@ def test_moe_norm_router_kernel_matches_reference_and_rows_are_invariant():
         one = run(x[t : t + 1])
         for a, b in zip(one, (h, logits, idx, rw), strict=True):
             assert torch.equal(a[0], b[t]), t
+
+
+@gpu
+def test_bf16_rounded_is_the_convert_bit_for_bit_gpu():
+    """triton_linear.bf16_rounded (a packed cvt.rn.bf16x2.f32 a pair) equals torch's float32 -> bf16 ->
+    float32 on every value: random magnitudes, exact ties at bf16's last bit (to even), subnormals,
+    signed zeros, the largest finite floats (to inf) and infinities."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 16,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = torch.where(x.isnan(), torch.zeros_like(x), x)
+    ties = (torch.randn(4096, generator=g).bfloat16().float().view(torch.int32) | 0x8000).view(torch.float32)
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3.4e38, -3.4e38, float("inf"), float("-inf")])
+    x = torch.cat([x, ties, special, torch.randn(4096 - special.numel(), generator=g)]).to(DEVICE)
+    y = torch.empty_like(x)
+    _bf16_rounded_kernel[(x.numel() // 1024,)](x, y, BLOCK=1024)
+    assert torch.equal(y.view(torch.int32), x.bfloat16().float().view(torch.int32))
 
 
 @pytest.mark.parametrize("E,k", [(16, 4), (40, 10)])

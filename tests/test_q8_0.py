@@ -386,6 +386,25 @@ def test_q8_0_moe_decode_block_computes_its_dequantized_weights(dtype, shape):
         run(x, gu8, dn8, *fp8_shared)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_moe_block_rounds_quantized_weights_by_the_packed_convert_bit_for_bit_gpu():
+    """bf16 on a GPU the decode block rounds its dequantized Q8_0 and FP8 weights by
+    `triton_linear.bf16_rounded` (a packed convert a pair): the same bits as Triton's convert a value
+    (moe_step(asm_round=False)), at the 35B-A3B's shapes, through both kernels."""
+    from nextn.ops.fp8 import quantize
+    from nextn.ops.triton_moe import moe_step
+
+    g = torch.Generator(device=DEVICE).manual_seed(8)
+    E, k, H, I, Is, T = 256, 8, 2048, 512, 512, 4
+    gates = (torch.randn(E + 1, H, generator=g, device=DEVICE) * H**-0.5).bfloat16()
+    x, norm = torch.randn(T, H, generator=g, device=DEVICE).bfloat16(), torch.zeros(H, device=DEVICE).bfloat16()
+    for quant in (lambda w: w[0], lambda w: quantize(w[1])):
+        ws = [quant(_q8_stack(g, *shape)) for shape in ((E, 2 * I, H), (E, H, I), (Is, H), (Is, H), (H, Is))]
+        out = moe_step(x, norm, 1e-6, gates, *ws, k, True)
+        assert torch.equal(out, moe_step(x, norm, 1e-6, gates, *ws, k, True, asm_round=False))
+
+
 @pytest.mark.parametrize("shape", MOE_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_q8_0_grouped_experts_compute_their_dequantized_weights(dtype, shape):

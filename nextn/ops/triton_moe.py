@@ -69,7 +69,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from nextn.ops.triton_linear import scaled
+    from nextn.ops.triton_linear import bf16_rounded, scaled
 
     @triton.jit
     def _route_row(logits_ptr, idx_ptr, rw_ptr, E: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
@@ -105,16 +105,19 @@ if HAVE_TRITON:
 
     @triton.jit
     def _dequant(w, s_ptr, s_stride, k0, offs_n, mask_n, K: tl.constexpr, BLOCK_K: tl.constexpr, dtype: tl.constexpr,
-                 GROUP: tl.constexpr):  # fmt: skip
+                 GROUP: tl.constexpr, ASM_ROUND: tl.constexpr):  # fmt: skip
         """A quantized tile w [BLOCK_N, BLOCK_K] at columns k0.. times its scales (nextn.ops.fp8's
         layout: s_ptr[kb * s_stride + n], a scale per GROUP columns), rounded to dtype: the
-        reference's `dequantize`, value for value."""
+        reference's `dequantize`, value for value (held in float32; ASM_ROUND: bf16 rounded by the
+        packed convert, `triton_linear.bf16_rounded`)."""
         n: tl.constexpr = w.shape[0]
         offs_b = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         smask = mask_n[:, None] & (offs_b[None, :] < (K + GROUP - 1) // GROUP)
         s = tl.load(s_ptr + offs_b[None, :] * s_stride + offs_n[:, None], mask=smask, other=0.0).to(tl.float32)
         w3 = scaled(tl.reshape(w, (n, BLOCK_K // GROUP, GROUP)), s[:, :, None])
-        return tl.reshape(w3, (n, BLOCK_K)).to(dtype)
+        if ASM_ROUND:
+            return bf16_rounded(tl.reshape(w3, (n, BLOCK_K)))
+        return tl.reshape(w3, (n, BLOCK_K)).to(dtype).to(tl.float32)
 
     @triton.jit
     def _row_tile(ptr, offs_k, mask):
@@ -181,7 +184,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _swiglu(x_ptr, wg_ptr, wu_ptr, act_ptr, offs_n, mask_n, H: tl.constexpr, BLOCK_K: tl.constexpr,
-                sg_ptr, su_ptr, s_stride, FP8: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+                sg_ptr, su_ptr, s_stride, FP8: tl.constexpr, GROUP: tl.constexpr, ASM_ROUND: tl.constexpr):  # fmt: skip
         """act[offs_n] = silu(x W_gate^T) * (x W_up^T), the products rounded like the reference's. FP8:
         the weights e4m3 with scales at sg_ptr / su_ptr (row stride s_stride), dequantized per tile.
         Each thread adds its columns' products over the tiles, and the row's sum is taken once, after
@@ -197,8 +200,8 @@ if HAVE_TRITON:
             wg = tl.load(wg_ptr + offs_n[:, None] * H + offs_k[None, :], mask=wmask, other=0.0)
             wu = tl.load(wu_ptr + offs_n[:, None] * H + offs_k[None, :], mask=wmask, other=0.0)
             if FP8:
-                wg = _dequant(wg, sg_ptr, s_stride, k0, offs_n, mask_n, H, BLOCK_K, dtype, GROUP)
-                wu = _dequant(wu, su_ptr, s_stride, k0, offs_n, mask_n, H, BLOCK_K, dtype, GROUP)
+                wg = _dequant(wg, sg_ptr, s_stride, k0, offs_n, mask_n, H, BLOCK_K, dtype, GROUP, ASM_ROUND)
+                wu = _dequant(wu, su_ptr, s_stride, k0, offs_n, mask_n, H, BLOCK_K, dtype, GROUP, ASM_ROUND)
             gate += wg.to(tl.float32) * x
             up += wu.to(tl.float32) * x
         g = tl.sum(gate, axis=1).to(dtype).to(tl.float32)
@@ -228,6 +231,7 @@ if HAVE_TRITON:
         GROUP: tl.constexpr,  # columns per scale: 128 (FP8) or 32 (Q8_0)
         PDL: tl.constexpr,  # a programmatic dependent launch (of the router)
         RELEASE: tl.constexpr,  # release the launch after it: 1 at the start, 2 once past the wait
+        ASM_ROUND: tl.constexpr = False,  # quantized weights rounded to bf16 by `bf16_rounded` (compiled, bf16)
     ):
         """act = silu(x W_gate^T) * (x W_up^T) of each slot's expert, a program per (row, slot, block
         of I); slot TOP_K is the shared expert. PDL: a program waits for the router to complete. The
@@ -245,13 +249,13 @@ if HAVE_TRITON:
         act = act_ptr + row * stride_act
         if slot == TOP_K:  # the shared expert
             _swiglu(x_ptr + t * H, shared_gate_ptr, shared_up_ptr, act, offs_n, offs_n < Is, H, BLOCK_K,
-                    shared_gate_s_ptr, shared_up_s_ptr, Is, FP8_SHARED, GROUP)  # fmt: skip
+                    shared_gate_s_ptr, shared_up_s_ptr, Is, FP8_SHARED, GROUP, ASM_ROUND)  # fmt: skip
         else:
             e = tl.load(idx_ptr + t * TOP_K + slot).to(tl.int64)
             base = gate_up_ptr + e * (2 * I * H)
             s_base = gate_up_s_ptr + e * ((H + GROUP - 1) // GROUP * 2 * I)
             _swiglu(x_ptr + t * H, base, base + I * H, act, offs_n, offs_n < I, H, BLOCK_K, s_base, s_base + I, 2 * I,
-                    FP8_EXPERTS, GROUP)  # fmt: skip
+                    FP8_EXPERTS, GROUP, ASM_ROUND)  # fmt: skip
 
     @triton.jit
     def _down_tile(w_ptr, offs_n, mask_n, I: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -264,7 +268,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _down(w, mask, offs_k, act_ptr, rw_ptr, offs_n, s_ptr, s_stride, dtype: tl.constexpr, FP8: tl.constexpr,
-              GROUP: tl.constexpr, I: tl.constexpr):  # fmt: skip
+              GROUP: tl.constexpr, I: tl.constexpr, ASM_ROUND: tl.constexpr):  # fmt: skip
         """(act @ W_down^T)[offs_n] * routing weight, each rounded to the model dtype (float32 values),
         from the slot's weight tile (_down_tile, over I columns): each BLOCK_K tile summed, then the
         tiles' sums in order. FP8: the weight e4m3 (or int8) with scales at s_ptr (row stride
@@ -274,8 +278,9 @@ if HAVE_TRITON:
             chunks: tl.constexpr = w.shape[1]
             cols: tl.constexpr = w.shape[1] * w.shape[2]
             mask_n = offs_n < s_stride
-            wd = _dequant(tl.reshape(w, (n, cols)), s_ptr, s_stride, 0, offs_n, mask_n, I, cols, dtype, GROUP)
-            wf = tl.reshape(wd, (n, chunks, w.shape[2])).to(tl.float32)
+            wd = _dequant(tl.reshape(w, (n, cols)), s_ptr, s_stride, 0, offs_n, mask_n, I, cols, dtype, GROUP,
+                          ASM_ROUND)  # fmt: skip
+            wf = tl.reshape(wd, (n, chunks, w.shape[2]))
         else:
             wf = w.to(tl.float32)
         a = tl.load(tl.broadcast_to(act_ptr + offs_k[None, :, :], mask.shape), mask=mask, other=0.0).to(tl.float32)
@@ -315,6 +320,7 @@ if HAVE_TRITON:
         PDL: tl.constexpr,
         NORM_OUT: tl.constexpr,  # also the next norm's input (nextn.ops.triton_norm.NormInput)
         RELEASE: tl.constexpr,  # release the launch after it: 1 at the start, 2 once past the wait
+        ASM_ROUND: tl.constexpr = False,  # quantized weights rounded to bf16 by `bf16_rounded` (compiled, bf16)
     ):
         """out = x + (the routed slots' outputs summed in slot order + the shared slot's); without
         RESIDUAL the sum alone (NORM_OUT: and the next norm's input, as the skinny GEMM's norm_out).
@@ -342,7 +348,8 @@ if HAVE_TRITON:
                 tl.extra.cuda.gdc_wait()
                 if RELEASE == 2:
                     tl.extra.cuda.gdc_launch_dependents()
-            y = _down(ws, mask_s, offs_s, act, rw_ptr + row, offs_n, shared_down_s_ptr, H, dtype, FP8_SHARED, GROUP, Is)
+            y = _down(ws, mask_s, offs_s, act, rw_ptr + row, offs_n, shared_down_s_ptr, H, dtype, FP8_SHARED, GROUP, Is,
+                      ASM_ROUND)  # fmt: skip
         else:
             e = tl.load(idx_ptr + t * TOP_K + slot).to(tl.int64)
             we, mask_e, offs_e = _down_tile(down_ptr + e * (H * I), offs_n, mask_n, I, CHUNKS, BLOCK_K)
@@ -351,7 +358,7 @@ if HAVE_TRITON:
                 if RELEASE == 2:
                     tl.extra.cuda.gdc_launch_dependents()
             y = _down(we, mask_e, offs_e, act, rw_ptr + row, offs_n, down_s_ptr + e * ((I + GROUP - 1) // GROUP * H),
-                      H, dtype, FP8_EXPERTS, GROUP, I)  # fmt: skip
+                      H, dtype, FP8_EXPERTS, GROUP, I, ASM_ROUND)  # fmt: skip
         tl.store(y_ptr + row * H + offs_n, y.to(dtype), mask=mask_n)  # exact: y is rounded to dtype
         tl.debug_barrier()  # every thread's output is written before the counter moves
         count = count_ptr + t * tl.num_programs(1) + tl.program_id(1)
@@ -397,6 +404,7 @@ def moe_step(
     gate_up_blocks: tuple[int, int] | None = None,  # default GATE_UP_BLOCKS; bench/moe_step_sweep.py compares others
     down_blocks: tuple[int, int] = DOWN_BLOCKS,
     norm_out: torch.Tensor | None = None,  # [H] with residual: also return the next norm's NormInput
+    asm_round: bool = True,  # bf16 on a GPU: quantized weights rounded by the packed convert (the same bits)
 ) -> torch.Tensor | tuple[torch.Tensor, NormInput]:
     """Returns x + SparseMoeBlock(rms_norm(x, norm, eps)) [T, H] (without x when not residual);
     norm_out (the next norm's weight): (that, the next norm's NormInput, as skinny_linear's). FP8
@@ -465,6 +473,7 @@ def moe_step(
         launch_pdl=pdl,
     )
     act = torch.empty(T, top_k + 1, max(I, Is), device=x.device, dtype=x.dtype)
+    asm_round = asm_round and x.dtype == torch.bfloat16 and x.is_cuda and not interpreting()
     if gate_up_blocks is None:
         gate_up_blocks = INTERPRETED_GATE_UP_BLOCKS if interpreting() else GATE_UP_BLOCKS
     (block_i, gate_up_warps), (block_h, down_warps) = gate_up_blocks, down_blocks
@@ -490,6 +499,7 @@ def moe_step(
         GROUP=group,
         PDL=dependent,
         RELEASE=release,
+        ASM_ROUND=asm_round,
         num_warps=gate_up_warps,
         launch_pdl=dependent,
     )
@@ -531,6 +541,7 @@ def moe_step(
         PDL=pdl,
         RELEASE=release,
         NORM_OUT=norm_out is not None,
+        ASM_ROUND=asm_round,
         num_warps=down_warps,
         launch_pdl=pdl,
     )
