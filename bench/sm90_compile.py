@@ -250,9 +250,10 @@ def moe_cases(N=517, H=2048, I=512, top_k=8):
 
 
 def moe_step_cases(H=2048, I=512, top_k=8):
-    """The decode MoE block's down kernel (`triton_moe.moe_step`, a program per row, slot and block of H)
-    over Q8_0 experts (int8, fp16 scales a 32-column group) and FP8's (e4m3, float32 scales a 128-column
-    block), Qwen3.5-35B-A3B's shapes: its scales loaded a group at a time."""
+    """The decode MoE block's down and gate/up kernels (`triton_moe.moe_step`, a program per row, slot
+    and block) over Q8_0 experts (int8, fp16 scales a 32-column group) and FP8's (e4m3, float32 scales a
+    128-column block), Qwen3.5-35B-A3B's shapes: scales loaded a group at a time, the dequantized
+    weights rounded by the packed convert (inline PTX: ptxas assembles it here)."""
     block_h, warps = moe_step.DOWN_BLOCKS
     chunks = triton.next_power_of_2(-(-I // moe_step.BLOCK_K))
     cases = []
@@ -265,8 +266,21 @@ def moe_step_cases(H=2048, I=512, top_k=8):
         constexprs = dict(
             H=H, I=I, Is=I, TOP_K=top_k, BLOCK_N=block_h, BLOCK_K=moe_step.BLOCK_K, CHUNKS=chunks, CHUNKS_S=chunks,
             RESIDUAL=True, FP8_EXPERTS=True, FP8_SHARED=True, GROUP=group, PDL=True, RELEASE=2, NORM_OUT=True,
+            ASM_ROUND=True,
         )  # fmt: skip
         cases.append((f"moe_step_down_{name}", moe_step._down_combine_kernel, args, constexprs, dict(num_warps=warps)))
+        args = dict(
+            x_ptr="*bf16", idx_ptr="*i32", gate_up_ptr=w, shared_gate_ptr=w, shared_up_ptr=w, gate_up_s_ptr=s,
+            shared_gate_s_ptr=s, shared_up_s_ptr=s, act_ptr="*bf16", stride_act=I,
+        )  # fmt: skip
+        block_i, gate_up_warps = moe_step.GATE_UP_BLOCKS
+        constexprs = dict(
+            H=H, I=I, Is=I, TOP_K=top_k, BLOCK_N=block_i, BLOCK_K=moe_step.BLOCK_K, FP8_EXPERTS=True, FP8_SHARED=True,
+            GROUP=group, PDL=True, RELEASE=2, ASM_ROUND=True,
+        )  # fmt: skip
+        cases.append(
+            (f"moe_step_gate_up_{name}", moe_step._gate_up_kernel, args, constexprs, dict(num_warps=gate_up_warps))
+        )
     return cases
 
 
