@@ -4,7 +4,8 @@
 A kernel whose tiles and pipeline stages need more shared memory than an H200 block may have
 (232448 bytes) compiles anywhere but fails on the GPU at its first launch ("OutOfResources: shared
 memory"). This script catches that without a GPU: it compiles `triton_gdn_chunk`'s and
-`triton_moe_grouped`'s kernels (and the decode MoE block's quantized down kernel) with Triton's
+`triton_moe_grouped`'s kernels (and the decode MoE block's quantized kernels and router, and a greedy
+round's own kernels: round_cases) with Triton's
 nvidia backend (the ptxas bundled with triton) at the real model shapes (Qwen3.5-9B's GDN heads,
 Qwen3.5-35B-A3B's experts), with the constexprs and launch options their wrappers use (imported
 from the kernel modules), and with the argument specialisations (16-divisible ints and pointers) a
@@ -31,11 +32,13 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from nextn.ops import linear_configs as cfgs  # noqa: E402
+from nextn.ops import triton_draft as draft  # noqa: E402
 from nextn.ops import triton_gdn as gdn_step  # noqa: E402
 from nextn.ops import triton_gdn_chunk as gdn  # noqa: E402
 from nextn.ops import triton_linear as linear  # noqa: E402
 from nextn.ops import triton_moe as moe_step  # noqa: E402
 from nextn.ops import triton_moe_grouped as moe  # noqa: E402
+from nextn.sample import triton_sample as sample  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 232448  # bytes of shared memory per block on an H200 (sm90, opt-in maximum)
@@ -284,6 +287,48 @@ def moe_step_cases(H=2048, I=512, top_k=8):
     return cases
 
 
+def round_cases(V=248320, H=4096, R=4, E=512, top_k=10):
+    """A greedy round's own kernels at the 9B's vocabulary (`triton_sample.keep_verify_rows`: the slots'
+    float32 logits and bf16 hidden in one launch; `triton_draft.argmax_rows`: the split argmax without
+    a gate; the fused accept with the pads' restore) and the MoE norm / router kernel at the 80B-A3B's
+    512 experts, top 10 (its int64 keys' maxima)."""
+    block = 4096
+    keep = (
+        "round_keep_rows", sample._keep_rows_kernel,
+        dict(logits_ptr="*fp32", prev_logits_ptr="*fp32", new_logits_ptr="*fp32", hidden_ptr="*bf16",
+             prev_hidden_ptr="*bf16", new_hidden_ptr="*bf16", slots_ptr="*i64", starts_ptr="*i64", ks_ptr="*i64",
+             V=V, H=H),
+        dict(R=R, V_BLOCKS=triton.cdiv(V, block), BLOCK=block), dict(num_warps=4),
+    )  # fmt: skip
+    tiles = triton.cdiv(V, block)
+    pick = (
+        "round_argmax_rows", draft._greedy_draft_kernel,
+        dict(logits_ptr="*fp32", stride_l=V, V=V, ids_ptr="*i64", at_ptr="*i64", rows_ptr="*i64", d2t_ptr="*i64",
+             live_ptr="*i1", counted_ptr="*i64", steps_ptr="*i64", flag_ptr="*i64", part_ptr="*fp32",
+             count_ptr="*i32", p_min=0.0),
+        dict(HAS_AT=False, HAS_ROWS=False, HAS_D2T=False, GATED=False, FIRST=False, HAS_STEPS=False,
+             HAS_FLAG=False, BLOCK_V=block, TILES=1, SPLITS=tiles, SPLITS_POW2=triton.next_power_of_2(tiles)),
+        dict(num_warps=4),
+    )  # fmt: skip
+    accept = (
+        "round_accept_pads", sample._accept_greedy_kernel,
+        dict(target_ptr="*i64", start_ptr="*i64", slot_ptr="*i64", k_ptr="*i64", count_ptr="*i64", index_ptr="*i64",
+             befores_ptr="*i32", ids_ptr="*i64", head_ptr="*i64", ctl_ptr="*i32", out_ptr="*i64", a_idx_ptr="*i64",
+             a_ptr="*i64", b_idx_ptr="*i64", b_ptr="*i64", kk_ptr="*i64", c_ptr="*i64", pads_ptr="*i1"),
+        dict(R=R, NUM_CTL=9, NUM_CTL_BLOCK=16, BLOCK_R=R, HEADS=True, HAS_PADS=True), dict(num_warps=1),
+    )  # fmt: skip
+    rows, warps = moe_step.ROUTER_BLOCKS
+    router = (
+        "moe_step_router_512", moe_step._norm_router_kernel,
+        dict(x_ptr="*bf16", norm_ptr="*bf16", gates_ptr="*bf16", h_ptr="*bf16", logits_ptr="*bf16", count_ptr="*i32",
+             idx_ptr="*i32", rw_ptr="*bf16", eps=1e-6),
+        dict(H=2048, E=E, LOGIT_STRIDE=triton.cdiv(E + 1, 16) * 16, TOP_K=top_k, RENORM=True, BLOCK_R=rows,
+             BLOCK_H=2048, BLOCK_E=E, WARPS=warps, PDL=True, RELEASE=2),
+        dict(num_warps=warps),
+    )  # fmt: skip
+    return [keep, pick, accept, router]
+
+
 def specialise(fn: JITFunction, args: dict, constexprs: dict) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) for an ASTSource, from the kernel's own parameter list: each
     runtime argument's type and specialisation as the JIT derives them from the values of a launch
@@ -320,7 +365,7 @@ def specialise(fn: JITFunction, args: dict, constexprs: dict) -> tuple[dict, dic
 def main() -> int:
     failures = []
     for name, fn, args, constexprs, options, *ptx in (
-        gdn_cases() + gdn_step_cases() + moe_cases() + moe_step_cases() + skinny_fp8_cases()
+        gdn_cases() + gdn_step_cases() + moe_cases() + moe_step_cases() + skinny_fp8_cases() + round_cases()
     ):
         opts = " ".join(f"{k}={v}" for k, v in options.items())
         if not isinstance(fn, JITFunction):
