@@ -290,8 +290,8 @@ def moe_step_cases(H=2048, I=512, top_k=8):
 def round_cases(V=248320, H=4096, R=4, E=512, top_k=10):
     """A greedy round's own kernels at the 9B's vocabulary (`triton_sample.keep_verify_rows`: the slots'
     float32 logits and bf16 hidden in one launch; `triton_draft.argmax_rows`: the split argmax without
-    a gate; the fused accept with the pads' restore) and the MoE norm / router kernel at the 80B-A3B's
-    512 experts, top 10 (its int64 keys' maxima)."""
+    a gate; the fused accept with the pads' restore; `follow_slots`, a followed batch's refresh) and
+    the MoE norm / router kernel at the 80B-A3B's 512 experts, top 10 (its int64 keys' maxima)."""
     block = 4096
     keep = (
         "round_keep_rows", sample._keep_rows_kernel,
@@ -326,7 +326,13 @@ def round_cases(V=248320, H=4096, R=4, E=512, top_k=10):
              BLOCK_H=2048, BLOCK_E=E, WARPS=warps, PDL=True, RELEASE=2),
         dict(num_warps=warps),
     )  # fmt: skip
-    return [keep, pick, accept, router]
+    follow = (
+        "round_follow_slots", sample._follow_slots_kernel,
+        dict(src_ptr="*i32", seqs_ptr="*i32", slot_ptr="*i64", row_seq_ptr="*i64", row_idx_ptr="*i32",
+             row_slot_ptr="*i32", flat_ptr="*i64", B=64, M=256, R=R),
+        dict(BASE=True, BLOCK=1024), dict(num_warps=4),
+    )  # fmt: skip
+    return [keep, pick, accept, router, follow]
 
 
 def specialise(fn: JITFunction, args: dict, constexprs: dict) -> tuple[dict, dict, dict]:

@@ -329,3 +329,32 @@ def test_greedy_accept_kernel_restores_the_pads_counters():
         assert torch.equal(fast[name], ref[name]), name
     assert torch.equal(fast["ctl"][[0, 1]], befores[[1, 3]])  # the pads' slots: as the round started
     assert not torch.equal(fast["ctl"][[2, 4]], befores[[0, 2]])  # the others committed
+
+
+@pytest.mark.parametrize("tables", [(), (4,), (4, 1)])
+def test_followed_batch_refresh_in_one_launch_is_the_torch_ops(tables):
+    """A followed step batch re-derived from its device slots by `triton_sample.follow_slots`
+    (StepBatch.refresh(fused=True), a launch a flat-row table) equals the torch ops' refresh: the
+    per-sequence slots (int32 and long), each row's slot and every flat-row table, for slots other
+    than the ones the batch was made with."""
+    from types import SimpleNamespace as NS
+
+    from nextn.cache.hybrid import StepBatch
+
+    ctl = torch.zeros(9, NUM_CTL, dtype=torch.int32, device=DEVICE)
+    caches = [NS(slot=s, cache=NS(ctl=ctl)) for s in (0, 1, 2)]
+    rows = [3, 1, 4]
+    batches = [StepBatch(caches, rows) for _ in range(2)]
+    src = torch.tensor([7, 2, 5], dtype=torch.int32, device=DEVICE)
+    for batch, fused in zip(batches, (False, True), strict=True):
+        for R in tables:
+            batch.flat_rows(R)
+        batch.follow(src)
+        batch.refresh(caches, fused=fused)
+    ref, fast = batches
+    for name in ("seqs", "slot_index", "row_slot"):
+        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    assert fast._flat.keys() == ref._flat.keys() and all(torch.equal(fast._flat[R], ref._flat[R]) for R in tables)
+    assert fast.slot_index.tolist() == [7, 2, 5] and fast.row_slot.tolist() == [7, 7, 7, 2, 5, 5, 5, 5]
+    if 4 in tables:
+        assert fast._flat[4].tolist() == [28, 29, 30, 8, 20, 21, 22, 23]

@@ -353,11 +353,17 @@ class StepBatch:
             raise ValueError(f"a step batch of {len(self.caches)} sequences follows int32 [{len(self.caches)}] slots")
         self._source = slots
 
-    def refresh(self, caches: list[SlotCache]) -> None:
+    def refresh(self, caches: list[SlotCache], fused: bool = False) -> None:
         """The batch now runs these slots' sequences (same row counts): the host tuple, and the slot
-        tensors re-derived from the followed device slots (which hold these slots)."""
+        tensors re-derived from the followed device slots (which hold these slots); fused: in one
+        Triton launch a flat-row table (nextn.sample.triton_sample.follow_slots), these ops its reference."""
         self.caches = tuple(caches)
         src = self._source
+        if fused:
+            from nextn.sample.triton_sample import follow_slots
+
+            follow_slots(src, self.seqs[0], self.slot_index, self.row_seq, self.row_idx, self.row_slot, self._flat)
+            return
         self.seqs[0].copy_(src)
         self.slot_index.copy_(src)
         torch.index_select(src, 0, self.row_seq, out=self.row_slot)

@@ -105,7 +105,7 @@ class ModelRunner:
         batch = self._made_once(self._batches, key, lambda: StepBatch(caches, rows))
         if id(batch) not in self._refreshed:  # once a round: its device ops run in every replay
             batch.follow(self._following if whole else self._followed_at(positions))
-            batch.refresh(caches)
+            batch.refresh(caches, fused=self.config.kernels == "triton")
             self._refreshed.add(id(batch))
         return batch
 

@@ -229,6 +229,34 @@ if HAVE_TRITON:
         if take:
             tl.store(cur_ptr + offs, tl.load(new_ptr + offs, mask=mask), mask=mask)
 
+    @triton.jit
+    def _follow_slots_kernel(
+        src_ptr,  # int32 [B]: the followed slots
+        seqs_ptr,  # int32 [B]: the batch's slot row (StepBatch.seqs[0])
+        slot_ptr,  # long [B]: StepBatch.slot_index
+        row_seq_ptr,  # long [M]: each row's sequence
+        row_idx_ptr,  # int32 [M]: its index within the sequence
+        row_slot_ptr,  # int32 [M] out
+        flat_ptr,  # long [M] out: slot * R + row index
+        B,
+        M,
+        R,
+        BASE: tl.constexpr,  # also the per-sequence and per-row slots (else the flat rows alone)
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        if BASE:
+            seq_mask = offs < B
+            slot = tl.load(src_ptr + offs, mask=seq_mask)
+            tl.store(seqs_ptr + offs, slot, mask=seq_mask)
+            tl.store(slot_ptr + offs, slot.to(tl.int64), mask=seq_mask)
+        rows = offs < M
+        slot = tl.load(src_ptr + tl.load(row_seq_ptr + offs, mask=rows, other=0), mask=rows)
+        if BASE:
+            tl.store(row_slot_ptr + offs, slot, mask=rows)
+        flat = slot.to(tl.int64) * R + tl.load(row_idx_ptr + offs, mask=rows)
+        tl.store(flat_ptr + offs, flat, mask=rows)
+
 
 def _launch(V: int) -> dict:
     if V > MAX_V:
@@ -360,3 +388,24 @@ def keep_verify_rows(
         cur_l, prev_l, logits, cur_h, prev_h, hidden, slots, starts, ks, V, H, R=R, V_BLOCKS=v_blocks, BLOCK=block,
         num_warps=4,
     )  # fmt: skip
+
+
+def follow_slots(
+    src: torch.Tensor,  # int32 [B]: the followed slots
+    seqs: torch.Tensor,  # int32 [B] out
+    slot_index: torch.Tensor,  # long [B] out
+    row_seq: torch.Tensor,  # long [M]
+    row_idx: torch.Tensor,  # int32 [M]
+    row_slot: torch.Tensor,  # int32 [M] out
+    flats: dict,  # R -> long [M] out: slot * R + row index
+    block: int = 1024,
+) -> None:
+    """A followed step batch's slot tensors re-derived from its device slots in one launch a flat-row
+    table, the first also writing the per-sequence and per-row slots (nextn.cache.hybrid.StepBatch.refresh,
+    whose torch ops are the reference: two copies, a gather and three ops a table)."""
+    B, M = src.numel(), row_seq.numel()
+    tables = list(flats.items()) or [(1, torch.empty(M, dtype=torch.long, device=src.device))]  # (none: a scratch)
+    for i, (R, flat) in enumerate(tables):
+        _follow_slots_kernel[(triton.cdiv(max(B, M), block),)](
+            src, seqs, slot_index, row_seq, row_idx, row_slot, flat, B, M, R, BASE=i == 0, BLOCK=block, num_warps=4
+        )  # fmt: skip
