@@ -44,6 +44,7 @@ from nextn.sample.pipeline import Law, Stream
 from nextn.sample.triton_common import round_args, sample_outputs
 
 MAX_V = 32768  # the widest row one program holds (the sampler keeps the torch ops above it)
+FOLLOW_BLOCK = 1024  # rows a program of `follow_slots`
 
 if HAVE_TRITON:
     import triton
@@ -398,7 +399,6 @@ def follow_slots(
     row_idx: torch.Tensor,  # int32 [M]
     row_slot: torch.Tensor,  # int32 [M] out
     flats: dict,  # R -> long [M] out: slot * R + row index
-    block: int = 1024,
 ) -> None:
     """A followed step batch's slot tensors re-derived from its device slots in one launch a flat-row
     table, the first also writing the per-sequence and per-row slots (nextn.cache.hybrid.StepBatch.refresh,
@@ -406,6 +406,7 @@ def follow_slots(
     B, M = src.numel(), row_seq.numel()
     tables = list(flats.items()) or [(1, torch.empty(M, dtype=torch.long, device=src.device))]  # (none: a scratch)
     for i, (R, flat) in enumerate(tables):
-        _follow_slots_kernel[(triton.cdiv(max(B, M), block),)](
-            src, seqs, slot_index, row_seq, row_idx, row_slot, flat, B, M, R, BASE=i == 0, BLOCK=block, num_warps=4
+        _follow_slots_kernel[(triton.cdiv(max(B, M), FOLLOW_BLOCK),)](
+            src, seqs, slot_index, row_seq, row_idx, row_slot, flat, B, M, R, BASE=i == 0, BLOCK=FOLLOW_BLOCK,
+            num_warps=4,
         )  # fmt: skip
