@@ -4,15 +4,14 @@
 A kernel whose tiles and pipeline stages need more shared memory than an H200 block may have
 (232448 bytes) compiles anywhere but fails on the GPU at its first launch ("OutOfResources: shared
 memory"). This script catches that without a GPU: it compiles `triton_gdn_chunk`'s and
-`triton_moe_grouped`'s kernels (and the decode MoE block's quantized kernels and router, and a greedy
-round's own kernels: round_cases) with Triton's
-nvidia backend (the ptxas bundled with triton) at the real model shapes (Qwen3.5-9B's GDN heads,
-Qwen3.5-35B-A3B's experts), with the constexprs and launch options their wrappers use (imported
-from the kernel modules), and with the argument specialisations (16-divisible ints and pointers) a
-launch at those shapes gets. It prints one line per kernel and exits 1 if one fails to compile or
-does not fit. The FP8 skinny GEMM's chained dots (nextn.ops.triton_linear) compile to wgmma with the
-weights as the dot's M and to mma.sync x-major (config way 2); a build that lost either way fails
-here too.
+`triton_moe_grouped`'s kernels (and the decode MoE block's quantized kernels and router, and a
+greedy round's own kernels: round_cases) with Triton's nvidia backend (the ptxas bundled with
+triton) at the real model shapes (Qwen3.5-9B's GDN heads, Qwen3.5-35B-A3B's experts), with the
+constexprs and launch options their wrappers use (imported from the kernel modules), and with the
+argument specialisations (16-divisible ints and pointers) a launch at those shapes gets. It prints
+one line per kernel and exits 1 if one fails to compile or does not fit. The FP8 skinny GEMM's
+chained dots (nextn.ops.triton_linear) compile to wgmma with the weights as the dot's M and to
+mma.sync x-major (config way 2); a build that lost either way fails here too.
 
     python bench/sm90_compile.py      # TRITON_INTERPRET unset (or 0): interpreted kernels do not compile
 
@@ -330,7 +329,7 @@ def round_cases(V=248320, H=4096, R=4, E=512, top_k=10):
         "round_follow_slots", sample._follow_slots_kernel,
         dict(src_ptr="*i32", seqs_ptr="*i32", slot_ptr="*i64", row_seq_ptr="*i64", row_idx_ptr="*i32",
              row_slot_ptr="*i32", flat_ptr="*i64", B=64, M=256, R=R),
-        dict(BASE=True, BLOCK=1024), dict(num_warps=4),
+        dict(BASE=True, FLAT=True, BLOCK=sample.FOLLOW_BLOCK), dict(num_warps=4),
     )  # fmt: skip
     return [keep, pick, accept, router, follow]
 

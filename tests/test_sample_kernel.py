@@ -301,8 +301,8 @@ def test_keep_verify_rows_is_the_index_copy_pairs():
 
 def test_greedy_accept_kernel_restores_the_pads_counters():
     """With every member in the group, the fused accept also restores the pad members' counters
-    (device_round's where / index_copy_ after the accepts): the pads' ctl rows are their befores,
-    the others' are committed as without pads."""
+    (device_round._accept_greedy's torch.where over the committed counters): the pads' ctl rows are
+    their befores, the others' are committed as without pads."""
 
     g = torch.Generator().manual_seed(11)
     S, R, V = 5, 4, 30

@@ -138,17 +138,15 @@ def device_round(runner, proposer, members: list[Member], clock=None) -> None:
     _mark(clock, 2)
     # greedy members without penalties: verified and committed together
     plain = [b for b, m in enumerate(members) if _plain_greedy(m)]
-    pads_done = False  # the fused accept restores the pads' counters itself (every member plain greedy)
     if plain:
+        # pad members (rounds._pads: only in batches of plain greedy members) commit nothing: the
+        # accept puts their counters back
+        pads = runner.pads if len(plain) == len(members) else None
         verified = _Verified(batch, befores, logits, num_drafts, proposer is not None)
-        pads_done = _accept_greedy(runner, verified, members, plain)
+        _accept_greedy(runner, verified, members, plain, pads)
     for b, m in enumerate(members):
         if b not in plain:
             _accept(m, befores[b], num_drafts[b], proposer is not None)
-    if runner.pads is not None and not pads_done:  # pad members (rounds._pads) commit nothing: their counters back
-        tensors["ctl"].index_copy_(
-            0, slots, torch.where(runner.pads[:, None], befores, tensors["ctl"].index_select(0, slots))
-        )
     _mark(clock, 3)
 
 
@@ -182,12 +180,12 @@ class _Verified(NamedTuple):
     heads: bool  # the round drafted: the next head pass writes the rows it kept
 
 
-def _accept_greedy(runner, verified: _Verified, members: list[Member], index: list[int]) -> bool:
+def _accept_greedy(runner, verified: _Verified, members: list[Member], index: list[int], pads=None) -> None:
     """`_accept` for the greedy members without penalties (members[b] for b in index), all at once
     (the same integer results): each row's argmax, the longest prefix of the drafts that count
-    (counts [G]) matching it, the commit and the outcomes. With the Triton kernels one launch after
-    the argmax (nextn.sample.triton_sample.accept_greedy), which also restores the pad members'
-    counters where every member is in the group (returns whether it did); this is its reference."""
+    (counts [G]) matching it, the commit and the outcomes; pads ([B] bool, every member in the group):
+    the pad members' counters put back as the round found them. With the Triton kernels one launch
+    after the argmax (nextn.sample.triton_sample.accept_greedy); this is its reference."""
     batch, befores, logits, num_drafts, heads = verified
     counts = num_drafts if len(index) == len(members) else num_drafts.index_select(0, runner.index(index))
     group = [members[b] for b in index]
@@ -202,9 +200,8 @@ def _accept_greedy(runner, verified: _Verified, members: list[Member], index: li
         members = triton_sample.GreedyGroup(starts, slots, ks, counts, runner.index(index))
         from nextn.ops.triton_draft import argmax_rows
 
-        pads = runner.pads if G == len(batch) else None
         triton_sample.accept_greedy(argmax_rows(logits), members, befores, tensors, table, heads, pads)
-        return pads is not None
+        return
     rows = runner.index([batch.offsets[b] + i for b, m in zip(index, group, strict=True) for i in range(m.k + 1)])
     cells = runner.index([g * R + i for g, m in enumerate(group) for i in range(m.k + 1)])
     target = torch.full((G * R,), -1, dtype=torch.long, device=logits.device)
@@ -222,9 +219,10 @@ def _accept_greedy(runner, verified: _Verified, members: list[Member], index: li
         tensors["head_ids"].index_copy_(0, slots, head_ids)
     before = befores.index_select(0, runner.index(index))
     ctl = commit_ctl(before, (n + 1)[:, None], cache.cols, round_=True)
+    if pads is not None:
+        ctl = torch.where(pads[:, None], before, ctl)
     tensors["ctl"].index_copy_(0, slots, ctl.to(torch.int32))
     tensors["out"].index_copy_(0, slots, torch.cat([n[:, None], counts[:, None], out_ids, before.long()], dim=1))
-    return False
 
 
 def _accept(m: Member, before: torch.Tensor, num_drafts: torch.Tensor, heads: bool) -> None:

@@ -27,6 +27,10 @@ the first index whose running sum exceeds u * total, capped at the last index wh
 rises. A request's plain and speculative rounds run the same kernels, so spec stays exact in
 distribution against plain decoding.
 
+`keep_verify_rows` and `follow_slots`: a round's data movement in one launch each (the verify's rows
+into the slots' buffers, a followed step batch's slot tensors); their references are the torch ops of
+nextn.engine.device_round and nextn.cache.hybrid.StepBatch.refresh.
+
 `accept_greedy`: for each member of a batched greedy round, the longest prefix of its counted
 drafts that matches the argmax of the rows before them, the next pending token, the head pass's
 ids, the commit of the slot's counters (nextn.cache.hybrid.commit_ctl's affine table) and the
@@ -243,6 +247,7 @@ if HAVE_TRITON:
         M,
         R,
         BASE: tl.constexpr,  # also the per-sequence and per-row slots (else the flat rows alone)
+        FLAT: tl.constexpr,  # the flat rows (a batch without a table: the base alone)
         BLOCK: tl.constexpr,
     ):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -255,8 +260,9 @@ if HAVE_TRITON:
         slot = tl.load(src_ptr + tl.load(row_seq_ptr + offs, mask=rows, other=0), mask=rows)
         if BASE:
             tl.store(row_slot_ptr + offs, slot, mask=rows)
-        flat = slot.to(tl.int64) * R + tl.load(row_idx_ptr + offs, mask=rows)
-        tl.store(flat_ptr + offs, flat, mask=rows)
+        if FLAT:
+            flat = slot.to(tl.int64) * R + tl.load(row_idx_ptr + offs, mask=rows)
+            tl.store(flat_ptr + offs, flat, mask=rows)
 
 
 def _launch(V: int) -> dict:
@@ -404,9 +410,9 @@ def follow_slots(
     table, the first also writing the per-sequence and per-row slots (nextn.cache.hybrid.StepBatch.refresh,
     whose torch ops are the reference: two copies, a gather and three ops a table)."""
     B, M = src.numel(), row_seq.numel()
-    tables = list(flats.items()) or [(1, torch.empty(M, dtype=torch.long, device=src.device))]  # (none: a scratch)
+    tables = list(flats.items()) or [(0, slot_index)]  # (no table: the base alone, flat_ptr unused)
     for i, (R, flat) in enumerate(tables):
         _follow_slots_kernel[(triton.cdiv(max(B, M), FOLLOW_BLOCK),)](
-            src, seqs, slot_index, row_seq, row_idx, row_slot, flat, B, M, R, BASE=i == 0, BLOCK=FOLLOW_BLOCK,
-            num_warps=4,
+            src, seqs, slot_index, row_seq, row_idx, row_slot, flat, B, M, R, BASE=i == 0, FLAT=bool(flats),
+            BLOCK=FOLLOW_BLOCK, num_warps=4,
         )  # fmt: skip
