@@ -36,7 +36,8 @@ from nextn.ops.triton_attention import attend_step, qk_norm_rope  # noqa: E402
 from nextn.ops.triton_attention import prefill_attention as fused_prefill_attention  # noqa: E402
 from nextn.ops.triton_gdn import gdn_step  # noqa: E402
 from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule as triton_chunk_rule  # noqa: E402
-from nextn.ops.triton_linear import bf16_rounded, skinny_linear  # noqa: E402
+from nextn.ops.triton_linear import skinny_linear  # noqa: E402
+from nextn.ops.triton_moe import bf16_rounded  # noqa: E402
 from nextn.ops.triton_moe_grouped import grouped_experts  # noqa: E402
 from nextn.ops.triton_norm import norm_input, rms_norm, rms_norm_rows  # noqa: E402
 
@@ -1208,7 +1209,7 @@ def test_moe_norm_router_kernel_matches_reference_and_rows_are_invariant():
 
 @gpu
 def test_bf16_rounded_is_the_convert_bit_for_bit_gpu():
-    """triton_linear.bf16_rounded (a packed cvt.rn.bf16x2.f32 a pair) equals torch's float32 -> bf16 ->
+    """triton_moe.bf16_rounded (a packed cvt.rn.bf16x2.f32 a pair) equals torch's float32 -> bf16 ->
     float32 on every value: random magnitudes, exact ties at bf16's last bit (to even), subnormals,
     signed zeros, the largest finite floats (to inf) and infinities."""
     g = torch.Generator().manual_seed(0)

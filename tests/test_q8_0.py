@@ -390,7 +390,7 @@ def test_q8_0_moe_decode_block_computes_its_dequantized_weights(dtype, shape):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_moe_block_rounds_quantized_weights_by_the_packed_convert_bit_for_bit_gpu():
     """bf16 on a GPU the decode block rounds its dequantized Q8_0 and FP8 weights by
-    `triton_linear.bf16_rounded` (a packed convert a pair): the same bits as Triton's convert a value
+    `triton_moe.bf16_rounded` (a packed convert a pair): the same bits as Triton's convert a value
     (moe_step(asm_round=False)), at the 35B-A3B's shapes, through both kernels."""
     from nextn.ops.fp8 import quantize
     from nextn.ops.triton_moe import moe_step

@@ -149,20 +149,6 @@ if HAVE_TRITON:
         return w.to(tl.float32) * scale
 
     @triton.jit
-    def bf16_rounded(w):
-        """float32 values rounded to bf16 (to nearest, ties even), held in float32: `w.to(bf16).to(float32)`
-        with one packed convert a pair (cvt.rn.bf16x2.f32) and a shift or a mask each, where Triton
-        emits a scalar convert a value (F2F, quarter rate on sm90) and a shift. GPU only (PTX)."""
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }",
-            "=r,=r,r,r",
-            [w],
-            dtype=tl.float32,
-            is_pure=True,
-            pack=2,
-        )
-
-    @triton.jit
     def _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
                 k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd,
                 EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -69,7 +69,21 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from nextn.ops.triton_linear import bf16_rounded, scaled
+    from nextn.ops.triton_linear import scaled
+
+    @triton.jit
+    def bf16_rounded(w):
+        """float32 values rounded to bf16 (to nearest, ties even), held in float32: `w.to(bf16).to(float32)`
+        with one packed convert a pair (cvt.rn.bf16x2.f32) and a shift or a mask each, where Triton
+        emits a scalar convert a value (F2F, quarter rate on sm90) and a shift. GPU only (PTX)."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xffff0000; }",
+            "=r,=r,r,r",
+            [w],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=2,
+        )
 
     @triton.jit
     def _route_row(logits_ptr, idx_ptr, rw_ptr, E: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
@@ -109,7 +123,7 @@ if HAVE_TRITON:
         """A quantized tile w [BLOCK_N, BLOCK_K] at columns k0.. times its scales (nextn.ops.fp8's
         layout: s_ptr[kb * s_stride + n], a scale per GROUP columns), rounded to dtype: the
         reference's `dequantize`, value for value (held in float32; ASM_ROUND: bf16 rounded by the
-        packed convert, `triton_linear.bf16_rounded`)."""
+        packed convert, `bf16_rounded`)."""
         n: tl.constexpr = w.shape[0]
         offs_b = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         smask = mask_n[:, None] & (offs_b[None, :] < (K + GROUP - 1) // GROUP)
