@@ -17,15 +17,16 @@ Two kinds of call, as the engine makes them:
 > FILE`), so a change is measured against its parent in one run; results are keyed by --label.
 --check: also run the checked-in module on the same inputs and report whether the outputs, states
 and windows are bitwise equal (a change meant to keep the arithmetic must keep them).
---preconv: the checked-in module's prefill calls run the conv pre-pass (`gdn_step(preconv=T)`); with
---check --kernel <a module before it>, whether the pre-pass gives the in-loop conv's bits (run 158:
-it did not before `triton_gdn._rounded`). The timings stay the --kernel module's."""
+--preconv: the prefill calls run the conv pre-pass (`gdn_step(preconv=T)`), the --kernel module's too
+where its gdn_step takes one; with --check --kernel <a module before the pre-pass>, whether the
+pre-pass gives the in-loop conv's bits (run 158: it did not before `triton_gdn._rounded`)."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import importlib.util
+import inspect
 import itertools
 import json
 
@@ -119,11 +120,11 @@ def layer_us(step_fn, c, block_v, warps, **kw) -> float:
     return sorted(times)[3]
 
 
-def same_bits(fn_a, fn_b, make, block_v, warps, kw_a) -> bool | str:
+def same_bits(fn_a, fn_b, make, block_v, warps, kw_a, kw_b) -> bool | str:
     """Both modules from the same inputs: True where the outputs, states and windows are bitwise
     equal, else which differ first (the output's first row that differs, a layer's states / window)."""
     results = []
-    for fn, kw in ((fn_a, kw_a), (fn_b, {})):
+    for fn, kw in ((fn_a, kw_a), (fn_b, kw_b)):
         c = make()
         run(fn, c, block_v, warps, **kw)
         results.append([c["out"]] + [t for buf in c["layer"] for t in (buf["states"], buf["window"])])
@@ -162,6 +163,7 @@ def main() -> None:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         step_fn = module.gdn_step
+    preconv_too = "preconv" in inspect.signature(step_fn).parameters
     cases = [(T, True) for T in args.tokens] + [(T, False) for T in args.prefill_tokens]
     res = {}
     for name in args.shapes:
@@ -174,12 +176,13 @@ def main() -> None:
             shape = (H, HV, K, V)
             entry = {}
             own = {"preconv": T} if args.preconv and not store_all else {}  # (the checked-in module's calls)
+            theirs = own if preconv_too else {}  # (the timed module's: a --kernel before the pre-pass has none)
             if args.device == "cuda":
                 case = make_case(*shape, layers, B, T, store_all, "cuda")
-                entry["us_per_layer"] = layer_us(step_fn, case, bv, warps, **({} if args.kernel else own))
+                entry["us_per_layer"] = layer_us(step_fn, case, bv, warps, **theirs)
             if args.check:
                 make = functools.partial(make_case, *shape, 1, B, T, store_all, args.device)
-                entry["same_bits"] = same_bits(triton_gdn.gdn_step, step_fn, make, bv, warps, own)
+                entry["same_bits"] = same_bits(triton_gdn.gdn_step, step_fn, make, bv, warps, own, theirs)
             res[key] = entry
             print(f"gdn {key}: {entry}", flush=True)
     if args.out:
