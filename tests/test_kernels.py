@@ -974,15 +974,18 @@ def test_skinny_linear_programmatic_dependent_launches_gpu():
 
 
 @gpu
-def test_gdn_step_9b_shapes_gpu():
-    """Qwen3.5-9B's GDN heads: a prefill step against the reference; a verify of the same rows gives
-    the same outputs, and after keeping 4 of them the next step (their states folded from the
+@pytest.mark.parametrize("preconv", [False, True])
+def test_gdn_step_9b_shapes_gpu(preconv):
+    """Qwen3.5-9B's GDN heads: a prefill step (its conv in the row loop, or from the pre-pass with
+    each row's inputs loaded a row ahead, f12daf8) against the reference; a verify of the same rows
+    gives the same outputs, and after keeping 4 of them the next step (their states folded from the
     verify's window and gates) gives rows 4.. and the last state bitwise."""
     H, HV, K, V, W, T, eps, T_max = 16, 32, 128, 128, 4, 9, 1e-6, 16
     half = W - 1 + T_max
     g = torch.Generator(device=DEVICE).manual_seed(5)
     c = _gdn_case(T, H, HV, K, V, W, torch.bfloat16, g)
-    out, (window, states, _) = _run_gdn_step(c, H, HV, K, V, W, eps, T_max=T_max, store_all=False)
+    pre = (lambda rows: rows) if preconv else (lambda rows: None)
+    out, (window, states, _) = _run_gdn_step(c, H, HV, K, V, W, eps, T_max=T_max, store_all=False, preconv=pre(T))
     ref_out, ref_states, ref_window = _gdn_reference(c, H, HV, K, V, eps)
     _close(out, ref_out, torch.bfloat16)
     # the kernel's SiLU (tl.exp) can round a bf16 conv output one ulp off torch's, and the state
@@ -994,8 +997,9 @@ def test_gdn_step_9b_shapes_gpu():
     rest = dict(c, proj=c["proj"][4:])
     bufs = (vwin.clone(), vstates.clone(), vgates.clone())
     rest_out, (_, st, _) = _run_gdn_step(
-        rest, H, HV, K, V, W, eps, T_max=T_max, slots=[1, 0, half + 4, 0, 4], store_all=False, bufs=bufs
-    )
+        rest, H, HV, K, V, W, eps, T_max=T_max, slots=[1, 0, half + 4, 0, 4], store_all=False, bufs=bufs,
+        preconv=pre(T - 4),
+    )  # fmt: skip
     assert torch.equal(rest_out, out[4:]) and torch.equal(st[0], states[1])
 
 
