@@ -19,7 +19,8 @@ Two kinds of call, as the engine makes them:
 and windows are bitwise equal (a change meant to keep the arithmetic must keep them).
 --preconv: the prefill calls run the conv pre-pass (`gdn_step(preconv=T)`), the --kernel module's too
 where its gdn_step takes one; with --check --kernel <a module before the pre-pass>, whether the
-pre-pass gives the in-loop conv's bits (run 158: it did not before `triton_gdn._rounded`)."""
+pre-pass gives the in-loop conv's bits (run 158: it did not before `triton_gdn._rounded`). With
+--kernel, the timings are the --kernel module's."""
 
 from __future__ import annotations
 

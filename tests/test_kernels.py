@@ -984,8 +984,9 @@ def test_gdn_step_9b_shapes_gpu(preconv):
     half = W - 1 + T_max
     g = torch.Generator(device=DEVICE).manual_seed(5)
     c = _gdn_case(T, H, HV, K, V, W, torch.bfloat16, g)
-    pre = (lambda rows: rows) if preconv else (lambda rows: None)
-    out, (window, states, _) = _run_gdn_step(c, H, HV, K, V, W, eps, T_max=T_max, store_all=False, preconv=pre(T))
+    out, (window, states, _) = _run_gdn_step(
+        c, H, HV, K, V, W, eps, T_max=T_max, store_all=False, preconv=T if preconv else None
+    )
     ref_out, ref_states, ref_window = _gdn_reference(c, H, HV, K, V, eps)
     _close(out, ref_out, torch.bfloat16)
     # the kernel's SiLU (tl.exp) can round a bf16 conv output one ulp off torch's, and the state
@@ -998,7 +999,7 @@ def test_gdn_step_9b_shapes_gpu(preconv):
     bufs = (vwin.clone(), vstates.clone(), vgates.clone())
     rest_out, (_, st, _) = _run_gdn_step(
         rest, H, HV, K, V, W, eps, T_max=T_max, slots=[1, 0, half + 4, 0, 4], store_all=False, bufs=bufs,
-        preconv=pre(T - 4),
+        preconv=T - 4 if preconv else None,
     )  # fmt: skip
     assert torch.equal(rest_out, out[4:]) and torch.equal(st[0], states[1])
 

@@ -131,7 +131,7 @@ if HAVE_TRITON:
         gate = proj_ptr + r * stride_p + gate_col
         b = tl.load(gate + hv, mask=r < TL, other=0.0).to(tl.float32)
         a = tl.load(gate + HV + hv, mask=r < TL, other=0.0).to(tl.float32)
-        row = conv_ptr + r * stride_c
+        row = conv_ptr + r * stride_c  # (block masks: the interpreter refuses a scalar mask on a block load)
         q = tl.load(row + q_ch, mask=(tl.zeros_like(q_ch) + r) < TL, other=0.0).to(tl.float32)
         k = tl.load(row + k_ch, mask=(tl.zeros_like(k_ch) + r) < TL, other=0.0).to(tl.float32)
         v = tl.load(row + v_ch, mask=(tl.zeros_like(v_ch) + r) < TL, other=0.0).to(tl.float32)
