@@ -88,6 +88,10 @@ print(f"offline: nextn bench --batch {B}, plain: {tps:.1f} tok/s (decode of {gen
 print(f"served:  {served['completed']}/{served['num_prompts']} requests at {served['max_concurrency']} streams: "
       f"{served['output_throughput']:.1f} tok/s output, median TTFT {served['median_ttft_ms']:.0f} ms, "
       f"median TPOT {served['median_tpot_ms']:.2f} ms ({served['device']})")
+t = served.get("engine_time")
+if t:  # where the server's engine spent the run
+    print(f"engine:  {t['run_seconds']:.2f} s run, {int(t['steps'])} steps {t['step_seconds']:.2f} s: "
+          f"{int(t['prefill_passes'])} prefill passes {t['prefill_seconds']:.2f} s, rounds {t['round_seconds']:.2f} s")
 ratio = merged["served_over_offline"]
 print(f"served / offline = {ratio:.3f} (target >= 0.85: {'met' if ratio >= 0.85 else 'NOT met'}) -> {out / 'serve_9b_vs_offline.json'}")
 EOF

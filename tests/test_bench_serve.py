@@ -24,7 +24,7 @@ from live_server import serving  # noqa: E402
 
 from nextn import LLM  # noqa: E402
 from nextn.bench import serve as bench_serve  # noqa: E402
-from nextn.bench.serve_metrics import mean_acceptance_length, parse_metrics  # noqa: E402
+from nextn.bench.serve_metrics import engine_time, mean_acceptance_length, parse_metrics  # noqa: E402
 from nextn.bench.serve_workload import arrival_times, sample_prompts, warmup_prompts  # noqa: E402
 from nextn.cli import main  # noqa: E402
 from nextn.config import DEFAULT_MODEL_DIR  # noqa: E402
@@ -80,6 +80,9 @@ def test_random_token_ids_against_nextn(live, capsys, tmp_path):
     assert res["spec_k"] == 3  # the per-position counters of /metrics
     assert 1.0 <= res["mean_acceptance_length"] <= 1 + 3
     assert res["run"] == "ci" and res["note"] == "a=b" and res["command"].startswith("nextn bench serve --disable")
+    t = res["engine_time"]  # the server engine's steps over the run: prompts prefilled, rounds run, within the steps
+    assert t["steps"] > 0 and t["prefill_passes"] >= 1 and t["prefill_seconds"] > 0 and t["round_seconds"] > 0
+    assert t["prefill_seconds"] + t["round_seconds"] <= t["step_seconds"] and t["run_seconds"] == res["duration"]
 
 
 def test_prompt_file_slices_at_random_lengths(live, capsys, tmp_path):
@@ -239,6 +242,7 @@ def test_concurrency_is_bounded(limit, capsys, tmp_path):
     assert res["input_tokens_counted_by"] == "server"
     assert res["mean_acceptance_length"] == 2.5  # the deltas over the run, not the totals (2.06)
     assert res["spec_k"] == 3 and res["graph_metrics"] == {"vllm:cuda_graph_captures_total": 7.0}
+    assert res["engine_time"] is None  # (nextn's engine counters only)
     assert res["mean_itl_ms"] > 0 and res["median_ttft_ms"] <= res["median_e2el_ms"]
     assert "ttfts" not in res  # the per-request lists with --save-detailed only
 
@@ -338,6 +342,14 @@ def test_acceptance_length_from_metric_deltas():
     )
     assert mean_acceptance_length(before, after) == 1 + 30 / 20
     assert mean_acceptance_length(before, before) is None and mean_acceptance_length(None, after) is None
+
+
+def test_engine_time_from_metric_deltas():
+    names = ("steps", "step_seconds", "prefill_passes", "prefill_seconds", "round_seconds")
+    before = parse_metrics("".join(f"nextn:engine_{n}_total {i}\n" for i, n in enumerate(names)))
+    after = parse_metrics("".join(f"nextn:engine_{n}_total {3 * i + 1}\n" for i, n in enumerate(names)))
+    assert engine_time(before, after, 9.5) == {n: 2 * i + 1 for i, n in enumerate(names)} | {"run_seconds": 9.5}
+    assert engine_time(None, after, 1.0) is None and engine_time(before, parse_metrics("x 1\n"), 1.0) is None
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,13 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from nextn.bench.serve_metrics import mean_acceptance_length, metrics_spec_k, parse_metrics, prefix_caching
+from nextn.bench.serve_metrics import (
+    engine_time,
+    mean_acceptance_length,
+    metrics_spec_k,
+    parse_metrics,
+    prefix_caching,
+)
 from nextn.bench.serve_workload import Prompt, arrival_times, sample_prompts, warmup_prompts
 from nextn.config.engine_args import speculative_tokens
 
@@ -447,6 +453,7 @@ def bench_serve_from_args(args) -> int:
         **prefix_caching(run.before, run.after),
         "spec_k": spec_k if spec_k is not None else metrics_spec_k(run.after),
         "graph_metrics": {k: v for k, v in (run.after or {}).items() if "graph" in k},
+        "engine_time": engine_time(run.before, run.after, run.duration),
         "device": device,
         "command": shlex.join(args.argv),
         **dict(m.split("=", 1) for m in args.metadata),
@@ -491,6 +498,13 @@ def print_report(r: dict) -> None:
     row("Prefix caching:", r["prefix_caching"])
     row("Prefix cache hit rate:", r["prefix_cache_hit_rate"])
     row("Prefill tokens computed:", r["prefill_tokens_computed"])
+    if r["engine_time"] is not None:  # nextn's: where its engine spent the run
+        t = r["engine_time"]
+        print("{s:{c}^{n}}".format(s="Engine Time (server)", n=50, c="-"))
+        row("Engine steps:", int(t["steps"]))
+        row("Steps' wall time (s):", t["step_seconds"])
+        row(f"Prefill passes ({int(t['prefill_passes'])}) (s):", t["prefill_seconds"])
+        row("Batched rounds (s):", t["round_seconds"])
     print("=" * 50)
     for error in r["errors"]:
         print(f"nextn bench serve: a request failed: {error}", file=sys.stderr)

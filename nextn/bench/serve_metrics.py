@@ -1,6 +1,7 @@
 """What `nextn bench serve` reads off a server's /metrics (Prometheus text): the mean acceptance
-length, the prefix cache's hit rate and prefill tokens, and K, from counter deltas over the timed
-run; under any prefix (`nextn:`, `vllm:`), with or without `_total`, so vLLM's names read too."""
+length, the prefix cache's hit rate and prefill tokens, K, and nextn's engine step time, from counter
+deltas over the timed run; under any prefix (`nextn:`, `vllm:`), with or without `_total`, so vLLM's
+names read too."""
 
 from __future__ import annotations
 
@@ -71,3 +72,20 @@ def metrics_spec_k(metrics: dict[str, float] | None) -> int | None:
         return None
     per_pos = _samples(metrics, "spec_decode_num_draft_tokens_per_pos")
     return len({m[1] for k in per_pos if (m := _POSITION.search(k))})
+
+
+ENGINE_TIME = ("steps", "step_seconds", "prefill_passes", "prefill_seconds", "round_seconds")
+
+
+def engine_time(before: dict[str, float] | None, after: dict[str, float] | None, duration: float) -> dict | None:
+    """Where the server's engine spent the timed run (nextn's `engine_*` counters' deltas: its steps,
+    their prefill passes and batched rounds, in seconds of wall time), beside the run's duration;
+    None for a server without them."""
+    if before is None or after is None or not _samples(after, "engine_steps"):
+        return None
+    out = {}
+    for key in ENGINE_TIME:
+        name = f"engine_{key}"
+        out[key] = sum(_samples(after, name).values()) - sum(_samples(before, name).values())
+    out["run_seconds"] = duration
+    return out

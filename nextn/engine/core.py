@@ -39,7 +39,7 @@ import msgspec
 from nextn.cache.prefix import PrefixCounters
 from nextn.config.engine_args import EngineArgs
 from nextn.core import RequestError, RequestOutput, SamplingParams
-from nextn.engine.engine import Engine
+from nextn.engine.engine import Engine, EngineTime
 from nextn.engine.scheduler import Request, SessionCounters
 from nextn.ops.triton_utils import compile_count
 
@@ -94,6 +94,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     prefix: PrefixCounters | None = None  # the prefix cache's counters (None: it is off)
     prefix_cache_bytes: int = 0  # what its blocks hold
     prefill_tokens: int = 0  # prompt tokens computed (not served from a cache)
+    time: EngineTime = msgspec.field(default_factory=EngineTime)  # the engine steps' wall time
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -229,6 +230,7 @@ class EngineCore:
             None if prefix is None else dataclasses.replace(prefix.counters),
             0 if prefix is None else prefix.nbytes,
             engine.prefilled_tokens,
+            dataclasses.replace(engine.time),
         )
 
 

@@ -62,6 +62,21 @@ class StreamEvent:
 
 
 @dataclass
+class EngineTime:
+    """Where the engine's steps spent their wall time, cumulative (/metrics: a served run's split of
+    its time between prompts and rounds). The prefill seconds end with the step's one host wait,
+    which also waits out the round launched a step before (rounds run one ahead); the round
+    seconds are `advance`'s, which waits for that round's results; the step seconds hold both and
+    the admissions and events between."""
+
+    steps: int = 0
+    step_seconds: float = 0.0
+    prefill_passes: int = 0  # runner.prefill calls (a step crosses prefix-cache block boundaries in several)
+    prefill_seconds: float = 0.0
+    round_seconds: float = 0.0
+
+
+@dataclass
 class _Prefill:
     """A request whose prompt is being prefilled, a chunk per engine step."""
 
@@ -122,6 +137,7 @@ class Engine:
         self.default_seeds = random.Random(config.seed) if config.seed is not None else None
         self.prefilled_tokens = 0  # prompt tokens prefilled so far (computed, not served from a cache)
         self.steps = 0  # engine steps so far (a prefilling request's age: Engine._order)
+        self.time = EngineTime()  # where the engine's steps spent their wall time (/metrics)
         if self.runner.use_graphs and self.runner.pad_rounds:  # the rounds' graphs before any request
             watch_compiles(warming=True)
             try:
@@ -214,6 +230,14 @@ class Engine:
         """Admit what fits, prefill the next chunks of the prompts in progress within the step's
         token budget (what the running requests' rounds leave of max_num_batched_tokens, at least
         STEP_ROWS), then one batched round of every running request."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.time.steps += 1
+            self.time.step_seconds += time.perf_counter() - t0
+
+    def _step(self) -> list:
         if self.leader is not None:
             self.leader.step()
         self.steps += 1
@@ -327,6 +351,7 @@ class Engine:
             seconds = time.perf_counter() - t0
             for state in timed.values():
                 state.seconds += seconds
+            self.time.prefill_seconds += seconds
         return events
 
     def _plan(self, budget: int, limits: dict[int, int]) -> list:
@@ -397,6 +422,7 @@ class Engine:
         computed = sum(len(p.token_ids) for p in pieces)
         self.prefilled_rows += computed
         self.prefilled_tokens += computed
+        self.time.prefill_passes += 1
         try:
             self.runner.prefill(pieces)
         except Exception as e:  # the step's pieces fail together (their slots are taken back whole)
@@ -468,8 +494,10 @@ class Engine:
         # request alone: the others' rounds stand (the engine serves on)
         rounds, sizes = advance(self.runner, self.proposer, [live.rounds for live in lives])
         self.batch_sizes.update(sizes)
+        seconds = time.perf_counter() - t0
+        self.time.round_seconds += seconds
         if self.k_policy is not None:
-            self._policy_step(lives, choice, prefilled, time.perf_counter() - t0)
+            self._policy_step(lives, choice, prefilled, seconds)
         return [self._event(req, live, r) for req, live, r in zip(reqs, lives, rounds, strict=True)]
 
     def _choose_k(self, reqs: list[Request], lives: list[_Live]) -> int | None:

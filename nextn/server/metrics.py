@@ -13,10 +13,14 @@ import threading
 import time
 from copy import deepcopy
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nextn.cache.prefix import PrefixCounters
 from nextn.core import MAX_TRACKED_POSITIONS, RequestOutput, SpecStats
 from nextn.engine.scheduler import SessionCounters
+
+if TYPE_CHECKING:
+    from nextn.engine.engine import EngineTime
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 1.0)
@@ -27,6 +31,16 @@ GRAPH_COUNTS = (
     ("eager", "Forwards run eagerly, outside CUDA graphs (the model runner's count)."),
     ("kernel_compiles", "Triton kernels compiled by the engine; after its warm-up each is also logged as a warning."),
 )
+# the engine steps' wall time (nextn.engine.engine.EngineTime), as counters: a served run's deltas
+# split its time between prompts and rounds (`nextn bench serve`'s engine_time)
+ENGINE_TIME = (
+    ("steps", "Engine steps (a loop turn with work: admissions, prefill passes, one batched round)."),
+    ("step_seconds", "Wall time of the engine's steps."),
+    ("prefill_passes", "Prefill passes (a step's prompt pieces through the model, up to a prefix-cache block each)."),
+    ("prefill_seconds", "Wall time of the steps' prefill passes, with the host wait after them (it also waits out "
+     "the round launched a step before)."),
+    ("round_seconds", "Wall time of the steps' batched rounds (launching one, reading the one before)."),
+)  # fmt: skip
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 
 
@@ -114,6 +128,7 @@ class Metrics:
         self.running = 0
         self.batch_sizes: dict[int, int] = {}  # batched rounds by requests held
         self.graph_counts: dict[str, int] | None = None  # the runner's captures / replays / eager, if it counts
+        self.engine_time: EngineTime | None = None  # the engine steps' wall time (None: no step reported yet)
         self.waiting = 0
         self.prefix: PrefixCounters | None = None  # the prefix cache's counters (None: off)
         self.prefix_cache_bytes = 0
@@ -165,11 +180,16 @@ class Metrics:
             self.batch_sizes = sizes
 
     def set_engine(
-        self, sessions: SessionSnapshot, batch_sizes: dict[int, int], graph_counts: dict[str, int] | None
+        self,
+        sessions: SessionSnapshot,
+        batch_sizes: dict[int, int],
+        graph_counts: dict[str, int] | None,
+        engine_time: EngineTime | None = None,
     ) -> None:
         """The engine core's numbers as of its last step (set_sessions and set_batch_sizes at once)."""
         with self._lock:
             self.sessions, self.batch_sizes, self.graph_counts = sessions, batch_sizes, graph_counts
+            self.engine_time = engine_time
 
     def set_prefix(self, counters: PrefixCounters | None, nbytes: int, prefill_tokens: int) -> None:
         """The prefix cache's counters and bytes, and the prompt tokens computed, as of the engine's last step."""
@@ -269,6 +289,9 @@ class Metrics:
             if self.graph_counts is not None:
                 for key, help_ in GRAPH_COUNTS:
                     counter(f"nextn:graph_{key}_total", help_, self.graph_counts.get(key, 0))
+            if self.engine_time is not None:
+                for key, help_ in ENGINE_TIME:
+                    counter(f"nextn:engine_{key}_total", help_, getattr(self.engine_time, key))
             return "\n".join(lines) + "\n"
 
     def _spec_metrics(self, metric, counter) -> None:

@@ -210,7 +210,10 @@ class EngineWorker:
         self._stats = out.stats
         s = out.stats
         self.metrics.set_engine(
-            SessionSnapshot(s.sessions, s.num_session_states, s.session_memory_bytes), s.batch_sizes, s.graph_counts
+            SessionSnapshot(s.sessions, s.num_session_states, s.session_memory_bytes),
+            s.batch_sizes,
+            s.graph_counts,
+            s.time,
         )
         self.metrics.set_prefix(s.prefix, s.prefix_cache_bytes, s.prefill_tokens)
         items: list[tuple[Job, StreamEvent | BaseException]] = []
