@@ -95,4 +95,6 @@ if t:  # where the server's engine spent the run
 ratio = merged["served_over_offline"]
 print(f"served / offline = {ratio:.3f} (target >= 0.85: {'met' if ratio >= 0.85 else 'NOT met'}) -> {out / 'serve_9b_vs_offline.json'}")
 EOF
+# the offline bench's plots: the device tool returns 8 files of $OUT, and the JSONs and logs are 6
+rm -f $OUT/offline_9b_*.png
 echo "serve_9b: done in $(($(date +%s) - t0)) s"
