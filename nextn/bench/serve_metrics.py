@@ -74,18 +74,18 @@ def metrics_spec_k(metrics: dict[str, float] | None) -> int | None:
     return len({m[1] for k in per_pos if (m := _POSITION.search(k))})
 
 
-ENGINE_TIME = ("steps", "step_seconds", "prefill_passes", "prefill_seconds", "round_seconds")
+_ENGINE_COUNTER = re.compile(r"(?:^|:)engine_(\w+?)(?:_total)?$")
 
 
 def engine_time(before: dict[str, float] | None, after: dict[str, float] | None, duration: float) -> dict | None:
-    """Where the server's engine spent the timed run (nextn's `engine_*` counters' deltas: its steps,
-    their prefill passes and batched rounds, in seconds of wall time), beside the run's duration;
-    None for a server without them."""
+    """Where the server's engine spent the timed run (nextn's `engine_*` counters' deltas, by their
+    names: its steps, their prefill passes and batched rounds, in seconds of wall time), beside the
+    run's duration; None for a server without them."""
     if before is None or after is None or not _samples(after, "engine_steps"):
         return None
     out = {}
-    for key in ENGINE_TIME:
-        name = f"engine_{key}"
-        out[key] = sum(_samples(after, name).values()) - sum(_samples(before, name).values())
+    for name, value in after.items():
+        if m := _ENGINE_COUNTER.search(name):
+            out[m[1]] = value - before.get(name, 0.0)
     out["run_seconds"] = duration
     return out

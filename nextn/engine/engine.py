@@ -69,7 +69,7 @@ class EngineTime:
     seconds are `advance`'s, which waits for that round's results; the step seconds hold both and
     the admissions and events between."""
 
-    steps: int = 0
+    steps: int = 0  # (Engine.steps)
     step_seconds: float = 0.0
     prefill_passes: int = 0  # runner.prefill calls (a step crosses prefix-cache block boundaries in several)
     prefill_seconds: float = 0.0
@@ -136,8 +136,7 @@ class Engine:
         # the default seeds (config.seed): an unseeded sampled request takes the next, so a run repeats
         self.default_seeds = random.Random(config.seed) if config.seed is not None else None
         self.prefilled_tokens = 0  # prompt tokens prefilled so far (computed, not served from a cache)
-        self.steps = 0  # engine steps so far (a prefilling request's age: Engine._order)
-        self.time = EngineTime()  # where the engine's steps spent their wall time (/metrics)
+        self.time = EngineTime()  # the engine's steps and where they spent their wall time (/metrics)
         if self.runner.use_graphs and self.runner.pad_rounds:  # the rounds' graphs before any request
             watch_compiles(warming=True)
             try:
@@ -231,16 +230,20 @@ class Engine:
         token budget (what the running requests' rounds leave of max_num_batched_tokens, at least
         STEP_ROWS), then one batched round of every running request."""
         t0 = time.perf_counter()
+        self.time.steps += 1
         try:
             return self._step()
         finally:
-            self.time.steps += 1
             self.time.step_seconds += time.perf_counter() - t0
+
+    @property
+    def steps(self) -> int:
+        """Engine steps so far, this one included (a prefilling request's age: `_order`)."""
+        return self.time.steps
 
     def _step(self) -> list:
         if self.leader is not None:
             self.leader.step()
-        self.steps += 1
         events: list = []
         for req in self.scheduler.admit():
             try:
