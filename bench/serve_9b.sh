@@ -16,7 +16,9 @@
 # first) and .whl (the wheels device_env.sh installs). Usage (device tool, carry .whl and .tok):
 #   bash bench/serve_9b.sh    (about 3-4 min on an H100; at most 220 + 170 + 150 s)
 # Env: SERVE_FLAGS, the server's extra flags (default --prefill chunked, as the offline bench and LLM
-# prefill; serve's own default is steps; SERVE_FLAGS= for serve's defaults); PORT (8123).
+# prefill; serve's own default is steps; SERVE_FLAGS= for serve's defaults); PORT (8123); SPY=1 samples
+# the server and its engine core with py-spy (a wheel in .whl) during the served bench, 200 Hz, into
+# $OUT/pyspy_9b.json (speedscope) and prints the core's top frames (bench/pyspy_top.py).
 set -o pipefail
 source bench/device_env.sh
 TOK=.tok/qwen3.5
@@ -42,12 +44,21 @@ python3 bench/wait_server.py $PORT $pid 170
 ready=$?
 if [ $ready -eq 0 ]; then
   echo "server ready (+$(($(date +%s) - t0)) s): $(grep -m1 'cache:' $OUT/server_9b.log)"
+  if [ "${SPY:-0}" = 1 ]; then
+    $(command -v py-spy || echo /tmp/site/bin/py-spy) record --pid $pid --subprocesses --rate 200 --format speedscope \
+      --nonblocking -o $OUT/pyspy_9b.json > /tmp/spy_9b.log 2>&1 &
+    spy=$!
+  fi
   timeout 150 python3 -m nextn.cli bench serve --base-url http://127.0.0.1:$PORT --dataset random \
     --random-input-len 512 --random-output-len 128 --ignore-eos --num-prompts 64 --max-concurrency 16 \
     --num-warmups 16 --tokenizer $TOK --disable-tqdm --metadata preset=qwen3.5-9b spec_k=0 "serve_flags=$SERVE_FLAGS" \
     --json $OUT/serve_9b.json > $OUT/serve_9b.log 2>&1
   rc=$?
   grep -E "Successful|Failed|duration|Output token throughput|Median TTFT|Median TPOT|rror" $OUT/serve_9b.log
+  if [ -n "$spy" ]; then
+    kill -INT $spy; wait $spy 2>/dev/null; tail -2 /tmp/spy_9b.log
+    python3 bench/pyspy_top.py $OUT/pyspy_9b.json
+  fi
 fi
 kill $pid 2>/dev/null; wait $pid 2>/dev/null
 tail -3 $OUT/server_9b.log
