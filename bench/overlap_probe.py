@@ -178,7 +178,7 @@ def main() -> None:
         own = torch.zeros(1 << 14, device=dev, dtype=torch.int32)
         shared, triton_gdn.arrival_counters = triton_gdn.arrival_counters, lambda device, n: own
         try:
-            gdn = _graph(lambda: run(triton_gdn.gdn_step, case, 32, 4, preconv=T))
+            gdn = _graph(lambda: run(triton_gdn.gdn_step, case, *triton_gdn.launch_config(K, V), preconv=T))
         finally:
             triton_gdn.arrival_counters = shared
         t_gdn = _ms(gdn.replay)

@@ -110,13 +110,14 @@ def gdn_step_cases(H=16, HV=32, K=128, V=128, W=4, M=512):
                 stride_seqs=3, live_ptr="*i32", conv_ptr="*bf16", stride_c=conv_dim, norm_w_ptr="*bf16",
                 o_ptr="*bf16", stride_o=HV * V, sumsq_ptr="*fp32", count_ptr="*i32", scale=K**-0.5, eps=1e-6,
                 norm_eps=1e-6)  # fmt: skip
-    consts = dict(H=H, HV=HV, K=K, V=V, W=W, W_BLOCK=4, T_CHUNK=gdn_step.T_CHUNK, BLOCK_V=32, PEND=4,
+    block_v, warps = gdn_step.launch_config(K, V)  # (the model's choice at these heads)
+    consts = dict(H=H, HV=HV, K=K, V=V, W=W, W_BLOCK=4, T_CHUNK=gdn_step.T_CHUNK, BLOCK_V=block_v, PEND=4,
                   STORE_ALL=False, LIVE=False, PDL=False, RELEASE=0)  # fmt: skip
     conv = dict(proj_ptr="*bf16", stride_p=step["stride_p"], conv_w_ptr="*bf16", window_ptr="*bf16",
                 stride_win_slot=conv_dim * 64, stride_win=64, slots_ptr="*i32", stride_slots=8, seqs_ptr="*i32",
                 stride_seqs=3, out_ptr="*bf16", stride_out=conv_dim)  # fmt: skip
     no_fma = ("cvt.rn.bf16.f32", "fma.rn.bf16")
-    options = dict(num_warps=4)
+    options = dict(num_warps=warps)
     return [
         ("gdn_step_loop_conv", gdn_step._gdn_step_kernel, step, dict(consts, PRECONV=False), options, no_fma),
         ("gdn_step_preconv", gdn_step._gdn_step_kernel, step, dict(consts, PRECONV=True), options, no_fma),
@@ -125,7 +126,7 @@ def gdn_step_cases(H=16, HV=32, K=128, V=128, W=4, M=512):
             gdn_step._gdn_conv_kernel,
             conv,
             dict(W=W, BLOCK_C=256, ROWS=gdn_step.CONV_ROWS, PEND=4),
-            options,
+            dict(num_warps=4),  # (launched at Triton's default)
             no_fma,
         ),
     ]

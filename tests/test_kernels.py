@@ -976,10 +976,11 @@ def test_skinny_linear_programmatic_dependent_launches_gpu():
 @gpu
 @pytest.mark.parametrize("preconv", [False, True])
 def test_gdn_step_9b_shapes_gpu(preconv):
-    """Qwen3.5-9B's GDN heads: a prefill step (its conv in the row loop, or from the pre-pass with
-    each row's inputs loaded a row ahead, f12daf8) against the reference; a verify of the same rows
-    gives the same outputs, and after keeping 4 of them the next step (their states folded from the
-    verify's window and gates) gives rows 4.. and the last state bitwise."""
+    """Qwen3.5-9B's GDN heads at the model's launch config (`triton_gdn.launch_config`, one for every
+    call): a prefill step (its conv in the row loop, or from the pre-pass with each row's inputs
+    loaded a row ahead, f12daf8) against the reference; a verify of the same rows gives the same
+    outputs, and after keeping 4 of them the next step (their states folded from the verify's window
+    and gates) gives rows 4.. and the last state bitwise."""
     H, HV, K, V, W, T, eps, T_max = 16, 32, 128, 128, 4, 9, 1e-6, 16
     half = W - 1 + T_max
     g = torch.Generator(device=DEVICE).manual_seed(5)

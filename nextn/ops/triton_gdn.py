@@ -409,6 +409,20 @@ if HAVE_TRITON:
                 tl.store(o_ptr + t * stride_o + hv * V + offs, (gated * (z / (1.0 + tl.exp(-z)))).to(dtype))
 
 
+def launch_config(K: int, V: int) -> tuple[int, int]:
+    """(block_v, num_warps) of the step kernel for heads of dims K, V: a model's one choice, since
+    block_v orders the norm's sums and the warps lay out the state's reductions, so every call
+    (decode, verify, prefill, any batch) must use the same for a row to keep its bits.
+
+    Heads of 128 x 128 (Qwen3.5-9B, 35B-A3B, Qwen3-Next): 32 columns at 2 warps. Run 179 (H100,
+    `bench/gdn_sweep.py`, us a layer, 32 x 4 -> 32 x 2): decode at B = 16 58.1 -> 43.2, a K = 3 verify
+    at B = 16 126.3 -> 79.4, a prefill of 16 x 512 rows 4,866 -> 3,547; one sequence alone pays
+    6.8 -> 7.2 (decode) and 16.5 -> 16.9 (verify), its 512-row prefill 885 -> 876. (1 warp: 2,448
+    for the 16-prompt prefill, but 8.3 / 19.4 for one sequence's decode / verify.) Smaller heads (the
+    bundled model's 64 x 64, swept at 4 warps in runs 42 / 74): 32 columns at 4 warps."""
+    return min(32, V), (2 if K * V >= 128 * 128 else 4)
+
+
 def gdn_step(
     proj: torch.Tensor,  # [M, conv_dim + HV*V + 2*HV] (last dim contiguous): every sequence's rows
     conv_weight: torch.Tensor,  # [conv_dim, W]
@@ -427,8 +441,8 @@ def gdn_step(
     out: torch.Tensor | None = None,  # [M, HV*V]
     store_all: bool = True,
     live: torch.Tensor | None = None,  # int32 [B] on the device: the rows that count (default: all)
-    block_v: int = 32,  # value columns per program (capped at V): a model's one choice (it orders the norm's sum)
-    num_warps: int = 4,
+    block_v: int | None = None,  # value columns per program (default: `launch_config`)
+    num_warps: int | None = None,  # (default: `launch_config`)
     pdl: bool = True,  # PDL where the GPU has it (the same bits): below
     preconv: int | None = None,  # a prefill step (not store_all): its longest sequence's rows, conv pre-pass
 ) -> torch.Tensor:
@@ -484,7 +498,9 @@ def gdn_step(
         raise ValueError(f"gdn_step: seqs must be int32 [3, B] (slot, first row, rows), not {tuple(seqs.shape)}")
     if live is not None and (live.dtype != torch.int32 or live.shape != (B,)):
         raise ValueError(f"gdn_step: live must be int32 [B={B}], not {live.dtype} {tuple(live.shape)}")
-    block_v = min(block_v, V)
+    chosen = launch_config(K, V)
+    block_v = min(chosen[0] if block_v is None else block_v, V)
+    num_warps = chosen[1] if num_warps is None else num_warps
     sumsq = torch.empty(M, HV, V // block_v, device=proj.device, dtype=torch.float32)
     conv = proj  # (PRECONV off: not read)
     if preconv is not None:
