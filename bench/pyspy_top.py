@@ -24,8 +24,9 @@ def main() -> None:
     data = json.load(open(args.profile))
     frames = data["shared"]["frames"]
     for prof in data["profiles"]:
-        samples, weights = prof["samples"], prof.get("weights") or [1] * len(prof["samples"])
-        total = sum(weights)
+        samples = prof["samples"]  # py-spy weighs each sample by its interval in seconds: count them
+        weights = [1] * len(samples)
+        total = len(samples)
         if total < args.min_samples:
             continue
         inclusive, inner = Counter(), Counter()
