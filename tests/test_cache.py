@@ -116,3 +116,35 @@ def test_prefilled_states_are_where_ctl_says(dense_ckpt):
         model(torch.tensor([[8, 9]]), StepBatch([cache], [2]))
         cache.commit(2)
     assert cache.get(STATE_AT) == 0 and cache.get(CONV_AT) == 2 and cache.seq_len == 5 and cache.get(PENDING) == 2
+
+
+@pytest.mark.parametrize("state_at,conv_at,pending", [(0, 0, 0), (1, 9, 0), (0, 2, 2), (1, 10, 3), (0, 4, 4)])
+def test_snapshot_gdn_gathers_what_the_host_reads_say(cfg, state_at, conv_at, pending):
+    """A checkpoint's gather at ctl's device values (no host read) holds what the host-read parts
+    hold: every GDN layer's base state, its conv columns with the pending rows' before them, and the
+    pending rows' gates; a restore brings the same parts back."""
+    torch.manual_seed(state_at * 100 + conv_at * 10 + pending)
+    cache = HybridCache(cfg, CacheLayout(2, 64, 4, draft=False), "cpu", torch.float32)
+    for name in ("window", "states", "gates"):
+        cache.tensors[name].normal_()
+    slot = cache.slot(1)
+    slot.set(state_at=state_at, conv_at=conv_at, pending=pending)
+    parts = {i: slot.gdn_parts(i) for i in cache.gdn_index}
+    slot.snapshot_gdn()
+    W = cfg.linear_conv_kernel_dim
+    assert int(slot.t("ckpt_pending")) == pending
+    for i, j in cache.gdn_index.items():
+        cols = parts[i].conv if parts[i].rows is None else parts[i].rows
+        assert cols.shape[-1] == W - 1 + pending
+        assert torch.equal(slot.t("ckpt_conv")[j][:, : W - 1 + pending], cols)
+        assert torch.equal(slot.t("ckpt_recurrent")[j], parts[i].base)
+        if pending:
+            assert torch.equal(slot.t("ckpt_gates")[j][:pending], parts[i].gates)
+    snapshot = {i: [t.clone() if t is not None else None for t in p] for i, p in parts.items()}
+    for name in ("window", "states", "gates"):
+        cache.tensors[name].normal_()  # what the slot ran after the checkpoint
+    slot.restore_gdn(20)
+    for i, before in snapshot.items():
+        after = slot.gdn_parts(i)
+        for a, b in zip(after, before, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)

@@ -287,16 +287,19 @@ class SlotCache:
 
     def snapshot_gdn(self) -> None:
         """The committed GDN states into the slot's checkpoint buffers (a prompt-end checkpoint):
-        the base, the pending rows' window columns and gates as they are (copies: no fold)."""
-        p = self.get(PENDING)
-        for i, j in self.cache.gdn_index.items():
-            parts = self.gdn_parts(i)
-            cols = parts.conv if parts.rows is None else parts.rows
-            self.t("ckpt_conv")[j][:, : cols.shape[-1]].copy_(cols)
-            self.t("ckpt_recurrent")[j].copy_(parts.base)
-            if p:
-                self.t("ckpt_gates")[j][:p].copy_(parts.gates)
-        self.t("ckpt_pending").fill_(p)
+        the base, the pending rows' window columns and gates as they are (copies: no fold), every
+        layer's in one gather at ctl's device values, with no host read: a checkpoint does not wait
+        for the device (a served prompt ends in one). The columns and gate rows past the pending
+        rows are copied too and never read (`restore_gdn` reads PENDING of them)."""
+        ctl, R = self.ctl, self.rows
+        p = ctl[PENDING : PENDING + 1].long()
+        conv_at, state_at = ctl[CONV_AT : CONV_AT + 1].long(), ctl[STATE_AT : STATE_AT + 1].long()
+        window, ckpt_conv = self.t("window"), self.t("ckpt_conv")
+        cols = conv_at - p + torch.arange(ckpt_conv.shape[-1], device=ctl.device)
+        ckpt_conv.copy_(window.index_select(2, cols.clamp_(max=window.shape[-1] - 1)))
+        self.t("ckpt_recurrent").copy_(self.t("states").index_select(1, state_at)[:, 0])
+        self.t("ckpt_gates").copy_(self.t("gates").index_select(1, state_at * R + torch.arange(R, device=ctl.device)))
+        self.t("ckpt_pending").copy_(ctl[PENDING])
 
     def restore_gdn(self, num_tokens: int) -> None:
         """Rewind to the checkpoint taken after num_tokens tokens: its base, columns and gates
