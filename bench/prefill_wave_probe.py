@@ -43,7 +43,7 @@ def wave(engine, prompts: list[list[int]], params) -> list[tuple[float, int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3.5-9b")
-    ap.add_argument("--model", default=None, help="a checkpoint instead of the preset (nextn/default_model: a CPU check)")
+    ap.add_argument("--model", default=None, help="a checkpoint, not the preset (a CPU check)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--prefill", default="steps")
