@@ -11,7 +11,9 @@ Per shape and row count M: the default (16-row tiles) us and TFLOP/s, each wide 
 whether its output equals the default's bitwise, and torch's F.linear (cuBLAS, not row-invariant)
 as the ceiling. --q8_0: the weights in Q8_0 (a GGUF file's: int8 with fp16 scales, the tile
 dequantized in the k-loop; cuBLAS over the dequantized bf16 weights). Usage (device):
-python3 bench/wide_tile_probe.py [--rows 16 256 1024 3072 8192] [--q8_0] [--json OUT]"""
+python3 bench/wide_tile_probe.py [--rows 16 256 1024 3072 8192] [--q8_0] [--extra BM,BN,WARPS,STAGES,BK ...]
+[--json OUT]. --extra: more candidates, each with its own BLOCK_K (the split kept): whether a k-tile of
+another width keeps a row's bits is what the bits column says."""
 
 from __future__ import annotations
 
@@ -45,8 +47,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 256, 1024, 3072, 8192])
     ap.add_argument("--q8_0", action="store_true", help="Q8_0 weights")
+    ap.add_argument("--extra", nargs="*", default=[], help="BM,BN,WARPS,STAGES,BK candidates beside WIDE")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    extra = [tuple(int(v) for v in c.split(",")) for c in args.extra]
     result = {"device": torch.cuda.get_device_name(), "weights": "q8_0" if args.q8_0 else "bf16", "shapes": {}}
     g = torch.Generator(device="cuda").manual_seed(0)
     for N, K, kind in SHAPES:
@@ -78,8 +82,8 @@ def main() -> None:
                 row["cublas_us"] = graph_us(lambda i, x=x, w=dw: F.linear(x, w), 1, 10)
             row["wide"] = []
             best = None
-            for bm, bn, warps, stages in WIDE:
-                cfg = (bn, base[1], warps, stages, base[4])
+            for bm, bn, warps, stages, *bk in [*WIDE, *extra]:
+                cfg = (bn, bk[0] if bk else base[1], warps, stages, base[4])
                 try:
                     y = call(cfg, bm)
                 except Exception as e:  # a tile that does not fit the SM's shared memory
