@@ -92,7 +92,12 @@ def cold(dense_ckpt) -> LLM:
 
 @pytest.fixture(scope="module")
 def live(llm):
-    with LiveServer(llm, ServeConfig(api_key=KEY, served_model_name=MODEL)) as srv:
+    # The module's client reuses its kept-alive connections from test to test, and retries nothing
+    # (max_retries=0: no retry hides a failure). A connection reused just as the server's idle timer
+    # closes it is reset ("Connection reset by peer": HTTP keep-alive's race, which openai's default
+    # client retries); CI met it once on a slow machine. The idle timers here outlast the module.
+    opts = ServerOptions(timeout_keep_alive=900, request_read_timeout=900)
+    with LiveServer(llm, ServeConfig(api_key=KEY, served_model_name=MODEL), opts) as srv:
         yield srv
 
 
