@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
+from profile_prefill import kernel_totals  # (bench/ is on the path of a bench script)
+
+from nextn.bench.measure import sync_device
 
 
 def wave(engine, prompts: list[list[int]], params) -> list[tuple[float, int]]:
@@ -68,7 +70,6 @@ def main() -> None:
         settings.update(random_weights=args.preset, tokenizer="nextn/default_model")
     llm = LLM(args.model, **settings)
     cuda = torch.cuda.is_available()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     engine = llm.engine
     vocab = min(engine.runner.cfg.vocab_size, 150_000)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -79,18 +80,13 @@ def main() -> None:
 
     wave(engine, draw(), params)  # warm-up
     measured = draw()
-    sync()
+    sync_device(engine.runner.device)
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         t0 = time.perf_counter()
         steps = wave(engine, measured, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        sync()
+        sync_device(engine.runner.device)
         wall = time.perf_counter() - t0
-    per_kernel = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[ev.name][0] += ev.device_time
-            per_kernel[ev.name][1] += 1
-    rows = sorted(((v[0], v[1], k) for k, v in per_kernel.items()), reverse=True)
+    rows = kernel_totals(prof)
     busy = sum(r[0] for r in rows) / 1e6
     tokens = args.prompts * args.prompt_len
     result = {

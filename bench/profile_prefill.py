@@ -17,6 +17,16 @@ from nextn.bench.measure import Bench, BenchConfig, time_ms
 from nextn.models.random_weights import random_model
 
 
+def kernel_totals(prof) -> list[tuple[float, int, str]]:
+    """(GPU us, launches, name) per CUDA kernel name of a torch.profiler run, the most time first."""
+    per_kernel = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name][0] += ev.device_time
+            per_kernel[ev.name][1] += 1
+    return sorted(((us, n, name) for name, (us, n) in per_kernel.items()), reverse=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3.5-9b")
@@ -34,12 +44,7 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         prefill()
         torch.cuda.synchronize()
-    per_kernel = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[ev.name][0] += ev.device_time
-            per_kernel[ev.name][1] += 1
-    rows = sorted(((v[0], v[1], k) for k, v in per_kernel.items()), reverse=True)
+    rows = kernel_totals(prof)
     gpu_ms = sum(r[0] for r in rows) / 1e3
     print(
         f"{args.preset} prefill {args.prompt_len} tokens: wall {wall_ms:.2f} ms "

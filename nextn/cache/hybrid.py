@@ -245,10 +245,19 @@ class SlotCache:
         [G, HV, K, V], gathered at ctl's device values: no host read, so a prefix snapshot does not
         wait for the device. No rows may be pending (a prefill step leaves none; `committed_gdn`
         checks it per layer with host reads)."""
-        W = self.cfg.linear_conv_kernel_dim
-        conv_at, state_at = self.ctl[CONV_AT : CONV_AT + 1].long(), self.ctl[STATE_AT : STATE_AT + 1].long()
-        cols = conv_at + torch.arange(W - 1, device=conv_at.device)
-        return self.t("window").index_select(2, cols), self.t("states").index_select(1, state_at)[:, 0]
+        return self._gathered(self.cfg.linear_conv_kernel_dim - 1)
+
+    def _gathered(self, width: int, pending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every GDN layer's window columns [G, D, width] from CONV_AT (from CONV_AT - PENDING with
+        pending: the pending rows' columns first; indices past the window clamped to its last) and
+        base state [G, HV, K, V], gathered at ctl's device values (copies, no host read)."""
+        ctl, window = self.ctl, self.t("window")
+        first = ctl[CONV_AT : CONV_AT + 1].long()
+        if pending:
+            first = first - ctl[PENDING : PENDING + 1].long()
+        cols = (first + torch.arange(width, device=ctl.device)).clamp_(max=window.shape[-1] - 1)
+        state_at = ctl[STATE_AT : STATE_AT + 1].long()
+        return window.index_select(2, cols), self.t("states").index_select(1, state_at)[:, 0]
 
     def load_gdn(self, conv: torch.Tensor, recurrent: torch.Tensor, num_tokens: int, draft_len: int) -> None:
         """An empty slot's GDN states set to every layer's conv columns [G, D, W-1] and recurrent
@@ -292,13 +301,11 @@ class SlotCache:
         for the device (a served prompt ends in one). The columns and gate rows past the pending
         rows are copied too and never read (`restore_gdn` reads PENDING of them)."""
         ctl, R = self.ctl, self.rows
-        p = ctl[PENDING : PENDING + 1].long()
-        conv_at, state_at = ctl[CONV_AT : CONV_AT + 1].long(), ctl[STATE_AT : STATE_AT + 1].long()
-        window, ckpt_conv = self.t("window"), self.t("ckpt_conv")
-        cols = conv_at - p + torch.arange(ckpt_conv.shape[-1], device=ctl.device)
-        ckpt_conv.copy_(window.index_select(2, cols.clamp_(max=window.shape[-1] - 1)))
-        self.t("ckpt_recurrent").copy_(self.t("states").index_select(1, state_at)[:, 0])
-        self.t("ckpt_gates").copy_(self.t("gates").index_select(1, state_at * R + torch.arange(R, device=ctl.device)))
+        conv, base = self._gathered(self.t("ckpt_conv").shape[-1], pending=True)
+        self.t("ckpt_conv").copy_(conv)
+        self.t("ckpt_recurrent").copy_(base)
+        rows = ctl[STATE_AT : STATE_AT + 1].long() * R + torch.arange(R, device=ctl.device)
+        self.t("ckpt_gates").copy_(self.t("gates").index_select(1, rows))
         self.t("ckpt_pending").copy_(ctl[PENDING])
 
     def restore_gdn(self, num_tokens: int) -> None:
