@@ -7,7 +7,8 @@
 # $OUT/ab_<tree>_k<K>_<out>_c<C>.json.
 #   rm -rf .base && mkdir .base && git archive REV nextn | tar x -C .base && rm -r .base/nextn/default_model \
 #     && ln -s ../../nextn/default_model .base/nextn/default_model
-#   bash bench/serve_ab.sh "3:128:16 0:512:64"   (device tool, carry .whl and .base; NUM_PER_STREAM, 8)
+#   bash bench/serve_ab.sh "3:128:16 0:512:64"   (device tool, carry .whl and .base; NUM_PER_STREAM, 8;
+#   TREES="base alt head": a third tree in .alt/, unpacked as .base is)
 set -o pipefail
 source bench/device_env.sh
 CELLS=${1:-"3:128:16 0:512:64"}
@@ -15,8 +16,8 @@ PORT=8123
 per=${NUM_PER_STREAM:-8}
 ROOT=$PWD
 [ -d .base/nextn ] || { echo "serve_ab: no .base/nextn (see the header)"; exit 2; }
-for tree in base head; do
-  dir=$ROOT; [ $tree = base ] && dir=$ROOT/.base
+for tree in ${TREES:-base head}; do  # (TREES: more trees, each X but head unpacked in .X/ as .base is)
+  dir=$ROOT; [ $tree = head ] || dir=$ROOT/.$tree
   for K in $(for cell in $CELLS; do echo ${cell%%:*}; done | sort -u); do
     (cd $dir && PYTHONPATH=$dir:/tmp/site exec python3 -m nextn.cli serve --model nextn/default_model --spec-k $K \
       --max-num-seqs 64 --port $PORT --log-level warning) > $OUT/ab_server_${tree}_k$K.log 2>&1 &

@@ -7,7 +7,8 @@ tile hundreds of times and the dot is too narrow for the tensor cores. A wide ti
 program, the shape's K splits summed in the program in split order) keeps each row's arithmetic
 (the same k order and MMA; bits checked here per row count) and multiplies more rows per weight load.
 
-Per shape and row count M: the default (16-row tiles) us and TFLOP/s, each wide candidate's us and
+Per shape and row count M: the 16-row tiles' us and TFLOP/s, below WIDE_ROWS the default call's
+(mid tiles: linear_configs.mid_tile) us and whether its bits are the 16-row tiles', each wide candidate's us and
 whether its output equals the default's bitwise, and torch's F.linear (cuBLAS, not row-invariant)
 as the ceiling. --q8_0: the weights in Q8_0 (a GGUF file's: int8 with fp16 scales, the tile
 dequantized in the k-loop; cuBLAS over the dequantized bf16 weights). Usage (device):
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from nextn.ops.fp8 import dequantize
-from nextn.ops.linear_configs import pick_config
+from nextn.ops.linear_configs import TILE_ROWS, WIDE_ROWS, mid_tile, pick_config
 from nextn.ops.linear_tune import graph_us
 from nextn.ops.q8_0 import q8_0_quantize
 from nextn.ops.triton_linear import skinny_linear
@@ -81,6 +82,11 @@ def main() -> None:
                 )
             else:
                 row["cublas_us"] = graph_us(lambda i, x=x, w=dw: F.linear(x, w), 1, 10)
+            if TILE_ROWS < M < WIDE_ROWS:  # the default call: mid tiles (linear_configs.mid_tile)
+                y = skinny_linear(x, w, **kw)
+                us = graph_us(lambda i, x=x, w=w, kw=kw: skinny_linear(x, w, **kw), 1, 10)
+                row["mid"] = [mid_tile(N, K, M, kind == "silu_mul", 2, *(("q8_0", 1) if args.q8_0 else ())),
+                              round(us, 2), bool(torch.equal(y.view(torch.int16), ref.view(torch.int16)))]  # fmt: skip
             row["wide"] = []
             best = None
             for bm, bn, warps, stages, *bk in extra if args.only_extra else [*WIDE, *extra]:
@@ -99,8 +105,10 @@ def main() -> None:
             result["shapes"][f"{N}x{K} {kind} M={M}"] = row
             tf = lambda us, flops=flops: flops / us / 1e6  # noqa: E731
             diff = [c for c in row["wide"] if len(c) == 4 and not c[3]]
+            mid = f"mid {row['mid'][0]} {row['mid'][1]:.1f} us (bits {row['mid'][2]}), " if "mid" in row else ""
             print(
                 f"wide: {N}x{K} {kind} M={M}: 16-row {row['default_us']:.1f} us ({tf(row['default_us']):.0f} TFLOP/s), "
+                + mid
                 + (f"best wide {best[0]} {best[1]} {best[2]:.1f} us ({tf(best[2]):.0f}), " if best else "no wide, ")
                 + f"cuBLAS {row['cublas_us']:.1f} us ({tf(row['cublas_us']):.0f}); other bits: {diff}",
                 flush=True,

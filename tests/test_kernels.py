@@ -711,7 +711,7 @@ def test_gdn_step_batch_equals_each_sequence_alone():
 
 
 def test_skinny_linear_rows_past_one_tile():
-    """More than 16 rows (a batch's) run as 16-row tiles: each row bitwise what it gives alone."""
+    """More than 16 rows (a batch's) run in a mid tile: each row bitwise what it gives alone."""
     g = torch.Generator(device=DEVICE).manual_seed(12)
     x, w, w2, res = _linear_case(37, 48, 64, torch.bfloat16, g)
     for name, (kw, ref) in _linear_variants(x, w, w2, res).items():
@@ -734,13 +734,14 @@ def test_skinny_linear_rows_past_one_tile():
 @pytest.mark.gpu  # (also on the CPU: the mark puts it in the GPU runs' `-m gpu`, which had left it out)
 @pytest.mark.parametrize("config", [(16, 16, 4, 1, 1), (16, 16, 4, 1, 2), (32, 32, 4, 1, 2)])
 @pytest.mark.parametrize("block_m", [32, 64])
-def test_skinny_linear_wide_tiles_keep_the_bits(config, block_m):
-    """A prefill's rows in wide tiles (block_m rows a program, its K splits summed in the program in
-    split order) give the 16-row tiles' bits, row for row: the plain GEMM, both epilogues and the
-    norm between two GEMMs. A wide tile reducing its splits in another order, or rows whose
-    arithmetic followed the tile, would differ."""
+@pytest.mark.parametrize("M", [70, 262])  # a mid tile's call (splits in programs of their own), a wide tile's
+def test_skinny_linear_wide_tiles_keep_the_bits(config, block_m, M):
+    """Rows in tiles of block_m (below WIDE_ROWS rows the K splits programs of their own, their
+    partials added by the last to arrive; from it summed in the program, in split order) give the
+    16-row tiles' bits, row for row: the plain GEMM, both epilogues and the norm between two GEMMs.
+    A tile reducing its splits in another order, or rows whose arithmetic followed the tile, would differ."""
     g = torch.Generator(device=DEVICE).manual_seed(21)
-    x, w, w2, res = _linear_case(70, 48, 64, torch.bfloat16, g)
+    x, w, w2, res = _linear_case(M, 48, 64, torch.bfloat16, g)
     for name, (kw, ref) in _linear_variants(x, w, w2, res).items():
         narrow = skinny_linear(x, w, config=config, **kw)
         _close(narrow, ref, torch.bfloat16)
@@ -854,6 +855,67 @@ def test_default_narrow_wide_tiles_keep_each_rows_bits_gpu(N, K):
         y1, n1 = skinny_linear(x[m : m + 1], w, residual=res[m : m + 1], norm_out=nw)
         assert torch.equal(_bits(y1[0]), _bits(y[m])) and torch.equal(_bits(n1.ss[:, 0]), _bits(ni.ss[:, m])), m
         assert torch.equal(_bits(skinny_linear(None, w3, rms=n1, eps=1e-6)[0]), _bits(out[m])), m
+
+
+def test_calls_between_16_and_wide_rows_take_mid_tiles(monkeypatch):
+    """A default call of 17 to WIDE_ROWS - 1 rows (a verify's, a batch's decode, a prompt's tail) runs
+    in mid tiles: the 16-row config (BLOCK_N, BLOCK_K, warps, split) with up to MID_ROWS rows a program,
+    fewer where the accumulators pass MID_ACC_REGS a thread or no two stages fit WIDE_SMEM; each row,
+    and the next norm's sums, what the 16-row tiles give, in every fusion."""
+    from nextn.ops import linear_configs as cfgs
+    from nextn.ops import triton_linear
+
+    assert cfgs.mid_tile(4096, 4096, 17, False, 2)[0] == 32
+    assert cfgs.mid_tile(4096, 4096, 200, False, 2) == (cfgs.MID_ROWS, cfgs.CONFIGS[(4096, 4096)])
+    assert cfgs.mid_tile(248320, 4096, 200, False, 2)[0] == 64  # (128 x 128 accumulators over 4 warps: 128 a thread)
+    block_m, q8 = cfgs.mid_tile(4096, 4096, 100, False, 2, "q8_0", 1)  # (two stages of 128 x 256 int8 and bf16)
+    assert (block_m, q8[:3], q8[3], q8[4:]) == (128, cfgs.Q8_0_CONFIGS[(4096, 4096)][:3], 2, (4,))
+    taken = []
+
+    def spy(*args, **kwargs):
+        taken.append(cfgs.mid_tile(*args, **kwargs))
+        return taken[-1]
+
+    monkeypatch.setattr(triton_linear, "mid_tile", spy)
+    g = torch.Generator(device=DEVICE).manual_seed(31)
+    M, N, K = 100, 96, 128
+    x, w, w2, res = _linear_case(M, N, K, torch.bfloat16, g)
+    cfg = cfgs.pick_config(N, K)
+    for name, (kw, ref) in _linear_variants(x, w, w2, res).items():
+        taken.clear()
+        out = skinny_linear(x, w, **kw)
+        assert taken and taken[0][0] > cfgs.TILE_ROWS and taken[0][1][:3] == cfg[:3], name
+        _close(out, ref, torch.bfloat16)
+        assert torch.equal(_bits(out), _bits(skinny_linear(x, w, block_m=16, **kw))), name
+    nw = _rand(N, dtype=torch.bfloat16, scale=0.3, gen=g)
+    y, ni = skinny_linear(x, w, residual=res, norm_out=nw)
+    y16, ni16 = skinny_linear(x, w, residual=res, norm_out=nw, block_m=16)
+    assert torch.equal(_bits(y), _bits(y16)) and torch.equal(_bits(ni.ss), _bits(ni16.ss))
+    taken.clear()
+    skinny_linear(x[:16], w)
+    assert not taken  # (16 rows: one 16-row tile)
+
+
+@gpu
+@pytest.mark.parametrize("M", [24, 64, 130])
+@pytest.mark.parametrize("N,K", [(4096, 4096), (12352, 4096), (4096, 12288), (1024, 384)])
+def test_mid_tiles_keep_each_rows_bits_gpu(N, K, M):
+    """Compiled at the 9B's shapes (wgmma 16-row configs) and the bundled model's (mma.sync): a default
+    call of M rows (mid tiles, linear_configs.mid_tile) gives the 16-row tiles' bits in every fusion and
+    in the norm between two GEMMs (x rows as the dot's N: 32-128 where the 16-row tiles have 16)."""
+    g = torch.Generator(device=DEVICE).manual_seed(N + 3 * K + M)
+    x, w, w2, res = _linear_case(M, N, K, torch.bfloat16, g)
+    for name, (kw, ref) in _linear_variants(x, w, w2, res).items():
+        out = skinny_linear(x, w, **kw)
+        _close(out, ref, torch.bfloat16)
+        assert torch.equal(_bits(out), _bits(skinny_linear(x, w, block_m=16, **kw))), name
+    nw = _rand(N, dtype=torch.bfloat16, scale=0.3, gen=g)
+    w3 = _rand(96, N, dtype=torch.bfloat16, scale=N**-0.5, gen=g)
+    y, ni = skinny_linear(x, w, residual=res, norm_out=nw)
+    y16, ni16 = skinny_linear(x, w, residual=res, norm_out=nw, block_m=16)
+    assert torch.equal(_bits(y), _bits(y16)) and torch.equal(_bits(ni.ss), _bits(ni16.ss))
+    out = skinny_linear(None, w3, rms=ni, eps=1e-6)
+    assert torch.equal(_bits(out), _bits(skinny_linear(None, w3, rms=ni16, eps=1e-6, block_m=16)))
 
 
 def test_skinny_linear_default_wide_tiles_keep_each_rows_bits():

@@ -368,14 +368,17 @@ class ModelRunner:
         on a compile: a piece of one row (a cached prompt's last token; one-row launches are arranged
         as a decode's, nextn.ops.triton_utils.row_launch), one of a few rows, and two pieces of
         WIDE_ROWS rows together (the GEMMs' wide tiles, nextn.ops.linear_configs), each with its MTP
-        head's catch-up where the engine drafts, on slots reset after."""
+        head's catch-up where the engine drafts, on slots reset after. Between them, pieces of 9, 18, 34
+        and 66 rows: 16-row tiles and the mid tiles of 32, 64 and 128 rows a program (linear_configs.mid_tile),
+        the head's a row fewer in the same tiles."""
         if self.config.prefill != "steps":
             return
         slots = list(range(min(2, self.pool.num_slots)))
         wide = -(-WIDE_ROWS // len(slots)) + 1  # (the head's catch-up takes a row fewer a prompt)
-        for lengths in ([1], [17], [wide] * len(slots)):
+        mid = [[n] for n in (9, 18, 34, 66) if n < WIDE_ROWS]
+        for lengths in ([1], *mid, [wide] * len(slots)):
             pieces = []
-            for slot, n in zip(slots, lengths, strict=False):  # ([1] and [17]: the first slot)
+            for slot, n in zip(slots, lengths, strict=False):  # (one piece: the first slot)
                 self.slot(slot).reset()
                 n = min(n, self.slot(slot).max_len - 1)
                 pieces.append(Piece(Sequence(slot, heads=heads), [0] * n))

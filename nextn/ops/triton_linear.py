@@ -6,11 +6,14 @@ owns BLOCK_N output columns for every row: it streams its weight rows once (so a
 each weight byte exactly once) and multiplies each [BLOCK_N, BLOCK_K] weight tile with all rows
 padded to 16 in one tensor-core dot (weights as the 16+-row operand: "swap AB"). Block sizes are
 chosen from (N, K) alone and M is never specialised, so the reduction order of a row does not
-depend on M. More than 16 rows (a batch of sequences) run as tiles of 16, each computed exactly
-as a 16-row call; a weight block's tiles are neighbouring programs, so they share its L2 reads.
-From WIDE_ROWS rows (a prefill step's; bf16 / fp16 or Q8_0 weights, FP8's chained dots keep 16-row
-tiles) a program owns 64 or 128 rows instead, and a split-K shape's splits are summed in the
-program, in the split order the 16-row tiles' last arrival adds them: the dot is wide enough for
+depend on M. More than 16 rows (a verify's B x (K + 1), a batch's decode, a prompt's tail) run in
+mid tiles (linear_configs.mid_tile): the 16-row config, 32-128 rows a program, each row summed by
+the same MMA in the same k order, the splits programs of their own; so the program streams its
+weight slice once for all its rows, where tiles of 16 (neighbouring programs sharing the slice in
+L2) each ran their own loads, pipeline and narrow dots. From WIDE_ROWS rows (a prefill step's;
+bf16 / fp16 or Q8_0 weights, FP8's chained dots keep 16-row tiles) a program owns 64 or 128 rows
+instead, and a split-K shape's splits are summed in the program, in the split order the 16-row
+tiles' last arrival adds them: the dot is wide enough for
 the tensor cores, and each row's products are summed in the same k order by the same MMA, so its
 bits do not change (checked on the GPU per shape and row count: bench/wide_tile_probe.py, bf16; a
 prompt row must be what a decode row of it would be). The same MMA: a 16-row config of 64 weight rows
@@ -83,6 +86,7 @@ from nextn.ops.linear_configs import (
     WAY_TMA,
     WAY_XMAJOR,
     WIDE_ROWS,
+    mid_tile,
     pick_config,
     takes_block_k,
     takes_way,
@@ -499,6 +503,8 @@ def skinny_linear(
                 N, K, up_weight is not None, x.element_size(), norm_out is not None, quant, weight.element_size()
             )
             norm_block = pick_config(N, K, quant)[0]  # the 16-row tiles' BLOCK_N: their sums' grouping
+        elif config is None and (not fp8 or fmt == Q8_0) and M > TILE_ROWS:  # (the 16-row config's BLOCK_N)
+            block_m, config = mid_tile(N, K, M, up_weight is not None, x.element_size(), quant, weight.element_size())
     block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, quant)
     way = way[0] if way else 0
     if not takes_way(way, fmt):
@@ -518,7 +524,9 @@ def skinny_linear(
         )
     if block_m % TILE_ROWS or not TILE_ROWS <= block_m <= 256:
         raise ValueError(f"skinny_linear: block_m {block_m} is not a multiple of {TILE_ROWS} up to 256")
-    serial = split if block_m > TILE_ROWS else 1  # a wide tile's program sums its splits itself
+    # a wide tile's program sums its splits itself; a tile of more rows than 16 in a call of fewer than WIDE_ROWS
+    # (a mid tile) leaves them to programs of their own, as the 16-row tiles (the same order of adds either way)
+    serial = split if block_m > TILE_ROWS and M >= WIDE_ROWS else 1
     split = split // serial
     dummy = weight
     part = count = dummy
