@@ -126,14 +126,15 @@ def mid_tile(
     splits' partials added in split order by the last to arrive, as a 16-row tile's) with M rows a
     program, to the power of two, up to MID_ROWS, as far as the accumulators fit MID_ACC_REGS a thread
     and the launch keeps NUM_SMS programs; its pipeline stages as many of the 16-row config's as fit
-    WIDE_SMEM (no bits depend on them). TILE_ROWS where none of 32 rows or more does. (The programs:
-    the bundled model's small weights, 24-64 programs a 16-row tile, served 0.86-0.90x as fast in
-    tiles of 128 rows as in 16-row tiles, run 181, where the 9B's shapes, 194-1,940 programs, run
-    1.1-3.1x as fast at 48-240 rows.)"""
+    WIDE_SMEM (no bits depend on them). TILE_ROWS where none of 32 rows or more does, and for configs
+    narrower than WGMMA_ROWS (mma.sync) or quantized weights. Measured (run 181, H100): the 9B's bf16
+    shapes (wgmma, 194-1,940 programs a launch) run 1.0-3.1x as fast at 24-240 rows, the same bits;
+    the bundled model's (mma.sync, 24-64 programs a 16-row tile) served 0.86-0.90x as fast in tiles
+    of 128 rows (prefills slower, rounds faster), and no GPU has run mid tiles over Q8_0 weights."""
     w_bytes = x_bytes if w_bytes is None else w_bytes
     narrow = pick_config(N, K, quant)
     block_n, block_k, warps, stages, split, *_ = narrow
-    block_m = min(MID_ROWS, next_pow2(M))
+    block_m = min(MID_ROWS, next_pow2(M)) if block_n >= WGMMA_ROWS and not quant else TILE_ROWS
     while block_m > TILE_ROWS and (
         (2 if dual else 1) * block_n * block_m > MID_ACC_REGS * 32 * warps
         or WIDE_SMEM // (((2 if dual else 1) * block_n * w_bytes + block_m * x_bytes) * block_k) < 2
