@@ -6,15 +6,15 @@ owns BLOCK_N output columns for every row: it streams its weight rows once (so a
 each weight byte exactly once) and multiplies each [BLOCK_N, BLOCK_K] weight tile with all rows
 padded to 16 in one tensor-core dot (weights as the 16+-row operand: "swap AB"). Block sizes are
 chosen from (N, K) alone and M is never specialised, so the reduction order of a row does not
-depend on M. More than 16 rows (a verify's B x (K + 1), a batch's decode, a prompt's tail) run in
-mid tiles (linear_configs.mid_tile): the 16-row config, 32-128 rows a program, each row summed by
-the same MMA in the same k order, the splits programs of their own; so the program streams its
-weight slice once for all its rows, where tiles of 16 (neighbouring programs sharing the slice in
-L2) each ran their own loads, pipeline and narrow dots. From WIDE_ROWS rows (a prefill step's;
-bf16 / fp16 or Q8_0 weights, FP8's chained dots keep 16-row tiles) a program owns 64 or 128 rows
-instead, and a split-K shape's splits are summed in the program, in the split order the 16-row
-tiles' last arrival adds them: the dot is wide enough for
-the tensor cores, and each row's products are summed in the same k order by the same MMA, so its
+depend on M. More than 16 rows (a verify's B x (K + 1), a batch's decode, a prompt's tail) run as
+tiles of 16, each computed exactly as a 16-row call (a weight block's tiles are neighbouring
+programs, sharing its L2 reads), or, over bf16 / fp16 weights of a wgmma config, in mid tiles
+(linear_configs.mid_tile): the 16-row config with 32-128 rows a program, the splits programs of
+their own, so a program streams its weight slice once for all its rows. From WIDE_ROWS rows (a
+prefill step's; bf16 / fp16 or Q8_0 weights, FP8's chained dots keep 16-row tiles) a program owns
+64 or 128 rows, and a split-K shape's splits are summed in the program, in the split order the
+16-row tiles' last arrival adds them. Either way the dot is wide enough for the tensor cores, and
+each row's products are summed in the same k order by the same MMA, so its
 bits do not change (checked on the GPU per shape and row count: bench/wide_tile_probe.py, bf16; a
 prompt row must be what a decode row of it would be). The same MMA: a 16-row config of 64 weight rows
 or more is a wgmma, as the wide tile's 64-128 are; a narrower one an mma.sync, which sums otherwise,
