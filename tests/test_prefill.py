@@ -123,3 +123,53 @@ def test_a_resumed_session_equals_a_cold_run(dense_fitted_ckpt):
     (warm, cached), (cold, none) = outputs.values()
     assert cached > 14 and none == 0
     assert warm == cold
+
+
+def test_a_mixed_step_gives_each_sequence_its_own_step(dense_fitted_ckpt):
+    """A mixed trunk step (verify rows of one sequence, then a prompt piece of another: `pieces_from`)
+    gives each what its own step gives, bit for bit: the verify's logits and hiddens, the piece's
+    last logits and hiddens, and every cache buffer the two steps write (the verify's GDN states,
+    gates and window, the piece's last state and columns, both sequences' K/V)."""
+    from nextn.cache import StepBatch
+
+    engine = _engine(dense_fitted_ckpt, "triton")
+    runner, V, H = engine.runner, engine.runner.cfg.vocab_size, engine.runner.cfg.hidden_size
+    with torch.inference_mode():
+        verifying, piece = _fresh(runner, 0), _fresh(runner, 1)
+        runner.prefill([Piece(verifying, PROMPT), Piece(piece, OTHER[:4])])
+        slots, R, rest = [runner.slot(0), runner.slot(1)], runner.slot(0).rows, OTHER[4:]
+        v_ids, n = [PROMPT[3], PROMPT[5], PROMPT[8]][:R], len(rest)
+        ids = torch.tensor(v_ids + rest, device=DEVICE)
+        tensors = runner.pool.cache.tensors
+        before = {k: t.clone() for k, t in tensors.items()}
+        top = max(len(PROMPT) + R, 4 + n)
+
+        def buffers(rows):
+            return torch.empty(rows, V, device=DEVICE), torch.empty(R + n, H, device=DEVICE, dtype=torch.bfloat16)
+
+        # each alone: a verify step (every state kept), then a prefill step of the piece (its last kept)
+        lv, hv = buffers(R)
+        runner.step.trunk(StepBatch(slots[:1], [R]), ids[:R], lv, hv[:R])
+        lp, hp = buffers(1)
+        last = torch.tensor([n - 1], device=DEVICE)
+        runner.step.trunk(StepBatch(slots[1:], [n], max_pos=top), ids[R:], lp, hp[:n], store_all=False, logit_rows=last)
+        alone = {k: t.clone() for k, t in tensors.items()}
+        for k, t in tensors.items():
+            t.copy_(before[k])
+        # one mixed step
+        lm, hm = buffers(R + 1)
+        rows = torch.tensor([*range(R), R + n - 1], device=DEVICE)
+        runner.step.trunk(StepBatch(slots, [R, n], max_pos=top), ids, lm, hm, logit_rows=rows, pieces_from=1)
+        assert torch.equal(lm[:R], lv) and torch.equal(lm[R:], lp)
+        assert torch.equal(hm[:R], hv[:R]) and torch.equal(hm[R:], hp[:n])
+        for k, t in tensors.items():
+            assert torch.equal(_bits16(t), _bits16(alone[k])), k
+        assert not all(torch.equal(_bits16(alone[k]), _bits16(before[k])) for k in tensors)  # (the steps wrote)
+        with pytest.raises(ValueError, match="mixed step"):
+            runner.step.trunk(StepBatch(slots, [R, n]), ids, lm, hm, store_all=False, pieces_from=1)
+
+
+def _bits16(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as int16 / int32 / int8 words (NaN bit patterns compare as themselves)."""
+    kind = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(kind)

@@ -369,9 +369,10 @@ class TritonStep:
                 self.attn.attend_step(*args, out=o[a:b], max_pos=max_pos, **scales)
         return self._mlp(*self._add(x, o, w.o_proj, self._mlp_norm(w.mlp)), w.mlp, w.next_norm)
 
-    def _gdn(self, x, ni, w: GDNWeights, batch: StepBatch, j: int, step: dict):
-        """(the layer's output, the next norm's NormInput or None); ni: the input norm's; step: the GDN
-        step kernel's store_all, live and preconv (`trunk`)."""
+    def _gdn(self, x, ni, w: GDNWeights, batch: StepBatch, j: int, steps: list[dict]):
+        """(the layer's output, the next norm's NormInput or None); ni: the input norm's; steps: the GDN
+        step kernel's launches, each its sequences (seqs) with its store_all, live and preconv (`trunk`),
+        into one output."""
         if len(w.in_proj) == 1:
             proj = self._project(ni, w.in_proj[0])  # [M, conv | z | b | a]
         else:  # runs of one kind (FP8 qkv | z, bf16 b | a), each into its columns
@@ -380,10 +381,12 @@ class TritonStep:
             for part in w.in_proj:
                 self._project(ni, part, out=proj[:, col : col + part.shape[0]])
                 col += part.shape[0]
-        o = self._gdn_mix(proj, w, batch.cache, j, batch.seqs, **step)
+        o = None
+        for step in steps:  # (each launch writes its sequences' rows of o)
+            o = self._gdn_mix(proj, w, batch.cache, j, out=o, **step)
         return self._mlp(*self._add(x, o, w.out_proj, self._mlp_norm(w.mlp)), w.mlp, w.next_norm)
 
-    def _gdn_mix(self, proj, w: GDNWeights, cache: HybridCache, j: int, seqs, **step):
+    def _gdn_mix(self, proj, w: GDNWeights, cache: HybridCache, j: int, **step):
         """The GDN step kernel of GDN layer j over proj's rows (nextn.ops.triton_gdn.gdn_step; step:
         its store_all, live and preconv)."""
         t = cache.tensors
@@ -399,10 +402,27 @@ class TritonStep:
             self.cfg.linear_num_key_heads,
             self.eps,
             slots=cache.ctl[:, STATE_AT:],
-            seqs=seqs,
             pending_col=PENDING - STATE_AT,
             **step,
         )
+
+    def _gdn_launches(self, batch: StepBatch, split: int, store_all: bool, live: torch.Tensor | None) -> list[dict]:
+        """The GDN step kernel's launches of a trunk step: its sequences before split (a verify's,
+        store_all, or a prefill step's) and after it (a mixed step's prompt pieces: not store_all),
+        each with its seqs (a device copy of the batch's columns: a graph's replay copies them again).
+        A bf16 prefill launch of more than a row a sequence computes the GDN conv of its rows in a
+        pre-pass (bf16's products are rounded by integer ops there, which no compiler contracts:
+        triton_gdn._rounded; fp16 / fp32 keep the loop's conv, as one-row steps do: tests/test_prefill.py
+        sets them side by side)."""
+        B, launches = len(batch.rows), []
+        for lo, hi, keep in ((0, split, store_all), (split, B, False)):
+            if lo == hi:
+                continue
+            rows = max(batch.rows[lo:hi])
+            preconv = rows if not keep and rows > 1 and self.embed.dtype == torch.bfloat16 else None
+            seqs = batch.seqs if hi - lo == B else batch.seqs[:, lo:hi].contiguous()
+            launches.append(dict(seqs=seqs, store_all=keep, live=live if lo == 0 else None, preconv=preconv))
+        return launches
 
     def fold(self, caches: list[SlotCache]) -> None:
         """Each slot's pending GDN rows into its base state: a step of no rows (the kernel folds, then
@@ -415,7 +435,7 @@ class TritonStep:
                 width = sum(p.shape[0] for p in w.in_proj)
                 # one row that no sequence reads (a zero-size tensor has no address to mask loads from)
                 proj = torch.zeros(1, width, device=seqs.device, dtype=cache.tensors["window"].dtype)
-                self._gdn_mix(proj, w, cache, cache.gdn_index[layer.layer_idx], seqs, store_all=False)
+                self._gdn_mix(proj, w, cache, cache.gdn_index[layer.layer_idx], seqs=seqs, store_all=False)
 
     def trunk(
         self,
@@ -426,6 +446,7 @@ class TritonStep:
         store_all: bool = True,
         live: torch.Tensor | None = None,
         logit_rows: torch.Tensor | None = None,
+        pieces_from: int | None = None,
     ) -> None:
         """ids [M]: each sequence's rows at its positions SEQ_LEN..: logits [M, V] float32 (or [n, V]
         of the rows logit_rows [n] long: a prefill step's last rows) and head-input hiddens [M, H]
@@ -433,19 +454,22 @@ class TritonStep:
         store_all=False: a prefill step of any number of rows per sequence, which keeps them all.
         live (int32 [B] device, default all): the rows of each sequence that
         count (a verify whose gate cut drafts): the GDN recurrences stop there (their serial
-        per-row work is what rows cost a small model), and rows past them are garbage."""
+        per-row work is what rows cost a small model), and rows past them are garbage.
+        pieces_from (with store_all): a mixed step, the sequences from this index on prompt pieces,
+        each kept whole as a prefill step keeps it (their GDN rows in a launch of their own), the
+        ones before verify rows (live, when given, is theirs); every other kernel runs all rows at
+        once, each row's arithmetic its own, so the step gives each sequence what the two steps
+        would, bit for bit."""
         norm = self.norm.rms_norm
-        if store_all and max(batch.rows) > batch.caches[0].rows:  # past the slots' state buffers
+        split = len(batch.rows) if pieces_from is None else pieces_from
+        kept = batch.rows[:split] if store_all else ()
+        if kept and max(kept) > batch.caches[0].rows:  # past the slots' state buffers
             raise ValueError(f"a step keeping every state takes at most {batch.caches[0].rows} rows per sequence")
+        if pieces_from is not None and (not store_all or not 0 <= split < len(batch.rows)):
+            raise ValueError(f"a mixed step takes verify rows then prompt pieces, not pieces from {pieces_from}")
         pos = batch.row_positions(batch.field(SEQ_LEN))
-        # a bf16 prefill step of more than a row a sequence: the GDN conv of its rows in a pre-pass
-        # (bf16's products are rounded by integer ops there, which no compiler contracts:
-        # triton_gdn._rounded; fp16 / fp32 keep the loop's conv, as one-row steps do:
-        # tests/test_prefill.py sets them side by side)
-        rows = max(batch.rows)
-        preconv = rows if not store_all and rows > 1 and self.embed.dtype == torch.bfloat16 else None
-        step = dict(store_all=store_all, live=live, preconv=preconv)
         x = embed(ids, self.embed, self.cfg)
+        steps = self._gdn_launches(batch, split, store_all, live)
         ni = None  # the next layer's input norm's NormInput, where the layer before wrote it
         for layer, w in zip(self.model.model.layers, self.layers, strict=True):
             i = layer.layer_idx
@@ -454,7 +478,7 @@ class TritonStep:
             if layer.kind == FULL:
                 x, ni = self._attn(x, ni, w, batch.cache.kv(i), batch, pos, 0)
             else:
-                x, ni = self._gdn(x, ni, w, batch, batch.cache.gdn_index[i], step)
+                x, ni = self._gdn(x, ni, w, batch, batch.cache.gdn_index[i], steps)
         normed = norm(x, self.final_norm, self.eps, out=hidden if self.after_norm else None)
         self._logits(normed if logit_rows is None else normed.index_select(0, logit_rows), None, logits)
         if not self.after_norm:
