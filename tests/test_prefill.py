@@ -125,14 +125,15 @@ def test_a_resumed_session_equals_a_cold_run(dense_fitted_ckpt):
     assert warm == cold
 
 
-def test_a_mixed_step_gives_each_sequence_its_own_step(dense_fitted_ckpt):
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_a_mixed_step_gives_each_sequence_its_own_step(dense_fitted_ckpt, kernels):
     """A mixed trunk step (verify rows of one sequence, then a prompt piece of another: `pieces_from`)
     gives each what its own step gives, bit for bit: the verify's logits and hiddens, the piece's
     last logits and hiddens, and every cache buffer the two steps write (the verify's GDN states,
     gates and window, the piece's last state and columns, both sequences' K/V)."""
     from nextn.cache import StepBatch
 
-    engine = _engine(dense_fitted_ckpt, "triton")
+    engine = _engine(dense_fitted_ckpt, kernels)
     runner, V, H = engine.runner, engine.runner.cfg.vocab_size, engine.runner.cfg.hidden_size
     with torch.inference_mode():
         verifying, piece = _fresh(runner, 0), _fresh(runner, 1)

@@ -63,12 +63,13 @@ class GatedDeltaNet(nn.Module):
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def forward(
-        self, x: torch.Tensor, cache: SlotCache | StepBatch | None, ops: Ops, store_all: bool = True
+        self, x: torch.Tensor, cache: SlotCache | StepBatch | None, ops: Ops, store_all: bool | tuple[bool, ...] = True
     ) -> torch.Tensor:
         """x [B, T, H]. A SlotCache or None: prefill or training (the Ops table's chunked rule; with
         a cache the final states go to the write halves). A StepBatch: a step, x [1, M, H] holding its sequences'
         rows; each runs the recurrent rule from its slot's committed states, and its window and
-        the state after each token (or the last only if not store_all) go to its step buffers."""
+        the state after each token (or the last only if not store_all: one flag, or one a sequence) go
+        to its step buffers."""
         B, T, _ = x.shape
         mixed_qkv, z, b, a = self.project(x)
         if isinstance(cache, StepBatch):  # each sequence's rows padded to whole STEP_ROWS tiles, like a step alone
@@ -76,7 +77,8 @@ class GatedDeltaNet(nn.Module):
             for s, slot in enumerate(cache.caches):
                 rows, n = slice(cache.offsets[s], cache.offsets[s + 1]), cache.rows[s]
                 mixed = [pad_dim1(t[:, rows], -(-n // STEP_ROWS) * STEP_ROWS) for t in (mixed_qkv, b, a)]
-                parts.append(self._mix(*mixed, slot, None, store_all, n)[:, :n])
+                keep = store_all[s] if isinstance(store_all, tuple) else store_all
+                parts.append(self._mix(*mixed, slot, None, keep, n)[:, :n])
             o = pad_dim1(torch.cat(parts, dim=1), T)  # the batch's pad rows stay zero
         else:
             o = self._mix(mixed_qkv, b, a, cache, ops, store_all)

@@ -42,7 +42,7 @@ class DecoderLayer(nn.Module):
         start: int | list[int],
         ops: Ops,
         kv: KV | list[KV] | None = None,
-        store_all: bool = True,
+        store_all: bool | tuple[bool, ...] = True,
     ):
         """x [B, T, H] at positions start.. (prefill with a SlotCache, training without), or a step's
         packed rows [1, M, H] (a StepBatch; start: each sequence's first position); rope: (cos, sin)

@@ -80,7 +80,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,  # [B, T]
         cache: SlotCache | StepBatch | None = None,
         ops: Ops | None = None,
-        store_all: bool = True,
+        store_all: bool | tuple[bool, ...] = True,
     ) -> torch.Tensor:
         """Returns the last layer's hidden states before the final norm [B, T, H].
 
@@ -88,13 +88,15 @@ class CausalLM(nn.Module):
         GDN states go home. With a StepBatch (the reference step), input_ids [1, M] are its
         sequences' rows, each sequence's at its slot's positions; the GDN states stay in the step
         buffers (the state after every token, or the last only when not store_all) for the
-        caller's commit. ops: the kernels of prefill / training (default: the references).
+        caller's commit; store_all may be one flag a sequence (a mixed step's). ops: the kernels of
+        prefill / training (default: the references).
         """
         T = input_ids.shape[1]
         if isinstance(cache, StepBatch):
             start = [c.seq_len for c in cache.caches]
-            for first, rows in zip(start, cache.rows, strict=True):
-                if (store_all and rows > STEP_ROWS) or first + rows > cache.cache.layout.capacity:
+            keeps = store_all if isinstance(store_all, tuple) else (store_all,) * len(start)
+            for first, rows, keep in zip(start, cache.rows, keeps, strict=True):
+                if (keep and rows > STEP_ROWS) or first + rows > cache.cache.layout.capacity:
                     raise ValueError(f"a step of {rows} rows at position {first} does not fit the cache")
             positions = [first + i for first, rows in zip(start, cache.rows, strict=True) for i in range(rows)]
             # whole tiles of STEP_ROWS rows: every op's shape is a multiple of the step's, so a
@@ -185,10 +187,18 @@ class ReferenceStep:
         store_all: bool = True,
         live: torch.Tensor | None = None,
         logit_rows: torch.Tensor | None = None,
+        pieces_from: int | None = None,
     ) -> None:
         """ids [M]: the batch's rows; logits [M, V] float32 (or [n, V] of the rows logit_rows [n]
         long) and head-input hiddens [M, H] written. live (the rows of each sequence that count, as
-        the fused step takes it): every row is computed here; the rows that count are the same either way."""
+        the fused step takes it): every row is computed here; the rows that count are the same either way.
+        pieces_from (with store_all): a mixed step, the sequences from this index on prompt pieces
+        (each kept whole, as a prefill step keeps it), as TritonStep.trunk takes it."""
+        B = len(batch.rows)
+        if pieces_from is not None:
+            if not store_all or not 0 <= pieces_from < B:
+                raise ValueError(f"a mixed step takes verify rows then prompt pieces, not pieces from {pieces_from}")
+            store_all = tuple(s < pieces_from for s in range(B))
         h = self.model(ids[None], batch, store_all=store_all)[0]
         normed = self.model.final_norm(h)
         logits.copy_(self.model.logits(normed if logit_rows is None else normed.index_select(0, logit_rows)))
