@@ -127,10 +127,10 @@ def test_a_resumed_session_equals_a_cold_run(dense_fitted_ckpt):
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_a_mixed_step_gives_each_sequence_its_own_step(dense_fitted_ckpt, kernels):
-    """A mixed trunk step (verify rows of one sequence, then a prompt piece of another: `pieces_from`)
-    gives each what its own step gives, bit for bit: the verify's logits and hiddens, the piece's
-    last logits and hiddens, and every cache buffer the two steps write (the verify's GDN states,
-    gates and window, the piece's last state and columns, both sequences' K/V)."""
+    """A mixed trunk step (verify rows of one sequence, then a prompt piece of another: StepBatch's
+    pieces_from) gives each what its own step gives, bit for bit: the verify's logits and hiddens,
+    the piece's last logits and hiddens, and every cache buffer the two steps write (the verify's
+    GDN states, gates and window, the piece's last state and columns, both sequences' K/V)."""
     from nextn.cache import StepBatch
 
     engine = _engine(dense_fitted_ckpt, kernels)
@@ -160,14 +160,16 @@ def test_a_mixed_step_gives_each_sequence_its_own_step(dense_fitted_ckpt, kernel
         # one mixed step
         lm, hm = buffers(R + 1)
         rows = torch.tensor([*range(R), R + n - 1], device=DEVICE)
-        runner.step.trunk(StepBatch(slots, [R, n], max_pos=top), ids, lm, hm, logit_rows=rows, pieces_from=1)
+        runner.step.trunk(StepBatch(slots, [R, n], max_pos=top, pieces_from=1), ids, lm, hm, logit_rows=rows)
         assert torch.equal(lm[:R], lv) and torch.equal(lm[R:], lp)
         assert torch.equal(hm[:R], hv[:R]) and torch.equal(hm[R:], hp[:n])
         for k, t in tensors.items():
             assert torch.equal(_bits16(t), _bits16(alone[k])), k
         assert not all(torch.equal(_bits16(alone[k]), _bits16(before[k])) for k in tensors)  # (the steps wrote)
         with pytest.raises(ValueError, match="mixed step"):
-            runner.step.trunk(StepBatch(slots, [R, n]), ids, lm, hm, store_all=False, pieces_from=1)
+            runner.step.trunk(StepBatch(slots, [R, n], pieces_from=1), ids, lm, hm, store_all=False)
+        with pytest.raises(ValueError, match="no pieces from 2"):
+            StepBatch(slots, [R, n], pieces_from=2)
 
 
 def _bits16(t: torch.Tensor) -> torch.Tensor:

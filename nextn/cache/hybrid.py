@@ -332,12 +332,18 @@ class StepBatch:
     offsets[b+1] of the step's ids, logits and hiddens. Host tuples for the reference modules;
     int32 device tensors for the kernels, made once (a CUDA graph holds them)."""
 
-    def __init__(self, caches: list[SlotCache], rows: list[int], max_pos: int | None = None):
+    def __init__(
+        self, caches: list[SlotCache], rows: list[int], max_pos: int | None = None, pieces_from: int | None = None
+    ):
         """max_pos: a bound on every row's position known on the host (an eager prefill step's: the
-        attention then launches for the positions rows can reach), None in a graph."""
+        attention then launches for the positions rows can reach), None in a graph. pieces_from: a
+        mixed step's, its sequences from this index on prompt pieces (each kept whole, as a prefill
+        step keeps it), the ones before verify rows (the step's trunk)."""
         if not caches or len(caches) != len(rows) or min(rows) < 1:
             raise ValueError(f"a step batch needs one row count >= 1 per sequence, got {list(rows)}")
-        self.caches, self.rows, self.max_pos = tuple(caches), tuple(rows), max_pos
+        if pieces_from is not None and not 0 <= pieces_from < len(rows):
+            raise ValueError(f"a mixed step batch of {len(rows)} sequences has no pieces from {pieces_from}")
+        self.caches, self.rows, self.max_pos, self.pieces_from = tuple(caches), tuple(rows), max_pos, pieces_from
         self.cache = caches[0].cache
         self.offsets = tuple(itertools.accumulate(rows, initial=0))
         self.num_rows = self.offsets[-1]

@@ -187,18 +187,16 @@ class ReferenceStep:
         store_all: bool = True,
         live: torch.Tensor | None = None,
         logit_rows: torch.Tensor | None = None,
-        pieces_from: int | None = None,
     ) -> None:
         """ids [M]: the batch's rows; logits [M, V] float32 (or [n, V] of the rows logit_rows [n]
         long) and head-input hiddens [M, H] written. live (the rows of each sequence that count, as
         the fused step takes it): every row is computed here; the rows that count are the same either way.
-        pieces_from (with store_all): a mixed step, the sequences from this index on prompt pieces
-        (each kept whole, as a prefill step keeps it), as TritonStep.trunk takes it."""
-        B = len(batch.rows)
-        if pieces_from is not None:
-            if not store_all or not 0 <= pieces_from < B:
-                raise ValueError(f"a mixed step takes verify rows then prompt pieces, not pieces from {pieces_from}")
-            store_all = tuple(s < pieces_from for s in range(B))
+        A mixed step (batch.pieces_from, with store_all): its prompt pieces kept whole, as
+        TritonStep.trunk keeps them."""
+        if batch.pieces_from is not None:
+            if not store_all:
+                raise ValueError("a mixed step (verify rows, then prompt pieces) keeps its verify rows' states")
+            store_all = tuple(s < batch.pieces_from for s in range(len(batch.rows)))
         h = self.model(ids[None], batch, store_all=store_all)[0]
         normed = self.model.final_norm(h)
         logits.copy_(self.model.logits(normed if logit_rows is None else normed.index_select(0, logit_rows)))

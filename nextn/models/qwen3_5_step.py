@@ -446,7 +446,6 @@ class TritonStep:
         store_all: bool = True,
         live: torch.Tensor | None = None,
         logit_rows: torch.Tensor | None = None,
-        pieces_from: int | None = None,
     ) -> None:
         """ids [M]: each sequence's rows at its positions SEQ_LEN..: logits [M, V] float32 (or [n, V]
         of the rows logit_rows [n] long: a prefill step's last rows) and head-input hiddens [M, H]
@@ -455,18 +454,18 @@ class TritonStep:
         live (int32 [B] device, default all): the rows of each sequence that
         count (a verify whose gate cut drafts): the GDN recurrences stop there (their serial
         per-row work is what rows cost a small model), and rows past them are garbage.
-        pieces_from (with store_all): a mixed step, the sequences from this index on prompt pieces,
-        each kept whole as a prefill step keeps it (their GDN rows in a launch of their own), the
-        ones before verify rows (live, when given, is theirs); every other kernel runs all rows at
+        A mixed step (batch.pieces_from, with store_all): the sequences from that index on prompt
+        pieces, each kept whole as a prefill step keeps it (their GDN rows in a launch of their own),
+        the ones before verify rows (live, when given, is theirs); every other kernel runs all rows at
         once, each row's arithmetic its own, so the step gives each sequence what the two steps
         would, bit for bit."""
         norm = self.norm.rms_norm
-        split = len(batch.rows) if pieces_from is None else pieces_from
+        split = len(batch.rows) if batch.pieces_from is None else batch.pieces_from
         kept = batch.rows[:split] if store_all else ()
         if kept and max(kept) > batch.caches[0].rows:  # past the slots' state buffers
             raise ValueError(f"a step keeping every state takes at most {batch.caches[0].rows} rows per sequence")
-        if pieces_from is not None and (not store_all or not 0 <= split < len(batch.rows)):
-            raise ValueError(f"a mixed step takes verify rows then prompt pieces, not pieces from {pieces_from}")
+        if batch.pieces_from is not None and not store_all:
+            raise ValueError("a mixed step (verify rows, then prompt pieces) keeps its verify rows' states")
         pos = batch.row_positions(batch.field(SEQ_LEN))
         x = embed(ids, self.embed, self.cfg)
         steps = self._gdn_launches(batch, split, store_all, live)
