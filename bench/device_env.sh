@@ -1,6 +1,6 @@
 # Sourced by the device scripts (run_h200.sh, compare_heads.sh, distill_variants.sh): nextn on the
 # path, the packages the image lacks (llguidance) from the wheels in .whl/ (carried, git-ignored),
-# and the Triton cache of earlier runs from .tcache/triton_cache.tgz when carried.
+# the Triton cache of earlier runs from .tcache/triton_cache.tgz when carried, and `stage`.
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -8,3 +8,5 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 mkdir -p /tmp/triton_cache
 if [ -f .tcache/triton_cache.tgz ]; then tar xzf .tcache/triton_cache.tgz -C /tmp/triton_cache; fi
+t0=$(date +%s)  # the stages' clock: `stage NAME` prints a script stage's header and the seconds since
+stage() { echo "=== $1 (+$(($(date +%s) - t0)) s)"; }

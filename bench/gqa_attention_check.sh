@@ -10,8 +10,6 @@
 # Usage (device tool, carry .whl .base .gqa): bash bench/gqa_attention_check.sh
 set -o pipefail
 source bench/device_env.sh
-t0=$(date +%s)
-stage() { echo "=== $1 (+$(($(date +%s) - t0)) s)"; }
 stage "attention, today's kernel (.base)"
 PYTHONPATH=$PWD/.base:/tmp/site timeout 60 python3 bench/attention_probe.py --json "$OUT/attn_base.json" 2>&1 | tail -7
 cp nextn/ops/triton_attention.py /tmp/triton_attention_today.py

@@ -7,14 +7,10 @@
 set -o pipefail
 source bench/device_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-t0=$(date +%s)
-stage() { echo "=== $1 (+$(($(date +%s) - t0)) s)"; }
 stage "gpu tests"
 timeout 100 python3 -m pytest -q -m gpu tests/test_kernels.py -k "mid_tiles" 2>&1 | tail -2
 stage "bundled model served: ${TREES:-base head}"
 NUM_PER_STREAM=${NUM_PER_STREAM:-8} timeout 330 bash bench/serve_ab.sh "3:128:16 3:512:16 3:128:64" 2>&1 | tail -16
-mkdir -p /tmp/ab && mv "$OUT"/ab_* /tmp/ab/ 2>/dev/null
-python3 -c "import glob, json, os; json.dump({os.path.basename(f): json.load(open(f)) for f in sorted(glob.glob('/tmp/ab/ab_*.json'))}, open('$OUT/ab.json', 'w'), indent=1)"
 for tree in $([ "${NINEB:-1}" = 1 ] && echo head base); do  # (NINEB=0: not the 9B)
   stage "9B offline, $tree"
   dir=$PWD; [ $tree = head ] || dir=$PWD/.$tree

@@ -10,8 +10,6 @@
 set -o pipefail
 source bench/device_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-t0=$(date +%s)
-stage() { echo "=== $1 (+$(($(date +%s) - t0)) s)"; }
 stage "gpu tests"
 timeout 150 python3 -m pytest -q -m gpu tests/test_kernels.py -k "mid_tiles or wide or skinny" 2>&1 | tail -4
 stage "mid tiles against 16-row tiles"
@@ -21,8 +19,6 @@ stage "a 16-row round with prompt rows riding"
 timeout 90 python3 bench/overlap_probe.py --rows 512 --mixed 48 112 240 --json "$OUT/mixed.json" 2>&1 | tail -6
 stage "bundled model served, before / after"
 NUM_PER_STREAM=4 timeout 240 bash bench/serve_ab.sh "3:128:16 3:512:16 3:128:64" 2>&1 | tail -8
-mkdir -p /tmp/ab && mv "$OUT"/ab_* /tmp/ab/ 2>/dev/null
-python3 -c "import glob, json, os; json.dump({os.path.basename(f): json.load(open(f)) for f in sorted(glob.glob('/tmp/ab/ab_*.json'))}, open('$OUT/ab.json', 'w'), indent=1)"
 stage "9B wave"
 timeout 110 python3 bench/prefill_wave_probe.py --json "$OUT/wave_steps.json" 2>&1 | grep '^\[' | head -30
 echo "mid_tile_diag: done in $(($(date +%s) - t0)) s; $(ls "$OUT" | wc -l) files in \$OUT"

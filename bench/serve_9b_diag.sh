@@ -11,16 +11,15 @@ set -o pipefail
 python3 -c "import tarfile; tarfile.open('.llama/tok/tok.txz').extractall('.')" || exit 2
 source bench/device_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-t0=$(date +%s)
 for tag in steps chunked; do
   flags=$([ $tag = chunked ] && echo --prefill chunked)
-  echo "=== wave $tag (+$(($(date +%s) - t0)) s)"
+  stage "wave $tag"
   timeout 120 python3 bench/prefill_wave_probe.py $flags --json "$OUT/wave_$tag.json" 2>&1 | grep '^\['
 done
-echo "=== served (+$(($(date +%s) - t0)) s)"
+stage served
 SERVE_FLAGS="--max-num-batched-tokens 8448" timeout 200 bash bench/serve_9b.sh 2>&1 | tail -6
 rm -f "$OUT"/offline_9b.* "$OUT"/serve_9b.json "$OUT"/serve_9b.log
-echo "=== wide tiles (+$(($(date +%s) - t0)) s)"
+stage "wide tiles"
 # (128,128,8,3 and 128,64,4,3: the wide tiles the 9B's shapes take today, single and gate/up)
 timeout 150 python3 bench/wide_tile_probe.py --rows 4096 --only-extra --extra 128,128,8,3,128 128,64,4,3,128 \
   128,256,8,2,128 128,256,8,4,64 128,128,8,4,64 128,128,4,4,64 64,256,8,3,64 --json "$OUT/wide.json" 2>&1 | grep '^wide'

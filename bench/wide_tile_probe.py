@@ -85,7 +85,7 @@ def main() -> None:
             if TILE_ROWS < M < WIDE_ROWS:  # the default call: mid tiles (linear_configs.mid_tile)
                 y = skinny_linear(x, w, **kw)
                 us = graph_us(lambda i, x=x, w=w, kw=kw: skinny_linear(x, w, **kw), 1, 10)
-                row["mid"] = [mid_tile(N, K, M, kind == "silu_mul", 2, *(("q8_0", 1) if args.q8_0 else ())),
+                row["mid"] = [mid_tile(N, K, M, kind == "silu_mul", 2, "q8_0" if args.q8_0 else ""),
                               round(us, 2), bool(torch.equal(y.view(torch.int16), ref.view(torch.int16)))]  # fmt: skip
             row["wide"] = []
             best = None

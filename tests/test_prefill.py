@@ -15,6 +15,7 @@ from itertools import pairwise
 import pytest
 import torch
 import triton_interp  # noqa: F401  (before triton)
+from bit_patterns import bits
 
 import nextn
 from nextn.config import FULL
@@ -164,15 +165,9 @@ def test_a_mixed_step_gives_each_sequence_its_own_step(dense_fitted_ckpt, kernel
         assert torch.equal(lm[:R], lv) and torch.equal(lm[R:], lp)
         assert torch.equal(hm[:R], hv[:R]) and torch.equal(hm[R:], hp[:n])
         for k, t in tensors.items():
-            assert torch.equal(_bits16(t), _bits16(alone[k])), k
-        assert not all(torch.equal(_bits16(alone[k]), _bits16(before[k])) for k in tensors)  # (the steps wrote)
+            assert torch.equal(bits(t), bits(alone[k])), k
+        assert not all(torch.equal(bits(alone[k]), bits(before[k])) for k in tensors)  # (the steps wrote)
         with pytest.raises(ValueError, match="mixed step"):
             runner.step.trunk(StepBatch(slots, [R, n], pieces_from=1), ids, lm, hm, store_all=False)
         with pytest.raises(ValueError, match="no pieces from 2"):
             StepBatch(slots, [R, n], pieces_from=2)
-
-
-def _bits16(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes as int16 / int32 / int8 words (NaN bit patterns compare as themselves)."""
-    kind = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.view(kind)

@@ -397,6 +397,16 @@ class StepBatch:
         """[M] int32 positions of every row, from each sequence's first position first [B]."""
         return first[self.row_seq] + self.row_idx
 
+    def keeps(self, store_all: bool) -> tuple[bool, ...]:
+        """Whether a trunk step keeps every state of each sequence (a verify's rows) or its last (a
+        prefill's): store_all for all of them, or in a mixed step (pieces_from, which takes store_all)
+        the verify rows' before the pieces."""
+        if self.pieces_from is None:
+            return (store_all,) * len(self.rows)
+        if not store_all:
+            raise ValueError("a mixed step (verify rows, then prompt pieces) keeps its verify rows' states")
+        return tuple(s < self.pieces_from for s in range(len(self.rows)))
+
     def flat_rows(self, R: int) -> torch.Tensor:
         """[M] long: where each row sits in a per-slot buffer [S, R, ...] flattened to [S * R, ...]
         (sequence b's row i at slot * R + i)."""

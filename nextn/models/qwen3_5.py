@@ -193,11 +193,7 @@ class ReferenceStep:
         the fused step takes it): every row is computed here; the rows that count are the same either way.
         A mixed step (batch.pieces_from, with store_all): its prompt pieces kept whole, as
         TritonStep.trunk keeps them."""
-        if batch.pieces_from is not None:
-            if not store_all:
-                raise ValueError("a mixed step (verify rows, then prompt pieces) keeps its verify rows' states")
-            store_all = tuple(s < batch.pieces_from for s in range(len(batch.rows)))
-        h = self.model(ids[None], batch, store_all=store_all)[0]
+        h = self.model(ids[None], batch, store_all=batch.keeps(store_all))[0]
         normed = self.model.final_norm(h)
         logits.copy_(self.model.logits(normed if logit_rows is None else normed.index_select(0, logit_rows)))
         hidden.copy_(normed if self.after_norm else h)

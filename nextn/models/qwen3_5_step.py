@@ -460,12 +460,10 @@ class TritonStep:
         once, each row's arithmetic its own, so the step gives each sequence what the two steps
         would, bit for bit."""
         norm = self.norm.rms_norm
-        split = len(batch.rows) if batch.pieces_from is None else batch.pieces_from
-        kept = batch.rows[:split] if store_all else ()
-        if kept and max(kept) > batch.caches[0].rows:  # past the slots' state buffers
+        keeps = batch.keeps(store_all)
+        if any(keep and rows > batch.caches[0].rows for keep, rows in zip(keeps, batch.rows, strict=True)):
             raise ValueError(f"a step keeping every state takes at most {batch.caches[0].rows} rows per sequence")
-        if batch.pieces_from is not None and not store_all:
-            raise ValueError("a mixed step (verify rows, then prompt pieces) keeps its verify rows' states")
+        split = len(batch.rows) if batch.pieces_from is None else batch.pieces_from
         pos = batch.row_positions(batch.field(SEQ_LEN))
         x = embed(ids, self.embed, self.cfg)
         steps = self._gdn_launches(batch, split, store_all, live)

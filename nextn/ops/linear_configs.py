@@ -112,15 +112,13 @@ def wide_tile(
     else:
         choices = [(128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)]
     for block_m, block_n, warps in choices:
-        stages = min(3, WIDE_SMEM // (((2 if dual else 1) * block_n * w_bytes + block_m * x_bytes) * block_k))
+        stages = min(3, _stages_fit(block_m, block_n, block_k, dual, x_bytes, w_bytes))
         if stages >= 2:
             return block_m, (block_n, block_k, warps, stages, split)
     return TILE_ROWS, narrow
 
 
-def mid_tile(
-    N: int, K: int, M: int, dual: bool, x_bytes: int, quant: str = "", w_bytes: int | None = None
-) -> tuple[int, tuple[int, ...]]:
+def mid_tile(N: int, K: int, M: int, dual: bool, x_bytes: int, quant: str = "") -> tuple[int, tuple[int, ...]]:
     """(block_m, config) of a call of M rows, TILE_ROWS < M < WIDE_ROWS: the 16-row config (its BLOCK_N,
     BLOCK_K, warps, split and way: each row's products summed by the same MMA in the same k order, the
     splits' partials added in split order by the last to arrive, as a 16-row tile's) with M rows a
@@ -131,20 +129,25 @@ def mid_tile(
     shapes (wgmma, 194-1,940 programs a launch) run 1.0-3.1x as fast at 24-240 rows, the same bits;
     the bundled model's (mma.sync, 24-64 programs a 16-row tile) served 0.86-0.90x as fast in tiles
     of 128 rows (prefills slower, rounds faster), and no GPU has run mid tiles over Q8_0 weights."""
-    w_bytes = x_bytes if w_bytes is None else w_bytes
     narrow = pick_config(N, K, quant)
     block_n, block_k, warps, stages, split, *_ = narrow
     block_m = min(MID_ROWS, next_pow2(M)) if block_n >= WGMMA_ROWS and not quant else TILE_ROWS
     while block_m > TILE_ROWS and (
         (2 if dual else 1) * block_n * block_m > MID_ACC_REGS * 32 * warps
-        or WIDE_SMEM // (((2 if dual else 1) * block_n * w_bytes + block_m * x_bytes) * block_k) < 2
+        or _stages_fit(block_m, block_n, block_k, dual, x_bytes, x_bytes) < 2
         or triton_cdiv(N, block_n) * split * triton_cdiv(M, block_m) < NUM_SMS
     ):
         block_m //= 2
     if block_m == TILE_ROWS:
         return TILE_ROWS, narrow
-    fit = WIDE_SMEM // (((2 if dual else 1) * block_n * w_bytes + block_m * x_bytes) * block_k)
+    fit = _stages_fit(block_m, block_n, block_k, dual, x_bytes, x_bytes)  # (bf16 / fp16 weights: x's size)
     return block_m, (block_n, block_k, warps, min(stages, fit), *narrow[4:])
+
+
+def _stages_fit(block_m: int, block_n: int, block_k: int, dual: bool, x_bytes: int, w_bytes: int) -> int:
+    """Pipeline stages of a k-tile of block_m rows of x and block_n of the weight (dual: of two weights)
+    that WIDE_SMEM holds."""
+    return WIDE_SMEM // (((2 if dual else 1) * block_n * w_bytes + block_m * x_bytes) * block_k)
 
 
 def takes_block_k(fmt: Format, block_k: int) -> bool:

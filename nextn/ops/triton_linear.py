@@ -503,8 +503,8 @@ def skinny_linear(
                 N, K, up_weight is not None, x.element_size(), norm_out is not None, quant, weight.element_size()
             )
             norm_block = pick_config(N, K, quant)[0]  # the 16-row tiles' BLOCK_N: their sums' grouping
-        elif config is None and (not fp8 or fmt == Q8_0) and M > TILE_ROWS:  # (the 16-row config's BLOCK_N)
-            block_m, config = mid_tile(N, K, M, up_weight is not None, x.element_size(), quant, weight.element_size())
+        elif config is None and M > TILE_ROWS:  # (the 16-row config's BLOCK_N; quantized weights: 16-row tiles)
+            block_m, config = mid_tile(N, K, M, up_weight is not None, x.element_size(), quant)
     block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, quant)
     way = way[0] if way else 0
     if not takes_way(way, fmt):
