@@ -1,0 +1,33 @@
+#!/bin/bash
+# The 9B's kernel levers for prompt rows (issue 44's bar, bench/NOTES.md), measured in one device call:
+#   1. the GDN step kernel's launch configs at the 9B's heads (bench/gdn_sweep.py, the conv pre-pass on):
+#      decode / K=3 verify at B = 1 and 16, prefill pieces of 64 and 512 rows at B = 1 and 16, BLOCK_V 16 / 32
+#      at 1 / 2 warps (today: 32 x 2): whether one config is faster for prompt rows and no slower for rounds;
+#   2. wide tiles of other shapes at 4,096 rows (bench/wide_tile_probe.py --extra: BLOCK_N 256, 256 rows a
+#      program, BLOCK_K 64), against today's (128 x 128 x 8 x 3) and cuBLAS, bits against the default's;
+#   3. (NINEB=1) `nextn bench --batch 16 --spec-k 3` on the 9B in .base and here (mid tiles in the verify's 64 rows).
+# A stage that would end past DEADLINE seconds (default 570) is skipped and says so.
+# $OUT: gdn_levers.json, wide_levers.json (, bench9b_{base,head}.json).
+# Usage (device tool, full tree, carry .whl [.base]): [NINEB=1] bash bench/kernel_levers.sh
+set -o pipefail
+source bench/device_env.sh
+DEADLINE=${DEADLINE:-570}
+fits() {  # fits SECONDS NAME: whether a stage of at most SECONDS ends before DEADLINE (else it says so)
+  if [ $(($(date +%s) - t0 + $1)) -gt "$DEADLINE" ]; then echo "=== skipped: $2 (+$(($(date +%s) - t0)) s)"; return 1; fi
+  stage "$2"
+}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+fits 180 "GDN step configs, 9B heads" &&
+  timeout 180 python3 bench/gdn_sweep.py --shapes qwen3.5-9b --tokens 1 4 --prefill-tokens 64 512 --batch 1 16 \
+    --block-v 16 32 --warps 1 2 --preconv --out "$OUT/gdn_levers.json" 2>&1 | grep '^gdn' | sed 's/^gdn qwen3.5-9b //'
+fits 200 "wide tiles at 4096 rows" &&
+  timeout 200 python3 bench/wide_tile_probe.py --rows 4096 --extra 128,256,8,2,128 256,128,8,2,128 128,128,8,4,64 \
+    128,256,8,3,64 --json "$OUT/wide_levers.json" 2>&1 | tail -30
+for tree in $([ "${NINEB:-0}" = 1 ] && echo head base); do
+  dir=$PWD; [ $tree = head ] || dir=$PWD/.$tree
+  fits 130 "9B offline batch 16, K=3, $tree" &&
+    (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout 130 python3 -m nextn.cli bench --random-weights qwen3.5-9b \
+      --device cuda --dtype bfloat16 --spec-k 3 --batch 16 --prompt-len 512 --prefill-len 512 --gen-len 128 \
+      --repeats 1 --max-model-len 1024 --json "$OUT/bench9b_$tree.json" 2>&1 | grep '^bench:' | tail -8)
+done
+echo "kernel_levers: done in $(($(date +%s) - t0)) s"
