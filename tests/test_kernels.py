@@ -806,7 +806,8 @@ def test_wide_tiles_only_where_the_16_row_tiles_are_wgmma(monkeypatch):
     """A shape whose 16-row config is narrower than WGMMA_ROWS (its dot an mma.sync on Hopper, which
     sums a k-step otherwise than a wide tile's wgmma: run 171) takes wide tiles of its own BLOCK_N and
     warps (an mma.sync again), over bf16 and Q8_0 weights; from WGMMA_ROWS, wide tiles of 64-128
-    weight rows (a wgmma). Every wide tile keeps the shape's BLOCK_K and split."""
+    weight rows (a wgmma). Every wide tile keeps the shape's split, and its BLOCK_K, but for bf16
+    weights of a wgmma config writing no norm input: k-tiles of WIDE_K (the same k16 steps, in order)."""
     from nextn.ops import linear_configs as cfgs
 
     narrow_cfg, wgmma_cfg = (32, 256, 2, 4, 4), (cfgs.WGMMA_ROWS, 256, 4, 3, 4)
@@ -816,7 +817,11 @@ def test_wide_tiles_only_where_the_16_row_tiles_are_wgmma(monkeypatch):
         for quant, w_bytes in (("", 2), ("q8_0", 1)):
             for dual, norm_out in ((False, False), (True, False), (False, True)):
                 block_m, config = cfgs.wide_tile(4096, 4096, dual, 2, norm_out, quant=quant, w_bytes=w_bytes)
-                assert block_m > cfgs.TILE_ROWS and config[1::3] == (256, 4), (narrow, quant, dual, norm_out)
+                wide_k = narrow == wgmma_cfg and not quant and not norm_out
+                block_k = cfgs.WIDE_K if wide_k else 256
+                assert block_m > cfgs.TILE_ROWS and config[1::3] == (block_k, 4), (narrow, quant, dual, norm_out)
+                if wide_k:  # 128 x 128, WIDE_STAGES deep: two weights' tiles too (run 183)
+                    assert (block_m, *config[:4]) == (128, 128, cfgs.WIDE_K, 8, cfgs.WIDE_STAGES), dual
                 if narrow == narrow_cfg:  # the mma.sync's BLOCK_N and warps
                     assert config[:3] == narrow[:3], (quant, dual, norm_out)
                 else:  # a wgmma's 64-128 weight rows
@@ -896,12 +901,13 @@ def test_calls_between_16_and_wide_rows_take_mid_tiles(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("M", [24, 64, 130])
+@pytest.mark.parametrize("M", [24, 64, 130, 260])
 @pytest.mark.parametrize("N,K", [(4096, 4096), (12352, 4096), (4096, 12288), (1024, 384)])
 def test_mid_tiles_keep_each_rows_bits_gpu(N, K, M):
     """Compiled at the 9B's shapes (wgmma 16-row configs) and the bundled model's (mma.sync): a default
-    call of M rows (mid tiles, linear_configs.mid_tile) gives the 16-row tiles' bits in every fusion and
-    in the norm between two GEMMs (x rows as the dot's N: 32-128 where the 16-row tiles have 16)."""
+    call of M rows (mid tiles, linear_configs.mid_tile; from WIDE_ROWS wide tiles, in k-tiles of WIDE_K
+    where no norm input is written) gives the 16-row tiles' bits in every fusion and in the norm between
+    two GEMMs (x rows as the dot's N: 32-128 where the 16-row tiles have 16)."""
     g = torch.Generator(device=DEVICE).manual_seed(N + 3 * K + M)
     x, w, w2, res = _linear_case(M, N, K, torch.bfloat16, g)
     for name, (kw, ref) in _linear_variants(x, w, w2, res).items():

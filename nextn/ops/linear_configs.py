@@ -56,6 +56,13 @@ WIDE_ROWS = 256
 # plain, residual and SwiGLU calls over bf16 and Q8_0 weights, and norm_out, bit for bit on an H100).
 WGMMA_ROWS = 64
 WIDE_SMEM = 200 * 1024  # shared memory a wide tile's stages may take (an SM has 227 KiB on Hopper)
+# A wide tile of bf16 / fp16 weights whose 16-row config is a wgmma, in a GEMM that writes no norm input: 128 x 128
+# in k-tiles of WIDE_K columns, WIDE_STAGES deep. Its products are the same k16 MMA steps into one accumulator, in
+# the same order, as the 16-row config's k-tiles (a multiple of WIDE_K) take them, so each row keeps its bits (run
+# 183, H100, bench/wide_tile_probe.py at 4,096 rows, bits equal at every 9B shape; us against 128 x 128 x 8 x 3 in
+# the shape's k-tiles): GDN in_proj 795 -> 743, q/k/v 675 -> 619, gate + up (64 wide before: two weights' tiles
+# did not fit three stages at 128) 1,668 -> 1,300.
+WIDE_K, WIDE_STAGES = 64, 4
 # Below WIDE_ROWS, a call of more than TILE_ROWS rows (a verify of B x (K + 1) rows, a batch's decode past 16
 # sequences, a prompt's tail) runs in mid tiles (`mid_tile`): the 16-row config with up to MID_ROWS rows a
 # program, its K splits programs of their own as the 16-row tiles' (too few row tiles to fill the GPU
@@ -95,7 +102,9 @@ def wide_tile(
     w_bytes their element size, default x_bytes): 128 rows a program where a k-tile of both operands
     fits three stages of shared memory (else 64), the shape's BLOCK_K and split (its 16-row config
     for that weight kind) kept, so each row's sums are the 16-row tiles' (the split's partials added
-    in the program in split order; tests/test_kernels.py and tests/test_q8_0.py, the wide-tile tests).
+    in the program in split order; tests/test_kernels.py and tests/test_q8_0.py, the wide-tile tests);
+    bf16 / fp16 weights of a wgmma config writing no norm input: 128 x 128 in k-tiles of WIDE_K (the
+    same k steps), WIDE_STAGES deep.
     norm_out: the next norm's sums of squares are partials per the 16-row tiles' BLOCK_N columns, so
     BLOCK_N is the shape's or twice it where N allows (skinny_linear then stores two sums a program,
     one per half). A 16-row config narrower than WGMMA_ROWS (an mma.sync) keeps its BLOCK_N and warps."""
@@ -111,10 +120,13 @@ def wide_tile(
         choices = [(block_m, n, 8 if n >= 128 and block_m == 128 else 4) for n in widths for block_m in (128, 64)]
     else:
         choices = [(128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)]
-    for block_m, block_n, warps in choices:
-        stages = min(3, _stages_fit(block_m, block_n, block_k, dual, x_bytes, w_bytes))
+        if not quant and block_k % WIDE_K == 0:
+            choices.insert(0, (128, 128, 8, WIDE_K, WIDE_STAGES))
+    for block_m, block_n, warps, *k_tile in choices:
+        k, deepest = k_tile or (block_k, 3)
+        stages = min(deepest, _stages_fit(block_m, block_n, k, dual, x_bytes, w_bytes))
         if stages >= 2:
-            return block_m, (block_n, block_k, warps, stages, split)
+            return block_m, (block_n, k, warps, stages, split)
     return TILE_ROWS, narrow
 
 
