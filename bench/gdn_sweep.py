@@ -13,6 +13,10 @@ Two kinds of call, as the engine makes them:
         [--block-v 16 32 64] [--warps 1 2 4 8] [--shapes default_model qwen3.5-9b]
         [--kernel FILE --label NAME] [--check] [--preconv]
 
+--chunk: also time the chunked delta rule (nextn.ops.triton_gdn_chunk.chunk_gated_delta_rule, tensor-core
+dots by chunks of 64 rows, what `--prefill chunked` runs) at each prefill case: B sequences of T rows from
+a state, the rule alone (no conv, gates or gated norm, which the step kernel fuses: a lower bound of a
+chunked GDN launch), us a layer, beside the step kernel's rows one after another.
 --kernel: time the gdn_step of another copy of the module (`git show REV:nextn/ops/triton_gdn.py
 > FILE`), so a change is measured against its parent in one run; results are keyed by --label.
 --check: also run the checked-in module on the same inputs and report whether the outputs, states
@@ -121,6 +125,45 @@ def layer_us(step_fn, c, block_v, warps, **kw) -> float:
     return sorted(times)[3]
 
 
+def chunk_us(H, HV, K, V, layers, B, T) -> float:
+    """us a layer of the chunked delta rule over B sequences of T rows from a state (graphed, `layers` calls)."""
+    from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule
+
+    g = torch.Generator(device="cpu").manual_seed(1)
+    dt = torch.bfloat16
+
+    def unit(*shape):  # l2-normalised rows of the key dim, as the layer feeds the rule
+        x = torch.randn(*shape, generator=g)
+        return (x / x.norm(dim=-1, keepdim=True)).to(device="cuda", dtype=dt)
+
+    q, k = unit(B, T, H, K), unit(B, T, H, K)
+    v = (torch.randn(B, T, HV, V, generator=g) * 0.5).to(device="cuda", dtype=dt)
+    decay = (-torch.rand(B, T, HV, generator=g) * 0.1).cuda()
+    beta = torch.rand(B, T, HV, generator=g).cuda()
+    states = [(torch.randn(B, HV, K, V, generator=g) * 0.1).cuda() for _ in range(layers)]
+
+    def call():
+        for h0 in states:
+            chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=h0)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    times = []
+    for _ in range(7):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(5):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / 5 / layers)
+    return sorted(times)[3]
+
+
 def same_bits(fn_a, fn_b, make, block_v, warps, kw_a, kw_b) -> bool | str:
     """Both modules from the same inputs: True where the outputs, states and windows are bitwise
     equal, else which differ first (the output's first row that differs, a layer's states / window)."""
@@ -157,6 +200,7 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="bitwise against the checked-in module")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preconv", action="store_true", help="prefill calls with the conv pre-pass")
+    ap.add_argument("--chunk", action="store_true", help="also the chunked delta rule at each prefill case")
     args = ap.parse_args()
     step_fn = triton_gdn.gdn_step
     if args.kernel:
@@ -186,6 +230,10 @@ def main() -> None:
                 entry["same_bits"] = same_bits(triton_gdn.gdn_step, step_fn, make, bv, warps, own, theirs)
             res[key] = entry
             print(f"gdn {key}: {entry}", flush=True)
+        for T, B in itertools.product(args.prefill_tokens, args.batch) if args.chunk and args.device == "cuda" else ():
+            key = f"{args.label + ' ' if args.label else ''}{name} chunk rule T={T} B={B}"
+            res[key] = {"us_per_layer": chunk_us(H, HV, K, V, layers, B, T)}
+            print(f"gdn {key}: {res[key]}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
