@@ -16,9 +16,11 @@ rounds a request where the offline batch spends 128, and the prompts add B * n *
     ratio = 128 * t0 / ((127 + n) * t0 + B * n * (t(P) - t0))
 
 (an upper bound of what mixed steps can give with these kernels: no scheduling, no head catch-up,
-the rounds and pieces perfectly out of phase). Usage (device):
+the rounds and pieces perfectly out of phase). --chunked: the pieces' GDN rows by the chunked delta
+rule (StepBatch.chunked: tensor-core chunks of 64 rows) instead of the decode step's recurrence,
+whose serial rows of one sequence dominated run 182's pieces. Usage (device):
     python3 bench/mixed_step_probe.py [--preset qwen3.5-9b] [--batch 16] [--context 512]
-        [--pieces 64 128 256 512] [--json OUT]
+        [--pieces 64 128 256 512] [--chunked] [--json OUT]
 On the CPU (--model DIR --device cpu) the steps run eagerly, a few times each: a check that it runs.
 """
 
@@ -77,6 +79,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=PROMPT, help="the round's sequences' committed tokens")
     ap.add_argument("--pieces", type=int, nargs="+", default=[64, 128, 256, 512])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--chunked", action="store_true", help="the pieces' GDN by the chunked delta rule")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from nextn.cache import StepBatch
@@ -122,21 +125,23 @@ def main() -> None:
             runner.step.trunk(round_batch, round_ids, logits[:B], hidden[:B])
 
         t0 = timed(round_step, device, args.reps)
-        print(f"round of {B} rows (context {args.context}): {t0 * 1e3:.3f} ms")
+        kind = "chunked" if args.chunked else "steps"
+        print(f"round of {B} rows (context {args.context}): {t0 * 1e3:.3f} ms; pieces {kind}")
         result = {
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "preset": args.preset if args.model is None else args.model,
             "batch": B,
             "context": args.context,
             "round_ms": t0 * 1e3,
+            "chunked": args.chunked,
             "pieces": {},
         }
         for P in args.pieces:
             piece_ids = torch.tensor(ids(P), device=device)
             mixed_ids = torch.cat([round_ids, piece_ids])
-            mixed = StepBatch(caches, [1] * B + [P], pieces_from=B)
+            mixed = StepBatch(caches, [1] * B + [P], pieces_from=B, chunked=args.chunked)
             rows = torch.tensor([*range(B), B + P - 1], device=device)
-            alone = StepBatch(caches[B:], [P])
+            alone = StepBatch(caches[B:], [P], chunked=args.chunked)
             last = torch.tensor([P - 1], device=device)
 
             def mixed_step(mixed=mixed, mixed_ids=mixed_ids, rows=rows, P=P):

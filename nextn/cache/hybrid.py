@@ -327,23 +327,43 @@ class SlotCache:
         self.t("window")[:, :, : self.cfg.linear_conv_kernel_dim - 1].zero_()
 
 
+class ChunkLayout(NamedTuple):
+    """Prompt pieces of a step batch (its sequences lo..hi, rows contiguous) padded to their longest, T
+    rows, for the chunked delta rule (nextn.models.qwen3_5_step.TritonStep: the pieces' GDN)."""
+
+    index: torch.Tensor  # [B, T] long: each padded row's row of the step, or M (a zero row past them)
+    real: torch.Tensor  # [rows] long: the step's rows in the padded [B * T], in order
+    last: torch.Tensor  # [B, W - 1] long: a piece's last W - 1 columns in [carried W - 1 | its T inputs]
+    rows: int  # T
+
+
 class StepBatch:
     """The sequences of one step, their rows packed in order: sequence b owns rows offsets[b] ..
     offsets[b+1] of the step's ids, logits and hiddens. Host tuples for the reference modules;
     int32 device tensors for the kernels, made once (a CUDA graph holds them)."""
 
     def __init__(
-        self, caches: list[SlotCache], rows: list[int], max_pos: int | None = None, pieces_from: int | None = None
+        self,
+        caches: list[SlotCache],
+        rows: list[int],
+        max_pos: int | None = None,
+        pieces_from: int | None = None,
+        *,
+        chunked: bool = False,
     ):
         """max_pos: a bound on every row's position known on the host (an eager prefill step's: the
         attention then launches for the positions rows can reach), None in a graph. pieces_from: a
         mixed step's, its sequences from this index on prompt pieces (each kept whole, as a prefill
-        step keeps it), the ones before verify rows (the step's trunk)."""
+        step keeps it), the ones before verify rows (the step's trunk). chunked: the prompt pieces'
+        GDN rows run by the chunked delta rule from their committed states (which hold no pending
+        rows: the caller folds them first), in chunks of 64 rows from each piece's first: other bits
+        than a decode row's, so a prompt cut at whole chunks gives one piece's (`chunk_layout`)."""
         if not caches or len(caches) != len(rows) or min(rows) < 1:
             raise ValueError(f"a step batch needs one row count >= 1 per sequence, got {list(rows)}")
         if pieces_from is not None and not 0 <= pieces_from < len(rows):
             raise ValueError(f"a mixed step batch of {len(rows)} sequences has no pieces from {pieces_from}")
         self.caches, self.rows, self.max_pos, self.pieces_from = tuple(caches), tuple(rows), max_pos, pieces_from
+        self.chunked = chunked
         self.cache = caches[0].cache
         self.offsets = tuple(itertools.accumulate(rows, initial=0))
         self.num_rows = self.offsets[-1]
@@ -359,6 +379,7 @@ class StepBatch:
         self.row_idx = torch.arange(M, device=device, dtype=torch.int32) - self.seqs[1][self.row_seq]
         self.row_slot = self.seqs[0][self.row_seq]  # [M] int32
         self._flat: dict[int, torch.Tensor] = {}
+        self._chunks: dict[tuple[int, int], ChunkLayout] = {}
         self._source: torch.Tensor | None = None
 
     def follow(self, slots: torch.Tensor) -> None:
@@ -406,6 +427,20 @@ class StepBatch:
         if not store_all:
             raise ValueError("a mixed step (verify rows, then prompt pieces) keeps its verify rows' states")
         return tuple(s < self.pieces_from for s in range(len(self.rows)))
+
+    def chunk_layout(self, lo: int, hi: int) -> ChunkLayout:
+        """Sequences lo..hi padded to their longest, T rows (`ChunkLayout`), made once (a graph holds them)."""
+        if (lo, hi) not in self._chunks:
+            rows, T, M = self.rows[lo:hi], max(self.rows[lo:hi]), self.num_rows
+            first = self.offsets[lo:hi]
+            device = self.cache.ctl.device
+            index = [[o + t if t < n else M for t in range(T)] for o, n in zip(first, rows, strict=True)]
+            real = [b * T + t for b, n in enumerate(rows) for t in range(n)]
+            last = [[n + c for c in range(self.cache.cfg.linear_conv_kernel_dim - 1)] for n in rows]
+            self._chunks[(lo, hi)] = ChunkLayout(
+                to_device(index, device), to_device(real, device), to_device(last, device), T
+            )
+        return self._chunks[(lo, hi)]
 
     def flat_rows(self, R: int) -> torch.Tensor:
         """[M] long: where each row sits in a per-slot buffer [S, R, ...] flattened to [S * R, ...]

@@ -327,16 +327,21 @@ class ModelRunner:
         cache.commit_chunk(len(piece))
         return logits, normed if self.after_norm else h
 
-    def _prefill_step(self, pieces: list[Piece]) -> None:
+    def _prefill_step(self, pieces: list[Piece], chunked: bool = False) -> None:
         """The "steps" prefill: one eager trunk step over every piece (store_all=False), the slots
-        committed together, then the head's catch-up of the sequences that draft, in one head step."""
+        committed together, then the head's catch-up of the sequences that draft, in one head step.
+        chunked: the pieces' GDN rows by the chunked delta rule (StepBatch.chunked; their pending
+        rows folded first), not yet an engine mode (bench/mixed_step_probe.py --chunked measures it)."""
         pieces = [p for p in pieces if p.token_ids]
         if not pieces:
             return
+        if chunked:
+            self.fold([p.seq.slot for p in pieces])
         caches = [self.slot(p.seq.slot) for p in pieces]
         rows = [len(p.token_ids) for p in pieces]
         starts = [len(p.seq.tokens) for p in pieces]  # (a sequence's committed tokens: its slot's SEQ_LEN)
-        batch = StepBatch(caches, rows, max_pos=max(s + n for s, n in zip(starts, rows, strict=True)))
+        top = max(s + n for s, n in zip(starts, rows, strict=True))
+        batch = StepBatch(caches, rows, max_pos=top, chunked=chunked)
         ids = to_device([t for p in pieces for t in p.token_ids], self.device)
         # logits of each piece's last row, or of all its rows where asked (prompt logprobs)
         offsets = batch.offsets[:-1]

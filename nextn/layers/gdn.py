@@ -69,7 +69,8 @@ class GatedDeltaNet(nn.Module):
         a cache the final states go to the write halves). A StepBatch: a step, x [1, M, H] holding its sequences'
         rows; each runs the recurrent rule from its slot's committed states, and its window and
         the state after each token (or the last only if not store_all: one flag, or one a sequence) go
-        to its step buffers."""
+        to its step buffers; with StepBatch.chunked, a sequence not keeping every state runs the
+        chunked rule (the Ops table's) instead, as a prefill with its SlotCache does."""
         B, T, _ = x.shape
         mixed_qkv, z, b, a = self.project(x)
         if isinstance(cache, StepBatch):  # each sequence's rows padded to whole STEP_ROWS tiles, like a step alone
@@ -78,6 +79,9 @@ class GatedDeltaNet(nn.Module):
                 rows, n = slice(cache.offsets[s], cache.offsets[s + 1]), cache.rows[s]
                 mixed = [pad_dim1(t[:, rows], -(-n // STEP_ROWS) * STEP_ROWS) for t in (mixed_qkv, b, a)]
                 keep = store_all[s] if isinstance(store_all, tuple) else store_all
+                if not keep and cache.chunked:  # a prompt piece by the chunked rule, from its committed state
+                    parts.append(self._mix(*(t[:, rows] for t in (mixed_qkv, b, a)), slot, ops, False))
+                    continue
                 parts.append(self._mix(*mixed, slot, None, keep, n)[:, :n])
             o = pad_dim1(torch.cat(parts, dim=1), T)  # the batch's pad rows stay zero
         else:
@@ -119,11 +123,17 @@ class GatedDeltaNet(nn.Module):
         q = l2norm(q.reshape(B, T, self.num_k_heads, self.head_k_dim).float())
         k = l2norm(k.reshape(B, T, self.num_k_heads, self.head_k_dim).float())
         v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
+        beta, g = self.gates(b, a)
+        return q, k, v, g, beta, window
+
+    def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(beta, g) of gate inputs b, a [..., HV]: sigmoid(b) in their dtype, the log decay
+        -exp(A_log) * softplus(a + dt_bias) in float32."""
         # contiguous: a CPU elementwise op's bits can depend on strides (vectorised or not), and b, a
         # come as views of a projection or of the stored gates
         beta = b.contiguous().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.contiguous().float() + self.dt_bias.float())
-        return q, k, v, g, beta, window
+        return beta, g
 
     def committed(self, cache: SlotCache) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv columns [D, W-1], recurrent state [HV, K, V]) after the slot's committed tokens:

@@ -504,7 +504,7 @@ def gdn_step(
     sumsq = torch.empty(M, HV, V // block_v, device=proj.device, dtype=torch.float32)
     conv = proj  # (PRECONV off: not read)
     if preconv is not None:
-        conv = _conv_prepass(proj, conv_weight, window, slots, seqs, pending_col, preconv, store_all)
+        conv = conv_prepass(proj, conv_weight, window, slots, seqs, pending_col, preconv, store_all)
     dependent, release = row_launch(pdl and pdl_supported(proj), M)
     _gdn_step_kernel[(HV, V // block_v, B)](
         proj,
@@ -559,7 +559,7 @@ def gdn_step(
 CONV_ROWS = 8  # rows a pre-pass program computes
 
 
-def _conv_prepass(proj, conv_weight, window, slots, seqs, pending_col: int, max_rows: int, store_all: bool):
+def conv_prepass(proj, conv_weight, window, slots, seqs, pending_col: int, max_rows: int, store_all: bool):
     """silu(causal conv) of every step row's q | k | v channels [M, conv_dim] (`_gdn_conv_kernel`)."""
     if store_all:
         raise ValueError("gdn_step: the conv pre-pass serves a prefill step (store_all=False)")
