@@ -24,7 +24,7 @@ fits 180 "GDN step configs, 9B heads" &&
   timeout 180 python3 bench/gdn_sweep.py --shapes qwen3.5-9b --tokens 1 4 --prefill-tokens 64 512 --batch 1 16 \
     --block-v 16 32 --warps 1 2 --preconv --chunk --out "$OUT/gdn_levers.json" 2>&1 | grep '^gdn' | sed 's/^gdn qwen3.5-9b //'
 fits 150 "9B mixed steps, pieces by the chunked rule" &&
-  timeout 150 python3 bench/mixed_step_probe.py --chunked --json "$OUT/mixed_chunked.json" 2>&1 | grep -E "^(round|piece)"
+  timeout 150 python3 bench/mixed_step_probe.py --chunked --profile --json "$OUT/mixed_chunked.json" 2>&1 | grep -E "^(round|piece|    kernels)"
 fits 200 "wide tiles at 4096 rows" &&
   timeout 200 python3 bench/wide_tile_probe.py --rows 4096 --extra 128,256,8,2,128 256,128,8,2,128 128,128,8,4,64 \
     128,256,8,3,64 --json "$OUT/wide_levers.json" 2>&1 | tail -30

@@ -18,9 +18,12 @@ rounds a request where the offline batch spends 128, and the prompts add B * n *
 (an upper bound of what mixed steps can give with these kernels: no scheduling, no head catch-up,
 the rounds and pieces perfectly out of phase). --chunked: the pieces' GDN rows by the chunked delta
 rule (StepBatch.chunked: tensor-core chunks of 64 rows) instead of the decode step's recurrence,
-whose serial rows of one sequence dominated run 182's pieces. Usage (device):
+whose serial rows of one sequence dominated run 182's pieces. --profile: each mixed step once more,
+eagerly under torch.profiler: its kernels' summed GPU time and launches (what the graph's replay
+pays beyond them is launch gaps: the glue of many small kernels shows there) and the costliest kernels.
+Usage (device):
     python3 bench/mixed_step_probe.py [--preset qwen3.5-9b] [--batch 16] [--context 512]
-        [--pieces 64 128 256 512] [--chunked] [--json OUT]
+        [--pieces 64 128 256 512] [--chunked] [--profile] [--json OUT]
 On the CPU (--model DIR --device cpu) the steps run eagerly, a few times each: a check that it runs.
 """
 
@@ -70,6 +73,28 @@ def timed(fn, device: torch.device, reps: int) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
+def kernels_of(fn) -> dict:
+    """fn's CUDA kernels, one eager call under torch.profiler: summed GPU ms, launches, the costliest."""
+    from profile_prefill import kernel_totals  # (bench/ is on the path of a bench script)
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = kernel_totals(prof)
+    busy, launches = sum(r[0] for r in rows) / 1e3, sum(r[1] for r in rows)
+    print(
+        f"    kernels {busy:.3f} ms in {launches} launches: "
+        + ", ".join(f"{k[:28]} {us / 1e3:.2f}" for us, _, k in rows[:5])
+    )
+    return {
+        "ms": busy,
+        "launches": launches,
+        "top": [{"name": k[:100], "count": n, "ms": us / 1e3} for us, n, k in rows[:12]],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3.5-9b")
@@ -80,6 +105,7 @@ def main() -> None:
     ap.add_argument("--pieces", type=int, nargs="+", default=[64, 128, 256, 512])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--chunked", action="store_true", help="the pieces' GDN by the chunked delta rule")
+    ap.add_argument("--profile", action="store_true", help="each mixed step's kernels (torch.profiler)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from nextn.cache import StepBatch
@@ -165,6 +191,8 @@ def main() -> None:
                 f"piece of {P:4d} rows: mixed {t * 1e3:8.3f} ms (+{(t - t0) * 1e3:.3f}: {a * 1e6:6.1f} us a row), "
                 f"alone {tp * 1e3:8.3f} ms ({tp / P * 1e6:6.1f} us a row); predicted served / offline {ratio:.3f}"
             )
+            if args.profile and device.type == "cuda":
+                result["pieces"][str(P)]["mixed_kernels"] = kernels_of(mixed_step)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
