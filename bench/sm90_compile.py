@@ -121,13 +121,16 @@ def gdn_step_cases(H=16, HV=32, K=128, V=128, W=4, M=512):
     return [
         ("gdn_step_loop_conv", gdn_step._gdn_step_kernel, step, dict(consts, PRECONV=False), options, no_fma),
         ("gdn_step_preconv", gdn_step._gdn_step_kernel, step, dict(consts, PRECONV=True), options, no_fma),
-        (
-            "gdn_conv_prepass",
-            gdn_step._gdn_conv_kernel,
-            conv,
-            dict(W=W, BLOCK_C=256, ROWS=gdn_step.CONV_ROWS, PEND=4),
-            dict(num_warps=4),  # (launched at Triton's default)
-            no_fma,
+        *(
+            (
+                name,
+                gdn_step._gdn_conv_kernel,
+                conv,
+                dict(W=W, BLOCK_C=256, ROWS=gdn_step.CONV_ROWS, PEND=4, WINDOW=window, W_BLOCK=4),
+                dict(num_warps=4),  # (launched at Triton's default)
+                no_fma,
+            )
+            for name, window in (("gdn_conv_prepass", False), ("gdn_conv_prepass_window", True))
         ),
     ]
 

@@ -453,6 +453,55 @@ def test_chunk_rule_matches_reference(B, T, H, HV, K, V, decay, with_state, repe
     torch.testing.assert_close(final, rec_states[:, -1], rtol=1e-4, atol=1e-4)
 
 
+def test_chunk_inputs_are_the_modules_and_zero_past_a_piece():
+    """The chunked pieces' input kernel (triton_gdn_chunk.chunk_inputs: step rows laid out as pieces
+    padded to T rows) gives the module's inputs (nextn.layers.gdn: l2norm of q and k in float32,
+    GatedDeltaNet.gates) row for row, and zeros, gates included, for the padded rows."""
+    from nextn.layers.gdn import l2norm
+    from nextn.ops.triton_gdn_chunk import chunk_inputs
+
+    g = torch.Generator(device=DEVICE).manual_seed(41)
+    H, K, HV, V, M = 2, 16, 4, 8, 11
+    conv = _rand(M, 2 * H * K + HV * V, dtype=torch.bfloat16, gen=g)
+    proj = _rand(M, 40 + 2 * HV, dtype=torch.bfloat16, scale=3.0, gen=g)  # (b | a from column 40)
+    A_log, dt_bias = _rand(HV, gen=g), _rand(HV, gen=g)
+    index = torch.tensor([[0, 1, 2, M, M], [3, 4, 5, 6, 7]], device=DEVICE)  # a piece of 3 rows, one of 5
+    q, k, v, gate, beta = chunk_inputs(conv, proj, 40, index, A_log, dt_bias, (H, K, HV, V))
+    live = index < M
+    rows = index[live]
+    ref_q = l2norm(conv[rows, : H * K].unflatten(-1, (H, K)).float())
+    ref_k = l2norm(conv[rows, H * K : 2 * H * K].unflatten(-1, (H, K)).float())
+    b, a = proj[rows, 40 : 40 + HV], proj[rows, 40 + HV :]
+    ref_beta = b.sigmoid().float()
+    ref_g = -A_log.exp() * F.softplus(a.float() + dt_bias)
+    torch.testing.assert_close(q[live], ref_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k[live], ref_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(v[live], conv[rows, 2 * H * K :].unflatten(-1, (HV, V)))
+    torch.testing.assert_close(beta[live], ref_beta, rtol=0, atol=2**-8)  # (sigmoid rounded to bf16 either way)
+    torch.testing.assert_close(gate[live], ref_g, rtol=1e-5, atol=1e-6)
+    for x in (q, k, v, gate, beta):
+        assert not x[~live].any()
+
+
+def test_gated_norm_rows_is_the_modules_norm():
+    """The chunked pieces' output norm (triton_gdn_chunk.gated_norm_rows: rows of o picked by index,
+    each value head RMSNormGated * silu(z)) is nextn.layers.norm.RMSNormGated, op for op."""
+    from nextn.layers.norm import RMSNormGated
+    from nextn.ops.triton_gdn_chunk import gated_norm_rows
+
+    g = torch.Generator(device=DEVICE).manual_seed(43)
+    HV, V, R = 3, 16, 5
+    o = _rand(9, HV * V, dtype=torch.bfloat16, gen=g)
+    rows = torch.tensor([4, 0, 8, 2, 3], device=DEVICE)
+    z = _rand(R, HV * V, dtype=torch.bfloat16, gen=g)
+    norm = RMSNormGated(V, 1e-6).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + _rand(V, scale=0.1, gen=g))
+    out = gated_norm_rows(o, rows, z, norm.weight.detach(), 1e-6, torch.empty_like(z))
+    ref = norm(o[rows].reshape(-1, V), z.reshape(-1, V)).reshape(R, HV * V)
+    _close(out, ref, torch.bfloat16)
+
+
 def test_chunk_rule_splits_like_one_call():
     """A prompt prefilled in two requests ends in the state one request would reach."""
     g = torch.Generator(device=DEVICE).manual_seed(9)

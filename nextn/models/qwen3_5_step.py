@@ -46,8 +46,6 @@ from dataclasses import dataclass
 import torch
 
 from nextn.cache.hybrid import (
-    CONV_AT,
-    CONV_WRITE,
     KV,
     PENDING,
     SEQ_LEN,
@@ -60,7 +58,6 @@ from nextn.cache.hybrid import (
 )
 from nextn.config import ATTENTION_ROWS, FULL
 from nextn.layers.ffn import QuantExperts
-from nextn.layers.gdn import l2norm
 from nextn.layers.linear import QuantLinear
 from nextn.models.loader import fused_runs, fused_weight
 from nextn.models.qwen3_5 import CausalLM
@@ -105,7 +102,6 @@ class GDNWeights:
     # [H] the next layer's input_layernorm, fused into this layer's last GEMM (None: the last
     # layer's, the MTP layer's): set by TritonStep
     next_norm: torch.Tensor | None = None
-    module: torch.nn.Module | None = None  # the layer's GatedDeltaNet: gates and gated norm of chunked pieces
 
 
 @dataclass
@@ -185,7 +181,6 @@ def _gdn_weights(layer) -> GDNWeights:
         g.norm.weight,
         _weight(g.out_proj),
         _mlp_weights(layer),
-        module=g,
     )
 
 
@@ -406,19 +401,19 @@ class TritonStep:
 
     def _gdn_chunked(self, proj, w: GDNWeights, batch: StepBatch, j: int, span: tuple[int, int], out):
         """GDN layer j of the prompt pieces batch.rows[lo:hi] (span; StepBatch.chunked) into their rows of
-        out (None: a new [M, HV * V]): the conv pre-pass over their rows (nextn.ops.triton_gdn.conv_prepass),
-        the pieces padded to the longest (`StepBatch.chunk_layout`: zero rows past a piece, gates 0, which
-        leave a chunk's other rows and the state as they are) through the chunked delta rule from each
-        slot's base state (no pending rows: asserted on the device), the last state and the last W - 1
-        input columns into the write halves (as a prefill step leaves them), then the layer's gated norm.
-        The reference: the module's chunked prefill of each piece (nextn.layers.gdn, StepBatch.chunked)."""
-        from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule
+        out (None: a new [M, HV * V]), in five launches and a few small ops: the conv pre-pass over their
+        rows, which also writes each slot's next carried columns (nextn.ops.triton_gdn.conv_prepass); the
+        rule's inputs with the pieces padded to the longest (`StepBatch.chunk_layout`; triton_gdn_chunk.
+        chunk_inputs: zero rows past a piece, which leave a chunk's other rows and the state as they
+        are); the chunked delta rule from each slot's base state (no pending rows: asserted on the
+        device), its last state into the write half; the gated norm of the pieces' rows. The reference:
+        the module's chunked prefill of each piece (nextn.layers.gdn, StepBatch.chunked)."""
+        from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule, chunk_inputs, gated_norm_rows
 
         lo, hi = span
-        cfg, cache, module = self.cfg, batch.cache, w.module
-        H, K = cfg.linear_num_key_heads, cfg.linear_key_head_dim
-        HV, V = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        conv_dim, W = w.conv.shape
+        cfg, cache = self.cfg, batch.cache
+        heads = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        conv_dim, value_dim = w.conv.shape[0], heads[2] * heads[3]
         window, states = cache.tensors["window"][:, j], cache.tensors["states"][:, j]
         layout = batch.chunk_layout(lo, hi)
         slots = batch.slot_index[lo:hi]
@@ -426,34 +421,15 @@ class TritonStep:
         torch._assert_async((ctl[:, PENDING] == 0).all(), "chunked pieces need their pending GDN rows folded")
         seqs = batch.seqs[:, lo:hi].contiguous()
         conv = self.gdn.conv_prepass(proj, w.conv, window, cache.ctl[:, STATE_AT:], seqs, PENDING - STATE_AT,
-                                     layout.rows, False)  # fmt: skip
-
-        def padded(rows):  # [M, n] -> [B, T, n]: each piece's rows, zeros past them
-            rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-            return rows.index_select(0, layout.index.flatten()).unflatten(0, layout.index.shape)
-
-        qkv = padded(conv)
-        q, k = (l2norm(x.unflatten(-1, (H, K)).float()) for x in qkv[..., : 2 * H * K].split(H * K, -1))
-        v = qkv[..., 2 * H * K :].unflatten(-1, (HV, V))
-        gates = padded(proj[:, conv_dim + HV * V :])
-        beta, g = module.gates(gates[..., :HV], gates[..., HV:])
-        live = (layout.index < batch.num_rows)[..., None]
-        beta, g = beta.masked_fill(~live, 0), g.masked_fill(~live, 0)
-        o, final = chunk_gated_delta_rule(q, k, v, g, beta, states[slots, ctl[:, STATE_AT]])
+                                     layout.rows, False, window_out=True)  # fmt: skip
+        inputs = chunk_inputs(conv, proj, conv_dim + value_dim, layout.index, w.A_log, w.dt_bias, heads)
+        o, final = chunk_gated_delta_rule(*inputs, states[slots, ctl[:, STATE_AT]])
         states[slots, ctl[:, STATE_WRITE]] = final
-        # the window's next carried columns: the last W - 1 of [carried columns | the piece's inputs]
-        carried = torch.stack([window[slots, :, ctl[:, CONV_AT] + c] for c in range(W - 1)], 1)
-        cols = torch.cat([carried, padded(proj[:, :conv_dim])], 1)
-        cols = cols.gather(1, layout.last[..., None].expand(-1, -1, conv_dim))
-        for c in range(W - 1):
-            window[slots, :, ctl[:, CONV_WRITE] + c] = cols[:, c]
-        first, end = batch.offsets[lo], batch.offsets[hi]
-        o = o.flatten(0, 1).index_select(0, layout.real)  # [rows, HV, V]
-        z = proj[first:end, conv_dim : conv_dim + HV * V]
-        normed = module.norm(o.reshape(-1, V), z.reshape(-1, V)).reshape(-1, HV * V)
         if out is None:
-            out = proj.new_empty(proj.shape[0], HV * V)
-        out[first:end] = normed
+            out = proj.new_empty(proj.shape[0], value_dim)
+        first, end = batch.offsets[lo], batch.offsets[hi]
+        z = proj[first:end, conv_dim : conv_dim + value_dim]
+        gated_norm_rows(o.flatten(0, 1).flatten(1), layout.real, z, w.out_norm, self.eps, out[first:end])
         return out
 
     def _gdn_mix(self, proj, w: GDNWeights, cache: HybridCache, j: int, **step):

@@ -188,11 +188,15 @@ if HAVE_TRITON:
         BLOCK_C: tl.constexpr,
         ROWS: tl.constexpr,
         PEND: tl.constexpr,
+        WINDOW: tl.constexpr,  # also the window's next carried columns (`conv_prepass(window_out=True)`)
+        W_BLOCK: tl.constexpr,
     ):
         """A prefill step's conv pre-pass (`gdn_step(preconv=True)`): program (sequence, block of ROWS
         rows, block of BLOCK_C channels) computes `_conv_silu` of its rows exactly as the step's row
         loop would (the same function on the same columns: the pending rows' and carried columns of
-        the window, then the step's inputs), so the loop only loads them."""
+        the window, then the step's inputs), so the loop only loads them. WINDOW (chunked prompt
+        pieces, which run no step loop): the first row block's programs also write the last W-1
+        columns of [carried | inputs] at the slot's conv_write, as a prefill step's loop does."""
         seq = tl.program_id(0)
         slot, row0, T = _sequence(seqs_ptr, stride_seqs, seq)
         proj_ptr += row0 * stride_p
@@ -205,6 +209,11 @@ if HAVE_TRITON:
         fold_ptr = window_ptr + conv_at - pending
         n_carried = pending + W - 1
         ch = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        if WINDOW:
+            if tl.program_id(1) == 0:
+                every = ch >= 0  # (BLOCK_C divides the channels)
+                cols = _last_cols(window_ptr + conv_at, stride_win, proj_ptr, stride_p, ch, every, T, W, W_BLOCK, dtype)
+                _store_cols(window_ptr + tl.load(slots_ptr + 3), stride_win, ch, every, 0, cols, W - 1)
         for i in range(ROWS):
             r = tl.program_id(1) * ROWS + i
             if r < T:
@@ -559,8 +568,11 @@ def gdn_step(
 CONV_ROWS = 8  # rows a pre-pass program computes
 
 
-def conv_prepass(proj, conv_weight, window, slots, seqs, pending_col: int, max_rows: int, store_all: bool):
-    """silu(causal conv) of every step row's q | k | v channels [M, conv_dim] (`_gdn_conv_kernel`)."""
+def conv_prepass(
+    proj, conv_weight, window, slots, seqs, pending_col: int, max_rows: int, store_all: bool, window_out: bool = False
+):
+    """silu(causal conv) of every step row's q | k | v channels [M, conv_dim] (`_gdn_conv_kernel`);
+    window_out: also each sequence's next carried columns into its window at conv_write (slots[3])."""
     if store_all:
         raise ValueError("gdn_step: the conv pre-pass serves a prefill step (store_all=False)")
     if proj.dtype != torch.bfloat16:  # float32: a product and the sum after it may compile to one fma in
@@ -588,5 +600,7 @@ def conv_prepass(proj, conv_weight, window, slots, seqs, pending_col: int, max_r
             BLOCK_C=block_c,
             ROWS=CONV_ROWS,
             PEND=pending_col,
+            WINDOW=window_out,
+            W_BLOCK=next_pow2(W - 1),
         )
     return out

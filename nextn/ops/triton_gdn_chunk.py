@@ -215,6 +215,146 @@ if HAVE_TRITON:
         tl.store(ht_ptr + tile, S, mask=tile_m)
 
 
+if HAVE_TRITON:
+
+    @triton.jit(do_not_specialize=["M"])
+    def _chunk_inputs_kernel(
+        conv_ptr,
+        stride_c,  # [M, 2 H K + HV V]: the step rows' conv outputs (q | k | v channels)
+        proj_ptr,
+        stride_p,  # [M, ...]: the in_proj output, its b | a columns from gate_col
+        index_ptr,  # [B * T] long: each padded row's step row, M past a piece
+        a_log_ptr,
+        dt_bias_ptr,  # [HV]
+        q_ptr,
+        k_ptr,  # [B * T, H, K] float32
+        v_ptr,  # [B * T, HV, V] (conv's dtype)
+        g_ptr,
+        beta_ptr,  # [B * T, HV] float32
+        M,
+        gate_col,
+        eps,
+        H: tl.constexpr,
+        HV: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        BHV: tl.constexpr,
+    ):
+        """Padded row r: its q and k per key head l2-normalised in float32, its v, and its gates
+        beta = sigmoid(b) (rounded to the input dtype, as the module computes it) and the log decay
+        g = -exp(A_log) * softplus(a + dt_bias); all zero past a piece."""
+        r = tl.program_id(0)
+        row = tl.load(index_ptr + r)
+        dtype = conv_ptr.dtype.element_ty
+        kk = tl.arange(0, BK)
+        km = (kk < K) & ((tl.zeros_like(kk) + row) < M)  # (block masks: the interpreter refuses a scalar's)
+        for h in range(H):  # q's heads (the channels' first H K), then k's
+            x = tl.load(conv_ptr + row * stride_c + h * K + kk, mask=km, other=0.0).to(tl.float32)
+            tl.store(q_ptr + (r * H + h) * K + kk, x * tl.rsqrt(tl.sum(x * x, axis=0) + eps), mask=kk < K)
+            x = tl.load(conv_ptr + row * stride_c + (H + h) * K + kk, mask=km, other=0.0).to(tl.float32)
+            tl.store(k_ptr + (r * H + h) * K + kk, x * tl.rsqrt(tl.sum(x * x, axis=0) + eps), mask=kk < K)
+        vv = tl.arange(0, BV)
+        vm = (vv < V) & ((tl.zeros_like(vv) + row) < M)
+        for hv in range(HV):
+            x = tl.load(conv_ptr + row * stride_c + 2 * H * K + hv * V + vv, mask=vm, other=0.0)
+            tl.store(v_ptr + (r * HV + hv) * V + vv, x, mask=vv < V)
+        hh = tl.arange(0, BHV)
+        hm = hh < HV
+        live = (tl.zeros_like(hh) + row) < M
+        b = tl.load(proj_ptr + row * stride_p + gate_col + hh, mask=hm & live, other=0.0).to(tl.float32)
+        a = tl.load(proj_ptr + row * stride_p + gate_col + HV + hh, mask=hm & live, other=0.0).to(tl.float32)
+        a = a + tl.load(dt_bias_ptr + hh, mask=hm, other=0.0).to(tl.float32)
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        g = -tl.exp(tl.load(a_log_ptr + hh, mask=hm, other=0.0).to(tl.float32)) * softplus
+        beta = (1.0 / (1.0 + tl.exp(-b))).to(dtype).to(tl.float32)
+        tl.store(g_ptr + r * HV + hh, tl.where(live, g, 0.0), mask=hm)
+        tl.store(beta_ptr + r * HV + hh, tl.where(live, beta, 0.0), mask=hm)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _gated_norm_kernel(
+        o_ptr,
+        stride_o,  # [*, HV V]: the rule's output rows
+        rows_ptr,  # [R] long: row i's row of o
+        z_ptr,
+        stride_z,  # [R, HV V] the gate
+        w_ptr,  # [V]
+        out_ptr,
+        stride_out,  # [R, HV V]
+        eps,
+        V: tl.constexpr,
+        BV: tl.constexpr,
+    ):
+        """Row i, value head hv: RMSNormGated as the module rounds it (nextn.layers.norm)."""
+        i = tl.program_id(0)
+        hv = tl.program_id(1)
+        vv = tl.arange(0, BV)
+        m = vv < V
+        src = tl.load(rows_ptr + i)
+        x = tl.load(o_ptr + src * stride_o + hv * V + vv, mask=m, other=0.0)
+        dtype = x.dtype
+        x = x.to(tl.float32)
+        normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / V + eps)).to(dtype).to(tl.float32)
+        y = (tl.load(w_ptr + vv, mask=m, other=0.0).to(tl.float32) * normed).to(dtype).to(tl.float32)
+        z = tl.load(z_ptr + i * stride_z + hv * V + vv, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + i * stride_out + hv * V + vv, (y * (z / (1.0 + tl.exp(-z)))).to(dtype), mask=m)
+
+
+def gated_norm_rows(
+    o: torch.Tensor,  # [*, HV V] (rows contiguous)
+    rows: torch.Tensor,  # [R] long: the rows of o to normalise, in order
+    z: torch.Tensor,  # [R, HV V]
+    weight: torch.Tensor,  # [V]
+    eps: float,
+    out: torch.Tensor,  # [R, HV V]
+) -> torch.Tensor:
+    """out[i] = RMSNormGated(o[rows[i]], z[i]) per value head (the GDN layer's output norm, each op
+    rounded as nextn.layers.norm.RMSNormGated rounds it), in one launch."""
+    require_triton()
+    V = weight.shape[0]
+    R, HVV = z.shape
+    if R:
+        _gated_norm_kernel[(R, HVV // V)](
+            o, o.stride(0), rows, z, z.stride(0), weight, out, out.stride(0), eps, V=V, BV=next_pow2(V)
+        )
+    return out
+
+
+def chunk_inputs(
+    conv: torch.Tensor,  # [M, 2 H K + HV V] the step rows' conv outputs
+    proj: torch.Tensor,  # [M, ...] the in_proj output: b | a at gate_col
+    gate_col: int,
+    index: torch.Tensor,  # [B, T] long: each padded row's step row (M: past a piece)
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    heads: tuple[int, int, int, int],  # H, K, HV, V
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, g, beta) of `chunk_gated_delta_rule` for step rows laid out as pieces padded to T rows
+    (nextn.cache.hybrid.ChunkLayout), in one launch: the module's inputs (nextn.layers.gdn: l2norm of q
+    and k, GatedDeltaNet.gates) after its conv, zeros past a piece (rows that change nothing)."""
+    require_triton()
+    H, K, HV, V = heads
+    B, T = index.shape
+    dev, n = conv.device, B * T
+    q = torch.empty(B, T, H, K, device=dev, dtype=torch.float32)
+    k = torch.empty_like(q)
+    v = torch.empty(B, T, HV, V, device=dev, dtype=conv.dtype)
+    g = torch.empty(B, T, HV, device=dev, dtype=torch.float32)
+    beta = torch.empty_like(g)
+    if n:
+        _chunk_inputs_kernel[(n,)](
+            conv, conv.stride(0), proj, proj.stride(0), index, A_log, dt_bias, q, k, v, g, beta,
+            conv.shape[0], gate_col, eps,
+            H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=next_pow2(V), BHV=next_pow2(HV),
+        )  # fmt: skip
+    return q, k, v, g, beta
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,  # [B, T, H, K] L2-normalised
     k: torch.Tensor,  # [B, T, H, K] L2-normalised
