@@ -18,6 +18,12 @@ products: near-float32 accuracy at tensor-core speed; at the 9B shape over 517 t
 states stay within 1e-4 of the reference's, tests/test_kernels.py); the prompt's states must agree
 with the reference's closely, since decoding continues from them. Rows past T are loaded
 as zeros with g = 0, exactly as the reference pads, so they change nothing.
+
+Around them, for prompt pieces in a trunk step (nextn.models.qwen3_5_step, StepBatch.chunked), two
+launches where the module runs a dozen ops each: `chunk_inputs` lays out the step rows' conv outputs
+and gates as pieces padded to the longest (q and k l2-normalised, beta, g; zeros past a piece, which
+the rule passes through unchanged) and `gated_norm_rows` applies the layer's RMSNormGated * silu(z)
+to the pieces' rows of the rule's output, each op rounded as the module rounds it.
 """
 
 from __future__ import annotations
