@@ -5,7 +5,8 @@
 #      at 1 / 2 warps (today: 32 x 2): whether one config is faster for prompt rows and no slower for rounds,
 #      and the chunked delta rule (tensor cores, by chunks of 64 rows) at the same prefill cases;
 #   1b. bench/mixed_step_probe.py --chunked: a prompt piece riding in a 9B round with its GDN rows by the
-#      chunked rule (StepBatch.chunked; run 182's pieces through the recurrence: 81-95 us a prompt row);
+#      chunked rule (StepBatch.chunked; run 182's pieces through the recurrence: 81-95 us a prompt row), and a
+#      wave of 16 x 512 prompt rows in one graphed step with either GDN (run 184's engine wave: 408 ms);
 #   2. wide tiles of other shapes at 4,096 rows (bench/wide_tile_probe.py --extra: BLOCK_N 256, 256 rows a
 #      program, BLOCK_K 64), against today's (128 x 128 x 8 x 3) and cuBLAS, bits against the default's;
 #   3. (NINEB=1) `nextn bench --batch 16 --spec-k 3` on the 9B in .base and here (mid tiles in the verify's 64 rows).
@@ -23,8 +24,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 fits 180 "GDN step configs, 9B heads" &&
   timeout 180 python3 bench/gdn_sweep.py --shapes qwen3.5-9b --tokens 1 4 --prefill-tokens 64 512 --batch 1 16 \
     --block-v 16 32 --warps 1 2 --preconv --chunk --out "$OUT/gdn_levers.json" 2>&1 | grep '^gdn' | sed 's/^gdn qwen3.5-9b //'
-fits 150 "9B mixed steps, pieces by the chunked rule" &&
-  timeout 150 python3 bench/mixed_step_probe.py --chunked --profile --json "$OUT/mixed_chunked.json" 2>&1 | grep -E "^(round|piece|    kernels)"
+fits 200 "9B mixed steps, pieces by the chunked rule; the wave" &&
+  timeout 200 python3 bench/mixed_step_probe.py --chunked --profile --wave --json "$OUT/mixed_chunked.json" 2>&1 | grep -E "^(round|piece|wave|    kernels)"
 fits 200 "wide tiles at 4096 rows" &&
   timeout 200 python3 bench/wide_tile_probe.py --rows 4096 --extra 128,256,8,2,128 256,128,8,2,128 128,128,8,4,64 \
     128,256,8,3,64 --json "$OUT/wide_levers.json" 2>&1 | tail -30

@@ -21,9 +21,12 @@ rule (StepBatch.chunked: tensor-core chunks of 64 rows) instead of the decode st
 whose serial rows of one sequence dominated run 182's pieces. --profile: each mixed step once more,
 eagerly under torch.profiler: its kernels' summed GPU time and launches (what the graph's replay
 pays beyond them is launch gaps: the glue of many small kernels shows there) and the costliest kernels.
+--wave: then the round's B sequences reset and prefilled together, PROMPT rows each, in one graphed
+prefill step, their GDN rows by the recurrence (steps) and by the chunked rule: a served wave's step
+on the engine alone (run 184's wave, steps, prefix cache on: 408 ms).
 Usage (device):
     python3 bench/mixed_step_probe.py [--preset qwen3.5-9b] [--batch 16] [--context 512]
-        [--pieces 64 128 256 512] [--chunked] [--profile] [--json OUT]
+        [--pieces 64 128 256 512] [--chunked] [--profile] [--wave] [--json OUT]
 On the CPU (--model DIR --device cpu) the steps run eagerly, a few times each: a check that it runs.
 """
 
@@ -106,6 +109,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--chunked", action="store_true", help="the pieces' GDN by the chunked delta rule")
     ap.add_argument("--profile", action="store_true", help="each mixed step's kernels (torch.profiler)")
+    ap.add_argument("--wave", action="store_true", help="then B prompts in one prefill step, steps and chunked")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from nextn.cache import StepBatch
@@ -117,7 +121,7 @@ def main() -> None:
     settings = dict(
         device=args.device,
         dtype="bfloat16",
-        max_model_len=max(args.context + 8, top + 8),
+        max_model_len=max(args.context, top, PROMPT if args.wave else 0) + 8,
         max_num_seqs=B + 1,
         num_speculative_tokens=0,
         prefill="steps",
@@ -193,6 +197,24 @@ def main() -> None:
             )
             if args.profile and device.type == "cuda":
                 result["pieces"][str(P)]["mixed_kernels"] = kernels_of(mixed_step)
+        if args.wave:  # the round's sequences reset: B prompts of PROMPT rows in one prefill step, each GDN kind
+            for cache in caches[:B]:
+                cache.reset()
+            wave_ids = torch.tensor(ids(B * PROMPT), device=device)
+            wave_hidden = torch.empty(B * PROMPT, H, dtype=runner.dtype, device=device)
+            lasts = torch.tensor([(b + 1) * PROMPT - 1 for b in range(B)], device=device)
+            result["wave"] = {}
+            for chunked in (False, True):
+                batch = StepBatch(caches[:B], [PROMPT] * B, chunked=chunked)
+
+                def wave_step(batch=batch):
+                    runner.step.trunk(batch, wave_ids, logits[:B], wave_hidden, store_all=False, logit_rows=lasts)
+
+                tw = timed(wave_step, device, max(2, args.reps // 4))
+                kind = "chunked" if chunked else "steps"
+                per_row = tw / (B * PROMPT) * 1e6
+                result["wave"][kind] = {"ms": tw * 1e3, "us_per_row": per_row}
+                print(f"wave of {B} x {PROMPT} prompt rows, GDN {kind}: {tw * 1e3:.1f} ms ({per_row:.1f} us a row)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
