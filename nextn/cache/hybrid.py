@@ -333,7 +333,6 @@ class ChunkLayout(NamedTuple):
 
     index: torch.Tensor  # [B, T] long: each padded row's row of the step, or M (a zero row past them)
     real: torch.Tensor  # [rows] long: the step's rows in the padded [B * T], in order
-    last: torch.Tensor  # [B, W - 1] long: a piece's last W - 1 columns in [carried W - 1 | its T inputs]
     rows: int  # T
 
 
@@ -436,10 +435,7 @@ class StepBatch:
             device = self.cache.ctl.device
             index = [[o + t if t < n else M for t in range(T)] for o, n in zip(first, rows, strict=True)]
             real = [b * T + t for b, n in enumerate(rows) for t in range(n)]
-            last = [[n + c for c in range(self.cache.cfg.linear_conv_kernel_dim - 1)] for n in rows]
-            self._chunks[(lo, hi)] = ChunkLayout(
-                to_device(index, device), to_device(real, device), to_device(last, device), T
-            )
+            self._chunks[(lo, hi)] = ChunkLayout(to_device(index, device), to_device(real, device), T)
         return self._chunks[(lo, hi)]
 
     def flat_rows(self, R: int) -> torch.Tensor:
