@@ -394,37 +394,33 @@ class TritonStep:
         o = None
         for step in steps:  # (each launch writes its sequences' rows of o)
             if "chunked" in step:
-                o = self._gdn_chunked(proj, w, batch, j, step["chunked"], o)
+                o = self._gdn_chunked(proj, w, batch, j, step, o)
             else:
                 o = self._gdn_mix(proj, w, batch.cache, j, out=o, **step)
         return self._mlp(*self._add(x, o, w.out_proj, self._mlp_norm(w.mlp)), w.mlp, w.next_norm)
 
-    def _gdn_chunked(self, proj, w: GDNWeights, batch: StepBatch, j: int, span: tuple[int, int], out):
-        """GDN layer j of the prompt pieces batch.rows[lo:hi] (span; StepBatch.chunked) into their rows of
-        out (None: a new [M, HV * V]), in five launches and a few small ops: the conv pre-pass over their
-        rows, which also writes each slot's next carried columns (nextn.ops.triton_gdn.conv_prepass); the
-        rule's inputs with the pieces padded to the longest (`StepBatch.chunk_layout`; triton_gdn_chunk.
-        chunk_inputs: zero rows past a piece, which leave a chunk's other rows and the state as they
-        are); the chunked delta rule from each slot's base state (no pending rows: asserted on the
-        device), its last state into the write half; the gated norm of the pieces' rows. The reference:
-        the module's chunked prefill of each piece (nextn.layers.gdn, StepBatch.chunked)."""
+    def _gdn_chunked(self, proj, w: GDNWeights, batch: StepBatch, j: int, launch: dict, out):
+        """GDN layer j of the prompt pieces batch.rows[lo:hi] (launch: `_gdn_launches`'s, StepBatch.chunked)
+        into their rows of out (None: a new [M, HV * V]), in seven launches: the conv pre-pass over
+        their rows, which also writes each slot's next carried columns (nextn.ops.triton_gdn.conv_prepass);
+        the rule's inputs with the pieces padded to the longest (`StepBatch.chunk_layout`;
+        triton_gdn_chunk.chunk_inputs: zero rows past a piece, which leave a chunk's other rows and the
+        state as they are); the chunked delta rule (two) from each slot's base state (gathered), its last
+        state into the write half; the gated norm of the pieces' rows. The reference: the module's
+        chunked prefill of each piece (nextn.layers.gdn, StepBatch.chunked)."""
         from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule, chunk_inputs, gated_norm_rows
 
-        lo, hi = span
-        cfg, cache = self.cfg, batch.cache
+        lo, hi = launch["chunked"]
+        cfg, cache, slots = self.cfg, batch.cache, launch["slots"]
         heads = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
         conv_dim, value_dim = w.conv.shape[0], heads[2] * heads[3]
         window, states = cache.tensors["window"][:, j], cache.tensors["states"][:, j]
         layout = batch.chunk_layout(lo, hi)
-        slots = batch.slot_index[lo:hi]
-        ctl = cache.ctl.index_select(0, slots).long()
-        torch._assert_async((ctl[:, PENDING] == 0).all(), "chunked pieces need their pending GDN rows folded")
-        seqs = batch.seqs[:, lo:hi].contiguous()
-        conv = self.gdn.conv_prepass(proj, w.conv, window, cache.ctl[:, STATE_AT:], seqs, PENDING - STATE_AT,
+        conv = self.gdn.conv_prepass(proj, w.conv, window, cache.ctl[:, STATE_AT:], launch["seqs"], PENDING - STATE_AT,
                                      layout.rows, False, window_out=True)  # fmt: skip
         inputs = chunk_inputs(conv, proj, conv_dim + value_dim, layout.index, w.A_log, w.dt_bias, heads)
-        o, final = chunk_gated_delta_rule(*inputs, states[slots, ctl[:, STATE_AT]])
-        states[slots, ctl[:, STATE_WRITE]] = final
+        o, final = chunk_gated_delta_rule(*inputs, states[slots, launch["at"]])
+        states[slots, launch["write"]] = final
         if out is None:
             out = proj.new_empty(proj.shape[0], value_dim)
         first, end = batch.offsets[lo], batch.offsets[hi]
@@ -459,13 +455,20 @@ class TritonStep:
         A bf16 prefill launch of more than a row a sequence computes the GDN conv of its rows in a
         pre-pass (bf16's products are rounded by integer ops there, which no compiler contracts:
         triton_gdn._rounded; fp16 / fp32 keep the loop's conv, as one-row steps do: tests/test_prefill.py
-        sets them side by side)."""
+        sets them side by side). With StepBatch.chunked the pieces' launch is `_gdn_chunked`'s (bf16 only:
+        the conv pre-pass refuses another dtype)."""
         B, launches = len(batch.rows), []
         for lo, hi, keep in ((0, split, store_all), (split, B, False)):
             if lo == hi:
                 continue
-            if not keep and batch.chunked:  # prompt pieces by the chunked rule (`_gdn_chunked`)
-                launches.append(dict(chunked=(lo, hi)))
+            if not keep and batch.chunked:  # prompt pieces by the chunked rule (`_gdn_chunked`): their
+                # slots' halves, read once a step (no pending rows: the caller folds them first)
+                slots = batch.slot_index[lo:hi]
+                ctl = batch.cache.ctl.index_select(0, slots).long()
+                torch._assert_async((ctl[:, PENDING] == 0).all(), "chunked pieces need their pending GDN rows folded")
+                seqs = batch.seqs[:, lo:hi].contiguous()
+                at, write = ctl[:, STATE_AT], ctl[:, STATE_WRITE]
+                launches.append(dict(chunked=(lo, hi), slots=slots, seqs=seqs, at=at, write=write))
                 continue
             rows = max(batch.rows[lo:hi])
             preconv = rows if not keep and rows > 1 and self.embed.dtype == torch.bfloat16 else None
