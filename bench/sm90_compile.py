@@ -69,6 +69,8 @@ def gdn_cases(B=1, T=517, H=16, HV=32, K=128, V=128):
         gc_ptr="*fp32",
         h0_ptr="*fp32",
         ht_ptr="*fp32",
+        h0_at_ptr="*i64",
+        ht_at_ptr="*i64",
         sq_b=sq[0],
         sq_t=sq[1],
         sq_h=sq[2],
@@ -90,9 +92,11 @@ def gdn_cases(B=1, T=517, H=16, HV=32, K=128, V=128):
         scale=K**-0.5,
     )
     prep, scan = gdn.launch_constexprs(H, HV, K, V, has_h0=True)
+    slots = gdn.launch_constexprs(H, HV, K, V, has_h0=True, slots=True)[1]  # (a cache's states: prompt pieces)
     return [
         ("gdn_chunk_prep", gdn._chunk_prep_kernel, args, prep, gdn.PREP_OPTIONS),
         ("gdn_chunk_scan", gdn._chunk_scan_kernel, args, scan, gdn.SCAN_OPTIONS),
+        ("gdn_chunk_scan_slots", gdn._chunk_scan_kernel, args, slots, gdn.SCAN_OPTIONS),
     ]
 
 

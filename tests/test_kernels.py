@@ -453,6 +453,28 @@ def test_chunk_rule_matches_reference(B, T, H, HV, K, V, decay, with_state, repe
     torch.testing.assert_close(final, rec_states[:, -1], rtol=1e-4, atol=1e-4)
 
 
+def test_chunk_rule_reads_and_writes_a_caches_states_in_place():
+    """slot_states: the rule's initial states read from and final states written to a cache's halves
+    ([S, 2, HV, K, V] at per-sequence element offsets) give what initial_state and the returned
+    final state give, bit for bit, and touch nothing else of the cache."""
+    g = torch.Generator(device=DEVICE).manual_seed(47)
+    q, k, v, gate, beta, _ = _chunk_case(2, 70, 1, 2, 16, 16, torch.float32, g, 0.5, False, False)
+    states = _rand(3, 2, 2, 16, 16, gen=g)
+    o, final = triton_chunk_rule(q, k, v, gate, beta, torch.stack([states[2, 1], states[0, 0]]))
+    slot, half = states.stride(0), states.stride(1)
+    read = torch.tensor([2 * slot + half, 0], device=DEVICE)
+    write = torch.tensor([2 * slot, half], device=DEVICE)
+    before = states.clone()
+    o2, none = triton_chunk_rule(q, k, v, gate, beta, slot_states=(states, read, write))
+    assert none is None and torch.equal(o2, o)
+    assert torch.equal(states[2, 0], final[0]) and torch.equal(states[0, 1], final[1])
+    kept = torch.ones(3, 2, dtype=torch.bool)
+    kept[2, 0] = kept[0, 1] = False
+    assert torch.equal(states[kept], before[kept])
+    with pytest.raises(ValueError, match="slot_states"):
+        triton_chunk_rule(q, k, v, gate, beta, states[:2, 0], slot_states=(states, read, write))
+
+
 def test_chunk_inputs_are_the_modules_and_zero_past_a_piece():
     """The chunked pieces' input kernel (triton_gdn_chunk.chunk_inputs: step rows laid out as pieces
     padded to T rows) gives the module's inputs (nextn.layers.gdn: l2norm of q and k in float32,

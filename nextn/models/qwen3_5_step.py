@@ -401,17 +401,17 @@ class TritonStep:
 
     def _gdn_chunked(self, proj, w: GDNWeights, batch: StepBatch, j: int, launch: dict, out):
         """GDN layer j of the prompt pieces batch.rows[lo:hi] (launch: `_gdn_launches`'s, StepBatch.chunked)
-        into their rows of out (None: a new [M, HV * V]), in seven launches: the conv pre-pass over
+        into their rows of out (None: a new [M, HV * V]), in five launches: the conv pre-pass over
         their rows, which also writes each slot's next carried columns (nextn.ops.triton_gdn.conv_prepass);
         the rule's inputs with the pieces padded to the longest (`StepBatch.chunk_layout`;
         triton_gdn_chunk.chunk_inputs: zero rows past a piece, which leave a chunk's other rows and the
-        state as they are); the chunked delta rule (two) from each slot's base state (gathered), its last
-        state into the write half; the gated norm of the pieces' rows. The reference: the module's
-        chunked prefill of each piece (nextn.layers.gdn, StepBatch.chunked)."""
+        state as they are); the chunked delta rule (two) from each slot's base state, its last state
+        into the write half (the scan reads and writes the slots' halves); the gated norm of the pieces'
+        rows. The reference: the module's chunked prefill of each piece (nextn.layers.gdn, StepBatch.chunked)."""
         from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule, chunk_inputs, gated_norm_rows
 
         lo, hi = launch["chunked"]
-        cfg, cache, slots = self.cfg, batch.cache, launch["slots"]
+        cfg, cache = self.cfg, batch.cache
         heads = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
         conv_dim, value_dim = w.conv.shape[0], heads[2] * heads[3]
         window, states = cache.tensors["window"][:, j], cache.tensors["states"][:, j]
@@ -419,8 +419,7 @@ class TritonStep:
         conv = self.gdn.conv_prepass(proj, w.conv, window, cache.ctl[:, STATE_AT:], launch["seqs"], PENDING - STATE_AT,
                                      layout.rows, False, window_out=True)  # fmt: skip
         inputs = chunk_inputs(conv, proj, conv_dim + value_dim, layout.index, w.A_log, w.dt_bias, heads)
-        o, final = chunk_gated_delta_rule(*inputs, states[slots, launch["at"]])
-        states[slots, launch["write"]] = final
+        o, _ = chunk_gated_delta_rule(*inputs, slot_states=(states, launch["read"], launch["write"]))
         if out is None:
             out = proj.new_empty(proj.shape[0], value_dim)
         first, end = batch.offsets[lo], batch.offsets[hi]
@@ -467,8 +466,11 @@ class TritonStep:
                 ctl = batch.cache.ctl.index_select(0, slots).long()
                 torch._assert_async((ctl[:, PENDING] == 0).all(), "chunked pieces need their pending GDN rows folded")
                 seqs = batch.seqs[:, lo:hi].contiguous()
-                at, write = ctl[:, STATE_AT], ctl[:, STATE_WRITE]
-                launches.append(dict(chunked=(lo, hi), slots=slots, seqs=seqs, at=at, write=write))
+                states = batch.cache.tensors["states"]  # [S, GDN layers, 2, HV, K, V]: a layer's at the same offsets
+                read, write = (
+                    slots * states.stride(0) + ctl[:, half] * states.stride(2) for half in (STATE_AT, STATE_WRITE)
+                )
+                launches.append(dict(chunked=(lo, hi), seqs=seqs, read=read, write=write))
                 continue
             rows = max(batch.rows[lo:hi])
             preconv = rows if not keep and rows > 1 and self.embed.dtype == torch.bfloat16 else None

@@ -41,12 +41,12 @@ PREP_OPTIONS = dict(num_warps=8, num_stages=1)
 SCAN_OPTIONS = dict(num_warps=8, num_stages=1)
 
 
-def launch_constexprs(H: int, HV: int, K: int, V: int, has_h0: bool) -> tuple[dict, dict]:
+def launch_constexprs(H: int, HV: int, K: int, V: int, has_h0: bool, slots: bool = False) -> tuple[dict, dict]:
     """The constexprs of (`_chunk_prep_kernel`, `_chunk_scan_kernel`) for H key heads and HV value
     heads of dims K and V, as `chunk_gated_delta_rule` launches them."""
     BK, BV = max(16, next_pow2(K)), max(16, next_pow2(V))
     common = dict(HV=HV, GROUPS=HV // H, K=K, V=V, BK=BK, C=CHUNK)
-    return dict(common, BV=BV), dict(common, BLOCK_V=min(SCAN_BLOCK_V, BV), HAS_H0=has_h0)
+    return dict(common, BV=BV), dict(common, BLOCK_V=min(SCAN_BLOCK_V, BV), HAS_H0=has_h0, SLOTS=slots)
 
 
 if HAVE_TRITON:
@@ -161,6 +161,8 @@ if HAVE_TRITON:
         so_t,
         so_h,  # [B, T, HV, V] out
         ht_ptr,  # [B*HV, K, V] float32 out: the final state
+        h0_at_ptr,
+        ht_at_ptr,  # SLOTS: [B] long, where sequence b's [HV, K, V] state starts in h0 / ht (a cache's halves)
         T,
         Tp,
         scale,
@@ -172,6 +174,7 @@ if HAVE_TRITON:
         BLOCK_V: tl.constexpr,
         C: tl.constexpr,
         HAS_H0: tl.constexpr,
+        SLOTS: tl.constexpr,
     ):
         bh = tl.program_id(0)
         vb = tl.program_id(1)
@@ -185,6 +188,9 @@ if HAVE_TRITON:
         vm = vv < V
         tile = bh * K * V + kk[:, None] * V + vv[None, :]
         tile_m = km[:, None] & vm[None, :]
+        if SLOTS:  # the states in a cache: sequence b's at its own offsets
+            h0_ptr += tl.load(h0_at_ptr + b) - b * HV * K * V
+            ht_ptr += tl.load(ht_at_ptr + b) - b * HV * K * V
         if HAS_H0:
             S = tl.load(h0_ptr + tile, mask=tile_m, other=0.0)
         else:
@@ -368,8 +374,12 @@ def chunk_gated_delta_rule(
     g: torch.Tensor,  # [B, T, HV] log decay
     beta: torch.Tensor,  # [B, T, HV]
     initial_state: torch.Tensor | None = None,  # [B, HV, K, V] float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] float32). Inference only."""
+    slot_states: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] float32). Inference only.
+    slot_states = (states, read, write): the initial states read from and the final ones written
+    to float32 `states` (a cache's, each [HV, K, V] block contiguous) at element offsets read / write
+    [B] long, in place of initial_state and the returned final state (None then)."""
     require_triton()
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -384,7 +394,9 @@ def chunk_gated_delta_rule(
     g, beta = g.float().contiguous(), beta.float().contiguous()
     dev = q.device
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
-    final = torch.empty(B * HV, K, V, device=dev, dtype=torch.float32)
+    final = torch.empty(B * HV, K, V, device=dev, dtype=torch.float32) if slot_states is None else None
+    if slot_states is not None and (initial_state is not None or T == 0):
+        raise ValueError("chunk_gated_delta_rule: slot_states takes no initial_state and at least one row")
     if T == 0:
         if initial_state is None:
             final.zero_()
@@ -398,7 +410,8 @@ def chunk_gated_delta_rule(
     w = torch.empty(B * HV, Tp, K, device=dev, dtype=torch.float32)
     intra = torch.empty(B * HV, Tp, C, device=dev, dtype=torch.float32)
     gc = torch.empty(B * HV, Tp, device=dev, dtype=torch.float32)
-    prep_constexprs, scan_constexprs = launch_constexprs(H, HV, K, V, initial_state is not None)
+    in_slots = slot_states is not None
+    prep_constexprs, scan_constexprs = launch_constexprs(H, HV, K, V, initial_state is not None or in_slots, in_slots)
     _chunk_prep_kernel[(n_chunks, B * HV)](
         q,
         q.stride(0),
@@ -428,9 +441,14 @@ def chunk_gated_delta_rule(
         **prep_constexprs,
         **PREP_OPTIONS,
     )
-    h0 = None
-    if initial_state is not None:
-        h0 = initial_state.float().reshape(B * HV, K, V).contiguous()
+    if in_slots:
+        states, read, write = slot_states
+        if states.dtype != torch.float32 or states.stride()[-3:] != (K * V, V, 1) or read.shape != (B,):
+            raise ValueError("chunk_gated_delta_rule: slot_states are float32 [..., HV, K, V] blocks and [B] offsets")
+        h0, ht, at = states, states, (read, write)
+    else:
+        h0 = None if initial_state is None else initial_state.float().reshape(B * HV, K, V).contiguous()
+        h0, ht, at = (final if h0 is None else h0), final, (gc, gc)  # (offsets unused)
     _chunk_scan_kernel[(B * HV, triton.cdiv(V, scan_constexprs["BLOCK_V"]))](
         q,
         q.stride(0),
@@ -444,16 +462,17 @@ def chunk_gated_delta_rule(
         w,
         intra,
         gc,
-        h0 if h0 is not None else final,
+        h0,
         o,
         o.stride(0),
         o.stride(1),
         o.stride(2),
-        final,
+        ht,
+        *at,
         T,
         Tp,
         K**-0.5,
         **scan_constexprs,
         **SCAN_OPTIONS,
     )
-    return o, final.view(B, HV, K, V)
+    return o, None if final is None else final.view(B, HV, K, V)
