@@ -93,11 +93,35 @@ def gdn_cases(B=1, T=517, H=16, HV=32, K=128, V=128):
     )
     prep, scan = gdn.launch_constexprs(H, HV, K, V, has_h0=True)
     slots = gdn.launch_constexprs(H, HV, K, V, has_h0=True, slots=True)[1]  # (a cache's states: prompt pieces)
+    conv_dim = 2 * H * K + HV * V  # the chunked pieces' input and output kernels (StepBatch.chunked)
+    inputs = dict(
+        conv_ptr="*bf16",
+        stride_c=conv_dim,
+        proj_ptr="*bf16",
+        stride_p=conv_dim + HV * V + 2 * HV,
+        index_ptr="*i64",
+        a_log_ptr="*fp32",
+        dt_bias_ptr="*fp32",
+        q_ptr="*fp32",
+        k_ptr="*fp32",
+        v_ptr="*bf16",
+        g_ptr="*fp32",
+        beta_ptr="*fp32",
+        M=B * T,
+        gate_col=conv_dim + HV * V,
+        eps=1e-6,
+    )
+    norm = dict(o_ptr="*bf16", stride_o=HV * V, rows_ptr="*i64", z_ptr="*bf16", stride_z=conv_dim + HV * V + 2 * HV,
+                w_ptr="*bf16", out_ptr="*bf16", stride_out=HV * V, eps=1e-6)  # fmt: skip
+    bk, bv = gdn.next_pow2(K), gdn.next_pow2(V)
     return [
         ("gdn_chunk_prep", gdn._chunk_prep_kernel, args, prep, gdn.PREP_OPTIONS),
         ("gdn_chunk_scan", gdn._chunk_scan_kernel, args, scan, gdn.SCAN_OPTIONS),
         ("gdn_chunk_scan_slots", gdn._chunk_scan_kernel, args, slots, gdn.SCAN_OPTIONS),
-    ]
+        ("gdn_chunk_inputs", gdn._chunk_inputs_kernel, inputs,
+         dict(H=H, HV=HV, K=K, V=V, BK=bk, BV=bv, BHV=gdn.next_pow2(HV)), dict(num_warps=4)),
+        ("gdn_gated_norm", gdn._gated_norm_kernel, norm, dict(V=V, BV=bv), dict(num_warps=4)),
+    ]  # fmt: skip
 
 
 def gdn_step_cases(H=16, HV=32, K=128, V=128, W=4, M=512):
