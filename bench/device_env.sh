@@ -10,3 +10,9 @@ mkdir -p /tmp/triton_cache
 if [ -f .tcache/triton_cache.tgz ]; then tar xzf .tcache/triton_cache.tgz -C /tmp/triton_cache; fi
 t0=$(date +%s)  # the stages' clock: `stage NAME` prints a script stage's header and the seconds since
 stage() { echo "=== $1 (+$(($(date +%s) - t0)) s)"; }
+DEADLINE=${DEADLINE:-570}  # `fits SECONDS NAME`: whether a stage of at most SECONDS ends before DEADLINE s of the
+# clock (its header printed, as `stage` prints it), else it says the stage is skipped
+fits() {
+  if [ $(($(date +%s) - t0 + $1)) -gt "$DEADLINE" ]; then echo "=== skipped: $2 (+$(($(date +%s) - t0)) s)"; return 1; fi
+  stage "$2"
+}

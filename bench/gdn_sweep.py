@@ -107,11 +107,16 @@ def run(step_fn, c, block_v, warps, **kw):
 
 
 def layer_us(step_fn, c, block_v, warps, **kw) -> float:
-    run(step_fn, c, block_v, warps, **kw)
+    return replayed_us(lambda: run(step_fn, c, block_v, warps, **kw), len(c["layer"]))
+
+
+def replayed_us(call, layers: int) -> float:
+    """us a layer of call (`layers` layers' launches) in a CUDA graph: the median of 7 timings of 5 replays."""
+    call()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        run(step_fn, c, block_v, warps, **kw)
+        call()
     g.replay()
     times = []
     for _ in range(7):
@@ -121,7 +126,7 @@ def layer_us(step_fn, c, block_v, warps, **kw) -> float:
             g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / 5 / len(c["layer"]))
+        times.append(a.elapsed_time(b) * 1e3 / 5 / layers)
     return sorted(times)[3]
 
 
@@ -146,22 +151,7 @@ def chunk_us(H, HV, K, V, layers, B, T) -> float:
         for h0 in states:
             chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=h0)
 
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    graph.replay()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(5):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / 5 / layers)
-    return sorted(times)[3]
+    return replayed_us(call, layers)
 
 
 def same_bits(fn_a, fn_b, make, block_v, warps, kw_a, kw_b) -> bool | str:

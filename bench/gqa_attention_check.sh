@@ -12,11 +12,6 @@
 # Usage (device tool, carry .whl .base .gqa): [VARIANTS="packed gqa"] MIXED=1 bash bench/gqa_attention_check.sh
 set -o pipefail
 source bench/device_env.sh
-DEADLINE=${DEADLINE:-570}
-fits() {  # fits SECONDS NAME: whether a stage of at most SECONDS ends before DEADLINE (else it says so)
-  if [ $(($(date +%s) - t0 + $1)) -gt "$DEADLINE" ]; then echo "=== skipped: $2 (+$(($(date +%s) - t0)) s)"; return 1; fi
-  stage "$2"
-}
 fits 60 "attention, today's kernel (.base)" &&
   PYTHONPATH=$PWD/.base:/tmp/site timeout 60 python3 bench/attention_probe.py --json "$OUT/attn_base.json" 2>&1 | tail -7
 if [ "${MIXED:-0}" = 1 ] && fits 150 "9B mixed steps, today's kernel"; then

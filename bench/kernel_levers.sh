@@ -15,11 +15,6 @@
 # Usage (device tool, full tree, carry .whl [.base]): [NINEB=1] bash bench/kernel_levers.sh
 set -o pipefail
 source bench/device_env.sh
-DEADLINE=${DEADLINE:-570}
-fits() {  # fits SECONDS NAME: whether a stage of at most SECONDS ends before DEADLINE (else it says so)
-  if [ $(($(date +%s) - t0 + $1)) -gt "$DEADLINE" ]; then echo "=== skipped: $2 (+$(($(date +%s) - t0)) s)"; return 1; fi
-  stage "$2"
-}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 fits 180 "GDN step configs, 9B heads" &&
   timeout 180 python3 bench/gdn_sweep.py --shapes qwen3.5-9b --tokens 1 4 --prefill-tokens 64 512 --batch 1 16 \

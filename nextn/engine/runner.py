@@ -331,7 +331,7 @@ class ModelRunner:
         """The "steps" prefill: one eager trunk step over every piece (store_all=False), the slots
         committed together, then the head's catch-up of the sequences that draft, in one head step.
         chunked: the pieces' GDN rows by the chunked delta rule (StepBatch.chunked; their pending
-        rows folded first), not yet an engine mode (bench/mixed_step_probe.py --chunked measures it)."""
+        rows folded first): not yet an engine mode (tests/test_prefill.py runs it)."""
         pieces = [p for p in pieces if p.token_ids]
         if not pieces:
             return
