@@ -166,6 +166,8 @@ def main() -> None:
             "chunked": args.chunked,
             "pieces": {},
         }
+        if args.profile and device.type == "cuda":
+            result["round_kernels"] = kernels_of(round_step)
         for P in args.pieces:
             piece_ids = torch.tensor(ids(P), device=device)
             mixed_ids = torch.cat([round_ids, piece_ids])

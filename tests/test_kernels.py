@@ -37,6 +37,7 @@ from nextn.ops.triton_attention import attend_step, qk_norm_rope  # noqa: E402
 from nextn.ops.triton_attention import prefill_attention as fused_prefill_attention  # noqa: E402
 from nextn.ops.triton_gdn import gdn_step  # noqa: E402
 from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule as triton_chunk_rule  # noqa: E402
+from nextn.ops.triton_gdn_chunk import launch_constexprs as chunk_launch_constexprs  # noqa: E402
 from nextn.ops.triton_linear import skinny_linear  # noqa: E402
 from nextn.ops.triton_moe import bf16_rounded  # noqa: E402
 from nextn.ops.triton_moe_grouped import grouped_experts  # noqa: E402
@@ -445,11 +446,14 @@ def test_chunk_rule_matches_reference(B, T, H, HV, K, V, decay, with_state, repe
     q, k, v, gate, beta, state = _chunk_case(B, T, H, HV, K, V, torch.float32, g, decay, with_state, repeat_keys)
     o, final = triton_chunk_rule(q, k, v, gate, beta, state)
     ref_o, ref_final = chunk_gated_delta_rule(q, k, v, gate, beta, state)
-    torch.testing.assert_close(o, ref_o, rtol=1e-5, atol=1e-5)
+    # the output's products in one tf32 pass on a GPU where the heads allow it (triton_gdn_chunk.PRECISIONS)
+    one_pass = DEVICE == "cuda" and chunk_launch_constexprs(H, HV, K, V, with_state)[1]["P_O"] == "tf32"
+    o_tol = 2e-3 if one_pass else 1e-5
+    torch.testing.assert_close(o, ref_o, rtol=o_tol, atol=o_tol)
     torch.testing.assert_close(final, ref_final, rtol=1e-5, atol=1e-5)
     # and the recurrence it stands for, token by token
     rec_o, rec_states = recurrent_gated_delta_rule(q, k, v, gate, beta, state)
-    torch.testing.assert_close(o, rec_o, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(o, rec_o, rtol=max(o_tol, 1e-4), atol=max(o_tol, 1e-4))
     torch.testing.assert_close(final, rec_states[:, -1], rtol=1e-4, atol=1e-4)
 
 

@@ -13,10 +13,12 @@
    chunks in order with its [K, BLOCK_V] slice of the state in registers:
        v_new = u - w S;  o = (q * exp(gc)) S + intra v_new;  S = exp(gc_last) S + (k * exp(gc_last - gc))^T v_new
 
-Every product is a `tl.dot` on float32 operands at "tf32x3" precision (three TF32 tensor-core
-products: near-float32 accuracy at tensor-core speed; at the 9B shape over 517 tokens the final
-states stay within 1e-4 of the reference's, tests/test_kernels.py); the prompt's states must agree
-with the reference's closely, since decoding continues from them. Rows past T are loaded
+Every product is a `tl.dot` on float32 operands on tensor cores: those that make the state (the
+scan's, and A, the inverse, u, w that feed it) at "tf32x3" precision (three TF32 products, near
+float32), the output's at "tf32" (one: 1.6x the speed at 16 prompts of 512 rows; PRECISIONS says what
+each costs). At the 9B shape over 517 tokens the final states stay within 1e-4 of the reference's
+(tests/test_kernels.py): the prompt's states must agree with the reference's closely, since decoding
+continues from them. Rows past T are loaded
 as zeros with g = 0, exactly as the reference pads, so they change nothing.
 
 Around them, for prompt pieces in a trunk step (nextn.models.qwen3_5_step, StepBatch.chunked), two
@@ -37,16 +39,33 @@ SCAN_BLOCK_V = 32  # value columns of the state per scan program (fewer when V i
 # launch options of the two kernels; bench/sm90_compile.py compiles the kernels with them (and with
 # `launch_constexprs`) for sm90 on the CPU and checks their shared memory fits an H200 block
 PREP_OPTIONS = dict(num_warps=8, num_stages=1)
-# the scan: 98 KB of shared memory at K = 128 on sm90 (2 stages: 222 KB, at the limit; 3: 345 KB, over it)
+# the scan: 80 KB of shared memory at K = 128 on sm90 (98 KB with its output products in three passes; 2
+# stages: 222 KB then, at the limit)
 SCAN_OPTIONS = dict(num_warps=8, num_stages=1)
+
+
+# Each dot's input precision ("tf32x3": three TF32 products, near float32; "tf32": one, a 10-bit mantissa):
+# A = k_beta k^T, INV the inverse's forward substitution and merges, UW u and w, O the intra-chunk scores and
+# the output's two products, S the scan's two state products. Measured at the 9B's heads (runs 194-195, H100,
+# bench/chunk_rule_probe.py, from a state, us; every dot tf32x3 -> O in tf32 -> O and INV in tf32): 1 x 64
+# rows 111 / 73 / 47, 1 x 512 336 / 218 / 160, 16 x 512 5,703 / 3,504 / 2,700. O in tf32 leaves the states
+# as they were (within 3e-7 of the float32 reference's) and the output within 2e-4 (an eighth of a bf16 ulp
+# at 1); INV in tf32 moves the states by up to 1e-4 (run 197, heads of 128 from a state of 0.1) and every dot
+# in tf32 by 9e-4: the state's products and those feeding it keep three passes, decoding continues from them.
+PRECISIONS = dict(A="tf32x3", INV="tf32x3", UW="tf32x3", O="tf32", S="tf32x3")
 
 
 def launch_constexprs(H: int, HV: int, K: int, V: int, has_h0: bool, slots: bool = False) -> tuple[dict, dict]:
     """The constexprs of (`_chunk_prep_kernel`, `_chunk_scan_kernel`) for H key heads and HV value
     heads of dims K and V, as `chunk_gated_delta_rule` launches them."""
     BK, BV = max(16, next_pow2(K)), max(16, next_pow2(V))
-    common = dict(HV=HV, GROUPS=HV // H, K=K, V=V, BK=BK, C=CHUNK)
-    return dict(common, BV=BV), dict(common, BLOCK_V=min(SCAN_BLOCK_V, BV), HAS_H0=has_h0, SLOTS=slots)
+    # (a one-pass tf32 dot over a transposed operand of 16 rows, q k^T or k_beta k^T at key heads of 16 or
+    # fewer, made an illegal memory access on an H100, run 197: those heads take three passes)
+    narrow = {name: "tf32x3" for name in ("O", "A")} if BK < 32 else {}
+    prec = {**PRECISIONS, **narrow}
+    common = dict(HV=HV, GROUPS=HV // H, K=K, V=V, BK=BK, C=CHUNK, P_O=prec["O"])
+    prep = dict(common, BV=BV, P_A=prec["A"], P_INV=prec["INV"], P_UW=prec["UW"])
+    return prep, dict(common, BLOCK_V=min(SCAN_BLOCK_V, BV), HAS_H0=has_h0, SLOTS=slots, P_S=prec["S"])
 
 
 if HAVE_TRITON:
@@ -54,8 +73,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _dot(a, b):
-        return tl.dot(a, b, input_precision="tf32x3")
+    def _dotp(a, b, PREC: tl.constexpr):
+        return tl.dot(a, b, input_precision=PREC)
 
     @triton.jit(do_not_specialize=["T"])
     def _chunk_prep_kernel(
@@ -91,6 +110,10 @@ if HAVE_TRITON:
         BK: tl.constexpr,
         BV: tl.constexpr,
         C: tl.constexpr,
+        P_O: tl.constexpr,
+        P_A: tl.constexpr,
+        P_INV: tl.constexpr,
+        P_UW: tl.constexpr,
     ):
         tl.static_assert(C == 64, "the blocked inverse merges 16-row blocks twice: C = 64 exactly")
         ic = tl.program_id(0)
@@ -117,24 +140,24 @@ if HAVE_TRITON:
         causal = r[:, None] >= r[None, :]
         decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
         k_beta = k * beta[:, None]
-        A = tl.where(r[:, None] > r[None, :], _dot(k_beta, tl.trans(k)) * decay, 0.0)
+        A = tl.where(r[:, None] > r[None, :], _dotp(k_beta, tl.trans(k), P_A) * decay, 0.0)
         # (I + A)^-1, blocked
         eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
         same16 = (r[:, None] // 16) == (r[None, :] // 16)
         A_diag = tl.where(same16, A, 0.0)
         X = eye
         for i in range(1, 16):  # row i of every diagonal block: its rows above are final
-            X = tl.where((r % 16 == i)[:, None], eye - _dot(A_diag, X), X)
+            X = tl.where((r % 16 == i)[:, None], eye - _dotp(A_diag, X, P_INV), X)
         if C > 16:  # merge pairs of 16-row blocks: X21 = -X22 L21 X11
             pair16 = ((r[:, None] // 16) == (r[None, :] // 16) + 1) & ((r[:, None] // 16) % 2 == 1)
-            X = X - _dot(X, _dot(tl.where(pair16, A, 0.0), X))
+            X = X - _dotp(X, _dotp(tl.where(pair16, A, 0.0), X, P_INV), P_INV)
         if C > 32:  # merge the two halves
             pair32 = (r[:, None] >= 32) & (r[None, :] < 32)
-            X = X - _dot(X, _dot(tl.where(pair32, A, 0.0), X))
-        u = _dot(X, v * beta[:, None])
-        w = _dot(X, k_beta * tl.exp(gc)[:, None])
+            X = X - _dotp(X, _dotp(tl.where(pair32, A, 0.0), X, P_INV), P_INV)
+        u = _dotp(X, v * beta[:, None], P_UW)
+        w = _dotp(X, k_beta * tl.exp(gc)[:, None], P_UW)
         q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + h * sq_h + kk[None, :], mask=qk_mask, other=0.0)
-        intra = tl.where(causal, _dot(q.to(tl.float32) * scale, tl.trans(k)) * decay, 0.0)
+        intra = tl.where(causal, _dotp(q.to(tl.float32) * scale, tl.trans(k), P_O) * decay, 0.0)
         rows = bh * Tp + t
         tl.store(u_ptr + rows[:, None] * V + vv[None, :], u, mask=vv[None, :] < V)
         tl.store(w_ptr + rows[:, None] * K + kk[None, :], w, mask=kk[None, :] < K)
@@ -173,8 +196,10 @@ if HAVE_TRITON:
         BK: tl.constexpr,
         BLOCK_V: tl.constexpr,
         C: tl.constexpr,
+        P_O: tl.constexpr,
         HAS_H0: tl.constexpr,
         SLOTS: tl.constexpr,
+        P_S: tl.constexpr,
     ):
         bh = tl.program_id(0)
         vb = tl.program_id(1)
@@ -215,15 +240,15 @@ if HAVE_TRITON:
             intra = tl.load(a_ptr + rows[:, None] * C + r[None, :])
             gc = tl.load(gc_ptr + rows)
             g_last = tl.sum(tl.where(r == C - 1, gc, 0.0), axis=0)
-            v_new = u - _dot(w, S)
-            o = _dot(q * tl.exp(gc)[:, None], S) + _dot(intra, v_new)
+            v_new = u - _dotp(w, S, P_S)
+            o = _dotp(q * tl.exp(gc)[:, None], S, P_O) + _dotp(intra, v_new, P_O)
             tl.store(
                 o_ptr + b * so_b + t[:, None] * so_t + hv * so_h + vv[None, :],
                 o.to(o_ptr.dtype.element_ty),
                 mask=tm[:, None] & vm[None, :],
             )
             k_to_end = k * tl.exp(g_last - gc)[:, None]
-            S = S * tl.exp(g_last) + _dot(tl.trans(k_to_end), v_new)
+            S = S * tl.exp(g_last) + _dotp(tl.trans(k_to_end), v_new, P_S)
         tl.store(ht_ptr + tile, S, mask=tile_m)
 
 
