@@ -18,8 +18,8 @@ scan's, and A, the inverse, u, w that feed it) at "tf32x3" precision (three TF32
 float32), the output's at "tf32" (one: 1.6x the speed at 16 prompts of 512 rows; PRECISIONS says what
 each costs). At the 9B shape over 517 tokens the final states stay within 1e-4 of the reference's
 (tests/test_kernels.py): the prompt's states must agree with the reference's closely, since decoding
-continues from them. Rows past T are loaded
-as zeros with g = 0, exactly as the reference pads, so they change nothing.
+continues from them. Rows past T are loaded as zeros with g = 0, exactly as the reference pads, so
+they change nothing.
 
 Around them, for prompt pieces in a trunk step (nextn.models.qwen3_5_step, StepBatch.chunked), two
 launches where the module runs a dozen ops each: `chunk_inputs` lays out the step rows' conv outputs
