@@ -61,28 +61,15 @@ def inputs(B: int, T: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
 
 
 def graphed_us(call) -> float:
-    """us a call: LAYERS calls captured in one CUDA graph, the median of 7 timings of 5 replays."""
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(LAYERS):
-            call()
-    graph.replay()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(5):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / 5 / LAYERS)
-    return sorted(times)[3]
+    """us a call: LAYERS calls in one CUDA graph (gdn_sweep.replayed_us)."""
+    from gdn_sweep import replayed_us  # (bench/ is on the path of a bench script)
+
+    return replayed_us(lambda: [call() for _ in range(LAYERS)], LAYERS)
 
 
 def kernel_us(call) -> dict[str, float]:
-    """GPU us a call per kernel name (eager, torch.profiler, the mean of 5 calls)."""
+    """GPU us a call of its four costliest kernels (eager, torch.profiler, the mean of 5 calls)."""
+    from profile_prefill import kernel_totals
     from torch.profiler import ProfilerActivity, profile
 
     call()
@@ -91,11 +78,7 @@ def kernel_us(call) -> dict[str, float]:
         for _ in range(5):
             call()
         torch.cuda.synchronize()
-    out: dict[str, float] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            out[ev.name[:40]] = out.get(ev.name[:40], 0.0) + ev.device_time / 5
-    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:4])
+    return {name[:40]: us / 5 for us, _, name in kernel_totals(prof)[:4]}
 
 
 def set_variant(precisions: dict, block_v: int, prep_warps: int, scan_warps: int) -> None:

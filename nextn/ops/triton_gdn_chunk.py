@@ -61,8 +61,7 @@ def launch_constexprs(H: int, HV: int, K: int, V: int, has_h0: bool, slots: bool
     BK, BV = max(16, next_pow2(K)), max(16, next_pow2(V))
     # (a one-pass tf32 dot over a transposed operand of 16 rows, q k^T or k_beta k^T at key heads of 16 or
     # fewer, made an illegal memory access on an H100, run 197: those heads take three passes)
-    narrow = {name: "tf32x3" for name in ("O", "A")} if BK < 32 else {}
-    prec = {**PRECISIONS, **narrow}
+    prec = dict(PRECISIONS, O="tf32x3", A="tf32x3") if BK < 32 else PRECISIONS
     common = dict(HV=HV, GROUPS=HV // H, K=K, V=V, BK=BK, C=CHUNK, P_O=prec["O"])
     prep = dict(common, BV=BV, P_A=prec["A"], P_INV=prec["INV"], P_UW=prec["UW"])
     return prep, dict(common, BLOCK_V=min(SCAN_BLOCK_V, BV), HAS_H0=has_h0, SLOTS=slots, P_S=prec["S"])
