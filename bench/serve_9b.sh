@@ -15,7 +15,9 @@
 # Needs .tok/qwen3.5 (git-ignored, carried: `python bench/qwen_tokenizer.py --out .tok/qwen3.5` here
 # first) and .whl (the wheels device_env.sh installs). Usage (device tool, carry .whl and .tok):
 #   bash bench/serve_9b.sh    (about 3-4 min on an H100; at most 220 + 170 + 150 s)
-# Env: SERVE_FLAGS, the server's extra flags (default --prefill chunked, as the offline bench and LLM
+# Env: NUM_PROMPTS (64), the served requests; OFFLINE_FROM, an offline_9b.json this GPU run made (a second
+# served variant skips the offline bench);
+# SERVE_FLAGS, the server's extra flags (default --prefill chunked, as the offline bench and LLM
 # prefill; serve's own default is steps; SERVE_FLAGS= for serve's defaults); PORT (8123); SPY=1 samples
 # the server and its engine core with py-spy (a wheel in .whl) during the served bench, 200 Hz, into
 # $OUT/pyspy_9b.json (speedscope) and prints the core's top frames (bench/pyspy_top.py).
@@ -28,13 +30,18 @@ SERVE_FLAGS=${SERVE_FLAGS-"--prefill chunked"}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 t0=$(date +%s)
 
-echo "=== offline: nextn bench --batch 16 ($(date +%T))"
-timeout 220 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 --spec-k 0 \
-  --batch 16 --prompt-len 512 --prefill-len 512 --gen-len 128 --repeats 1 --max-model-len 1024 \
-  --json $OUT/offline_9b.json > $OUT/offline_9b.log 2>&1
-rc=$?
-grep '^bench:' $OUT/offline_9b.log | tail -6
-[ $rc -eq 0 ] || { echo "serve_9b: the offline bench failed (rc $rc):"; tail -5 $OUT/offline_9b.log; exit 1; }
+if [ -n "$OFFLINE_FROM" ]; then  # another served variant in the same GPU run: its offline figure again
+  echo "=== offline: $OFFLINE_FROM (this run's)"
+  cp "$OFFLINE_FROM" $OUT/offline_9b.json || exit 1
+else
+  echo "=== offline: nextn bench --batch 16 ($(date +%T))"
+  timeout 220 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 --spec-k 0 \
+    --batch 16 --prompt-len 512 --prefill-len 512 --gen-len 128 --repeats 1 --max-model-len 1024 \
+    --json $OUT/offline_9b.json > $OUT/offline_9b.log 2>&1
+  rc=$?
+  grep '^bench:' $OUT/offline_9b.log | tail -6
+  [ $rc -eq 0 ] || { echo "serve_9b: the offline bench failed (rc $rc):"; tail -5 $OUT/offline_9b.log; exit 1; }
+fi
 
 echo "=== served: nextn serve + nextn bench serve, 16 streams ($(date +%T), +$(($(date +%s) - t0)) s)"
 python3 -m nextn.cli serve --random-weights qwen3.5-9b --tokenizer $TOK --device cuda --dtype bfloat16 --spec-k 0 \
@@ -50,7 +57,7 @@ if [ $ready -eq 0 ]; then
     spy=$!
   fi
   timeout 150 python3 -m nextn.cli bench serve --base-url http://127.0.0.1:$PORT --dataset random \
-    --random-input-len 512 --random-output-len 128 --ignore-eos --num-prompts 64 --max-concurrency 16 \
+    --random-input-len 512 --random-output-len 128 --ignore-eos --num-prompts ${NUM_PROMPTS:-64} --max-concurrency 16 \
     --num-warmups 16 --tokenizer $TOK --disable-tqdm --metadata preset=qwen3.5-9b spec_k=0 "serve_flags=$SERVE_FLAGS" \
     --json $OUT/serve_9b.json > $OUT/serve_9b.log 2>&1
   rc=$?
@@ -102,7 +109,8 @@ print(f"served:  {served['completed']}/{served['num_prompts']} requests at {serv
 t = served.get("engine_time")
 if t:  # where the server's engine spent the run
     print(f"engine:  {t['run_seconds']:.2f} s run, {int(t['steps'])} steps {t['step_seconds']:.2f} s: "
-          f"{int(t['prefill_passes'])} prefill passes {t['prefill_seconds']:.2f} s, rounds {t['round_seconds']:.2f} s")
+          f"{int(t['prefill_passes'])} prefill passes {t['prefill_seconds']:.2f} s, rounds {t['round_seconds']:.2f} s "
+          f"({int(t.get('mixed_steps', 0))} with prompt pieces riding)")
 ratio = merged["served_over_offline"]
 print(f"served / offline = {ratio:.3f} (target >= 0.85: {'met' if ratio >= 0.85 else 'NOT met'}) -> {out / 'serve_9b_vs_offline.json'}")
 EOF

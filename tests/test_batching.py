@@ -1,6 +1,7 @@
 """Continuous batching: every running request takes part in one batched round per engine step,
 and a request's output is bitwise what it is alone, whatever runs beside it: greedy and seeded
-sampled, K = 0, 1 or 3, prompts of different lengths admitted at different times. On the CPU the
+sampled, K = 0, 1 or 3, prompts of different lengths admitted at different times, their prompts
+riding the running requests' rounds (mixed steps). On the CPU the
 reference modules in float32; on a GPU the Triton step in bfloat16, rounds as CUDA graphs."""
 
 from __future__ import annotations
@@ -59,11 +60,14 @@ def _run(engine, items: list[tuple[int, int]]) -> dict[int, tuple[list[int], int
 def test_each_request_equals_itself_alone(engine):
     alone = {i: _run(engine, [(i, 0)])[i] for i in range(len(CASES))}
     engine.batch_sizes.clear()
+    mixed = engine.time.mixed_steps
     together = _run(engine, [(i, case[3]) for i, case in enumerate(CASES)])
     for i, case in enumerate(CASES):
         assert alone[i][0] == together[i][0], f"request {i}: batched output differs from its output alone"
         assert (together[i][1] > 0) == (case[2] > 0)  # K per request: plain requests draft nothing
     assert max(engine.batch_sizes) >= 6, engine.batch_sizes  # the requests did share rounds
+    # the late prompts rode the running requests' rounds (mixed steps: "chunked" prefill, LLM's default)
+    assert engine.config.prefill == "chunked" and engine.time.mixed_steps - mixed >= 4
 
 
 def test_a_request_asking_for_more_drafts_than_the_engine_is_refused(engine):
@@ -72,21 +76,21 @@ def test_a_request_asking_for_more_drafts_than_the_engine_is_refused(engine):
 
 
 def test_a_long_prompt_is_prefilled_over_steps_while_a_stream_runs(dense_fitted_ckpt):
-    """With a small token budget a long prompt is prefilled a chunk per step; the running stream
-    gets a round every step meanwhile; both outputs equal their outputs alone, bitwise: the prompt's
-    and the tokens' logprobs too (the prompt was cut where the budget left by the stream's rows
-    fell, 28 tokens a step here against 32 alone, and those cuts changed its logits by ~1e-5)."""
+    """With a small token budget a long prompt is prefilled a chunk per step (a whole chunk of the
+    chunked delta rule, 64 tokens, where the budget leaves fewer); the running stream gets a round
+    every step meanwhile; both outputs equal their outputs alone, bitwise: the prompt's and the
+    tokens' logprobs too (a prompt asking for prompt logprobs prefills apart from the rounds)."""
     llm = nextn.LLM(
         model=dense_fitted_ckpt,
         device=DEVICE,
         dtype=DTYPE,
         num_speculative_tokens=3,
-        max_model_len=160,
+        max_model_len=192,
         max_num_seqs=2,
         max_num_batched_tokens=32,
     )
     engine = llm.engine
-    short, long = _P[1], (_P[0] + _P[1] + _P[2]) * 2 + _P[0]  # 11 and 88 tokens
+    short, long = _P[1], (_P[0] + _P[1] + _P[2]) * 4 + _P[0]  # 11 and 158 tokens
     params = nextn.SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0, logprobs=2, prompt_logprobs=2)
 
     def result(out):
@@ -116,7 +120,7 @@ def test_a_long_prompt_is_prefilled_over_steps_while_a_stream_runs(dense_fitted_
         for r, ev in events:
             if ev.output is not None:
                 outputs[r.request_id] = result(ev.output)
-    assert prefill_steps >= 3  # 88 tokens at most 28 a step (the stream's 4 rows take the rest)
+    assert prefill_steps >= 3  # 158 tokens in chunks of 64, one a step (the budget leaves 28)
     assert [outputs[stream.request_id], outputs[late.request_id]] == expected
 
 

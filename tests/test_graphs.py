@@ -171,13 +171,21 @@ def test_a_batch_past_the_last_full_bucket_pads_to_the_pool():
 
 
 def test_pads_on_a_prefilling_slot_change_nothing(monkeypatch):
-    """With every slot taken (three decoding, one prefilling a long prompt a piece a step), the
-    decoders' rounds still pad to their bucket: the pad sits on the prefilling request's slot. The
-    prefilling request, and the decoders, emit what they emit alone."""
+    """With every slot taken (three decoding, one prefilling a long prompt a piece a step, apart
+    from their rounds: "steps"; "chunked" pieces ride the rounds, which then run eagerly, unpadded),
+    the decoders' rounds still pad to their bucket: the pad sits on the prefilling request's slot.
+    The prefilling request, and the decoders, emit what they emit alone."""
     import nextn.engine.rounds as rounds
 
     params = nextn.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    llm = nextn.LLM(device="cpu", num_speculative_tokens=3, max_num_seqs=4, max_num_batched_tokens=32)
+    llm = nextn.LLM(
+        device="cpu",
+        num_speculative_tokens=3,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        prefill="steps",
+        enable_prefix_caching=False,
+    )
     engine = llm.engine
     long_prompt = [(7 * i + 3) % 200 + 5 for i in range(150)]  # 150 tokens: pieces over several steps
     alone = [_run(engine, [p], params)[0][0] for p in PROMPTS + [long_prompt]]

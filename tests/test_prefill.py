@@ -29,7 +29,7 @@ LONG = [(5 * i + 1) % 239 + 4 for i in range(80)]  # (past a chunk of the delta 
 
 
 @functools.lru_cache(maxsize=4)
-def _engine(ckpt, kernels):
+def _engine(ckpt, kernels, prefill="steps"):
     if kernels == "triton":
         pytest.importorskip("triton")
     llm = nextn.LLM(
@@ -40,7 +40,7 @@ def _engine(ckpt, kernels):
         num_speculative_tokens=2,
         max_model_len=96,
         max_num_seqs=3,
-        prefill="steps",
+        prefill=prefill,
     )
     return llm.engine
 
@@ -187,26 +187,26 @@ def test_chunked_pieces_are_each_alone_and_cut_at_whole_chunks(dense_fitted_ckpt
     prompt does. Its bits are not the decode step's (a "steps" prefill, the recurrence row by row),
     but its values are, within what summing otherwise moves (the GDN states to 1e-3; whereas the
     Triton and torch kernels of this bfloat16 model differ by 0.3 in a hidden, either way)."""
-    engine = _engine(dense_fitted_ckpt, kernels)
-    runner = engine.runner
+    runner = _engine(dense_fitted_ckpt, kernels, "chunked").runner
     with torch.inference_mode():
         whole = _fresh(runner, 0)
-        runner._prefill_step([Piece(whole, LONG)], chunked=True)
+        runner.prefill([Piece(whole, LONG)])
         expected = _state(runner, whole)
         cut, other = _fresh(runner, 1), _fresh(runner, 2)
-        runner._prefill_step([Piece(cut, LONG[:64]), Piece(other, OTHER)], chunked=True)
-        runner._prefill_step([Piece(cut, LONG[64:])], chunked=True)
+        runner.prefill([Piece(cut, LONG[:64]), Piece(other, OTHER)])
+        runner.prefill([Piece(cut, LONG[64:])])
         got = _state(runner, cut)
         for name, value in expected.items():
             assert torch.equal(bits(got[name]), bits(value)), f"{name}: a cut at 64 rows differs from the whole prompt"
         alone = _fresh(runner, 0)
-        runner._prefill_step([Piece(alone, OTHER)], chunked=True)
+        runner.prefill([Piece(alone, OTHER)])
         mine, theirs = _state(runner, alone), _state(runner, other)
         for name, value in mine.items():
             assert torch.equal(bits(theirs[name]), bits(value)), f"{name}: a piece beside another differs from alone"
-        steps = _fresh(runner, 1)
-        runner.prefill([Piece(steps, LONG)])
-        recurrent = _state(runner, steps)
+        stepping = _engine(dense_fitted_ckpt, kernels).runner  # ("steps": the recurrence)
+        steps = _fresh(stepping, 1)
+        stepping.prefill([Piece(steps, LONG)])
+        recurrent = _state(stepping, steps)
         gdn = [name for name in expected if name.startswith("state")]
         assert not all(torch.equal(bits(recurrent[name]), bits(expected[name])) for name in gdn)
         for name, value in expected.items():  # (the same recurrence, summed otherwise)

@@ -180,7 +180,7 @@ class Bench:
         ids: list[list[int]] = [[] for _ in seqs]
         live = list(range(B))
         while live:
-            reads, _ = advance(runner, proposer, [rounds[b] for b in live])
+            reads, _, _ = advance(runner, proposer, [rounds[b] for b in live])
             for b, r in zip(list(live), reads, strict=True):
                 if isinstance(r, Exception):
                     raise r

@@ -505,6 +505,7 @@ def print_report(r: dict) -> None:
         row("Steps' wall time (s):", t["step_seconds"])
         row(f"Prefill passes ({int(t['prefill_passes'])}) (s):", t["prefill_seconds"])
         row("Batched rounds (s):", t["round_seconds"])
+        row("Rounds with prompt pieces riding:", int(t.get("mixed_steps", 0)))
     print("=" * 50)
     for error in r["errors"]:
         print(f"nextn bench serve: a request failed: {error}", file=sys.stderr)

@@ -26,6 +26,9 @@ FULL = "full_attention"
 # Rows of one decode / verify step: the pending token and up to STEP_ROWS - 1 drafts. Every step
 # computes its rows at this fixed shape, so a row's arithmetic never depends on the row count.
 STEP_ROWS = 16
+# rows of the chunked delta rule's chunks (nextn.ops.gdn, nextn.ops.triton_gdn_chunk), from a piece's
+# first row: a "chunked" prefill cuts prompts at whole chunks, where the cut leaves the bits as they are
+GDN_CHUNK = 64
 PREFILL_CHUNK = 2048  # at most this many tokens per chunked prefill forward: bounds attention score memory
 # rows of a prefill step's attention per launch (its float32 partials grow with rows x the context's chunks)
 ATTENTION_ROWS = 512
@@ -313,12 +316,11 @@ class EngineConfig:
 
     @property
     def prefill_chunk(self) -> int:
-        """Tokens per chunked prefill forward. Where a prompt is cut changes its arithmetic, so it is
-        cut at the same places (multiples of this from its first uncached token) whatever runs beside
-        it: a step prefills whole chunks only, and a chunk fits the budget a step leaves when every
-        slot's round (up to STEP_ROWS rows each) runs beside it (at most PREFILL_CHUNK, a multiple of 64)."""
+        """Tokens per piece of a prompt prefilled outside the engine's steps (ModelRunner.extend): what
+        the budget leaves when every slot's round (up to STEP_ROWS rows each) runs beside it, at most
+        PREFILL_CHUNK, in whole GDN_CHUNKs (where a "chunked" prefill may cut a prompt)."""
         room = self.max_num_batched_tokens - self.max_num_seqs * STEP_ROWS
-        return max(STEP_ROWS, min(PREFILL_CHUNK, room) // 64 * 64)
+        return max(STEP_ROWS, min(PREFILL_CHUNK, room) // GDN_CHUNK * GDN_CHUNK)
 
 
 # the checkpoint bundled with the package: the default model of every command

@@ -167,7 +167,8 @@ class EngineArgs:
     )
     prefill: str = setting(
         "chunked",
-        "chunked: the chunked delta rule (faster); steps: prompts run through the decode step's arithmetic, so a "
+        "chunked: the chunked delta rule, prompt pieces riding the running requests' rounds (faster); steps: "
+        "prompts run through the decode step's arithmetic, so a "
         "resumed or rewound session emits exactly what a cold run emits (vLLM's --enable-chunked-prefill: chunked, "
         "--no-enable-chunked-prefill: steps)",
         choices=PREFILL_MODES,

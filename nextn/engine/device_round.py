@@ -103,15 +103,23 @@ def _lane(m: Member, slot: torch.Tensor, before: torch.Tensor, logits: torch.Ten
     return Member(m.cache, m.sampler.lane(tensors, slot, before, m.k + 1), lane_buf, m.k, Lane(slot, tensors))
 
 
-def device_round(runner, proposer, members: list[Member], clock=None) -> None:
-    """One round of every member, device work only (clock: marks its draft, verify and commit)."""
+def device_round(runner, proposer, members: list[Member], clock=None, riding=None) -> None:
+    """One round of every member, device work only (clock: marks its draft, verify and commit).
+    riding (nextn.engine.runner.Riding): prompt pieces whose rows join the verify's trunk step
+    after the members' (a mixed step: StepBatch.pieces_from, eager), their logits and hiddens
+    handed to runner.landed, which commits them; every row is the arithmetic of its own step."""
     tensors = members[0].cache.cache.tensors
     _mark(clock, 0)
     # the trunk step's batch: every member's [pending, drafts] rows (its slots as device values)
-    batch = runner.batch([m.cache for m in members], [m.k + 1 for m in members])
+    caches, rows = [m.cache for m in members], [m.k + 1 for m in members]
+    if riding is None:
+        batch = runner.batch(caches, rows)
+        logits, hidden = runner.step_logits[: batch.num_rows], runner.step_hidden[: batch.num_rows]
+    else:  # made for this step (its rows vary step by step: no graph holds it)
+        batch = StepBatch(caches + riding.caches, rows + riding.rows, pieces_from=len(members), chunked=riding.chunked)
+        logits, hidden = riding.buffers(runner, sum(rows))
     slots = batch.slot_index
     befores = tensors["ctl"].index_select(0, slots)
-    logits = runner.step_logits[: batch.num_rows]
     if not all(_plain_greedy(m) for m in members):  # their own work on copies at their device slots
         rows = [logits[batch.offsets[b] : batch.offsets[b] + m.k + 1] for b, m in enumerate(members)]
         members = [_lane(m, slots[b : b + 1], befores[b], rows[b]) for b, m in enumerate(members)]
@@ -122,19 +130,25 @@ def device_round(runner, proposer, members: list[Member], clock=None) -> None:
         num_drafts = num_drafts.index_copy(0, runner.index(drafting), counted)
     fused = runner.config.kernels == "triton"  # the slots' verify rows kept in one launch (`_keep_rows`)
     if not fused:
+        own = slots[: len(members)]
         for name in ("logits", "hidden"):  # what a request ending in the last round reads
-            tensors[f"prev_{name}"].index_copy_(0, slots, tensors[name].index_select(0, slots))
+            tensors[f"prev_{name}"].index_copy_(0, own, tensors[name].index_select(0, own))
     _mark(clock, 1)
-    # one trunk step over every member's rows, out of and into the slots' buffers
-    flat = batch.flat_rows(members[0].buf.verify_ids.shape[0])
-    hidden = runner.step_hidden[: batch.num_rows]
+    # one trunk step over every member's rows (and the riding pieces'), out of and into the slots' buffers
+    verify_rows = batch.offsets[len(members)]
+    flat = batch.flat_rows(members[0].buf.verify_ids.shape[0])[:verify_rows]
     live = None if counted is None else (num_drafts + 1).to(torch.int32)  # a gate cut: the rows that count
-    runner.step.trunk(batch, tensors["verify_ids"].view(-1).index_select(0, flat), logits, hidden, live=live)
+    ids = tensors["verify_ids"].view(-1).index_select(0, flat)
+    if riding is None:
+        runner.step.trunk(batch, ids, logits, hidden, live=live)
+    else:
+        wanted = torch.cat([torch.arange(verify_rows, device=ids.device), riding.logit_rows(verify_rows)])
+        runner.step.trunk(batch, torch.cat([ids, riding.ids]), logits, hidden, live=live, logit_rows=wanted)
     if fused:
         _keep_rows(runner, batch, members, tensors, logits, hidden)
     else:
-        tensors["logits"].flatten(0, 1).index_copy_(0, flat, logits)
-        tensors["hidden"].flatten(0, 1).index_copy_(0, flat, hidden)
+        tensors["logits"].flatten(0, 1).index_copy_(0, flat, logits[:verify_rows])
+        tensors["hidden"].flatten(0, 1).index_copy_(0, flat, hidden[:verify_rows])
     _mark(clock, 2)
     # greedy members without penalties: verified and committed together
     plain = [b for b, m in enumerate(members) if _plain_greedy(m)]
@@ -147,6 +161,8 @@ def device_round(runner, proposer, members: list[Member], clock=None) -> None:
     for b, m in enumerate(members):
         if b not in plain:
             _accept(m, befores[b], num_drafts[b], proposer is not None)
+    if riding is not None:
+        runner.landed(riding, logits[verify_rows:], hidden[verify_rows:])
     _mark(clock, 3)
 
 
@@ -158,7 +174,8 @@ def _keep_rows(runner, batch: StepBatch, members: list[Member], tensors: dict, l
 
     starts = runner.index(list(batch.offsets[: len(members)]))
     ks = runner.index([m.k for m in members])
-    triton_sample.keep_verify_rows(tensors, logits, hidden, batch.slot_index, starts, ks)
+    slots = batch.slot_index[: len(members)]  # (a mixed step's pieces after them keep nothing here)
+    triton_sample.keep_verify_rows(tensors, logits, hidden, slots, starts, ks)
 
 
 def _mark(clock, i: int) -> None:

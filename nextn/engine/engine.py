@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nextn.cache import SlotPool
-from nextn.config import STEP_ROWS, EngineConfig
+from nextn.config import GDN_CHUNK, STEP_ROWS, EngineConfig
 from nextn.core import RequestOutput, SamplingParams, SpecStats
 from nextn.engine.detokenizer import Detokenizer
 from nextn.engine.memory import cache_layout, fit_cache
@@ -74,6 +74,7 @@ class EngineTime:
     prefill_passes: int = 0  # runner.prefill calls (a step crosses prefix-cache block boundaries in several)
     prefill_seconds: float = 0.0
     round_seconds: float = 0.0
+    mixed_steps: int = 0  # rounds that prompt pieces rode (Engine._riding; their time is in round_seconds)
 
 
 @dataclass
@@ -250,7 +251,9 @@ class Engine:
                 events += self._begin(req)
             except Exception as e:
                 events.append(self._fail(req, e))
-        events += self._prefill()
+        riding = self._riding()  # the step's prompt pieces, when they ride its round (a mixed step)
+        if riding is None:
+            events += self._prefill()
         running = [req for req in self.scheduler.running if req.request_id in self.live]
         if running:
             # what pad members may take: slots no round runs in (free, kept sessions', and those of
@@ -261,7 +264,7 @@ class Engine:
             prefilling = [r.seq.slot for r in self.scheduler.running if r.request_id in self.prefilling]
             self.runner.spare_slots = self.scheduler.free + list(self.scheduler.sessions) + prefilling
             try:
-                events += self._run(running, prefilled=self.prefilled_rows > 0)
+                events += self._run(running, self.prefilled_rows > 0 or riding is not None, riding)
             finally:
                 self.runner.spare_slots = []
         return events
@@ -385,8 +388,12 @@ class Engine:
                 continue
             end = state.split if lo < state.split else len(req.prompt_ids)
             hi = min(end, limits[req.request_id])
-            if self.config.prefill == "chunked" and hi < end:  # whole chunks (EngineConfig.prefill_chunk)
-                hi = lo + (hi - lo) // self.config.prefill_chunk * self.config.prefill_chunk
+            if self.config.prefill == "chunked" and hi < end:  # whole chunks of the chunked delta rule;
+                # a budget short of one: the step's first piece takes one all the same (no prompt stalls)
+                chunks = (hi - lo) // GDN_CHUNK or (0 if todo else 1)
+                if not chunks:
+                    continue
+                hi = min(end, lo + chunks * GDN_CHUNK)
             if self.runner.prefix is not None:  # a pass ends at each block boundary: its state is cached there
                 hi = min(hi, (lo // B + 1) * B)
             todo.append((req, state, hi))
@@ -414,9 +421,18 @@ class Engine:
         return sorted(waiting, key=rank)  # (stable: admission order among equals)
 
     def _prefill_pass(self, todo: list) -> tuple[int, list]:
-        """One runner.prefill of the planned pieces; the cache's snapshots at the boundaries they
-        reach, session checkpoints; requests whose prompt is in start. Returns (tokens, events)."""
-        B = self.config.prefix_block_size
+        """One runner.prefill of the planned pieces, then `_prefilled`. Returns (tokens, events)."""
+        pieces = self._pieces(todo)
+        computed = sum(len(p.token_ids) for p in pieces)
+        self.time.prefill_passes += 1
+        try:
+            self.runner.prefill(pieces)
+        except Exception as e:  # the step's pieces fail together (their slots are taken back whole)
+            return computed, [self._fail(req, e) for req, _, _ in todo]
+        return computed, self._prefilled(todo)
+
+    def _pieces(self, todo: list) -> list[Piece]:
+        """The planned pieces (counted in prefilled_rows, the step's, and prefilled_tokens)."""
         pieces = [
             Piece(req.seq, req.prompt_ids[state.done : hi], self._prompt_logprobs(req, state, state.done))
             for req, state, hi in todo
@@ -425,11 +441,12 @@ class Engine:
         computed = sum(len(p.token_ids) for p in pieces)
         self.prefilled_rows += computed
         self.prefilled_tokens += computed
-        self.time.prefill_passes += 1
-        try:
-            self.runner.prefill(pieces)
-        except Exception as e:  # the step's pieces fail together (their slots are taken back whole)
-            return computed, [self._fail(req, e) for req, _, _ in todo]
+        return pieces
+
+    def _prefilled(self, todo: list) -> list:
+        """The planned pieces are in: the cache's snapshots at the boundaries they reach, session
+        checkpoints; requests whose prompt is in start. Returns their events."""
+        B = self.config.prefix_block_size
         events = []
         for req, state, hi in todo:
             if self.runner.prefix is not None and hi > state.done and hi % B == 0:
@@ -446,7 +463,29 @@ class Engine:
                 events += self._start(req, state)
             except Exception as e:
                 events.append(self._fail(req, e))
-        return computed, events
+        return events
+
+    def _riding(self) -> list | None:
+        """The step's prompt pieces when they ride its round, a mixed step (their plan, as one pass
+        of `_prefill` plans it): under "chunked" prefill, when an unconstrained round of running
+        requests launches this step and no piece asks for prompt logprobs. A prompt piece's rows
+        then share the round's trunk step, its weights read once for both (a 9B round of 16 rows
+        reads 18 GB; a piece's few hundred rows add their arithmetic, bench/mixed_step_probe.py),
+        each row with its own step's arithmetic: the round's rows are the bits of a round alone,
+        the piece's those of a prefill step (whole chunks from the prompt's first: `_plan`).
+        None: the step prefills apart (`_prefill`)."""
+        if self.config.prefill != "chunked" or not self.prefilling:
+            return None
+        free = [live.rounds for live in self.live.values() if live.rounds.grammar is None]
+        if not any(r.needs_round() or r.wants_ahead() for r in free):
+            return None
+        rows = sum(live.rounds.k + 1 for live in self.live.values())
+        budget = max(self.config.max_num_batched_tokens - rows, STEP_ROWS)
+        self.prefilled_rows = 0
+        todo = [(req, state, hi) for req, state, hi in self._plan(budget, {}) if hi > state.done]
+        if not todo or any(state.entries is not None for _, state, _ in todo):
+            return None
+        return todo
 
     def _prompt_logprobs(self, req: Request, state: _Prefill, lo: int):
         """The on_logits callback of a prefill piece starting at prompt[lo] that collects prompt
@@ -486,22 +525,43 @@ class Engine:
 
     # --- rounds and their tokens
 
-    def _run(self, reqs: list[Request], prefilled: bool) -> list:
+    def _run(self, reqs: list[Request], prefilled: bool, riding: list | None = None) -> list:
         """One engine step of the running requests (nextn.engine.rounds.advance), each request's
-        round turned into its event. With a K policy, the step's K is chosen for the batch first and
-        the step's wall time and the rounds read are fed back to it (`_policy_step`)."""
+        round turned into its event. riding (`_riding`'s plan): prompt pieces that ride the step's
+        round, or, where no round took them, prefill apart after it. With a K policy, the step's K
+        is chosen for the batch first and the step's wall time and the rounds read are fed back to
+        it (`_policy_step`)."""
         lives = [self.live[req.request_id] for req in reqs]
         t0 = time.perf_counter()
         choice = self._choose_k(reqs, lives)
+        riders, events = None, []
+        if riding:
+            try:
+                riders = self.runner.ride(self._pieces(riding))
+            except Exception as e:  # (the pieces' requests fail together, as a prefill pass's do)
+                events, riding = [self._fail(req, e) for req, _, _ in riding], None
         # a round that cannot run, or a read that fails (a grammar failing mid-output), fails its
         # request alone: the others' rounds stand (the engine serves on)
-        rounds, sizes = advance(self.runner, self.proposer, [live.rounds for live in lives])
+        rounds, sizes, rode = advance(self.runner, self.proposer, [live.rounds for live in lives], riders)
         self.batch_sizes.update(sizes)
         seconds = time.perf_counter() - t0
         self.time.round_seconds += seconds
         if self.k_policy is not None:
             self._policy_step(lives, choice, prefilled, seconds)
-        return [self._event(req, live, r) for req, live, r in zip(reqs, lives, rounds, strict=True)]
+        events += [self._event(req, live, r) for req, live, r in zip(reqs, lives, rounds, strict=True)]
+        if riding and rode:
+            self.time.mixed_steps += 1
+            for _, state, _ in riding:
+                state.seconds += seconds
+            events += self._prefilled(riding)
+        elif riding:  # no round launched, or its launch failed: the pieces prefill apart
+            self.time.prefill_passes += 1
+            try:
+                self.runner.prefill(riders.pieces)
+                events += self._prefilled(riding)
+            except Exception as e:
+                events += [self._fail(req, e) for req, _, _ in riding]
+        return events
 
     def _choose_k(self, reqs: list[Request], lives: list[_Live]) -> int | None:
         """The policy's K for this step's batch, set on each request's rounds as request_k says

@@ -43,26 +43,33 @@ from nextn.spec.k_policy import bucket
 
 
 @torch.inference_mode()
-def advance(runner, proposer, rounds: list[RequestRounds]) -> tuple[list[Round | Exception], list[int]]:
+def advance(
+    runner, proposer, rounds: list[RequestRounds], riding=None
+) -> tuple[list[Round | Exception], list[int], bool]:
     """One engine step of these requests: a batched round for those with none in flight, one
     queued ahead for those that can, then (eagerly, apart) a round of the constrained requests
-    with none in flight, then each one's oldest round read. Returns the rounds read and the sizes
-    of the batches launched. A request whose launch or read raises (its grammar failing mid-output
-    is a RequestError of that request alone) gets the exception in place of its Round; the others'
-    rounds stand (no round writes another slot)."""
+    with none in flight, then each one's oldest round read. riding (nextn.engine.runner.Riding):
+    prompt pieces that ride the first of the unconstrained rounds launched (a mixed step). Returns
+    the rounds read, the sizes of the batches launched and whether the pieces rode. A request
+    whose launch or read raises (its grammar failing mid-output is a RequestError of that request
+    alone) gets the exception in place of its Round; the others' rounds stand (no round writes
+    another slot), and pieces whose round raised did not ride."""
     sizes, needs, ahead = [], RequestRounds.needs_round, RequestRounds.wants_ahead
     free, constrained = [r for r in rounds if r.grammar is None], [r for r in rounds if r.grammar is not None]
     failed: dict[RequestRounds, Exception] = {}  # what a request's launch raised
+    rode = False
     for wanted, among in ((needs, free), (ahead, free), (needs, constrained)):
         group = [r for r in among if wanted(r) and r not in failed]
         if group:
+            carried = riding if among is free and not rode else None
             try:
-                launch(runner, proposer, group)
+                launch(runner, proposer, group, carried)
             except Exception as e:
                 failed.update(dict.fromkeys(group, e))
                 continue
+            rode = rode or carried is not None
             sizes.append(len(group))
-    return [failed.get(r) or _read(r) for r in rounds], sizes
+    return [failed.get(r) or _read(r) for r in rounds], sizes, rode
 
 
 def _read(rounds: RequestRounds) -> Round | Exception:
@@ -74,19 +81,21 @@ def _read(rounds: RequestRounds) -> Round | Exception:
 
 
 @torch.inference_mode()
-def launch(runner, proposer, rounds: list[RequestRounds]) -> None:
+def launch(runner, proposer, rounds: list[RequestRounds], riding=None) -> None:
     """One batched round of these requests (one CUDA graph per batch of (K, sampler kind), whatever
-    slots run; eagerly when they are constrained: all or none); each queues the read of its outcome."""
+    slots run; eagerly when they are constrained: all or none, or when prompt pieces ride it:
+    `riding`, a mixed step); each queues the read of its outcome."""
     members = [r.member() for r in rounds]
     traced = rounds[0].trace is not None
-    if rounds[0].grammar is None and runner.pad_rounds and len({m.k for m in members}) == 1:
+    if riding is None and rounds[0].grammar is None and runner.pad_rounds and len({m.k for m in members}) == 1:
         members += _pads(runner, members)
     slots = [m.cache.slot for m in members]
-    if rounds[0].grammar is not None:  # host masks inside the round: never captured
-        key = ("round", tuple(zip(slots, (m.k for m in members), strict=True)), id(proposer), traced)
+    if rounds[0].grammar is not None or riding is not None:  # host work inside the round: never captured
+        kind = "round" if riding is None else "mixed round"
+        key = (kind, tuple(zip(slots, (m.k for m in members), strict=True)), id(proposer), traced)
         clock = runner.clock(key) if traced else None
         runner.graph_counts["eager"] += 1
-        device_round(runner, proposer, members, clock)
+        device_round(runner, proposer, members, clock, riding)
     else:  # one graph per batch of Ks (and sampler kinds, where any is not plain greedy), any slots
         if all(m.sampler.plain_greedy for m in members):
             key = ("greedy round", tuple(m.k for m in members), id(proposer), traced)

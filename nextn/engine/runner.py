@@ -19,6 +19,7 @@ Does not choose tokens (nextn.sample.sampler) or decide what a round keeps (next
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -280,9 +281,8 @@ class ModelRunner:
         self, seq: Sequence, token_ids: list[int], on_logits: Callable[[int, torch.Tensor], None] | None = None
     ) -> None:
         """Prefill token_ids after the sequence's committed tokens and commit them, in pieces of
-        config.prefill_chunk tokens (`prefill` on one sequence; "chunked": the module forward).
-        on_logits(start, logits [T, V]): called with the logits of every row (row i follows
-        token_ids[start + i])."""
+        config.prefill_chunk tokens (`prefill` on one sequence). on_logits(start, logits [T, V]):
+        called with the logits of every row (row i follows token_ids[start + i])."""
         chunk = self.config.prefill_chunk
         for s in range(0, len(token_ids), chunk):
             take = None if on_logits is None else (lambda start, rows, s=s: on_logits(s + start, rows))
@@ -290,94 +290,83 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, pieces: list[Piece]) -> None:
-        """Prefill each piece's tokens after its sequence's committed tokens and commit them.
+        """Prefill each piece's tokens after its sequence's committed tokens and commit them: one
+        trunk step over every piece, its rows packed, whatever their number (a prefill step keeps
+        the last GDN state and conv columns only), then one head step writing their MTP rows into
+        the draft K/V. Every kernel but the GDN's computes a row from its token and position alone.
 
-        "steps" (the server's default): one trunk step over every piece, its rows packed, whatever
-        their number, with the decode step's per-row arithmetic (a prefill step keeps the last GDN
-        state and conv columns only), then one head step writing their MTP rows into the draft K/V.
-        A row's bits depend on its token and position alone, so a prompt prefilled in any pieces,
-        beside any others, equals a decode of the same tokens: a resumed or rewound session emits
-        bitwise what a cold run emits. "chunked": the module forward over each piece alone (the
-        chunked delta rule; its last states into the write halves), the head caught up when the sequence's rounds start.
+        "steps" (the server's default): the GDN rows by the decode step's recurrence, so a prompt
+        prefilled in any pieces, beside any others, equals a decode of the same tokens: a resumed or
+        rewound session emits bitwise what a cold run emits. "chunked": the GDN rows by the chunked
+        delta rule (StepBatch.chunked: tensor-core chunks of 64 rows from each piece's first), so a
+        prompt gives the same bits cut at any whole chunks, alone or beside others (the engine cuts
+        there), and other bits than its decode. Pieces may also ride a round's trunk step (`ride`).
         A piece's `on_logits(start, rows [T, V])` gets the logits of all its rows (row i follows
         token_ids[start + i]); the others' last only."""
+        riding = self.ride(pieces)
+        if riding is None:
+            return
+        batch = StepBatch(riding.caches, riding.rows, max_pos=riding.top, chunked=riding.chunked)
+        logits, hidden = riding.buffers(self, 0)
+        self.step.trunk(batch, riding.ids, logits, hidden, store_all=False, logit_rows=riding.logit_rows(0))
+        self.landed(riding, logits, hidden)
+
+    @torch.inference_mode()
+    def ride(self, pieces: list[Piece]) -> Riding | None:
+        """Prompt pieces made ready for a trunk step (None: no tokens): alone (`prefill`) or riding
+        a round's verify rows (a mixed step: nextn.engine.rounds.launch, then `landed`). Each must
+        fit its context; under "chunked" their slots' pending GDN rows are folded first."""
+        pieces = [p for p in pieces if p.token_ids]
+        if not pieces:
+            return None
         for p in pieces:
             total, max_len = len(p.seq.tokens) + len(p.token_ids), self.slot(p.seq.slot).max_len
             if total > max_len:
                 raise ValueError(f"{total} tokens exceed the context of {max_len}")
-        if self.config.prefill == "chunked":  # chunks of prefill_chunk from each piece's start
-            chunk = self.config.prefill_chunk
-            for p in pieces:
-                cache = self.slot(p.seq.slot)
-                for s in range(0, len(p.token_ids), chunk):
-                    ids = p.token_ids[s : s + chunk]
-                    logits, hidden = self._prefill_chunk(cache, ids, p.on_logits is not None)
-                    if p.on_logits is not None:
-                        p.on_logits(s, logits)
-                    p.seq.commit(ids, hidden.clone(), logits[-1].clone())
-            return
-        self._prefill_step(pieces)
-
-    def _prefill_chunk(self, cache: SlotCache, piece: list[int], all_rows: bool):
-        h = self.model(torch.tensor([piece], device=self.device), cache, ops=self.ops)[0]
-        normed = self.model.final_norm(h)
-        # the last row's logits alone (a batched matmul may round it differently), all rows when asked
-        last = self.model.logits(normed[-1:])
-        logits = torch.cat([self.model.logits(normed[:-1]), last]) if all_rows else last
-        cache.commit_chunk(len(piece))
-        return logits, normed if self.after_norm else h
-
-    def _prefill_step(self, pieces: list[Piece], chunked: bool = False) -> None:
-        """The "steps" prefill: one eager trunk step over every piece (store_all=False), the slots
-        committed together, then the head's catch-up of the sequences that draft, in one head step.
-        chunked: the pieces' GDN rows by the chunked delta rule (StepBatch.chunked; their pending
-        rows folded first): not yet an engine mode (tests/test_prefill.py runs it)."""
-        pieces = [p for p in pieces if p.token_ids]
-        if not pieces:
-            return
+        chunked = self.config.prefill == "chunked"
         if chunked:
             self.fold([p.seq.slot for p in pieces])
-        caches = [self.slot(p.seq.slot) for p in pieces]
         rows = [len(p.token_ids) for p in pieces]
-        starts = [len(p.seq.tokens) for p in pieces]  # (a sequence's committed tokens: its slot's SEQ_LEN)
-        top = max(s + n for s, n in zip(starts, rows, strict=True))
-        batch = StepBatch(caches, rows, max_pos=top, chunked=chunked)
+        # (a sequence's committed tokens: its slot's SEQ_LEN)
+        top = max(len(p.seq.tokens) + n for p, n in zip(pieces, rows, strict=True))
         ids = to_device([t for p in pieces for t in p.token_ids], self.device)
         # logits of each piece's last row, or of all its rows where asked (prompt logprobs)
-        offsets = batch.offsets[:-1]
+        offsets = list(itertools.accumulate(rows, initial=0))[:-1]
         wanted = [
             range(o, o + n) if p.on_logits else range(o + n - 1, o + n)
             for p, o, n in zip(pieces, offsets, rows, strict=True)
         ]
-        logit_rows = to_device([r for w in wanted for r in w], self.device)
-        logits = torch.empty(logit_rows.numel(), self.cfg.vocab_size, dtype=torch.float32, device=self.device)
-        hidden = torch.empty(batch.num_rows, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
-        self.step.trunk(batch, ids, logits, hidden, store_all=False, logit_rows=logit_rows)
-        slots = batch.slot_index
-        cache = caches[0]
-        kept = to_device(rows, self.device, torch.int32)[:, None]
+        caches = [self.slot(p.seq.slot) for p in pieces]
+        return Riding(pieces, caches, rows, offsets, ids, wanted, top, chunked)
+
+    def landed(self, riding: Riding, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The pieces' trunk step ran (alone or riding a round): logits [the wanted rows, V] and
+        hidden [their rows, H] are theirs. Their slots commit their rows, the sequences record
+        them, prompt logprobs get their rows, and the sequences that draft catch their MTP rows up
+        in one head step."""
+        slots = to_device([c.slot for c in riding.caches], self.device)
+        kept = to_device(riding.rows, self.device, torch.int32)[:, None]
         ctl = self.pool.cache.ctl
-        ctl.index_copy_(0, slots, commit_ctl(ctl.index_select(0, slots), kept, cache.cols, store_all=False))
+        cols = riding.caches[0].cols
+        ctl.index_copy_(0, slots, commit_ctl(ctl.index_select(0, slots), kept, cols, store_all=False))
         at = 0
-        for p, o, n, w in zip(pieces, offsets, rows, wanted, strict=True):
+        for p, o, n, w in zip(riding.pieces, riding.offsets, riding.rows, riding.wanted, strict=True):
             own = logits[at : at + len(w)]
             at += len(w)
             if p.on_logits is not None:
                 p.on_logits(0, own)
             p.seq.commit(p.token_ids, hidden[o : o + n], own[-1].clone())
-        self._catch_up([p.seq for p in pieces if p.seq.heads])
+        self._catch_up([p.seq for p in riding.pieces if p.seq.heads])
 
     @torch.inference_mode()
     def warm_prefill(self, heads: bool) -> None:
-        """Compile a "steps" prefill's kernel variants before any request, so that no request waits
+        """Compile a prefill's kernel variants before any request, so that no request waits
         on a compile: a piece of one row (a cached prompt's last token; one-row launches are arranged
         as a decode's, nextn.ops.triton_utils.row_launch), one of a few rows, and two pieces of
         WIDE_ROWS rows together (the GEMMs' wide tiles, nextn.ops.linear_configs), each with its MTP
         head's catch-up where the engine drafts, on slots reset after. Between them, pieces of 9, 18, 34
         and 66 rows: 16-row tiles and the mid tiles of 32, 64 and 128 rows a program (linear_configs.mid_tile),
-        the head's a row fewer in the same tiles."""
-        if self.config.prefill != "steps":
-            return
+        the head's a row fewer in the same tiles (under "chunked", the chunk rule's kernels with them)."""
         slots = list(range(min(2, self.pool.num_slots)))
         wide = -(-WIDE_ROWS // len(slots)) + 1  # (the head's catch-up takes a row fewer a prompt)
         mid = [[n] for n in (9, 18, 34, 66) if n < WIDE_ROWS]
@@ -393,16 +382,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def catch_up(self, seq: Sequence) -> None:
-        """Write the sequence's pending MTP rows into its draft K/V (a whole prompt after a chunked
-        prefill; after a "steps" prefill, rows its rounds kept since: none, or a session's)."""
-        if self.config.prefill == "chunked":
-            ids, hidden = seq.take_rows()
-            cache, first, chunk = self.slot(seq.slot), seq.draft_len + 1, self.config.prefill_chunk
-            for s in range(0, len(ids), chunk):
-                piece, rows = torch.tensor(ids[s : s + chunk], device=self.device), hidden[s : s + chunk]
-                self.model.head_rows(cache.draft_kv(), piece, rows, first + s, ops=self.ops)
-            self._caught_up(seq)
-            return
+        """Write the sequence's pending MTP rows into its draft K/V (after a prefill, rows its rounds
+        kept since: none, or a session's)."""
         self._catch_up([seq])
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
@@ -437,6 +418,41 @@ class Piece(NamedTuple):
     seq: Sequence
     token_ids: list[int]
     on_logits: Callable[[int, torch.Tensor], None] | None = None
+
+
+class Riding(NamedTuple):
+    """Prompt pieces ready for a trunk step (`ModelRunner.ride`): their slots, row counts and
+    tokens packed in order, the rows whose logits are wanted (`wanted`, counted from their first
+    row: each piece's last, or all of its rows where it asks), the highest position they reach
+    and whether their GDN rows run by the chunked rule."""
+
+    pieces: list[Piece]
+    caches: list[SlotCache]
+    rows: list[int]
+    offsets: list[int]  # each piece's first row, counted from their first
+    ids: torch.Tensor  # [their rows] long, on the device
+    wanted: list[range]
+    top: int
+    chunked: bool
+
+    def logit_rows(self, first: int) -> torch.Tensor:
+        """The wanted rows' indices in a step whose rows put the pieces' first at `first`."""
+        return torch.tensor([first + r for w in self.wanted for r in w]).to(self.ids.device, non_blocking=True)
+
+    def buffers(self, runner: ModelRunner, verify_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, hidden) of a trunk step of verify_rows rows and then the pieces': the verify
+        rows' and the wanted rows' logits [verify_rows + wanted, V] float32 (riding a round: the
+        runner's step rows, which hold them when each piece wants its last row alone: pieces asking
+        prompt logprobs prefill apart), every row's hidden [verify_rows + rows, H]."""
+        V, H = runner.cfg.vocab_size, runner.cfg.hidden_size
+        wanted, rows = sum(len(w) for w in self.wanted), sum(self.rows)
+        if verify_rows == 0:
+            logits = torch.empty(wanted, V, dtype=torch.float32, device=runner.device)
+        elif wanted > len(self.pieces):
+            raise ValueError("prompt pieces that ask for prompt logprobs do not ride a round")
+        else:  # (members and pieces hold distinct slots: at most a slot's verify rows each)
+            logits = runner.step_logits[: verify_rows + wanted]
+        return logits, torch.empty(verify_rows + rows, H, dtype=runner.dtype, device=runner.device)
 
 
 class GraphMemory:

@@ -454,8 +454,8 @@ class TritonStep:
         A bf16 prefill launch of more than a row a sequence computes the GDN conv of its rows in a
         pre-pass (bf16's products are rounded by integer ops there, which no compiler contracts:
         triton_gdn._rounded; fp16 / fp32 keep the loop's conv, as one-row steps do: tests/test_prefill.py
-        sets them side by side). With StepBatch.chunked the pieces' launch is `_gdn_chunked`'s (bf16 only:
-        the conv pre-pass refuses another dtype)."""
+        sets them side by side). With StepBatch.chunked the pieces' launch is `_gdn_chunked`'s (its
+        pre-pass in any dtype: no loop's bits to give)."""
         B, launches = len(batch.rows), []
         for lo, hi, keep in ((0, split, store_all), (split, B, False)):
             if lo == hi:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nextn.config import GDN_CHUNK
+
 
 def _expand_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int):
     groups = num_v_heads // q.shape[2]
@@ -65,7 +67,7 @@ def chunk_gated_delta_rule(
     g: torch.Tensor,  # [B, T, HV]
     beta: torch.Tensor,  # [B, T, HV]
     initial_state: torch.Tensor | None = None,  # [B, HV, K, V] float32
-    chunk_size: int = 64,
+    chunk_size: int = GDN_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (o [B, T, HV, V], final_state [B, HV, K, V] float32). Differentiable (used to train)."""
     B, T, _, K = q.shape

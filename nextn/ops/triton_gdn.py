@@ -575,9 +575,10 @@ def conv_prepass(
     window_out: also each sequence's next carried columns into its window at conv_write (slots[3])."""
     if store_all:
         raise ValueError("gdn_step: the conv pre-pass serves a prefill step (store_all=False)")
-    if proj.dtype != torch.bfloat16:  # float32: a product and the sum after it may compile to one fma in
-        # one kernel and not the other (`_rounded` rounds bfloat16 products only); run 162's H100
-        # found the pre-pass's float32 bits off the loop's with pending rows
+    if proj.dtype != torch.bfloat16 and not window_out:  # float32: a product and the sum after it may
+        # compile to one fma in one kernel and not the other (`_rounded` rounds bfloat16 products only);
+        # run 162's H100 found the pre-pass's float32 bits off the loop's with pending rows. (Chunked
+        # prompt pieces, window_out, run no loop whose bits the pre-pass must give: any dtype.)
         raise ValueError(f"gdn_step: the conv pre-pass is exact in bfloat16 only, not {proj.dtype}")
     conv_dim, W = conv_weight.shape
     out = torch.empty(proj.shape[0], conv_dim, device=proj.device, dtype=proj.dtype)

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import torch
 
+from nextn.config import GDN_CHUNK
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2, require_triton
 
-CHUNK = 64
+CHUNK = GDN_CHUNK
 SCAN_BLOCK_V = 32  # value columns of the state per scan program (fewer when V is smaller)
 # launch options of the two kernels; bench/sm90_compile.py compiles the kernels with them (and with
 # `launch_constexprs`) for sm90 on the CPU and checks their shared memory fits an H200 block

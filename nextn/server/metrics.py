@@ -40,6 +40,7 @@ ENGINE_TIME = (
     ("prefill_seconds", "Wall time of the steps' prefill passes, with the host wait after them (it also waits out "
      "the round launched a step before)."),
     ("round_seconds", "Wall time of the steps' batched rounds (launching one, reading the one before)."),
+    ("mixed_steps", "Batched rounds that prompt pieces rode (one trunk step: mixed steps, under --prefill chunked)."),
 )  # fmt: skip
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 
