@@ -46,22 +46,25 @@ from nextn.spec.k_policy import bucket
 def advance(
     runner, proposer, rounds: list[RequestRounds], riding=None
 ) -> tuple[list[Round | Exception], list[int], bool]:
-    """One engine step of these requests: a batched round for those with none in flight, one
-    queued ahead for those that can, then (eagerly, apart) a round of the constrained requests
-    with none in flight, then each one's oldest round read. riding (nextn.engine.runner.Riding):
-    prompt pieces that ride the first of the unconstrained rounds launched (a mixed step). Returns
-    the rounds read, the sizes of the batches launched and whether the pieces rode. A request
-    whose launch or read raises (its grammar failing mid-output is a RequestError of that request
-    alone) gets the exception in place of its Round; the others' rounds stand (no round writes
-    another slot), and pieces whose round raised did not ride."""
-    sizes, needs, ahead = [], RequestRounds.needs_round, RequestRounds.wants_ahead
+    """One engine step of these requests: one batched round of the unconstrained ones, each with
+    none in flight or one queued ahead, then (eagerly, apart) a round of the constrained requests
+    with none in flight, then each one's oldest round read. A request starting (its first token
+    in flight) joins the running requests' round: no round of its own. riding
+    (nextn.engine.runner.Riding): prompt pieces that ride the unconstrained round (a mixed step).
+    Returns the rounds read, the sizes of the batches launched and whether the pieces rode. A
+    request whose launch or read raises (its grammar failing mid-output is a RequestError of that
+    request alone) gets the exception in place of its Round; the others' rounds stand (no round
+    writes another slot), and pieces whose round raised did not ride."""
+    sizes = []
     free, constrained = [r for r in rounds if r.grammar is None], [r for r in rounds if r.grammar is not None]
     failed: dict[RequestRounds, Exception] = {}  # what a request's launch raised
     rode = False
-    for wanted, among in ((needs, free), (ahead, free), (needs, constrained)):
-        group = [r for r in among if wanted(r) and r not in failed]
+    groups = (
+        ([r for r in free if r.needs_round() or r.wants_ahead()], riding),
+        ([r for r in constrained if r.needs_round()], None),
+    )
+    for group, carried in groups:
         if group:
-            carried = riding if among is free and not rode else None
             try:
                 launch(runner, proposer, group, carried)
             except Exception as e:
