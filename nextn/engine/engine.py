@@ -1,7 +1,8 @@
 """The engine loop: `step()` = schedule -> run -> postprocess. The scheduler admits waiting
-requests into cache slots (the engine prefills them); every running request then takes part in
-one batched round (nextn.engine.rounds: one forward for all of them); each request's tokens
-become logprobs and events (and text, stop strings cut on the host: nextn.engine.detokenizer,
+requests into cache slots (the engine prefills them: under "chunked" prefill the step's prompt
+pieces ride its round, one trunk step for both, a mixed step: `_riding`); every running request
+then takes part in one batched round (nextn.engine.rounds: one forward for all of them); each
+request's tokens become logprobs and events (and text, stop strings cut on the host: nextn.engine.detokenizer,
 unless the caller does that: the served path's API process, which ends a request at a stop string
 through `stop`), and a finished request hands its slot back to the scheduler (kept as a session
 when asked).

@@ -286,7 +286,7 @@ class RequestRounds:
 
     @torch.inference_mode()
     def next(self) -> Round:
-        """Run alone: launch this request's round if none is in flight, one ahead, read the oldest."""
+        """Run alone: launch this request's round (none in flight, or one ahead), read the oldest."""
         if self.closed:
             raise RuntimeError("the request's rounds are closed")
         r = advance(self.runner, self.proposer, [self])[0][0]
