@@ -338,8 +338,7 @@ class Engine:
         that waited for those blocks) while the budget lasts: a prefill crosses as many boundaries
         in one engine step as its budget allows, its pieces' rounds run once. Requests whose prompt
         is in start their rounds. Returns their events."""
-        rows = sum(live.rounds.k + 1 for live in self.live.values())
-        budget = max(self.config.max_num_batched_tokens - rows, STEP_ROWS)
+        budget = self._budget()
         self.prefilled_rows, events, timed = 0, [], {}
         limits: dict[int, int] = {}  # request id -> the prompt position it may reach this step (`_plan`)
         t0 = time.perf_counter()
@@ -347,7 +346,7 @@ class Engine:
             todo = self._plan(budget, limits)
             if not todo:  # (no sync either: the rounds queued ahead keep running)
                 break
-            computed, new = self._prefill_pass(todo)
+            computed, new = self._prefill_pass(todo, self._pieces(todo))
             timed.update((id(state), state) for _, state, _ in todo)
             events += new
             budget -= computed
@@ -360,6 +359,12 @@ class Engine:
                 state.seconds += seconds
             self.time.prefill_seconds += seconds
         return events
+
+    def _budget(self) -> int:
+        """The step's prompt tokens: what the running requests' rounds leave of max_num_batched_tokens,
+        at least STEP_ROWS."""
+        rows = sum(live.rounds.k + 1 for live in self.live.values())
+        return max(self.config.max_num_batched_tokens - rows, STEP_ROWS)
 
     def _plan(self, budget: int, limits: dict[int, int]) -> list:
         """A pass's pieces: (request, its state, piece end) in `_order` within the step's budget
@@ -421,9 +426,9 @@ class Engine:
 
         return sorted(waiting, key=rank)  # (stable: admission order among equals)
 
-    def _prefill_pass(self, todo: list) -> tuple[int, list]:
-        """One runner.prefill of the planned pieces, then `_prefilled`. Returns (tokens, events)."""
-        pieces = self._pieces(todo)
+    def _prefill_pass(self, todo: list, pieces: list[Piece]) -> tuple[int, list]:
+        """One runner.prefill of the planned pieces (`_pieces` of todo), then `_prefilled`. Returns
+        (tokens, events)."""
         computed = sum(len(p.token_ids) for p in pieces)
         self.time.prefill_passes += 1
         try:
@@ -480,10 +485,8 @@ class Engine:
         free = [live.rounds for live in self.live.values() if live.rounds.grammar is None]
         if not any(r.needs_round() or r.wants_ahead() for r in free):
             return None
-        rows = sum(live.rounds.k + 1 for live in self.live.values())
-        budget = max(self.config.max_num_batched_tokens - rows, STEP_ROWS)
         self.prefilled_rows = 0
-        todo = [(req, state, hi) for req, state, hi in self._plan(budget, {}) if hi > state.done]
+        todo = [(req, state, hi) for req, state, hi in self._plan(self._budget(), {}) if hi > state.done]
         if not todo or any(state.entries is not None for _, state, _ in todo):
             return None
         return todo
@@ -556,12 +559,7 @@ class Engine:
                 state.seconds += seconds
             events += self._prefilled(riding)
         elif riding:  # no round launched, or its launch failed: the pieces prefill apart
-            self.time.prefill_passes += 1
-            try:
-                self.runner.prefill(riders.pieces)
-                events += self._prefilled(riding)
-            except Exception as e:
-                events += [self._fail(req, e) for req, _, _ in riding]
+            events += self._prefill_pass(riding, riders.pieces)[1]
         return events
 
     def _choose_k(self, reqs: list[Request], lives: list[_Live]) -> int | None:

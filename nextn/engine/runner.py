@@ -437,7 +437,7 @@ class Riding(NamedTuple):
 
     def logit_rows(self, first: int) -> torch.Tensor:
         """The wanted rows' indices in a step whose rows put the pieces' first at `first`."""
-        return torch.tensor([first + r for w in self.wanted for r in w]).to(self.ids.device, non_blocking=True)
+        return to_device([first + r for w in self.wanted for r in w], self.ids.device)
 
     def buffers(self, runner: ModelRunner, verify_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, hidden) of a trunk step of verify_rows rows and then the pieces': the verify
