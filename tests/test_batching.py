@@ -70,6 +70,37 @@ def test_each_request_equals_itself_alone(engine):
     assert engine.config.prefill == "chunked" and engine.time.mixed_steps - mixed >= 4
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+def test_mixed_rounds_replay_their_graphs(dense_fitted_ckpt):
+    """On a GPU the mixed steps' rounds are CUDA graphs too, keyed by the members' Ks (and sampler
+    kinds) and the pieces' rows: the same arrivals run a third time (other slots) replay them, and
+    every request still emits what it emits alone."""
+    llm = nextn.LLM(
+        model=dense_fitted_ckpt,
+        device=DEVICE,
+        dtype=DTYPE,
+        num_speculative_tokens=3,
+        max_model_len=96,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+    )
+    engine = llm.engine
+    keys: list = []
+    run = engine.runner.run
+    engine.runner.run = lambda key, fn, *a, **kw: keys.append(key) or run(key, fn, *a, **kw)
+    alone = {i: _run(engine, [(i, 0)])[i][0] for i in range(len(CASES))}
+    items = [(i, case[3]) for i, case in enumerate(CASES)]
+    for _ in range(2):  # a key runs eagerly the first time, is captured the second
+        _run(engine, items)
+    keys.clear()
+    third = _run(engine, items)
+    mixed = [key for key in keys if key[0] == "mixed round"]
+    replayed = [key for key in mixed if engine.runner.graphs.get(key) is not None]
+    assert mixed and replayed, (mixed, engine.runner.graph_counts)
+    assert {i: out[0] for i, out in third.items()} == alone
+
+
 def test_a_request_asking_for_more_drafts_than_the_engine_is_refused(engine):
     with pytest.raises(ValueError, match="num_speculative_tokens=4"):
         engine.add([1, 2], nextn.SamplingParams(max_tokens=2), num_speculative_tokens=4)

@@ -66,7 +66,7 @@ def _check_sampled(device: str, dtype: str, max_tokens: int = 16, **options):
     engine = llm.engine
     keys: list = []  # the keys runner.run is called with, the current run's
     run = engine.runner.run
-    engine.runner.run = lambda key, fn, *a: keys.append(key) or run(key, fn, *a)
+    engine.runner.run = lambda key, fn, *a, **kw: keys.append(key) or run(key, fn, *a, **kw)
     alone = [_run(engine, [p], [q])[0][0] for p, q in zip(PROMPTS, params, strict=True)]
     seen = []
     for _ in range(2):
@@ -205,6 +205,48 @@ def test_pads_on_a_prefilling_slot_change_nothing(monkeypatch):
     del padded_on[:]
     engine.step()  # the three decoders' round, padded onto the prefilling slot
     assert late.request_id in engine.prefilling and padded_on == [late.seq.slot]
+    while len(outputs) < 4:
+        for r, ev in engine.step():
+            if ev.output is not None:
+                outputs[r.request_id] = ev.output.token_ids
+    assert [outputs[r.request_id] for r in reqs + [late]] == alone
+
+
+def test_pads_never_take_a_riding_slot(monkeypatch):
+    """Under "chunked" prefill a long prompt's pieces ride the decoders' rounds (mixed steps, graphed
+    like any round, its pieces' slots followed after the members'): a pad there never takes the
+    riding slot (the pool's one spare slot), and every request emits what it emits alone."""
+    import nextn.engine.rounds as rounds
+
+    params = nextn.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = nextn.LLM(
+        device="cpu",
+        num_speculative_tokens=3,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        prefill="chunked",
+        enable_prefix_caching=False,
+    )
+    engine = llm.engine
+    long_prompt = [(7 * i + 3) % 200 + 5 for i in range(150)]  # pieces of 64, 64 and 22 rows
+    alone = [_run(engine, [p], params)[0][0] for p in PROMPTS + [long_prompt]]
+    engine.runner.pad_rounds = True
+    padded_on: list[int] = []  # the slots pads took while the long prompt rode
+    pads = rounds._pads
+    monkeypatch.setattr(rounds, "_pads", lambda *a: [padded_on.append(m.cache.slot) or m for m in pads(*a)])
+    reqs = [engine.add(p, params) for p in PROMPTS]
+    outputs: dict = {}
+    while not all(r.request_id in engine.live for r in reqs):  # the three decoding
+        for r, ev in engine.step():
+            if ev.output is not None:
+                outputs[r.request_id] = ev.output.token_ids
+    late = engine.add(long_prompt, params)
+    mixed, padded_on[:] = engine.time.mixed_steps, []
+    while late.request_id not in engine.live:
+        for r, ev in engine.step():
+            if ev.output is not None:
+                outputs[r.request_id] = ev.output.token_ids
+    assert engine.time.mixed_steps - mixed == 3 and late.seq.slot not in padded_on
     while len(outputs) < 4:
         for r, ev in engine.step():
             if ev.output is not None:

@@ -106,8 +106,9 @@ def _lane(m: Member, slot: torch.Tensor, before: torch.Tensor, logits: torch.Ten
 def device_round(runner, proposer, members: list[Member], clock=None, riding=None) -> None:
     """One round of every member, device work only (clock: marks its draft, verify and commit).
     riding (nextn.engine.runner.Riding): prompt pieces whose rows join the verify's trunk step
-    after the members' (a mixed step: StepBatch.pieces_from, eager), their logits and hiddens
-    handed to runner.landed, which commits them; every row is the arithmetic of its own step."""
+    after the members' (a mixed step: StepBatch.pieces_from; their slots followed after the
+    members'), their slots committed here, their logits and hiddens left in riding.buffers for
+    runner.landed (the host's part, after the round); every row is the arithmetic of its own step."""
     tensors = members[0].cache.cache.tensors
     _mark(clock, 0)
     # the trunk step's batch: every member's [pending, drafts] rows (its slots as device values)
@@ -115,8 +116,8 @@ def device_round(runner, proposer, members: list[Member], clock=None, riding=Non
     if riding is None:
         batch = runner.batch(caches, rows)
         logits, hidden = runner.step_logits[: batch.num_rows], runner.step_hidden[: batch.num_rows]
-    else:  # made for this step (its rows vary step by step: no graph holds it)
-        batch = StepBatch(caches + riding.caches, rows + riding.rows, pieces_from=len(members), chunked=riding.chunked)
+    else:  # the pieces' rows after the members'
+        batch = runner.batch(caches + riding.caches, rows + riding.rows, len(members), riding.chunked)
         logits, hidden = riding.buffers(runner, sum(rows))
     slots = batch.slot_index
     befores = tensors["ctl"].index_select(0, slots)
@@ -142,8 +143,9 @@ def device_round(runner, proposer, members: list[Member], clock=None, riding=Non
     if riding is None:
         runner.step.trunk(batch, ids, logits, hidden, live=live)
     else:
-        wanted = torch.cat([torch.arange(verify_rows, device=ids.device), riding.logit_rows(verify_rows)])
+        wanted = riding.logit_rows(runner, verify_rows)
         runner.step.trunk(batch, torch.cat([ids, riding.ids]), logits, hidden, live=live, logit_rows=wanted)
+        runner.commit_pieces(batch.slot_index[len(members) :], riding)
     if fused:
         _keep_rows(runner, batch, members, tensors, logits, hidden)
     else:
@@ -161,8 +163,6 @@ def device_round(runner, proposer, members: list[Member], clock=None, riding=Non
     for b, m in enumerate(members):
         if b not in plain:
             _accept(m, befores[b], num_drafts[b], proposer is not None)
-    if riding is not None:
-        runner.landed(riding, logits[verify_rows:], hidden[verify_rows:])
     _mark(clock, 3)
 
 

@@ -86,27 +86,36 @@ def _read(rounds: RequestRounds) -> Round | Exception:
 @torch.inference_mode()
 def launch(runner, proposer, rounds: list[RequestRounds], riding=None) -> None:
     """One batched round of these requests (one CUDA graph per batch of (K, sampler kind), whatever
-    slots run; eagerly when they are constrained: all or none, or when prompt pieces ride it:
-    `riding`, a mixed step); each queues the read of its outcome."""
+    slots run; eagerly when they are constrained: all or none); each queues the read of its
+    outcome. riding (nextn.engine.runner.Riding): prompt pieces that ride the round, a mixed step,
+    graphed too: keyed also by the pieces' rows, their slots followed after the members' (and the
+    pads', which never take a riding slot), their host records after it (runner.landed)."""
     members = [r.member() for r in rounds]
     traced = rounds[0].trace is not None
-    if riding is None and rounds[0].grammar is None and runner.pad_rounds and len({m.k for m in members}) == 1:
-        members += _pads(runner, members)
+    if rounds[0].grammar is None and runner.pad_rounds and len({m.k for m in members}) == 1:
+        members += _pads(runner, members, () if riding is None else [c.slot for c in riding.caches])
     slots = [m.cache.slot for m in members]
-    if rounds[0].grammar is not None or riding is not None:  # host work inside the round: never captured
-        kind = "round" if riding is None else "mixed round"
-        key = (kind, tuple(zip(slots, (m.k for m in members), strict=True)), id(proposer), traced)
+    if rounds[0].grammar is not None:  # host work inside the round: never captured
+        key = ("round", tuple(zip(slots, (m.k for m in members), strict=True)), id(proposer), traced)
         clock = runner.clock(key) if traced else None
         runner.graph_counts["eager"] += 1
-        device_round(runner, proposer, members, clock, riding)
+        device_round(runner, proposer, members, clock)
     else:  # one graph per batch of Ks (and sampler kinds, where any is not plain greedy), any slots
         if all(m.sampler.plain_greedy for m in members):
             key = ("greedy round", tuple(m.k for m in members), id(proposer), traced)
         else:  # the members' sampling work on copies gathered at their device slots (`Lane`)
             key = ("round", tuple((m.k, m.sampler.kind) for m in members), id(proposer), traced)
+        pieces = []
+        if riding is not None:
+            key = ("mixed round", *key, tuple(riding.rows), riding.chunked)
+            pieces = [c.slot for c in riding.caches]
         clock = runner.clock(key) if traced else None
-        with runner.follow_slots(slots, len(rounds)):
-            runner.run(key, lambda: device_round(runner, proposer, members, clock))
+        with runner.follow_slots(slots + pieces, len(rounds), len(pieces)):
+            runner.run(key, lambda: device_round(runner, proposer, members, clock, riding), mixed=riding is not None)
+    if riding is not None:  # the pieces' host records, from the rows the round left them
+        verify_rows = sum(m.k + 1 for m in members)
+        logits, hidden = riding.buffers(runner, verify_rows)
+        runner.landed(riding, logits[verify_rows:], hidden[verify_rows:])
     for r in rounds:
         r.queue_read(clock)
 
@@ -118,16 +127,17 @@ class _PadSampler(NamedTuple):
     kind: SamplerKind = SamplerKind(greedy=True)
 
 
-def _pads(runner, members: list[Member]) -> list[Member]:
+def _pads(runner, members: list[Member], riding: list[int] | tuple = ()) -> list[Member]:
     """Members on spare slots (free ones, or kept sessions': no request runs there) that fill a batch
     of plain greedy members at one K up to its size bucket (nextn.spec.k_policy.bucket), so rounds
     of 1..bucket requests share one graph. A pad's round leaves its slot as it was: it writes only
     where no committed state lives (K/V and draft K/V past the committed positions, the step halves
     of the GDN buffers, the round buffers a request's start rewrites) and its counters are put back
     at the round's end (inside the graph: `device_round`); its outcome is never read. None without
-    enough spare slots (or where a member is not plain greedy)."""
+    enough spare slots (or where a member is not plain greedy). riding: the slots of prompt pieces
+    riding the round (a mixed step), which no pad takes."""
     need = padded_size(len(members), runner.pool.num_slots) - len(members)
-    spare = runner.spare_slots
+    spare = [s for s in runner.spare_slots if s not in riding]
     if not need or len(spare) < need or not all(m.sampler.plain_greedy for m in members):
         return []
     k = members[0].k

@@ -41,6 +41,7 @@ from nextn.ops.linear_configs import WIDE_ROWS
 log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 512  # captured graphs kept (one per batch kind); past it they are dropped and recaptured
+MAX_MIXED_GRAPHS = 64  # of them, mixed steps' rounds (keyed by their pieces' rows too: `run`)
 STEPS = {"torch": ReferenceStep, "triton": TritonStep}
 
 
@@ -91,21 +92,26 @@ class ModelRunner:
     def slot(self, slot: int) -> SlotCache:
         return self.slots[slot]
 
-    def batch(self, caches: list[SlotCache], rows: list[int]) -> StepBatch:
-        """The step batch of these slots and row counts (made once: graphs hold its tensors). While
-        `follow_slots` holds, one per batch size and row counts, whatever the slots: its slot
-        tensors are re-derived on the device from the size's slot set (a graph replays that too)."""
+    def batch(
+        self, caches: list[SlotCache], rows: list[int], pieces_from: int | None = None, chunked: bool = False
+    ) -> StepBatch:
+        """The step batch of these slots and row counts (made once: graphs hold its tensors; a mixed
+        step's with its pieces_from and chunked: StepBatch). While `follow_slots` holds, one per
+        batch size and row counts, whatever the slots: its slot tensors are re-derived on the
+        device from the size's slot set (a graph replays that too)."""
+        make = lambda: StepBatch(caches, rows, pieces_from=pieces_from, chunked=chunked)  # noqa: E731
         if self._following is None:
-            key = (tuple(c.slot for c in caches), tuple(rows))
-            return self._made_once(self._batches, key, lambda: StepBatch(caches, rows))
-        # a batch of some of the followed slots (the members drafting, or still chaining, in a round
-        # whose Ks differ) follows their positions in the slot set, gathered on the device
+            key = (tuple(c.slot for c in caches), tuple(rows), pieces_from, chunked)
+            return self._made_once(self._batches, key, make)
+        # a batch of the followed slots' first ones (a round's members, before its riding pieces)
+        # follows a view of the slot set; of others (the members drafting, or still chaining, in a
+        # round whose Ks differ), their positions in it, gathered on the device
         positions = tuple(self._followed[c.slot] for c in caches)
-        whole = positions == tuple(range(len(self._followed)))
-        key = ("follow", len(caches) if whole else positions, tuple(rows))
-        batch = self._made_once(self._batches, key, lambda: StepBatch(caches, rows))
+        first = positions == tuple(range(len(positions)))
+        key = ("follow", len(caches) if first else positions, tuple(rows), pieces_from, chunked)
+        batch = self._made_once(self._batches, key, make)
         if id(batch) not in self._refreshed:  # once a round: its device ops run in every replay
-            batch.follow(self._following if whole else self._followed_at(positions))
+            batch.follow(self._following[: len(caches)] if first else self._followed_at(positions))
             batch.refresh(caches, fused=self.config.kernels == "triton")
             self._refreshed.add(id(batch))
         return batch
@@ -117,18 +123,20 @@ class ModelRunner:
         return torch.index_select(self._following, 0, self.index(list(positions)), out=held)
 
     @contextlib.contextmanager
-    def follow_slots(self, slots: list[int], real: int):
+    def follow_slots(self, slots: list[int], real: int, pieces: int = 0):
         """Within: the step batches `batch` makes take their slots from a device tensor of this
         batch size, written here (stream-ordered after any work that read it), so the device work
         run within (`run`, keyed without the slots) serves any slots of the same kind; `pads` says
-        which of them pad the batch (those past the first `real`)."""
-        B = len(slots)
-        held, pads = self._slot_sets.get(B), self._pad_masks.get(B)
+        which of the round's members pad the batch (those past the first `real`). The last `pieces`
+        slots are a mixed step's prompt pieces (after the members: neither members nor pads)."""
+        B, members = len(slots), len(slots) - pieces
+        held, pads = self._slot_sets.get(B), self._pad_masks.get(members)
         if held is None:
             held = self._slot_sets[B] = torch.zeros(B, dtype=torch.int32, device=self.device)
-            pads = self._pad_masks[B] = torch.zeros(B, dtype=torch.bool, device=self.device)
+        if pads is None:
+            pads = self._pad_masks[members] = torch.zeros(members, dtype=torch.bool, device=self.device)
         held.copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
-        pads.copy_(torch.arange(B) >= real, non_blocking=True)
+        pads.copy_(torch.arange(members) >= real, non_blocking=True)
         self._following, self.pads, self._followed = held, pads, {s: i for i, s in enumerate(slots)}
         self._refreshed = set()
         try:
@@ -136,10 +144,11 @@ class ModelRunner:
         finally:
             self._following = self.pads = self._followed = None
 
-    def index(self, values: list[int]) -> torch.Tensor:
-        """A long device tensor of these values (made once)."""
+    def index(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """A device tensor of these values (made once)."""
         key = tuple(values)
-        return self._made_once(self._indices, key, lambda: torch.tensor(key, dtype=torch.long, device=self.device))
+        make = lambda: torch.tensor(key, dtype=dtype, device=self.device)  # noqa: E731
+        return self._made_once(self._indices, key if dtype == torch.long else (dtype, key), make)
 
     def _made_once(self, table: dict, key, make):
         """table[key], made on first use. A full table starts over: with graphs, together with the
@@ -158,12 +167,14 @@ class ModelRunner:
         """The phase clock of the work run under this key (made once: its graph records its events)."""
         return self._made_once(self._clocks, key, lambda: PhaseClock(self.device))
 
-    def run(self, key, fn: Callable[[], None], slots: tuple[int, ...] = ()) -> None:
+    def run(self, key, fn: Callable[[], None], slots: tuple[int, ...] = (), mixed: bool = False) -> None:
         """fn (device work on static buffers, no host reads) eagerly on the key's first call (Triton
         compiles, the allocator settles; a warm-up run would change state), captured on the second
         and replayed from then on; slots: the cache slots it serves (its graph's memory counts
-        with them). Without graphs, always eagerly."""
-        if not self.use_graphs:
+        with them). Without graphs, always eagerly. mixed: a mixed step's round, whose keys name
+        its pieces' rows (ragged prompt tails make many): past MAX_MIXED_GRAPHS of them held, a new
+        one runs eagerly every time (counted so) rather than crowd out the rounds' graphs."""
+        if not self.use_graphs or (mixed and key not in self.graphs and self._mixed_held() >= MAX_MIXED_GRAPHS):
             self.graph_counts["eager"] += 1
             return fn()
         if key not in self.graphs:
@@ -187,6 +198,9 @@ class ModelRunner:
             self.graph_counts["captures"] += 1
         graph.replay()
         self.graph_counts["replays"] += 1
+
+    def _mixed_held(self) -> int:
+        return sum(1 for key in self.graphs if key[0] == "mixed round")
 
     def when(self, pred: torch.Tensor, fn: Callable[[], None]) -> None:
         """fn (head steps and their drafts) only where pred (a bool device scalar) holds, with no
@@ -308,7 +322,8 @@ class ModelRunner:
             return
         batch = StepBatch(riding.caches, riding.rows, max_pos=riding.top, chunked=riding.chunked)
         logits, hidden = riding.buffers(self, 0)
-        self.step.trunk(batch, riding.ids, logits, hidden, store_all=False, logit_rows=riding.logit_rows(0))
+        self.step.trunk(batch, riding.ids, logits, hidden, store_all=False, logit_rows=riding.logit_rows(self, 0))
+        self.commit_pieces(batch.slot_index, riding)
         self.landed(riding, logits, hidden)
 
     @torch.inference_mode()
@@ -337,18 +352,22 @@ class ModelRunner:
             for p, o, n in zip(pieces, offsets, rows, strict=True)
         ]
         caches = [self.slot(p.seq.slot) for p in pieces]
-        return Riding(pieces, caches, rows, offsets, ids, wanted, top, chunked)
+        # their tokens in a buffer made once per row count (a mixed round's graph reads it)
+        held = self._made_once(self._indices, ("riding ids", len(ids)), lambda: torch.empty_like(ids))
+        return Riding(pieces, caches, rows, offsets, held.copy_(ids), wanted, top, chunked)
+
+    def commit_pieces(self, slots: torch.Tensor, riding: Riding) -> None:
+        """The pieces' slots (slots: long [pieces] on the device, as the step batch holds them)
+        commit their rows: device work only (a mixed round's graph holds it)."""
+        kept = self.index(riding.rows, torch.int32)[:, None]
+        ctl = self.pool.cache.ctl
+        ctl.index_copy_(0, slots, commit_ctl(ctl.index_select(0, slots), kept, riding.caches[0].cols, store_all=False))
 
     def landed(self, riding: Riding, logits: torch.Tensor, hidden: torch.Tensor) -> None:
-        """The pieces' trunk step ran (alone or riding a round): logits [the wanted rows, V] and
-        hidden [their rows, H] are theirs. Their slots commit their rows, the sequences record
-        them, prompt logprobs get their rows, and the sequences that draft catch their MTP rows up
-        in one head step."""
-        slots = to_device([c.slot for c in riding.caches], self.device)
-        kept = to_device(riding.rows, self.device, torch.int32)[:, None]
-        ctl = self.pool.cache.ctl
-        cols = riding.caches[0].cols
-        ctl.index_copy_(0, slots, commit_ctl(ctl.index_select(0, slots), kept, cols, store_all=False))
+        """The pieces' trunk step ran (alone or riding a round) and their slots committed it
+        (`commit_pieces`): logits [the wanted rows, V] and hidden [their rows, H] are theirs. The
+        sequences record them, prompt logprobs get their rows, and the sequences that draft catch
+        their MTP rows up in one head step (host work: after a mixed round's graph)."""
         at = 0
         for p, o, n, w in zip(riding.pieces, riding.offsets, riding.rows, riding.wanted, strict=True):
             own = logits[at : at + len(w)]
@@ -435,24 +454,29 @@ class Riding(NamedTuple):
     top: int
     chunked: bool
 
-    def logit_rows(self, first: int) -> torch.Tensor:
-        """The wanted rows' indices in a step whose rows put the pieces' first at `first`."""
-        return to_device([first + r for w in self.wanted for r in w], self.ids.device)
+    def logit_rows(self, runner: ModelRunner, verify_rows: int) -> torch.Tensor:
+        """The indices of a trunk step's rows whose logits are made: the verify_rows rows before the
+        pieces' (a round's, all of them) and the pieces' wanted rows (made once)."""
+        return runner.index([*range(verify_rows), *(verify_rows + r for w in self.wanted for r in w)])
 
     def buffers(self, runner: ModelRunner, verify_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, hidden) of a trunk step of verify_rows rows and then the pieces': the verify
-        rows' and the wanted rows' logits [verify_rows + wanted, V] float32 (riding a round: the
-        runner's step rows, which hold them when each piece wants its last row alone: pieces asking
-        prompt logprobs prefill apart), every row's hidden [verify_rows + rows, H]."""
+        rows' and the wanted rows' logits [verify_rows + wanted, V] float32, every row's hidden
+        [verify_rows + rows, H]. Riding a round: the runner's step rows (which hold them when each
+        piece wants its last row alone: pieces asking prompt logprobs prefill apart) and a hidden
+        buffer made once per row count (a mixed round's graph writes them, `landed` reads them
+        after; the head's catch-up there takes its rows before the next step writes them again)."""
         V, H = runner.cfg.vocab_size, runner.cfg.hidden_size
-        wanted, rows = sum(len(w) for w in self.wanted), sum(self.rows)
+        wanted, rows = sum(len(w) for w in self.wanted), verify_rows + sum(self.rows)
         if verify_rows == 0:
             logits = torch.empty(wanted, V, dtype=torch.float32, device=runner.device)
-        elif wanted > len(self.pieces):
+            return logits, torch.empty(rows, H, dtype=runner.dtype, device=runner.device)
+        if wanted > len(self.pieces):
             raise ValueError("prompt pieces that ask for prompt logprobs do not ride a round")
-        else:  # (members and pieces hold distinct slots: at most a slot's verify rows each)
-            logits = runner.step_logits[: verify_rows + wanted]
-        return logits, torch.empty(verify_rows + rows, H, dtype=runner.dtype, device=runner.device)
+        make = lambda: torch.empty(rows, H, dtype=runner.dtype, device=runner.device)  # noqa: E731
+        # (members and pieces hold distinct slots: at most a slot's verify rows each)
+        hidden = runner._made_once(runner._indices, ("riding hidden", rows), make)
+        return runner.step_logits[: verify_rows + wanted], hidden
 
 
 class GraphMemory:
