@@ -88,9 +88,11 @@ class ModelRunner:
         self.pads: torch.Tensor | None = None  # the batch followed now: which members pad (bool [B])
         # device work by how it ran: captured into a graph, replayed, run eagerly (/metrics)
         self.graph_counts = {"captures": 0, "replays": 0, "eager": 0}
-        # mixed rounds' keys run once (eagerly): the second run of one captures it (`run`)
+        # mixed rounds' keys run once (eagerly): the second run of one captures it (`run`); what
+        # their runs make that the tables lack is kept apart, dropped with their graphs (`_made_once`)
         self._mixed_seen: set = set()
-        self._transient = False  # within an eager mixed round: `_made_once` keeps nothing new
+        self._mixed_made: dict = {}  # (table's id, key) -> made
+        self._mixing = False  # within a mixed round's run
 
     def slot(self, slot: int) -> SlotCache:
         return self.slots[slot]
@@ -156,11 +158,15 @@ class ModelRunner:
     def _made_once(self, table: dict, key, make):
         """table[key], made on first use. A full table starts over: with graphs, together with the
         graphs that read it (drop_graphs; eager rounds, such as constrained ones, add keys no graph
-        count bounds), never in the middle of a capture. An eager mixed round's new keys are made
-        and not kept (their pieces' rows make ever new ones: they would fill the tables)."""
+        count bounds), never in the middle of a capture. Within a mixed round's run, what the table
+        lacks is made into `_mixed_made` (their pieces' rows make ever new keys: they start over
+        there, with the mixed rounds' graphs alone: `_drop_mixed`)."""
         if key not in table:
-            if self._transient:  # an eager mixed round's (`run`): made for this round only
-                return make()
+            if self._mixing:
+                made = (id(table), key)
+                if made not in self._mixed_made:
+                    self._mixed_made[made] = make()
+                return self._mixed_made[made]
             if len(table) >= 8 * MAX_GRAPHS:
                 if not self.use_graphs:
                     table.clear()
@@ -178,25 +184,28 @@ class ModelRunner:
         compiles, the allocator settles; a warm-up run would change state), captured on the second
         and replayed from then on; slots: the cache slots it serves (its graph's memory counts
         with them). Without graphs, always eagerly. mixed: a mixed step's round, whose keys name
-        its pieces' rows (ragged prompt tails make many): its first run is eager and keeps nothing
-        it made (no table entry, no graph slot), its second is captured while fewer than
-        MAX_MIXED_GRAPHS of them are held, else it runs eagerly every time (counted so) rather than
-        crowd out the rounds' graphs."""
+        its pieces' rows (ragged prompt tails make many): its first run is eager and takes no graph
+        slot, its second is captured while fewer than MAX_MIXED_GRAPHS of them are held, else it
+        runs eagerly every time (counted so) rather than crowd out the rounds' graphs; what its
+        runs make is kept apart (`_made_once`)."""
         if not self.use_graphs:
             self.graph_counts["eager"] += 1
             return fn()
+        self._mixing = mixed
+        try:
+            self._run(key, fn, slots, mixed)
+        finally:
+            self._mixing = False
+
+    def _run(self, key, fn: Callable[[], None], slots: tuple[int, ...], mixed: bool) -> None:
         if mixed and key not in self.graphs:
             if key not in self._mixed_seen or self._mixed_held() >= MAX_MIXED_GRAPHS:
-                if len(self._mixed_seen) >= 8 * MAX_GRAPHS:
-                    self._mixed_seen.clear()
+                if max(len(self._mixed_made), len(self._mixed_seen)) >= 8 * MAX_GRAPHS:
+                    self._drop_mixed()
                 self._mixed_seen.add(key)
                 self.graph_counts["eager"] += 1
-                self._transient = True  # what it makes is not kept (`_made_once`): no graph reads it
-                try:
-                    return fn()
-                finally:
-                    self._transient = False
-            self.graphs[key] = None  # seen before: captured now
+                return fn()
+            self.graphs[key] = None  # its first run made what it reads: captured now
         if key not in self.graphs:
             # batches come and go: past the count or the memory budget, start over rather than grow
             if len(self.graphs) >= MAX_GRAPHS or self.graph_memory.full():
@@ -222,6 +231,17 @@ class ModelRunner:
     def _mixed_held(self) -> int:
         """Mixed rounds' graphs held (a mixed key enters `graphs` only to be captured)."""
         return sum(1 for key in self.graphs if key[0] == "mixed round")
+
+    def _drop_mixed(self) -> None:
+        """Forget the mixed rounds' graphs and what their runs made (`drop_graphs`, for them alone)."""
+        torch.cuda.synchronize(self.device)
+        for key in [key for key in self.graphs if key[0] == "mixed round"]:
+            graph = self.graphs.pop(key)
+            if graph is not None:
+                graph.reset()
+            self.graph_memory.held.pop(key, None)
+        self._mixed_made.clear()
+        self._mixed_seen.clear()
 
     def when(self, pred: torch.Tensor, fn: Callable[[], None]) -> None:
         """fn (head steps and their drafts) only where pred (a bool device scalar) holds, with no
@@ -251,6 +271,7 @@ class ModelRunner:
             if graph is not None:
                 graph.reset()
         self.graphs.clear()
+        self._mixed_made.clear()
         self._mixed_seen.clear()
         self.graph_memory.clear()
         self._batches.clear()
