@@ -6,6 +6,8 @@ reference modules in float32; on a GPU the Triton step in bfloat16, rounds as CU
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hf_fixtures import FIT_PROMPTS
@@ -99,6 +101,72 @@ def test_mixed_rounds_replay_their_graphs(dense_fitted_ckpt):
     replayed = [key for key in mixed if engine.runner.graphs.get(key) is not None]
     assert mixed and replayed, (mixed, engine.runner.graph_counts)
     assert {i: out[0] for i, out in third.items()} == alone
+
+
+class _FakeGraph:
+    """A stand-in for torch.cuda.CUDAGraph on the CPU: its capture runs the work (the real one
+    records it, then the first replay runs it), its replays run nothing (`_graphed`)."""
+
+    def replay(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+def _graphed(engine, monkeypatch) -> list:
+    """The engine's runner taking its graph paths on the CPU (runner.run's keys: eager first run,
+    capture, replays), each replay standing in for by running the work eagerly; returns the list
+    of what was made during a capture (none may be: a capture must read only what the key's
+    first run made, or a GPU copies host values into it while capturing, which fails)."""
+    runner, made = engine.runner, []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    made_once, run = runner._made_once, runner.run
+
+    def watched(table, key, make):
+        new = key not in table and not (runner._mixing and (id(table), key) in runner._mixed_made)
+        if new and runner._capturing is not None:
+            made.append(key)
+        return made_once(table, key, make)
+
+    def replaying(key, fn, *a, **kw):
+        replay = runner.graphs.get(key) is not None
+        run(key, fn, *a, **kw)
+        if replay:  # (the fake replay ran nothing)
+            fn()
+
+    monkeypatch.setattr(runner, "_made_once", watched)
+    monkeypatch.setattr(runner, "run", replaying)
+    runner.use_graphs = True
+    return made
+
+
+def test_mixed_rounds_capture_only_what_their_first_run_made(dense_fitted_ckpt, monkeypatch):
+    """A mixed step's round is keyed by its pieces' rows too: run a second time it is captured,
+    and its capture must find every index and batch its first run made (what its runs make is
+    kept apart from the rounds' tables: nextn.engine.runner._made_once). On the CPU with the
+    graph paths taken (`_graphed`): the same arrivals three times capture mixed rounds, nothing
+    is made while capturing, and every request still emits what it emits alone."""
+    llm = nextn.LLM(
+        model=dense_fitted_ckpt,
+        device="cpu",
+        num_speculative_tokens=3,
+        max_model_len=96,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+    )
+    engine = llm.engine
+    alone = {i: _run(engine, [(i, 0)])[i][0] for i in range(len(CASES))}
+    made = _graphed(engine, monkeypatch)
+    items = [(i, case[3]) for i, case in enumerate(CASES)]
+    runs = [_run(engine, items) for _ in range(3)]
+    captured = [key for key, graph in engine.runner.graphs.items() if key[0] == "mixed round" and graph is not None]
+    assert captured and engine.runner.graph_counts["captures"] > len(captured)  # (plain rounds' too)
+    assert made == [], made
+    for outputs in runs:
+        assert {i: out[0] for i, out in outputs.items()} == alone
 
 
 def test_a_request_asking_for_more_drafts_than_the_engine_is_refused(engine):
