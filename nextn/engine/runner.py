@@ -185,9 +185,9 @@ class ModelRunner:
         and replayed from then on; slots: the cache slots it serves (its graph's memory counts
         with them). Without graphs, always eagerly. mixed: a mixed step's round, whose keys name
         its pieces' rows (ragged prompt tails make many): its first run is eager and takes no graph
-        slot, its second is captured while fewer than MAX_MIXED_GRAPHS of them are held, else it
-        runs eagerly every time (counted so) rather than crowd out the rounds' graphs; what its
-        runs make is kept apart (`_made_once`)."""
+        slot, its second is captured while fewer than MAX_MIXED_GRAPHS of them are held (and the
+        graphs' memory is within budget), else it runs eagerly every time (counted so) rather than
+        crowd out the rounds' graphs; what its runs make is kept apart (`_made_once`)."""
         if not self.use_graphs:
             self.graph_counts["eager"] += 1
             return fn()
@@ -199,7 +199,8 @@ class ModelRunner:
 
     def _run(self, key, fn: Callable[[], None], slots: tuple[int, ...], mixed: bool) -> None:
         if mixed and key not in self.graphs:
-            if key not in self._mixed_seen or self._mixed_held() >= MAX_MIXED_GRAPHS:
+            room = self._mixed_held() < MAX_MIXED_GRAPHS and not self.graph_memory.full()
+            if key not in self._mixed_seen or not room:
                 if max(len(self._mixed_made), len(self._mixed_seen)) >= 8 * MAX_GRAPHS:
                     self._drop_mixed()
                 self._mixed_seen.add(key)
