@@ -72,22 +72,28 @@ def test_each_request_equals_itself_alone(engine):
     assert engine.config.prefill == "chunked" and engine.time.mixed_steps - mixed >= 4
 
 
+def _uncached(ckpt, device: str, dtype: str):
+    """An engine as the module's, without the prefix cache (a run again of the same prompts then
+    prefills them again, in the same pieces: the same round keys)."""
+    llm = nextn.LLM(
+        model=ckpt,
+        device=device,
+        dtype=dtype,
+        num_speculative_tokens=3,
+        max_model_len=96,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+    )
+    return llm.engine
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
 def test_mixed_rounds_replay_their_graphs(dense_fitted_ckpt):
     """On a GPU the mixed steps' rounds are CUDA graphs too, keyed by the members' Ks (and sampler
     kinds) and the pieces' rows: the same arrivals run a third time (other slots) replay them, and
     every request still emits what it emits alone."""
-    llm = nextn.LLM(
-        model=dense_fitted_ckpt,
-        device=DEVICE,
-        dtype=DTYPE,
-        num_speculative_tokens=3,
-        max_model_len=96,
-        max_num_seqs=8,
-        enable_prefix_caching=False,
-    )
-    engine = llm.engine
+    engine = _uncached(dense_fitted_ckpt, DEVICE, DTYPE)
     keys: list = []
     run = engine.runner.run
     engine.runner.run = lambda key, fn, *a, **kw: keys.append(key) or run(key, fn, *a, **kw)
@@ -149,15 +155,7 @@ def test_mixed_rounds_capture_only_what_their_first_run_made(dense_fitted_ckpt, 
     kept apart from the rounds' tables: nextn.engine.runner._made_once). On the CPU with the
     graph paths taken (`_graphed`): the same arrivals three times capture mixed rounds, nothing
     is made while capturing, and every request still emits what it emits alone."""
-    llm = nextn.LLM(
-        model=dense_fitted_ckpt,
-        device="cpu",
-        num_speculative_tokens=3,
-        max_model_len=96,
-        max_num_seqs=8,
-        enable_prefix_caching=False,
-    )
-    engine = llm.engine
+    engine = _uncached(dense_fitted_ckpt, "cpu", "float32")
     alone = {i: _run(engine, [(i, 0)])[i][0] for i in range(len(CASES))}
     made = _graphed(engine, monkeypatch)
     items = [(i, case[3]) for i, case in enumerate(CASES)]

@@ -170,11 +170,22 @@ def test_a_batch_past_the_last_full_bucket_pads_to_the_pool():
     assert together == alone
 
 
-def test_pads_on_a_prefilling_slot_change_nothing(monkeypatch):
-    """With every slot taken (three decoding, one prefilling a long prompt a piece a step, apart
-    from their rounds: "steps"; "chunked" pieces ride the rounds, which then run eagerly, unpadded),
-    the decoders' rounds still pad to their bucket: the pad sits on the prefilling request's slot.
-    The prefilling request, and the decoders, emit what they emit alone."""
+LONG_PROMPT = [(7 * i + 3) % 200 + 5 for i in range(150)]  # 150 tokens: pieces over several steps
+
+
+def _steps(engine, outputs: dict, until) -> None:
+    """Engine steps, the outputs that finish kept in `outputs`, until `until()` holds."""
+    while not until():
+        for r, ev in engine.step():
+            if ev.output is not None:
+                outputs[r.request_id] = ev.output.token_ids
+
+
+def _three_decoding(prefill: str, monkeypatch):
+    """Every slot of a pool of four taken: three requests decoding (pad_rounds forced, as with
+    graphs), then LONG_PROMPT added (32-token steps: its prompt in pieces over several steps).
+    Returns the engine, the four outputs alone, the decoders and the late request, the outputs
+    so far, and the list of the slots pads take (from now on)."""
     import nextn.engine.rounds as rounds
 
     params = nextn.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -183,74 +194,48 @@ def test_pads_on_a_prefilling_slot_change_nothing(monkeypatch):
         num_speculative_tokens=3,
         max_num_seqs=4,
         max_num_batched_tokens=32,
-        prefill="steps",
+        prefill=prefill,
         enable_prefix_caching=False,
     )
     engine = llm.engine
-    long_prompt = [(7 * i + 3) % 200 + 5 for i in range(150)]  # 150 tokens: pieces over several steps
-    alone = [_run(engine, [p], params)[0][0] for p in PROMPTS + [long_prompt]]
+    alone = [_run(engine, [p], params)[0][0] for p in PROMPTS + [LONG_PROMPT]]
     engine.runner.pad_rounds = True
     padded_on: list[int] = []  # the slots pads took
     pads = rounds._pads
     monkeypatch.setattr(rounds, "_pads", lambda *a: [padded_on.append(m.cache.slot) or m for m in pads(*a)])
     reqs = [engine.add(p, params) for p in PROMPTS]
     outputs: dict = {}
-    while not all(r.request_id in engine.live for r in reqs):  # the three decoding
-        for r, ev in engine.step():
-            if ev.output is not None:
-                outputs[r.request_id] = ev.output.token_ids
-    late = engine.add(long_prompt, params)
+    _steps(engine, outputs, lambda: all(r.request_id in engine.live for r in reqs))
+    late = engine.add(LONG_PROMPT, params)
+    padded_on.clear()
+    return engine, alone, reqs, late, outputs, padded_on
+
+
+def test_pads_on_a_prefilling_slot_change_nothing(monkeypatch):
+    """With every slot taken (three decoding, one prefilling a long prompt a piece a step, apart
+    from their rounds: "steps"), the decoders' rounds still pad to their bucket: the pad sits on
+    the prefilling request's slot. The prefilling request, and the decoders, emit what they emit
+    alone."""
+    engine, alone, reqs, late, outputs, padded_on = _three_decoding("steps", monkeypatch)
     engine.step()  # admitted: a piece prefilled
     assert late.request_id in engine.prefilling and engine.scheduler.free == []
-    del padded_on[:]
+    padded_on.clear()
     engine.step()  # the three decoders' round, padded onto the prefilling slot
     assert late.request_id in engine.prefilling and padded_on == [late.seq.slot]
-    while len(outputs) < 4:
-        for r, ev in engine.step():
-            if ev.output is not None:
-                outputs[r.request_id] = ev.output.token_ids
+    _steps(engine, outputs, lambda: len(outputs) == 4)
     assert [outputs[r.request_id] for r in reqs + [late]] == alone
 
 
 def test_pads_never_take_a_riding_slot(monkeypatch):
-    """Under "chunked" prefill a long prompt's pieces ride the decoders' rounds (mixed steps, graphed
-    like any round, its pieces' slots followed after the members'): a pad there never takes the
-    riding slot (the pool's one spare slot), and every request emits what it emits alone."""
-    import nextn.engine.rounds as rounds
-
-    params = nextn.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    llm = nextn.LLM(
-        device="cpu",
-        num_speculative_tokens=3,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        prefill="chunked",
-        enable_prefix_caching=False,
-    )
-    engine = llm.engine
-    long_prompt = [(7 * i + 3) % 200 + 5 for i in range(150)]  # pieces of 64, 64 and 22 rows
-    alone = [_run(engine, [p], params)[0][0] for p in PROMPTS + [long_prompt]]
-    engine.runner.pad_rounds = True
-    padded_on: list[int] = []  # the slots pads took while the long prompt rode
-    pads = rounds._pads
-    monkeypatch.setattr(rounds, "_pads", lambda *a: [padded_on.append(m.cache.slot) or m for m in pads(*a)])
-    reqs = [engine.add(p, params) for p in PROMPTS]
-    outputs: dict = {}
-    while not all(r.request_id in engine.live for r in reqs):  # the three decoding
-        for r, ev in engine.step():
-            if ev.output is not None:
-                outputs[r.request_id] = ev.output.token_ids
-    late = engine.add(long_prompt, params)
-    mixed, padded_on[:] = engine.time.mixed_steps, []
-    while late.request_id not in engine.live:
-        for r, ev in engine.step():
-            if ev.output is not None:
-                outputs[r.request_id] = ev.output.token_ids
+    """Under "chunked" prefill a long prompt's pieces (64, 64 and 22 rows) ride the decoders' rounds
+    (mixed steps, graphed like any round, the pieces' slots followed after the members'): a pad
+    there never takes the riding slot (the pool's one spare slot), and every request emits what it
+    emits alone."""
+    engine, alone, reqs, late, outputs, padded_on = _three_decoding("chunked", monkeypatch)
+    mixed = engine.time.mixed_steps
+    _steps(engine, outputs, lambda: late.request_id in engine.live)
     assert engine.time.mixed_steps - mixed == 3 and late.seq.slot not in padded_on
-    while len(outputs) < 4:
-        for r, ev in engine.step():
-            if ev.output is not None:
-                outputs[r.request_id] = ev.output.token_ids
+    _steps(engine, outputs, lambda: len(outputs) == 4)
     assert [outputs[r.request_id] for r in reqs + [late]] == alone
 
 
