@@ -145,7 +145,6 @@ def device_round(runner, proposer, members: list[Member], clock=None, riding=Non
     else:
         wanted = riding.logit_rows(runner, verify_rows)
         runner.step.trunk(batch, torch.cat([ids, riding.ids]), logits, hidden, live=live, logit_rows=wanted)
-        runner.commit_pieces(batch.slot_index[len(members) :], riding)
     if fused:
         _keep_rows(runner, batch, members, tensors, logits, hidden)
     else:
@@ -163,6 +162,8 @@ def device_round(runner, proposer, members: list[Member], clock=None, riding=Non
     for b, m in enumerate(members):
         if b not in plain:
             _accept(m, befores[b], num_drafts[b], proposer is not None)
+    if riding is not None:  # last: a round that raises before here leaves the pieces uncommitted
+        runner.commit_pieces(batch.slot_index[len(members) :], riding)  # (their prefill apart redoes them)
     _mark(clock, 3)
 
 
