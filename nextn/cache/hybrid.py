@@ -169,8 +169,8 @@ class HybridCache:
 def reset_ctl(ctl: torch.Tensor, cols: int) -> None:
     """An empty sequence: nothing committed, its (zero) states in half 0, the next step writing half 1."""
     ctl.zero_()
-    ctl[..., STATE_WRITE] = 1
-    ctl[..., CONV_WRITE] = cols
+    ctl[..., STATE_WRITE].fill_(1)  # (fills: a host scalar set into a device tensor waits for the stream)
+    ctl[..., CONV_WRITE].fill_(cols)
 
 
 class GDNParts(NamedTuple):
@@ -283,8 +283,10 @@ class SlotCache:
             self.t("gates")[j][w * self.rows : w * self.rows + gates.shape[0]] = gates
 
     def set(self, **fields: int) -> None:
+        """ctl fields from host ints, queued (a fill each: `ctl[f] = value` copies a host scalar
+        and waits for the stream, the rounds queued ahead, before the host goes on)."""
         for name, value in fields.items():
-            self.ctl[globals()[name.upper()]] = value
+            self.ctl[globals()[name.upper()]].fill_(value)
 
     def commit(self, kept: int, store_all: bool = True) -> None:
         """Keep `kept` tokens of the last step (host-driven: prefill)."""

@@ -619,9 +619,9 @@ class Engine:
 
     def _finish(self, req: Request, live: _Live, finish_reason: str, kept: int | None) -> RequestOutput:
         """The request is over after `kept` tokens of its last round read (None: all it handed out):
-        its rounds closed there, its output made, its slot back to the scheduler."""
+        its rounds closed there, its output made, its slot back to the scheduler. No host wait: what
+        runs in the slot next queues behind the rounds still in flight (one stream)."""
         live.rounds.close(kept)
-        _sync(self.runner.device)
         output = self._output(req, live.prefill, finish_reason, live)
         output.stop_reason = self._stop_reason(req, live, finish_reason)
         self.stats.merge(live.rounds.stats)

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache import commit_ctl
-from nextn.cache.hybrid import DRAFT_LEN, SEQ_LEN
+from nextn.cache.hybrid import DRAFT_LEN, SEQ_LEN, to_device
 from nextn.core import SpecStats
 from nextn.engine.device_round import OUT_ACCEPTED, OUT_DRAFTED, OUT_TOKENS, Buffers, Member, device_round, first_token
 from nextn.engine.runner import PhaseClock
@@ -390,4 +390,4 @@ class RequestRounds:
             seq.draft_len, seq.pending_ids, seq.pending_hidden = int(ctl[DRAFT_LEN]), [], None
             if last.index > 0:
                 seq.queue_rows(last.tokens[: kept - 1], hidden[: kept - 1].clone())
-        cache.ctl.copy_(ctl.to(cache.ctl.device))
+        cache.ctl.copy_(to_device(ctl, cache.ctl.device, torch.int32))  # (queued: no wait for the rounds in flight)

@@ -58,6 +58,7 @@ class ModelRunner:
         self.graph_memory = GraphMemory(pool.graph_budget)
         self._capturing: torch.cuda.CUDAGraph | None = None  # the graph `run` is capturing now
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._capture_stream: torch.cuda.Stream | None = None  # (made at the first capture: `_capture`)
         self.slots = [pool.cache.slot(s) for s in range(pool.num_slots)]
         self.prefix = None  # the prefix cache, when on (the memory set aside for it: the pool's budget.prefix)
         if config.enable_prefix_caching:
@@ -219,8 +220,7 @@ class ModelRunner:
             graph = self._capturing = torch.cuda.CUDAGraph()
             reserved = torch.cuda.memory_reserved(self.device)
             try:
-                with torch.cuda.graph(graph, pool=self.graph_pool):
-                    fn()
+                self._capture(graph, fn)
             finally:
                 self._capturing = None
             self.graph_memory.add(key, slots, torch.cuda.memory_reserved(self.device) - reserved)
@@ -228,6 +228,24 @@ class ModelRunner:
             self.graph_counts["captures"] += 1
         graph.replay()
         self.graph_counts["replays"] += 1
+
+    def _capture(self, graph: torch.cuda.CUDAGraph, fn: Callable[[], None]) -> None:
+        """fn's device work captured into graph, on a side stream (made once) ordered after the
+        current stream's work by an event, not by the host. torch.cuda.graph's entry work is left
+        out: it synchronizes the device and empties the allocator's caches, device and pinned host,
+        so a server capturing a key as prompts arrive (a mixed step's pieces) drained the rounds
+        queued ahead, and the allocations after it went to cudaMalloc and cudaHostAlloc again."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        self._capture_stream.wait_stream(current)
+        with torch.cuda.stream(self._capture_stream):
+            graph.capture_begin(self.graph_pool)
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+        current.wait_stream(self._capture_stream)
 
     def _mixed_held(self) -> int:
         """Mixed rounds' graphs held (a mixed key enters `graphs` only to be captured)."""

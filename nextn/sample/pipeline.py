@@ -393,4 +393,5 @@ class RequestRng:
             for w in (idx & _MASK32, idx >> 32, np.arange(len(Stream), dtype=np.int64)[:, None], np.zeros(1, np.int64))
         ]
         w = philox4x32_tensor(counter, self._key)  # operators only: numpy int64 arrays work as they are
-        return torch.from_numpy(_bits53(w[0], w[1]).astype(np.float64) / _TWO53).to(device)
+        # (a pageable copy queued without waiting for the stream: nextn.cache.hybrid.to_device)
+        return torch.from_numpy(_bits53(w[0], w[1]).astype(np.float64) / _TWO53).to(device, non_blocking=True)

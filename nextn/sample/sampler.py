@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from nextn.cache import SlotCache
-from nextn.cache.hybrid import NUM_GEN
+from nextn.cache.hybrid import NUM_GEN, to_device
 from nextn.config import STEP_ROWS
 from nextn.core import SamplingParams
 from nextn.grammar import GrammarState
@@ -108,10 +108,10 @@ class SlotSampler:
         if self.kind.min_tokens:
             self.stop_mask.zero_()
             if stop_ids:
-                self.stop_mask[torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)] = True
+                self.stop_mask.index_fill_(0, to_device(sorted(stop_ids), device), True)
         if self.kind.penalties:
             self.history.prompt_mask.zero_()
-            self.history.prompt_mask[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+            self.history.prompt_mask.index_fill_(0, to_device(prompt_ids, device), True)
             self.history.output_counts.zero_()
 
     @property
