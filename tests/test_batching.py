@@ -6,6 +6,10 @@ reference modules in float32; on a GPU the Triton step in bfloat16, rounds as CU
 
 from __future__ import annotations
 
+import traceback
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 from hf_fixtures import FIT_PROMPTS
@@ -105,6 +109,36 @@ def test_mixed_rounds_replay_their_graphs(dense_fitted_ckpt):
     replayed = [key for key in mixed if engine.runner.graphs.get(key) is not None]
     assert mixed and replayed, (mixed, engine.runner.graph_counts)
     assert {i: out[0] for i, out in third.items()} == alone
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+def test_steps_wait_for_the_gpu_only_where_they_mean_to(dense_fitted_ckpt):
+    """After a warm-up, the engine's steps (requests starting and finishing one by one, mixed steps,
+    graphs replayed, sampled members with penalties) make no implicit synchronizing call from nextn:
+    torch.cuda.set_sync_debug_mode flags each (a host value copied into a device tensor, a host
+    read), not the deliberate waits (a round's read on its copy's event, a prefill pass's end).
+    One drains the rounds queued ahead (run 203: a request's finish and start each did so)."""
+    engine = _uncached(dense_fitted_ckpt, DEVICE, DTYPE)
+    items = [(i, case[3]) for i, case in enumerate(CASES)]
+    for _ in range(2):  # keys run eagerly, then are captured
+        _run(engine, items)
+    root, flagged = str(Path(nextn.__file__).parent), []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        ours = [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack() if f.filename.startswith(root)]
+        if ours:
+            flagged.append(ours[-1])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _run(engine, items)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert flagged == []
 
 
 class _FakeGraph:
