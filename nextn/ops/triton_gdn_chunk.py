@@ -76,7 +76,8 @@ if HAVE_TRITON:
     def _dotp(a, b, PREC: tl.constexpr):
         return tl.dot(a, b, input_precision=PREC)
 
-    @triton.jit(do_not_specialize=["T"])
+    # (the gates' batch strides, T x HV, are 16-divisible or not by the piece's rows: a variant each)
+    @triton.jit(do_not_specialize=["T", "sg_b", "sb_b"])
     def _chunk_prep_kernel(
         q_ptr,
         sq_b,

@@ -64,7 +64,9 @@ if HAVE_TRITON:
         total = tl.max(tl.where(valid, cdf, 0.0), axis=0)
         return inverse_cdf(cdf, valid & (r > 0.0), u * total)
 
-    @triton.jit
+    # the per-request values and rows sit at each slot's offset: their alignment is the slot's, so
+    # specialising on it compiled a variant per slot pattern mid-serving (bench/sync_probe.py, run 204)
+    @triton.jit(do_not_specialize=["temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "u_ptr", "ids_ptr"])
     def _temperature_kernel(
         logits_ptr,  # [N, V] float32 or bf16
         stride_l,
@@ -98,7 +100,7 @@ if HAVE_TRITON:
         if DRAW:
             tl.store(ids_ptr + i, _draw(p, valid, tl.load(u_ptr + i)))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["drafts_ptr", "stride_u", "index_ptr", "num_ptr", "num_drafts", "n_ptr", "out_ptr"])
     def _verify_kernel(
         p_ptr,  # [K + 1, V] float32: the target's law per verify row
         stride_p,
@@ -234,7 +236,7 @@ if HAVE_TRITON:
         if take:
             tl.store(cur_ptr + offs, tl.load(new_ptr + offs, mask=mask), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["B", "M", "R"])  # (sizes: one variant for every batch)
     def _follow_slots_kernel(
         src_ptr,  # int32 [B]: the followed slots
         seqs_ptr,  # int32 [B]: the batch's slot row (StepBatch.seqs[0])
