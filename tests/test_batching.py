@@ -34,12 +34,15 @@ CASES = [
 ]
 
 
+def _engine(ckpt, device: str = DEVICE, dtype: str = DTYPE, **settings):
+    """The module's engine (K=3, 8 sequences of 96 tokens), settings overriding or adding to it."""
+    settings = dict(num_speculative_tokens=3, max_model_len=96, max_num_seqs=8) | settings
+    return nextn.LLM(model=ckpt, device=device, dtype=dtype, **settings).engine
+
+
 @pytest.fixture(scope="module")
 def engine(dense_fitted_ckpt):
-    llm = nextn.LLM(
-        model=dense_fitted_ckpt, device=DEVICE, dtype=DTYPE, num_speculative_tokens=3, max_model_len=96, max_num_seqs=8
-    )
-    return llm.engine
+    return _engine(dense_fitted_ckpt)
 
 
 def _run(engine, items: list[tuple[int, int]]) -> dict[int, tuple[list[int], int]]:
@@ -77,16 +80,7 @@ def test_each_request_equals_itself_alone(engine):
 def _uncached(ckpt, device: str, dtype: str):
     """An engine as the module's, without the prefix cache (a run again of the same prompts then
     prefills them again, in the same pieces: the same round keys)."""
-    llm = nextn.LLM(
-        model=ckpt,
-        device=device,
-        dtype=dtype,
-        num_speculative_tokens=3,
-        max_model_len=96,
-        max_num_seqs=8,
-        enable_prefix_caching=False,
-    )
-    return llm.engine
+    return _engine(ckpt, device, dtype, enable_prefix_caching=False)
 
 
 @pytest.mark.gpu
@@ -209,16 +203,7 @@ def test_a_long_prompt_is_prefilled_over_steps_while_a_stream_runs(dense_fitted_
     chunked delta rule, 64 tokens, where the budget leaves fewer); the running stream gets a round
     every step meanwhile; both outputs equal their outputs alone, bitwise: the prompt's and the
     tokens' logprobs too (a prompt asking for prompt logprobs prefills apart from the rounds)."""
-    llm = nextn.LLM(
-        model=dense_fitted_ckpt,
-        device=DEVICE,
-        dtype=DTYPE,
-        num_speculative_tokens=3,
-        max_model_len=192,
-        max_num_seqs=2,
-        max_num_batched_tokens=32,
-    )
-    engine = llm.engine
+    engine = _engine(dense_fitted_ckpt, max_model_len=192, max_num_seqs=2, max_num_batched_tokens=32)
     short, long = _P[1], (_P[0] + _P[1] + _P[2]) * 4 + _P[0]  # 11 and 158 tokens
     params = nextn.SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0, logprobs=2, prompt_logprobs=2)
 

@@ -107,7 +107,7 @@ def device_round(runner, proposer, members: list[Member], clock=None, riding=Non
     """One round of every member, device work only (clock: marks its draft, verify and commit).
     riding (nextn.engine.runner.Riding): prompt pieces whose rows join the verify's trunk step
     after the members' (a mixed step: StepBatch.pieces_from; their slots followed after the
-    members'), their slots committed here, their logits and hiddens left in riding.buffers for
+    members'), their slots committed here, their logits and hiddens left in riding.out for
     runner.landed (the host's part, after the round); every row is the arithmetic of its own step."""
     tensors = members[0].cache.cache.tensors
     _mark(clock, 0)
@@ -118,7 +118,7 @@ def device_round(runner, proposer, members: list[Member], clock=None, riding=Non
         logits, hidden = runner.step_logits[: batch.num_rows], runner.step_hidden[: batch.num_rows]
     else:  # the pieces' rows after the members'
         batch = runner.batch(caches + riding.caches, rows + riding.rows, len(members), riding.chunked)
-        logits, hidden = riding.buffers(runner, sum(rows))
+        logits, hidden = riding.out  # (`Riding.staged`: made before the round)
     slots = batch.slot_index
     befores = tensors["ctl"].index_select(0, slots)
     if not all(_plain_greedy(m) for m in members):  # their own work on copies at their device slots
@@ -143,7 +143,7 @@ def device_round(runner, proposer, members: list[Member], clock=None, riding=Non
     if riding is None:
         runner.step.trunk(batch, ids, logits, hidden, live=live)
     else:
-        wanted = riding.logit_rows(runner, verify_rows)
+        wanted, piece_rows = riding.indices(runner, verify_rows)
         runner.step.trunk(batch, torch.cat([ids, riding.ids]), logits, hidden, live=live, logit_rows=wanted)
     if fused:
         _keep_rows(runner, batch, members, tensors, logits, hidden)
@@ -163,7 +163,7 @@ def device_round(runner, proposer, members: list[Member], clock=None, riding=Non
         if b not in plain:
             _accept(m, befores[b], num_drafts[b], proposer is not None)
     if riding is not None:  # last: a round that raises before here leaves the pieces uncommitted
-        runner.commit_pieces(batch.slot_index[len(members) :], riding)  # (their prefill apart redoes them)
+        runner.commit_pieces(batch.slot_index[len(members) :], piece_rows, riding)  # (their prefill apart redoes them)
     _mark(clock, 3)
 
 

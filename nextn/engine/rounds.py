@@ -110,12 +110,12 @@ def launch(runner, proposer, rounds: list[RequestRounds], riding=None) -> None:
             key = ("mixed round", *key, tuple(riding.rows), riding.chunked)
             pieces = [c.slot for c in riding.caches]
             verify_rows = sum(m.k + 1 for m in members)
-            logits, hidden = riding.buffers(runner, verify_rows)  # (made before the round: it writes them)
+            riding = riding.staged(runner, verify_rows)
         clock = runner.clock(key) if traced else None
         with runner.follow_slots(slots + pieces, len(rounds), len(pieces)):
             runner.run(key, lambda: device_round(runner, proposer, members, clock, riding), mixed=riding is not None)
         if riding is not None:  # the pieces' host records, from the rows the round left them
-            runner.landed(riding, logits[verify_rows:], hidden[verify_rows:])
+            runner.landed(riding, *(t[verify_rows:] for t in riding.out))
     for r in rounds:
         r.queue_read(clock)
 

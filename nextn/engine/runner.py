@@ -92,7 +92,7 @@ class ModelRunner:
         # mixed rounds' keys run once (eagerly): the second run of one captures it (`run`); what
         # their runs make that the tables lack is kept apart, dropped with their graphs (`_made_once`)
         self._mixed_seen: set = set()
-        self._mixed_made: dict = {}  # (table's id, key) -> made
+        self._mixed_made: dict = {}  # (table's id, key) -> made; `held` buffers by their keys
         self._mixing = False  # within a mixed round's run
 
     def slot(self, slot: int) -> SlotCache:
@@ -247,6 +247,16 @@ class ModelRunner:
                 graph.capture_end()
         current.wait_stream(self._capture_stream)
 
+    def held(self, key, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A buffer a mixed round's graph reads or writes, made once per key where graphs run (kept
+        with what the mixed rounds' runs make: `_drop_mixed` forgets it with their graphs), else
+        made now."""
+        if not self.use_graphs:
+            return make()
+        if key not in self._mixed_made:
+            self._mixed_made[key] = make()
+        return self._mixed_made[key]
+
     def _mixed_held(self) -> int:
         """Mixed rounds' graphs held (a mixed key enters `graphs` only to be captured)."""
         return sum(1 for key in self.graphs if key[0] == "mixed round")
@@ -384,8 +394,9 @@ class ModelRunner:
             return
         batch = StepBatch(riding.caches, riding.rows, max_pos=riding.top, chunked=riding.chunked)
         logits, hidden = riding.buffers(self, 0)
-        self.step.trunk(batch, riding.ids, logits, hidden, store_all=False, logit_rows=riding.logit_rows(self, 0))
-        self.commit_pieces(batch.slot_index, riding)
+        logit_rows, kept = riding.indices(self, 0)
+        self.step.trunk(batch, riding.ids, logits, hidden, store_all=False, logit_rows=logit_rows)
+        self.commit_pieces(batch.slot_index, kept, riding)
         self.landed(riding, logits, hidden)
 
     @torch.inference_mode()
@@ -414,14 +425,12 @@ class ModelRunner:
             for p, o, n in zip(pieces, offsets, rows, strict=True)
         ]
         caches = [self.slot(p.seq.slot) for p in pieces]
-        # their tokens in a buffer made once per row count (a mixed round's graph reads it)
-        held = self._made_once(self._indices, ("riding ids", len(ids)), lambda: torch.empty_like(ids))
-        return Riding(pieces, caches, rows, offsets, held.copy_(ids), wanted, top, chunked)
+        return Riding(pieces, caches, rows, offsets, ids, wanted, top, chunked)
 
-    def commit_pieces(self, slots: torch.Tensor, riding: Riding) -> None:
+    def commit_pieces(self, slots: torch.Tensor, kept: torch.Tensor, riding: Riding) -> None:
         """The pieces' slots (slots: long [pieces] on the device, as the step batch holds them)
-        commit their rows: device work only (a mixed round's graph holds it)."""
-        kept = self.index(riding.rows, torch.int32)[:, None]
+        commit their rows (kept: int32 [pieces, 1], `Riding.indices`): device work only (a mixed
+        round's graph holds it)."""
         ctl = self.pool.cache.ctl
         ctl.index_copy_(0, slots, commit_ctl(ctl.index_select(0, slots), kept, riding.caches[0].cols, store_all=False))
 
@@ -515,11 +524,26 @@ class Riding(NamedTuple):
     wanted: list[range]
     top: int
     chunked: bool
+    # riding a round (`staged`): its trunk step's (logits, hidden), made before the round
+    out: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def logit_rows(self, runner: ModelRunner, verify_rows: int) -> torch.Tensor:
-        """The indices of a trunk step's rows whose logits are made: the verify_rows rows before the
-        pieces' (a round's, all of them) and the pieces' wanted rows (made once)."""
-        return runner.index([*range(verify_rows), *(verify_rows + r for w in self.wanted for r in w)])
+    def indices(self, runner: ModelRunner, verify_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logit rows, kept): the indices of a trunk step's rows whose logits are made (the
+        verify_rows rows before the pieces', a round's, all of them, and the pieces' wanted rows),
+        and each piece's rows int32 [pieces, 1] for its commit. Riding a round: made once (a mixed
+        round's graph reads them); a prefill apart: made now (ragged pieces would fill the runner's
+        tables, and a full table drops every graph)."""
+        logit_rows = [*range(verify_rows), *(verify_rows + r for w in self.wanted for r in w)]
+        if verify_rows == 0:
+            return to_device(logit_rows, runner.device), to_device(self.rows, runner.device, torch.int32)[:, None]
+        return runner.index(logit_rows), runner.index(self.rows, torch.int32)[:, None]
+
+    def staged(self, runner: ModelRunner, verify_rows: int) -> Riding:
+        """These pieces ready to ride a round of verify_rows rows: their ids in a buffer made once
+        per row count, their trunk step's outputs (`buffers`) in `out`, both made before the round
+        (a mixed round's graph reads the one and writes the other; `landed` reads them after)."""
+        held = runner.held(("riding ids", self.ids.shape[0]), lambda: torch.empty_like(self.ids))
+        return self._replace(ids=held.copy_(self.ids), out=self.buffers(runner, verify_rows))
 
     def buffers(self, runner: ModelRunner, verify_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, hidden) of a trunk step of verify_rows rows and then the pieces': the verify
@@ -537,7 +561,7 @@ class Riding(NamedTuple):
             raise ValueError("prompt pieces that ask for prompt logprobs do not ride a round")
         make = lambda: torch.empty(rows, H, dtype=runner.dtype, device=runner.device)  # noqa: E731
         # (members and pieces hold distinct slots: at most a slot's verify rows each)
-        hidden = runner._made_once(runner._indices, ("riding hidden", rows), make)
+        hidden = runner.held(("riding hidden", rows), make)
         return runner.step_logits[: verify_rows + wanted], hidden
 
 
