@@ -10,8 +10,9 @@ It prints what the served figures leave unexplained:
 - Triton compiles during the timed requests (kernel name and specialization key, seconds each);
 - with --profile, torch.profiler's CUDA kernel totals over the timed requests, and the CUDA busy
   time against the wall time.
+- with --keys, the mixed rounds' graph keys (`watch_mixed_keys`; the CPU runs it too).
 Usage (device): python3 bench/serve_core_probe.py [--no-prefix-cache] [--prefill chunked] [--profile | --cprofile]
-  [--json OUT]."""
+  [--keys] [--json OUT]."""
 
 from __future__ import annotations
 
@@ -46,6 +47,44 @@ def record_compiles() -> list:
     knobs.runtime.jit_cache_hook = before
     knobs.runtime.jit_post_compile_hook = after
     return seen
+
+
+def watch_mixed_keys(engine) -> dict:
+    """The mixed rounds' graph keys from now on (nextn.engine.rounds.launch: the pieces by count, total
+    rows and chunks), beside the keys by each piece's rows they replaced, and the chunked rule's rows:
+    the pieces' own, padded to the longest (the layout before), padded to whole chunks (now)."""
+    runner, seen = engine.runner, {"keys": collections.Counter(), "by_rows": collections.Counter()}
+    seen.update(rows=0, padded_to_longest=0, whole_chunks=0)
+    run, resplit = runner.run, runner.resplit
+
+    def watched_run(key, fn, *args, mixed=False, **kw):
+        if mixed:
+            seen["keys"][key] += 1
+        return run(key, fn, *args, mixed=mixed, **kw)
+
+    def watched_resplit(caches, rows, pieces_from, chunked):
+        members, pieces = tuple(rows[:pieces_from]), tuple(rows[pieces_from:])
+        seen["by_rows"][(members, pieces)] += 1
+        seen["rows"] += sum(pieces)
+        seen["padded_to_longest"] += len(pieces) * max(pieces)
+        seen["whole_chunks"] += sum(-(-n // 64) * 64 for n in pieces)
+        return resplit(caches, rows, pieces_from, chunked)
+
+    runner.run, runner.resplit = watched_run, watched_resplit
+    return seen
+
+
+def key_counts(seen: dict) -> dict:
+    """`watch_mixed_keys`' record in figures."""
+    keys, by_rows = seen["keys"], seen["by_rows"]
+    return {
+        "mixed_rounds": sum(keys.values()),
+        "keys": len(keys),
+        "keys_met_once": sum(n == 1 for n in keys.values()),
+        "keys_by_piece_rows": len(by_rows),
+        "keys_by_piece_rows_met_once": sum(n == 1 for n in by_rows.values()),
+        "chunk_rule_rows": {k: seen[k] for k in ("rows", "padded_to_longest", "whole_chunks")},
+    }
 
 
 def prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -128,6 +167,7 @@ def main() -> None:
     ap.add_argument("--random-weights", default=None, help="a preset's shape (the bundled tokenizer's ids)")
     ap.add_argument("--spec-k", type=int, default=3)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--keys", action="store_true", help="count the mixed rounds' graph keys (`watch_mixed_keys`)")
     args = ap.parse_args()
     from nextn.core import SamplingParams
     from nextn.engine.llm import LLM
@@ -157,6 +197,7 @@ def main() -> None:
     else:
         compiles = []
     measured = prompts(llm.tokenizer, args.num_prompts, 7)
+    seen = watch_mixed_keys(engine) if args.keys else None
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -184,6 +225,8 @@ def main() -> None:
     else:
         result = closed_loop(engine, measured, 16, params)
     result["compiles"] = compiles
+    if seen is not None:
+        result["mixed_keys"] = key_counts(seen)
     result["settings"] = settings
     result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     tag = f"[{args.prefill}{' nocache' if args.no_prefix_cache else ''}{' prof' if args.profile else ''}]"

@@ -15,6 +15,7 @@ import torch
 from hf_fixtures import FIT_PROMPTS
 
 import nextn
+from nextn.cache import StepBatch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = "bfloat16" if DEVICE == "cuda" else "float32"
@@ -191,6 +192,53 @@ def test_mixed_rounds_capture_only_what_their_first_run_made(dense_fitted_ckpt, 
     assert made == [], made
     for outputs in runs:
         assert {i: out[0] for i, out in outputs.items()} == alone
+
+
+def test_a_mixed_rounds_graph_serves_any_split_of_its_pieces(dense_fitted_ckpt, monkeypatch):
+    """A chunked mixed step's round is keyed by its pieces' count, total rows and chunks, not their split
+    (StepBatch.sizes): pairs of prompts of 40 + 64, 50 + 54 and 44 + 60 tokens riding one running
+    request's rounds are one key, run eagerly, captured and replayed, each split written into the
+    graph's tensors before it runs (StepBatch.resplit, whose device tensors tests/test_cache.py checks;
+    on the CPU the graph paths taken with a replay re-running the work, `_graphed`); every request
+    emits what it emits alone."""
+    engine = _engine(dense_fitted_ckpt, max_num_batched_tokens=108, max_num_seqs=4,
+                     enable_prefix_caching=False, max_model_len=128)  # fmt: skip
+    stream = ((_P[0] + _P[1] + _P[2]) * 4)[:20]
+    pairs = [[((_P[0] + _P[2]) * 8)[d : d + n] for d, n in zip((0, 3), split, strict=True)]
+             for split in ((40, 64), (50, 54), (44, 60))]  # fmt: skip
+    long = nextn.SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
+    short = nextn.SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+
+    def alone(prompt, params):
+        return engine_output(engine, prompt, dict(temperature=0.0), 3, params.max_tokens, ignore_eos=True)
+
+    expected = [alone(stream, long)] + [alone(p, short) for pair in pairs for p in pair]
+    made = _graphed(engine, monkeypatch) if DEVICE == "cpu" else []
+    splits: dict = {}
+    resplit = engine.runner.resplit
+
+    def watched(caches, rows, pieces_from, chunked):
+        splits.setdefault(StepBatch.sizes(rows, pieces_from, chunked), set()).add(tuple(rows[pieces_from:]))
+        resplit(caches, rows, pieces_from, chunked)
+
+    monkeypatch.setattr(engine.runner, "resplit", watched)
+    reqs, outputs, arrived = [engine.add(stream, long, num_speculative_tokens=3)], {}, 0
+    while len(outputs) < 7:
+        for req, ev in engine.step():
+            if isinstance(ev, BaseException):
+                raise ev
+            if ev.output is not None:
+                outputs[reqs.index(req)] = ev.output.token_ids
+        if arrived < 3 and all(i in outputs for i in range(1, len(reqs))):  # a pair at a time
+            reqs += [engine.add(p, short, num_speculative_tokens=3) for p in pairs[arrived]]
+            arrived += 1
+        assert 0 not in outputs or len(outputs) == 7, "the stream ended before every pair rode it"
+    assert [outputs[i] for i in range(7)] == expected
+    shared = [key for key, seen in splits.items() if len(seen) == 3]
+    assert shared, splits  # the three splits met one key
+    counts = engine.runner.graph_counts
+    assert counts["captures"] and counts["replays"], counts
+    assert made == [], made
 
 
 def test_a_request_asking_for_more_drafts_than_the_engine_is_refused(engine):

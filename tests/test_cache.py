@@ -148,3 +148,36 @@ def test_snapshot_gdn_gathers_what_the_host_reads_say(cfg, state_at, conv_at, pe
         after = slot.gdn_parts(i)
         for a, b in zip(after, before, strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_a_resplit_step_batch_holds_what_a_batch_of_its_split_holds(cfg):
+    """StepBatch.resplit (a chunked mixed step's pieces split otherwise, the same count, total rows and
+    chunks: one graph key, StepBatch.sizes) leaves every device tensor the step's kernels read, the
+    chunk layout made before it included, as a batch made for the new split holds it (the slot
+    tensors re-derived by `refresh`, as a graph's replay does), and refuses a split of other sizes."""
+    cache = HybridCache(cfg, _layout(cfg, slots=4), "cpu", torch.float32)
+    caches = [cache.slot(s) for s in (3, 0, 2, 1)]
+    before, after = [4, 1, 70, 30], [4, 1, 30, 70]  # verify rows 4 + 1, pieces of 3 chunks in 100 rows
+    assert StepBatch.sizes(before, 2, True) == StepBatch.sizes(after, 2, True) != StepBatch.sizes(after, 2, False)
+    assert StepBatch.sizes(before, 2, True) != StepBatch.sizes([4, 1, 64, 36], 2, True)  # 2 chunks
+    batch = StepBatch(caches, before, pieces_from=2, chunked=True)
+    layout, flat = batch.chunk_layout(2, 4), batch.flat_rows(4)
+    batch.follow(torch.tensor([3, 0, 2, 1], dtype=torch.int32))
+    batch.resplit(after)
+    batch.refresh(caches)
+    fresh = StepBatch(caches, after, pieces_from=2, chunked=True)
+    assert batch.rows == fresh.rows and batch.offsets == fresh.offsets
+    for name in ("seqs", "slot_index", "row_seq", "row_idx", "row_slot"):
+        assert torch.equal(getattr(batch, name), getattr(fresh, name)), name
+    assert torch.equal(flat, fresh.flat_rows(4))
+    made = fresh.chunk_layout(2, 4)
+    assert batch.chunk_layout(2, 4) is layout and layout.bound == made.bound == 100
+    for name in ("index", "real", "starts"):
+        assert torch.equal(getattr(layout, name), getattr(made, name)), name
+    # the layout: piece p's rows from chunk starts[p], zero rows (the step's row count) to its last chunk's end
+    assert made.starts.tolist() == [0, 1, 3] and made.index.shape == (1, 3 * 64)
+    assert made.index[0, :30].tolist() == list(range(5, 35)) and set(made.index[0, 30:64].tolist()) == {105}
+    assert made.index[0, 64:134].tolist() == list(range(35, 105)) and made.real[30:].tolist() == list(range(64, 134))
+    for rows in ([4, 1, 64, 36], [4, 2, 30, 69], [4, 1, 30, 71]):  # chunks, verify rows, total rows
+        with pytest.raises(ValueError):
+            batch.resplit(rows)

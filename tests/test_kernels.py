@@ -9,6 +9,7 @@ intermediate values at different points.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -477,6 +478,48 @@ def test_chunk_rule_reads_and_writes_a_caches_states_in_place():
     assert torch.equal(states[kept], before[kept])
     with pytest.raises(ValueError, match="slot_states"):
         triton_chunk_rule(q, k, v, gate, beta, states[:2, 0], slot_states=(states, read, write))
+
+
+def test_chunk_rule_runs_pieces_one_after_another_as_padded_sequences():
+    """chunk_starts: pieces laid one after another in whole chunks (each padded to its last chunk's
+    end with zero rows) give each piece's rows and final state bit for bit what the pieces padded
+    to the longest give as a batch (the layout the engine's mixed steps used before: the same
+    chunks, none past a piece's end), from and into the slots' states; a launch of the same sizes
+    serves another split of the same rows (a CUDA graph keyed by them)."""
+    g = torch.Generator(device=DEVICE).manual_seed(53)
+    H, HV, K, V, C = 1, 2, 16, 16, 64
+    T = 200
+    q, k, v, gate, beta, _ = _chunk_case(1, T, H, HV, K, V, torch.float32, g, 0.5, False, False)
+    states = _rand(4, 2, HV, K, V, gen=g)
+    slot, half = states.stride(0), states.stride(1)
+    for rows in ([70, 125, 5], [64, 1, 135], [199, 1]):
+        P, chunks = len(rows), [-(-n // C) for n in rows]
+        first = [0, *itertools.accumulate(rows)][:-1]
+        # padded: [P, longest] with zeros past each piece
+        Tmax = max(rows)
+        padded = [x.new_zeros(P, Tmax, *x.shape[2:]) for x in (q, k, v, gate, beta)]
+        # one after another: piece p's rows at chunk starts[p], zeros to its last chunk's end
+        starts = [0, *itertools.accumulate(chunks)]
+        flat = [x.new_zeros(1, starts[-1] * C, *x.shape[2:]) for x in (q, k, v, gate, beta)]
+        for p, (o0, n) in enumerate(zip(first, rows, strict=True)):
+            for x, pad, fl in zip((q, k, v, gate, beta), padded, flat, strict=True):
+                pad[p, :n] = x[0, o0 : o0 + n]
+                fl[0, starts[p] * C : starts[p] * C + n] = x[0, o0 : o0 + n]
+        read = torch.tensor([s * slot for s in range(P)], device=DEVICE)
+        write = torch.tensor([s * slot + half for s in range(P)], device=DEVICE)
+        ours = states.clone()
+        o_pad, _ = triton_chunk_rule(*padded, slot_states=(ours, read, write))
+        want = ours[:P, 1].clone()
+        ours = states.clone()
+        at = torch.tensor(starts, device=DEVICE, dtype=torch.int32)
+        o_flat, none = triton_chunk_rule(*flat, slot_states=(ours, read, write), chunk_starts=at)
+        assert none is None
+        for p, n in enumerate(rows):
+            assert torch.equal(o_flat[0, starts[p] * C : starts[p] * C + n], o_pad[p, :n]), (rows, p)
+        assert torch.equal(ours[:P, 1], want), rows
+        assert torch.equal(ours[:P, 0], states[:P, 0]) and torch.equal(ours[P:], states[P:])
+    with pytest.raises(ValueError, match="chunk_starts"):
+        triton_chunk_rule(q, k, v, gate, beta, slot_states=(states, read, write), chunk_starts=at)
 
 
 def test_chunk_inputs_are_the_modules_and_zero_past_a_piece():

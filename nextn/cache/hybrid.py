@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from nextn.config import FULL, STEP_ROWS
+from nextn.config import FULL, GDN_CHUNK, STEP_ROWS
 from nextn.config.model import ModelConfig
 from nextn.ops.fp8 import E4M3
 
@@ -330,12 +330,14 @@ class SlotCache:
 
 
 class ChunkLayout(NamedTuple):
-    """Prompt pieces of a step batch (its sequences lo..hi, rows contiguous) padded to their longest, T
-    rows, for the chunked delta rule (nextn.models.qwen3_5_step.TritonStep: the pieces' GDN)."""
+    """Prompt pieces of a step batch (its sequences lo..hi, rows contiguous) for the chunked delta rule
+    (nextn.models.qwen3_5_step.TritonStep: the pieces' GDN): one after another in whole chunks of
+    GDN_CHUNK rows, each padded to its last chunk's end (nextn.ops.triton_gdn_chunk's chunk_starts)."""
 
-    index: torch.Tensor  # [B, T] long: each padded row's row of the step, or M (a zero row past them)
-    real: torch.Tensor  # [rows] long: the step's rows in the padded [B * T], in order
-    rows: int  # T
+    index: torch.Tensor  # [1, chunks * GDN_CHUNK] long: each laid-out row's row of the step, or M (a zero row)
+    real: torch.Tensor  # [rows] long: the step's rows in the layout, in order
+    starts: torch.Tensor  # [pieces + 1] int32: piece p's chunks starts[p] .. starts[p + 1]
+    bound: int  # rows a piece may have (the conv pre-pass's grid): the longest, or all (`StepBatch.resplit`)
 
 
 class StepBatch:
@@ -429,16 +431,69 @@ class StepBatch:
             raise ValueError("a mixed step (verify rows, then prompt pieces) keeps its verify rows' states")
         return tuple(s < self.pieces_from for s in range(len(self.rows)))
 
+    @staticmethod
+    def sizes(rows, pieces_from: int | None, chunked: bool) -> tuple:
+        """What the device work of a step batch with these row counts depends on, its graphs' key:
+        the rows; in a chunked mixed step the verify rows and, of the prompt pieces after them, their
+        count, total rows and chunks (any split of those is the same launches: `resplit`)."""
+        rows = tuple(rows)
+        if pieces_from is None or not chunked:
+            return rows
+        pieces = rows[pieces_from:]
+        return (*rows[:pieces_from], ("pieces", len(pieces), sum(pieces), sum(_chunks(pieces))))
+
+    def resplit(self, rows) -> None:
+        """A mixed step's prompt pieces now have these row counts (the same sequences, verify rows and
+        total rows, and under `chunked` the same chunks): the host tuples, and the device tensors made
+        from the split (seqs' offsets and rows, row_seq, row_idx, the chunk layouts) rewritten in place
+        by queued copies, so a CUDA graph keyed by those sizes (nextn.engine.runner.ModelRunner.batch)
+        serves any split of them; the slot tensors made from row_seq follow in `refresh`, which the
+        graph runs. Call it before the work that reads them is launched (a graph's replay, not its capture)."""
+        rows = tuple(rows)
+        if rows == self.rows:
+            return
+        split = self.pieces_from
+        if split is None or len(rows) != len(self.rows) or sum(rows) != self.num_rows or min(rows) < 1:
+            raise ValueError(f"a step batch of rows {self.rows} cannot be split as {rows}")
+        chunks = sum(_chunks(rows[split:])) != sum(_chunks(self.rows[split:]))
+        if rows[:split] != self.rows[:split] or (self.chunked and chunks):
+            raise ValueError(f"a mixed step of rows {self.rows} keeps its verify rows and chunks, not {rows}")
+        self.rows, self.offsets = rows, tuple(itertools.accumulate(rows, initial=0))
+        device = self.cache.ctl.device
+        counts = torch.tensor(rows)
+        row_seq = torch.repeat_interleave(torch.arange(len(rows)), counts)
+        self.seqs[1:].copy_(to_device([self.offsets[:-1], rows], device, torch.int32))
+        self.row_seq.copy_(to_device(row_seq, device))
+        row_idx = torch.arange(self.num_rows) - torch.tensor(self.offsets)[row_seq]
+        self.row_idx.copy_(to_device(row_idx, device, torch.int32))
+        for (lo, hi), layout in self._chunks.items():
+            index, real, starts = self._layout(lo, hi)
+            for held, host in ((layout.index, index), (layout.real, real), (layout.starts, starts)):
+                held.copy_(to_device(host, device, held.dtype))
+
     def chunk_layout(self, lo: int, hi: int) -> ChunkLayout:
-        """Sequences lo..hi padded to their longest, T rows (`ChunkLayout`), made once (a graph holds them)."""
+        """Sequences lo..hi one after another in whole chunks (`ChunkLayout`), made once (a graph holds
+        them; `resplit` rewrites them). Its bound on a piece's rows: the longest piece's, or in a mixed
+        step (whose split a graph's replays change) all the pieces' rows."""
         if (lo, hi) not in self._chunks:
-            rows, T, M = self.rows[lo:hi], max(self.rows[lo:hi]), self.num_rows
-            first = self.offsets[lo:hi]
+            index, real, starts = self._layout(lo, hi)
             device = self.cache.ctl.device
-            index = [[o + t if t < n else M for t in range(T)] for o, n in zip(first, rows, strict=True)]
-            real = [b * T + t for b, n in enumerate(rows) for t in range(n)]
-            self._chunks[(lo, hi)] = ChunkLayout(to_device(index, device), to_device(real, device), T)
+            bound = sum(self.rows[lo:hi]) if self.pieces_from is not None else max(self.rows[lo:hi])
+            made = (to_device(index, device), to_device(real, device), to_device(starts, device, torch.int32))
+            self._chunks[(lo, hi)] = ChunkLayout(*made, bound)
         return self._chunks[(lo, hi)]
+
+    def _layout(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(index [1, chunks * GDN_CHUNK], real [rows], starts [pieces + 1]) of `ChunkLayout`, on the host."""
+        rows = torch.tensor(self.rows[lo:hi])
+        starts = torch.tensor([0, *itertools.accumulate(_chunks(self.rows[lo:hi]))])
+        piece = torch.repeat_interleave(torch.arange(len(rows)), rows)
+        first = torch.cumsum(rows, 0) - rows
+        n = int(rows.sum())
+        real = starts[piece] * GDN_CHUNK + torch.arange(n) - first[piece]
+        index = torch.full((1, int(starts[-1]) * GDN_CHUNK), self.num_rows, dtype=torch.long)
+        index[0, real] = self.offsets[lo] + torch.arange(n)
+        return index, real, starts
 
     def flat_rows(self, R: int) -> torch.Tensor:
         """[M] long: where each row sits in a per-slot buffer [S, R, ...] flattened to [S * R, ...]
@@ -446,6 +501,11 @@ class StepBatch:
         if R not in self._flat:
             self._flat[R] = self.slot_index[self.row_seq] * R + self.row_idx.long()
         return self._flat[R]
+
+
+def _chunks(rows) -> list[int]:
+    """Whole chunks of the chunked delta rule each piece of rows takes."""
+    return [-(-n // GDN_CHUNK) for n in rows]
 
 
 def commit_ctl(ctl: torch.Tensor, kept, cols: int, store_all: bool = True, round_: bool = False) -> torch.Tensor:

@@ -143,7 +143,7 @@ def device_round(runner, proposer, members: list[Member], clock=None, riding=Non
     if riding is None:
         runner.step.trunk(batch, ids, logits, hidden, live=live)
     else:
-        wanted, piece_rows = riding.indices(runner, verify_rows)
+        wanted, piece_rows = riding.index  # (`Riding.staged`: written before the round)
         runner.step.trunk(batch, torch.cat([ids, riding.ids]), logits, hidden, live=live, logit_rows=wanted)
     if fused:
         _keep_rows(runner, batch, members, tensors, logits, hidden)

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from nextn.cache import commit_ctl
+from nextn.cache import StepBatch, commit_ctl
 from nextn.cache.hybrid import DRAFT_LEN, SEQ_LEN, to_device
 from nextn.core import SpecStats
 from nextn.engine.device_round import OUT_ACCEPTED, OUT_DRAFTED, OUT_TOKENS, Buffers, Member, device_round, first_token
@@ -88,8 +88,10 @@ def launch(runner, proposer, rounds: list[RequestRounds], riding=None) -> None:
     """One batched round of these requests (one CUDA graph per batch of (K, sampler kind), whatever
     slots run; eagerly when they are constrained: all or none); each queues the read of its
     outcome. riding (nextn.engine.runner.Riding): prompt pieces that ride the round, a mixed step,
-    graphed too: keyed also by the pieces' rows, their slots followed after the members' (and the
-    pads', which never take a riding slot), their host records after it (runner.landed)."""
+    graphed too: keyed also by the pieces' sizes (StepBatch.sizes: their count, total rows and
+    chunks; the split written before the round, `runner.resplit`), their slots followed after the
+    members' (and the pads', which never take a riding slot), their host records after it
+    (runner.landed)."""
     members = [r.member() for r in rounds]
     traced = rounds[0].trace is not None
     if rounds[0].grammar is None and runner.pad_rounds and len({m.k for m in members}) == 1:
@@ -106,13 +108,16 @@ def launch(runner, proposer, rounds: list[RequestRounds], riding=None) -> None:
         else:  # the members' sampling work on copies gathered at their device slots (`Lane`)
             key = ("round", tuple((m.k, m.sampler.kind) for m in members), id(proposer), traced)
         pieces = []
-        if riding is not None:
-            key = ("mixed round", *key, tuple(riding.rows), riding.chunked)
+        if riding is not None:  # (keyed by the pieces' count, total rows and chunks, any split: StepBatch.sizes)
+            rows = [m.k + 1 for m in members] + riding.rows
+            key = ("mixed round", *key, StepBatch.sizes(rows, len(members), riding.chunked), riding.chunked)
             pieces = [c.slot for c in riding.caches]
             verify_rows = sum(m.k + 1 for m in members)
             riding = riding.staged(runner, verify_rows)
         clock = runner.clock(key) if traced else None
         with runner.follow_slots(slots + pieces, len(rounds), len(pieces)):
+            if riding is not None:  # the split its graph's replay reads, written first
+                runner.resplit([m.cache for m in members] + riding.caches, rows, len(members), riding.chunked)
             runner.run(key, lambda: device_round(runner, proposer, members, clock, riding), mixed=riding is not None)
         if riding is not None:  # the pieces' host records, from the rows the round left them
             runner.landed(riding, *(t[verify_rows:] for t in riding.out))

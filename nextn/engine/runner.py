@@ -41,7 +41,7 @@ from nextn.ops.linear_configs import WIDE_ROWS
 log = logging.getLogger(__name__)
 
 MAX_GRAPHS = 512  # captured graphs kept (one per batch kind); past it they are dropped and recaptured
-MAX_MIXED_GRAPHS = 64  # of them, mixed steps' rounds (keyed by their pieces' rows too: `run`)
+MAX_MIXED_GRAPHS = 64  # of them, mixed steps' rounds (keyed by their pieces' sizes too: `run`)
 STEPS = {"torch": ReferenceStep, "triton": TritonStep}
 
 
@@ -112,15 +112,33 @@ class ModelRunner:
         # a batch of the followed slots' first ones (a round's members, before its riding pieces)
         # follows a view of the slot set; of others (the members drafting, or still chaining, in a
         # round whose Ks differ), their positions in it, gathered on the device
-        positions = tuple(self._followed[c.slot] for c in caches)
-        first = positions == tuple(range(len(positions)))
-        key = ("follow", len(caches) if first else positions, tuple(rows), pieces_from, chunked)
+        key = self._follow_key(caches, rows, pieces_from, chunked)
         batch = self._made_once(self._batches, key, make)
+        if batch.rows != tuple(rows):  # (a mixed step's pieces split otherwise: `resplit` before the round)
+            raise RuntimeError(f"a step batch of rows {batch.rows} asked for {tuple(rows)}: not resplit")
+        first = key[1] == len(caches)
         if id(batch) not in self._refreshed:  # once a round: its device ops run in every replay
-            batch.follow(self._following[: len(caches)] if first else self._followed_at(positions))
+            batch.follow(self._following[: len(caches)] if first else self._followed_at(key[1]))
             batch.refresh(caches, fused=self.config.kernels == "triton")
             self._refreshed.add(id(batch))
         return batch
+
+    def _follow_key(self, caches: list[SlotCache], rows: list[int], pieces_from: int | None, chunked: bool) -> tuple:
+        """A followed step batch's key: its sequences' positions in the slot set (their count when they
+        are its first ones) and its sizes (StepBatch.sizes: a chunked mixed step's pieces by count,
+        total rows and chunks, so one batch serves any split of them)."""
+        positions = tuple(self._followed[c.slot] for c in caches)
+        at = len(caches) if positions == tuple(range(len(positions))) else positions
+        return ("follow", at, StepBatch.sizes(rows, pieces_from, chunked), pieces_from, chunked)
+
+    def resplit(self, caches: list[SlotCache], rows: list[int], pieces_from: int, chunked: bool) -> None:
+        """Within `follow_slots`, before a mixed round is launched: the followed step batch of its
+        sizes, if one was made, takes these pieces' rows (StepBatch.resplit: queued copies a graph's
+        replay then reads; a capture may not copy from the host)."""
+        key = self._follow_key(caches, rows, pieces_from, chunked)
+        batch = self._batches.get(key) or self._mixed_made.get((id(self._batches), key))
+        if batch is not None:
+            batch.resplit(rows)
 
     def _followed_at(self, positions: tuple[int, ...]) -> torch.Tensor:
         """The followed slots at these positions (int32, made once; written by a device op)."""
@@ -160,7 +178,7 @@ class ModelRunner:
         """table[key], made on first use. A full table starts over: with graphs, together with the
         graphs that read it (drop_graphs; eager rounds, such as constrained ones, add keys no graph
         count bounds), never in the middle of a capture. Within a mixed round's run, what the table
-        lacks is made into `_mixed_made` (their pieces' rows make ever new keys: they start over
+        lacks is made into `_mixed_made` (their pieces' sizes make new keys: they start over
         there, with the mixed rounds' graphs alone: `_drop_mixed`)."""
         if key not in table:
             if self._mixing:
@@ -185,7 +203,7 @@ class ModelRunner:
         compiles, the allocator settles; a warm-up run would change state), captured on the second
         and replayed from then on; slots: the cache slots it serves (its graph's memory counts
         with them). Without graphs, always eagerly. mixed: a mixed step's round, whose keys name
-        its pieces' rows (ragged prompt tails make many): its first run is eager and takes no graph
+        its pieces' sizes (ragged prompt tails make several): its first run is eager and takes no graph
         slot, its second is captured while fewer than MAX_MIXED_GRAPHS of them are held (and the
         graphs' memory is within budget), else it runs eagerly every time (counted so) rather than
         crowd out the rounds' graphs; what its runs make is kept apart (`_made_once`)."""
@@ -524,26 +542,32 @@ class Riding(NamedTuple):
     wanted: list[range]
     top: int
     chunked: bool
-    # riding a round (`staged`): its trunk step's (logits, hidden), made before the round
+    # riding a round (`staged`): its trunk step's (logits, hidden) and `indices`, made before the round
     out: tuple[torch.Tensor, torch.Tensor] | None = None
+    index: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def indices(self, runner: ModelRunner, verify_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logit rows, kept): the indices of a trunk step's rows whose logits are made (the
         verify_rows rows before the pieces', a round's, all of them, and the pieces' wanted rows),
-        and each piece's rows int32 [pieces, 1] for its commit. Riding a round: made once (a mixed
-        round's graph reads them); a prefill apart: made now (ragged pieces would fill the runner's
-        tables, and a full table drops every graph)."""
+        and each piece's rows int32 [pieces, 1] for its commit. Riding a round: written into
+        buffers held per size (a mixed round's graph, keyed by the pieces' count and total rows,
+        reads them whatever their split); a prefill apart: made now."""
         logit_rows = [*range(verify_rows), *(verify_rows + r for w in self.wanted for r in w)]
+        rows = to_device(logit_rows, runner.device)
+        kept = to_device(self.rows, runner.device, torch.int32)[:, None]
         if verify_rows == 0:
-            return to_device(logit_rows, runner.device), to_device(self.rows, runner.device, torch.int32)[:, None]
-        return runner.index(logit_rows), runner.index(self.rows, torch.int32)[:, None]
+            return rows, kept
+        held = [runner.held(("riding " + name, tuple(t.shape)), lambda t=t: torch.empty_like(t)) for name, t in
+                (("logit rows", rows), ("kept", kept))]  # fmt: skip
+        return held[0].copy_(rows), held[1].copy_(kept)
 
     def staged(self, runner: ModelRunner, verify_rows: int) -> Riding:
-        """These pieces ready to ride a round of verify_rows rows: their ids in a buffer made once
-        per row count, their trunk step's outputs (`buffers`) in `out`, both made before the round
-        (a mixed round's graph reads the one and writes the other; `landed` reads them after)."""
+        """These pieces ready to ride a round of verify_rows rows: their ids in a buffer held per row
+        count, their trunk step's outputs (`buffers`) in `out` and its indices in `index`, all made
+        before the round (a mixed round's graph reads them and writes `out`; `landed` reads that after)."""
         held = runner.held(("riding ids", self.ids.shape[0]), lambda: torch.empty_like(self.ids))
-        return self._replace(ids=held.copy_(self.ids), out=self.buffers(runner, verify_rows))
+        index = self.indices(runner, verify_rows)
+        return self._replace(ids=held.copy_(self.ids), out=self.buffers(runner, verify_rows), index=index)
 
     def buffers(self, runner: ModelRunner, verify_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, hidden) of a trunk step of verify_rows rows and then the pieces': the verify

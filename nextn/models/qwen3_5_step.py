@@ -403,11 +403,13 @@ class TritonStep:
         """GDN layer j of the prompt pieces batch.rows[lo:hi] (launch: `_gdn_launches`'s, StepBatch.chunked)
         into their rows of out (None: a new [M, HV * V]), in five launches: the conv pre-pass over
         their rows, which also writes each slot's next carried columns (nextn.ops.triton_gdn.conv_prepass);
-        the rule's inputs with the pieces padded to the longest (`StepBatch.chunk_layout`;
-        triton_gdn_chunk.chunk_inputs: zero rows past a piece, which leave a chunk's other rows and the
-        state as they are); the chunked delta rule (two) from each slot's base state, its last state
-        into the write half (the scan reads and writes the slots' halves); the gated norm of the pieces'
-        rows. The reference: the module's chunked prefill of each piece (nextn.layers.gdn, StepBatch.chunked)."""
+        the rule's inputs with the pieces one after another in whole chunks (`StepBatch.chunk_layout`;
+        triton_gdn_chunk.chunk_inputs: zero rows to a piece's last chunk's end, which leave a chunk's
+        other rows and the state as they are); the chunked delta rule (two) from each slot's base state,
+        its last state into the write half (the scan reads and writes the slots' halves); the gated norm
+        of the pieces' rows. Every launch's size is set by the pieces' count, total rows and chunks, not
+        their split (`StepBatch.resplit`). The reference: the module's chunked prefill of each piece
+        (nextn.layers.gdn, StepBatch.chunked)."""
         from nextn.ops.triton_gdn_chunk import chunk_gated_delta_rule, chunk_inputs, gated_norm_rows
 
         lo, hi = launch["chunked"]
@@ -417,9 +419,10 @@ class TritonStep:
         window, states = cache.tensors["window"][:, j], cache.tensors["states"][:, j]
         layout = batch.chunk_layout(lo, hi)
         conv = self.gdn.conv_prepass(proj, w.conv, window, cache.ctl[:, STATE_AT:], launch["seqs"], PENDING - STATE_AT,
-                                     layout.rows, False, window_out=True)  # fmt: skip
+                                     layout.bound, False, window_out=True)  # fmt: skip
         inputs = chunk_inputs(conv, proj, conv_dim + value_dim, layout.index, w.A_log, w.dt_bias, heads)
-        o, _ = chunk_gated_delta_rule(*inputs, slot_states=(states, launch["read"], launch["write"]))
+        slot_states = (states, launch["read"], launch["write"])
+        o, _ = chunk_gated_delta_rule(*inputs, slot_states=slot_states, chunk_starts=layout.starts)
         if out is None:
             out = proj.new_empty(proj.shape[0], value_dim)
         first, end = batch.offsets[lo], batch.offsets[hi]

@@ -10,7 +10,9 @@
    then two merges, X21 = -X22 L21 X11, at 16 and at 32 rows (what a blocked triangular inverse
    does; no power series, whose terms can cancel catastrophically when keys repeat).
 2. `_chunk_scan_kernel`, one program per (batch x value head, block of value columns), walks the
-   chunks in order with its [K, BLOCK_V] slice of the state in registers:
+   chunks in order with its [K, BLOCK_V] slice of the state in registers (with `chunk_starts`, the
+   batch is pieces one after another in one sequence of whole chunks, each program walking its
+   piece's: the launches' sizes then depend on the pieces' count and chunks, not their split):
        v_new = u - w S;  o = (q * exp(gc)) S + intra v_new;  S = exp(gc_last) S + (k * exp(gc_last - gc))^T v_new
 
 Every product is a `tl.dot` on float32 operands on tensor cores: those that make the state (the
@@ -23,8 +25,8 @@ they change nothing.
 
 Around them, for prompt pieces in a trunk step (nextn.models.qwen3_5_step, StepBatch.chunked), two
 launches where the module runs a dozen ops each: `chunk_inputs` lays out the step rows' conv outputs
-and gates as pieces padded to the longest (q and k l2-normalised, beta, g; zeros past a piece, which
-the rule passes through unchanged) and `gated_norm_rows` applies the layer's RMSNormGated * silu(z)
+and gates as pieces in whole chunks (q and k l2-normalised, beta, g; zeros past a piece, which the rule
+passes through unchanged) and `gated_norm_rows` applies the layer's RMSNormGated * silu(z)
 to the pieces' rows of the rule's output, each op rounded as the module rounds it.
 """
 
@@ -56,16 +58,19 @@ SCAN_OPTIONS = dict(num_warps=8, num_stages=1)
 PRECISIONS = dict(A="tf32x3", INV="tf32x3", UW="tf32x3", O="tf32", S="tf32x3")
 
 
-def launch_constexprs(H: int, HV: int, K: int, V: int, has_h0: bool, slots: bool = False) -> tuple[dict, dict]:
+def launch_constexprs(
+    H: int, HV: int, K: int, V: int, has_h0: bool, slots: bool = False, varlen: bool = False
+) -> tuple[dict, dict]:
     """The constexprs of (`_chunk_prep_kernel`, `_chunk_scan_kernel`) for H key heads and HV value
-    heads of dims K and V, as `chunk_gated_delta_rule` launches them."""
+    heads of dims K and V, as `chunk_gated_delta_rule` launches them (varlen: with chunk_starts)."""
     BK, BV = max(16, next_pow2(K)), max(16, next_pow2(V))
     # (a one-pass tf32 dot over a transposed operand of 16 rows, q k^T or k_beta k^T at key heads of 16 or
     # fewer, made an illegal memory access on an H100, run 197: those heads take three passes)
     prec = dict(PRECISIONS, O="tf32x3", A="tf32x3") if BK < 32 else PRECISIONS
     common = dict(HV=HV, GROUPS=HV // H, K=K, V=V, BK=BK, C=CHUNK, P_O=prec["O"])
     prep = dict(common, BV=BV, P_A=prec["A"], P_INV=prec["INV"], P_UW=prec["UW"])
-    return prep, dict(common, BLOCK_V=min(SCAN_BLOCK_V, BV), HAS_H0=has_h0, SLOTS=slots, P_S=prec["S"])
+    scan = dict(common, BLOCK_V=min(SCAN_BLOCK_V, BV), HAS_H0=has_h0, SLOTS=slots, P_S=prec["S"], VARLEN=varlen)
+    return prep, scan
 
 
 if HAVE_TRITON:
@@ -187,6 +192,7 @@ if HAVE_TRITON:
         ht_ptr,  # [B*HV, K, V] float32 out: the final state
         h0_at_ptr,
         ht_at_ptr,  # SLOTS: [B] long, where sequence b's [HV, K, V] state starts in h0 / ht (a cache's halves)
+        starts_ptr,  # VARLEN: [B + 1] int32, piece b's chunks (in the one sequence of rows) start .. end
         T,
         Tp,
         scale,
@@ -201,12 +207,23 @@ if HAVE_TRITON:
         HAS_H0: tl.constexpr,
         SLOTS: tl.constexpr,
         P_S: tl.constexpr,
+        VARLEN: tl.constexpr,
     ):
         bh = tl.program_id(0)
         vb = tl.program_id(1)
         b = bh // HV
         hv = bh % HV
         h = hv // GROUPS
+        if VARLEN:  # b is a piece of the one sequence of rows: its chunks, from its slot's state
+            first_chunk = tl.load(starts_ptr + b)
+            end_chunk = tl.load(starts_ptr + b + 1)
+            src = hv  # (the inputs', scratch's and output's sequence is 0)
+            bq = 0
+        else:
+            first_chunk = 0
+            end_chunk = tl.cdiv(T, C)
+            src = bh
+            bq = b
         r = tl.arange(0, C)
         kk = tl.arange(0, BK)
         vv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -221,21 +238,20 @@ if HAVE_TRITON:
             S = tl.load(h0_ptr + tile, mask=tile_m, other=0.0)
         else:
             S = tl.zeros((BK, BLOCK_V), tl.float32)
-        for ic in range(tl.cdiv(T, C)):
+        for ic in range(first_chunk, end_chunk):
             t = ic * C + r
             tm = t < T
-            rows = bh * Tp + t
+            rows = src * Tp + t
             q = (
                 tl.load(
-                    q_ptr + b * sq_b + t[:, None] * sq_t + h * sq_h + kk[None, :],
+                    q_ptr + bq * sq_b + t[:, None] * sq_t + h * sq_h + kk[None, :],
                     mask=tm[:, None] & km[None, :],
                     other=0.0,
                 ).to(tl.float32)
                 * scale
             )
-            k = tl.load(
-                k_ptr + b * sk_b + t[:, None] * sk_t + h * sk_h + kk[None, :], mask=tm[:, None] & km[None, :], other=0.0
-            ).to(tl.float32)
+            k_at = k_ptr + bq * sk_b + t[:, None] * sk_t + h * sk_h + kk[None, :]
+            k = tl.load(k_at, mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
             w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=km[None, :], other=0.0)
             u = tl.load(u_ptr + rows[:, None] * V + vv[None, :], mask=vm[None, :], other=0.0)
             intra = tl.load(a_ptr + rows[:, None] * C + r[None, :])
@@ -244,7 +260,7 @@ if HAVE_TRITON:
             v_new = u - _dotp(w, S, P_S)
             o = _dotp(q * tl.exp(gc)[:, None], S, P_O) + _dotp(intra, v_new, P_O)
             tl.store(
-                o_ptr + b * so_b + t[:, None] * so_t + hv * so_h + vv[None, :],
+                o_ptr + bq * so_b + t[:, None] * so_t + hv * so_h + vv[None, :],
                 o.to(o_ptr.dtype.element_ty),
                 mask=tm[:, None] & vm[None, :],
             )
@@ -401,14 +417,24 @@ def chunk_gated_delta_rule(
     beta: torch.Tensor,  # [B, T, HV]
     initial_state: torch.Tensor | None = None,  # [B, HV, K, V] float32
     slot_states: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    chunk_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (o [B, T, HV, V] in v's dtype, final_state [B, HV, K, V] float32). Inference only.
     slot_states = (states, read, write): the initial states read from and the final ones written
     to float32 `states` (a cache's, each [HV, K, V] block contiguous) at element offsets read / write
-    [B] long, in place of initial_state and the returned final state (None then)."""
+    [B] long, in place of initial_state and the returned final state (None then).
+    chunk_starts (int32 [P + 1] on the device, with slot_states of [P] offsets): B is 1 and its T
+    rows are P pieces of whole chunks, piece p's chunks chunk_starts[p] .. chunk_starts[p + 1]
+    (each padded with zero rows to its last chunk's end: rows that change nothing), each run from
+    its own state as P sequences padded to the longest would be, chunk for chunk the same
+    arithmetic (the same bits) with no chunk past a piece's end; the launches' sizes depend on P
+    and T only (a CUDA graph keyed by them serves any split)."""
     require_triton()
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    if chunk_starts is not None and (B != 1 or T % CHUNK or slot_states is None):
+        raise ValueError("chunk_gated_delta_rule: chunk_starts takes one sequence of whole chunks and slot_states")
+    pieces = B if chunk_starts is None else chunk_starts.numel() - 1
     if k.shape != q.shape or v.shape[:2] != (B, T) or g.shape != (B, T, HV) or beta.shape != (B, T, HV):
         raise ValueError(
             f"chunk_gated_delta_rule: shapes q {tuple(q.shape)} k {tuple(k.shape)} "
@@ -437,7 +463,9 @@ def chunk_gated_delta_rule(
     intra = torch.empty(B * HV, Tp, C, device=dev, dtype=torch.float32)
     gc = torch.empty(B * HV, Tp, device=dev, dtype=torch.float32)
     in_slots = slot_states is not None
-    prep_constexprs, scan_constexprs = launch_constexprs(H, HV, K, V, initial_state is not None or in_slots, in_slots)
+    varlen = chunk_starts is not None
+    has_h0 = initial_state is not None or in_slots
+    prep_constexprs, scan_constexprs = launch_constexprs(H, HV, K, V, has_h0, in_slots, varlen)
     _chunk_prep_kernel[(n_chunks, B * HV)](
         q,
         q.stride(0),
@@ -469,13 +497,15 @@ def chunk_gated_delta_rule(
     )
     if in_slots:
         states, read, write = slot_states
-        if states.dtype != torch.float32 or states.stride()[-3:] != (K * V, V, 1) or read.shape != (B,):
-            raise ValueError("chunk_gated_delta_rule: slot_states are float32 [..., HV, K, V] blocks and [B] offsets")
+        if states.dtype != torch.float32 or states.stride()[-3:] != (K * V, V, 1) or read.shape != (pieces,):
+            raise ValueError(
+                f"chunk_gated_delta_rule: slot_states are float32 [..., HV, K, V] blocks and [{pieces}] offsets"
+            )
         h0, ht, at = states, states, (read, write)
     else:
         h0 = None if initial_state is None else initial_state.float().reshape(B * HV, K, V).contiguous()
         h0, ht, at = (final if h0 is None else h0), final, (gc, gc)  # (offsets unused)
-    _chunk_scan_kernel[(B * HV, triton.cdiv(V, scan_constexprs["BLOCK_V"]))](
+    _chunk_scan_kernel[(pieces * HV, triton.cdiv(V, scan_constexprs["BLOCK_V"]))](
         q,
         q.stride(0),
         q.stride(1),
@@ -495,6 +525,7 @@ def chunk_gated_delta_rule(
         o.stride(2),
         ht,
         *at,
+        chunk_starts if varlen else gc,  # (unused without)
         T,
         Tp,
         K**-0.5,
