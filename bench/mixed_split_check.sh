@@ -29,7 +29,7 @@ stage "sync test, _settle's old copy (must fail)"
 (cd /tmp/old && timeout 60 python3 -m pytest -q -m gpu tests/test_batching.py -k wait_for_the_gpu 2>&1 | grep -E "^E .*assert|passed|failed" | head -4)
 fits 100 "sync probe" && timeout 100 python3 bench/sync_probe.py --requests 32 --json $OUT/sync_probe.json 2>&1 \
   | grep -E "synchronizing|^ +[0-9]+ |compiled a kernel" | cut -c1-160 | tail -20
-fits 90 "engine alone, chunked, keys" && timeout 90 python3 bench/serve_core_probe.py --prefill chunked --keys \
+fits 90 "engine alone, chunked, keys" && timeout 90 python3 bench/serve_core_probe.py --prefill chunked --no-prefix-cache --keys \
   --num-prompts 128 --json $OUT/core_keys.json 2>&1 | grep -E "mixed_keys|ttft|output_tokens|steps:|compiles" | cut -c1-300
 fits 150 "bundled served, serve's default prefill" && NUM_PER_STREAM=8 bash bench/serve_bench.sh default 3 0
 fits 80 "bundled served, chunked, 128 out" && SERVE_FLAGS="--prefill chunked" OUTS=128 NUM_PER_STREAM=8 bash bench/serve_bench.sh chunked 3 0

@@ -83,6 +83,9 @@ def key_counts(seen: dict) -> dict:
         "keys_met_once": sum(n == 1 for n in keys.values()),
         "keys_by_piece_rows": len(by_rows),
         "keys_by_piece_rows_met_once": sum(n == 1 for n in by_rows.values()),
+        # the pieces' part of the keys alone (the members' part: their bucket, Ks and sampler kinds)
+        "piece_sizes": len({key[-2][-1] for key in keys}),
+        "piece_rows": len({pieces for _, pieces in by_rows}),
         "chunk_rule_rows": {k: seen[k] for k in ("rows", "padded_to_longest", "whole_chunks")},
     }
 
