@@ -51,10 +51,13 @@ def record_compiles() -> list:
 
 def watch_mixed_keys(engine) -> dict:
     """The mixed rounds' graph keys from now on (nextn.engine.rounds.launch: the pieces by count, total
-    rows and chunks), beside the keys by each piece's rows they replaced, and the chunked rule's rows:
-    the pieces' own, padded to the longest (the layout before), padded to whole chunks (now)."""
+    rows and chunks, a pad piece filling them to a bucket), beside the keys by each piece's rows they
+    replaced, and the chunked rule's rows: the pieces' own, padded to the longest (the layout before),
+    padded to whole chunks (now); and the trunk's rows with the pad pieces'. The rounds are padded as
+    with graphs (pad_rounds), on the CPU too."""
     runner, seen = engine.runner, {"keys": collections.Counter(), "by_rows": collections.Counter()}
-    seen.update(rows=0, padded_to_longest=0, whole_chunks=0)
+    runner.pad_rounds = True  # (as with graphs: rounds padded to their bucket, pieces by a pad piece)
+    seen.update(rows=0, padded_to_longest=0, whole_chunks=0, padded_rows=0)
     run, resplit = runner.run, runner.resplit
 
     def watched_run(key, fn, *args, mixed=False, **kw):
@@ -62,13 +65,15 @@ def watch_mixed_keys(engine) -> dict:
             seen["keys"][key] += 1
         return run(key, fn, *args, mixed=mixed, **kw)
 
-    def watched_resplit(caches, rows, pieces_from, chunked):
-        members, pieces = tuple(rows[:pieces_from]), tuple(rows[pieces_from:])
+    def watched_resplit(caches, rows, pieces_from, chunked, chunks=None):
+        real = len(rows) - (chunks is not None)  # (a pad piece last: rounds._pad_piece)
+        members, pieces = tuple(rows[:pieces_from]), tuple(rows[pieces_from:real])
         seen["by_rows"][(members, pieces)] += 1
         seen["rows"] += sum(pieces)
         seen["padded_to_longest"] += len(pieces) * max(pieces)
         seen["whole_chunks"] += sum(-(-n // 64) * 64 for n in pieces)
-        return resplit(caches, rows, pieces_from, chunked)
+        seen["padded_rows"] += sum(rows[pieces_from:])
+        return resplit(caches, rows, pieces_from, chunked, chunks)
 
     runner.run, runner.resplit = watched_run, watched_resplit
     return seen
@@ -87,6 +92,7 @@ def key_counts(seen: dict) -> dict:
         "piece_sizes": len({key[-2][-1] for key in keys}),
         "piece_rows": len({pieces for _, pieces in by_rows}),
         "chunk_rule_rows": {k: seen[k] for k in ("rows", "padded_to_longest", "whole_chunks")},
+        "trunk_rows_with_pads": seen["padded_rows"],  # the pieces' and their pad pieces' rows
     }
 
 

@@ -196,17 +196,18 @@ def test_mixed_rounds_capture_only_what_their_first_run_made(dense_fitted_ckpt, 
 
 def test_a_mixed_rounds_graph_serves_any_split_of_its_pieces(dense_fitted_ckpt, monkeypatch):
     """A chunked mixed step's round is keyed by its pieces' count, total rows and chunks, not their split
-    (StepBatch.sizes): pairs of prompts of 40 + 64, 50 + 54 and 44 + 60 tokens riding one running
-    request's rounds are one key, run eagerly, captured and replayed, each split written into the
-    graph's tensors before it runs (StepBatch.resplit, whose device tensors tests/test_cache.py checks;
-    on the CPU the graph paths taken with a replay re-running the work, `_graphed`); every request
-    emits what it emits alone."""
-    engine = _engine(dense_fitted_ckpt, max_num_batched_tokens=108, max_num_seqs=4,
+    (StepBatch.sizes), and a pad piece on a free slot fills their rows to a bucket (rounds._pad_piece):
+    pairs of prompts of 40 + 64, 50 + 54, 44 + 60 and 30 + 70 tokens riding one running request's rounds
+    are one key (3 pieces, 128 rows, 4 chunks), run eagerly, captured and replayed, each split written
+    into the graph's tensors before it runs (StepBatch.resplit, whose device tensors tests/test_cache.py
+    checks; on the CPU the graph paths taken with a replay re-running the work, `_graphed`); every
+    request emits what it emits alone."""
+    engine = _engine(dense_fitted_ckpt, max_num_batched_tokens=140, max_num_seqs=4,
                      enable_prefix_caching=False, max_model_len=128)  # fmt: skip
     stream = ((_P[0] + _P[1] + _P[2]) * 4)[:20]
     pairs = [[((_P[0] + _P[2]) * 8)[d : d + n] for d, n in zip((0, 3), split, strict=True)]
-             for split in ((40, 64), (50, 54), (44, 60))]  # fmt: skip
-    long = nextn.SamplingParams(max_tokens=64, ignore_eos=True, temperature=0.0)
+             for split in ((40, 64), (50, 54), (44, 60), (30, 70))]  # fmt: skip
+    long = nextn.SamplingParams(max_tokens=72, ignore_eos=True, temperature=0.0)
     short = nextn.SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
 
     def alone(prompt, params):
@@ -214,28 +215,30 @@ def test_a_mixed_rounds_graph_serves_any_split_of_its_pieces(dense_fitted_ckpt, 
 
     expected = [alone(stream, long)] + [alone(p, short) for pair in pairs for p in pair]
     made = _graphed(engine, monkeypatch) if DEVICE == "cpu" else []
+    engine.runner.pad_rounds = True  # (on with graphs)
     splits: dict = {}
     resplit = engine.runner.resplit
 
-    def watched(caches, rows, pieces_from, chunked):
-        splits.setdefault(StepBatch.sizes(rows, pieces_from, chunked), set()).add(tuple(rows[pieces_from:]))
-        resplit(caches, rows, pieces_from, chunked)
+    def watched(caches, rows, pieces_from, chunked, chunks=None):
+        key = StepBatch.sizes(rows, pieces_from, chunked, chunks)
+        splits.setdefault(key, set()).add(tuple(rows[pieces_from:]))
+        resplit(caches, rows, pieces_from, chunked, chunks)
 
     monkeypatch.setattr(engine.runner, "resplit", watched)
-    reqs, outputs, arrived = [engine.add(stream, long, num_speculative_tokens=3)], {}, 0
-    while len(outputs) < 7:
+    reqs, outputs, arrived, n = [engine.add(stream, long, num_speculative_tokens=3)], {}, 0, 1 + 2 * len(pairs)
+    while len(outputs) < n:
         for req, ev in engine.step():
             if isinstance(ev, BaseException):
                 raise ev
             if ev.output is not None:
                 outputs[reqs.index(req)] = ev.output.token_ids
-        if arrived < 3 and all(i in outputs for i in range(1, len(reqs))):  # a pair at a time
+        if arrived < len(pairs) and all(i in outputs for i in range(1, len(reqs))):  # a pair at a time
             reqs += [engine.add(p, short, num_speculative_tokens=3) for p in pairs[arrived]]
             arrived += 1
-        assert 0 not in outputs or len(outputs) == 7, "the stream ended before every pair rode it"
-    assert [outputs[i] for i in range(7)] == expected
-    shared = [key for key, seen in splits.items() if len(seen) == 3]
-    assert shared, splits  # the three splits met one key
+        assert 0 not in outputs or len(outputs) == n, "the stream ended before every pair rode it"
+    assert [outputs[i] for i in range(n)] == expected
+    shared = [key for key, seen in splits.items() if len(seen) == len(pairs)]
+    assert shared and shared[0][-1] == ("pieces", 3, 128, 4), splits  # the four splits and their pads: one key
     counts = engine.runner.graph_counts
     assert counts["captures"] and counts["replays"], counts
     assert made == [], made

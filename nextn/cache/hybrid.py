@@ -353,6 +353,7 @@ class StepBatch:
         pieces_from: int | None = None,
         *,
         chunked: bool = False,
+        chunks: int | None = None,
     ):
         """max_pos: a bound on every row's position known on the host (an eager prefill step's: the
         attention then launches for the positions rows can reach), None in a graph. pieces_from: a
@@ -360,13 +361,17 @@ class StepBatch:
         step keeps it), the ones before verify rows (the step's trunk). chunked: the prompt pieces'
         GDN rows run by the chunked delta rule from their committed states (which hold no pending
         rows: the caller folds them first), in chunks of 64 rows from each piece's first: other bits
-        than a decode row's, so a prompt cut at whole chunks gives one piece's (`chunk_layout`)."""
+        than a decode row's, so a prompt cut at whole chunks gives one piece's (`chunk_layout`).
+        chunks: the pieces' chunks in all, where the last piece (a pad: nextn.engine.rounds.launch)
+        takes those the others leave (at least its own; the ones past its rows are zero rows)."""
         if not caches or len(caches) != len(rows) or min(rows) < 1:
             raise ValueError(f"a step batch needs one row count >= 1 per sequence, got {list(rows)}")
         if pieces_from is not None and not 0 <= pieces_from < len(rows):
             raise ValueError(f"a mixed step batch of {len(rows)} sequences has no pieces from {pieces_from}")
         self.caches, self.rows, self.max_pos, self.pieces_from = tuple(caches), tuple(rows), max_pos, pieces_from
-        self.chunked = chunked
+        self.chunked, self.num_chunks = chunked, chunks
+        if chunks is not None and (pieces_from is None or not chunked or sum(_chunks(rows[pieces_from:])) > chunks):
+            raise ValueError(f"the chunked pieces of rows {tuple(rows)} do not fit {chunks} chunks")
         self.cache = caches[0].cache
         self.offsets = tuple(itertools.accumulate(rows, initial=0))
         self.num_rows = self.offsets[-1]
@@ -432,15 +437,17 @@ class StepBatch:
         return tuple(s < self.pieces_from for s in range(len(self.rows)))
 
     @staticmethod
-    def sizes(rows, pieces_from: int | None, chunked: bool) -> tuple:
+    def sizes(rows, pieces_from: int | None, chunked: bool, chunks: int | None = None) -> tuple:
         """What the device work of a step batch with these row counts depends on, its graphs' key:
         the rows; in a chunked mixed step the verify rows and, of the prompt pieces after them, their
-        count, total rows and chunks (any split of those is the same launches: `resplit`)."""
+        count, total rows and chunks (their own, or `chunks`): any split of those is the same
+        launches (`resplit`)."""
         rows = tuple(rows)
         if pieces_from is None or not chunked:
             return rows
         pieces = rows[pieces_from:]
-        return (*rows[:pieces_from], ("pieces", len(pieces), sum(pieces), sum(_chunks(pieces))))
+        total = sum(_chunks(pieces)) if chunks is None else chunks
+        return (*rows[:pieces_from], ("pieces", len(pieces), sum(pieces), total))
 
     def resplit(self, rows) -> None:
         """A mixed step's prompt pieces now have these row counts (the same sequences, verify rows and
@@ -455,7 +462,8 @@ class StepBatch:
         split = self.pieces_from
         if split is None or len(rows) != len(self.rows) or sum(rows) != self.num_rows or min(rows) < 1:
             raise ValueError(f"a step batch of rows {self.rows} cannot be split as {rows}")
-        chunks = sum(_chunks(rows[split:])) != sum(_chunks(self.rows[split:]))
+        own = sum(_chunks(rows[split:]))
+        chunks = own != sum(_chunks(self.rows[split:])) if self.num_chunks is None else own > self.num_chunks
         if rows[:split] != self.rows[:split] or (self.chunked and chunks):
             raise ValueError(f"a mixed step of rows {self.rows} keeps its verify rows and chunks, not {rows}")
         self.rows, self.offsets = rows, tuple(itertools.accumulate(rows, initial=0))
@@ -485,8 +493,10 @@ class StepBatch:
 
     def _layout(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(index [1, chunks * GDN_CHUNK], real [rows], starts [pieces + 1]) of `ChunkLayout`, on the host."""
-        rows = torch.tensor(self.rows[lo:hi])
-        starts = torch.tensor([0, *itertools.accumulate(_chunks(self.rows[lo:hi]))])
+        rows, chunks = torch.tensor(self.rows[lo:hi]), _chunks(self.rows[lo:hi])
+        if self.num_chunks is not None and hi == len(self.rows):  # the last piece takes the chunks left
+            chunks[-1] += self.num_chunks - sum(_chunks(self.rows[self.pieces_from :]))
+        starts = torch.tensor([0, *itertools.accumulate(chunks)])
         piece = torch.repeat_interleave(torch.arange(len(rows)), rows)
         first = torch.cumsum(rows, 0) - rows
         n = int(rows.sum())

@@ -117,7 +117,8 @@ def device_round(runner, proposer, members: list[Member], clock=None, riding=Non
         batch = runner.batch(caches, rows)
         logits, hidden = runner.step_logits[: batch.num_rows], runner.step_hidden[: batch.num_rows]
     else:  # the pieces' rows after the members'
-        batch = runner.batch(caches + riding.caches, rows + riding.rows, len(members), riding.chunked)
+        caches, rows = caches + riding.all_caches, rows + riding.all_rows
+        batch = runner.batch(caches, rows, len(members), riding.chunked, riding.chunks)
         logits, hidden = riding.out  # (`Riding.staged`: made before the round)
     slots = batch.slot_index
     befores = tensors["ctl"].index_select(0, slots)
@@ -163,7 +164,8 @@ def device_round(runner, proposer, members: list[Member], clock=None, riding=Non
         if b not in plain:
             _accept(m, befores[b], num_drafts[b], proposer is not None)
     if riding is not None:  # last: a round that raises before here leaves the pieces uncommitted
-        runner.commit_pieces(batch.slot_index[len(members) :], piece_rows, riding)  # (their prefill apart redoes them)
+        pieces = batch.slot_index[len(members) : len(members) + len(riding.caches)]  # (not the pad's)
+        runner.commit_pieces(pieces, piece_rows, riding)  # (their prefill apart redoes them)
     _mark(clock, 3)
 
 

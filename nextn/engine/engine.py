@@ -264,10 +264,11 @@ class Engine:
             # requests still pads every batch to its bucket (no new graph under load)
             prefilling = [r.seq.slot for r in self.scheduler.running if r.request_id in self.prefilling]
             self.runner.spare_slots = self.scheduler.free + list(self.scheduler.sessions) + prefilling
+            self.runner.free_slots = list(self.scheduler.free)  # (a mixed round's pad piece: rounds.launch)
             try:
                 events += self._run(running, self.prefilled_rows > 0 or riding is not None, riding)
             finally:
-                self.runner.spare_slots = []
+                self.runner.spare_slots = self.runner.free_slots = []
         return events
 
     def _fail(self, req: Request, e: Exception) -> tuple[Request, Exception]:

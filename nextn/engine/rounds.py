@@ -30,9 +30,10 @@ import torch
 
 from nextn.cache import StepBatch, commit_ctl
 from nextn.cache.hybrid import DRAFT_LEN, SEQ_LEN, to_device
+from nextn.config import GDN_CHUNK
 from nextn.core import SpecStats
 from nextn.engine.device_round import OUT_ACCEPTED, OUT_DRAFTED, OUT_TOKENS, Buffers, Member, device_round, first_token
-from nextn.engine.runner import PhaseClock
+from nextn.engine.runner import Pad, PhaseClock
 from nextn.engine.scheduler import RoundSettings
 from nextn.engine.sequence import Sequence
 from nextn.grammar import GrammarState
@@ -94,8 +95,10 @@ def launch(runner, proposer, rounds: list[RequestRounds], riding=None) -> None:
     (runner.landed)."""
     members = [r.member() for r in rounds]
     traced = rounds[0].trace is not None
+    if riding is not None and runner.pad_rounds and riding.chunked:  # (before the members' pads take slots)
+        riding = _pad_piece(runner, riding)
     if rounds[0].grammar is None and runner.pad_rounds and len({m.k for m in members}) == 1:
-        members += _pads(runner, members, () if riding is None else [c.slot for c in riding.caches])
+        members += _pads(runner, members, () if riding is None else [c.slot for c in riding.all_caches])
     slots = [m.cache.slot for m in members]
     if rounds[0].grammar is not None:  # host work inside the round: never captured
         key = ("round", tuple(zip(slots, (m.k for m in members), strict=True)), id(proposer), traced)
@@ -109,20 +112,42 @@ def launch(runner, proposer, rounds: list[RequestRounds], riding=None) -> None:
             key = ("round", tuple((m.k, m.sampler.kind) for m in members), id(proposer), traced)
         pieces = []
         if riding is not None:  # (keyed by the pieces' count, total rows and chunks, any split: StepBatch.sizes)
-            rows = [m.k + 1 for m in members] + riding.rows
-            key = ("mixed round", *key, StepBatch.sizes(rows, len(members), riding.chunked), riding.chunked)
-            pieces = [c.slot for c in riding.caches]
+            rows, chunks = [m.k + 1 for m in members] + riding.all_rows, riding.chunks
+            key = ("mixed round", *key, StepBatch.sizes(rows, len(members), riding.chunked, chunks), riding.chunked)
+            pieces = [c.slot for c in riding.all_caches]
             verify_rows = sum(m.k + 1 for m in members)
             riding = riding.staged(runner, verify_rows)
         clock = runner.clock(key) if traced else None
         with runner.follow_slots(slots + pieces, len(rounds), len(pieces)):
             if riding is not None:  # the split its graph's replay reads, written first
-                runner.resplit([m.cache for m in members] + riding.caches, rows, len(members), riding.chunked)
+                caches = [m.cache for m in members] + riding.all_caches
+                runner.resplit(caches, rows, len(members), riding.chunked, chunks)
             runner.run(key, lambda: device_round(runner, proposer, members, clock, riding), mixed=riding is not None)
         if riding is not None:  # the pieces' host records, from the rows the round left them
             runner.landed(riding, *(t[verify_rows:] for t in riding.out))
     for r in rounds:
         r.queue_read(clock)
+
+
+# the rows a mixed round's prompt pieces are padded to (`_pad_piece`): whole chunks, each at most 1.5x the
+# one before (64 x 2^i and 192 x 2^i): a pad costs at most half the pieces' rows again (a fifth on average)
+PIECE_BUCKETS = sorted({GDN_CHUNK << i for i in range(24)} | {3 * GDN_CHUNK << i for i in range(23)})
+
+
+def _pad_piece(runner, riding):
+    """The riding pieces with a pad piece after them (nextn.engine.runner.Pad) that fills their rows to
+    a bucket, the smallest of PIECE_BUCKETS above them (the budget's whole chunks at most), and their
+    chunks to the bucket's chunks plus one a piece (what any split of the bucket's rows takes, the
+    pad's own included), on a slot no request holds: a ragged load's mixed rounds share a graph per
+    (members, pieces, bucket) where their exact sizes would rarely meet again. The riding pieces as
+    they are where no slot is free or no bucket above them fits."""
+    taken = {c.slot for c in riding.caches}
+    free = [s for s in runner.free_slots if s not in taken]
+    total, top = sum(riding.rows), runner.config.max_num_batched_tokens // GDN_CHUNK * GDN_CHUNK
+    rows = min(next(b for b in PIECE_BUCKETS if b > total), top)
+    if not free or rows <= total or rows - total > runner.slot(free[0]).max_len:
+        return riding
+    return riding._replace(pad=Pad(runner.slot(free[0]), rows - total, rows // GDN_CHUNK + len(riding.rows)))
 
 
 class _PadSampler(NamedTuple):

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache import SlotCache, SlotPool, StepBatch, commit_ctl
-from nextn.cache.hybrid import to_device
+from nextn.cache.hybrid import reset_ctl, to_device
 from nextn.cache.prefix import Match, PrefixCache
 from nextn.config import STEP_ROWS, EngineConfig
 from nextn.engine.sequence import Sequence
@@ -85,6 +85,7 @@ class ModelRunner:
         # on with graphs (without, a pad is only extra rows). spare_slots: slots no request runs in
         self.pad_rounds = self.use_graphs
         self.spare_slots: list[int] = []
+        self.free_slots: list[int] = []  # of them, those no request holds (a mixed round's pad piece: `Pad`)
         self._pad_masks: dict[int, torch.Tensor] = {}
         self.pads: torch.Tensor | None = None  # the batch followed now: which members pad (bool [B])
         # device work by how it ran: captured into a graph, replayed, run eagerly (/metrics)
@@ -99,20 +100,25 @@ class ModelRunner:
         return self.slots[slot]
 
     def batch(
-        self, caches: list[SlotCache], rows: list[int], pieces_from: int | None = None, chunked: bool = False
+        self,
+        caches: list[SlotCache],
+        rows: list[int],
+        pieces_from: int | None = None,
+        chunked: bool = False,
+        chunks: int | None = None,
     ) -> StepBatch:
         """The step batch of these slots and row counts (made once: graphs hold its tensors; a mixed
-        step's with its pieces_from and chunked: StepBatch). While `follow_slots` holds, one per
-        batch size and row counts, whatever the slots: its slot tensors are re-derived on the
+        step's with its pieces_from, chunked and chunks: StepBatch). While `follow_slots` holds, one
+        per batch size and row counts, whatever the slots: its slot tensors are re-derived on the
         device from the size's slot set (a graph replays that too)."""
-        make = lambda: StepBatch(caches, rows, pieces_from=pieces_from, chunked=chunked)  # noqa: E731
+        make = lambda: StepBatch(caches, rows, pieces_from=pieces_from, chunked=chunked, chunks=chunks)  # noqa: E731
         if self._following is None:
             key = (tuple(c.slot for c in caches), tuple(rows), pieces_from, chunked)
             return self._made_once(self._batches, key, make)
         # a batch of the followed slots' first ones (a round's members, before its riding pieces)
         # follows a view of the slot set; of others (the members drafting, or still chaining, in a
         # round whose Ks differ), their positions in it, gathered on the device
-        key = self._follow_key(caches, rows, pieces_from, chunked)
+        key = self._follow_key(caches, rows, pieces_from, chunked, chunks)
         batch = self._made_once(self._batches, key, make)
         if batch.rows != tuple(rows):  # (a mixed step's pieces split otherwise: `resplit` before the round)
             raise RuntimeError(f"a step batch of rows {batch.rows} asked for {tuple(rows)}: not resplit")
@@ -123,19 +129,23 @@ class ModelRunner:
             self._refreshed.add(id(batch))
         return batch
 
-    def _follow_key(self, caches: list[SlotCache], rows: list[int], pieces_from: int | None, chunked: bool) -> tuple:
+    def _follow_key(
+        self, caches: list[SlotCache], rows: list[int], pieces_from: int | None, chunked: bool, chunks: int | None
+    ) -> tuple:
         """A followed step batch's key: its sequences' positions in the slot set (their count when they
         are its first ones) and its sizes (StepBatch.sizes: a chunked mixed step's pieces by count,
         total rows and chunks, so one batch serves any split of them)."""
         positions = tuple(self._followed[c.slot] for c in caches)
         at = len(caches) if positions == tuple(range(len(positions))) else positions
-        return ("follow", at, StepBatch.sizes(rows, pieces_from, chunked), pieces_from, chunked)
+        return ("follow", at, StepBatch.sizes(rows, pieces_from, chunked, chunks), pieces_from, chunked)
 
-    def resplit(self, caches: list[SlotCache], rows: list[int], pieces_from: int, chunked: bool) -> None:
+    def resplit(
+        self, caches: list[SlotCache], rows: list[int], pieces_from: int, chunked: bool, chunks: int | None = None
+    ) -> None:
         """Within `follow_slots`, before a mixed round is launched: the followed step batch of its
         sizes, if one was made, takes these pieces' rows (StepBatch.resplit: queued copies a graph's
         replay then reads; a capture may not copy from the host)."""
-        key = self._follow_key(caches, rows, pieces_from, chunked)
+        key = self._follow_key(caches, rows, pieces_from, chunked, chunks)
         batch = self._batches.get(key) or self._mixed_made.get((id(self._batches), key))
         if batch is not None:
             batch.resplit(rows)
@@ -545,6 +555,21 @@ class Riding(NamedTuple):
     # riding a round (`staged`): its trunk step's (logits, hidden) and `indices`, made before the round
     out: tuple[torch.Tensor, torch.Tensor] | None = None
     index: tuple[torch.Tensor, torch.Tensor] | None = None
+    pad: Pad | None = None  # rows after the pieces' that fill their sizes to a bucket (a mixed round's)
+
+    @property
+    def all_caches(self) -> list[SlotCache]:
+        """The pieces' slots, and the pad's last."""
+        return self.caches if self.pad is None else [*self.caches, self.pad.cache]
+
+    @property
+    def all_rows(self) -> list[int]:
+        return self.rows if self.pad is None else [*self.rows, self.pad.rows]
+
+    @property
+    def chunks(self) -> int | None:
+        """The pieces' chunks in all with a pad (StepBatch's chunks), else None (their own)."""
+        return None if self.pad is None else self.pad.chunks
 
     def indices(self, runner: ModelRunner, verify_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logit rows, kept): the indices of a trunk step's rows whose logits are made (the
@@ -565,9 +590,14 @@ class Riding(NamedTuple):
         """These pieces ready to ride a round of verify_rows rows: their ids in a buffer held per row
         count, their trunk step's outputs (`buffers`) in `out` and its indices in `index`, all made
         before the round (a mixed round's graph reads them and writes `out`; `landed` reads that after)."""
-        held = runner.held(("riding ids", self.ids.shape[0]), lambda: torch.empty_like(self.ids))
+        n, rows = self.ids.shape[0], sum(self.all_rows)
+        held = runner.held(("riding ids", rows), lambda: self.ids.new_empty(rows))
+        held[:n].copy_(self.ids)
+        if self.pad is not None:  # its ids 0, its slot an empty sequence (SEQ_LEN 0: its rows in capacity)
+            held[n:].fill_(0)
+            reset_ctl(self.pad.cache.ctl, self.pad.cache.cols)
         index = self.indices(runner, verify_rows)
-        return self._replace(ids=held.copy_(self.ids), out=self.buffers(runner, verify_rows), index=index)
+        return self._replace(ids=held, out=self.buffers(runner, verify_rows), index=index)
 
     def buffers(self, runner: ModelRunner, verify_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, hidden) of a trunk step of verify_rows rows and then the pieces': the verify
@@ -577,7 +607,7 @@ class Riding(NamedTuple):
         buffer made once per row count (a mixed round's graph writes them, `landed` reads them
         after; the head's catch-up there takes its rows before the next step writes them again)."""
         V, H = runner.cfg.vocab_size, runner.cfg.hidden_size
-        wanted, rows = sum(len(w) for w in self.wanted), verify_rows + sum(self.rows)
+        wanted, rows = sum(len(w) for w in self.wanted), verify_rows + sum(self.all_rows)
         if verify_rows == 0:
             logits = torch.empty(wanted, V, dtype=torch.float32, device=runner.device)
             return logits, torch.empty(rows, H, dtype=runner.dtype, device=runner.device)
@@ -587,6 +617,19 @@ class Riding(NamedTuple):
         # (members and pieces hold distinct slots: at most a slot's verify rows each)
         hidden = runner.held(("riding hidden", rows), make)
         return runner.step_logits[: verify_rows + wanted], hidden
+
+
+class Pad(NamedTuple):
+    """A mixed round's pad piece (nextn.engine.rounds.launch): rows after the prompt pieces' so that
+    their rows and chunks in all fill a bucket (`StepBatch.sizes`: ragged prompts' mixed rounds then
+    share graphs), on a slot no request holds, reset to an empty sequence before the round (its K/V
+    rows from position 0, within any slot's capacity; its GDN rows from that slot's half-0 state, which
+    no one reads). Its ids are 0; it is never committed, its logits never made, its rows never read:
+    every kernel computes a row from its own sequence alone, so it changes no other row's bits."""
+
+    cache: SlotCache
+    rows: int
+    chunks: int  # the pieces' chunks in all, the pad's own and the empty ones after its rows included
 
 
 class GraphMemory:
