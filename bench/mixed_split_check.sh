@@ -1,7 +1,8 @@
 #!/bin/bash
-# Mixed rounds keyed by their pieces' count, total rows and chunks (any split: StepBatch.resplit) and the
-# chunked rule over pieces one after another (chunk_starts), with the thirtieth session's host-wait and
-# compile fixes, on the device in one call (~8 min on an H100):
+# Mixed rounds keyed by their pieces' count, total rows and chunks (any split: StepBatch.resplit; a pad piece
+# filling them to a bucket where a slot is free), the chunked rule over pieces one after another
+# (chunk_starts), with the thirtieth session's host-wait and compile fixes, on the device in one call
+# (~8 min on an H100; its whole log in $OUT/log.txt):
 #   1. GPU tests: the split-sharing mixed round on real graphs, the chunked rule's kernels (the varlen scan
 #      natively, the 9B heads), the GPU-marked batching / graphs / prefill tests; the sync test on a copy
 #      with RequestRounds._settle's old synchronizing copy put back (it must fail there);
@@ -14,9 +15,10 @@
 set -o pipefail
 DEADLINE=${DEADLINE:-540}
 source bench/device_env.sh
+exec > >(tee $OUT/log.txt) 2>&1  # (the whole log comes back: the tool returns only the output's tail)
 nvidia-smi --query-gpu=name --format=csv,noheader
 stage "gpu tests"
-timeout 150 python3 -m pytest -q tests/test_batching.py -k "any_split or mixed_rounds or wait_for" 2>&1 | tail -2
+timeout 150 python3 -m pytest -q tests/test_batching.py -k "any_split or mixed_rounds or wait_for" 2>&1 | tail -4
 timeout 150 python3 -m pytest -q tests/test_kernels.py -k "chunk" 2>&1 | tail -2
 timeout 150 python3 -m pytest -q -m gpu tests/test_graphs.py tests/test_prefill.py 2>&1 | tail -2
 rm -rf /tmp/old && cp -r . /tmp/old && python3 - <<'PY'

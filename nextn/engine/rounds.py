@@ -96,7 +96,7 @@ def launch(runner, proposer, rounds: list[RequestRounds], riding=None) -> None:
     members = [r.member() for r in rounds]
     traced = rounds[0].trace is not None
     if riding is not None and runner.pad_rounds and riding.chunked:  # (before the members' pads take slots)
-        riding = _pad_piece(runner, riding)
+        riding = _pad_piece(runner, riding, sum(m.k + 1 for m in members))
     if rounds[0].grammar is None and runner.pad_rounds and len({m.k for m in members}) == 1:
         members += _pads(runner, members, () if riding is None else [c.slot for c in riding.all_caches])
     slots = [m.cache.slot for m in members]
@@ -134,16 +134,18 @@ def launch(runner, proposer, rounds: list[RequestRounds], riding=None) -> None:
 PIECE_BUCKETS = sorted({GDN_CHUNK << i for i in range(24)} | {3 * GDN_CHUNK << i for i in range(23)})
 
 
-def _pad_piece(runner, riding):
+def _pad_piece(runner, riding, verify_rows: int):
     """The riding pieces with a pad piece after them (nextn.engine.runner.Pad) that fills their rows to
-    a bucket, the smallest of PIECE_BUCKETS above them (the budget's whole chunks at most), and their
+    a bucket, the smallest of PIECE_BUCKETS above them (at most the whole chunks of what the step's
+    token budget leaves beside the members' verify_rows, as the pieces were planned), and their
     chunks to the bucket's chunks plus one a piece (what any split of the bucket's rows takes, the
     pad's own included), on a slot no request holds: a ragged load's mixed rounds share a graph per
     (members, pieces, bucket) where their exact sizes would rarely meet again. The riding pieces as
     they are where no slot is free or no bucket above them fits."""
     taken = {c.slot for c in riding.caches}
     free = [s for s in runner.free_slots if s not in taken]
-    total, top = sum(riding.rows), runner.config.max_num_batched_tokens // GDN_CHUNK * GDN_CHUNK
+    total = sum(riding.rows)
+    top = (runner.config.max_num_batched_tokens - verify_rows) // GDN_CHUNK * GDN_CHUNK
     rows = min(next(b for b in PIECE_BUCKETS if b > total), top)
     if not free or rows <= total or rows - total > runner.slot(free[0]).max_len:
         return riding
