@@ -179,6 +179,56 @@ def test_a_mixed_step_gives_each_sequence_its_own_step(dense_fitted_ckpt, kernel
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_a_resplit_mixed_step_with_a_pad_piece_gives_each_sequence_its_own_step(dense_fitted_ckpt, kernels):
+    """A chunked mixed step as a mixed round's graph runs it: made for one split of its pieces (a piece
+    of 40 rows and a pad of 24 on a reset slot, 2 chunks in all), then resplit to the step's own (the
+    piece's 9 rows, a pad of 55: StepBatch.resplit, the chunk layout and every split tensor rewritten,
+    the slot tensors refreshed as a replay refreshes them) gives the verify rows and the piece what
+    their own steps give, bit for bit, and the two sequences' slots what those steps write: the pad
+    changes no row but its own (the Triton step reads the split from the device tensors alone)."""
+    from nextn.cache import StepBatch
+
+    engine = _engine(dense_fitted_ckpt, kernels, "chunked")
+    runner, V, H = engine.runner, engine.runner.cfg.vocab_size, engine.runner.cfg.hidden_size
+    with torch.inference_mode():
+        verifying, piece, _ = _fresh(runner, 0), _fresh(runner, 1), _fresh(runner, 2)
+        runner.prefill([Piece(verifying, PROMPT), Piece(piece, OTHER[:4])])
+        slots, R, rest = [runner.slot(s) for s in range(3)], runner.slot(0).rows, OTHER[4:]
+        v_ids, n, pad = [PROMPT[3], PROMPT[5], PROMPT[8]][:R], len(rest), 64 - len(rest)
+        ids = torch.tensor(v_ids + rest + [0] * pad, device=DEVICE)
+        tensors = runner.pool.cache.tensors
+        before = {k: t.clone() for k, t in tensors.items()}
+        top = len(PROMPT) + 64
+
+        def buffers(rows):
+            return torch.empty(rows, V, device=DEVICE), torch.empty(R + n + pad, H, device=DEVICE, dtype=torch.bfloat16)
+
+        lv, hv = buffers(R)
+        runner.step.trunk(StepBatch(slots[:1], [R]), ids[:R], lv, hv[:R])
+        lp, hp = buffers(1)
+        alone_piece = StepBatch(slots[1:2], [n], max_pos=top, chunked=True)
+        last = torch.tensor([n - 1], device=DEVICE)
+        runner.step.trunk(alone_piece, ids[R : R + n], lp, hp[:n], store_all=False, logit_rows=last)
+        alone = {k: t.clone() for k, t in tensors.items()}
+        for k, t in tensors.items():
+            t.copy_(before[k])
+        mixed = StepBatch(slots, [R, 40, 24], max_pos=top, pieces_from=1, chunked=True, chunks=2)
+        layout, _ = mixed.chunk_layout(1, 3), mixed.flat_rows(R)
+        mixed.follow(torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE))
+        assert StepBatch.sizes([R, 40, 24], 1, True, 2) == StepBatch.sizes([R, n, pad], 1, True, 2)
+        mixed.resplit([R, n, pad])
+        mixed.refresh(slots, fused=kernels == "triton")
+        assert layout.starts.tolist() == [0, 1, 2] and mixed.chunk_layout(1, 3) is layout
+        lm, hm = buffers(R + 1)
+        rows = torch.tensor([*range(R), R + n - 1], device=DEVICE)
+        runner.step.trunk(mixed, ids, lm, hm, logit_rows=rows)
+        assert torch.equal(lm[:R], lv) and torch.equal(lm[R:], lp)
+        assert torch.equal(hm[:R], hv[:R]) and torch.equal(hm[R : R + n], hp[:n])
+        for k, t in tensors.items():  # (slot 2, the pad's, holds what the pad wrote)
+            assert torch.equal(bits(t[:2]), bits(alone[k][:2])), k
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_chunked_pieces_are_each_alone_and_cut_at_whole_chunks(dense_fitted_ckpt, kernels):
     """Prompt pieces whose GDN rows run by the chunked delta rule (StepBatch.chunked: tensor-core chunks
     of 64 rows from each piece's first) give each piece what it gives alone, beside a piece of
