@@ -21,17 +21,19 @@ import torch
 from nextn.ops import triton_gdn_chunk as rule
 
 H, HV, K, V, LAYERS = 16, 32, 128, 128, 24
-# name -> (PRECISIONS, SCAN_BLOCK_V, prep warps, scan warps)
+# name -> (PRECISIONS, SCAN_BLOCK_V, prep warps, scan warps, INVERSE)
 X3, T32, IEEE = "tf32x3", "tf32", "ieee"
 
 
-def _v(A=X3, INV=X3, UW=X3, O=X3, S=X3, prep_warps=8):
-    return (dict(A=A, INV=INV, UW=UW, O=O, S=S), 32, prep_warps, 8)
+def _v(A=X3, INV=X3, UW=X3, O=X3, S=X3, prep_warps=8, inverse="dots"):
+    return (dict(A=A, INV=INV, UW=UW, O=O, S=S), 32, prep_warps, 8, inverse)
 
 
 VARIANTS = {
     "all_tf32x3": _v(),
     "o_tf32": _v(O=T32),  # (the default since d6519ea)
+    "o_tf32_inv_rows": _v(O=T32, inverse="rows"),  # the diagonal blocks row by row in float32
+    "o_tf32_inv_rows_w4": _v(O=T32, inverse="rows", prep_warps=4),
     "o_inv_tf32": _v(O=T32, INV=T32),
     "o_tf32_inv_ieee": _v(O=T32, INV=IEEE),
     "o_tf32_inv_ieee_w4": _v(O=T32, INV=IEEE, prep_warps=4),
@@ -42,7 +44,13 @@ VARIANTS = {
 }
 
 
-DEFAULT = (dict(rule.PRECISIONS), rule.SCAN_BLOCK_V, rule.PREP_OPTIONS["num_warps"], rule.SCAN_OPTIONS["num_warps"])
+DEFAULT = (
+    dict(rule.PRECISIONS),
+    rule.SCAN_BLOCK_V,
+    rule.PREP_OPTIONS["num_warps"],
+    rule.SCAN_OPTIONS["num_warps"],
+    rule.INVERSE,
+)
 
 
 def inputs(B: int, T: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
@@ -81,9 +89,10 @@ def kernel_us(call) -> dict[str, float]:
     return {name[:40]: us / 5 for us, _, name in kernel_totals(prof)[:4]}
 
 
-def set_variant(precisions: dict, block_v: int, prep_warps: int, scan_warps: int) -> None:
+def set_variant(precisions: dict, block_v: int, prep_warps: int, scan_warps: int, inverse: str) -> None:
     """(bench only: the module's launch settings, which every later call takes)"""
     rule.PRECISIONS.update(precisions)
+    rule.INVERSE = inverse
     rule.SCAN_BLOCK_V = block_v
     rule.PREP_OPTIONS["num_warps"] = prep_warps
     rule.SCAN_OPTIONS["num_warps"] = scan_warps
