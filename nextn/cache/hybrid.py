@@ -459,25 +459,23 @@ class StepBatch:
         rows = tuple(rows)
         if rows == self.rows:
             return
-        split = self.pieces_from
-        if split is None or len(rows) != len(self.rows) or sum(rows) != self.num_rows or min(rows) < 1:
-            raise ValueError(f"a step batch of rows {self.rows} cannot be split as {rows}")
-        own = sum(_chunks(rows[split:]))
-        chunks = own != sum(_chunks(self.rows[split:])) if self.num_chunks is None else own > self.num_chunks
-        if rows[:split] != self.rows[:split] or (self.chunked and chunks):
-            raise ValueError(f"a mixed step of rows {self.rows} keeps its verify rows and chunks, not {rows}")
+        split, chunks = self.pieces_from, self.num_chunks
+        sizes = (split, self.chunked, chunks)
+        same = split is not None and min(rows) >= 1 and self.sizes(rows, *sizes) == self.sizes(self.rows, *sizes)
+        if not same or (chunks is not None and sum(_chunks(rows[split:])) > chunks):
+            raise ValueError(f"a mixed step of rows {self.rows} keeps its sizes (StepBatch.sizes), not {rows}")
         self.rows, self.offsets = rows, tuple(itertools.accumulate(rows, initial=0))
-        device = self.cache.ctl.device
-        counts = torch.tensor(rows)
-        row_seq = torch.repeat_interleave(torch.arange(len(rows)), counts)
-        self.seqs[1:].copy_(to_device([self.offsets[:-1], rows], device, torch.int32))
-        self.row_seq.copy_(to_device(row_seq, device))
+        row_seq = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
         row_idx = torch.arange(self.num_rows) - torch.tensor(self.offsets)[row_seq]
-        self.row_idx.copy_(to_device(row_idx, device, torch.int32))
+        writes = [
+            (self.seqs[1:], torch.tensor([self.offsets[:-1], rows])),
+            (self.row_seq, row_seq),
+            (self.row_idx, row_idx),
+        ]
         for (lo, hi), layout in self._chunks.items():
-            index, real, starts = self._layout(lo, hi)
-            for held, host in ((layout.index, index), (layout.real, real), (layout.starts, starts)):
-                held.copy_(to_device(host, device, held.dtype))
+            writes += zip((layout.index, layout.real, layout.starts), self._layout(lo, hi), strict=True)
+        for held, host in writes:  # (a pageable copy each, queued: no wait for the stream)
+            held.copy_(host.to(held.dtype), non_blocking=True)
 
     def chunk_layout(self, lo: int, hi: int) -> ChunkLayout:
         """Sequences lo..hi one after another in whole chunks (`ChunkLayout`), made once (a graph holds

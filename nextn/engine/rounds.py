@@ -115,7 +115,7 @@ def launch(runner, proposer, rounds: list[RequestRounds], riding=None) -> None:
             rows, chunks = [m.k + 1 for m in members] + riding.all_rows, riding.chunks
             key = ("mixed round", *key, StepBatch.sizes(rows, len(members), riding.chunked, chunks), riding.chunked)
             pieces = [c.slot for c in riding.all_caches]
-            verify_rows = sum(m.k + 1 for m in members)
+            verify_rows = sum(rows[: len(members)])
             riding = riding.staged(runner, verify_rows)
         clock = runner.clock(key) if traced else None
         with runner.follow_slots(slots + pieces, len(rounds), len(pieces)):

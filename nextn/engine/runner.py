@@ -145,8 +145,7 @@ class ModelRunner:
         """Within `follow_slots`, before a mixed round is launched: the followed step batch of its
         sizes, if one was made, takes these pieces' rows (StepBatch.resplit: queued copies a graph's
         replay then reads; a capture may not copy from the host)."""
-        key = self._follow_key(caches, rows, pieces_from, chunked, chunks)
-        batch = self._batches.get(key) or self._mixed_made.get((id(self._batches), key))
+        batch = self._made_already(self._batches, self._follow_key(caches, rows, pieces_from, chunked, chunks))
         if batch is not None:
             batch.resplit(rows)
 
@@ -203,6 +202,10 @@ class ModelRunner:
                     self.drop_graphs()
             table[key] = make()
         return table[key]
+
+    def _made_already(self, table: dict, key):
+        """What `_made_once` made for key in table (kept apart if a mixed round's run made it), or None."""
+        return table.get(key) or self._mixed_made.get((id(table), key))
 
     def clock(self, key) -> PhaseClock:
         """The phase clock of the work run under this key (made once: its graph records its events)."""
@@ -577,14 +580,15 @@ class Riding(NamedTuple):
         and each piece's rows int32 [pieces, 1] for its commit. Riding a round: written into
         buffers held per size (a mixed round's graph, keyed by the pieces' count and total rows,
         reads them whatever their split); a prefill apart: made now."""
-        logit_rows = [*range(verify_rows), *(verify_rows + r for w in self.wanted for r in w)]
-        rows = to_device(logit_rows, runner.device)
-        kept = to_device(self.rows, runner.device, torch.int32)[:, None]
+        rows = torch.tensor([*range(verify_rows), *(verify_rows + r for w in self.wanted for r in w)])
+        kept = torch.tensor(self.rows, dtype=torch.int32)[:, None]
         if verify_rows == 0:
-            return rows, kept
-        held = [runner.held(("riding " + name, tuple(t.shape)), lambda t=t: torch.empty_like(t)) for name, t in
-                (("logit rows", rows), ("kept", kept))]  # fmt: skip
-        return held[0].copy_(rows), held[1].copy_(kept)
+            return to_device(rows, runner.device), to_device(kept, runner.device, torch.int32)
+        held = []
+        for name, t in (("logit rows", rows), ("kept", kept)):  # (a pageable copy each, queued)
+            make = lambda t=t: torch.empty_like(t, device=runner.device)  # noqa: E731
+            held.append(runner.held((f"riding {name}", tuple(t.shape)), make).copy_(t, non_blocking=True))
+        return held[0], held[1]
 
     def staged(self, runner: ModelRunner, verify_rows: int) -> Riding:
         """These pieces ready to ride a round of verify_rows rows: their ids in a buffer held per row
