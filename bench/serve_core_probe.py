@@ -96,9 +96,14 @@ def key_counts(seen: dict) -> dict:
     }
 
 
-def prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
-    ids = tokenizer.encode(Path("nextn/engine/rounds.py").read_text())
+def prompts(tokenizer, n: int, seed: int, length: int | None = None) -> list[list[int]]:
+    """n prompts of 60-900 tokens cut from nextn/engine/rounds.py, or of `length` random token ids (the
+    tokenizer's vocabulary, as `nextn bench serve --dataset random` sends)."""
     rng = random.Random(seed)
+    if length:
+        vocab = tokenizer.vocab_size
+        return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+    ids = tokenizer.encode(Path("nextn/engine/rounds.py").read_text())
     out = []
     for _ in range(n):
         length = rng.randint(60, 900)
@@ -165,13 +170,17 @@ def main() -> None:
     ap.add_argument("--no-prefix-cache", action="store_true")
     ap.add_argument("--prefill", default="steps")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--profile", action="store_true", help="the timed requests once plain, then again under torch.profiler (CUDA)"
+    )
     ap.add_argument(
         "--cprofile", action="store_true", help="the timed requests under cProfile: the host's time by function"
     )
     ap.add_argument("--json", default=None)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=None, help="prompts of this many random ids (the 9B cell's)")
+    ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--kernels", default=None, help="the engine's kernels (default: its own choice)")
     ap.add_argument("--random-weights", default=None, help="a preset's shape (the bundled tokenizer's ids)")
     ap.add_argument("--spec-k", type=int, default=3)
@@ -201,20 +210,23 @@ def main() -> None:
     engine = llm.engine
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     if torch.cuda.is_available():  # warm-up, apart from the measured (kernels and graphs at these shapes)
-        closed_loop(engine, prompts(llm.tokenizer, 32, 8), 16, params)
+        closed_loop(engine, prompts(llm.tokenizer, 32, 8, args.prompt_len), args.streams, params)
         compiles = record_compiles()
     else:
         compiles = []
-    measured = prompts(llm.tokenizer, args.num_prompts, 7)
+    measured = prompts(llm.tokenizer, args.num_prompts, 7, args.prompt_len)
     seen = watch_mixed_keys(engine) if args.keys else None
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            result = closed_loop(engine, measured, 16, params)
+        result = closed_loop(engine, measured, args.streams, params)  # unprofiled first: the figures
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:  # (CUDA alone: the least host overhead)
+            again = closed_loop(engine, measured, args.streams, params)
         events = [e for e in prof.key_averages() if e.device_time_total > 0]
         busy = sum(e.self_device_time_total for e in events) / 1e6
-        result["cuda_busy_s"] = busy
+        result["profiled_wall_s"] = again["wall_s"]
+        result["cuda_busy_s"] = busy  # the kernels' time in the profiled loop: wall - busy is the GPU idle
+        result["cuda_busy_over_wall"] = busy / again["wall_s"]
         top = sorted(events, key=lambda e: -e.self_device_time_total)[:25]
         result["cuda_kernels"] = [(e.key[:80], e.count, e.self_device_time_total / 1e3) for e in top]
     elif args.cprofile:
@@ -224,7 +236,7 @@ def main() -> None:
 
         prof = cProfile.Profile()
         prof.enable()
-        result = closed_loop(engine, measured, 16, params)
+        result = closed_loop(engine, measured, args.streams, params)
         prof.disable()
         for key in ("tottime", "cumulative"):
             text = io.StringIO()
@@ -232,7 +244,7 @@ def main() -> None:
             print(f"probe: cProfile by {key}:")
             print("\n".join(line[:200] for line in text.getvalue().splitlines()[4:50]))
     else:
-        result = closed_loop(engine, measured, 16, params)
+        result = closed_loop(engine, measured, args.streams, params)
     result["compiles"] = compiles
     if seen is not None:
         result["mixed_keys"] = key_counts(seen)
