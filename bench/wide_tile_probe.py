@@ -13,8 +13,9 @@ whether its output equals the default's bitwise, and torch's F.linear (cuBLAS, n
 as the ceiling. --q8_0: the weights in Q8_0 (a GGUF file's: int8 with fp16 scales, the tile
 dequantized in the k-loop; cuBLAS over the dequantized bf16 weights). Usage (device):
 python3 bench/wide_tile_probe.py [--rows 16 256 1024 3072 8192] [--q8_0] [--extra BM,BN,WARPS,STAGES,BK ...]
-[--only-extra] [--json OUT]. --extra: more candidates, each with its own BLOCK_K (the split kept): whether a k-tile of
-another width keeps a row's bits is what the bits column says."""
+[--only-extra] [--json OUT]. --extra: more candidates, each with its own BLOCK_K (the split kept) and optionally
+a way (1: the weight tiles through tensor descriptors, TMA): whether a k-tile of another width keeps a row's bits is
+what the bits column says."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 256, 1024, 3072, 8192])
     ap.add_argument("--q8_0", action="store_true", help="Q8_0 weights")
-    ap.add_argument("--extra", nargs="*", default=[], help="BM,BN,WARPS,STAGES,BK candidates beside WIDE")
+    ap.add_argument("--extra", nargs="*", default=[], help="BM,BN,WARPS,STAGES,BK[,WAY] candidates beside WIDE")
     ap.add_argument("--only-extra", action="store_true", help="the --extra candidates alone (fewer compiles)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -89,8 +90,8 @@ def main() -> None:
                               round(us, 2), bool(torch.equal(y.view(torch.int16), ref.view(torch.int16)))]  # fmt: skip
             row["wide"] = []
             best = None
-            for bm, bn, warps, stages, *bk in extra if args.only_extra else [*WIDE, *extra]:
-                cfg = (bn, bk[0] if bk else base[1], warps, stages, base[4])
+            for bm, bn, warps, stages, *rest in extra if args.only_extra else [*WIDE, *extra]:
+                cfg = (bn, rest[0] if rest else base[1], warps, stages, base[4], *rest[1:])  # (rest[1]: the way)
                 try:
                     y = call(cfg, bm)
                 except Exception as e:  # a tile that does not fit the SM's shared memory
