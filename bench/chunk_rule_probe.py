@@ -21,19 +21,17 @@ import torch
 from nextn.ops import triton_gdn_chunk as rule
 
 H, HV, K, V, LAYERS = 16, 32, 128, 128, 24
-# name -> (PRECISIONS, SCAN_BLOCK_V, prep warps, scan warps, INVERSE)
+# name -> (PRECISIONS, SCAN_BLOCK_V, prep warps, scan warps)
 X3, T32, IEEE = "tf32x3", "tf32", "ieee"
 
 
-def _v(A=X3, INV=X3, UW=X3, O=X3, S=X3, prep_warps=8, inverse="dots"):
-    return (dict(A=A, INV=INV, UW=UW, O=O, S=S), 32, prep_warps, 8, inverse)
+def _v(A=X3, INV=X3, UW=X3, O=X3, S=X3, prep_warps=8):
+    return (dict(A=A, INV=INV, UW=UW, O=O, S=S), 32, prep_warps, 8)
 
 
 VARIANTS = {
     "all_tf32x3": _v(),
     "o_tf32": _v(O=T32),  # (the default since d6519ea)
-    "o_tf32_inv_rows": _v(O=T32, inverse="rows"),  # the diagonal blocks row by row in float32
-    "o_tf32_inv_rows_w4": _v(O=T32, inverse="rows", prep_warps=4),
     "o_inv_tf32": _v(O=T32, INV=T32),
     "o_tf32_inv_ieee": _v(O=T32, INV=IEEE),
     "o_tf32_inv_ieee_w4": _v(O=T32, INV=IEEE, prep_warps=4),
@@ -49,7 +47,6 @@ DEFAULT = (
     rule.SCAN_BLOCK_V,
     rule.PREP_OPTIONS["num_warps"],
     rule.SCAN_OPTIONS["num_warps"],
-    rule.INVERSE,
 )
 
 
@@ -89,10 +86,9 @@ def kernel_us(call) -> dict[str, float]:
     return {name[:40]: us / 5 for us, _, name in kernel_totals(prof)[:4]}
 
 
-def set_variant(precisions: dict, block_v: int, prep_warps: int, scan_warps: int, inverse: str) -> None:
+def set_variant(precisions: dict, block_v: int, prep_warps: int, scan_warps: int) -> None:
     """(bench only: the module's launch settings, which every later call takes)"""
     rule.PRECISIONS.update(precisions)
-    rule.INVERSE = inverse
     rule.SCAN_BLOCK_V = block_v
     rule.PREP_OPTIONS["num_warps"] = prep_warps
     rule.SCAN_OPTIONS["num_warps"] = scan_warps

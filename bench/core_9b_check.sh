@@ -1,7 +1,7 @@
 #!/bin/bash
+# (Run 208 ran it with a stage 0 more, the chunk prep's inverse by rows, since removed: slower.)
 # Where the served 9B cell (issue 44's 0.85 bar; run 207: 0.700 at a 512-token budget) loses its time,
 # and whether larger mixed steps pay, in one device call (~8 min on an H100; its whole log in $OUT/log.txt):
-#   0. the chunked rule's inverse by rows against the default (bench/chunk_rule_probe.py);
 #   0b. the wide GEMM tiles at 512 rows with their weight tiles loaded through TMA (bench/wide_tile_probe.py);
 #   1. bench/serve_9b.sh at --max-num-batched-tokens 1040 (two 512-row prompts a mixed step beside the
 #      16 decode rows), 256 prompts at 16 streams, with the run's offline `nextn bench --batch 16`;
@@ -23,8 +23,6 @@ served() {  # served BUDGET: bench/serve_9b.sh at that budget -> $OUT/s9b_BUDGET
   grep -v "GET\|POST" $OUT/server_9b.log | grep -i "error\|Traceback" | head -5
   rm -f $OUT/serve_9b.json $OUT/serve_9b.log $OUT/server_9b.log
 }
-fits 60 "chunk rule, the inverse by rows" && timeout 60 python3 bench/chunk_rule_probe.py --cases 1x512 16x512 \
-  --variants o_tf32 o_tf32_inv_rows o_tf32_inv_rows_w4 --json $OUT/chunk_rule_inv_rows.json 2>&1 | tail -8
 fits 100 "wide tiles at 512 rows: the weights through TMA" && timeout 100 python3 bench/wide_tile_probe.py --rows 512 \
   --only-extra --extra 128,128,8,4,64 128,128,8,4,64,1 128,128,8,3,64,1 128,256,8,3,64,1 --json $OUT/wide_tma.json 2>&1 \
   | grep "^wide"

@@ -6,8 +6,7 @@
 #   1. GPU tests: the split-sharing mixed round on real graphs, the chunked rule's kernels (the varlen scan
 #      natively, the 9B heads), the GPU-marked batching / graphs / prefill tests; the sync test on a copy
 #      with RequestRounds._settle's old synchronizing copy put back (it must fail there);
-#   2. bench/sync_probe.py (no implicit sync, no Triton compile after the warm-up expected); the chunked rule's
-#      inverse by rows (triton_gdn_chunk.INVERSE) timed against the default (bench/chunk_rule_probe.py);
+#   2. bench/sync_probe.py (no implicit sync, no Triton compile after the warm-up expected);
 #   3. bench/serve_core_probe.py --keys under `--prefill chunked` (the bundled model, 128 prompts of 60-900
 #      tokens: the mixed keys met and the TTFT, engine alone);
 #   4. the bundled model served, spec on / off (bench/serve_bench.sh) under serve's default prefill and
@@ -32,8 +31,6 @@ stage "sync test, _settle's old copy (must fail)"
 (cd /tmp/old && timeout 60 python3 -m pytest -q -m gpu tests/test_batching.py -k wait_for_the_gpu 2>&1 | grep -E "^E .*assert|passed|failed" | head -4)
 fits 100 "sync probe" && timeout 100 python3 bench/sync_probe.py --requests 32 --json $OUT/sync_probe.json 2>&1 \
   | grep -E "synchronizing|^ +[0-9]+ |compiled a kernel" | cut -c1-160 | tail -20
-fits 60 "chunk rule, the inverse by rows" && timeout 60 python3 bench/chunk_rule_probe.py --cases 1x512 16x512 \
-  --variants o_tf32 o_tf32_inv_rows o_tf32_inv_rows_w4 --json $OUT/chunk_rule_inv_rows.json 2>&1 | tail -12
 fits 90 "engine alone, chunked, keys" && timeout 90 python3 bench/serve_core_probe.py --prefill chunked --no-prefix-cache --keys \
   --num-prompts 128 --json $OUT/core_keys.json 2>&1 | grep -E "mixed_keys|ttft|output_tokens|steps:|compiles" | cut -c1-300
 fits 150 "bundled served, serve's default prefill" && NUM_PER_STREAM=8 bash bench/serve_bench.sh default 3 0

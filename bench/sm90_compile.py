@@ -118,7 +118,6 @@ def gdn_cases(B=1, T=517, H=16, HV=32, K=128, V=128):
     bk, bv = gdn.next_pow2(K), gdn.next_pow2(V)
     return [
         ("gdn_chunk_prep", gdn._chunk_prep_kernel, args, prep, gdn.PREP_OPTIONS),
-        ("gdn_chunk_prep_inv_rows", gdn._chunk_prep_kernel, args, dict(prep, INV_ROWS=True), gdn.PREP_OPTIONS),
         ("gdn_chunk_scan", gdn._chunk_scan_kernel, args, scan, gdn.SCAN_OPTIONS),
         ("gdn_chunk_scan_slots", gdn._chunk_scan_kernel, args, slots, gdn.SCAN_OPTIONS),
         ("gdn_chunk_scan_varlen", gdn._chunk_scan_kernel, args, varlen, gdn.SCAN_OPTIONS),

@@ -458,29 +458,6 @@ def test_chunk_rule_matches_reference(B, T, H, HV, K, V, decay, with_state, repe
     torch.testing.assert_close(final, rec_states[:, -1], rtol=1e-4, atol=1e-4)
 
 
-_ROWS_CASES = [(1, 1000, 1, 1, 16, 16, 0.1), (1, 70, 2, 4, 16, 32, 0.5), (2, 130, 1, 1, 32, 16, 0.5)]
-
-
-@pytest.mark.parametrize("case", _ROWS_CASES)
-def test_chunk_rule_with_the_inverse_by_rows_matches_reference(case, monkeypatch):
-    """The inverse's diagonal blocks by rows in float32 (triton_gdn_chunk.INVERSE = "rows", a variant
-    bench/chunk_rule_probe.py times) give the reference's output and final state as the default does,
-    the same key at every token included (a dense A)."""
-    from nextn.ops import triton_gdn_chunk
-
-    monkeypatch.setattr(triton_gdn_chunk, "INVERSE", "rows")
-    B, T, H, HV, K, V, decay = case
-    for repeat_keys in (False, True):
-        g = torch.Generator(device=DEVICE).manual_seed(T + K)
-        q, k, v, gate, beta, state = _chunk_case(B, T, H, HV, K, V, torch.float32, g, decay, True, repeat_keys)
-        o, final = triton_chunk_rule(q, k, v, gate, beta, state)
-        ref_o, ref_final = chunk_gated_delta_rule(q, k, v, gate, beta, state)
-        o_tol = 2e-3 if DEVICE == "cuda" and chunk_launch_constexprs(H, HV, K, V, True)[1]["P_O"] == "tf32" else 1e-5
-        torch.testing.assert_close(o, ref_o, rtol=o_tol, atol=o_tol)
-        torch.testing.assert_close(final, ref_final, rtol=1e-5, atol=1e-5)
-    assert chunk_launch_constexprs(H, HV, K, V, True)[0]["INV_ROWS"]
-
-
 def test_chunk_rule_reads_and_writes_a_caches_states_in_place():
     """slot_states: the rule's initial states read from and final states written to a cache's halves
     ([S, 2, HV, K, V] at per-sequence element offsets) give what initial_state and the returned

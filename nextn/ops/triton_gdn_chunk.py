@@ -56,11 +56,10 @@ SCAN_OPTIONS = dict(num_warps=8, num_stages=1)
 # at 1); INV in tf32 moves the states by up to 1e-4 (run 197, heads of 128 from a state of 0.1) and every dot
 # in tf32 by 9e-4: the state's products and those feeding it keep three passes, decoding continues from them.
 PRECISIONS = dict(A="tf32x3", INV="tf32x3", UW="tf32x3", O="tf32", S="tf32x3")
-# The inverse's diagonal 16 x 16 blocks: "dots", 15 forward-substitution steps each a 64 x 64 dot at INV's
-# precision (16 times the work the blocks need: the off-diagonal products are zeros); "rows", the four
-# blocks as [4, 16, 16] with each step's row from the rows above it in float32 on CUDA cores (exact
-# float32 sums; bench/chunk_rule_probe.py's inv_rows variants time it). The merges are dots either way.
-INVERSE = "dots"
+# The inverse's diagonal 16 x 16 blocks take 15 forward-substitution steps, each a 64 x 64 dot at INV's
+# precision (16 times the work the blocks need: the off-diagonal products are zeros). The four blocks as
+# [4, 16, 16], each step's row from the rows above it in float32 on CUDA cores, was slower (run 208, H100:
+# 1 x 512 rows 276 / 218 us at 8 / 4 warps against 219; 16 x 512 4,838 / 3,866 against 3,445).
 
 
 def launch_constexprs(
@@ -73,7 +72,7 @@ def launch_constexprs(
     # fewer, made an illegal memory access on an H100, run 197: those heads take three passes)
     prec = dict(PRECISIONS, O="tf32x3", A="tf32x3") if BK < 32 else PRECISIONS
     common = dict(HV=HV, GROUPS=HV // H, K=K, V=V, BK=BK, C=CHUNK, P_O=prec["O"])
-    prep = dict(common, BV=BV, P_A=prec["A"], P_INV=prec["INV"], P_UW=prec["UW"], INV_ROWS=INVERSE == "rows")
+    prep = dict(common, BV=BV, P_A=prec["A"], P_INV=prec["INV"], P_UW=prec["UW"])
     scan = dict(common, BLOCK_V=min(SCAN_BLOCK_V, BV), HAS_H0=has_h0, SLOTS=slots, P_S=prec["S"], VARLEN=varlen)
     return prep, scan
 
@@ -125,7 +124,6 @@ if HAVE_TRITON:
         P_A: tl.constexpr,
         P_INV: tl.constexpr,
         P_UW: tl.constexpr,
-        INV_ROWS: tl.constexpr,
     ):
         tl.static_assert(C == 64, "the blocked inverse merges 16-row blocks twice: C = 64 exactly")
         ic = tl.program_id(0)
@@ -155,24 +153,11 @@ if HAVE_TRITON:
         A = tl.where(r[:, None] > r[None, :], _dotp(k_beta, tl.trans(k), P_A) * decay, 0.0)
         # (I + A)^-1, blocked
         eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-        if INV_ROWS:  # the diagonal blocks as [4, 16, 16], row i of each from the rows above it in float32
-            blocks = tl.arange(0, 4)
-            same = (blocks[:, None] == blocks[None, :])[:, :, None, None]
-            D = tl.sum(tl.where(same, tl.permute(tl.reshape(A, (4, 16, 4, 16)), (0, 2, 1, 3)), 0.0), axis=1)
-            i16 = tl.arange(0, 16)
-            eye16 = tl.where(i16[:, None] == i16[None, :], 1.0, 0.0)
-            X3 = tl.zeros((4, 16, 16), tl.float32) + eye16[None, :, :]
-            for i in range(1, 16):  # X[i] = e_i - sum_(j < i) A[i, j] X[j]
-                at_i = (i16 == i)[None, :, None]
-                a_i = tl.sum(tl.where(at_i, D, 0.0), axis=1)  # [4, 16]: row i of each block
-                X3 = tl.where(at_i, eye16[None, :, :] - tl.sum(a_i[:, :, None] * X3, axis=1)[:, None, :], X3)
-            X = tl.reshape(tl.permute(tl.where(same, X3[:, None, :, :], 0.0), (0, 2, 1, 3)), (C, C))
-        else:
-            same16 = (r[:, None] // 16) == (r[None, :] // 16)
-            A_diag = tl.where(same16, A, 0.0)
-            X = eye
-            for i in range(1, 16):  # row i of every diagonal block: its rows above are final
-                X = tl.where((r % 16 == i)[:, None], eye - _dotp(A_diag, X, P_INV), X)
+        same16 = (r[:, None] // 16) == (r[None, :] // 16)
+        A_diag = tl.where(same16, A, 0.0)
+        X = eye
+        for i in range(1, 16):  # row i of every diagonal block: its rows above are final
+            X = tl.where((r % 16 == i)[:, None], eye - _dotp(A_diag, X, P_INV), X)
         if C > 16:  # merge pairs of 16-row blocks: X21 = -X22 L21 X11
             pair16 = ((r[:, None] // 16) == (r[None, :] // 16) + 1) & ((r[:, None] // 16) % 2 == 1)
             X = X - _dotp(X, _dotp(tl.where(pair16, A, 0.0), X, P_INV), P_INV)
