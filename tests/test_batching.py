@@ -194,15 +194,18 @@ def test_mixed_rounds_capture_only_what_their_first_run_made(dense_fitted_ckpt, 
         assert {i: out[0] for i, out in outputs.items()} == alone
 
 
-def test_a_mixed_rounds_graph_serves_any_split_of_its_pieces(dense_fitted_ckpt, monkeypatch):
+@pytest.mark.parametrize("max_num_seqs", [4, 3])
+def test_a_mixed_rounds_graph_serves_any_split_of_its_pieces(dense_fitted_ckpt, monkeypatch, max_num_seqs):
     """A chunked mixed step's round is keyed by its pieces' count, total rows and chunks, not their split
-    (StepBatch.sizes), and a pad piece on a free slot fills their rows to a bucket (rounds._pad_piece):
+    (StepBatch.sizes), and a pad piece on a slot no request holds fills their rows to a bucket
+    (rounds._pad_piece; with 3 request slots the stream and a pair hold them all, so the pad takes the
+    pool's scratch slot, nextn.config.SCRATCH_SLOTS):
     pairs of prompts of 40 + 64, 50 + 54, 44 + 60 and 30 + 70 tokens riding one running request's rounds
     are one key (3 pieces, 128 rows, 4 chunks), run eagerly, captured and replayed, each split written
     into the graph's tensors before it runs (StepBatch.resplit, whose device tensors tests/test_cache.py
     checks; on the CPU the graph paths taken with a replay re-running the work, `_graphed`); every
     request emits what it emits alone."""
-    engine = _engine(dense_fitted_ckpt, max_num_batched_tokens=140, max_num_seqs=4,
+    engine = _engine(dense_fitted_ckpt, max_num_batched_tokens=140, max_num_seqs=max_num_seqs,
                      enable_prefix_caching=False, max_model_len=128)  # fmt: skip
     stream = ((_P[0] + _P[1] + _P[2]) * 4)[:20]
     pairs = [[((_P[0] + _P[2]) * 8)[d : d + n] for d, n in zip((0, 3), split, strict=True)]

@@ -12,6 +12,7 @@ import torch
 import triton_interp  # noqa: F401  (before triton: the Triton test runs under the interpreter on CPU)
 
 import nextn
+from nextn.config import SCRATCH_SLOTS
 
 CUDA = torch.cuda.is_available()
 PROMPTS = [[5, 9, 40, 7], [11, 3, 2, 8, 90], [4, 4, 61]]
@@ -156,15 +157,16 @@ def test_pad_members_change_nothing():
 
 
 def test_a_batch_past_the_last_full_bucket_pads_to_the_pool():
-    """A pool of 6 slots: five requests pad to 6 (their bucket, 8, is more than the pool holds), so
-    every batch size still has a graph to replay; and they emit what they emit alone."""
+    """A pool of 6 request slots: five requests pad to 6 (their bucket, 8, is more than the pool holds;
+    not to 7 with the scratch slot: rounds pad to the request slots' count), so every batch size still
+    has a graph to replay; and they emit what they emit alone."""
     params = nextn.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     llm = nextn.LLM(device="cpu", num_speculative_tokens=2, max_num_seqs=6)
     engine = llm.engine
     prompts = PROMPTS + [[9, 9, 1, 4], [30, 31, 32]]
     alone = [_run(engine, [p], params)[0][0] for p in prompts]
     engine.runner.pad_rounds = True
-    assert engine.runner.pool.num_slots == 6
+    assert engine.runner.pool.sequences == 6 == engine.runner.pool.num_slots - SCRATCH_SLOTS
     together, _ = _run(engine, prompts, params)
     assert 6 in engine.runner._slot_sets and 5 not in engine.runner._slot_sets and 8 not in engine.runner._slot_sets
     assert together == alone

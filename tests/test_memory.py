@@ -15,7 +15,15 @@ from nextn.cache import pool as pool_mod
 from nextn.cache.hybrid import HybridCache, nbytes_of, tensor_specs
 from nextn.cache.pool import CacheMemoryError, GiB, check_fits
 from nextn.cli import main
-from nextn.config import ATTENTION_ROWS, MAX_NUM_SEQS, PREFILL_CHUNK, STEP_ROWS, EngineConfig, SpecConfig
+from nextn.config import (
+    ATTENTION_ROWS,
+    MAX_NUM_SEQS,
+    PREFILL_CHUNK,
+    SCRATCH_SLOTS,
+    STEP_ROWS,
+    EngineConfig,
+    SpecConfig,
+)
 from nextn.config.model import ModelConfig
 from nextn.engine import memory
 from nextn.models.random_weights import PRESETS
@@ -45,10 +53,11 @@ def test_bytes_per_sequence_is_a_slots_share_of_the_cache(cfg_9b, kv):
 
 
 def test_sequences_that_fit_is_the_budget_over_a_slot_and_its_share_of_the_reserve(cfg_9b):
+    """n sequences fit where the reserve, n slots with their share of it, and the scratch slot do."""
     slot = memory.bytes_per_sequence(cfg_9b, 8192, 3, BF16)
     r = memory.reserve(cfg_9b, 3, BF16)
     for n in (1, 17, MAX_NUM_SEQS):
-        exact = r.fixed + n * (slot + r.per_seq)
+        exact = r.fixed + n * (slot + r.per_seq) + SCRATCH_SLOTS * slot
         assert memory.sequences_that_fit(cfg_9b, 8192, 3, exact, BF16) == n
         assert memory.sequences_that_fit(cfg_9b, 8192, 3, exact - 1, BF16) == n - 1
     assert memory.sequences_that_fit(cfg_9b, 8192, 3, 10**15, BF16) == MAX_NUM_SEQS
@@ -74,22 +83,24 @@ def _gpu_config(max_len=8192, k=3, **kw) -> EngineConfig:
 
 def test_max_num_seqs_defaults_to_what_fits_the_gpu(cfg_9b, monkeypatch):
     """80 GiB, 20 GiB of it in use after the weights, 0.9 of it for nextn: (0.9 * 80 - 20 GiB -
-    reserve.fixed) // (slot + reserve.per_seq) sequences; max_num_batched_tokens follows the count."""
+    reserve.fixed - the scratch slot) // (slot + reserve.per_seq) sequences; max_num_batched_tokens
+    follows the count."""
     total, in_use = 80 * GiB, 20 * GiB
     _fake_gpu(monkeypatch, total, in_use)
     config = _gpu_config()
     assert config.max_num_seqs is None and config.max_num_batched_tokens is None  # unresolved until sized
     resolved, budget = memory.fit_cache(cfg_9b, config, BF16)
     slot, r = memory.bytes_per_sequence(cfg_9b, 8192, 3, BF16), memory.reserve(cfg_9b, 3, BF16)
-    expected = (int(0.9 * total) - in_use - r.fixed) // (slot + r.per_seq)
+    expected = (int(0.9 * total) - in_use - r.fixed - SCRATCH_SLOTS * slot) // (slot + r.per_seq)
     assert 40 < expected < MAX_NUM_SEQS
     assert resolved.max_num_seqs == expected
     assert resolved.max_num_batched_tokens == PREFILL_CHUNK + expected * STEP_ROWS
     assert budget.nbytes == int(0.9 * total) - in_use and budget.where == "0.9 of the GPU's 80.0 GiB"
-    check_fits(cfg_9b, memory.cache_layout(cfg_9b, 8192, 3, BF16, num_slots=expected), BF16, budget)
+    layout = memory.cache_layout(cfg_9b, 8192, 3, BF16, num_slots=expected, scratch=SCRATCH_SLOTS)
+    check_fits(cfg_9b, layout, BF16, budget)
     # half the GPU: fewer; a huge GPU: capped at MAX_NUM_SEQS
     half, _ = memory.fit_cache(cfg_9b, _gpu_config(gpu_memory_utilization=0.5), BF16)
-    assert half.max_num_seqs == (int(0.5 * total) - in_use - r.fixed) // (slot + r.per_seq)
+    assert half.max_num_seqs == (int(0.5 * total) - in_use - r.fixed - SCRATCH_SLOTS * slot) // (slot + r.per_seq)
     _fake_gpu(monkeypatch, 2000 * GiB, in_use)
     assert memory.fit_cache(cfg_9b, config, BF16)[0].max_num_seqs == MAX_NUM_SEQS
 
@@ -111,14 +122,14 @@ def test_an_explicit_max_num_seqs_over_the_budget_is_refused(cfg_9b, monkeypatch
     for n in (fits, fits + 1):
         config, budget = memory.fit_cache(cfg_9b, _gpu_config(max_num_seqs=n), BF16)
         assert config.max_num_seqs == n  # a count given wins, checked by the pool
-        layout = memory.cache_layout(cfg_9b, 8192, 3, BF16, num_slots=n)
+        layout = memory.cache_layout(cfg_9b, 8192, 3, BF16, num_slots=n, scratch=SCRATCH_SLOTS)
         if n == fits:
             check_fits(cfg_9b, layout, BF16, budget)
             continue
         with pytest.raises(CacheMemoryError) as info:
             check_fits(cfg_9b, layout, BF16, budget)
         msg = str(info.value)
-        assert f"the cache for {n} sequence(s) of 8192 tokens" in msg
+        assert f"the cache for {n} sequence(s) (and 1 scratch slot) of 8192 tokens" in msg
         assert f"{fits} sequence(s) of 8192 tokens fit (--max-num-seqs)" in msg and "--max-model-len" in msg
 
 
@@ -135,7 +146,7 @@ def test_tensor_parallel_ranks_take_the_fewest(monkeypatch):
 def test_the_cpu_keeps_its_8_slots_checked_against_available_memory(dense_ckpt):
     """No GPU memory to size: 8 slots whatever gpu_memory_utilization says, and the start-up line says so."""
     llm = nextn.LLM(model=dense_ckpt, device="cpu", max_model_len=64, gpu_memory_utilization=0.1)
-    assert llm.config.max_num_seqs == 8 == llm.engine.pool.num_slots
+    assert llm.config.max_num_seqs == 8 == llm.engine.pool.num_slots - SCRATCH_SLOTS == llm.engine.scheduler.num_slots
     assert llm.config.gpu_memory_utilization == 0.1
     line = llm.engine.pool.describe()
     assert line.startswith("cache: 8 sequences of 64 tokens (") and "gpu_memory_utilization sizes GPUs only" in line
@@ -174,8 +185,8 @@ def test_bench_reports_the_cache_fit(tmp_path):
     assert (res["cache_max_model_len"], res["cache_spec_k"], res["max_num_seqs"]) == (max_len, 1, 8)
     model = load_model(DEFAULT_MODEL_DIR)
     pool, _, _ = build_core(model, EngineConfig("m", "cpu", "float32", SpecConfig(1), max_len, 2))
-    assert res["cache_bytes_per_sequence"] == pool.slot_nbytes == pool.cache.nbytes // 2
-    assert res["cache_bytes_total"] == 8 * pool.slot_nbytes and res["gpu_memory_utilization"] == 0.9
+    assert res["cache_bytes_per_sequence"] == pool.slot_nbytes == pool.cache.nbytes // (2 + SCRATCH_SLOTS)
+    assert res["cache_bytes_total"] == (8 + SCRATCH_SLOTS) * pool.slot_nbytes and res["gpu_memory_utilization"] == 0.9
 
 
 def test_bench_sizes_the_cache_before_it_measures(monkeypatch):

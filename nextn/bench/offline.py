@@ -38,7 +38,8 @@ at LLM's and generate's chunked prefill; sized before the bench allocates anythi
 sequences of `cache_max_model_len` tokens (`--max-model-len`; default the bench's own, prompt +
 generated + 32) at K = `cache_spec_k` (the largest --spec-k) within `gpu_memory_utilization` of the
 GPU (on the CPU, its 8), `cache_bytes_per_sequence` each (every cache tensor's share of a slot, the
-engine's per-slot buffers included), `cache_bytes_total` in all.
+engine's per-slot buffers included), `cache_bytes_total` in all (the scratch slot's included:
+nextn.config.SCRATCH_SLOTS).
 With `--draft-vocab FILE` or `--draft-vocab-size N` (the first N ids, for random weights) the head
 drafts over that reduced vocabulary (`draft_vocab_size`): draft_cost_ratio and every speed-up
 then measure the reduced head.
@@ -73,7 +74,7 @@ from nextn.bench.measure import (
 from nextn.bench.roofline import routed_roofline
 from nextn.bench.sweeps import batched_runs, gate_entry, profiled_runs, sampled_runs, spec_sweep
 from nextn.cache.pool import GiB
-from nextn.config import STEP_ROWS, EngineConfig, check_kernels, resolve_device, resolve_dtype
+from nextn.config import SCRATCH_SLOTS, STEP_ROWS, EngineConfig, check_kernels, resolve_device, resolve_dtype
 from nextn.config.model import ModelConfig
 from nextn.models.loader import load_model, model_config
 from nextn.models.qwen3_5 import CausalLM
@@ -129,7 +130,7 @@ def run_bench(
         cache_spec_k=fit.k,
         max_num_seqs=fit.max_num_seqs,
         cache_bytes_per_sequence=fit.bytes_per_sequence,
-        cache_bytes_total=fit.max_num_seqs * fit.bytes_per_sequence,
+        cache_bytes_total=(fit.max_num_seqs + SCRATCH_SLOTS) * fit.bytes_per_sequence,  # (the scratch slot's too)
     )
     log(
         f"bench: cache: {fit.max_num_seqs} sequences of {fit.max_len} tokens at K={fit.k} "

@@ -71,6 +71,12 @@ class CacheLayout:
     draft: bool  # the MTP head's draft K/V
     extra: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()  # engine buffers, per slot
     kv_cache_dtype: str = "auto"  # "fp8": the attention layers' K/V in e4m3 with per-row scales
+    scratch: int = 0  # of num_slots, the last ones no request holds (nextn.config.SCRATCH_SLOTS)
+
+    @property
+    def sequences(self) -> int:
+        """The slots requests may hold."""
+        return self.num_slots - self.scratch
 
     @property
     def capacity(self) -> int:

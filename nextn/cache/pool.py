@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from nextn.cache.hybrid import KV_BLOCK, CacheLayout, HybridCache, nbytes_of, tensor_specs
-from nextn.config import MAX_NUM_SEQS, STEP_ROWS
+from nextn.config import MAX_NUM_SEQS, SCRATCH_SLOTS, STEP_ROWS
 from nextn.config.model import ModelConfig
 
 GiB = 2**30
@@ -61,8 +61,10 @@ class Budget(NamedTuple):
         return self.nbytes - self.fixed - self.per_seq * num_seqs
 
     def sequences(self, slot_nbytes: float) -> int:
-        """How many slots of slot_nbytes fit beside the reserve (at most MAX_NUM_SEQS; 0: none)."""
-        return max(0, min(MAX_NUM_SEQS, int((self.nbytes - self.fixed) // (slot_nbytes + self.per_seq))))
+        """How many sequences' slots of slot_nbytes fit beside the reserve and the SCRATCH_SLOTS (at most
+        MAX_NUM_SEQS; 0: none)."""
+        room = self.nbytes - self.fixed - SCRATCH_SLOTS * slot_nbytes
+        return max(0, min(MAX_NUM_SEQS, int(room // (slot_nbytes + self.per_seq))))
 
     def describe(self) -> str:
         """Where the budget comes from, with what was in use and what the prefix cache holds: for an error."""
@@ -107,19 +109,21 @@ def check_fits(cfg: ModelConfig, layout: CacheLayout, dtype: torch.dtype, budget
     """Raises CacheMemoryError naming what fits (slots, or the context) if the cache would not fit
     the budget beside the reserve."""
     need = nbytes_of(tensor_specs(cfg, layout, dtype))
-    S, L = layout.num_slots, layout.max_len
+    S, L, slots = layout.sequences, layout.max_len, layout.num_slots  # (slots: the scratch ones too)
     room = budget.cache_bytes(S)
     if need <= room:
         return
-    per_slot = need / S
+    per_slot = need / slots
     longer = replace(layout, max_len=L + KV_BLOCK)  # one more K/V block per slot
-    per_token = (nbytes_of(tensor_specs(cfg, longer, dtype)) - need) / (S * KV_BLOCK)  # K/V bytes per position
-    max_len = int((room / S - (per_slot - per_token * layout.capacity)) / per_token) - 2 * STEP_ROWS - KV_BLOCK
+    per_token = (nbytes_of(tensor_specs(cfg, longer, dtype)) - need) / (slots * KV_BLOCK)  # K/V bytes per position
+    max_len = int((room / slots - (per_slot - per_token * layout.capacity)) / per_token) - 2 * STEP_ROWS - KV_BLOCK
     reserve = budget.fixed + budget.per_seq * S
     kept = f" beside a {reserve / GiB:.2f} GiB reserve for activations and graphs" if reserve else ""
     shorter = f", or {S} of up to {max_len} tokens (--max-model-len)" if max_len >= 2 else ""  # (no context fits)
+    scratch = f" (and {layout.scratch} scratch slot)" if layout.scratch else ""
     raise CacheMemoryError(
-        f"the cache for {S} sequence(s) of {L} tokens needs {need / GiB:.2f} GiB ({per_slot / GiB:.3f} GiB each), "
+        f"the cache for {S} sequence(s){scratch} of {L} tokens needs {need / GiB:.2f} GiB "
+        f"({per_slot / GiB:.3f} GiB each), "
         f"but {budget.describe()} leaves {max(0, room) / GiB:.2f} GiB for it{kept}: {budget.sequences(per_slot)} "
         f"sequence(s) of {L} tokens fit (--max-num-seqs){shorter}"
         + (", or raise --gpu-memory-utilization" if budget.gpu else "")
@@ -136,7 +140,17 @@ class SlotPool:
 
     @property
     def num_slots(self) -> int:
+        """Every slot, the scratch ones (no request's: nextn.config.SCRATCH_SLOTS) last."""
         return self.cache.layout.num_slots
+
+    @property
+    def sequences(self) -> int:
+        """The slots requests may hold."""
+        return self.cache.layout.sequences
+
+    @property
+    def scratch_slots(self) -> list[int]:
+        return list(range(self.sequences, self.num_slots))
 
     @property
     def slot_nbytes(self) -> int:
@@ -146,6 +160,6 @@ class SlotPool:
         """The start-up line: the slots, their size, and the budget they were checked against."""
         layout = self.cache.layout
         return (
-            f"cache: {layout.num_slots} sequences of {layout.max_len} tokens ({self.slot_nbytes / GiB:.3f} GiB each, "
-            f"{self.cache.nbytes / GiB:.2f} GiB total; {self.budget.summary()})"
+            f"cache: {layout.sequences} sequences of {layout.max_len} tokens ({self.slot_nbytes / GiB:.3f} GiB each, "
+            f"{self.cache.nbytes / GiB:.2f} GiB total with {layout.scratch} scratch slot; {self.budget.summary()})"
         )

@@ -44,6 +44,10 @@ K_POLICIES = ("auto", "fixed")
 # max_num_seqs unless given: on a GPU what fits gpu_memory_utilization of its memory, up to this many
 # (nextn.engine.memory); on the CPU, which has no GPU memory to size, CPU_MAX_NUM_SEQS
 MAX_NUM_SEQS = 256
+# cache slots beside the requests' that no request ever holds: a mixed round's pad piece runs there
+# (nextn.engine.rounds._pad_piece), so ragged prompts' mixed rounds share graphs when every request slot is
+# taken (a full pool, or kept sessions in the free ones); its bytes are counted where the slots are sized
+SCRATCH_SLOTS = 1
 CPU_MAX_NUM_SEQS = 8
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # what `quantization=` makes of a checkpoint's bf16 weights at load

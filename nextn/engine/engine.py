@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from nextn.cache import SlotPool
-from nextn.config import GDN_CHUNK, STEP_ROWS, EngineConfig
+from nextn.config import GDN_CHUNK, SCRATCH_SLOTS, STEP_ROWS, EngineConfig
 from nextn.core import RequestOutput, SamplingParams, SpecStats
 from nextn.engine.detokenizer import Detokenizer
 from nextn.engine.memory import cache_layout, fit_cache
@@ -109,7 +109,9 @@ def build_core(model: CausalLM, config: EngineConfig) -> tuple[SlotPool, ModelRu
     cfg, k_max = model.cfg, config.spec.num_speculative_tokens
     dtype = next(model.parameters()).dtype
     config, budget = fit_cache(cfg, config, dtype)
-    layout = cache_layout(cfg, config.max_model_len, k_max, dtype, config.kv_cache_dtype, config.max_num_seqs)
+    layout = cache_layout(
+        cfg, config.max_model_len, k_max, dtype, config.kv_cache_dtype, config.max_num_seqs, SCRATCH_SLOTS
+    )
     pool = SlotPool(cfg, layout, config.device, dtype, budget)
     runner = ModelRunner(model, config, pool)
     return pool, runner, MTPProposer(runner) if k_max > 0 else None
@@ -263,8 +265,9 @@ class Engine:
             # way must not pad onto a slot taken since). With prefilling slots, a pool full of
             # requests still pads every batch to its bucket (no new graph under load)
             prefilling = [r.seq.slot for r in self.scheduler.running if r.request_id in self.prefilling]
-            self.runner.spare_slots = self.scheduler.free + list(self.scheduler.sessions) + prefilling
-            self.runner.free_slots = list(self.scheduler.free)  # (a mixed round's pad piece: rounds.launch)
+            scratch = self.pool.scratch_slots  # (no request's, ever: a pad piece's first, a round pad's last)
+            self.runner.spare_slots = self.scheduler.free + list(self.scheduler.sessions) + prefilling + scratch
+            self.runner.free_slots = scratch + self.scheduler.free  # (a mixed round's pad piece: rounds.launch)
             try:
                 events += self._run(running, self.prefilled_rows > 0 or riding is not None, riding)
             finally:

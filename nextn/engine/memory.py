@@ -35,6 +35,7 @@ from nextn.config import (
     ATTENTION_ROWS,
     PREFILL_CHUNK,
     PREFIX_CACHE_SHARE,
+    SCRATCH_SLOTS,
     STEP_ROWS,
     EngineConfig,
 )
@@ -48,12 +49,20 @@ GRAPH_RESERVE = 2**30
 
 
 def cache_layout(
-    cfg: ModelConfig, max_len: int, k: int, dtype: torch.dtype, kv_cache_dtype: str = "auto", num_slots: int = 1
+    cfg: ModelConfig,
+    max_len: int,
+    k: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    num_slots: int = 1,
+    scratch: int = 0,
 ) -> CacheLayout:
-    """The cache of num_slots sequences of max_len tokens with up to k drafts a round: the engine's
-    round and sampler buffers are part of each slot."""
+    """The cache of num_slots sequences of max_len tokens with up to k drafts a round, and `scratch`
+    slots more (nextn.config.SCRATCH_SLOTS): the engine's round and sampler buffers are part of each slot."""
     extra = round_buffers(cfg, k, dtype) + sampler_buffers(cfg.vocab_size, max_len)
-    return CacheLayout(num_slots, max_len, k + 1, k > 0, tuple(extra), kv_cache_dtype=kv_cache_dtype)
+    return CacheLayout(
+        num_slots + scratch, max_len, k + 1, k > 0, tuple(extra), kv_cache_dtype=kv_cache_dtype, scratch=scratch
+    )
 
 
 def bytes_per_sequence(cfg: ModelConfig, max_len: int, k: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -152,7 +161,8 @@ def fit_cache(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> tup
     slot = bytes_per_sequence(cfg, config.max_model_len, k, dtype, config.kv_cache_dtype)
     num_seqs = _fewest(budget.sequences(slot), config.tensor_parallel_size)
     if num_seqs < 1:  # check_fits says what does fit
-        check_fits(cfg, cache_layout(cfg, config.max_model_len, k, dtype, config.kv_cache_dtype), dtype, budget)
+        layout = cache_layout(cfg, config.max_model_len, k, dtype, config.kv_cache_dtype, scratch=SCRATCH_SLOTS)
+        check_fits(cfg, layout, dtype, budget)
         raise CacheMemoryError("another tensor-parallel rank's memory fits not one sequence (its error says what does)")
     return replace(config, max_num_seqs=num_seqs), budget
 

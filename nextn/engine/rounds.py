@@ -160,7 +160,7 @@ class _PadSampler(NamedTuple):
 
 
 def _pads(runner, members: list[Member], riding: list[int] | tuple = ()) -> list[Member]:
-    """Members on spare slots (free ones, or kept sessions': no request runs there) that fill a batch
+    """Members on spare slots (the scratch slot, free ones, or kept sessions': no request runs there) that fill a batch
     of plain greedy members at one K up to its size bucket (nextn.spec.k_policy.bucket), so rounds
     of 1..bucket requests share one graph. A pad's round leaves its slot as it was: it writes only
     where no committed state lives (K/V and draft K/V past the committed positions, the step halves
@@ -168,7 +168,7 @@ def _pads(runner, members: list[Member], riding: list[int] | tuple = ()) -> list
     at the round's end (inside the graph: `device_round`); its outcome is never read. None without
     enough spare slots (or where a member is not plain greedy). riding: the slots of prompt pieces
     riding the round (a mixed step), which no pad takes."""
-    need = padded_size(len(members), runner.pool.num_slots) - len(members)
+    need = padded_size(len(members), runner.pool.sequences) - len(members)
     spare = [s for s in runner.spare_slots if s not in riding]
     if not need or len(spare) < need or not all(m.sampler.plain_greedy for m in members):
         return []
@@ -189,7 +189,7 @@ def warm_up(runner, proposer, max_batch: int, ks: list[int]) -> int:
     server's first requests replay rather than capture. The rounds run on pad members only (a
     pad's round leaves its slot as it was). Returns the graphs captured."""
     before = runner.graph_counts["captures"]
-    sizes = sorted({padded_size(b, runner.pool.num_slots) for b in range(1, min(max_batch, runner.pool.num_slots) + 1)})
+    sizes = sorted({padded_size(b, runner.pool.sequences) for b in range(1, min(max_batch, runner.pool.sequences) + 1)})
     for size in sizes:
         slots = list(range(size))
         for k in ks:

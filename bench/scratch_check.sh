@@ -1,0 +1,46 @@
+#!/bin/bash
+# The scratch slot (nextn.config.SCRATCH_SLOTS: a slot no request holds, where a mixed round's pad piece
+# runs when kept sessions or running requests hold every request slot) on the device, in one call
+# (~7 min on an H100; its whole log in $OUT/log.txt):
+#   1. GPU tests: the split-sharing mixed rounds (a pad piece on the scratch slot with every request slot
+#      held, on real graphs), the GPU-marked graphs / prefill tests;
+#   2. bench/serve_core_probe.py --keys under `--prefill chunked` (the bundled model, 128 prompts of
+#      60-900 tokens, kept sessions: the mixed keys met, now with a pad piece always possible);
+#   3. the bundled model served under `--prefill chunked`, K=3, 128 out, 16 / 64 streams
+#      (bench/serve_bench.sh), on this tree and on a copy with SCRATCH_SLOTS = 0 (the A / B), merged
+#      into $OUT/serve_cells.json.
+# Carry .whl. Usage: bash bench/scratch_check.sh   Env: DEADLINE (s, default 470).
+set -o pipefail
+DEADLINE=${DEADLINE:-470}
+source bench/device_env.sh
+exec > >(tee $OUT/log.txt) 2>&1
+nvidia-smi --query-gpu=name --format=csv,noheader
+stage "gpu tests"
+timeout 150 python3 -m pytest -q tests/test_batching.py -k "any_split or mixed_rounds or wait_for" 2>&1 | tail -3
+timeout 120 python3 -m pytest -q -m gpu tests/test_graphs.py tests/test_prefill.py 2>&1 | tail -2
+fits 90 "engine alone, chunked, keys" && timeout 90 python3 bench/serve_core_probe.py --prefill chunked --no-prefix-cache \
+  --keys --num-prompts 128 --json $OUT/core_keys.json 2>&1 | grep -E "mixed_keys|ttft_ms|output_tokens|steps:" | cut -c1-300
+rm -rf /tmp/noscratch && cp -r . /tmp/noscratch && python3 - <<'PY'
+p = "/tmp/noscratch/nextn/config/__init__.py"; s = open(p).read()
+assert s.count("SCRATCH_SLOTS = 1\n") == 1, "nextn/config changed: update bench/scratch_check.sh"
+open(p, "w").write(s.replace("SCRATCH_SLOTS = 1\n", "SCRATCH_SLOTS = 0\n"))
+PY
+fits 110 "bundled served, chunked, K=3, 128 out" && SERVE_FLAGS="--prefill chunked" OUTS=128 bash bench/serve_bench.sh scratch 3
+fits 110 "the same without the scratch slot" && (cd /tmp/noscratch && PYTHONPATH=/tmp/noscratch:/tmp/site \
+  SERVE_FLAGS="--prefill chunked" OUTS=128 bash bench/serve_bench.sh noscratch 3)
+python3 - <<'PY'
+import glob, json, os
+out = os.environ["OUT"]
+cells = {}
+for f in sorted(glob.glob(f"{out}/serve_*.json")):
+    cells[os.path.basename(f)[:-5]] = json.load(open(f))
+    os.remove(f)
+for f in glob.glob(f"{out}/server_*.log"):
+    os.remove(f)
+json.dump({"cells": cells}, open(f"{out}/serve_cells.json", "w"), indent=1)
+for k, c in cells.items():
+    g = c.get("graph_metrics", {})
+    print(k, round(c["output_throughput"]), round(c["median_ttft_ms"], 1), round(c["median_tpot_ms"], 2),
+          c.get("mean_acceptance_length"), g.get("nextn:graph_captures_total"), g.get("nextn:graph_eager_total"))
+PY
+ls $OUT
