@@ -159,7 +159,8 @@ class SlotPool:
     def describe(self) -> str:
         """The start-up line: the slots, their size, and the budget they were checked against."""
         layout = self.cache.layout
+        scratch = f" with {layout.scratch} scratch slot" if layout.scratch else ""
         return (
             f"cache: {layout.sequences} sequences of {layout.max_len} tokens ({self.slot_nbytes / GiB:.3f} GiB each, "
-            f"{self.cache.nbytes / GiB:.2f} GiB total with {layout.scratch} scratch slot; {self.budget.summary()})"
+            f"{self.cache.nbytes / GiB:.2f} GiB total{scratch}; {self.budget.summary()})"
         )
