@@ -22,8 +22,8 @@ p = "/tmp/noscratch/nextn/config/__init__.py"; s = open(p).read()
 assert s.count("SCRATCH_SLOTS = 1\n") == 1, "nextn/config changed: update bench/scratch_check.sh"
 open(p, "w").write(s.replace("SCRATCH_SLOTS = 1\n", "SCRATCH_SLOTS = 0\n"))
 PY
-fits 110 "bundled served, chunked, K=3, 128 out" && SERVE_FLAGS="--prefill chunked" OUTS=128 bash bench/serve_bench.sh scratch 3
-fits 110 "the same without the scratch slot" && (cd /tmp/noscratch && PYTHONPATH=/tmp/noscratch:/tmp/site \
+fits 90 "bundled served, chunked, K=3, 128 out" && SERVE_FLAGS="--prefill chunked" OUTS=128 bash bench/serve_bench.sh scratch 3
+fits 90 "the same without the scratch slot" && (cd /tmp/noscratch && PYTHONPATH=/tmp/noscratch:/tmp/site \
   SERVE_FLAGS="--prefill chunked" OUTS=128 bash bench/serve_bench.sh noscratch 3)
 fits 90 "engine alone, chunked, keys" && timeout 90 python3 bench/serve_core_probe.py --prefill chunked --no-prefix-cache \
   --keys --num-prompts 128 --json $OUT/core_keys.json 2>&1 | grep -E "mixed_keys|ttft_ms|output_tokens|steps:" | cut -c1-300
