@@ -35,18 +35,5 @@ fits 90 "engine alone, chunked, keys" && timeout 90 python3 bench/serve_core_pro
   --num-prompts 128 --json $OUT/core_keys.json 2>&1 | grep -E "mixed_keys|ttft|output_tokens|steps:|compiles" | cut -c1-300
 fits 150 "bundled served, serve's default prefill" && NUM_PER_STREAM=8 bash bench/serve_bench.sh default 3 0
 fits 80 "bundled served, chunked, 128 out" && SERVE_FLAGS="--prefill chunked" OUTS=128 NUM_PER_STREAM=8 bash bench/serve_bench.sh chunked 3 0
-python3 - <<'PY'
-import glob, json, os
-out = os.environ["OUT"]
-cells = {}
-for f in sorted(glob.glob(f"{out}/serve_*.json")):
-    cells[os.path.basename(f)[:-5]] = json.load(open(f))
-    os.remove(f)
-for f in glob.glob(f"{out}/server_*.log"):
-    os.remove(f)
-json.dump({"cells": cells}, open(f"{out}/serve_cells.json", "w"), indent=1)
-for k, c in cells.items():
-    print(k, round(c["output_throughput"]), round(c["median_ttft_ms"], 1), round(c["median_tpot_ms"], 2),
-          c.get("mean_acceptance_length"), c.get("graph_metrics", {}).get("nextn:graph_kernel_compiles_total"))
-PY
+python3 bench/serve_cells.py
 ls $OUT

@@ -27,19 +27,5 @@ fits 90 "the same without the scratch slot" && (cd /tmp/noscratch && PYTHONPATH=
   SERVE_FLAGS="--prefill chunked" OUTS=128 bash bench/serve_bench.sh noscratch 3)
 fits 90 "engine alone, chunked, keys" && timeout 90 python3 bench/serve_core_probe.py --prefill chunked --no-prefix-cache \
   --keys --num-prompts 128 --json $OUT/core_keys.json 2>&1 | grep -E "mixed_keys|ttft_ms|output_tokens|steps:" | cut -c1-300
-python3 - <<'PY'
-import glob, json, os
-out = os.environ["OUT"]
-cells = {}
-for f in sorted(glob.glob(f"{out}/serve_*.json")):
-    cells[os.path.basename(f)[:-5]] = json.load(open(f))
-    os.remove(f)
-for f in glob.glob(f"{out}/server_*.log"):
-    os.remove(f)
-json.dump({"cells": cells}, open(f"{out}/serve_cells.json", "w"), indent=1)
-for k, c in cells.items():
-    g = c.get("graph_metrics", {})
-    print(k, round(c["output_throughput"]), round(c["median_ttft_ms"], 1), round(c["median_tpot_ms"], 2),
-          c.get("mean_acceptance_length"), g.get("nextn:graph_captures_total"), g.get("nextn:graph_eager_total"))
-PY
+python3 bench/serve_cells.py
 ls $OUT
