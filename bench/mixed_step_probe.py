@@ -114,7 +114,7 @@ def main() -> None:
     args = ap.parse_args()
     from nextn.cache import StepBatch
     from nextn.engine.llm import LLM
-    from nextn.engine.runner import Piece
+    from nextn.engine.riding import Piece
     from nextn.engine.sequence import Sequence
 
     B, top = args.batch, max(args.pieces)

@@ -19,7 +19,7 @@ from bit_patterns import bits
 
 import nextn
 from nextn.config import FULL
-from nextn.engine.runner import Piece
+from nextn.engine.riding import Piece
 from nextn.engine.sequence import Sequence
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

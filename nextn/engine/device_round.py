@@ -105,7 +105,7 @@ def _lane(m: Member, slot: torch.Tensor, before: torch.Tensor, logits: torch.Ten
 
 def device_round(runner, proposer, members: list[Member], clock=None, riding=None) -> None:
     """One round of every member, device work only (clock: marks its draft, verify and commit).
-    riding (nextn.engine.runner.Riding): prompt pieces whose rows join the verify's trunk step
+    riding (nextn.engine.riding.Riding): prompt pieces whose rows join the verify's trunk step
     after the members' (a mixed step: StepBatch.pieces_from; their slots followed after the
     members'), their slots committed here, their logits and hiddens left in riding.out for
     runner.landed (the host's part, after the round); every row is the arithmetic of its own step."""

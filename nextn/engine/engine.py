@@ -37,8 +37,9 @@ from nextn.core import RequestOutput, SamplingParams, SpecStats
 from nextn.engine.detokenizer import Detokenizer
 from nextn.engine.memory import cache_layout, fit_cache
 from nextn.engine.replica import Leader, seeded
+from nextn.engine.riding import Piece
 from nextn.engine.rounds import RequestRounds, Round, advance, warm_up
-from nextn.engine.runner import ModelRunner, Piece
+from nextn.engine.runner import ModelRunner
 from nextn.engine.scheduler import Request, RoundSettings, Scheduler
 from nextn.grammar import GrammarState, compile_grammar
 from nextn.models.qwen3_5 import CausalLM

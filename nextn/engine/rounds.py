@@ -33,7 +33,8 @@ from nextn.cache.hybrid import DRAFT_LEN, SEQ_LEN, to_device
 from nextn.config import GDN_CHUNK
 from nextn.core import SpecStats
 from nextn.engine.device_round import OUT_ACCEPTED, OUT_DRAFTED, OUT_TOKENS, Buffers, Member, device_round, first_token
-from nextn.engine.runner import Pad, PhaseClock
+from nextn.engine.riding import Pad
+from nextn.engine.runner import PhaseClock
 from nextn.engine.scheduler import RoundSettings
 from nextn.engine.sequence import Sequence
 from nextn.grammar import GrammarState
@@ -51,7 +52,7 @@ def advance(
     none in flight or one queued ahead, then (eagerly, apart) a round of the constrained requests
     with none in flight, then each one's oldest round read. A request starting (its first token
     in flight) joins the running requests' round: no round of its own. riding
-    (nextn.engine.runner.Riding): prompt pieces that ride the unconstrained round (a mixed step).
+    (nextn.engine.riding.Riding): prompt pieces that ride the unconstrained round (a mixed step).
     Returns the rounds read, the sizes of the batches launched and whether the pieces rode. A
     request whose launch or read raises (its grammar failing mid-output is a RequestError of that
     request alone) gets the exception in place of its Round; the others' rounds stand (no round
@@ -88,7 +89,7 @@ def _read(rounds: RequestRounds) -> Round | Exception:
 def launch(runner, proposer, rounds: list[RequestRounds], riding=None) -> None:
     """One batched round of these requests (one CUDA graph per batch of (K, sampler kind), whatever
     slots run; eagerly when they are constrained: all or none); each queues the read of its
-    outcome. riding (nextn.engine.runner.Riding): prompt pieces that ride the round, a mixed step,
+    outcome. riding (nextn.engine.riding.Riding): prompt pieces that ride the round, a mixed step,
     graphed too: keyed also by the pieces' sizes (StepBatch.sizes: their count, total rows and
     chunks; the split written before the round, `runner.resplit`), their slots followed after the
     members' (and the pads', which never take a riding slot), their host records after it
@@ -135,7 +136,7 @@ PIECE_BUCKETS = sorted({GDN_CHUNK << i for i in range(24)} | {3 * GDN_CHUNK << i
 
 
 def _pad_piece(runner, riding, verify_rows: int):
-    """The riding pieces with a pad piece after them (nextn.engine.runner.Pad) that fills their rows to
+    """The riding pieces with a pad piece after them (nextn.engine.riding.Pad) that fills their rows to
     a bucket, the smallest of PIECE_BUCKETS above them (at most the whole chunks of what the step's
     token budget leaves beside the members' verify_rows, as the pieces were planned), and their
     chunks to the bucket's chunks plus one a piece (what any split of the bucket's rows takes, the
