@@ -1,21 +1,19 @@
 """Prompt pieces in a trunk step (`ModelRunner.prefill`, or riding a round's: `ModelRunner.ride`, a
 mixed step): a piece of a sequence's prompt (`Piece`), the pieces packed for one step with the buffers
 and indices a mixed round's graph reads (`Riding`), and the pad piece that fills a mixed round's pieces
-to a bucket of rows and chunks (`Pad`, nextn.engine.rounds._pad_piece)."""
+to a bucket of rows and chunks (`Pad`, nextn.engine.rounds._pad_piece). `runner` below is the
+nextn.engine.runner.ModelRunner whose buffers they use (not imported: the runner imports this)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from nextn.cache import SlotCache
 from nextn.cache.hybrid import reset_ctl, to_device
 from nextn.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from nextn.engine.runner import ModelRunner
 
 
 class Piece(NamedTuple):
@@ -61,7 +59,7 @@ class Riding(NamedTuple):
         """The pieces' chunks in all with a pad (StepBatch's chunks), else None (their own)."""
         return None if self.pad is None else self.pad.chunks
 
-    def indices(self, runner: ModelRunner, verify_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def indices(self, runner, verify_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logit rows, kept): the indices of a trunk step's rows whose logits are made (the
         verify_rows rows before the pieces', a round's, all of them, and the pieces' wanted rows),
         and each piece's rows int32 [pieces, 1] for its commit. Riding a round: written into
@@ -77,7 +75,7 @@ class Riding(NamedTuple):
             held.append(runner.held((f"riding {name}", tuple(t.shape)), make).copy_(t, non_blocking=True))
         return held[0], held[1]
 
-    def staged(self, runner: ModelRunner, verify_rows: int) -> Riding:
+    def staged(self, runner, verify_rows: int) -> Riding:
         """These pieces ready to ride a round of verify_rows rows: their ids in a buffer held per row
         count, their trunk step's outputs (`buffers`) in `out` and its indices in `index`, all made
         before the round (a mixed round's graph reads them and writes `out`; `landed` reads that after)."""
@@ -90,7 +88,7 @@ class Riding(NamedTuple):
         index = self.indices(runner, verify_rows)
         return self._replace(ids=held, out=self.buffers(runner, verify_rows), index=index)
 
-    def buffers(self, runner: ModelRunner, verify_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def buffers(self, runner, verify_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, hidden) of a trunk step of verify_rows rows and then the pieces': the verify
         rows' and the wanted rows' logits [verify_rows + wanted, V] float32, every row's hidden
         [verify_rows + rows, H]. Riding a round: the runner's step rows (which hold them when each
