@@ -186,6 +186,24 @@ def test_skinny_linear_tensor_descriptor_loads(split):
             assert torch.equal(skinny_linear(x[4:5], w, config=(16, block_k, 4, 2, split, 1), **one)[0], full[4])
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_wide_tiles_with_x_through_tensor_descriptors_keep_the_bits(split):
+    """Config way 3 (x's tiles through tensor descriptors as well as the weights', wide tiles): the
+    pointer loads' bits, every fused variant, rows past M (the last tile's) read as zero; the K splits
+    summed in the program in split order. A call the way cannot take (split K in programs) says so."""
+    from nextn.ops.linear_configs import WIDE_ROWS
+
+    g = torch.Generator(device=DEVICE).manual_seed(6)
+    x, w, w2, res = _linear_case(WIDE_ROWS + 6, 40, 128, torch.bfloat16, g)
+    for name, (kw, ref) in _linear_variants(x, w, w2, res).items():
+        plain = skinny_linear(x, w, config=(16, 32, 4, 2, split), block_m=64, **kw)
+        _close(plain, ref, torch.bfloat16)
+        way3 = skinny_linear(x, w, config=(16, 32, 4, 2, split, 3), block_m=64, **kw)
+        assert torch.equal(_bits(way3), _bits(plain)), name
+    with pytest.raises(ValueError, match="way 3"):
+        skinny_linear(x[:40], w, config=(16, 32, 4, 2, 2, 3), block_m=32)
+
+
 def test_rms_norm_matches_reference():
     g = torch.Generator(device=DEVICE).manual_seed(2)
     for dtype in (torch.float32, torch.bfloat16):
@@ -925,7 +943,8 @@ def test_wide_tiles_only_where_the_16_row_tiles_are_wgmma(monkeypatch):
     sums a k-step otherwise than a wide tile's wgmma: run 171) takes wide tiles of its own BLOCK_N and
     warps (an mma.sync again), over bf16 and Q8_0 weights; from WGMMA_ROWS, wide tiles of 64-128
     weight rows (a wgmma). Every wide tile keeps the shape's split, and its BLOCK_K, but for bf16
-    weights of a wgmma config writing no norm input: k-tiles of WIDE_K (the same k16 steps, in order)."""
+    weights of a wgmma config (writing a norm input too, where 128 columns keep its sums' grouping):
+    k-tiles of WIDE_K (the same k16 steps, in order), loaded WIDE_WAY's way."""
     from nextn.ops import linear_configs as cfgs
 
     narrow_cfg, wgmma_cfg = (32, 256, 2, 4, 4), (cfgs.WGMMA_ROWS, 256, 4, 3, 4)
@@ -935,11 +954,14 @@ def test_wide_tiles_only_where_the_16_row_tiles_are_wgmma(monkeypatch):
         for quant, w_bytes in (("", 2), ("q8_0", 1)):
             for dual, norm_out in ((False, False), (True, False), (False, True)):
                 block_m, config = cfgs.wide_tile(4096, 4096, dual, 2, norm_out, quant=quant, w_bytes=w_bytes)
-                wide_k = narrow == wgmma_cfg and not quant and not norm_out
+                wide_k = narrow == wgmma_cfg and not quant  # (norm_out: BLOCK_N 128 is twice the 16-row tiles')
                 block_k = cfgs.WIDE_K if wide_k else 256
                 assert block_m > cfgs.TILE_ROWS and config[1::3] == (block_k, 4), (narrow, quant, dual, norm_out)
                 if wide_k:  # 128 x 128, WIDE_STAGES deep: two weights' tiles too (run 183)
                     assert (block_m, *config[:4]) == (128, 128, cfgs.WIDE_K, 8, cfgs.WIDE_STAGES), dual
+                    assert config[5:] == ((cfgs.WIDE_WAY,) if cfgs.WIDE_WAY else ()), (dual, norm_out)
+                else:
+                    assert config[5:] == (), (narrow, quant, dual, norm_out)
                 if narrow == narrow_cfg:  # the mma.sync's BLOCK_N and warps
                     assert config[:3] == narrow[:3], (quant, dual, norm_out)
                 else:  # a wgmma's 64-128 weight rows
@@ -976,6 +998,9 @@ def test_default_narrow_wide_tiles_keep_each_rows_bits_gpu(N, K):
         assert torch.equal(_bits(skinny_linear(None, w3, rms=n1, eps=1e-6)[0]), _bits(out[m])), m
 
 
+@pytest.mark.skipif(
+    CUDA, reason="the interpreter's configs (a GPU's are narrow): test_mid_tiles_keep_each_rows_bits_gpu"
+)
 def test_calls_between_16_and_wide_rows_take_mid_tiles(monkeypatch):
     """A default call of 17 to WIDE_ROWS - 1 rows (a verify's, a batch's decode, a prompt's tail) over
     bf16 weights of a wgmma config runs in mid tiles: the 16-row config (BLOCK_N, BLOCK_K, warps, split)

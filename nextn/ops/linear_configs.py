@@ -43,7 +43,8 @@ Q8_0_CONFIGS: dict[tuple[int, int], tuple[int, ...]] = {
     (248320, 4096): (128, 128, 4, 3, 1),  # 386 us (392)
 }
 QUANT_CONFIGS = {FP8.name: FP8_CONFIGS, Q8_0.name: Q8_0_CONFIGS}  # by nextn.ops.fp8.Format name
-WAY_TMA, WAY_XMAJOR = 1, 2  # a config's sixth field (nextn.ops.triton_linear)
+WAY_TMA, WAY_XMAJOR, WAY_TMA_X = 1, 2, 3  # a config's sixth field (nextn.ops.triton_linear); 3: x's tiles and the
+# weights' through tensor descriptors (bf16 / fp16 weights, a call of wide tiles)
 # From this many rows (a prefill's, a large batch's verify) a call with bf16 / fp16 / Q8_0 weights runs in wide
 # tiles (`wide_tile`): 2.3-3.6x the 16-row tiles' speed at 256-8,192 rows of the 9B's shapes, 330-540
 # TFLOP/s, the same bits (bench/results/wide_tile_probe_run145.json, H100). Below it, 16-row tiles.
@@ -56,13 +57,18 @@ WIDE_ROWS = 256
 # plain, residual and SwiGLU calls over bf16 and Q8_0 weights, and norm_out, bit for bit on an H100).
 WGMMA_ROWS = 64
 WIDE_SMEM = 200 * 1024  # shared memory a wide tile's stages may take (an SM has 227 KiB on Hopper)
-# A wide tile of bf16 / fp16 weights whose 16-row config is a wgmma, in a GEMM that writes no norm input: 128 x 128
-# in k-tiles of WIDE_K columns, WIDE_STAGES deep. Its products are the same k16 MMA steps into one accumulator, in
-# the same order, as the 16-row config's k-tiles (a multiple of WIDE_K) take them, so each row keeps its bits (run
-# 183, H100, bench/wide_tile_probe.py at 4,096 rows, bits equal at every 9B shape; us against 128 x 128 x 8 x 3 in
-# the shape's k-tiles): GDN in_proj 795 -> 743, q/k/v 675 -> 619, gate + up (64 wide before: two weights' tiles
-# did not fit three stages at 128) 1,668 -> 1,300.
+# A wide tile of bf16 / fp16 weights whose 16-row config is a wgmma (writing a norm input: where 128 columns keep
+# its sums' grouping): 128 x 128 in k-tiles of WIDE_K columns, WIDE_STAGES deep. Its products are the same k16 MMA
+# steps into one accumulator, in the same order, as the 16-row config's k-tiles (a multiple of WIDE_K) take them, so
+# each row keeps its bits (run 183, H100, bench/wide_tile_probe.py at 4,096 rows, bits equal at every 9B shape; us
+# against 128 x 128 x 8 x 3 in the shape's k-tiles): GDN in_proj 795 -> 743, q/k/v 675 -> 619, gate + up (64 wide
+# before: two weights' tiles did not fit three stages at 128) 1,668 -> 1,300.
 WIDE_K, WIDE_STAGES = 64, 4
+# Their loads (WIDE_WAY): x's tiles and the weights' through tensor descriptors (TMA, way 3). With a program's K
+# splits summed in one pipelined loop, at 512 rows of the 9B's shapes (run 210, H100, bench/gemm_levers.sh; us,
+# pointer loads / the weights' through TMA / both): GDN in_proj 110.5 / 95.0 / 88.6, q/k/v 108.7 / 94.4 / 84.3,
+# o_proj 38.9 / 34.3 / 31.2, gate + up 162.8 / 154.2 / 140.3 (cuBLAS 157.5), down 103.1 / 91.0 / 82.2; the same bits
+WIDE_WAY = 3
 # Below WIDE_ROWS, a call of more than TILE_ROWS rows (a verify of B x (K + 1) rows, a batch's decode past 16
 # sequences, a prompt's tail) runs in mid tiles (`mid_tile`): the 16-row config with up to MID_ROWS rows a
 # program, its K splits programs of their own as the 16-row tiles' (too few row tiles to fill the GPU
@@ -103,8 +109,8 @@ def wide_tile(
     fits three stages of shared memory (else 64), the shape's BLOCK_K and split (its 16-row config
     for that weight kind) kept, so each row's sums are the 16-row tiles' (the split's partials added
     in the program in split order; tests/test_kernels.py and tests/test_q8_0.py, the wide-tile tests);
-    bf16 / fp16 weights of a wgmma config writing no norm input: 128 x 128 in k-tiles of WIDE_K (the
-    same k steps), WIDE_STAGES deep.
+    bf16 / fp16 weights of a wgmma config: 128 x 128 in k-tiles of WIDE_K (the same k steps),
+    WIDE_STAGES deep, loaded WIDE_WAY's way.
     norm_out: the next norm's sums of squares are partials per the 16-row tiles' BLOCK_N columns, so
     BLOCK_N is the shape's or twice it where N allows (skinny_linear then stores two sums a program,
     one per half). A 16-row config narrower than WGMMA_ROWS (an mma.sync) keeps its BLOCK_N and warps."""
@@ -115,18 +121,21 @@ def wide_tile(
         # a wide tile of the same BLOCK_N and warps: the weight rows stay the dot's M, block_m x rows its
         # N, an mma.sync too (each output's k-steps the same HMMA sequence; GPU tests in test_kernels.py)
         choices = [(block_m, narrow_n, narrow_warps) for block_m in (128, 64)]
-    elif norm_out:
-        widths = ([2 * narrow_n] if 2 * narrow_n <= 128 and N % (2 * narrow_n) == 0 else []) + [narrow_n]
-        choices = [(block_m, n, 8 if n >= 128 and block_m == 128 else 4) for n in widths for block_m in (128, 64)]
     else:
-        choices = [(128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)]
-        if not quant and block_k % WIDE_K == 0:
-            choices.insert(0, (128, 128, 8, WIDE_K, WIDE_STAGES))
+        if norm_out:
+            widths = ([2 * narrow_n] if 2 * narrow_n <= 128 and N % (2 * narrow_n) == 0 else []) + [narrow_n]
+            choices = [(block_m, n, 8 if n >= 128 and block_m == 128 else 4) for n in widths for block_m in (128, 64)]
+        else:
+            widths = [128]
+            choices = [(128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)]
+        if not quant and block_k % WIDE_K == 0 and 128 in widths:
+            way = WIDE_WAY if (K * w_bytes) % 16 == 0 else 0  # (TMA: rows of whole 16-byte units)
+            choices.insert(0, (128, 128, 8, WIDE_K, WIDE_STAGES, way))
     for block_m, block_n, warps, *k_tile in choices:
-        k, deepest = k_tile or (block_k, 3)
+        k, deepest, *way = k_tile or (block_k, 3)
         stages = min(deepest, _stages_fit(block_m, block_n, k, dual, x_bytes, w_bytes))
         if stages >= 2:
-            return block_m, (block_n, k, warps, stages, split)
+            return block_m, (block_n, k, warps, stages, split, *(way if way and way[0] else ()))
     return TILE_ROWS, narrow
 
 
@@ -169,9 +178,9 @@ def takes_block_k(fmt: Format, block_k: int) -> bool:
 
 
 def takes_way(way: int, fmt: Format | None) -> bool:
-    """Whether config way `way` runs weights of format fmt (None: bf16 / fp16): 0 any, 1 (TMA loads)
+    """Whether config way `way` runs weights of format fmt (None: bf16 / fp16): 0 any, 1 and 3 (TMA loads)
     bf16 / fp16, 2 (x-major) FP8."""
-    if way == WAY_TMA:
+    if way in (WAY_TMA, WAY_TMA_X):
         return fmt is None
     if way == WAY_XMAJOR:
         return fmt == FP8

@@ -5,23 +5,25 @@ same arithmetic, or greedy speculative output drifts from plain output in bf16. 
 owns BLOCK_N output columns for every row: it streams its weight rows once (so a 1-row GEMV reads
 each weight byte exactly once) and multiplies each [BLOCK_N, BLOCK_K] weight tile with all rows
 padded to 16 in one tensor-core dot (weights as the 16+-row operand: "swap AB"). Block sizes are
-chosen from (N, K) alone and M is never specialised, so the reduction order of a row does not
-depend on M. More than 16 rows (a verify's B x (K + 1), a batch's decode, a prompt's tail) run as
-tiles of 16, each computed exactly as a 16-row call (a weight block's tiles are neighbouring
-programs, sharing its L2 reads), or, over bf16 / fp16 weights of a wgmma config, in mid tiles
+chosen from (N, K) alone and M is never specialised, so the reduction order of a row does not depend
+on M. More than 16 rows (a verify's B x (K + 1), a batch's decode, a prompt's tail) run as tiles of
+16, each computed exactly as a 16-row call (a weight block's tiles are neighbouring programs,
+sharing its L2 reads), or, over bf16 / fp16 weights of a wgmma config, in mid tiles
 (linear_configs.mid_tile): the 16-row config with 32-128 rows a program, the splits programs of
 their own, so a program streams its weight slice once for all its rows. From WIDE_ROWS rows (a
-prefill step's; bf16 / fp16 or Q8_0 weights, FP8's chained dots keep 16-row tiles) a program owns
-64 or 128 rows, and a split-K shape's splits are summed in the program, in the split order the
-16-row tiles' last arrival adds them. Either way the dot is wide enough for the tensor cores, and
-each row's products are summed in the same k order by the same MMA, so its
-bits do not change (checked on the GPU per shape and row count: bench/wide_tile_probe.py, bf16; a
-prompt row must be what a decode row of it would be). The same MMA: a 16-row config of 64 weight rows
-or more is a wgmma, as the wide tile's 64-128 are; a narrower one an mma.sync, which sums otherwise,
-so its wide tiles keep its BLOCK_N and warps (an mma.sync again): linear_configs.wide_tile. A
-residual GEMM that writes the next norm's input keeps its BLOCK_N there, since the norm's sums of
-squares are partials per BLOCK_N columns, and every such sum is added in index order
-(triton_norm.ordered_sum), not in a tree that follows the tile's layout.
+prefill step's; bf16 / fp16 or Q8_0 weights, FP8's chained dots keep 16-row tiles) a program owns 64
+or 128 rows, and a split-K shape's splits are summed in the program, in the split order the 16-row
+tiles' last arrival adds them, in one pipelined k-loop (a split's sum joins the others at its last
+k-tile: a loop a split drained the pipeline at each split); its tiles of x, as well as the weights',
+load through tensor descriptors (TMA, config way 3: linear_configs.WIDE_WAY). Either way the dot is
+wide enough for the tensor cores, and each row's products are summed in the same k order by the same
+MMA, so its bits do not change (checked on the GPU per shape and row count:
+bench/wide_tile_probe.py, bf16; a prompt row must be what a decode row of it would be). The same
+MMA: a 16-row config of 64 weight rows or more is a wgmma, as the wide tile's 64-128 are; a narrower
+one an mma.sync, which sums otherwise, so its wide tiles keep its BLOCK_N and warps (an mma.sync
+again): linear_configs.wide_tile. A residual GEMM that writes the next norm's input keeps its
+BLOCK_N there, since the norm's sums of squares are partials per BLOCK_N columns, and every such sum
+is added in index order (triton_norm.ordered_sum), not in a tree that follows the tile's layout.
 
 Fused after the dot, so a decoder layer needs fewer launches:
 - epilogue `residual`: y = residual + x @ w.T (each rounded to x's dtype first, like `x + f(x)`);
@@ -84,6 +86,7 @@ from nextn.ops.fp8 import Q8_0, QuantWeight
 from nextn.ops.linear_configs import (
     TILE_ROWS,
     WAY_TMA,
+    WAY_TMA_X,
     WAY_XMAJOR,
     WIDE_ROWS,
     mid_tile,
@@ -154,17 +157,26 @@ if HAVE_TRITON:
 
     @triton.jit
     def _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
-                k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd,
+                k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd, m_start,
                 EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, FP8: tl.constexpr,
                 SCALE_ROWS: tl.constexpr, SCALE_ROWS2: tl.constexpr, TMA: tl.constexpr,
-                CHAIN: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+                CHAIN: tl.constexpr, GROUP: tl.constexpr, SERIAL: tl.constexpr = 1,
+                TMA_X: tl.constexpr = False):  # fmt: skip
         """A program's reduction over its K columns: (x @ w.T, x @ w2.T) as [BLOCK_N, BLOCK_M] float32
-        (CHAIN: times its shifts and the rows' rstd [BLOCK_M, 1], which scale x's tiles)."""
+        (CHAIN: times its shifts and the rows' rstd [BLOCK_M, 1], which scale x's tiles). SERIAL > 1:
+        SERIAL splits of K_SPLIT columns from k_start in one pipelined loop, each split's products
+        summed from zero and added to the splits before it at its last k-tile, in split order (the
+        16-row tiles' split-K sums; a loop a split drained and refilled the pipeline at every split)."""
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc2 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        # the splits' sum starts at -0.0, which adds to any value as that value (-0.0 + +0.0 = +0.0,
+        # -0.0 + -0.0 = -0.0): the first split's sum is taken as it is, as the split-K path takes it
+        total = tl.full((BLOCK_N, BLOCK_M), -0.0, tl.float32)
+        total2 = tl.full((BLOCK_N, BLOCK_M), -0.0, tl.float32)
         s_col = (n_block * BLOCK_N) // SCALE_ROWS  # CHAIN: the program's rows share one scale per block
-        for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):
+        tl.static_assert(SERIAL == 1 or not CHAIN, "a chain's splits are rescaled one by one")
+        for k0 in range(k_start, k_start + SERIAL * K_SPLIT, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 x_mask = mask_m[:, None]
@@ -172,7 +184,10 @@ if HAVE_TRITON:
             else:
                 x_mask = mask_m[:, None] & (offs_k[None, :] < K)
                 w_mask = mask_n[:, None] & (offs_k[None, :] < K)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=x_mask, other=0.0)
+            if TMA_X:  # (rows past M read as 0, as the masked load's)
+                x = x_ptr.load([m_start, k0])
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=x_mask, other=0.0)
             if TMA:  # out-of-bounds columns and rows read as 0, as the masked load's
                 w = w_ptr.load([n_block * BLOCK_N, k0])
             else:
@@ -186,6 +201,15 @@ if HAVE_TRITON:
                     w2 = tl.load(w2_ptr + offs_n[:, None] * K + offs_k[None, :], mask=w_mask, other=0.0)
                 acc2 = _tile_dot(w2, x, acc2, s2_ptr, stride_s2, k0, K, s_col, shift2, rstd, offs_n, mask_n,
                                  SCALE_ROWS2, FP8, CHAIN, DOT_F32, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
+            if SERIAL > 1:
+                if (k0 + BLOCK_K - k_start) % K_SPLIT == 0:  # a split's last k-tile
+                    total += acc
+                    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+                    if EPILOGUE == 2:
+                        total2 += acc2
+                        acc2 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        if SERIAL > 1:
+            return total, total2
         return acc, acc2
 
     @triton.jit
@@ -270,9 +294,11 @@ if HAVE_TRITON:
                 stride_x, stride_s, stride_s2, shift, shift2, rstd, EPILOGUE: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
                 FP8: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_ROWS2: tl.constexpr, TMA: tl.constexpr,
-                CHAIN: tl.constexpr, XMAJOR: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
-        """One split's sums over columns [k_start, k_start + K_SPLIT): [BLOCK_N, BLOCK_M] float32 (x @ w.T,
-        x @ w2.T), times the rows' rstd [BLOCK_M] where the chain scaled x's tiles by it."""
+                CHAIN: tl.constexpr, XMAJOR: tl.constexpr, GROUP: tl.constexpr, SERIAL: tl.constexpr,
+                m_start, TMA_X: tl.constexpr):  # fmt: skip
+        """One split's sums over columns [k_start, k_start + K_SPLIT) (SERIAL > 1: the sum of SERIAL splits
+        from k_start, in split order): [BLOCK_N, BLOCK_M] float32 (x @ w.T, x @ w2.T), times the rows'
+        rstd [BLOCK_M] where the chain scaled x's tiles by it."""
         if XMAJOR:
             acc, acc2 = _k_loop_xmajor(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
                                        k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2,
@@ -281,8 +307,8 @@ if HAVE_TRITON:
         else:
             acc, acc2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
                                 k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd[:, None],
-                                EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2,
-                                TMA, CHAIN, GROUP)  # fmt: skip
+                                m_start, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS,
+                                SCALE_ROWS2, TMA, CHAIN, GROUP, SERIAL, TMA_X)  # fmt: skip
         if CHAIN:
             acc = acc * (1.0 / shift)  # (powers of two: exact)
             acc2 = acc2 * (1.0 / shift2)
@@ -294,7 +320,7 @@ if HAVE_TRITON:
             if tl.max(bad, axis=0) > 0:
                 again, again2 = _k_loop(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m,
                                         mask_n, k_start, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2,
-                                        rstd[:, None], EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8,
+                                        rstd[:, None], 0, EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8,
                                         SCALE_ROWS, SCALE_ROWS2, TMA, False, GROUP)  # fmt: skip
                 acc = tl.where(bad[None, :] > 0, again * rstd[None, :], acc)
                 acc2 = tl.where(bad[None, :] > 0, again2 * rstd[None, :], acc2)
@@ -343,6 +369,7 @@ if HAVE_TRITON:
         SCALE_ROWS2: tl.constexpr,
         HAS_FLAG: tl.constexpr,  # flag_ptr: run_if (nextn.engine.runner.ModelRunner.when), 0 skips the call
         TMA: tl.constexpr,  # w_ptr (and w2_ptr) are [BLOCK_N, BLOCK_K] tensor descriptors (bf16 weights)
+        TMA_X: tl.constexpr,  # x_ptr is a [BLOCK_M, BLOCK_K] tensor descriptor (config way 3)
         CHAIN: tl.constexpr,  # FP8 whose BLOCK_N rows share each scale (SCALE_ROWS % BLOCK_N == 0)
         XMAJOR: tl.constexpr,  # CHAIN with x's rows as the dot's M (config way 2)
         RMS: tl.constexpr,  # x is a norm's input times its weight: scale each row's products by its rstd
@@ -367,7 +394,7 @@ if HAVE_TRITON:
         offs_m = (pid % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         mask_n = offs_n < N
-        x_dtype = x_ptr.dtype.element_ty
+        x_dtype = x_ptr.dtype if TMA_X else x_ptr.dtype.element_ty
         rstd = tl.full((BLOCK_M,), 1.0, tl.float32)
         if RMS:  # the norm's rstd from its partial sums, added in a fixed order (loaded before the loop)
             offs_p = tl.arange(0, P_BLOCK)
@@ -377,15 +404,7 @@ if HAVE_TRITON:
         acc, acc2 = _reduce(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n, k_start,
                             K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd, EPILOGUE, BLOCK_M, BLOCK_N,
                             BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2, TMA, CHAIN, XMAJOR,
-                            GROUP)  # fmt: skip
-        for s in range(1, SERIAL):  # the other splits' sums added in split order, as the split-K path adds them
-            more, more2 = _reduce(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
-                                  s * K_SPLIT, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd,
-                                  EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2,
-                                  TMA, CHAIN, XMAJOR, GROUP)  # fmt: skip
-            acc += more
-            if EPILOGUE == 2:
-                acc2 += more2
+                            GROUP, SERIAL, (pid % m_tiles) * BLOCK_M, TMA_X)  # fmt: skip
         if PDL:  # the next launch may start once every program has streamed its weights
             tl.extra.cuda.gdc_launch_dependents()
         out_mask = mask_n[:, None] & mask_m[None, :]
@@ -496,6 +515,7 @@ def skinny_linear(
     if rms is not None and (rms.ss.dim() != 2 or rms.ss.shape[1] != M or not rms.ss.is_contiguous()):
         raise ValueError(f"skinny_linear: rms sums {tuple(rms.ss.shape)} for {M} rows")
     quant = fmt.name if fp8 else ""
+    chosen = config is None
     if block_m is None:
         block_m = TILE_ROWS
         if config is None and (not fp8 or fmt == Q8_0) and M >= WIDE_ROWS:  # (FP8's chained dots: 16-row tiles)
@@ -509,7 +529,9 @@ def skinny_linear(
     way = way[0] if way else 0
     if not takes_way(way, fmt):
         raise ValueError(f"skinny_linear: config way {way}: 1 (TMA loads) takes bf16 / fp16 weights, 2 (x-major) FP8")
-    tma = way == WAY_TMA
+    if way == WAY_TMA_X and chosen and not _tma_rows(x):  # (the same bits either way)
+        way = WAY_TMA  # x's rows do not start on 16-byte boundaries (a view): its tiles by pointer loads
+    tma, tma_x = way in (WAY_TMA, WAY_TMA_X), way == WAY_TMA_X
     chain = fp8 and rows % block_n == 0 and (up_weight is None or rows2 % block_n == 0)
     if split > 1 and K % (split * block_k):
         raise ValueError(f"split {split} does not fit K={K}, BLOCK_K={block_k}")
@@ -542,8 +564,18 @@ def skinny_linear(
     if tma:
         w = _descriptor(weight, block_n, block_k)
         w2 = _descriptor(up_weight, block_n, block_k) if up_weight is not None else dummy
+    xd = x
+    if tma_x:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if split > 1 or fp8 or not _tma_rows(x):
+            raise ValueError(
+                "skinny_linear: config way 3 (x through TMA) takes bf16 / fp16 weights in wide tiles, x's rows on"
+                " 16-byte boundaries"
+            )
+        xd = TensorDescriptor.from_tensor(x, [block_m, block_k])
     _skinny_kernel[(triton_cdiv(N, block_n) * triton_cdiv(M, block_m), split)](
-        x,
+        xd,
         w,
         w2,
         scale if scale is not None else dummy,
@@ -584,6 +616,7 @@ def skinny_linear(
         SCALE_ROWS2=rows2,
         HAS_FLAG=run_if is not None,
         TMA=tma,
+        TMA_X=tma_x,
         CHAIN=chain,
         XMAJOR=chain and way == WAY_XMAJOR,  # (per-channel scales: the tile-by-tile way, weights as M)
         RMS=rms is not None,
@@ -596,6 +629,11 @@ def skinny_linear(
         launch_pdl=pdl,
     )
     return out if norm_out is None else (out, NormInput(xn, ss_out))
+
+
+def _tma_rows(x: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can load x's tiles: its rows start on 16-byte boundaries."""
+    return x.data_ptr() % 16 == 0 and (x.stride(0) * x.element_size()) % 16 == 0
 
 
 _DESCRIPTORS: dict = {}
