@@ -2,11 +2,11 @@
 what its variants give (issue 44: prompt pieces riding in rounds, run 189: the prep and scan kernels
 took 3.2-8.7 ms of a mixed step's 12-26 ms over 24 layers).
 
-For each case (B sequences of T rows from a state, q and k float32 as `chunk_inputs` lays them out,
-v bf16) and each variant of nextn.ops.triton_gdn_chunk (its dots' PRECISIONS, SCAN_BLOCK_V and the
-kernels' warps): us a call (graphed, 24 calls a replay, as 24 layers), the prep and scan kernels'
-GPU us (torch.profiler, eager), and the largest difference of the output and final state from the
-first variant's and from the float32 reference (nextn.ops.gdn.chunk_gated_delta_rule).
+For each case (B sequences of T rows from a state, q and k float32 as `chunk_inputs` lays them out, v
+bf16) and each variant of nextn.ops.triton_gdn_chunk (its dots' PRECISIONS, SCAN_BLOCK_V, the kernels'
+warps and the scan's stages): us a call (graphed, 24 calls a replay, as 24 layers), the prep and scan
+kernels' GPU us (torch.profiler, eager), and the largest difference of the output and final state from
+the first variant's and from the float32 reference (nextn.ops.gdn.chunk_gated_delta_rule).
 Usage (device): python3 bench/chunk_rule_probe.py [--cases 1x64 1x256 1x512 16x512] [--json OUT]
 """
 
@@ -21,12 +21,12 @@ import torch
 from nextn.ops import triton_gdn_chunk as rule
 
 H, HV, K, V, LAYERS = 16, 32, 128, 128, 24
-# name -> (PRECISIONS, SCAN_BLOCK_V, prep warps, scan warps)
+# name -> (PRECISIONS, SCAN_BLOCK_V, prep warps, scan warps, scan stages)
 X3, T32, IEEE = "tf32x3", "tf32", "ieee"
 
 
-def _v(A=X3, INV=X3, UW=X3, O=X3, S=X3, prep_warps=8):
-    return (dict(A=A, INV=INV, UW=UW, O=O, S=S), 32, prep_warps, 8)
+def _v(A=X3, INV=X3, UW=X3, O=X3, S=X3, prep_warps=8, block_v=32, scan_warps=8, scan_stages=1):
+    return (dict(A=A, INV=INV, UW=UW, O=O, S=S), block_v, prep_warps, scan_warps, scan_stages)
 
 
 VARIANTS = {
@@ -39,6 +39,13 @@ VARIANTS = {
     "all_tf32_but_s": _v(A=T32, INV=T32, UW=T32, O=T32),
     "all_tf32": _v(A=T32, INV=T32, UW=T32, O=T32, S=T32),
     "all_tf32_w4": _v(A=T32, INV=T32, UW=T32, O=T32, S=T32, prep_warps=4),
+    # the scan's launch (the default's precisions): its loads pipelined a chunk ahead (two stages: 222 KB of shared
+    # memory at 32 value columns, 209 KB at 16), 16 value columns a program (twice the programs), 4 warps
+    "scan_s2": _v(O=T32, scan_stages=2),
+    "scan_bv16": _v(O=T32, block_v=16),
+    "scan_bv16_s2": _v(O=T32, block_v=16, scan_stages=2),
+    "scan_bv16_w4": _v(O=T32, block_v=16, scan_warps=4),
+    "scan_w4": _v(O=T32, scan_warps=4),
 }
 
 
@@ -47,6 +54,7 @@ DEFAULT = (
     rule.SCAN_BLOCK_V,
     rule.PREP_OPTIONS["num_warps"],
     rule.SCAN_OPTIONS["num_warps"],
+    rule.SCAN_OPTIONS["num_stages"],
 )
 
 
@@ -86,12 +94,13 @@ def kernel_us(call) -> dict[str, float]:
     return {name[:40]: us / 5 for us, _, name in kernel_totals(prof)[:4]}
 
 
-def set_variant(precisions: dict, block_v: int, prep_warps: int, scan_warps: int) -> None:
+def set_variant(precisions: dict, block_v: int, prep_warps: int, scan_warps: int, scan_stages: int) -> None:
     """(bench only: the module's launch settings, which every later call takes)"""
     rule.PRECISIONS.update(precisions)
     rule.SCAN_BLOCK_V = block_v
     rule.PREP_OPTIONS["num_warps"] = prep_warps
     rule.SCAN_OPTIONS["num_warps"] = scan_warps
+    rule.SCAN_OPTIONS["num_stages"] = scan_stages
 
 
 def main() -> None:

@@ -5,8 +5,9 @@
 #      rounds in CUDA graphs (the descriptors captured) and the scratch slot's pad pieces (test_batching);
 #   2. the engine alone at the 9B cell's settings (bench/serve_core_probe.py: 512-id prompts, 128 out, K=0, 16
 #      streams, chunked, 256 prompts) at token budgets 512, 256 and 384 (a mixed step's rows: 16 decode rows and
-#      up to 496 / 240 / 368 prompt rows: at fewer rows the GEMMs stream the weights about as a round does);
-#   3. (if the deadline allows) the 9B cell served at the best of those budgets against the same run's offline
+#      up to 496 / 240 / 368 prompt rows: at fewer rows the GEMMs stream the weights about as a round does; 384 last);
+#   3. bench/chunk_rule_probe.py at 1 x 256 and 1 x 512 rows: the scan's launch (two stages, 16 value columns, 4 warps);
+#   4. (if the deadline allows) the 9B cell served at the best of those budgets against the same run's offline
 #      `nextn bench --batch 16` (bench/serve_9b.sh) -> $OUT/s9b_BUDGET.json.
 # Carry .whl and .var (.var/tok.txz: the Qwen3.5 tokenizer). Usage: bash bench/wide_way_check.sh   Env: DEADLINE.
 set -o pipefail
@@ -25,7 +26,11 @@ core() {  # core BUDGET: the engine alone at the 9B cell's settings -> $OUT/core
     --prefill chunked --no-prefix-cache --max-num-batched-tokens $1 --prompt-len 512 --num-prompts 256 \
     --json $OUT/core_$1.json 2>&1 | grep -E "tokens_per_s|ttft_ms|prefill_step|other_step" | cut -c1-200
 }
-for budget in 512 256 384; do fits 100 "engine alone, 9B cell, budget $budget" && core $budget; done
+for budget in 512 256; do fits 100 "engine alone, 9B cell, budget $budget" && core $budget; done
+fits 100 "chunk rule: the scan's launch (stages, value columns, warps)" && timeout 100 python3 bench/chunk_rule_probe.py \
+  --cases 1x256 1x512 --variants o_tf32 scan_s2 scan_bv16 scan_bv16_s2 scan_bv16_w4 scan_w4 --json $OUT/chunk_scan.json \
+  2>&1 | grep -E "^1x"
+fits 100 "engine alone, 9B cell, budget 384" && core 384
 best=$(python3 - $OUT <<'PY'
 import json, sys
 from pathlib import Path
