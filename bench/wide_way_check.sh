@@ -16,8 +16,8 @@ tar xJf .var/tok.txz -C .
 source bench/device_env.sh
 exec > >(tee $OUT/log.txt) 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader
-fits 130 "gpu tests: wide / mid tiles' bits" && timeout 130 python3 -m pytest -q -p no:cacheprovider \
-  tests/test_kernels.py tests/test_q8_0.py -k "wide or descriptor or x_through or split or bf16 or mid_tiles" 2>&1 \
+fits 100 "gpu tests: wide / mid tiles' bits" && timeout 100 python3 -m pytest -q -p no:cacheprovider -x \
+  tests/test_kernels.py -k "x_through or mid_tiles_keep or descriptor or default_wide" 2>&1 \
   | grep -E "passed|failed|Error|assert" | head -12
 fits 80 "gpu tests: mixed rounds in graphs" && timeout 80 python3 -m pytest -q -p no:cacheprovider \
   tests/test_batching.py -k "any_split or mixed_rounds or wait_for" 2>&1 | grep -E "passed|failed|Error|assert" | head -8

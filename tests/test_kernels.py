@@ -204,6 +204,25 @@ def test_wide_tiles_with_x_through_tensor_descriptors_keep_the_bits(split):
         skinny_linear(x[:40], w, config=(16, 32, 4, 2, 2, 3), block_m=32)
 
 
+def test_default_wide_tiles_take_x_of_any_alignment():
+    """The default wide tile of a wgmma config loads x's tiles through tensor descriptors (WIDE_WAY 3),
+    which need rows on 16-byte boundaries: x as a view starting one element in (a column slice) takes
+    pointer loads for x, the same bits; asked for way 3 explicitly, such an x is an error."""
+    from nextn.ops import linear_configs as cfgs
+
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    M, N, K = cfgs.WIDE_ROWS + 4, 64, 128
+    x, w, _, _ = _linear_case(M, N, K, torch.bfloat16, g)
+    assert cfgs.wide_tile(N, K, False, 2)[1][5:] == (cfgs.WIDE_WAY,) == (3,)  # (the interpreter's wgmma-like config)
+    wide = torch.zeros(M, K + 8, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, 1 : K + 1] = x
+    shifted = wide[:, 1 : K + 1]  # (rows of 2 bytes past a 16-byte boundary)
+    assert torch.equal(_bits(skinny_linear(shifted, w)), _bits(skinny_linear(x, w)))
+    block_m, config = cfgs.wide_tile(N, K, False, 2)
+    with pytest.raises(ValueError, match="16-byte"):
+        skinny_linear(shifted, w, config=config, block_m=block_m)
+
+
 def test_rms_norm_matches_reference():
     g = torch.Generator(device=DEVICE).manual_seed(2)
     for dtype in (torch.float32, torch.bfloat16):
