@@ -283,7 +283,7 @@ def test_skinny_linear_config_ways_name_the_weights_they_take():
 
     x, w8, _, _ = _fp8_case(2, 128, 256, torch.bfloat16, seed=3)
     bf16 = dequantize(w8.weight, w8.scale, torch.bfloat16)
-    for weight, way in ((bf16, 2), (compact_scales(w8), 1), (bf16, 3)):
+    for weight, way in ((bf16, 2), (compact_scales(w8), 1), (compact_scales(w8), 3), (bf16, 4)):
         with pytest.raises(ValueError, match=f"config way {way}"):
             skinny_linear(x, weight, config=(64, 128, 4, 2, 1, way))
 

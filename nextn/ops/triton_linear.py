@@ -528,7 +528,9 @@ def skinny_linear(
     block_n, block_k, warps, stages, split, *way = config or pick_config(N, K, quant)
     way = way[0] if way else 0
     if not takes_way(way, fmt):
-        raise ValueError(f"skinny_linear: config way {way}: 1 (TMA loads) takes bf16 / fp16 weights, 2 (x-major) FP8")
+        raise ValueError(
+            f"skinny_linear: config way {way}: 1 and 3 (TMA loads) take bf16 / fp16 weights, 2 (x-major) FP8"
+        )
     if way == WAY_TMA_X and chosen and not _tma_rows(x):  # (the same bits either way)
         way = WAY_TMA  # x's rows do not start on 16-byte boundaries (a view): its tiles by pointer loads
     tma, tma_x = way in (WAY_TMA, WAY_TMA_X), way == WAY_TMA_X
