@@ -15,8 +15,7 @@ set -o pipefail
 DEADLINE=${DEADLINE:-560}
 tar xJf .var/tok.txz -C .
 source bench/device_env.sh
-exec > >(tee $OUT/log.txt) 2>&1
-nvidia-smi --query-gpu=name --format=csv,noheader
+device_log
 served() {  # served BUDGET: bench/serve_9b.sh at that budget -> $OUT/s9b_BUDGET.json
   SERVE_FLAGS="--prefill chunked --max-num-batched-tokens $1" NUM_PROMPTS=256 bash bench/serve_9b.sh 2>&1 | tail -5
   mv $OUT/serve_9b_vs_offline.json $OUT/s9b_$1.json

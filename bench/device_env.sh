@@ -16,3 +16,9 @@ fits() {
   if [ $(($(date +%s) - t0 + $1)) -gt "$DEADLINE" ]; then echo "=== skipped: $2 (+$(($(date +%s) - t0)) s)"; return 1; fi
   stage "$2"
 }
+# `device_log`: the script's output from here on also into $OUT/log.txt (the whole log comes back: the tool returns
+# only the output's tail), after the GPU's name
+device_log() {
+  exec > >(tee $OUT/log.txt) 2>&1
+  nvidia-smi --query-gpu=name --format=csv,noheader
+}

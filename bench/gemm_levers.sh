@@ -11,8 +11,7 @@
 set -o pipefail
 DEADLINE=${DEADLINE:-560}
 source bench/device_env.sh
-exec > >(tee $OUT/log.txt) 2>&1
-nvidia-smi --query-gpu=name --format=csv,noheader
+device_log
 [ -f .base/nextn/ops/triton_linear.py ] || { echo "gemm_levers: carry .base (the tree before's GEMM files)"; exit 2; }
 rm -rf /tmp/old /tmp/w3 && cp -r . /tmp/old && cp .base/nextn/ops/*.py /tmp/old/nextn/ops/ && cp -r . /tmp/w3
 sed -i 's/^WIDE_WAY = 0 /WIDE_WAY = 3 /' /tmp/w3/nextn/ops/linear_configs.py

@@ -15,8 +15,7 @@
 set -o pipefail
 DEADLINE=${DEADLINE:-540}
 source bench/device_env.sh
-exec > >(tee $OUT/log.txt) 2>&1  # (the whole log comes back: the tool returns only the output's tail)
-nvidia-smi --query-gpu=name --format=csv,noheader
+device_log
 stage "gpu tests"
 timeout 150 python3 -m pytest -q tests/test_batching.py -k "any_split or mixed_rounds or wait_for" 2>&1 | tail -4
 timeout 150 python3 -m pytest -q tests/test_kernels.py -k "chunk" 2>&1 | tail -2

@@ -13,8 +13,7 @@
 set -o pipefail
 DEADLINE=${DEADLINE:-470}
 source bench/device_env.sh
-exec > >(tee $OUT/log.txt) 2>&1
-nvidia-smi --query-gpu=name --format=csv,noheader
+device_log
 stage "gpu tests"
 timeout 150 python3 -m pytest -q tests/test_batching.py -k "any_split or mixed_rounds or wait_for" 2>&1 | tail -3
 rm -rf /tmp/noscratch && cp -r . /tmp/noscratch && python3 - <<'PY'

@@ -14,8 +14,7 @@ set -o pipefail
 DEADLINE=${DEADLINE:-570}
 tar xJf .var/tok.txz -C .
 source bench/device_env.sh
-exec > >(tee $OUT/log.txt) 2>&1
-nvidia-smi --query-gpu=name --format=csv,noheader
+device_log
 fits 100 "gpu tests: wide / mid tiles' bits" && timeout 100 python3 -m pytest -q -p no:cacheprovider -x \
   tests/test_kernels.py -k "x_through or mid_tiles_keep or descriptor or default_wide" 2>&1 \
   | grep -E "passed|failed|Error|assert" | head -12
