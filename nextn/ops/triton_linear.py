@@ -13,11 +13,15 @@ sharing its L2 reads), or, over bf16 / fp16 weights of a wgmma config, in mid ti
 their own, so a program streams its weight slice once for all its rows. From WIDE_ROWS rows (a
 prefill step's; bf16 / fp16 or Q8_0 weights, FP8's chained dots keep 16-row tiles) a program owns 64
 or 128 rows, and a split-K shape's splits are summed in the program, in the split order the 16-row
-tiles' last arrival adds them, in one pipelined k-loop (a split's sum joins the others at its last
-k-tile: a loop a split drained the pipeline at each split); its tiles of x, as well as the weights',
-load through tensor descriptors (TMA, config way 3: linear_configs.WIDE_WAY). Either way the dot is
-wide enough for the tensor cores, and each row's products are summed in the same k order by the same
-MMA, so its bits do not change (checked on the GPU per shape and row count:
+tiles' last arrival adds them; its tiles of x, as well as the weights', load through tensor
+descriptors (TMA, config way 3: linear_configs.WIDE_WAY), and with TMA loads its splits run in one
+pipelined k-loop (a split's sum joins the others at its last k-tile), with pointer loads (Q8_0's, an
+mma.sync config's) a loop a split, which drains the pipeline at each. Run 210 at 512 rows: one loop
+ran the 9B's split-4 shapes 1.19-1.24x as fast with the weights through TMA, its split-2 ones
+1.03-1.07x slower, and its split-2 ones 1.17-1.18x slower with pointer loads alone (split-4 ones
+0.96-0.99x); with both operands through TMA it ran every shape faster than any way before. Either
+way the dot is wide enough for the tensor cores, and each row's products are summed in the same k
+order by the same MMA, so its bits do not change (checked on the GPU per shape and row count:
 bench/wide_tile_probe.py, bf16; a prompt row must be what a decode row of it would be). The same
 MMA: a 16-row config of 64 weight rows or more is a wgmma, as the wide tile's 64-128 are; a narrower
 one an mma.sync, which sums otherwise, so its wide tiles keep its BLOCK_N and warps (an mma.sync
@@ -363,6 +367,7 @@ if HAVE_TRITON:
         DOT_F32: tl.constexpr,
         SPLIT: tl.constexpr,  # programs a row tile's K is split over (float32 partials summed by the last)
         SERIAL: tl.constexpr,  # splits one program sums itself, in split order (a wide tile's; SPLIT is then 1)
+        LOOP_SPLITS: tl.constexpr,  # SERIAL (in one k-loop: TMA loads) or 1 (a loop a split: pointer loads)
         FP8: tl.constexpr,  # w (and w2) quantized: scales [K / GROUP, N / SCALE_ROWS] (row stride stride_s)
         GROUP: tl.constexpr,  # FP8: columns per scale (128: e4m3, float32 scales; 32: Q8_0's int8, fp16 scales)
         SCALE_ROWS: tl.constexpr,  # weight rows per scale: 1 or 128
@@ -401,10 +406,19 @@ if HAVE_TRITON:
             ss = tl.load(ss_in_ptr + offs_p[:, None] * M + offs_m[None, :],
                          mask=(offs_p[:, None] < P) & mask_m[None, :], other=0.0)  # fmt: skip
             rstd = rms_rstd(ordered_sum(ss), K, eps)
+        m_start = (pid % m_tiles) * BLOCK_M
         acc, acc2 = _reduce(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n, k_start,
                             K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd, EPILOGUE, BLOCK_M, BLOCK_N,
                             BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2, TMA, CHAIN, XMAJOR,
-                            GROUP, SERIAL, (pid % m_tiles) * BLOCK_M, TMA_X)  # fmt: skip
+                            GROUP, LOOP_SPLITS, m_start, TMA_X)  # fmt: skip
+        for s in range(1, SERIAL // LOOP_SPLITS):  # the next splits' sums added in split order, as split-K adds them
+            more, more2 = _reduce(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n,
+                                  s * K_SPLIT, K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd,
+                                  EPILOGUE, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2,
+                                  TMA, CHAIN, XMAJOR, GROUP, 1, m_start, TMA_X)  # fmt: skip
+            acc += more
+            if EPILOGUE == 2:
+                acc2 += more2
         if PDL:  # the next launch may start once every program has streamed its weights
             tl.extra.cuda.gdc_launch_dependents()
         out_mask = mask_n[:, None] & mask_m[None, :]
@@ -612,6 +626,7 @@ def skinny_linear(
         DOT_F32=interpreting() or x.dtype == torch.float32,
         SPLIT=split,
         SERIAL=serial,
+        LOOP_SPLITS=serial if tma else 1,
         FP8=fp8,
         GROUP=fmt.block if fp8 else 1,
         SCALE_ROWS=rows,
