@@ -5,7 +5,8 @@
 #      rounds in CUDA graphs (the descriptors captured) and the scratch slot's pad pieces (test_batching);
 #   2. the engine alone at the 9B cell's settings (bench/serve_core_probe.py: 512-id prompts, 128 out, K=0, 16
 #      streams, chunked, 256 prompts) at token budgets 512, 256 and 384 (a mixed step's rows: 16 decode rows and
-#      up to 496 / 240 / 368 prompt rows: at fewer rows the GEMMs stream the weights about as a round does; 384 last);
+#      up to 448 / 192 / 320 prompt rows in whole 64-row chunks: at fewer rows the GEMMs stream the weights about
+#      as a round does, at 256 in mid tiles; 384 last);
 #   3. bench/chunk_rule_probe.py at 1 x 256 and 1 x 512 rows: the scan's launch (two stages, 16 value columns, 4 warps);
 #   4. (if the deadline allows) the 9B cell served at the best of those budgets against the same run's offline
 #      `nextn bench --batch 16` (bench/serve_9b.sh) -> $OUT/s9b_BUDGET.json.
