@@ -22,3 +22,15 @@ device_log() {
   exec > >(tee $OUT/log.txt) 2>&1
   nvidia-smi --query-gpu=name --format=csv,noheader
 }
+# `patched_tree DIR FILE OLD NEW`: a copy of this tree in DIR with the text OLD of FILE (a path in the tree) made
+# NEW, for an A / B in one run; fails, saying so, where FILE no longer holds OLD exactly once
+patched_tree() {
+  rm -rf "$1" && cp -r . "$1" && python3 - "$1/$2" "$3" "$4" <<'PY'
+import sys
+path, old, new = sys.argv[1:]
+text = open(path).read()
+if text.count(old) != 1:
+    sys.exit(f"patched_tree: {path} no longer holds {old!r} once: update the script")
+open(path, "w").write(text.replace(old, new))
+PY
+}

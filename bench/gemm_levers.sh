@@ -6,16 +6,16 @@
 #   2. bench/wide_tile_probe.py at 512 rows (the 9B cell's mixed steps): this tree's wide tile by way 0 / 1 / 3,
 #      and the tree before (HEAD's two files in .base/nextn/ops, carried) by way 0 / 1, with cuBLAS in each;
 #   3. the engine alone at the 9B cell's settings (bench/serve_core_probe.py, 512-id prompts, K=0, 16 streams,
-#      chunked at a 512 budget, 256 prompts): the tree before, this tree, this tree with WIDE_WAY = 3.
+#      chunked at a 512 budget, 256 prompts): the tree before, this tree, this tree with WIDE_WAY = 0 (pointer
+#      loads; run 210 ran it while 0 was the default, the copy then taking 3).
 # Carry .whl and .base. Usage: bash bench/gemm_levers.sh   Env: DEADLINE (s, default 560).
 set -o pipefail
 DEADLINE=${DEADLINE:-560}
 source bench/device_env.sh
 device_log
 [ -f .base/nextn/ops/triton_linear.py ] || { echo "gemm_levers: carry .base (the tree before's GEMM files)"; exit 2; }
-rm -rf /tmp/old /tmp/w3 && cp -r . /tmp/old && cp .base/nextn/ops/*.py /tmp/old/nextn/ops/ && cp -r . /tmp/w3
-sed -i 's/^WIDE_WAY = 0 /WIDE_WAY = 3 /' /tmp/w3/nextn/ops/linear_configs.py
-grep -q "^WIDE_WAY = 3 " /tmp/w3/nextn/ops/linear_configs.py || { echo "gemm_levers: WIDE_WAY moved"; exit 2; }
+rm -rf /tmp/old && cp -r . /tmp/old && cp .base/nextn/ops/*.py /tmp/old/nextn/ops/
+patched_tree /tmp/w0 nextn/ops/linear_configs.py "WIDE_WAY = 3" "WIDE_WAY = 0" || exit 2
 fits 110 "gpu tests: wide tiles' bits" && timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
   tests/test_q8_0.py -k "wide or descriptor or x_through or split or bf16" 2>&1 | tail -3
 probe() {  # probe TREE NAME EXTRA...: wide_tile_probe at 512 rows in TREE -> $OUT/wide_NAME.json
@@ -32,6 +32,6 @@ core() {  # core TREE NAME: the engine alone at the 9B cell's settings -> $OUT/c
     --num-prompts 256 --json $OUT/core_$2.json 2>&1 | grep -E "tokens_per_s|ttft_ms|prefill_step|other_step" | cut -c1-200)
 }
 fits 120 "engine alone, 9B cell, this tree" && core $PWD new
-fits 120 "engine alone, 9B cell, WIDE_WAY = 3" && core /tmp/w3 w3
+fits 120 "engine alone, 9B cell, WIDE_WAY = 0" && core /tmp/w0 w0
 fits 120 "engine alone, 9B cell, the tree before" && core /tmp/old old
 ls $OUT

@@ -20,12 +20,8 @@ stage "gpu tests"
 timeout 150 python3 -m pytest -q tests/test_batching.py -k "any_split or mixed_rounds or wait_for" 2>&1 | tail -4
 timeout 150 python3 -m pytest -q tests/test_kernels.py -k "chunk" 2>&1 | tail -2
 timeout 150 python3 -m pytest -q -m gpu tests/test_graphs.py tests/test_prefill.py 2>&1 | tail -2
-rm -rf /tmp/old && cp -r . /tmp/old && python3 - <<'PY'
-p = "/tmp/old/nextn/engine/rounds.py"; s = open(p).read()
-new = "        cache.ctl.copy_(to_device(ctl, cache.ctl.device, torch.int32))"
-assert s.count(new) == 1, "rounds.py changed: update bench/mixed_split_check.sh"
-open(p, "w").write(s.replace(new, "        cache.ctl.copy_(ctl.to(cache.ctl.device))"))
-PY
+patched_tree /tmp/old nextn/engine/rounds.py "        cache.ctl.copy_(to_device(ctl, cache.ctl.device, torch.int32))" \
+  "        cache.ctl.copy_(ctl.to(cache.ctl.device))" || exit 2
 stage "sync test, _settle's old copy (must fail)"
 (cd /tmp/old && timeout 60 python3 -m pytest -q -m gpu tests/test_batching.py -k wait_for_the_gpu 2>&1 | grep -E "^E .*assert|passed|failed" | head -4)
 fits 100 "sync probe" && timeout 100 python3 bench/sync_probe.py --requests 32 --json $OUT/sync_probe.json 2>&1 \

@@ -16,11 +16,7 @@ source bench/device_env.sh
 device_log
 stage "gpu tests"
 timeout 150 python3 -m pytest -q tests/test_batching.py -k "any_split or mixed_rounds or wait_for" 2>&1 | tail -3
-rm -rf /tmp/noscratch && cp -r . /tmp/noscratch && python3 - <<'PY'
-p = "/tmp/noscratch/nextn/config/__init__.py"; s = open(p).read()
-assert s.count("SCRATCH_SLOTS = 1\n") == 1, "nextn/config changed: update bench/scratch_check.sh"
-open(p, "w").write(s.replace("SCRATCH_SLOTS = 1\n", "SCRATCH_SLOTS = 0\n"))
-PY
+patched_tree /tmp/noscratch nextn/config/__init__.py "SCRATCH_SLOTS = 1" "SCRATCH_SLOTS = 0" || exit 2
 fits 90 "bundled served, chunked, K=3, 128 out" && SERVE_FLAGS="--prefill chunked" OUTS=128 bash bench/serve_bench.sh scratch 3
 fits 90 "the same without the scratch slot" && (cd /tmp/noscratch && PYTHONPATH=/tmp/noscratch:/tmp/site \
   SERVE_FLAGS="--prefill chunked" OUTS=128 bash bench/serve_bench.sh noscratch 3)

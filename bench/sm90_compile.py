@@ -176,7 +176,7 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
     args.update(M=M, N=N, K=K, K_SPLIT=K // 2, stride_x=K, stride_y=N, stride_res=0, stride_s=N // 128)
     args.update(stride_s2=N // 128, shift=1.0, shift2=1.0, P=1, eps=1e-6)
     consts = dict(EPILOGUE=2, BLOCK_M=cfgs.TILE_ROWS, BLOCK_N=128, BLOCK_K=128, EVEN_K=True, DOT_F32=False, SPLIT=2,
-                  SERIAL=1, LOOP_SPLITS=1, FP8=True, GROUP=128, SCALE_ROWS=128, SCALE_ROWS2=128, HAS_FLAG=False,
+                  SERIAL=1, FP8=True, GROUP=128, SCALE_ROWS=128, SCALE_ROWS2=128, HAS_FLAG=False,
                   TMA=False, TMA_X=False, CHAIN=True, RMS=False, P_BLOCK=1, NORM_OUT=False, NORM_PARTS=1,
                   PDL=False)  # fmt: skip
     options = dict(num_warps=4, num_stages=4)
@@ -205,7 +205,7 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
         block_m, (block_n, block_k, warps, stages, split, *way) = cfgs.wide_tile(n, k, epilogue == 2, 2, epilogue == 1)
         tma_x = way == [cfgs.WAY_TMA_X]  # (x's tiles and the weights' through tensor descriptors)
         wide = dict(consts, EPILOGUE=epilogue, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=1,
-                    SERIAL=split, LOOP_SPLITS=split if tma_x else 1, FP8=False, GROUP=1, SCALE_ROWS=1,
+                    SERIAL=split, FP8=False, GROUP=1, SCALE_ROWS=1,
                     SCALE_ROWS2=1, CHAIN=False, XMAJOR=False,
                     RMS=epilogue == 2, P_BLOCK=64, NORM_OUT=epilogue == 1, TMA=tma_x, TMA_X=tma_x,
                     NORM_PARTS=block_n // cfgs.pick_config(n, k)[0] if epilogue == 1 else 1)  # fmt: skip

@@ -126,16 +126,15 @@ def wide_tile(
             widths = ([2 * narrow_n] if 2 * narrow_n <= 128 and N % (2 * narrow_n) == 0 else []) + [narrow_n]
             choices = [(block_m, n, 8 if n >= 128 and block_m == 128 else 4) for n in widths for block_m in (128, 64)]
         else:
-            widths = [128]
             choices = [(128, 64 if dual else 128, 4 if dual else 8), (64, 64, 4)]
-        if not quant and block_k % WIDE_K == 0 and 128 in widths:
+        if not quant and block_k % WIDE_K == 0 and (not norm_out or 128 in widths):
             way = WIDE_WAY if (K * w_bytes) % 16 == 0 else 0  # (TMA: rows of whole 16-byte units)
             choices.insert(0, (128, 128, 8, WIDE_K, WIDE_STAGES, way))
     for block_m, block_n, warps, *k_tile in choices:
         k, deepest, *way = k_tile or (block_k, 3)
         stages = min(deepest, _stages_fit(block_m, block_n, k, dual, x_bytes, w_bytes))
         if stages >= 2:
-            return block_m, (block_n, k, warps, stages, split, *(way if way and way[0] else ()))
+            return block_m, (block_n, k, warps, stages, split, *(w for w in way if w))  # (way 0: no sixth field)
     return TILE_ROWS, narrow
 
 

@@ -367,7 +367,6 @@ if HAVE_TRITON:
         DOT_F32: tl.constexpr,
         SPLIT: tl.constexpr,  # programs a row tile's K is split over (float32 partials summed by the last)
         SERIAL: tl.constexpr,  # splits one program sums itself, in split order (a wide tile's; SPLIT is then 1)
-        LOOP_SPLITS: tl.constexpr,  # SERIAL (in one k-loop: TMA loads) or 1 (a loop a split: pointer loads)
         FP8: tl.constexpr,  # w (and w2) quantized: scales [K / GROUP, N / SCALE_ROWS] (row stride stride_s)
         GROUP: tl.constexpr,  # FP8: columns per scale (128: e4m3, float32 scales; 32: Q8_0's int8, fp16 scales)
         SCALE_ROWS: tl.constexpr,  # weight rows per scale: 1 or 128
@@ -407,6 +406,7 @@ if HAVE_TRITON:
                          mask=(offs_p[:, None] < P) & mask_m[None, :], other=0.0)  # fmt: skip
             rstd = rms_rstd(ordered_sum(ss), K, eps)
         m_start = (pid % m_tiles) * BLOCK_M
+        LOOP_SPLITS: tl.constexpr = SERIAL if TMA else 1  # splits a k-loop sums (TMA: all; pointer loads: a loop each)
         acc, acc2 = _reduce(x_ptr, w_ptr, w2_ptr, s_ptr, s2_ptr, offs_m, offs_n, n_block, mask_m, mask_n, k_start,
                             K_SPLIT, K, stride_x, stride_s, stride_s2, shift, shift2, rstd, EPILOGUE, BLOCK_M, BLOCK_N,
                             BLOCK_K, EVEN_K, DOT_F32, FP8, SCALE_ROWS, SCALE_ROWS2, TMA, CHAIN, XMAJOR,
@@ -626,7 +626,6 @@ def skinny_linear(
         DOT_F32=interpreting() or x.dtype == torch.float32,
         SPLIT=split,
         SERIAL=serial,
-        LOOP_SPLITS=serial if tma else 1,
         FP8=fp8,
         GROUP=fmt.block if fp8 else 1,
         SCALE_ROWS=rows,
