@@ -3,11 +3,13 @@ what its variants give (issue 44: prompt pieces riding in rounds, run 189: the p
 took 3.2-8.7 ms of a mixed step's 12-26 ms over 24 layers).
 
 For each case (B sequences of T rows from a state, q and k float32 as `chunk_inputs` lays them out, v
-bf16) and each variant of nextn.ops.triton_gdn_chunk (its dots' PRECISIONS, SCAN_BLOCK_V, the kernels'
-warps and the scan's stages): us a call (graphed, 24 calls a replay, as 24 layers), the prep and scan
-kernels' GPU us (torch.profiler, eager), and the largest difference of the output and final state from
-the first variant's and from the float32 reference (nextn.ops.gdn.chunk_gated_delta_rule).
-Usage (device): python3 bench/chunk_rule_probe.py [--cases 1x64 1x256 1x512 16x512] [--json OUT]
+bf16) and each variant of nextn.ops.triton_gdn_chunk (its dots' PRECISIONS, the prep, states and output
+kernels' warps and value columns a program), and another tree's module (--base: timed first): us a call
+(graphed, 24 calls a replay, as 24 layers), the kernels' GPU us (torch.profiler, eager), and the largest
+difference of the output and final state from the first run's and from the float32 reference
+(nextn.ops.gdn.chunk_gated_delta_rule).
+Usage (device): python3 bench/chunk_rule_probe.py [--cases 1x64 1x256 1x512 16x512] [--variants ...] [--base F]
+    [--json OUT]
 """
 
 from __future__ import annotations
@@ -21,41 +23,56 @@ import torch
 from nextn.ops import triton_gdn_chunk as rule
 
 H, HV, K, V, LAYERS = 16, 32, 128, 128, 24
-# name -> (PRECISIONS, SCAN_BLOCK_V, prep warps, scan warps, scan stages)
 X3, T32, IEEE = "tf32x3", "tf32", "ieee"
 
 
-def _v(A=X3, INV=X3, UW=X3, O=X3, S=X3, prep_warps=8, block_v=32, scan_warps=8, scan_stages=1):
-    return (dict(A=A, INV=INV, UW=UW, O=O, S=S), block_v, prep_warps, scan_warps, scan_stages)
+def _v(A=X3, INV=X3, UW=X3, O=T32, S=X3, prep_warps=8, block_v=32, states_warps=8, out_block_v=64, out_warps=4):
+    """A variant: the dots' PRECISIONS, the states kernel's value columns a program and warps, the output
+    kernel's, the prep kernel's warps (keyword defaults: the module's settings as of this script)."""
+    return dict(
+        precisions=dict(A=A, INV=INV, UW=UW, O=O, S=S),
+        STATES_BLOCK_V=block_v,
+        OUTPUT_BLOCK_V=out_block_v,
+        PREP_OPTIONS=dict(num_warps=prep_warps, num_stages=1),
+        STATES_OPTIONS=dict(num_warps=states_warps, num_stages=1),
+        OUTPUT_OPTIONS=dict(num_warps=out_warps, num_stages=1),
+    )
 
 
 VARIANTS = {
-    "all_tf32x3": _v(),
-    "o_tf32": _v(O=T32),  # (the default since d6519ea)
-    "o_inv_tf32": _v(O=T32, INV=T32),
-    "o_tf32_inv_ieee": _v(O=T32, INV=IEEE),
-    "o_tf32_inv_ieee_w4": _v(O=T32, INV=IEEE, prep_warps=4),
-    "o_inv_uw_tf32": _v(O=T32, INV=T32, UW=T32),
-    "all_tf32_but_s": _v(A=T32, INV=T32, UW=T32, O=T32),
-    "all_tf32": _v(A=T32, INV=T32, UW=T32, O=T32, S=T32),
-    "all_tf32_w4": _v(A=T32, INV=T32, UW=T32, O=T32, S=T32, prep_warps=4),
-    # the scan's launch (the default's precisions): its loads pipelined a chunk ahead (two stages: 222 KB of shared
-    # memory at 32 value columns, 209 KB at 16), 16 value columns a program (twice the programs), 4 warps
-    "scan_s2": _v(O=T32, scan_stages=2),
-    "scan_bv16": _v(O=T32, block_v=16),
-    "scan_bv16_s2": _v(O=T32, block_v=16, scan_stages=2),
-    "scan_bv16_w4": _v(O=T32, block_v=16, scan_warps=4),
-    "scan_w4": _v(O=T32, scan_warps=4),
+    "default": _v(),
+    "all_tf32x3": _v(O=X3),
+    "o_inv_tf32": _v(INV=T32),
+    "all_tf32": _v(A=T32, INV=T32, UW=T32, S=T32),
+    # the launches (the default's precisions): the prep's warps, the states kernel's columns and warps (one
+    # program walks a head's chunks: 16 columns give twice the programs), the output kernel's tile
+    "prep_w4": _v(prep_warps=4),
+    "states_bv16": _v(block_v=16),
+    "states_bv16_w4": _v(block_v=16, states_warps=4),
+    "states_w4": _v(states_warps=4),
+    "states_bv64": _v(block_v=64),
+    "out_bv32": _v(out_block_v=32),
+    "out_bv128_w8": _v(out_block_v=128, out_warps=8),
+    "out_w8": _v(out_warps=8),
 }
 
 
-DEFAULT = (
-    dict(rule.PRECISIONS),
-    rule.SCAN_BLOCK_V,
-    rule.PREP_OPTIONS["num_warps"],
-    rule.SCAN_OPTIONS["num_warps"],
-    rule.SCAN_OPTIONS["num_stages"],
-)
+def set_variant(module, variant: dict) -> None:
+    """(bench only: the module's launch settings, which every later call takes)"""
+    module.PRECISIONS.update(variant["precisions"])
+    for name, value in variant.items():
+        if name != "precisions":
+            setattr(module, name, value)
+
+
+def load_base(path: str):
+    """The chunked rule of another tree (a copy of nextn/ops/triton_gdn_chunk.py), as its own module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("base_gdn_chunk", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def inputs(B: int, T: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
@@ -94,22 +111,19 @@ def kernel_us(call) -> dict[str, float]:
     return {name[:40]: us / 5 for us, _, name in kernel_totals(prof)[:4]}
 
 
-def set_variant(precisions: dict, block_v: int, prep_warps: int, scan_warps: int, scan_stages: int) -> None:
-    """(bench only: the module's launch settings, which every later call takes)"""
-    rule.PRECISIONS.update(precisions)
-    rule.SCAN_BLOCK_V = block_v
-    rule.PREP_OPTIONS["num_warps"] = prep_warps
-    rule.SCAN_OPTIONS["num_warps"] = scan_warps
-    rule.SCAN_OPTIONS["num_stages"] = scan_stages
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=["1x64", "1x256", "1x512", "16x512"])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--base", default=None, help="another tree's triton_gdn_chunk.py, timed first as 'base'")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     result = {"device": torch.cuda.get_device_name(), "heads": [H, HV, K, V], "cases": {}}
+    default = {name: getattr(rule, name) for name in VARIANTS["default"] if name != "precisions"}
+    default = dict(default, precisions=dict(rule.PRECISIONS))
+    runs = ([("base", load_base(args.base), None)] if args.base else []) + [
+        (name, rule, VARIANTS[name]) for name in args.variants
+    ]
     for case in args.cases:
         B, T = (int(x) for x in case.split("x"))
         args_in = inputs(B, T)
@@ -118,10 +132,11 @@ def main() -> None:
         from nextn.ops.gdn import chunk_gated_delta_rule as reference
 
         ref_o, ref_s = reference(q, k, v.float(), decay, beta, h0)
-        for name in args.variants:
-            set_variant(*VARIANTS[name])
+        for name, module, variant in runs:
+            if variant is not None:
+                set_variant(module, variant)
             try:
-                o, final = rule.chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=h0)
+                o, final = module.chunk_gated_delta_rule(q, k, v, decay, beta, initial_state=h0)
             except Exception as e:  # (a variant that does not compile: say so, time the others)
                 print(f"{case} {name}: {type(e).__name__}: {str(e)[:200]}")
                 continue
@@ -132,8 +147,8 @@ def main() -> None:
             err_o = (o.float() - ref_o.float()).abs().max().item()
             err_s = (final - ref_s).abs().max().item()
 
-            def call(a=args_in):
-                rule.chunk_gated_delta_rule(*a[:5], initial_state=a[5])
+            def call(a=args_in, m=module):
+                m.chunk_gated_delta_rule(*a[:5], initial_state=a[5])
 
             us = graphed_us(call)
             kernels = kernel_us(call)
@@ -144,7 +159,7 @@ def main() -> None:
                 f"{case} {name:20s} {us:8.1f} us ({split}); vs the first |do| {diff_o:.1e} |dS| {diff_s:.1e}; "
                 f"vs float32 |do| {err_o:.1e} |dS| {err_s:.1e}"
             )
-        set_variant(*DEFAULT)
+        set_variant(rule, default)
         result["cases"][case] = res
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

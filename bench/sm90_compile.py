@@ -69,6 +69,7 @@ def gdn_cases(B=1, T=517, H=16, HV=32, K=128, V=128):
         gc_ptr="*fp32",
         h0_ptr="*fp32",
         ht_ptr="*fp32",
+        hs_ptr="*fp32",
         h0_at_ptr="*i64",
         ht_at_ptr="*i64",
         starts_ptr="*i32",
@@ -92,7 +93,7 @@ def gdn_cases(B=1, T=517, H=16, HV=32, K=128, V=128):
         Tp=triton.cdiv(T, gdn.CHUNK) * gdn.CHUNK,
         scale=K**-0.5,
     )
-    prep, scan = gdn.launch_constexprs(H, HV, K, V, has_h0=True)
+    prep, states, output = gdn.launch_constexprs(H, HV, K, V, has_h0=True)
     slots = gdn.launch_constexprs(H, HV, K, V, has_h0=True, slots=True)[1]  # (a cache's states: prompt pieces)
     varlen = gdn.launch_constexprs(H, HV, K, V, has_h0=True, slots=True, varlen=True)[1]  # (pieces one after another)
     conv_dim = 2 * H * K + HV * V  # the chunked pieces' input and output kernels (StepBatch.chunked)
@@ -118,9 +119,10 @@ def gdn_cases(B=1, T=517, H=16, HV=32, K=128, V=128):
     bk, bv = gdn.next_pow2(K), gdn.next_pow2(V)
     return [
         ("gdn_chunk_prep", gdn._chunk_prep_kernel, args, prep, gdn.PREP_OPTIONS),
-        ("gdn_chunk_scan", gdn._chunk_scan_kernel, args, scan, gdn.SCAN_OPTIONS),
-        ("gdn_chunk_scan_slots", gdn._chunk_scan_kernel, args, slots, gdn.SCAN_OPTIONS),
-        ("gdn_chunk_scan_varlen", gdn._chunk_scan_kernel, args, varlen, gdn.SCAN_OPTIONS),
+        ("gdn_chunk_states", gdn._chunk_states_kernel, args, states, gdn.STATES_OPTIONS),
+        ("gdn_chunk_states_slots", gdn._chunk_states_kernel, args, slots, gdn.STATES_OPTIONS),
+        ("gdn_chunk_states_varlen", gdn._chunk_states_kernel, args, varlen, gdn.STATES_OPTIONS),
+        ("gdn_chunk_output", gdn._chunk_output_kernel, args, output, gdn.OUTPUT_OPTIONS),
         ("gdn_chunk_inputs", gdn._chunk_inputs_kernel, inputs,
          dict(H=H, HV=HV, K=K, V=V, BK=bk, BV=bv, BHV=gdn.next_pow2(HV)), dict(num_warps=4)),
         ("gdn_gated_norm", gdn._gated_norm_kernel, norm, dict(V=V, BV=bv), dict(num_warps=4)),

@@ -38,13 +38,13 @@ from nextn.config import GDN_CHUNK
 from nextn.ops.triton_utils import HAVE_TRITON, next_pow2, require_triton
 
 CHUNK = GDN_CHUNK
-SCAN_BLOCK_V = 32  # value columns of the state per scan program (fewer when V is smaller)
-# launch options of the two kernels; bench/sm90_compile.py compiles the kernels with them (and with
+STATES_BLOCK_V = 32  # value columns of the state per states program (fewer when V is smaller)
+OUTPUT_BLOCK_V = 64  # value columns of the output per output program (fewer when V is smaller)
+# launch options of the three kernels; bench/sm90_compile.py compiles the kernels with them (and with
 # `launch_constexprs`) for sm90 on the CPU and checks their shared memory fits an H200 block
 PREP_OPTIONS = dict(num_warps=8, num_stages=1)
-# the scan: 80 KB of shared memory at K = 128 on sm90 (98 KB with its output products in three passes; 2
-# stages: 222 KB then, at the limit)
-SCAN_OPTIONS = dict(num_warps=8, num_stages=1)
+STATES_OPTIONS = dict(num_warps=8, num_stages=1)
+OUTPUT_OPTIONS = dict(num_warps=4, num_stages=1)
 
 
 # Each dot's input precision ("tf32x3": three TF32 products, near float32; "tf32": one, a 10-bit mantissa):
@@ -64,17 +64,19 @@ PRECISIONS = dict(A="tf32x3", INV="tf32x3", UW="tf32x3", O="tf32", S="tf32x3")
 
 def launch_constexprs(
     H: int, HV: int, K: int, V: int, has_h0: bool, slots: bool = False, varlen: bool = False
-) -> tuple[dict, dict]:
-    """The constexprs of (`_chunk_prep_kernel`, `_chunk_scan_kernel`) for H key heads and HV value
-    heads of dims K and V, as `chunk_gated_delta_rule` launches them (varlen: with chunk_starts)."""
+) -> tuple[dict, dict, dict]:
+    """The constexprs of (`_chunk_prep_kernel`, `_chunk_states_kernel`, `_chunk_output_kernel`) for H key
+    heads and HV value heads of dims K and V, as `chunk_gated_delta_rule` launches them (varlen: with
+    chunk_starts)."""
     BK, BV = max(16, next_pow2(K)), max(16, next_pow2(V))
     # (a one-pass tf32 dot over a transposed operand of 16 rows, q k^T or k_beta k^T at key heads of 16 or
     # fewer, made an illegal memory access on an H100, run 197: those heads take three passes)
     prec = dict(PRECISIONS, O="tf32x3", A="tf32x3") if BK < 32 else PRECISIONS
-    common = dict(HV=HV, GROUPS=HV // H, K=K, V=V, BK=BK, C=CHUNK, P_O=prec["O"])
-    prep = dict(common, BV=BV, P_A=prec["A"], P_INV=prec["INV"], P_UW=prec["UW"])
-    scan = dict(common, BLOCK_V=min(SCAN_BLOCK_V, BV), HAS_H0=has_h0, SLOTS=slots, P_S=prec["S"], VARLEN=varlen)
-    return prep, scan
+    common = dict(HV=HV, GROUPS=HV // H, K=K, V=V, BK=BK, C=CHUNK)
+    prep = dict(common, BV=BV, P_O=prec["O"], P_A=prec["A"], P_INV=prec["INV"], P_UW=prec["UW"])
+    states = dict(common, BLOCK_V=min(STATES_BLOCK_V, BV), HAS_H0=has_h0, SLOTS=slots, P_S=prec["S"], VARLEN=varlen)
+    output = dict(common, BLOCK_V=min(OUTPUT_BLOCK_V, BV), P_O=prec["O"])
+    return prep, states, output
 
 
 if HAVE_TRITON:
@@ -125,7 +127,7 @@ if HAVE_TRITON:
         P_INV: tl.constexpr,
         P_UW: tl.constexpr,
     ):
-        tl.static_assert(C == 64, "the blocked inverse merges 16-row blocks twice: C = 64 exactly")
+        tl.static_assert(C == 64, "the blocked inverse merges six levels of blocks: C = 64 exactly")
         ic = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // HV
@@ -137,69 +139,57 @@ if HAVE_TRITON:
         kk = tl.arange(0, BK)
         vv = tl.arange(0, BV)
         qk_mask = tm[:, None] & (kk[None, :] < K)
+        rows = bh * Tp + t
+        # (in the order that keeps fewest tiles live: the scores and A, the inverse, then w and u)
         k = tl.load(k_ptr + b * sk_b + t[:, None] * sk_t + h * sk_h + kk[None, :], mask=qk_mask, other=0.0)
         k = k.to(tl.float32)
+        g = tl.load(g_ptr + b * sg_b + t * sg_t + hv, mask=tm, other=0.0).to(tl.float32)
+        gc = tl.cumsum(g, axis=0)
+        tl.store(gc_ptr + rows, gc)
+        causal = r[:, None] >= r[None, :]
+        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
+        q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + h * sq_h + kk[None, :], mask=qk_mask, other=0.0)
+        intra = tl.where(causal, _dotp(q.to(tl.float32) * scale, tl.trans(k), P_O) * decay, 0.0)
+        tl.store(a_ptr + rows[:, None] * C + r[None, :], intra)
+        beta = tl.load(beta_ptr + b * sb_b + t * sb_t + hv, mask=tm, other=0.0).to(tl.float32)
+        k_beta = k * beta[:, None]
+        A = tl.where(r[:, None] > r[None, :], _dotp(k_beta, tl.trans(k), P_A) * decay, 0.0)
+        # (I + A)^-1, blocked from 1 x 1 blocks up: each level merges pairs of s-row diagonal blocks,
+        # X21 = -X22 L21 X11, as X - X (L_pairs X) with X block diagonal; at s = 1 the blocks' inverses
+        # are 1, so the first level is I - (A's entries below the pairs' diagonal)
+        eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+        X = eye - tl.where((r[:, None] == r[None, :] + 1) & (r[:, None] % 2 == 1), A, 0.0)
+        for level in range(1, 6):  # pairs of 2, 4, 8, 16, 32-row blocks (C = 64)
+            pairs = ((r[:, None] >> level) == (r[None, :] >> level) + 1) & ((r[:, None] >> level) % 2 == 1)
+            X = X - _dotp(X, _dotp(tl.where(pairs, A, 0.0), X, P_INV), P_INV)
+        k = tl.load(k_ptr + b * sk_b + t[:, None] * sk_t + h * sk_h + kk[None, :], mask=qk_mask, other=0.0)
+        w = _dotp(X, k.to(tl.float32) * beta[:, None] * tl.exp(gc)[:, None], P_UW)  # (k again: fewer live tiles)
+        tl.store(w_ptr + rows[:, None] * K + kk[None, :], w, mask=kk[None, :] < K)
         v = tl.load(
             v_ptr + b * sv_b + t[:, None] * sv_t + hv * sv_h + vv[None, :],
             mask=tm[:, None] & (vv[None, :] < V),
             other=0.0,
         ).to(tl.float32)
-        g = tl.load(g_ptr + b * sg_b + t * sg_t + hv, mask=tm, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + b * sb_b + t * sb_t + hv, mask=tm, other=0.0).to(tl.float32)
-        gc = tl.cumsum(g, axis=0)
-        causal = r[:, None] >= r[None, :]
-        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
-        k_beta = k * beta[:, None]
-        A = tl.where(r[:, None] > r[None, :], _dotp(k_beta, tl.trans(k), P_A) * decay, 0.0)
-        # (I + A)^-1, blocked
-        eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-        same16 = (r[:, None] // 16) == (r[None, :] // 16)
-        A_diag = tl.where(same16, A, 0.0)
-        X = eye
-        for i in range(1, 16):  # row i of every diagonal block: its rows above are final
-            X = tl.where((r % 16 == i)[:, None], eye - _dotp(A_diag, X, P_INV), X)
-        if C > 16:  # merge pairs of 16-row blocks: X21 = -X22 L21 X11
-            pair16 = ((r[:, None] // 16) == (r[None, :] // 16) + 1) & ((r[:, None] // 16) % 2 == 1)
-            X = X - _dotp(X, _dotp(tl.where(pair16, A, 0.0), X, P_INV), P_INV)
-        if C > 32:  # merge the two halves
-            pair32 = (r[:, None] >= 32) & (r[None, :] < 32)
-            X = X - _dotp(X, _dotp(tl.where(pair32, A, 0.0), X, P_INV), P_INV)
         u = _dotp(X, v * beta[:, None], P_UW)
-        w = _dotp(X, k_beta * tl.exp(gc)[:, None], P_UW)
-        q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + h * sq_h + kk[None, :], mask=qk_mask, other=0.0)
-        intra = tl.where(causal, _dotp(q.to(tl.float32) * scale, tl.trans(k), P_O) * decay, 0.0)
-        rows = bh * Tp + t
         tl.store(u_ptr + rows[:, None] * V + vv[None, :], u, mask=vv[None, :] < V)
-        tl.store(w_ptr + rows[:, None] * K + kk[None, :], w, mask=kk[None, :] < K)
-        tl.store(a_ptr + rows[:, None] * C + r[None, :], intra)
-        tl.store(gc_ptr + rows, gc)
 
     @triton.jit(do_not_specialize=["T"])
-    def _chunk_scan_kernel(
-        q_ptr,
-        sq_b,
-        sq_t,
-        sq_h,  # [B, T, H, K]
+    def _chunk_states_kernel(
         k_ptr,
         sk_b,
         sk_t,
         sk_h,  # [B, T, H, K]
-        u_ptr,
+        u_ptr,  # from the prep kernel: u in, v_new out (in place)
         w_ptr,
-        a_ptr,
         gc_ptr,  # from the prep kernel
         h0_ptr,  # [B*HV, K, V] float32, if HAS_H0
-        o_ptr,
-        so_b,
-        so_t,
-        so_h,  # [B, T, HV, V] out
+        hs_ptr,  # [B*HV, Tp / C, K, V] float32 out: the state each chunk starts from
         ht_ptr,  # [B*HV, K, V] float32 out: the final state
         h0_at_ptr,
         ht_at_ptr,  # SLOTS: [B] long, where sequence b's [HV, K, V] state starts in h0 / ht (a cache's halves)
         starts_ptr,  # VARLEN: [B + 1] int32, piece b's chunks (in the one sequence of rows) start .. end
         T,
         Tp,
-        scale,
         HV: tl.constexpr,
         GROUPS: tl.constexpr,
         K: tl.constexpr,
@@ -207,7 +197,6 @@ if HAVE_TRITON:
         BK: tl.constexpr,
         BLOCK_V: tl.constexpr,
         C: tl.constexpr,
-        P_O: tl.constexpr,
         HAS_H0: tl.constexpr,
         SLOTS: tl.constexpr,
         P_S: tl.constexpr,
@@ -233,44 +222,93 @@ if HAVE_TRITON:
         vv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         km = kk < K
         vm = vv < V
-        tile = bh * K * V + kk[:, None] * V + vv[None, :]
+        tile = kk[:, None] * V + vv[None, :]
         tile_m = km[:, None] & vm[None, :]
+        h0_at = bh * K * V
+        ht_at = bh * K * V
         if SLOTS:  # the states in a cache: sequence b's at its own offsets
-            h0_ptr += tl.load(h0_at_ptr + b) - b * HV * K * V
-            ht_ptr += tl.load(ht_at_ptr + b) - b * HV * K * V
+            h0_at = tl.load(h0_at_ptr + b) + hv * K * V
+            ht_at = tl.load(ht_at_ptr + b) + hv * K * V
         if HAS_H0:
-            S = tl.load(h0_ptr + tile, mask=tile_m, other=0.0)
+            S = tl.load(h0_ptr + h0_at + tile, mask=tile_m, other=0.0)
         else:
             S = tl.zeros((BK, BLOCK_V), tl.float32)
+        hs_at = hs_ptr + src.to(tl.int64) * (Tp // C) * K * V + tile
         for ic in range(first_chunk, end_chunk):
             t = ic * C + r
             tm = t < T
             rows = src * Tp + t
-            q = (
-                tl.load(
-                    q_ptr + bq * sq_b + t[:, None] * sq_t + h * sq_h + kk[None, :],
-                    mask=tm[:, None] & km[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                * scale
-            )
+            tl.store(hs_at + ic * K * V, S, mask=tile_m)
             k_at = k_ptr + bq * sk_b + t[:, None] * sk_t + h * sk_h + kk[None, :]
             k = tl.load(k_at, mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
             w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=km[None, :], other=0.0)
-            u = tl.load(u_ptr + rows[:, None] * V + vv[None, :], mask=vm[None, :], other=0.0)
-            intra = tl.load(a_ptr + rows[:, None] * C + r[None, :])
+            u_at = u_ptr + rows[:, None] * V + vv[None, :]
+            u = tl.load(u_at, mask=vm[None, :], other=0.0)
             gc = tl.load(gc_ptr + rows)
             g_last = tl.sum(tl.where(r == C - 1, gc, 0.0), axis=0)
             v_new = u - _dotp(w, S, P_S)
-            o = _dotp(q * tl.exp(gc)[:, None], S, P_O) + _dotp(intra, v_new, P_O)
-            tl.store(
-                o_ptr + bq * so_b + t[:, None] * so_t + hv * so_h + vv[None, :],
-                o.to(o_ptr.dtype.element_ty),
-                mask=tm[:, None] & vm[None, :],
-            )
+            tl.store(u_at, v_new, mask=vm[None, :])
             k_to_end = k * tl.exp(g_last - gc)[:, None]
             S = S * tl.exp(g_last) + _dotp(tl.trans(k_to_end), v_new, P_S)
-        tl.store(ht_ptr + tile, S, mask=tile_m)
+        tl.store(ht_ptr + ht_at + tile, S, mask=tile_m)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _chunk_output_kernel(
+        q_ptr,
+        sq_b,
+        sq_t,
+        sq_h,  # [B, T, H, K]
+        u_ptr,  # v_new, from the states kernel
+        a_ptr,
+        gc_ptr,  # from the prep kernel
+        hs_ptr,  # [B*HV, Tp / C, K, V] float32, from the states kernel
+        o_ptr,
+        so_b,
+        so_t,
+        so_h,  # [B, T, HV, V] out
+        T,
+        Tp,
+        scale,
+        HV: tl.constexpr,
+        GROUPS: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BK: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        C: tl.constexpr,
+        P_O: tl.constexpr,
+    ):
+        ic = tl.program_id(0)
+        bh = tl.program_id(1)
+        vb = tl.program_id(2)
+        b = bh // HV
+        hv = bh % HV
+        h = hv // GROUPS
+        r = tl.arange(0, C)
+        kk = tl.arange(0, BK)
+        vv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        km = kk < K
+        vm = vv < V
+        t = ic * C + r
+        tm = t < T
+        rows = bh * Tp + t
+        q = tl.load(
+            q_ptr + b * sq_b + t[:, None] * sq_t + h * sq_h + kk[None, :], mask=tm[:, None] & km[None, :], other=0.0
+        )
+        gc = tl.load(gc_ptr + rows)
+        S = tl.load(
+            hs_ptr + (bh.to(tl.int64) * (Tp // C) + ic) * K * V + kk[:, None] * V + vv[None, :],
+            mask=km[:, None] & vm[None, :],
+            other=0.0,
+        )
+        v_new = tl.load(u_ptr + rows[:, None] * V + vv[None, :], mask=vm[None, :], other=0.0)
+        intra = tl.load(a_ptr + rows[:, None] * C + r[None, :])
+        o = _dotp(q.to(tl.float32) * scale * tl.exp(gc)[:, None], S, P_O) + _dotp(intra, v_new, P_O)
+        tl.store(
+            o_ptr + b * so_b + t[:, None] * so_t + hv * so_h + vv[None, :],
+            o.to(o_ptr.dtype.element_ty),
+            mask=tm[:, None] & vm[None, :],
+        )
 
 
 if HAVE_TRITON:
@@ -469,7 +507,7 @@ def chunk_gated_delta_rule(
     in_slots = slot_states is not None
     varlen = chunk_starts is not None
     has_h0 = initial_state is not None or in_slots
-    prep_constexprs, scan_constexprs = launch_constexprs(H, HV, K, V, has_h0, in_slots, varlen)
+    prep_constexprs, states_constexprs, output_constexprs = launch_constexprs(H, HV, K, V, has_h0, in_slots, varlen)
     _chunk_prep_kernel[(n_chunks, B * HV)](
         q,
         q.stride(0),
@@ -509,31 +547,42 @@ def chunk_gated_delta_rule(
     else:
         h0 = None if initial_state is None else initial_state.float().reshape(B * HV, K, V).contiguous()
         h0, ht, at = (final if h0 is None else h0), final, (gc, gc)  # (offsets unused)
-    _chunk_scan_kernel[(pieces * HV, triton.cdiv(V, scan_constexprs["BLOCK_V"]))](
-        q,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
+    hs = torch.empty(B * HV, n_chunks, K, V, device=dev, dtype=torch.float32)  # (each chunk's first state)
+    _chunk_states_kernel[(pieces * HV, triton.cdiv(V, states_constexprs["BLOCK_V"]))](
         k,
         k.stride(0),
         k.stride(1),
         k.stride(2),
         u,
         w,
-        intra,
         gc,
         h0,
-        o,
-        o.stride(0),
-        o.stride(1),
-        o.stride(2),
+        hs,
         ht,
         *at,
         chunk_starts if varlen else gc,  # (unused without)
         T,
         Tp,
+        **states_constexprs,
+        **STATES_OPTIONS,
+    )
+    _chunk_output_kernel[(n_chunks, B * HV, triton.cdiv(V, output_constexprs["BLOCK_V"]))](
+        q,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        u,
+        intra,
+        gc,
+        hs,
+        o,
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        T,
+        Tp,
         K**-0.5,
-        **scan_constexprs,
-        **SCAN_OPTIONS,
+        **output_constexprs,
+        **OUTPUT_OPTIONS,
     )
     return o, None if final is None else final.view(B, HV, K, V)
