@@ -239,15 +239,15 @@ if HAVE_TRITON:
             tm = t < T
             rows = src * Tp + t
             tl.store(hs_at + ic * K * V, S, mask=tile_m)
-            k_at = k_ptr + bq * sk_b + t[:, None] * sk_t + h * sk_h + kk[None, :]
-            k = tl.load(k_at, mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
             w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=km[None, :], other=0.0)
             u_at = u_ptr + rows[:, None] * V + vv[None, :]
             u = tl.load(u_at, mask=vm[None, :], other=0.0)
-            gc = tl.load(gc_ptr + rows)
-            g_last = tl.sum(tl.where(r == C - 1, gc, 0.0), axis=0)
             v_new = u - _dotp(w, S, P_S)
             tl.store(u_at, v_new, mask=vm[None, :])
+            gc = tl.load(gc_ptr + rows)
+            g_last = tl.sum(tl.where(r == C - 1, gc, 0.0), axis=0)
+            k_at = k_ptr + bq * sk_b + t[:, None] * sk_t + h * sk_h + kk[None, :]
+            k = tl.load(k_at, mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
             k_to_end = k * tl.exp(g_last - gc)[:, None]
             S = S * tl.exp(g_last) + _dotp(tl.trans(k_to_end), v_new, P_S)
         tl.store(ht_ptr + ht_at + tile, S, mask=tile_m)
