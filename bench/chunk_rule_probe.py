@@ -4,7 +4,7 @@ took 3.2-8.7 ms of a mixed step's 12-26 ms over 24 layers).
 
 For each case (B sequences of T rows from a state, q and k float32 as `chunk_inputs` lays them out, v
 bf16) and each variant of nextn.ops.triton_gdn_chunk (its dots' PRECISIONS, the prep, states and output
-kernels' warps and value columns a program), and another tree's module (--base: timed first): us a call
+kernels' warps and value columns a program), and other trees' modules (--base: timed first): us a call
 (graphed, 24 calls a replay, as 24 layers), the kernels' GPU us (torch.profiler, eager), and the largest
 difference of the output and final state from the first run's and from the float32 reference
 (nextn.ops.gdn.chunk_gated_delta_rule).
@@ -26,7 +26,7 @@ H, HV, K, V, LAYERS = 16, 32, 128, 128, 24
 X3, T32, IEEE = "tf32x3", "tf32", "ieee"
 
 
-def _v(A=X3, INV=X3, UW=X3, O=T32, S=X3, prep_warps=8, block_v=32, states_warps=8, out_block_v=64, out_warps=4):
+def _v(A=X3, INV=X3, UW=X3, O=T32, S=X3, prep_warps=8, block_v=32, states_warps=4, out_block_v=64, out_warps=4):
     """A variant: the dots' PRECISIONS, the states kernel's value columns a program and warps, the output
     kernel's, the prep kernel's warps (keyword defaults: the module's settings as of this script)."""
     return dict(
@@ -48,8 +48,8 @@ VARIANTS = {
     # program walks a head's chunks: 16 columns give twice the programs), the output kernel's tile
     "prep_w4": _v(prep_warps=4),
     "states_bv16": _v(block_v=16),
-    "states_bv16_w4": _v(block_v=16, states_warps=4),
-    "states_w4": _v(states_warps=4),
+    "states_bv16_w8": _v(block_v=16, states_warps=8),
+    "states_w8": _v(states_warps=8),
     "states_bv64": _v(block_v=64),
     "out_bv32": _v(out_block_v=32),
     "out_bv128_w8": _v(out_block_v=128, out_warps=8),
@@ -69,7 +69,7 @@ def load_base(path: str):
     """The chunked rule of another tree (a copy of nextn/ops/triton_gdn_chunk.py), as its own module."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("base_gdn_chunk", path)
+    spec = importlib.util.spec_from_file_location(f"base_gdn_chunk_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -115,13 +115,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=["1x64", "1x256", "1x512", "16x512"])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
-    ap.add_argument("--base", default=None, help="another tree's triton_gdn_chunk.py, timed first as 'base'")
+    ap.add_argument(
+        "--base", nargs="*", default=[], help="other trees' triton_gdn_chunk.py, timed first (named by their folder)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     result = {"device": torch.cuda.get_device_name(), "heads": [H, HV, K, V], "cases": {}}
     default = {name: getattr(rule, name) for name in VARIANTS["default"] if name != "precisions"}
     default = dict(default, precisions=dict(rule.PRECISIONS))
-    runs = ([("base", load_base(args.base), None)] if args.base else []) + [
+    runs = [(Path(path).parent.name, load_base(path), None) for path in args.base] + [
         (name, rule, VARIANTS[name]) for name in args.variants
     ]
     for case in args.cases:

@@ -43,7 +43,7 @@ OUTPUT_BLOCK_V = 64  # value columns of the output per output program (fewer whe
 # launch options of the three kernels; bench/sm90_compile.py compiles the kernels with them (and with
 # `launch_constexprs`) for sm90 on the CPU and checks their shared memory fits an H200 block
 PREP_OPTIONS = dict(num_warps=8, num_stages=1)
-STATES_OPTIONS = dict(num_warps=8, num_stages=1)
+STATES_OPTIONS = dict(num_warps=4, num_stages=1)  # (sm90: 8 bytes of spill stores at 4 warps, 304 at 8)
 OUTPUT_OPTIONS = dict(num_warps=4, num_stages=1)
 
 
@@ -74,7 +74,11 @@ def launch_constexprs(
     prec = dict(PRECISIONS, O="tf32x3", A="tf32x3") if BK < 32 else PRECISIONS
     common = dict(HV=HV, GROUPS=HV // H, K=K, V=V, BK=BK, C=CHUNK)
     prep = dict(common, BV=BV, P_O=prec["O"], P_A=prec["A"], P_INV=prec["INV"], P_UW=prec["UW"])
-    states = dict(common, BLOCK_V=min(STATES_BLOCK_V, BV), HAS_H0=has_h0, SLOTS=slots, P_S=prec["S"], VARLEN=varlen)
+    # (the states kernel holds a state's key rows in two halves, HK rows each: at least 16, a dot's least)
+    states = dict(
+        common, HK=max(16, BK // 2), BLOCK_V=min(STATES_BLOCK_V, BV), HAS_H0=has_h0, SLOTS=slots, P_S=prec["S"]
+    )
+    states.update(VARLEN=varlen)
     output = dict(common, BLOCK_V=min(OUTPUT_BLOCK_V, BV), P_O=prec["O"])
     return prep, states, output
 
@@ -195,6 +199,7 @@ if HAVE_TRITON:
         K: tl.constexpr,
         V: tl.constexpr,
         BK: tl.constexpr,
+        HK: tl.constexpr,
         BLOCK_V: tl.constexpr,
         C: tl.constexpr,
         HAS_H0: tl.constexpr,
@@ -218,39 +223,50 @@ if HAVE_TRITON:
             src = bh
             bq = b
         r = tl.arange(0, C)
-        kk = tl.arange(0, BK)
+        k1 = tl.arange(0, HK)
+        k2 = HK + tl.arange(0, HK)
         vv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        km = kk < K
         vm = vv < V
-        tile = kk[:, None] * V + vv[None, :]
-        tile_m = km[:, None] & vm[None, :]
+        m1 = (k1 < K)[:, None] & vm[None, :]
+        m2 = (k2 < K)[:, None] & vm[None, :]
+        t1 = k1[:, None] * V + vv[None, :]
+        t2 = k2[:, None] * V + vv[None, :]
         h0_at = bh * K * V
         ht_at = bh * K * V
-        if SLOTS:  # the states in a cache: sequence b's at its own offsets
+        if SLOTS:
             h0_at = tl.load(h0_at_ptr + b) + hv * K * V
             ht_at = tl.load(ht_at_ptr + b) + hv * K * V
         if HAS_H0:
-            S = tl.load(h0_ptr + h0_at + tile, mask=tile_m, other=0.0)
+            S1 = tl.load(h0_ptr + h0_at + t1, mask=m1, other=0.0)
+            S2 = tl.load(h0_ptr + h0_at + t2, mask=m2, other=0.0)
         else:
-            S = tl.zeros((BK, BLOCK_V), tl.float32)
-        hs_at = hs_ptr + src.to(tl.int64) * (Tp // C) * K * V + tile
+            S1 = tl.zeros((HK, BLOCK_V), tl.float32)
+            S2 = tl.zeros((HK, BLOCK_V), tl.float32)
+        hs_at = hs_ptr + src.to(tl.int64) * (Tp // C) * K * V
         for ic in range(first_chunk, end_chunk):
             t = ic * C + r
             tm = t < T
             rows = src * Tp + t
-            tl.store(hs_at + ic * K * V, S, mask=tile_m)
-            w = tl.load(w_ptr + rows[:, None] * K + kk[None, :], mask=km[None, :], other=0.0)
+            tl.store(hs_at + ic * K * V + t1, S1, mask=m1)
+            tl.store(hs_at + ic * K * V + t2, S2, mask=m2)
             u_at = u_ptr + rows[:, None] * V + vv[None, :]
             u = tl.load(u_at, mask=vm[None, :], other=0.0)
-            v_new = u - _dotp(w, S, P_S)
+            w1 = tl.load(w_ptr + rows[:, None] * K + k1[None, :], mask=(k1 < K)[None, :], other=0.0)
+            ws = _dotp(w1, S1, P_S)
+            w2 = tl.load(w_ptr + rows[:, None] * K + k2[None, :], mask=(k2 < K)[None, :], other=0.0)
+            ws = tl.dot(w2, S2, ws, input_precision=P_S)
+            v_new = u - ws
             tl.store(u_at, v_new, mask=vm[None, :])
             gc = tl.load(gc_ptr + rows)
             g_last = tl.sum(tl.where(r == C - 1, gc, 0.0), axis=0)
-            k_at = k_ptr + bq * sk_b + t[:, None] * sk_t + h * sk_h + kk[None, :]
-            k = tl.load(k_at, mask=tm[:, None] & km[None, :], other=0.0).to(tl.float32)
-            k_to_end = k * tl.exp(g_last - gc)[:, None]
-            S = S * tl.exp(g_last) + _dotp(tl.trans(k_to_end), v_new, P_S)
-        tl.store(ht_ptr + ht_at + tile, S, mask=tile_m)
+            to_end = tl.exp(g_last - gc)[:, None]
+            k_at = k_ptr + bq * sk_b + t[:, None] * sk_t + h * sk_h
+            ka = tl.load(k_at + k1[None, :], mask=tm[:, None] & (k1 < K)[None, :], other=0.0).to(tl.float32)
+            S1 = S1 * tl.exp(g_last) + _dotp(tl.trans(ka * to_end), v_new, P_S)
+            kb = tl.load(k_at + k2[None, :], mask=tm[:, None] & (k2 < K)[None, :], other=0.0).to(tl.float32)
+            S2 = S2 * tl.exp(g_last) + _dotp(tl.trans(kb * to_end), v_new, P_S)
+        tl.store(ht_ptr + ht_at + t1, S1, mask=m1)
+        tl.store(ht_ptr + ht_at + t2, S2, mask=m2)
 
     @triton.jit(do_not_specialize=["T"])
     def _chunk_output_kernel(
