@@ -1,19 +1,23 @@
-"""Chunked gated delta rule for prefill, in two Triton kernels; reference:
+"""Chunked gated delta rule for prefill, in three Triton kernels; reference:
 `nextn.ops.gdn.chunk_gated_delta_rule` (same signature, same chunk algebra, float32 throughout).
 
 1. `_chunk_prep_kernel`, one program per (chunk, batch x value head), all chunks at once: the
-   chunk's cumulative log decay gc, A = strictly-lower(k_beta k^T * exp(gc_i - gc_j)), the inverse
-   of the unit lower-triangular (I + A), and from it u = (I+A)^-1 v_beta and
-   w = (I+A)^-1 (k_beta * exp(gc)) (the UT transform), and the causal intra-chunk scores
-   causal(q k^T * exp(gc_i - gc_j)): float32 scratch. The inverse is blocked: forward substitution
-   inside the four 16x16 diagonal blocks (one row of each block per step, as a matrix product),
-   then two merges, X21 = -X22 L21 X11, at 16 and at 32 rows (what a blocked triangular inverse
-   does; no power series, whose terms can cancel catastrophically when keys repeat).
-2. `_chunk_scan_kernel`, one program per (batch x value head, block of value columns), walks the
-   chunks in order with its [K, BLOCK_V] slice of the state in registers (with `chunk_starts`, the
-   batch is pieces one after another in one sequence of whole chunks, each program walking its
-   piece's: the launches' sizes then depend on the pieces' count and chunks, not their split):
-       v_new = u - w S;  o = (q * exp(gc)) S + intra v_new;  S = exp(gc_last) S + (k * exp(gc_last - gc))^T v_new
+   chunk's cumulative log decay gc, the causal intra-chunk scores causal(q k^T * exp(gc_i - gc_j)),
+   A = strictly-lower(k_beta k^T * exp(gc_i - gc_j)), the inverse of the unit lower-triangular
+   (I + A), and from it w = (I+A)^-1 (k_beta * exp(gc)) and u = (I+A)^-1 v_beta (the UT transform):
+   float32 scratch. The inverse is blocked from 1 x 1 blocks up: each of six levels merges pairs of
+   diagonal blocks, X21 = -X22 L21 X11 (two dots a level over the whole 64 x 64 tile, the first level
+   elementwise: the 1 x 1 blocks' inverses are 1), what a blocked triangular inverse does; no power
+   series, whose terms can cancel catastrophically when keys repeat.
+2. `_chunk_states_kernel`, one program per (batch x value head, block of value columns), walks the
+   chunks in order with its [K, BLOCK_V] slice of the state in registers (two halves of the key rows),
+   storing the state each chunk starts from and v_new in place of u (with `chunk_starts`, the batch is
+   pieces one after another in one sequence of whole chunks, each program walking its piece's: the
+   launches' sizes then depend on the pieces' count and chunks, not their split):
+       v_new = u - w S;  S = exp(gc_last) S + (k * exp(gc_last - gc))^T v_new
+3. `_chunk_output_kernel`, one program per (chunk, batch x value head, block of value columns), all
+   chunks at once from the states the walk stored: o = (q * exp(gc)) S + intra v_new. (Only the walk
+   runs serially: two of the four products a chunk, where one scan kernel ran all four in its loop.)
 
 Every product is a `tl.dot` on float32 operands on tensor cores: those that make the state (the
 scan's, and A, the inverse, u, w that feed it) at "tf32x3" precision (three TF32 products, near
@@ -48,18 +52,18 @@ OUTPUT_OPTIONS = dict(num_warps=4, num_stages=1)
 
 
 # Each dot's input precision ("tf32x3": three TF32 products, near float32; "tf32": one, a 10-bit mantissa):
-# A = k_beta k^T, INV the inverse's forward substitution and merges, UW u and w, O the intra-chunk scores and
-# the output's two products, S the scan's two state products. Measured at the 9B's heads (runs 194-195, H100,
+# A = k_beta k^T, INV the inverse's merges, UW u and w, O the intra-chunk scores and the output's two
+# products, S the states walk's two products. Measured at the 9B's heads (runs 194-195, H100,
 # bench/chunk_rule_probe.py, from a state, us; every dot tf32x3 -> O in tf32 -> O and INV in tf32): 1 x 64
 # rows 111 / 73 / 47, 1 x 512 336 / 218 / 160, 16 x 512 5,703 / 3,504 / 2,700. O in tf32 leaves the states
 # as they were (within 3e-7 of the float32 reference's) and the output within 2e-4 (an eighth of a bf16 ulp
 # at 1); INV in tf32 moves the states by up to 1e-4 (run 197, heads of 128 from a state of 0.1) and every dot
 # in tf32 by 9e-4: the state's products and those feeding it keep three passes, decoding continues from them.
 PRECISIONS = dict(A="tf32x3", INV="tf32x3", UW="tf32x3", O="tf32", S="tf32x3")
-# The inverse's diagonal 16 x 16 blocks take 15 forward-substitution steps, each a 64 x 64 dot at INV's
-# precision (16 times the work the blocks need: the off-diagonal products are zeros). The four blocks as
-# [4, 16, 16], each step's row from the rows above it in float32 on CUDA cores, was slower (run 208, H100:
-# 1 x 512 rows 276 / 218 us at 8 / 4 warps against 219; 16 x 512 4,838 / 3,866 against 3,445).
+# The inverse's chain: 10 dependent 64 x 64 dots at INV's precision (five merging levels), where 74b882b ran
+# 19 (15 forward-substitution steps inside the 16 x 16 diagonal blocks, each a 64 x 64 dot, then merges at 16
+# and 32 rows). The four blocks as [4, 16, 16], each step's row from the rows above it in float32 on CUDA
+# cores, was slower still (run 208, H100: 1 x 512 rows 276 / 218 us at 8 / 4 warps against 219).
 
 
 def launch_constexprs(
