@@ -26,7 +26,7 @@ H, HV, K, V, LAYERS = 16, 32, 128, 128, 24
 X3, T32, IEEE = "tf32x3", "tf32", "ieee"
 
 
-def _v(A=X3, INV=X3, UW=X3, O=T32, S=X3, prep_warps=8, block_v=32, states_warps=4, out_block_v=64, out_warps=4):
+def _v(A=X3, INV=X3, UW=X3, O=T32, S=X3, prep_warps=4, block_v=32, states_warps=4, out_block_v=64, out_warps=4):
     """A variant: the dots' PRECISIONS, the states kernel's value columns a program and warps, the output
     kernel's, the prep kernel's warps (keyword defaults: the module's settings as of this script)."""
     return dict(
@@ -46,7 +46,7 @@ VARIANTS = {
     "all_tf32": _v(A=T32, INV=T32, UW=T32, S=T32),
     # the launches (the default's precisions): the prep's warps, the states kernel's columns and warps (one
     # program walks a head's chunks: 16 columns give twice the programs), the output kernel's tile
-    "prep_w4": _v(prep_warps=4),
+    "prep_w8": _v(prep_warps=8),
     "states_bv16": _v(block_v=16),
     "states_bv16_w8": _v(block_v=16, states_warps=8),
     "states_w8": _v(states_warps=8),

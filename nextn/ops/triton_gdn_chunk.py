@@ -46,7 +46,11 @@ STATES_BLOCK_V = 32  # value columns of the state per states program (fewer when
 OUTPUT_BLOCK_V = 64  # value columns of the output per output program (fewer when V is smaller)
 # launch options of the three kernels; bench/sm90_compile.py compiles the kernels with them (and with
 # `launch_constexprs`) for sm90 on the CPU and checks their shared memory fits an H200 block
-PREP_OPTIONS = dict(num_warps=8, num_stages=1)
+# (run 212, H100, bench/chunk_rule_probe.py, us a call at 1 x 256 / 1 x 512 / 16 x 512 rows: the two kernels of
+# 74b882b 114.1 / 218.0 / 3,455.6; these three with the prep at 8 warps 88.2 / 185.8 / 2,474.3, at 4 warps 89.1 /
+# 147.3 / 1,910.9 (the prep 97.6 -> 61.1 us at 1 x 512); the states kernel at 8 warps or 64 columns and the output
+# kernel's other tiles were slower or equal)
+PREP_OPTIONS = dict(num_warps=4, num_stages=1)
 STATES_OPTIONS = dict(num_warps=4, num_stages=1)  # (sm90: 8 bytes of spill stores at 4 warps, 304 at 8)
 OUTPUT_OPTIONS = dict(num_warps=4, num_stages=1)
 
