@@ -26,15 +26,27 @@ H, HV, K, V, LAYERS = 16, 32, 128, 128, 24
 X3, T32, IEEE = "tf32x3", "tf32", "ieee"
 
 
-def _v(A=X3, INV=X3, UW=X3, O=T32, S=X3, prep_warps=4, block_v=32, states_warps=4, out_block_v=64, out_warps=4):
-    """A variant: the dots' PRECISIONS, the states kernel's value columns a program and warps, the output
-    kernel's, the prep kernel's warps (keyword defaults: the module's settings as of this script)."""
+def _v(
+    A=X3,
+    INV=X3,
+    UW=X3,
+    O=T32,
+    S=X3,
+    prep_warps=4,
+    block_v=32,
+    states_warps=4,
+    states_stages=1,
+    out_block_v=64,
+    out_warps=4,
+):
+    """A variant: the dots' PRECISIONS, the states kernel's value columns a program, warps and stages, the
+    output kernel's, the prep kernel's warps (keyword defaults: the module's settings as of this script)."""
     return dict(
         precisions=dict(A=A, INV=INV, UW=UW, O=O, S=S),
         STATES_BLOCK_V=block_v,
         OUTPUT_BLOCK_V=out_block_v,
         PREP_OPTIONS=dict(num_warps=prep_warps, num_stages=1),
-        STATES_OPTIONS=dict(num_warps=states_warps, num_stages=1),
+        STATES_OPTIONS=dict(num_warps=states_warps, num_stages=states_stages),
         OUTPUT_OPTIONS=dict(num_warps=out_warps, num_stages=1),
     )
 
@@ -47,6 +59,7 @@ VARIANTS = {
     # the launches (the default's precisions): the prep's warps, the states kernel's columns and warps (one
     # program walks a head's chunks: 16 columns give twice the programs), the output kernel's tile
     "prep_w8": _v(prep_warps=8),
+    "states_s2": _v(states_stages=2),  # (the walk's loads a chunk ahead: 49 KB of shared memory at one stage)
     "states_bv16": _v(block_v=16),
     "states_bv16_w8": _v(block_v=16, states_warps=8),
     "states_w8": _v(states_warps=8),
