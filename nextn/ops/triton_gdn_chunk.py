@@ -77,17 +77,18 @@ def launch_constexprs(
     heads and HV value heads of dims K and V, as `chunk_gated_delta_rule` launches them (varlen: with
     chunk_starts)."""
     BK, BV = max(16, next_pow2(K)), max(16, next_pow2(V))
+    HK = max(16, BK // 2)  # the prep and states kernels hold the key columns in two halves (a dot's least: 16)
     # (a one-pass tf32 dot over a transposed operand of 16 rows, q k^T or k_beta k^T at key heads of 16 or
-    # fewer, made an illegal memory access on an H100, run 197: those heads take three passes)
-    prec = dict(PRECISIONS, O="tf32x3", A="tf32x3") if BK < 32 else PRECISIONS
+    # fewer, made an illegal memory access on an H100, run 197: those dots take three passes, the prep's
+    # wherever its halves are 16 columns, the output kernel's products at key heads of 16)
+    prec = dict(PRECISIONS, O="tf32x3", A="tf32x3") if HK < 32 else PRECISIONS
+    out_prec = dict(PRECISIONS, O="tf32x3") if BK < 32 else PRECISIONS
     common = dict(HV=HV, GROUPS=HV // H, K=K, V=V, BK=BK, C=CHUNK)
-    prep = dict(common, BV=BV, P_O=prec["O"], P_A=prec["A"], P_INV=prec["INV"], P_UW=prec["UW"])
-    # (the states kernel holds a state's key rows in two halves, HK rows each: at least 16, a dot's least)
-    states = dict(
-        common, HK=max(16, BK // 2), BLOCK_V=min(STATES_BLOCK_V, BV), HAS_H0=has_h0, SLOTS=slots, P_S=prec["S"]
-    )
+    prep = dict(common, BV=BV, HK=HK, HALF_V=max(16, BV // 2), P_O=prec["O"], P_A=prec["A"])
+    prep.update(P_INV=prec["INV"], P_UW=prec["UW"])
+    states = dict(common, HK=HK, BLOCK_V=min(STATES_BLOCK_V, BV), HAS_H0=has_h0, SLOTS=slots, P_S=prec["S"])
     states.update(VARLEN=varlen)
-    output = dict(common, BLOCK_V=min(OUTPUT_BLOCK_V, BV), P_O=prec["O"])
+    output = dict(common, BLOCK_V=min(OUTPUT_BLOCK_V, BV), P_O=out_prec["O"])
     return prep, states, output
 
 
@@ -133,6 +134,8 @@ if HAVE_TRITON:
         V: tl.constexpr,
         BK: tl.constexpr,
         BV: tl.constexpr,
+        HK: tl.constexpr,
+        HALF_V: tl.constexpr,
         C: tl.constexpr,
         P_O: tl.constexpr,
         P_A: tl.constexpr,
@@ -148,24 +151,31 @@ if HAVE_TRITON:
         r = tl.arange(0, C)
         t = ic * C + r
         tm = t < T
-        kk = tl.arange(0, BK)
-        vv = tl.arange(0, BV)
-        qk_mask = tm[:, None] & (kk[None, :] < K)
         rows = bh * Tp + t
-        # (in the order that keeps fewest tiles live: the scores and A, the inverse, then w and u)
-        k = tl.load(k_ptr + b * sk_b + t[:, None] * sk_t + h * sk_h + kk[None, :], mask=qk_mask, other=0.0)
-        k = k.to(tl.float32)
+        # (the key and value columns in halves, HK and HALF_V each, in the order that keeps fewest tiles
+        # live: the scores and A, the inverse, then w and u)
+        k1 = tl.arange(0, HK)
+        k2 = HK + tl.arange(0, HK)
+        m1 = tm[:, None] & (k1 < K)[None, :]
+        m2 = tm[:, None] & (k2 < K)[None, :]
+        k_at = k_ptr + b * sk_b + t[:, None] * sk_t + h * sk_h
+        q_at = q_ptr + b * sq_b + t[:, None] * sq_t + h * sq_h
         g = tl.load(g_ptr + b * sg_b + t * sg_t + hv, mask=tm, other=0.0).to(tl.float32)
         gc = tl.cumsum(g, axis=0)
         tl.store(gc_ptr + rows, gc)
+        beta = tl.load(beta_ptr + b * sb_b + t * sb_t + hv, mask=tm, other=0.0).to(tl.float32)
+        ka = tl.load(k_at + k1[None, :], mask=m1, other=0.0).to(tl.float32)
+        qa = tl.load(q_at + k1[None, :], mask=m1, other=0.0).to(tl.float32)
+        qk = _dotp(qa * scale, tl.trans(ka), P_O)
+        kk = _dotp(ka * beta[:, None], tl.trans(ka), P_A)
+        kb = tl.load(k_at + k2[None, :], mask=m2, other=0.0).to(tl.float32)
+        qb = tl.load(q_at + k2[None, :], mask=m2, other=0.0).to(tl.float32)
+        qk = tl.dot(qb * scale, tl.trans(kb), qk, input_precision=P_O)
+        kk = tl.dot(kb * beta[:, None], tl.trans(kb), kk, input_precision=P_A)
         causal = r[:, None] >= r[None, :]
         decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
-        q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + h * sq_h + kk[None, :], mask=qk_mask, other=0.0)
-        intra = tl.where(causal, _dotp(q.to(tl.float32) * scale, tl.trans(k), P_O) * decay, 0.0)
-        tl.store(a_ptr + rows[:, None] * C + r[None, :], intra)
-        beta = tl.load(beta_ptr + b * sb_b + t * sb_t + hv, mask=tm, other=0.0).to(tl.float32)
-        k_beta = k * beta[:, None]
-        A = tl.where(r[:, None] > r[None, :], _dotp(k_beta, tl.trans(k), P_A) * decay, 0.0)
+        tl.store(a_ptr + rows[:, None] * C + r[None, :], tl.where(causal, qk * decay, 0.0))  # the intra scores
+        A = tl.where(r[:, None] > r[None, :], kk * decay, 0.0)
         # (I + A)^-1, blocked from 1 x 1 blocks up: each level merges pairs of s-row diagonal blocks,
         # X21 = -X22 L21 X11, as X - X (L_pairs X) with X block diagonal; at s = 1 the blocks' inverses
         # are 1, so the first level is I - (A's entries below the pairs' diagonal)
@@ -174,16 +184,22 @@ if HAVE_TRITON:
         for level in range(1, 6):  # pairs of 2, 4, 8, 16, 32-row blocks (C = 64)
             pairs = ((r[:, None] >> level) == (r[None, :] >> level) + 1) & ((r[:, None] >> level) % 2 == 1)
             X = X - _dotp(X, _dotp(tl.where(pairs, A, 0.0), X, P_INV), P_INV)
-        k = tl.load(k_ptr + b * sk_b + t[:, None] * sk_t + h * sk_h + kk[None, :], mask=qk_mask, other=0.0)
-        w = _dotp(X, k.to(tl.float32) * beta[:, None] * tl.exp(gc)[:, None], P_UW)  # (k again: fewer live tiles)
-        tl.store(w_ptr + rows[:, None] * K + kk[None, :], w, mask=kk[None, :] < K)
-        v = tl.load(
-            v_ptr + b * sv_b + t[:, None] * sv_t + hv * sv_h + vv[None, :],
-            mask=tm[:, None] & (vv[None, :] < V),
-            other=0.0,
-        ).to(tl.float32)
-        u = _dotp(X, v * beta[:, None], P_UW)
-        tl.store(u_ptr + rows[:, None] * V + vv[None, :], u, mask=vv[None, :] < V)
+        to_w = beta * tl.exp(gc)
+        for half in range(2):  # w = X (k_beta * exp(gc)), a half of the key columns at a time (k loaded again)
+            kh = half * HK + tl.arange(0, HK)
+            mh = tm[:, None] & (kh < K)[None, :]
+            k = tl.load(k_at + kh[None, :], mask=mh, other=0.0).to(tl.float32)
+            w = _dotp(X, k * to_w[:, None], P_UW)
+            tl.store(w_ptr + rows[:, None] * K + kh[None, :], w, mask=(kh < K)[None, :])
+        for half in range(2):  # u = X (v * beta), a half of the value columns at a time
+            vh = half * HALF_V + tl.arange(0, HALF_V)
+            v = tl.load(
+                v_ptr + b * sv_b + t[:, None] * sv_t + hv * sv_h + vh[None, :],
+                mask=tm[:, None] & (vh < V)[None, :],
+                other=0.0,
+            )
+            u = _dotp(X, v.to(tl.float32) * beta[:, None], P_UW)
+            tl.store(u_ptr + rows[:, None] * V + vh[None, :], u, mask=(vh < V)[None, :])
 
     @triton.jit(do_not_specialize=["T"])
     def _chunk_states_kernel(
