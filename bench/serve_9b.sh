@@ -15,7 +15,8 @@
 # Needs .tok/qwen3.5 (git-ignored, carried: `python bench/qwen_tokenizer.py --out .tok/qwen3.5` here
 # first) and .whl (the wheels device_env.sh installs). Usage (device tool, carry .whl and .tok):
 #   bash bench/serve_9b.sh    (about 3-4 min on an H100; at most 220 + 170 + 150 s)
-# Env: NUM_PROMPTS (64), the served requests; OFFLINE_FROM, an offline_9b.json this GPU run made (a second
+# Env: NUM_PROMPTS (64), the served requests; UNTUNED=1, the offline bench again with --no-tune (the server's
+# GEMM configs; offline_untuned_tokens_per_s, ~60 s more); OFFLINE_FROM, an offline_9b.json this GPU run made (a second
 # served variant skips the offline bench);
 # SERVE_FLAGS, the server's extra flags (default --prefill chunked, as the offline bench and LLM
 # prefill; serve's own default is steps; SERVE_FLAGS= for serve's defaults); PORT (8123); SPY=1 samples
@@ -41,6 +42,13 @@ else
   rc=$?
   grep '^bench:' $OUT/offline_9b.log | tail -6
   [ $rc -eq 0 ] || { echo "serve_9b: the offline bench failed (rc $rc):"; tail -5 $OUT/offline_9b.log; exit 1; }
+  if [ "${UNTUNED:-0}" = 1 ]; then  # the same bench on the server's GEMM configs (the table: --no-tune)
+    echo "=== offline, the server's GEMM configs: nextn bench --batch 16 --no-tune ($(date +%T))"
+    timeout 150 python3 -m nextn.cli bench --random-weights qwen3.5-9b --device cuda --dtype bfloat16 --spec-k 0 \
+      --batch 16 --prompt-len 512 --prefill-len 512 --gen-len 128 --repeats 1 --max-model-len 1024 --no-tune \
+      --json $OUT/offline_9b_untuned.json > $OUT/offline_9b_untuned.log 2>&1 || tail -3 $OUT/offline_9b_untuned.log
+    rm -f $OUT/offline_9b_untuned.log
+  fi
 fi
 
 echo "=== served: nextn serve + nextn bench serve, 16 streams ($(date +%T), +$(($(date +%s) - t0)) s)"
@@ -96,9 +104,13 @@ merged = {
     "offline_batch_outputs_equal_plain": offline["batch_outputs_equal_plain"]["plain"][str(B)],
     "offline_device": offline["device"],
     "offline_tuned_linear_configs_unlike_the_servers": unlike,
+    "offline_untuned_tokens_per_s": None,  # (UNTUNED=1: the same bench on the server's configs, --no-tune)
     "offline_command": "nextn bench --random-weights qwen3.5-9b --dtype bfloat16 --spec-k 0 --batch 16 "
     "--prompt-len 512 --prefill-len 512 --gen-len 128 --repeats 1 --max-model-len 1024",
 }
+if (out / "offline_9b_untuned.json").is_file():
+    untuned = json.loads((out / "offline_9b_untuned.json").read_text())
+    merged["offline_untuned_tokens_per_s"] = untuned["batch_tokens_per_s"]["plain"][str(B)]
 (out / "serve_9b_vs_offline.json").write_text(json.dumps(merged, indent=2) + "\n")
 print(f"offline: nextn bench --batch {B}, plain: {tps:.1f} tok/s (decode of {gen} tokens, prefills untimed; "
       f"prefill {prefill:.0f} tok/s at {prompt}; with 16 such prefills ~{merged['offline_estimate_with_prefill_tokens_per_s']:.1f}; "
@@ -111,6 +123,8 @@ if t:  # where the server's engine spent the run
     print(f"engine:  {t['run_seconds']:.2f} s run, {int(t['steps'])} steps {t['step_seconds']:.2f} s: "
           f"{int(t['prefill_passes'])} prefill passes {t['prefill_seconds']:.2f} s, rounds {t['round_seconds']:.2f} s "
           f"({int(t.get('mixed_steps', 0))} with prompt pieces riding)")
+if merged["offline_untuned_tokens_per_s"]:
+    print(f"offline on the server's GEMM configs (--no-tune): {merged['offline_untuned_tokens_per_s']:.1f} tok/s")
 ratio = merged["served_over_offline"]
 print(f"served / offline = {ratio:.3f} (target >= 0.85: {'met' if ratio >= 0.85 else 'NOT met'}) -> {out / 'serve_9b_vs_offline.json'}")
 EOF

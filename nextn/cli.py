@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--prefill-len", type=int, default=None, help="measure prefill on a prompt of N tokens")
     b.add_argument(
+        "--no-tune",
+        dest="tune",
+        action="store_false",
+        help="run the skinny GEMM's block configs of nextn.ops.linear_configs' table, as serve and generate do "
+        "(default: measure each weight shape's candidates first, triton on a GPU)",
+    )
+    b.add_argument(
         "--p-min",
         type=float,
         nargs="+",

@@ -111,6 +111,16 @@ def test_bench_without_a_model_runs_the_bundled_one(monkeypatch):
     assert models == [str(DEFAULT_MODEL_DIR)]
 
 
+def test_bench_tunes_unless_told_not_to(monkeypatch):
+    """--no-tune: the skinny GEMM's table configs, as serve runs them (a served / offline ratio on the same
+    configs); by default the bench measures its own first (a GPU's triton runs)."""
+    tunes = []
+    monkeypatch.setattr(bench, "_bench", lambda args, cfg, prompt_text: tunes.append(cfg.tune) or {})
+    argv = ["bench", "--spec-k", "0", "--prompt-len", "4", "--gen-len", "2", "--log-level", "warning"]
+    assert main(argv) == 0 and main([*argv, "--no-tune"]) == 0
+    assert tunes == [True, False]
+
+
 def test_weight_bytes_count_routed_experts_only(moe_ckpt):
     from nextn.models.loader import load_model
 

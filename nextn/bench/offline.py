@@ -428,6 +428,7 @@ def bench_from_args(args) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
+        tune=args.tune,
     )
     size = args.tensor_parallel_size
     if size > 1 and not initialized():  # every rank runs the same bench; rank 0 reports
