@@ -632,6 +632,39 @@ def test_chunk_rule_splits_like_one_call():
         )
 
 
+def test_chunk_rule_scratch_is_what_the_memory_plan_counts(monkeypatch):
+    """The float32 scratch chunk_gated_delta_rule allocates (u, w, the intra-chunk scores, gc, each chunk's
+    first state) is scratch_floats_per_row a padded row, the figure nextn.engine.memory's activation
+    estimate counts for a prefill's GDN layer (a scratch tensor it misses is memory the cache fit spends)."""
+    from nextn.engine.memory import activation_bytes_per_row
+    from nextn.ops import triton_gdn_chunk as rule
+
+    B, T, H, HV, K, V = 2, 70, 1, 2, 32, 16
+    g = torch.Generator(device=DEVICE).manual_seed(10)
+    q, k, v, gate, beta, state = _chunk_case(B, T, H, HV, K, V, torch.float32, g)
+    floats, empty = [], torch.empty
+
+    def spy(*shape, dtype=None, **kw):
+        out = empty(*shape, dtype=dtype, **kw)
+        if dtype == torch.float32:
+            floats.append(out.numel())
+        return out
+
+    monkeypatch.setattr(rule.torch, "empty", spy)
+    rule.chunk_gated_delta_rule(q, k, v, gate, beta, state)
+    monkeypatch.undo()
+    outputs = B * T * HV * V + B * HV * K * V  # (o in v's dtype, float32 here, and the final state)
+    padded_rows = B * -(-T // rule.CHUNK) * rule.CHUNK
+    assert sum(floats) - outputs == padded_rows * rule.scratch_floats_per_row(HV, K, V)
+    from nextn.models.random_weights import preset_config
+
+    cfg = preset_config("qwen3.5-9b")  # (its GDN layer the widest a row: the estimate's maximum)
+    heads = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    counted = activation_bytes_per_row(cfg, torch.bfloat16)
+    monkeypatch.setattr("nextn.engine.memory.scratch_floats_per_row", lambda *a: 0)
+    assert counted - activation_bytes_per_row(cfg, torch.bfloat16) == 4 * rule.scratch_floats_per_row(*heads)
+
+
 def _sm90_unavailable() -> str | None:
     """Why the installed triton cannot compile for sm90 on this machine, or None if it can."""
     from triton.backends import backends

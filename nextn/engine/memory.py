@@ -41,6 +41,7 @@ from nextn.config import (
 )
 from nextn.config.model import ModelConfig
 from nextn.engine.device_round import round_buffers
+from nextn.ops.triton_gdn_chunk import scratch_floats_per_row
 from nextn.sample.sampler import sampler_buffers
 
 # graphs' memory beyond the rows of the round they capture (their private pool's slack, the sampler's
@@ -83,8 +84,9 @@ def activation_bytes_per_row(cfg: ModelConfig, dtype: torch.dtype) -> int:
     - FFN: gate/up, the activation and its product (4 * I; MoE: each routed expert's and the shared
       expert's, and the router's float32 logits);
     - Gated DeltaNet (chunked rule): the q, k, v projection and its conv output, z and o in the
-      model dtype; in float32 the l2-normed q and k, the chunk kernel's u, w and intra-chunk rows
-      (HV * (V + K + 64)) and the gated norm's two rows of value_dim;
+      model dtype; in float32 the l2-normed q and k, the chunk kernels' scratch (u, w, the intra-chunk
+      scores, each chunk's first state: nextn.ops.triton_gdn_chunk.scratch_floats_per_row) and the
+      gated norm's two rows of value_dim;
     - attention: q with its gate, k, v and the output, twice (rotary and the kernel's copies)."""
     b = dtype.itemsize
     if cfg.num_experts:
@@ -92,7 +94,7 @@ def activation_bytes_per_row(cfg: ModelConfig, dtype: torch.dtype) -> int:
         ffn += 4 * cfg.num_experts
     else:
         ffn = b * 4 * cfg.intermediate_size
-    value_heads = cfg.linear_num_value_heads * (cfg.linear_value_head_dim + cfg.linear_key_head_dim + 64)
+    value_heads = scratch_floats_per_row(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     gdn = b * 2 * (cfg.conv_dim + cfg.linear_value_dim) + 4 * (
         2 * cfg.linear_key_dim + value_heads + 2 * cfg.linear_value_dim
     )

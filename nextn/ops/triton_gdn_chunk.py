@@ -70,6 +70,13 @@ PRECISIONS = dict(A="tf32x3", INV="tf32x3", UW="tf32x3", O="tf32", S="tf32x3")
 # cores, was slower still (run 208, H100: 1 x 512 rows 276 / 218 us at 8 / 4 warps against 219).
 
 
+def scratch_floats_per_row(HV: int, K: int, V: int) -> int:
+    """float32 elements `chunk_gated_delta_rule` allocates a (padded) row beside its output, for HV value heads of
+    dims K and V: u (v_new after the walk), w, the intra-chunk scores, gc, and each chunk's first state (K x V
+    per CHUNK rows); nextn.engine.memory counts them in a prefill's activations."""
+    return HV * (V + K + CHUNK + 1 + -(-K * V // CHUNK))
+
+
 def launch_constexprs(
     H: int, HV: int, K: int, V: int, has_h0: bool, slots: bool = False, varlen: bool = False
 ) -> tuple[dict, dict, dict]:
