@@ -20,7 +20,7 @@
    runs serially: two of the four products a chunk, where one scan kernel ran all four in its loop.)
 
 Every product is a `tl.dot` on float32 operands on tensor cores: those that make the state (the
-scan's, and A, the inverse, u, w that feed it) at "tf32x3" precision (three TF32 products, near
+walk's, and A, the inverse, u, w that feed it) at "tf32x3" precision (three TF32 products, near
 float32), the output's at "tf32" (one: 1.6x the speed at 16 prompts of 512 rows; PRECISIONS says what
 each costs). At the 9B shape over 517 tokens the final states stay within 1e-4 of the reference's
 (tests/test_kernels.py): the prompt's states must agree with the reference's closely, since decoding
@@ -174,15 +174,15 @@ if HAVE_TRITON:
         ka = tl.load(k_at + k1[None, :], mask=m1, other=0.0).to(tl.float32)
         qa = tl.load(q_at + k1[None, :], mask=m1, other=0.0).to(tl.float32)
         qk = _dotp(qa * scale, tl.trans(ka), P_O)
-        kk = _dotp(ka * beta[:, None], tl.trans(ka), P_A)
+        kbk = _dotp(ka * beta[:, None], tl.trans(ka), P_A)  # k_beta k^T
         kb = tl.load(k_at + k2[None, :], mask=m2, other=0.0).to(tl.float32)
         qb = tl.load(q_at + k2[None, :], mask=m2, other=0.0).to(tl.float32)
         qk = tl.dot(qb * scale, tl.trans(kb), qk, input_precision=P_O)
-        kk = tl.dot(kb * beta[:, None], tl.trans(kb), kk, input_precision=P_A)
+        kbk = tl.dot(kb * beta[:, None], tl.trans(kb), kbk, input_precision=P_A)
         causal = r[:, None] >= r[None, :]
         decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0))
         tl.store(a_ptr + rows[:, None] * C + r[None, :], tl.where(causal, qk * decay, 0.0))  # the intra scores
-        A = tl.where(r[:, None] > r[None, :], kk * decay, 0.0)
+        A = tl.where(r[:, None] > r[None, :], kbk * decay, 0.0)
         # (I + A)^-1, blocked from 1 x 1 blocks up: each level merges pairs of s-row diagonal blocks,
         # X21 = -X22 L21 X11, as X - X (L_pairs X) with X block diagonal; at s = 1 the blocks' inverses
         # are 1, so the first level is I - (A's entries below the pairs' diagonal)
@@ -264,7 +264,7 @@ if HAVE_TRITON:
         t2 = k2[:, None] * V + vv[None, :]
         h0_at = bh * K * V
         ht_at = bh * K * V
-        if SLOTS:
+        if SLOTS:  # the states in a cache: sequence b's at its own offsets
             h0_at = tl.load(h0_at_ptr + b) + hv * K * V
             ht_at = tl.load(ht_at_ptr + b) + hv * K * V
         if HAS_H0:
