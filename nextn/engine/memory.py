@@ -94,7 +94,9 @@ def activation_bytes_per_row(cfg: ModelConfig, dtype: torch.dtype) -> int:
         ffn += 4 * cfg.num_experts
     else:
         ffn = b * 4 * cfg.intermediate_size
-    chunk_scratch = scratch_floats_per_row(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    chunk_scratch = scratch_floats_per_row(
+        cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    )
     gdn = b * 2 * (cfg.conv_dim + cfg.linear_value_dim) + 4 * (
         2 * cfg.linear_key_dim + chunk_scratch + 2 * cfg.linear_value_dim
     )
