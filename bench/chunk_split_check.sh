@@ -9,10 +9,10 @@
 #   2. bench/chunk_rule_probe.py at 1 x 256, 1 x 512 and 16 x 512 rows: every .base tree's rule (--base) and
 #      this tree's variants (precisions, the three kernels' warps, stages and value columns)
 #      -> $OUT/chunk_split.json;
-#   3. the engine alone at the 9B cell's settings (bench/serve_core_probe.py, budget 512), this tree and the
-#      BASE_RULE tree -> $OUT/core_new.json, $OUT/core_base.json;
-#   4. (if the deadline allows) the 9B cell served against the same run's offline figure, and that figure on the
-#      server's GEMM configs (UNTUNED=1: `nextn bench --no-tune`) -> $OUT/s9b_new.json.
+#   3. the engine alone at the 9B cell's settings (bench/serve_core_probe.py, budget 512) -> $OUT/core_new.json;
+#   4. the 9B cell served against the same run's offline figure, and that figure on the server's GEMM configs
+#      (UNTUNED=1: `nextn bench --no-tune`) -> $OUT/s9b_new.json, $OUT/offline_9b*.json;
+#   5. the engine alone on the BASE_RULE tree -> $OUT/core_base.json (each stage only if the deadline allows).
 # Run 212 (4d2a122's kernels with the prep at 8 warps, against 74b882b's and 7d455c8's) ran this script.
 # Carry .whl, .var and .base. Usage: bash bench/chunk_split_check.sh   Env: DEADLINE, BASE_RULE.
 set -o pipefail
@@ -37,9 +37,9 @@ core() {  # core TREE NAME: the engine alone at the 9B cell's settings -> $OUT/c
     | cut -c1-200)
 }
 fits 100 "engine alone, 9B cell, this tree" && core $PWD new
-rm -rf /tmp/base_tree && cp -r . /tmp/base_tree && cp $BASE_RULE /tmp/base_tree/nextn/ops/triton_gdn_chunk.py
-fits 100 "engine alone, 9B cell, the BASE_RULE tree" && core /tmp/base_tree base
-fits 330 "9B served, this tree" && SERVE_FLAGS="--prefill chunked --max-num-batched-tokens 512" NUM_PROMPTS=256 \
+fits 220 "9B served, this tree" && SERVE_FLAGS="--prefill chunked --max-num-batched-tokens 512" NUM_PROMPTS=256 \
   UNTUNED=1 bash bench/serve_9b.sh 2>&1 | tail -6 && mv $OUT/serve_9b_vs_offline.json $OUT/s9b_new.json \
   && rm -f $OUT/serve_9b.json $OUT/serve_9b.log $OUT/server_9b.log $OUT/offline_9b.log
+rm -rf /tmp/base_tree && cp -r . /tmp/base_tree && cp $BASE_RULE /tmp/base_tree/nextn/ops/triton_gdn_chunk.py
+fits 100 "engine alone, 9B cell, the BASE_RULE tree" && core /tmp/base_tree base
 ls $OUT
