@@ -207,8 +207,7 @@ def skinny_fp8_cases(M=4, N=12288, K=4096):
         block_m, (block_n, block_k, warps, stages, split, *way) = cfgs.wide_tile(n, k, epilogue == 2, 2, epilogue == 1)
         tma_x = way == [cfgs.WAY_TMA_X]  # (x's tiles and the weights' through tensor descriptors)
         wide = dict(consts, EPILOGUE=epilogue, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=1,
-                    SERIAL=split, FP8=False, GROUP=1, SCALE_ROWS=1,
-                    SCALE_ROWS2=1, CHAIN=False, XMAJOR=False,
+                    SERIAL=split, FP8=False, GROUP=1, SCALE_ROWS=1, SCALE_ROWS2=1, CHAIN=False, XMAJOR=False,
                     RMS=epilogue == 2, P_BLOCK=64, NORM_OUT=epilogue == 1, TMA=tma_x, TMA_X=tma_x,
                     NORM_PARTS=block_n // cfgs.pick_config(n, k)[0] if epilogue == 1 else 1)  # fmt: skip
         wide_args = dict(bf16_args, M=3000, N=n, K=k, K_SPLIT=k // split, stride_y=n, stride_res=n)

@@ -90,12 +90,12 @@ def launch_constexprs(
     # wherever its halves are 16 columns, the output kernel's products at key heads of 16)
     prec = dict(PRECISIONS, O="tf32x3", A="tf32x3") if HK < 32 else PRECISIONS
     out_prec = dict(PRECISIONS, O="tf32x3") if BK < 32 else PRECISIONS
-    common = dict(HV=HV, GROUPS=HV // H, K=K, V=V, BK=BK, C=CHUNK)
-    prep = dict(common, BV=BV, HK=HK, HALF_V=max(16, BV // 2), P_O=prec["O"], P_A=prec["A"])
+    common = dict(HV=HV, GROUPS=HV // H, K=K, V=V, C=CHUNK)
+    prep = dict(common, HK=HK, HALF_V=max(16, BV // 2), P_O=prec["O"], P_A=prec["A"])
     prep.update(P_INV=prec["INV"], P_UW=prec["UW"])
     states = dict(common, HK=HK, BLOCK_V=min(STATES_BLOCK_V, BV), HAS_H0=has_h0, SLOTS=slots, P_S=prec["S"])
     states.update(VARLEN=varlen)
-    output = dict(common, BLOCK_V=min(OUTPUT_BLOCK_V, BV), P_O=out_prec["O"])
+    output = dict(common, BK=BK, BLOCK_V=min(OUTPUT_BLOCK_V, BV), P_O=out_prec["O"])
     return prep, states, output
 
 
@@ -139,8 +139,6 @@ if HAVE_TRITON:
         GROUPS: tl.constexpr,
         K: tl.constexpr,
         V: tl.constexpr,
-        BK: tl.constexpr,
-        BV: tl.constexpr,
         HK: tl.constexpr,
         HALF_V: tl.constexpr,
         C: tl.constexpr,
@@ -229,7 +227,6 @@ if HAVE_TRITON:
         GROUPS: tl.constexpr,
         K: tl.constexpr,
         V: tl.constexpr,
-        BK: tl.constexpr,
         HK: tl.constexpr,
         BLOCK_V: tl.constexpr,
         C: tl.constexpr,

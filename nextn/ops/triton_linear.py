@@ -106,6 +106,7 @@ from nextn.ops.triton_utils import HAVE_TRITON, arrival_counters, interpreting, 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     @triton.jit
     def _epilogue(acc, acc2, r, x_dtype: tl.constexpr, EPILOGUE: tl.constexpr):
@@ -582,8 +583,6 @@ def skinny_linear(
         w2 = _descriptor(up_weight, block_n, block_k) if up_weight is not None else dummy
     xd = x
     if tma_x:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         if split > 1 or fp8 or not _tma_rows(x):
             raise ValueError(
                 "skinny_linear: config way 3 (x through TMA) takes bf16 / fp16 weights in wide tiles, x's rows on"
@@ -658,8 +657,6 @@ _DESCRIPTORS: dict = {}
 def _descriptor(weight: torch.Tensor, block_n: int, block_k: int):
     """A [block_n, block_k] tensor descriptor of a weight (made once per address, shape and block:
     a descriptor holds no more than those, so a reused address gets the right one)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, block_n, block_k)
     if key not in _DESCRIPTORS:
         if len(_DESCRIPTORS) > 4096:
